@@ -1,0 +1,160 @@
+"""`shardwise` command line: train, verify, plan, schedule.
+
+Configuration errors are caught before any rank starts and exit with status 2 and one line.
+Without torchrun's environment the command forks the ranks it needs (gloo, CPU); under torchrun
+each process joins the job.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .config import ConfigError, ParallelConfig, TrainConfig
+
+DEFAULT_LAYOUT = {"dp": 2, "tp": 2}  # `shardwise train` with no layout flags: a small 4-rank job
+
+
+def _add_layout(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("layout")
+    for axis, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
+        g.add_argument(f"--{axis}", type=int, default=None, help=f"{what}-parallel degree"
+                       + (" (-1: the rest of the world size)" if axis == "dp" else ""))
+    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism in TP regions")
+    g.add_argument("--zero", type=int, default=0, help="ZeRO stage: 0 or 1 (AdamW state sharded over dp)")
+
+
+def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
+    p.add_argument("--model", default="tiny", help="model preset (tiny, small, llama3-8b, ...)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch per dp rank")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step over all dp ranks")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
+    p.add_argument("--data", default=None, help="text file (default: the embedded pydoc_data corpus)")
+    p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
+    p.add_argument("--dropout", type=float, default=None, help="residual dropout")
+    p.add_argument("--attn-dropout", type=float, default=None, help="attention-probability dropout")
+    p.add_argument("--tie-embeddings", action="store_true", default=None)
+    p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model on a parallel layout")
+    _add_layout(t)
+    _add_run(t, steps=200)
+    v = sub.add_parser("verify", help="check a layout against the single-device model")
+    _add_layout(v)
+    _add_run(v, steps=3)
+    for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli"):
+        try:
+            __import__(mod, fromlist=["add_parser"]).add_parser(sub)
+        except ImportError:
+            pass
+    return parser
+
+
+def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
+    given = {a: getattr(args, a) for a in ("dp", "tp", "pp", "cp", "ep") if getattr(args, a) is not None}
+    if not given and args.command == "train" and torchrun_world is None:
+        given = dict(DEFAULT_LAYOUT)
+    degrees = {a: given.get(a, 1) for a in ("dp", "tp", "pp", "cp", "ep")}
+    if torchrun_world is not None and "dp" not in given:
+        degrees["dp"] = -1
+    parallel = ParallelConfig(**degrees, sequence_parallel=args.sequence_parallel, zero=args.zero)
+    cfg = TrainConfig(model=args.model, parallel=parallel, steps=args.steps, seq_len=args.seq_len,
+                      micro_batch=args.micro_batch, global_batch=args.global_batch, lr=args.lr, seed=args.seed,
+                      dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,
+                      attn_dropout=args.attn_dropout, tie_embeddings=args.tie_embeddings,
+                      timeout_s=args.collective_timeout, progress=not args.no_progress)
+    if args.warmup_steps is not None:
+        cfg.warmup_steps = args.warmup_steps
+    cfg.warmup_steps = min(cfg.warmup_steps, max(1, cfg.steps // 10))
+    cfg.resolve_world(torchrun_world)
+    return cfg
+
+
+def _run(kind: str, cfg: TrainConfig, device=None):
+    if kind == "train":
+        from .train import train_main
+
+        return train_main(cfg, device)
+    from .verify import verify_main
+
+    return verify_main(cfg, device)
+
+
+def _torchrun() -> bool:
+    from .launch import under_torchrun
+
+    return under_torchrun()
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "run"):
+        return args.run(args)
+    torchrun_world = int(os.environ["WORLD_SIZE"]) if _torchrun() else None
+    try:
+        cfg = config_from_args(args, torchrun_world)
+        if args.command == "verify":
+            from .verify import check_verifiable
+
+            check_verifiable(cfg)
+        if args.command == "train" and cfg.out is None:
+            from .train import default_out_dir
+
+            cfg.out = default_out_dir()
+        if cfg.data is not None:
+            from .data import load_tokens
+
+            load_tokens(cfg.data)
+    except ConfigError as e:
+        print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
+    from .launch import RankError, run_local
+
+    try:
+        if torchrun_world is not None:
+            from .launch import init_distributed
+
+            result = _run(args.command, cfg, init_distributed(cfg.timeout_s))
+            rank0 = int(os.environ["RANK"]) == 0
+        elif world == 1:
+            result, rank0 = _run(args.command, cfg), True
+        else:
+            result, rank0 = run_local(_run, world, args.command, cfg, timeout_s=cfg.timeout_s)[0], True
+    except RankError as e:
+        print(f"shardwise {args.command}: {e}", file=sys.stderr)
+        return 1
+    if not rank0:
+        return 0
+    if args.command == "verify":
+        losses = result.pop("losses")
+        print(f"losses: {' '.join(f'{x:.6f}' for x in losses)}", file=sys.stderr)
+        print(json.dumps(result))
+        return 0 if result["passed"] else 1
+    _print_summary(result)
+    return 0
+
+
+def _print_summary(s: dict) -> None:
+    lay = ", ".join(f"{k}={v}" for k, v in s["layout"].items() if v not in (1, False, 0) or k == "dp")
+    print(f"trained {s['model']} on {lay} for {s['steps']} steps: loss {s['first_loss']:.4f} -> "
+          f"{s['final_loss']:.4f}, {s['tokens_per_s']:.0f} tokens/s")
+    comm_s = ", ".join(f"{a} {b / 2**20:.2f} MiB" for a, b in s["comm_bytes_per_step"].items()) or "none"
+    print(f"communication per step (payload bytes per rank): {comm_s}")
+    print(f"run directory: {s['out']} (metrics.jsonl, comm.json, summary.json)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

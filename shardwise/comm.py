@@ -1,0 +1,284 @@
+"""Every collective shardwise issues, and the ledger that counts their bytes per axis.
+
+Two layers:
+* raw ops (`all_reduce`, `reduce_scatter`, `all_gather`, `all_to_all`, `send`/`recv`, ...) that call
+  torch.distributed on an `Axis` and record what they moved;
+* one small autograd Function per differentiable pattern (Megatron's f/g operators and the
+  sequence-parallel gathers/scatters), each with a "forward: X / backward: Y" docstring.
+
+An op on an axis of size 1 is the identity and records nothing, so the single-device model runs
+the very same code.
+
+Byte convention (shared with the planner): `bytes` is the payload this rank contributes — the
+input tensor of an all-reduce, reduce-scatter or all-to-all, the local shard of an all-gather,
+the tensor of a send. `wire_bytes` is what this rank puts on links under ring algorithms:
+all-reduce 2(t-1)/t·N, reduce-scatter (t-1)/t·N, all-gather (t-1)·N_shard, all-to-all the part
+addressed to other ranks, send N.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+class Ledger:
+    """Bytes and op counts per (axis, op), per step. Cheap: one dict update per collective."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.current: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0])
+        self.steps: list[dict] = []
+
+    def record(self, axis: str, op: str, nbytes: int, wire_bytes: float) -> None:
+        if self.enabled:
+            entry = self.current[(axis, op)]
+            entry[0] += 1
+            entry[1] += nbytes
+            entry[2] += wire_bytes
+
+    @staticmethod
+    def _nest(flat) -> dict:
+        out: dict = {}
+        for (axis, op), (count, nbytes, wire) in sorted(flat.items()):
+            out.setdefault(axis, {})[op] = {"count": int(count), "bytes": int(nbytes), "wire_bytes": int(round(wire))}
+        return out
+
+    def snapshot(self) -> dict:
+        """The current (unfinished) step, nested as {axis: {op: {count, bytes, wire_bytes}}}."""
+        return self._nest(self.current)
+
+    def end_step(self, step: int) -> dict:
+        entry = {"step": step, "axes": self.snapshot()}
+        self.steps.append(entry)
+        self.current = defaultdict(lambda: [0, 0, 0])
+        return entry
+
+    def reset(self) -> None:
+        self.current = defaultdict(lambda: [0, 0, 0])
+        self.steps = []
+
+    def totals(self) -> dict:
+        flat: dict = defaultdict(lambda: [0, 0, 0])
+        for s in self.steps:
+            for axis, ops in s["axes"].items():
+                for op, v in ops.items():
+                    e = flat[(axis, op)]
+                    e[0] += v["count"]
+                    e[1] += v["bytes"]
+                    e[2] += v["wire_bytes"]
+        return self._nest(flat)
+
+    def to_json(self, rank: int, layout: dict) -> str:
+        return json.dumps({
+            "rank": rank,
+            "layout": layout,
+            "convention": "bytes = payload this rank contributes; wire_bytes = bytes sent on links (ring algorithms)",
+            "per_step": self.steps,
+            "total": self.totals(),
+        }, indent=1)
+
+
+# torch >= 2.13 renames the flat collectives; 2.11 (our floor) has only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _record(axis, op: str, nbytes: int, wire: float, tag: str | None) -> None:
+    if axis.ledger is not None:
+        axis.ledger.record(axis.name, f"{op}:{tag}" if tag else op, nbytes, wire)
+
+
+# ---------------------------------------------------------------- raw collectives
+def all_reduce(t: torch.Tensor, axis, op: str = "sum", tag: str | None = None) -> torch.Tensor:
+    """In-place all-reduce of `t` over `axis` (sum or max)."""
+    if not axis.active:
+        return t
+    n = axis.size
+    _record(axis, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t), tag)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=axis.group)
+    return t
+
+
+def reduce_scatter(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> torch.Tensor:
+    """Sum over `axis`, keep this rank's 1/n slice of `dim`."""
+    if not axis.active:
+        return t
+    n = axis.size
+    if t.shape[dim] % n:
+        raise ValueError(f"reduce_scatter on {axis.name}: dim {dim} of size {t.shape[dim]} not divisible by {n}")
+    src = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
+    out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+    _record(axis, "reduce_scatter", _nbytes(src), (n - 1) / n * _nbytes(src), tag)
+    _reduce_scatter_flat(out, src, group=axis.group)
+    return out.movedim(0, dim) if dim else out
+
+
+def all_gather(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim`, in axis-rank order."""
+    if not axis.active:
+        return t
+    n = axis.size
+    src = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
+    out = src.new_empty((n * src.shape[0], *src.shape[1:]))
+    _record(axis, "all_gather", _nbytes(src), (n - 1) * _nbytes(src), tag)
+    _all_gather_flat(out, src, group=axis.group)
+    return out.movedim(0, dim) if dim else out
+
+
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis, tag: str | None = None) -> torch.Tensor:
+    """Flat all-gather into a preallocated buffer (ZeRO parameter gather)."""
+    if not axis.active:
+        out.copy_(shard)
+        return out
+    _record(axis, "all_gather", _nbytes(shard), (axis.size - 1) * _nbytes(shard), tag)
+    _all_gather_flat(out, shard, group=axis.group)
+    return out
+
+
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis, tag: str | None = None) -> torch.Tensor:
+    """Flat reduce-scatter into a preallocated shard (ZeRO gradient reduction)."""
+    if not axis.active:
+        out.copy_(full)
+        return out
+    n = axis.size
+    _record(axis, "reduce_scatter", _nbytes(full), (n - 1) / n * _nbytes(full), tag)
+    _reduce_scatter_flat(out, full, group=axis.group)
+    return out
+
+
+def broadcast(t: torch.Tensor, axis, src_rank: int = 0, tag: str | None = None) -> torch.Tensor:
+    """Broadcast from axis-rank `src_rank`."""
+    if not axis.active:
+        return t
+    _record(axis, "broadcast", _nbytes(t) if axis.rank == src_rank else 0,
+            _nbytes(t) if axis.rank == src_rank else 0, tag)
+    dist.broadcast(t, src=axis.ranks[src_rank], group=axis.group)
+    return t
+
+
+def all_gather_object(obj, axis) -> list:
+    """Gather small Python objects (metadata only; recorded as op 'all_gather_object')."""
+    if not axis.active:
+        return [obj]
+    out = [None] * axis.size
+    _record(axis, "all_gather_object", 0, 0, None)
+    dist.all_gather_object(out, obj, group=axis.group)
+    return out
+
+
+def barrier(axis) -> None:
+    if axis.active:
+        dist.barrier(group=axis.group)
+
+
+# ---------------------------------------------------------------- autograd Functions
+class _CopyToRegion(torch.autograd.Function):
+    """f: forward identity / backward all-reduce over the axis (input of a column-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.contiguous(), ctx.axis), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: forward all-reduce over the axis / backward identity (output of a row-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        return all_reduce(x.contiguous(), axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """SP entry: forward all-gather along `dim` / backward reduce-scatter along `dim`."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return all_gather(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter(g, ctx.axis, ctx.dim), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """SP exit: forward reduce-scatter along `dim` / backward all-gather along `dim`."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.axis, ctx.dim), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """Column-parallel `gather_output`: forward all-gather along the last dim / backward keep own slice."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return all_gather(x, axis, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.chunk(ctx.axis.size, dim=-1)[ctx.axis.rank].contiguous(), None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    """Row-parallel input that is not yet split: forward keep own last-dim slice / backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.chunk(axis.size, dim=-1)[axis.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.axis, g.dim() - 1), None
+
+
+def _apply(fn, x, axis, *args):
+    return fn.apply(x, axis, *args) if axis.active else x
+
+
+def copy_to_region(x, axis):
+    return _apply(_CopyToRegion, x, axis)
+
+
+def reduce_from_region(x, axis):
+    return _apply(_ReduceFromRegion, x, axis)
+
+
+def gather_from_sequence(x, axis, dim: int = 1):
+    return _apply(_GatherFromSequence, x, axis, dim)
+
+
+def reduce_scatter_to_sequence(x, axis, dim: int = 1):
+    return _apply(_ReduceScatterToSequence, x, axis, dim)
+
+
+def gather_from_region(x, axis):
+    return _apply(_GatherFromRegion, x, axis)
+
+
+def scatter_to_region(x, axis):
+    return _apply(_ScatterToRegion, x, axis)

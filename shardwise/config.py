@@ -1,0 +1,236 @@
+"""Typed configuration: model shapes (with named presets), parallel degrees and training knobs.
+
+Every field carries a docstring-like comment so `--help` and the planner can explain it. All
+validation that can be done before any process starts lives here and raises `ConfigError`, whose
+message names the bad value and what would be valid; the CLI turns it into exit status 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """An invalid configuration, detected before any rank starts."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-style decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP)."""
+
+    name: str = "tiny"
+    vocab_size: int = 257
+    """Number of real token ids. Byte-level tokenizer: 256 bytes + 1 end-of-document id."""
+    dim: int = 128
+    """Hidden size h."""
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    """Key/value heads (GQA). Must divide n_heads."""
+    ffn_dim: int = 352
+    """SwiGLU inner size (w1/w3 output features)."""
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    """Share the token-embedding matrix with the LM head."""
+    dropout: float = 0.0
+    """Residual dropout after attention and MLP outputs (replicated / SP region)."""
+    attn_dropout: float = 0.0
+    """Dropout on attention probabilities (TP-sharded region: per-TP-rank masks)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def validate(self) -> None:
+        for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"model {self.name!r}: {f}={v!r} must be a positive integer")
+        if self.dim % self.n_heads:
+            raise ConfigError(f"model {self.name!r}: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"model {self.name!r}: head_dim={self.head_dim} must be even for RoPE")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model {self.name!r}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        for f in ("dropout", "attn_dropout"):
+            v = getattr(self, f)
+            if not 0.0 <= v < 1.0:
+                raise ConfigError(f"model {self.name!r}: {f}={v} must be in [0, 1)")
+
+    def num_params(self) -> int:
+        """Total parameter count (embedding and LM head counted once each unless tied)."""
+        h, kv = self.dim, self.n_kv_heads * self.head_dim
+        attn = h * h * 2 + h * kv * 2
+        mlp = 3 * h * self.ffn_dim
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h
+        return self.n_layers * per_layer + h + emb * (1 if self.tie_embeddings else 2)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # CPU-sized models for tests and the embedded default run.
+    "tiny": ModelConfig(),
+    "small": ModelConfig(name="small", dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=704, max_seq_len=1024),
+    # Real shapes (Meta Llama-3 model cards / HF config.json) for the planner.
+    "llama3-8b": ModelConfig(
+        name="llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0,
+    ),
+    "llama3-70b": ModelConfig(
+        name="llama3-70b", vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+        ffn_dim=28672, max_seq_len=8192, rope_theta=500000.0,
+    ),
+    "llama3-405b": ModelConfig(
+        name="llama3-405b", vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+        ffn_dim=53248, max_seq_len=8192, rope_theta=500000.0,
+    ),
+}
+
+
+def get_model_config(name: str, **overrides) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model {name!r}; valid presets: {', '.join(MODEL_PRESETS)}")
+    cfg = dataclasses.replace(MODEL_PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+    cfg.validate()
+    return cfg
+
+
+AXES = ("dp", "pp", "cp", "tp", "ep")
+NOT_IMPLEMENTED = {"pp": "pipeline", "cp": "context", "ep": "expert"}
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of every parallel axis. Their product (ep excluded: it is drawn from dp×cp) is the world size."""
+
+    dp: int = 1
+    """Data-parallel degree; -1 means "whatever is left of the world size"."""
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    """Expert-parallel degree, drawn from the dp×cp ranks."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism in the TP regions (norms/residuals on s/tp shards)."""
+    zero: int = 0
+    """ZeRO stage: 0 (replicated AdamW state) or 1 (AdamW state sharded over dp)."""
+
+    def describe(self) -> str:
+        return ", ".join(f"{a}={getattr(self, a)}" for a in AXES)
+
+    def as_dict(self) -> dict:
+        return {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
+
+
+@dataclass
+class TrainConfig:
+    """Everything one `shardwise train` / `shardwise verify` run needs."""
+
+    model: str = "tiny"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    steps: int = 200
+    seq_len: int = 128
+    micro_batch: int = 4
+    """Sequences per microbatch per data-parallel rank."""
+    global_batch: int | None = None
+    """Sequences per optimizer step over all dp ranks; default micro_batch × dp (no accumulation)."""
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    """Global grad-norm clip (0 disables)."""
+    seed: int = 1234
+    dtype: str = "fp32"
+    """fp32 or bf16 (bf16 autocast for matmuls; master weights and optimizer state stay fp32)."""
+    data: str | None = None
+    """Text file to train on; default: CPython's pydoc_data.topics (embedded, no download)."""
+    out: str | None = None
+    """Run directory for metrics.jsonl, comm.json, summary.json; default runs/<timestamp>."""
+    dropout: float | None = None
+    attn_dropout: float | None = None
+    tie_embeddings: bool | None = None
+    timeout_s: float = 300.0
+    """Collective timeout: a rank stuck longer than this in a collective fails instead of hanging."""
+    log_every: int = 1
+    progress: bool = True
+
+    def model_config(self) -> ModelConfig:
+        return get_model_config(
+            self.model, dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings
+        )
+
+    def resolve_world(self, world_size: int | None = None) -> int:
+        """Fill dp=-1 and return the world size; validate everything that needs no process."""
+        p = self.parallel
+        for a in AXES:
+            v = getattr(p, a)
+            if not isinstance(v, int) or (v <= 0 and not (a == "dp" and v == -1)):
+                raise ConfigError(f"--{a} {v!r} must be a positive integer" + (" or -1 (the rest)" if a == "dp" else ""))
+        others = p.pp * p.cp * p.tp
+        if p.dp == -1:
+            if world_size is None:
+                raise ConfigError("--dp -1 needs a known world size (run under torchrun)")
+            if world_size % others:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by pp={p.pp} × cp={p.cp} × tp={p.tp} = {others}"
+                )
+            p.dp = world_size // others
+        world = p.dp * others
+        if world_size is not None and world != world_size:
+            raise ConfigError(
+                f"dp={p.dp} × pp={p.pp} × cp={p.cp} × tp={p.tp} = {world} does not equal the world size {world_size}"
+            )
+        self.validate(world)
+        return world
+
+    def validate(self, world: int) -> None:
+        p = self.parallel
+        for a, what in NOT_IMPLEMENTED.items():
+            if getattr(p, a) > 1:
+                raise ConfigError(f"{what} parallelism ({a}={getattr(p, a)}) is not implemented yet; use --{a} 1")
+        if p.zero not in (0, 1):
+            raise ConfigError(f"--zero {p.zero} is not supported; valid: 0 or 1")
+        if p.sequence_parallel and p.tp == 1:
+            raise ConfigError("--sequence-parallel needs --tp > 1 (it shards the TP regions' sequence)")
+        m = self.model_config()
+        if m.n_heads % p.tp:
+            raise ConfigError(f"--tp {p.tp} does not divide n_heads={m.n_heads} of model {m.name!r}")
+        if m.n_kv_heads >= p.tp and m.n_kv_heads % p.tp:
+            raise ConfigError(f"--tp {p.tp} does not divide n_kv_heads={m.n_kv_heads} of model {m.name!r}")
+        if m.n_kv_heads < p.tp and p.tp % m.n_kv_heads:
+            raise ConfigError(
+                f"--tp {p.tp} > n_kv_heads={m.n_kv_heads} needs tp to be a multiple of n_kv_heads (model {m.name!r})"
+            )
+        if m.ffn_dim % p.tp:
+            raise ConfigError(f"--tp {p.tp} does not divide ffn_dim={m.ffn_dim} of model {m.name!r}")
+        for name in ("steps", "seq_len", "micro_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
+        if self.seq_len > m.max_seq_len:
+            raise ConfigError(f"--seq-len {self.seq_len} exceeds max_seq_len={m.max_seq_len} of model {m.name!r}")
+        if p.sequence_parallel and self.seq_len % p.tp:
+            raise ConfigError(f"--seq-len {self.seq_len} is not divisible by tp={p.tp} (needed by --sequence-parallel)")
+        gb = self.global_batch
+        if gb is not None:
+            if not isinstance(gb, int) or gb <= 0:
+                raise ConfigError(f"--global-batch {gb!r} must be a positive integer")
+            if gb % (self.micro_batch * p.dp):
+                raise ConfigError(
+                    f"--global-batch {gb} must be a multiple of micro-batch {self.micro_batch} × dp {p.dp}"
+                    f" = {self.micro_batch * p.dp}"
+                )
+        if self.dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"--dtype {self.dtype!r} is not supported; valid: fp32, bf16")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--collective-timeout {self.timeout_s} must be positive (seconds)")
+
+    @property
+    def grad_accum(self) -> int:
+        gb = self.global_batch or self.micro_batch * self.parallel.dp
+        return gb // (self.micro_batch * self.parallel.dp)

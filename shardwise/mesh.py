@@ -1,0 +1,136 @@
+"""The one place that knows the parallel degrees, builds the device mesh and hands out groups.
+
+Ranks are laid out on a (dp, pp, cp, tp) grid with TP innermost, so a TP group is a block of
+consecutive ranks (one node when tp <= GPUs per node) and gradient-reduction groups stride across
+nodes. No other module creates a process group; everything else receives a `Mesh` and asks it for
+an `Axis` by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import Ledger
+from .config import ConfigError
+
+GRID = ("dp", "pp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Validated degrees. ep is carved out of dp×cp; edp = dp·cp/ep is its complement."""
+
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def build(cls, world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> "ParallelDims":
+        named = f"dp={dp}, pp={pp}, cp={cp}, tp={tp}, ep={ep}, world size={world_size}"
+        for name, v in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
+            if v < 1:
+                raise ConfigError(f"{name} must be >= 1 ({named})")
+        if dp == -1:
+            if world_size % (pp * cp * tp):
+                raise ConfigError(f"world size not divisible by pp×cp×tp={pp * cp * tp} ({named})")
+            dp = world_size // (pp * cp * tp)
+        if dp < 1 or dp * pp * cp * tp != world_size:
+            raise ConfigError(f"dp×pp×cp×tp = {dp * pp * cp * tp} must equal the world size ({named})")
+        if (dp * cp) % ep:
+            raise ConfigError(f"ep={ep} must divide dp×cp={dp * cp} ({named})")
+        return cls(dp, pp, cp, tp, ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.cp // self.ep
+
+
+@dataclass
+class Axis:
+    """One parallel axis as seen by this rank: its group, size and this rank's index in it."""
+
+    name: str
+    size: int = 1
+    rank: int = 0
+    group: object = None
+    ranks: tuple[int, ...] = (0,)
+    ledger: "Ledger | None" = None
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+
+class Mesh:
+    """Degrees, this rank's coordinates and every group an axis needs.
+
+    Single-device runs use `Mesh.single()` — the same object with every degree 1 and no groups.
+    """
+
+    def __init__(self, dims: ParallelDims, rank: int, axes: dict[str, Axis], device: torch.device,
+                 device_mesh=None, ledger: "Ledger | None" = None):
+        self.ledger = ledger if ledger is not None else Ledger()
+        for axis in axes.values():
+            axis.ledger = self.ledger
+        self.dims = dims
+        self.rank = rank
+        self.axes = axes
+        self.device = device
+        self.device_mesh = device_mesh
+
+    def __getitem__(self, name: str) -> Axis:
+        return self.axes[name]
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return {a: self.axes[a].rank for a in GRID}
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu", ledger: "Ledger | None" = None) -> "Mesh":
+        dims = ParallelDims()
+        axes = {n: Axis(n) for n in (*GRID, "dp_cp", "ep", "edp", "world")}
+        return cls(dims, 0, axes, torch.device(device), ledger=ledger)
+
+    @classmethod
+    def build(cls, dims: ParallelDims, device: torch.device, ledger: "Ledger | None" = None) -> "Mesh":
+        """Create the DeviceMesh and all groups. Collective: every rank must call it, in the same order."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != dims.world_size:
+            raise ConfigError(f"mesh {dataclasses.asdict(dims)} needs {dims.world_size} ranks, got {world}")
+        device_mesh = init_device_mesh(device.type, (dims.dp, dims.pp, dims.cp, dims.tp), mesh_dim_names=GRID)
+        grid = torch.arange(world).view(dims.dp, dims.pp, dims.cp, dims.tp)
+        axes: dict[str, Axis] = {}
+        for i, name in enumerate(GRID):
+            ranks = tuple(device_mesh[name].mesh.flatten().tolist())
+            axes[name] = Axis(name, getattr(dims, name), device_mesh.get_local_rank(i),
+                              device_mesh.get_group(name), ranks)
+        # dp×cp (dense gradient reduction) and ep / edp carved out of it: groups of ranks that share
+        # (pp, tp) coordinates. new_group is collective over the world, so every rank creates all.
+        dpcp = grid.permute(1, 3, 0, 2).reshape(dims.pp * dims.tp, dims.dp * dims.cp)
+        ep_blocks = dpcp.reshape(-1, dims.edp, dims.ep)  # consecutive dp×cp ranks form an ep group
+        families = {
+            "dp_cp": [row.tolist() for row in dpcp],
+            "ep": [row.tolist() for blk in ep_blocks for row in blk],
+            "edp": [row.tolist() for blk in ep_blocks for row in blk.T],
+        }
+        for name, lists in families.items():
+            for ranks in lists:
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    axes[name] = Axis(name, len(ranks), ranks.index(rank), group, tuple(ranks))
+        axes["world"] = Axis("world", world, rank, dist.group.WORLD, tuple(range(world)))
+        return cls(dims, rank, axes, device, device_mesh, ledger)
+
+    def describe(self) -> str:
+        return " × ".join(f"{a}={self.axes[a].size}" for a in GRID)

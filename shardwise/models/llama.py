@@ -1,0 +1,138 @@
+"""A Llama-style decoder in plain PyTorch: RMSNorm, RoPE, GQA attention (SDPA), SwiGLU MLP.
+
+The model knows nothing of parallelism. Head counts are read off the projection shapes at run
+time, so the tensor-parallel plan (`shardwise.parallelize`) can swap `nn.Linear`/`nn.Embedding`
+for their sharded versions by module name and the same forward runs on every layout. The loss is
+computed by `loss_fn`, a vocabulary-parallel cross-entropy that the plan points at its TP axis.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..mesh import Axis
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.random import ReplicatedDropout
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device, positions=None):
+    """cos/sin tables [s, head_dim/2]; `positions` lets a sequence shard use its global positions."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None else positions.float()
+    ang = torch.outer(pos, inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x [b, s, heads, hd]; rotate interleaved pairs (Meta's Llama convention)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, hd = cfg.dim, cfg.head_dim
+        self.head_dim = hd
+        self.wq = nn.Linear(h, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(h, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(h, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, h, bias=False)
+        self.attn_dropout = cfg.attn_dropout
+        self.rng = None  # RNGTracker, set by the parallel plan: attention dropout is a TP-sharded region
+
+    def forward(self, x, cos, sin):
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        b, s = q.shape[:2]
+        q = apply_rope(q.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(k.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        p = self.attn_dropout if self.training else 0.0
+        gqa = q.shape[1] != k.shape[1]
+        if p > 0 and self.rng is not None:
+            with self.rng.fork("tp"):
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.attn_resid_dropout = ReplicatedDropout(cfg.dropout)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.ffn_resid_dropout = ReplicatedDropout(cfg.dropout)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn_resid_dropout(self.attention(self.attention_norm(x), cos, sin))
+        return x + self.ffn_resid_dropout(self.feed_forward(self.ffn_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.tp_axis = Axis("tp")  # replaced by the plan; size 1 = single device
+        self.vocab_start = 0
+
+    def forward(self, tokens):
+        seq_len = tokens.shape[1]
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = rope_tables(self.cfg.head_dim, seq_len, self.cfg.rope_theta, tokens.device)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    def loss_fn(self, logits, targets, ignore_index: int = -100, label_smoothing: float = 0.0):
+        """Per-token losses [b, s] from (possibly vocabulary-sharded) logits."""
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_axis, self.vocab_start, self.cfg.vocab_size,
+                                            ignore_index, label_smoothing)
+
+    @staticmethod
+    def init_rule(name: str, cfg: ModelConfig) -> tuple[str, float]:
+        """How to initialise the *global* tensor called `name`: ('ones', 0) or ('normal', std)."""
+        if name.endswith("norm.weight"):
+            return "ones", 0.0
+        if name.endswith(("wo.weight", "w2.weight")):
+            return "normal", 0.02 / math.sqrt(2 * cfg.n_layers)
+        return "normal", 0.02

@@ -1,0 +1,101 @@
+"""The one entry point that turns the plain model into the layout's model.
+
+`build_model` makes the model on the meta device, swaps modules for their tensor-parallel versions
+by name (the plan below), then materialises every parameter from a layout-independent rule: the
+global tensor is drawn from a generator seeded by (seed, parameter name) and each rank keeps its
+slice. Every layout therefore starts from bit-identical global weights.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .mesh import Mesh
+from .models.llama import Transformer
+from .tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec, VocabParallelEmbedding,
+                                     enter_region, get_spec, set_spec)
+from .tensor_parallel.random import ReplicatedDropout, RNGTracker
+
+
+def _kv_rows(cfg: ModelConfig, tp) -> tuple[tuple[int, int], int, str | None]:
+    """Rows of wk/wv this rank holds: an even split when n_kv >= tp, else the one K/V head its queries use."""
+    hd = cfg.head_dim
+    if cfg.n_kv_heads >= tp.size:
+        per = cfg.n_kv_heads // tp.size * hd
+        return (tp.rank * per, per), 1, None
+    ranks_per_kv = tp.size // cfg.n_kv_heads
+    return (tp.rank // ranks_per_kv * hd, hd), ranks_per_kv, "tp_kv"
+
+
+def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False) -> Transformer:
+    """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head."""
+    cfg, tp = model.cfg, mesh["tp"]
+    sp = sequence_parallel and tp.active
+    kw = dict(device="meta")
+    model.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, tp, sp, **kw)
+    for block in model.layers.values():
+        attn, ffn = block.attention, block.feed_forward
+        h, hd = cfg.dim, cfg.head_dim
+        kv_rows, kv_replicas, kv_reduce = _kv_rows(cfg, tp)
+        attn.wq = ColumnParallelLinear(h, cfg.n_heads * hd, tp, enter=False, **kw)
+        attn.wk = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, enter=False, rows=kv_rows,
+                                       replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
+        attn.wv = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, enter=False, rows=kv_rows,
+                                       replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
+        attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sequence_parallel=sp, **kw)
+        ffn.w1 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
+        ffn.w3 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
+        ffn.w2 = RowParallelLinear(cfg.ffn_dim, h, tp, sequence_parallel=sp, **kw)
+        # One region entry per sub-block, shared by its column-parallel projections (one gather / one f).
+        for region in (attn, ffn):
+            region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+    model.output = ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw)
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.tp_axis, model.vocab_start = tp, model.tok_embeddings.vocab_start
+    # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens).
+    for name, p in model.named_parameters():
+        if not hasattr(p, "_sw_shard"):
+            set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if sp else None))
+    for m in model.modules():
+        if isinstance(m, ReplicatedDropout):
+            m.sp_axis = tp if sp else None
+    return model
+
+
+def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> None:
+    """Allocate and fill every parameter with its slice of the seeded global initialisation."""
+    specs = {n: get_spec(p) for n, p in model.named_parameters()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            spec = specs[name]
+            set_spec(p, spec)
+            p.copy_(spec.local_slice(global_init(name, spec.global_shape, cfg, seed)).to(device))
+
+
+def global_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    kind, std = Transformer.init_rule(name, cfg)
+    if kind == "ones":
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool = False) -> Transformer:
+    """The model for this rank of `mesh` (the single-device model when every degree is 1)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    apply_tensor_parallel(model, mesh, sequence_parallel)
+    materialize(model, cfg, seed, mesh.device)
+    tracker = RNGTracker(seed, mesh["tp"].rank, mesh["pp"].rank, mesh.device)
+    for m in model.modules():
+        if isinstance(m, ReplicatedDropout):
+            m.tracker = tracker
+        elif hasattr(m, "attn_dropout"):
+            m.rng = tracker
+    model.rng_tracker = tracker
+    return model

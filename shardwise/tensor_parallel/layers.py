@@ -1,0 +1,169 @@
+"""Megatron-style tensor-parallel layers.
+
+Each layer holds only its shard and records, in a `ShardSpec` on every parameter, how that shard
+sits in the global (unsharded) tensor. The spec drives layout-independent initialisation,
+gradient reduction of replicated parameters, grad-norm counting and parity checks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """local = global.narrow(dim, start, valid), zero-padded to `length` rows along `dim`.
+
+    dim None means the parameter is not split. `replicas` is how many TP ranks hold this same
+    slice (so a global norm counts it once). `grad_reduce` names the TP reduction its gradient
+    needs: None (complete already), "tp_sum" (partial sums: weights applied on SP shards), or
+    "tp_kv" (a K/V head held by several TP ranks, each holding part of its gradient).
+    """
+
+    global_shape: tuple[int, ...]
+    dim: int | None = None
+    start: int = 0
+    length: int = 0
+    valid: int = 0
+    replicas: int = 1
+    grad_reduce: str | None = None
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """Cut this rank's shard out of a global tensor, zero-padding past the global edge."""
+        if self.dim is None:
+            return full
+        part = full.narrow(self.dim, self.start, self.valid)
+        if self.valid == self.length:
+            return part
+        shape = list(full.shape)
+        shape[self.dim] = self.length
+        out = full.new_zeros(shape)
+        out.narrow(self.dim, 0, self.valid).copy_(part)
+        return out
+
+    def valid_part(self, local: torch.Tensor) -> torch.Tensor:
+        return local if self.dim is None else local.narrow(self.dim, 0, self.valid)
+
+
+def set_spec(p: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
+    p._sw_shard = spec
+    return p
+
+
+def get_spec(p: torch.Tensor) -> ShardSpec:
+    return getattr(p, "_sw_shard", None) or ShardSpec(tuple(p.shape))
+
+
+def split_range(total: int, axis) -> tuple[int, int]:
+    """(start, length) of this rank's even shard of `total` (total padded up to a multiple of the size)."""
+    per = math.ceil(total / axis.size)
+    return axis.rank * per, per
+
+
+def _sharded_param(global_shape, dim, start, length, replicas=1, grad_reduce=None, device=None, dtype=None):
+    shape = list(global_shape)
+    shape[dim] = length
+    p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    valid = max(0, min(length, global_shape[dim] - start))
+    return set_spec(p, ShardSpec(tuple(global_shape), dim, start, length, valid, replicas, grad_reduce))
+
+
+def _replicated_param(shape, axis, grad_reduce=None, device=None, dtype=None):
+    p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    return set_spec(p, ShardSpec(tuple(shape), None, 0, 0, 0, axis.size, grad_reduce))
+
+
+def enter_region(x: torch.Tensor, axis, sequence_parallel: bool) -> torch.Tensor:
+    """Input of a column-parallel region: SP all-gathers the sequence, plain TP is Megatron's f."""
+    return comm.gather_from_sequence(x, axis, 1) if sequence_parallel else comm.copy_to_region(x, axis)
+
+
+def exit_region(y: torch.Tensor, axis, sequence_parallel: bool) -> torch.Tensor:
+    """Output of a row-parallel region: SP reduce-scatters the sequence, plain TP is Megatron's g."""
+    return comm.reduce_scatter_to_sequence(y, axis, 1) if sequence_parallel else comm.reduce_from_region(y, axis)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X Aᵀ with A split by output rows: each rank computes its slice of the features.
+
+    `enter=False` when the parent module already applied the region entry once for several
+    column-parallel layers sharing an input (q/k/v, w1/w3), so it is gathered or f-copied once.
+    `rows=(start, length)` overrides the even split (a K/V head held by several ranks).
+    """
+
+    def __init__(self, in_features, out_features, axis, bias=False, gather_output=False,
+                 sequence_parallel=False, enter=True, rows=None, replicas=1, grad_reduce=None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.axis, self.gather_output, self.sequence_parallel, self.enter = axis, gather_output, sequence_parallel, enter
+        start, length = rows if rows is not None else split_range(out_features, axis)
+        self.weight = _sharded_param((out_features, in_features), 0, start, length, replicas, grad_reduce, device, dtype)
+        self.bias = (_sharded_param((out_features,), 0, start, length, replicas, grad_reduce, device, dtype)
+                     if bias else None)
+        if gather_output and out_features % axis.size:
+            raise ValueError(f"gather_output needs out_features={out_features} divisible by tp={axis.size}")
+
+    def forward(self, x):
+        if self.enter:
+            x = enter_region(x, self.axis, self.sequence_parallel)
+        y = F.linear(x, self.weight, self.bias)
+        return comm.gather_from_region(y, self.axis) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X Aᵀ with A split by input columns: partial products summed across TP, bias added once after."""
+
+    def __init__(self, in_features, out_features, axis, bias=False, input_is_parallel=True,
+                 sequence_parallel=False, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.axis, self.input_is_parallel, self.sequence_parallel = axis, input_is_parallel, sequence_parallel
+        if in_features % axis.size:
+            raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={axis.size}")
+        start, length = split_range(in_features, axis)
+        self.weight = _sharded_param((out_features, in_features), 1, start, length, device=device, dtype=dtype)
+        # Under SP the bias is added on a sequence shard, so each rank holds part of its gradient.
+        self.bias = (_replicated_param((out_features,), axis, "tp_sum" if sequence_parallel else None, device, dtype)
+                     if bias else None)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = comm.scatter_to_region(x, self.axis)
+        y = exit_region(F.linear(x, self.weight), self.axis, self.sequence_parallel)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows (padded to a multiple of tp); out-of-shard ids give 0, summed over TP."""
+
+    def __init__(self, num_embeddings, embedding_dim, axis, sequence_parallel=False, device=None, dtype=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.vocab_start, self.per_rank = split_range(num_embeddings, axis)
+        self.weight = _sharded_param((num_embeddings, embedding_dim), 0, self.vocab_start, self.per_rank,
+                                     device=device, dtype=dtype)
+
+    def forward(self, ids):
+        check_token_ids(ids, self.num_embeddings)
+        if not self.axis.active:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return exit_region(out, self.axis, self.sequence_parallel)
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """A token id outside [0, V) would silently embed as a zero row on every shard: refuse it."""
+    lo, hi = (int(v) for v in torch.aminmax(ids))
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")

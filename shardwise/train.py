@@ -1,0 +1,166 @@
+"""The training loop: one `Trainer` per rank, shared by `shardwise train` and `shardwise verify`.
+
+The loss of a step is the mean over every non-ignored token of the *global* batch: each rank sums
+its token losses and divides by the global count (known on every rank, since every rank sees the
+global batch's targets), so gradients sum across dp×cp and microbatching changes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .comm import Ledger
+from .config import TrainConfig
+from .data import Loader, load_tokens
+from .data_parallel import GradReducer
+from .mesh import Mesh, ParallelDims
+from .parallelize import build_model
+
+IGNORE_INDEX = -100
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr, then cosine decay to cfg.min_lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None):
+        self.cfg, self.mesh = cfg, mesh
+        self.model_cfg = cfg.model_config()
+        p = cfg.parallel
+        self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel)
+        self.model.train()
+        self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        tokens = load_tokens(cfg.data) if tokens is None else tokens
+        self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
+        self.loader = Loader(tokens, cfg.seq_len, self.global_batch, cfg.seed)
+        self.step = 0
+
+    def _autocast(self):
+        if self.cfg.dtype == "bf16":
+            return torch.autocast(self.mesh.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, step: int) -> float:
+        """Run every microbatch of this rank's share of the step's global batch; returns the global loss."""
+        dp = self.mesh["dp_cp"]
+        x, y = self.loader.global_batch_at(step)
+        n_tokens = int((y != IGNORE_INDEX).sum())
+        per = self.global_batch // self.mesh.dims.dp
+        dp_rank = self.mesh["dp"].rank
+        x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        loss_sum = torch.zeros(1, device=self.mesh.device)
+        for xm, ym in zip(x.split(self.cfg.micro_batch), y.split(self.cfg.micro_batch)):
+            xm, ym = xm.to(self.mesh.device), ym.to(self.mesh.device)
+            with self._autocast():
+                logits = self.model(xm)
+            loss = self.model.loss_fn(logits, ym, IGNORE_INDEX).sum() / n_tokens
+            loss.backward()
+            loss_sum += loss.detach()
+        comm.all_reduce(loss_sum, dp, tag="metrics")
+        return float(loss_sum)
+
+    def finish_gradients(self) -> float:
+        return self.reducer.reduce_and_clip(self.cfg.grad_clip)
+
+    def optimizer_step(self, step: int) -> float:
+        lr = lr_at(step, self.cfg)
+        for g in self.reducer.optimizer.param_groups:
+            g["lr"] = lr
+        self.reducer.step()
+        return lr
+
+    def train_step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        loss = self.forward_backward(step)
+        norm = self.finish_gradients()
+        lr = self.optimizer_step(step)
+        if self.mesh.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.mesh.ledger.end_step(step + 1)
+        return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
+                "tokens": self.global_batch * self.cfg.seq_len, "step_time_s": dt}
+
+
+def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
+    p = cfg.parallel
+    if not dist.is_initialized():
+        return Mesh.single(device)
+    dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep)
+    return Mesh.build(dims, device, Ledger())
+
+
+def default_out_dir() -> str:
+    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+
+
+def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
+    """Train on this rank; rank 0 writes the run directory and returns the summary."""
+    device = device or torch.device("cpu")
+    mesh = make_mesh(cfg, device)
+    trainer = Trainer(cfg, mesh)
+    rank0 = mesh.rank == 0
+    out = cfg.out
+    if rank0:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump({"train": {k: v for k, v in vars(cfg).items() if k != "parallel"},
+                       "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg)}, f, indent=1)
+    bar = None
+    if rank0 and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, desc=f"train {mesh.describe()}", dynamic_ncols=True)
+    records = []
+    metrics = open(os.path.join(out, "metrics.jsonl"), "w") if rank0 else None
+    try:
+        for step in range(cfg.steps):
+            rec = trainer.train_step(step)
+            records.append(rec)
+            if rank0:
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}")
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics is not None:
+            metrics.close()
+    layout = cfg.parallel.as_dict()
+    comm_dir = os.path.join(out, "comm")
+    if rank0:
+        os.makedirs(comm_dir, exist_ok=True)
+    comm.barrier(mesh["world"])
+    with open(os.path.join(comm_dir, f"rank{mesh.rank}.json"), "w") as f:
+        f.write(mesh.ledger.to_json(mesh.rank, layout))
+    if not rank0:
+        return {}
+    with open(os.path.join(out, "comm.json"), "w") as f:
+        f.write(mesh.ledger.to_json(0, layout))
+    times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
+    summary = {
+        "layout": layout, "model": cfg.model, "steps": cfg.steps,
+        "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
+        "tokens_per_s": records[0]["tokens"] / (sum(times) / len(times)),
+        "comm_bytes_per_step": {a: sum(v["bytes"] for v in ops.values())
+                                for a, ops in (mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else {}).items()},
+        "out": out,
+    }
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
