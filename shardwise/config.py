@@ -130,7 +130,8 @@ class ParallelConfig:
 class TrainConfig:
     """Everything one `shardwise train` / `shardwise verify` run needs."""
 
-    model: str = "tiny"
+    model: str | ModelConfig = "tiny"
+    """A preset name, or a ModelConfig for custom shapes (tests, HF configs)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     steps: int = 200
     seq_len: int = 128
@@ -160,9 +161,12 @@ class TrainConfig:
     progress: bool = True
 
     def model_config(self) -> ModelConfig:
-        return get_model_config(
-            self.model, dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings
-        )
+        overrides = dict(dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings)
+        if isinstance(self.model, ModelConfig):
+            cfg = dataclasses.replace(self.model, **{k: v for k, v in overrides.items() if v is not None})
+            cfg.validate()
+            return cfg
+        return get_model_config(self.model, **overrides)
 
     def resolve_world(self, world_size: int | None = None) -> int:
         """Fill dp=-1 and return the world size; validate everything that needs no process."""

@@ -63,6 +63,8 @@ def _worker(rank, world, port, timeout_s, fn, args, results):
         dist.destroy_process_group()
     except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        results.close()
+        results.join_thread()  # the report must reach the parent before this process vanishes
         sys.stdout.flush()
         os._exit(1)
 
@@ -88,7 +90,7 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
                 rank, ok, payload = results.get(timeout=0.2)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead:
+                if dead and results.empty():
                     raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
                 if time.monotonic() > deadline:
                     raise RankError(f"ranks {sorted(set(range(world)) - set(out))} did not finish within "

@@ -69,7 +69,17 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
 def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> None:
     """Allocate and fill every parameter with its slice of the seeded global initialisation."""
     specs = {n: get_spec(p) for n, p in model.named_parameters()}
+    first_name = {}
+    aliases = []  # (module, attribute, canonical name): tied parameters that to_empty would untie
+    for mod_name, mod in model.named_modules():
+        for attr, p in mod.named_parameters(recurse=False):
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            if id(p) in first_name and first_name[id(p)] != full:
+                aliases.append((mod, attr, first_name[id(p)]))
+            first_name.setdefault(id(p), full)
     model.to_empty(device=device)
+    for mod, attr, canonical in aliases:
+        setattr(mod, attr, model.get_parameter(canonical))
     with torch.no_grad():
         for name, p in model.named_parameters():
             spec = specs[name]

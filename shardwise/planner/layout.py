@@ -1,0 +1,230 @@
+"""A parallel layout, the workload it runs, and the facts about it that need no cost model.
+
+The mesh is shardwise's: ranks are `arange(world).view(dp, pp, cp, tp)`, so tp is innermost (one TP
+group is consecutive ranks, hence inside a node), then cp, pp, and dp outermost. Expert parallelism is
+carved out of the dp×cp ranks (cp fastest), and the remaining dp×cp/ep ranks form the expert-data-
+parallel group. Stages hold contiguous layer chunks: chunk j of pp×vp sits on stage j mod pp
+(interleaved), and DualPipeV's V puts chunks k and 2·pp−1−k on stage k.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from shardwise.planner.errors import PlanError
+from shardwise.planner.models import ModelSpec
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb", "dualpipev")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = {"bf16": 2, "fp32": 4}
+"""Activation bytes per element; parameters, grads and Adam moments stay fp32 in both (shardwise's AMP)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int = 4096
+    global_batch: int = 1024
+    """Sequences per optimizer step."""
+    precision: str = "bf16"
+
+    @property
+    def act_bytes(self) -> int:
+        return PRECISIONS[self.precision]
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vp: int = 1
+    """Model chunks per pipeline rank (interleaved; DualPipeV uses 2)."""
+    schedule: str = "1f1b"
+    mb: int = 1
+    """Sequences per microbatch."""
+    m: int = 1
+    """Microbatches per step per dp rank (gradient accumulation)."""
+    zero: int = 1
+    recompute: str = "selective"
+    sp: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def short(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        parts += [f"{k}{getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"/v{self.vp}" if self.vp > 1 and self.schedule == "interleaved" else ""))
+        parts += [f"mb{self.mb}", f"m{self.m}"]
+        return " ".join(parts) + (" sp" if self.sp else "")
+
+
+_INT_KEYS = ("dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "zero")
+_ALIASES = {"v": "vp", "micro_batch": "mb", "microbatches": "m"}
+
+
+def parse_layout(text: str, base: Layout, gpus: int, global_batch: int | None) -> Layout:
+    """Parse 'dp=8,tp=8,pp=4[,cp=..,ep=..,vp=..,mb=..,m=..,schedule=..,zero=..,recompute=..,sp=..]'.
+
+    dp left out fills the rest of the GPUs; m left out follows from the global batch.
+    """
+    fields: dict = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, val = item.partition("=")
+        key = _ALIASES.get(key.strip(), key.strip())
+        val = val.strip()
+        if not sep or not val:
+            raise PlanError(f"--explain: {item!r} is not key=value")
+        if key in _INT_KEYS:
+            if not val.isdigit() or int(val) <= 0 and key != "zero":
+                raise PlanError(f"--explain: {key}={val!r} must be a positive integer")
+            fields[key] = int(val)
+        elif key == "schedule":
+            fields[key] = val
+        elif key == "recompute":
+            fields[key] = val
+        elif key == "sp":
+            if val.lower() not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
+                raise PlanError(f"--explain: sp={val!r} must be on/off")
+            fields[key] = val.lower() in ("1", "true", "on", "yes")
+        else:
+            raise PlanError(f"--explain: unknown key {key!r}; valid: {', '.join(_INT_KEYS)}, schedule, recompute, sp")
+    lay = replace(base, **{k: v for k, v in fields.items() if k != "m"})
+    if "dp" not in fields:
+        inner = lay.tp * lay.pp * lay.cp
+        if gpus % inner:
+            raise PlanError(f"--explain: tp×pp×cp = {inner} does not divide --gpus {gpus}")
+        lay = replace(lay, dp=gpus // inner)
+    if lay.schedule == "dualpipev" and "vp" not in fields:
+        lay = replace(lay, vp=2)
+    if "m" in fields:
+        m = fields["m"]
+        if global_batch is not None and m * lay.mb * lay.dp != global_batch:
+            raise PlanError(f"--explain: m={m} × mb={lay.mb} × dp={lay.dp} != --global-batch {global_batch}")
+    else:
+        gb = 1024 if global_batch is None else global_batch
+        if gb % (lay.mb * lay.dp):
+            raise PlanError(f"--global-batch {gb} is not divisible by mb={lay.mb} × dp={lay.dp}")
+        m = gb // (lay.mb * lay.dp)
+    if lay.tp == 1:
+        lay = replace(lay, sp=False)
+    return replace(lay, m=m)
+
+
+def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneven_pp: bool = False) -> list[str]:
+    """Every reason this layout cannot run (empty when it can): divisibility and schedule rules."""
+    bad = []
+    if lay.world != gpus:
+        bad.append(f"dp×tp×pp×cp = {lay.world} != {gpus} GPUs")
+    t = lay.tp
+    if spec.n_heads % t:
+        bad.append(f"tp={t} does not divide n_heads={spec.n_heads}")
+    kv = spec.attn_kv_heads
+    if (kv >= t and kv % t) or (kv < t and t % kv):
+        bad.append(f"tp={t} and n_kv_heads={kv}: one must divide the other")
+    if not spec.is_moe or spec.n_dense_layers:
+        if spec.ffn_dim % t:
+            bad.append(f"tp={t} does not divide ffn_dim={spec.ffn_dim}")
+    if spec.is_moe:
+        if spec.expert_ffn_dim % t:
+            bad.append(f"tp={t} does not divide expert_ffn_dim={spec.expert_ffn_dim}")
+        if spec.n_experts % lay.ep:
+            bad.append(f"ep={lay.ep} does not divide n_experts={spec.n_experts}")
+    if (lay.dp * lay.cp) % lay.ep:
+        bad.append(f"ep={lay.ep} does not divide dp×cp = {lay.dp * lay.cp}")
+    if not spec.is_moe and lay.ep > 1:
+        bad.append(f"ep={lay.ep} needs an MoE model")
+    chunks = lay.pp * lay.vp
+    if spec.n_layers < chunks or (spec.n_layers % chunks and not uneven_pp):
+        bad.append(f"pp×vp = {chunks} does not divide n_layers={spec.n_layers}")
+    if seq_len % lay.cp:
+        bad.append(f"cp={lay.cp} does not divide seq_len={seq_len}")
+    elif lay.sp and (seq_len // lay.cp) % t:
+        bad.append(f"seq_len/cp = {seq_len // lay.cp} is not divisible by tp={t} (sequence parallelism)")
+    if lay.schedule not in SCHEDULES:
+        bad.append(f"schedule {lay.schedule!r} unknown; valid: {', '.join(SCHEDULES)}")
+    elif lay.pp > 1 and lay.schedule == "interleaved" and (lay.vp < 2 or lay.m % lay.pp):
+        bad.append(f"interleaved needs vp >= 2 and m % pp == 0 (vp={lay.vp}, m={lay.m}, pp={lay.pp})")
+    elif lay.schedule == "dualpipev" and (lay.vp != 2 or lay.m < lay.pp):
+        bad.append(f"dualpipev needs vp=2 and m >= pp (vp={lay.vp}, m={lay.m}, pp={lay.pp})")
+    elif lay.schedule not in ("interleaved", "dualpipev") and lay.vp != 1:
+        bad.append(f"vp={lay.vp} needs schedule interleaved or dualpipev")
+    if lay.recompute not in RECOMPUTE:
+        bad.append(f"recompute {lay.recompute!r} unknown; valid: {', '.join(RECOMPUTE)}")
+    if lay.zero not in (0, 1, 2, 3):
+        bad.append(f"zero={lay.zero} unknown; valid: 0, 1, 2, 3")
+    if lay.sp and t == 1:
+        bad.append("sp needs tp > 1")
+    if seq_len > spec.max_seq_len:
+        bad.append(f"seq_len={seq_len} exceeds max_seq_len={spec.max_seq_len} of {spec.name}")
+    return bad
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one pipeline stage holds."""
+
+    index: int
+    n_dense: int
+    n_moe: int
+    embedding: bool
+    head: bool
+
+    @property
+    def n_layers(self) -> int:
+        return self.n_dense + self.n_moe
+
+
+def _chunk_sizes(n_layers: int, chunks: int) -> list[int]:
+    q, r = divmod(n_layers, chunks)
+    return [q + (1 if j < r else 0) for j in range(chunks)]
+
+
+def chunk_owners(lay: Layout) -> list[int]:
+    """Stage of each model chunk, in model order (pp×vp chunks; vp counts only when pp > 1)."""
+    p, v = lay.pp, lay.vp if lay.pp > 1 else 1
+    if lay.schedule == "dualpipev":
+        return [2 * p - 1 - j if j >= p else j for j in range(p * v)]
+    return [j % p for j in range(p * v)]
+
+
+def stages(spec: ModelSpec, lay: Layout) -> list[Stage]:
+    owner = chunk_owners(lay)
+    p = lay.pp
+    sizes = _chunk_sizes(spec.n_layers, len(owner))
+    starts = [sum(sizes[:j]) for j in range(len(owner))]
+    out = []
+    for k in range(p):
+        layers = [i for j in range(len(owner)) if owner[j] == k for i in range(starts[j], starts[j] + sizes[j])]
+        moe = sum(spec.is_moe_layer(i) for i in layers)
+        out.append(Stage(k, len(layers) - moe, moe, embedding=owner[0] == k, head=owner[-1] == k))
+    return out
+
+
+def axis_groups(lay: Layout, axis: str) -> list[list[int]]:
+    """Rank groups of one communication axis on the (dp, pp, cp, tp) mesh."""
+    dp, pp, cp, tp = lay.dp, lay.pp, lay.cp, lay.tp
+    rank = lambda d, p, c, t: ((d * pp + p) * cp + c) * tp + t  # noqa: E731
+    coords = [(d, p, c, t) for d in range(dp) for p in range(pp) for c in range(cp) for t in range(tp)]
+    if axis in ("tp", "cp", "pp"):
+        i = ("dp", "pp", "cp", "tp").index(axis)
+        n = (dp, pp, cp, tp)[i]
+        heads = [x for x in coords if x[i] == 0]
+        return [[rank(*(x[:i] + (k,) + x[i + 1:])) for k in range(n)] for x in heads]
+    # dp×cp flattened with cp fastest; ep takes consecutive blocks of it, edp the strided rest.
+    flat = [(d, c) for d in range(dp) for c in range(cp)]
+    if axis == "dp_cp":
+        members = [list(range(len(flat)))]
+    elif axis == "ep":
+        members = [list(range(g, g + lay.ep)) for g in range(0, len(flat), lay.ep)]
+    elif axis == "edp":
+        members = [list(range(k, len(flat), lay.ep)) for k in range(lay.ep)]
+    else:
+        raise ValueError(axis)
+    return [[rank(flat[f][0], p, flat[f][1], t) for f in grp] for p in range(pp) for t in range(tp) for grp in members]

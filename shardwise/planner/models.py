@@ -1,0 +1,266 @@
+"""Model shapes the planner understands, and how many parameters each rank holds of them.
+
+Three sources: shardwise's own presets (`shardwise.config.MODEL_PRESETS`, exact to the trained model),
+two MoE presets (Mixtral-8x7B, DeepSeek-V3) and Hugging Face `config.json` files of the llama, mistral,
+mixtral, qwen2 and gpt2 families. Counting follows shardwise's TP plan: the vocabulary is padded to a
+multiple of tp and sharded, wq/wk/wv/w1/w3 are split by output rows, wo/w2 by input columns, norms are
+replicated, and when n_kv_heads < tp every rank keeps one full K/V head.
+
+DeepSeek-V3's Multi-head Latent Attention is modelled by its real projection shapes (q_a, q_b, kv_a,
+kv_b, o), with the down-projections and their norms replicated over tp (as Megatron does) and the
+up-projections and o sharded by heads. For activations, FLOPs and context-parallel traffic it is treated
+as multi-head attention with n_heads K/V heads of qk_nope+qk_rope (K) and v_head_dim (V) — the
+decompressed tensors training materialises. Its multi-token-prediction module is not counted.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from shardwise.config import MODEL_PRESETS, ModelConfig
+from shardwise.planner.errors import PlanError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    """Inner size of the dense MLP (unused when every layer is MoE)."""
+    max_seq_len: int
+    tie_embeddings: bool = False
+    mlp: str = "swiglu"
+    """'swiglu' (w1, w3, w2) or 'gelu' (fc1, fc2)."""
+    norm: str = "rmsnorm"
+    """'rmsnorm' (weight) or 'layernorm' (weight and bias)."""
+    qkv_bias: bool = False
+    linear_bias: bool = False
+    """Biases on every linear layer (GPT-2)."""
+    learned_pos: bool = False
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    n_experts: int = 0
+    topk: int = 0
+    expert_ffn_dim: int = 0
+    n_shared_experts: int = 0
+    n_dense_layers: int = 0
+    """Leading layers with a dense MLP in an MoE model (DeepSeek-V3: 3)."""
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def k_dim(self) -> int:
+        """Per-head query/key width (MLA: nope + rope part)."""
+        return self.head_dim + self.qk_rope_dim if self.is_mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def attn_kv_heads(self) -> int:
+        """K/V heads attention actually sees (MLA decompresses to one per query head)."""
+        return self.n_heads if self.is_mla else self.n_kv_heads
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers if self.is_moe else 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.is_moe and i >= self.n_dense_layers
+
+    @property
+    def mlp_mats(self) -> int:
+        return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def norm_params(self) -> int:
+        return self.dim * (2 if self.norm == "layernorm" else 1)
+
+
+@dataclass(frozen=True)
+class Params:
+    """Parameter elements one rank holds of some part of the model, split by how their grads are reduced."""
+
+    dense: int = 0
+    """Reduced over dp×cp (includes the two kinds below)."""
+    expert: int = 0
+    """Routed-expert weights, reduced over the expert-data-parallel group."""
+    sp_replicated: int = 0
+    """Replicated over tp but fed sequence shards under SP, so their grads need a tp all-reduce."""
+
+    def __add__(self, o: Params) -> Params:
+        return Params(self.dense + o.dense, self.expert + o.expert, self.sp_replicated + o.sp_replicated)
+
+    def __mul__(self, k: int) -> Params:
+        return Params(self.dense * k, self.expert * k, self.sp_replicated * k)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def padded_vocab(spec: ModelSpec, tp: int) -> int:
+    return -(-spec.vocab_size // tp) * tp
+
+
+def local_kv_heads(spec: ModelSpec, tp: int) -> int:
+    """K/V heads on one tp rank: a 1/tp share, or one whole replicated head when n_kv_heads < tp."""
+    return max(spec.attn_kv_heads // tp, 1)
+
+
+def attention_params(spec: ModelSpec, tp: int) -> Params:
+    h, hq = spec.dim, spec.n_heads // tp
+    rep = spec.norm_params
+    if spec.is_mla:
+        q_in = spec.q_lora_rank or h
+        shard = q_in * hq * spec.k_dim + spec.kv_lora_rank * hq * (spec.head_dim + spec.v_dim) + hq * spec.v_dim * h
+        down = (h * spec.q_lora_rank + spec.q_lora_rank if spec.q_lora_rank else 0)
+        down += h * (spec.kv_lora_rank + spec.qk_rope_dim) + spec.kv_lora_rank
+        rep += down
+        return Params(dense=shard + rep, sp_replicated=rep)
+    kv = local_kv_heads(spec, tp) * spec.head_dim
+    shard = h * hq * spec.head_dim * 2 + h * kv * 2
+    if spec.qkv_bias or spec.linear_bias:
+        shard += hq * spec.head_dim + 2 * kv
+    if spec.linear_bias:
+        rep += h
+    return Params(dense=shard + rep, sp_replicated=rep)
+
+
+def mlp_params(spec: ModelSpec, moe: bool, tp: int, ep: int) -> Params:
+    h, rep = spec.dim, spec.norm_params
+    if not moe:
+        shard = spec.mlp_mats * h * (spec.ffn_dim // tp)
+        if spec.linear_bias:
+            shard += spec.ffn_dim // tp
+            rep += h
+        return Params(dense=shard + rep, sp_replicated=rep)
+    one_expert = spec.mlp_mats * h * (spec.expert_ffn_dim // tp)
+    router = h * spec.n_experts
+    rep += router
+    shared = spec.n_shared_experts * one_expert
+    return Params(dense=shared + rep, expert=(spec.n_experts // ep) * one_expert, sp_replicated=rep)
+
+
+def layer_params(spec: ModelSpec, moe: bool, tp: int = 1, ep: int = 1) -> Params:
+    return attention_params(spec, tp) + mlp_params(spec, moe, tp, ep)
+
+
+def embedding_params(spec: ModelSpec, tp: int = 1) -> Params:
+    pos = spec.max_seq_len * spec.dim if spec.learned_pos else 0
+    return Params(dense=padded_vocab(spec, tp) // tp * spec.dim + pos)
+
+
+def head_params(spec: ModelSpec, tp: int = 1, separate_copy: bool = False) -> Params:
+    """Final norm plus LM head; a tied head costs nothing unless it sits on another stage than the embedding."""
+    head = 0 if spec.tie_embeddings and not separate_copy else padded_vocab(spec, tp) // tp * spec.dim
+    return Params(dense=head + spec.norm_params, sp_replicated=spec.norm_params)
+
+
+def total_params(spec: ModelSpec) -> int:
+    """Unsharded parameter count (no vocab padding), comparable to `ModelConfig.num_params()`."""
+    layers = sum(layer_params(spec, spec.is_moe_layer(i)).total for i in range(spec.n_layers))
+    return embedding_params(spec).total + layers + head_params(spec).total
+
+
+def from_model_config(cfg: ModelConfig) -> ModelSpec:
+    return ModelSpec(
+        name=cfg.name, vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_dim=cfg.ffn_dim, max_seq_len=cfg.max_seq_len,
+        tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout, attn_dropout=cfg.attn_dropout,
+    )
+
+
+PRESETS: dict[str, ModelSpec] = {name: from_model_config(cfg) for name, cfg in MODEL_PRESETS.items()}
+# mistralai/Mixtral-8x7B-v0.1 config.json: 46.7B parameters, 12.9B active.
+PRESETS["mixtral-8x7b"] = ModelSpec(
+    name="mixtral-8x7b", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+    ffn_dim=14336, max_seq_len=32768, n_experts=8, topk=2, expert_ffn_dim=14336,
+)
+# deepseek-ai/DeepSeek-V3 config.json: 671B parameters, 37B active; MLA as described above.
+PRESETS["deepseek-v3"] = ModelSpec(
+    name="deepseek-v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=128,
+    ffn_dim=18432, max_seq_len=163840, n_experts=256, topk=8, expert_ffn_dim=2048, n_shared_experts=1,
+    n_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
+)
+
+
+def get_model(name: str) -> ModelSpec:
+    if name not in PRESETS:
+        raise PlanError(f"unknown model {name!r}; valid presets: {', '.join(PRESETS)} (or --model-config PATH)")
+    return PRESETS[name]
+
+
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
+# Hugging Face's defaults for max_position_embeddings where a config.json leaves it out.
+_HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768}
+
+
+def load_hf_config(path: str | Path) -> ModelSpec:
+    """Read a Hugging Face config.json of a supported family; anything else is a `PlanError` naming why."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"--model-config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlanError(f"--model-config {path}: cannot read it as JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise PlanError(f"--model-config {path}: expected a JSON object")
+    mt = raw.get("model_type")
+    if mt not in HF_MODEL_TYPES:
+        raise PlanError(f"--model-config {path}: model_type {mt!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
+
+    def need(key: str) -> int:
+        v = raw.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise PlanError(f"--model-config {path}: {key!r} must be a positive integer for model_type {mt!r}, got {v!r}")
+        return v
+
+    name = str(raw.get("_name_or_path") or path.parent.name or mt)
+    if mt == "gpt2":
+        h, heads = need("n_embd"), need("n_head")
+        if h % heads:
+            raise PlanError(f"--model-config {path}: n_embd={h} is not divisible by n_head={heads}")
+        return ModelSpec(
+            name=name, vocab_size=need("vocab_size"), dim=h, n_layers=need("n_layer"), n_heads=heads,
+            n_kv_heads=heads, head_dim=h // heads, ffn_dim=raw.get("n_inner") or 4 * h,
+            max_seq_len=raw.get("n_positions", 1024), tie_embeddings=raw.get("tie_word_embeddings", True),
+            mlp="gelu", norm="layernorm", linear_bias=True, learned_pos=True,
+            dropout=float(raw.get("resid_pdrop", 0.1)), attn_dropout=float(raw.get("attn_pdrop", 0.1)),
+        )
+    h, heads = need("hidden_size"), need("num_attention_heads")
+    kv = raw.get("num_key_value_heads") or heads
+    head_dim = raw.get("head_dim") or h // heads
+    if not raw.get("head_dim") and h % heads:
+        raise PlanError(f"--model-config {path}: hidden_size={h} is not divisible by num_attention_heads={heads}")
+    if heads % kv:
+        raise PlanError(f"--model-config {path}: num_attention_heads={heads} is not divisible by num_key_value_heads={kv}")
+    spec = ModelSpec(
+        name=name, vocab_size=need("vocab_size"), dim=h, n_layers=need("num_hidden_layers"), n_heads=heads,
+        n_kv_heads=kv, head_dim=head_dim, ffn_dim=need("intermediate_size"),
+        max_seq_len=raw.get("max_position_embeddings", _HF_MAX_POS[mt]),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)), qkv_bias=(mt == "qwen2"),
+        attn_dropout=float(raw.get("attention_dropout", 0.0)),
+    )
+    if mt == "mixtral":
+        spec = replace(spec, n_experts=need("num_local_experts"), topk=need("num_experts_per_tok"),
+                       expert_ffn_dim=spec.ffn_dim)
+    return spec

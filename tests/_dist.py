@@ -1,0 +1,28 @@
+"""Helpers for multi-rank tests: fork N gloo ranks, fresh seeds, mesh construction."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from shardwise.comm import Ledger
+from shardwise.launch import run_local
+from shardwise.mesh import Mesh, ParallelDims
+
+
+def fresh_seed() -> int:
+    """A new seed per test run; tests pass it along so failures can name it."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def run_ranks(world: int, fn, *args, timeout_s: float = 120.0):
+    """Run fn(*args) on `world` forked gloo ranks; return the per-rank results."""
+    return run_local(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=600)
+
+
+def make_mesh(**degrees) -> Mesh:
+    """Inside a rank: the mesh for the given degrees (dp fills the rest)."""
+    import torch.distributed as dist
+
+    dims = ParallelDims.build(dist.get_world_size(), **degrees)
+    return Mesh.build(dims, torch.device("cpu"), Ledger())
