@@ -1,0 +1,220 @@
+"""`shardwise plan`: rank parallel layouts for a model on a cluster, or explain one layout in full.
+
+`add_parser(subparsers)` registers the subcommand on an argparse subparsers object; `run(args)` executes
+it and returns the exit status (0 ok, 1 nothing fits, 2 bad input, reported on one stderr line).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shardwise.planner.errors import PlanError
+from shardwise.planner.estimate import Assumptions, estimate
+from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
+from shardwise.planner.layout import PRECISIONS, RECOMPUTE, SCHEDULES, Layout, Workload, layout_problems, parse_layout
+from shardwise.planner.models import PRESETS, get_model, load_hf_config
+from shardwise.planner.search import SearchSpace, candidates, search
+
+GB = 1e9
+TABLE_AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="predict and rank parallel layouts for a model on a cluster (no GPUs needed)",
+        description="Predict memory, FLOPs, communication, bubble and step time of parallel layouts; rank them.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help=f"model preset: {', '.join(PRESETS)}")
+    src.add_argument("--model-config", metavar="PATH",
+                     help="Hugging Face config.json (model_type llama, mistral, mixtral, qwen2 or gpt2)")
+    p.add_argument("--gpus", type=int, default=8, help="total GPUs (default 8)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the GPU preset's)")
+    p.add_argument("--gpu", default="h100-80gb", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default h100-80gb)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 1024)")
+    p.add_argument("--micro-batch", type=int, help="sequences per microbatch (default: search 1, 2, 4, 8; explain 1)")
+    p.add_argument("--precision", default="bf16", choices=list(PRECISIONS), help="activation precision (default bf16)")
+    p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over dp×cp (default 1)")
+    p.add_argument("--recompute", default="selective", choices=RECOMPUTE, help="activation recompute (default selective)")
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="Megatron sequence parallelism on layouts with tp > 1 (default on)")
+    p.add_argument("--schedules", default="1f1b,interleaved",
+                   help=f"pipeline schedules to search, comma-separated from {', '.join(SCHEDULES)}")
+    p.add_argument("--max-vp", type=int, default=4, help="largest interleaved virtual-stage count to search (default 4)")
+    p.add_argument("--max-cp", type=int, help="largest context-parallel degree to search (default: all)")
+    p.add_argument("--allow-tp-cross-node", action="store_true",
+                   help="let TP groups span NVLink domains (off: TP stays within one)")
+    p.add_argument("--uneven-pp", action="store_true", help="allow stages with unequal layer counts")
+    p.add_argument("--flops-efficiency", type=float, default=0.6,
+                   help="assumed achievable fraction of peak dense FLOP/s (default 0.6)")
+    p.add_argument("--link-efficiency", type=float, default=0.8,
+                   help="assumed achievable fraction of link bandwidth (default 0.8)")
+    p.add_argument("--dp-overlap", type=float, default=0.0,
+                   help="fraction of gradient-reduction time hidden behind backward (default 0)")
+    p.add_argument("--usable-memory", type=float, default=0.9, help="fraction of GPU memory to plan for (default 0.9)")
+    p.add_argument("--top", type=int, default=10, help="rows to show (default 10)")
+    p.add_argument("--explain", metavar="LAYOUT",
+                   help="full breakdown of one layout, e.g. 'dp=8,tp=8,pp=4' (keys: dp tp pp cp ep vp mb m "
+                        "schedule zero recompute sp)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+    return p
+
+
+def _inputs(args):
+    spec = load_hf_config(args.model_config) if args.model_config else get_model(args.model)
+    gpu = get_gpu(args.gpu)
+    cluster = Cluster(gpu, args.gpus, args.gpus_per_node or gpu.gpus_per_node)
+    for name in ("seq_len", "global_batch", "micro_batch", "top", "max_vp", "max_cp"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            raise PlanError(f"--{name.replace('_', '-')} {v} must be positive")
+    for name in ("flops_efficiency", "link_efficiency", "usable_memory"):
+        if not 0 < getattr(args, name) <= 1:
+            raise PlanError(f"--{name.replace('_', '-')} {getattr(args, name)} must be in (0, 1]")
+    if not 0 <= args.dp_overlap <= 1:
+        raise PlanError(f"--dp-overlap {args.dp_overlap} must be in [0, 1]")
+    wl = Workload(args.seq_len, args.global_batch or 1024, args.precision)
+    assume = Assumptions(args.flops_efficiency, args.link_efficiency, args.dp_overlap, args.usable_memory)
+    return spec, cluster, wl, assume
+
+
+def run(args) -> int:
+    try:
+        spec, cluster, wl, assume = _inputs(args)
+        if args.explain is not None:
+            return _explain(args, spec, cluster, wl, assume)
+        return _search(args, spec, cluster, wl, assume)
+    except PlanError as e:
+        print(f"shardwise plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _explain(args, spec, cluster, wl, assume) -> int:
+    base = Layout(mb=args.micro_batch or 1, zero=args.zero, recompute=args.recompute, sp=args.sequence_parallel)
+    lay = parse_layout(args.explain, base, cluster.gpus, args.global_batch)
+    bad = layout_problems(spec, lay, cluster.gpus, wl.seq_len, args.uneven_pp)
+    if bad:
+        raise PlanError(f"--explain {args.explain!r}: " + "; ".join(bad))
+    wl = Workload(wl.seq_len, lay.m * lay.mb * lay.dp, wl.precision)
+    est = estimate(spec, cluster, lay, wl, assume, detail=True)
+    print(json.dumps(est, indent=2) if args.json else explain_text(est, cluster))
+    return 0
+
+
+def _search(args, spec, cluster, wl, assume) -> int:
+    schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown:
+        raise PlanError(f"--schedules: unknown {', '.join(unknown)}; valid: {', '.join(SCHEDULES)}")
+    space = SearchSpace(
+        zero=args.zero, recompute=args.recompute, sp=args.sequence_parallel,
+        micro_batches=(args.micro_batch,) if args.micro_batch else (1, 2, 4, 8), schedules=schedules,
+        max_vp=args.max_vp, max_cp=args.max_cp, allow_tp_cross_domain=args.allow_tp_cross_node,
+        uneven_pp=args.uneven_pp,
+    )
+    results = search(spec, cluster, wl, space, assume)
+    if args.json:
+        print(json.dumps(results[: args.top], indent=2))
+    if not results:
+        n = sum(1 for _ in candidates(spec, cluster, wl, space))
+        print(f"shardwise plan: no layout fits ({n} valid layouts, none within "
+              f"{cluster.gpu.memory_bytes * assume.usable_memory / GB:.0f} GB per GPU); try more GPUs, "
+              f"--zero 3, --recompute full or a smaller --micro-batch", file=sys.stderr)
+        return 1
+    if not args.json:
+        print(table(results[: args.top], spec, cluster, wl, space, assume, len(results)))
+    return 0
+
+
+def _header(spec_name: str, params: int, cluster: Cluster, wl: Workload) -> str:
+    return (f"{spec_name} ({params / 1e9:.2f}B params) on {cluster.describe()}; "
+            f"seq {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}")
+
+
+def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchSpace, assume: Assumptions,
+          n_fit: int) -> str:
+    axes = [a for a in TABLE_AXES if any(r["comm_bytes_per_step"].get(a) for r in rows)]
+    cols = [("#", 3), ("layout", max(len(r["layout_short"]) for r in _short(rows))), ("params/rank", 11),
+            ("static GB", 9), ("act GB", 7), ("total GB", 8), ("bubble", 6)]
+    cols += [(f"{a} GB", max(8, len(a) + 3)) for a in axes] + [("step s", 7), ("MFU", 5)]
+    line = lambda cells: "  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, (_, w)) in enumerate(zip(cells, cols)))  # noqa: E731
+    out = [_header(spec.name, rows[0]["params_total"], cluster, wl),
+           f"ZeRO-{space.zero}, recompute {space.recompute}, SP {'on' if space.sp else 'off'}; "
+           f"{n_fit} layouts fit in {rows[0]['usable_bytes_per_rank'] / GB:.1f} GB per GPU; best {len(rows)}:",
+           "", line([c for c, _ in cols]), line(["-" * w for _, w in cols])]
+    for i, r in enumerate(rows, 1):
+        cells = [str(i), r["layout_short"], f"{r['params_per_rank'] / 1e9:.2f}B", f"{r['static_bytes_per_rank'] / GB:.1f}",
+                 f"{r['activation_bytes_per_rank'] / GB:.1f}", f"{r['total_bytes_per_rank'] / GB:.1f}",
+                 f"{r['bubble_fraction']:.3f}"]
+        cells += [f"{r['comm_bytes_per_step'][a] / GB:.1f}" if a in r["comm_bytes_per_step"] else "-" for a in axes]
+        cells += [f"{r['step_time_s']:.2f}", f"{r['mfu']:.3f}"]
+        out.append(line(cells))
+    out += ["", f"comm: payload GB per step sent by global rank 0; assumed {assume.flops_efficiency:.0%} of peak "
+                f"FLOP/s, {assume.link_efficiency:.0%} of link bandwidth. Details: --explain \"<layout>\"."]
+    return "\n".join(out)
+
+
+def _short(rows: list[dict]) -> list[dict]:
+    for r in rows:
+        r.setdefault("layout_short", Layout(**r["layout"]).short())
+    return rows
+
+
+def explain_text(est: dict, cluster: Cluster) -> str:
+    lay = est["layout"]
+    g = lambda b: f"{b / GB:,.2f} GB"  # noqa: E731
+    br = est["static_breakdown_per_rank"]
+    out = [f"{est['model']}: {est['params_total'] / 1e9:.2f}B parameters on {est['cluster']}",
+           "layout: " + est["layout_str"],
+           "",
+           "memory per rank (largest stage)",
+           f"  parameters        {est['params_per_rank'] / 1e9:,.3f}B",
+           f"  weights (fp32)    {g(br['weights'])}",
+           f"  grads (fp32)      {g(br['grads'])}",
+           f"  Adam moments      {g(br['optimizer'])}",
+           f"  static            {g(est['static_bytes_per_rank'])}",
+           f"  activations       {g(est['activation_bytes_per_rank'])}  (recompute {lay['recompute']}, "
+           f"SP {'on' if lay['sp'] else 'off'})",
+           f"  total             {g(est['total_bytes_per_rank'])} of {g(est['usable_bytes_per_rank'])} usable: "
+           f"{'fits' if est['fits'] else 'DOES NOT FIT'}",
+           "",
+           "stages: " + ", ".join(f"{s['stage']}: {s['layers']} layers{' +emb' if s['embedding'] else ''}"
+                                  f"{' +head' if s['head'] else ''} {s['total_bytes'] / GB:.1f} GB"
+                                  for s in est["stages"]),
+           "",
+           f"compute: model {est['model_flops_per_step']:.3e} FLOP/step, hardware {est['hardware_flops_per_step']:.3e}"
+           f" (with recompute); {est['compute_time_s']:.3f} s per step on the busiest stage",
+           f"pipeline: schedule {lay['schedule']}, pp={lay['pp']}, vp={lay['vp']}, m={lay['m']}: bubble "
+           f"{est['bubble_fraction']:.4f} ({est['bubble_source']})",
+           "",
+           f"communication per step, {est['comm_rank']}:",
+           f"  {'axis':6} {'op':15} {'count':>8} {'payload':>10} {'wire':>10} {'link':>8} {'time s':>8}"]
+    for axis, ops in est["comm_ops_per_step"].items():
+        link = est["comm_links"].get(axis, "-")
+        for i, (op, e) in enumerate(ops.items()):
+            time = f"{est['comm_time_s'][axis]:.3f}" if i == 0 else ""
+            out.append(f"  {axis if i == 0 else '':6} {op:15} {e['count']:>8} {human_bytes(e['bytes']):>10} "
+                       f"{human_bytes(e['wire_bytes']):>10} {link if i == 0 else '':>8} {time:>8}")
+    out += ["",
+            f"step time {est['step_time_s']:.3f} s, MFU {est['mfu']:.3f}, {est['tokens_per_s']:,.0f} tokens/s "
+            f"(assumed {est['assumptions']['flops_efficiency']:.0%} of peak FLOP/s, "
+            f"{est['assumptions']['link_efficiency']:.0%} of link bandwidth, "
+            f"{est['assumptions']['dp_overlap']:.0%} of grad sync overlapped)"]
+    return "\n".join(out)
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardwise")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return run(args)

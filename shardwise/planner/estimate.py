@@ -1,0 +1,217 @@
+"""One layout's prediction: memory per rank, FLOPs, communication, pipeline bubble, step time and MFU.
+
+FLOPs follow Narayanan et al. 2021 (SC'21, "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM", §5.1) generalised from GPT's 24h² matmul FLOPs per token and layer to the model's real
+projections (GQA, SwiGLU, MoE routed + shared experts, MLA): forward = 2 × matmul weights a token passes
+through + 4·s·h for the attention scores (no causal discount, as in the paper) + 2·h·V for the LM head;
+backward is twice the forward. Model FLOPs exclude recomputation; hardware FLOPs add the attention core
+(selective) or every layer's forward (full) once more.
+
+The step-time model is deliberately simple and its knobs are flags (`Assumptions`): compute runs at a
+fixed fraction of peak; TP, EP and PP traffic sits on the critical path of every microbatch; CP ring
+traffic hides behind the attention it feeds; the pipeline stretches m microbatches by 1/(1−bubble);
+gradient reduction after backward is exposed (shardwise does it after the last microbatch) unless
+--dp-overlap says otherwise; the optimizer step streams 28 bytes per updated parameter through HBM.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from shardwise.planner.comm_model import step_comm
+from shardwise.planner.hardware import Cluster, groups_link
+from shardwise.planner.layout import Layout, Workload, axis_groups, stages
+from shardwise.planner.memory import layer_activation_bytes, stage_activation_bytes, stage_params, static_bytes
+from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab, total_params
+
+AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp")
+ADAM_STEP_BYTES = 28
+"""Read param, grad, two moments (4 bytes each), write param and moments."""
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    flops_efficiency: float = 0.6
+    """Achievable fraction of peak dense FLOP/s for the model's kernels."""
+    link_efficiency: float = 0.8
+    """Achievable fraction of link bandwidth for collectives (NCCL bus bandwidth vs peak)."""
+    dp_overlap: float = 0.0
+    """Fraction of gradient-reduction time hidden behind backward (0: shardwise reduces after it)."""
+    usable_memory: float = 0.9
+    """Fraction of GPU memory the planner may fill (the rest: CUDA context, NCCL buffers, fragmentation)."""
+
+
+def peak_flops(cluster: Cluster, wl: Workload) -> float:
+    """Dense BF16 peak; fp32 runs on TF32 tensor cores at half that rate (every preset's datasheet)."""
+    return cluster.gpu.peak_bf16_flops * (1.0 if wl.precision == "bf16" else 0.5)
+
+
+def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1) -> tuple[float, float]:
+    """(matmul, attention-core) forward FLOPs per token of one layer on one tp rank (tp=1: the whole layer)."""
+    h, hq = spec.dim, spec.n_heads // tp
+    if spec.is_mla:
+        q = (h * spec.q_lora_rank + spec.q_lora_rank * hq * spec.k_dim) if spec.q_lora_rank else h * hq * spec.k_dim
+        kv = h * (spec.kv_lora_rank + spec.qk_rope_dim) + spec.kv_lora_rank * hq * (spec.head_dim + spec.v_dim)
+        attn = q + kv + hq * spec.v_dim * h
+    else:
+        attn = 2 * h * hq * spec.head_dim + 2 * h * local_kv_heads(spec, tp) * spec.head_dim
+    if moe:
+        mlp = h * spec.n_experts + (spec.topk + spec.n_shared_experts) * spec.mlp_mats * h * (spec.expert_ffn_dim // tp)
+    else:
+        mlp = spec.mlp_mats * h * (spec.ffn_dim // tp)
+    core = 2.0 * seq_len * hq * (spec.k_dim + spec.v_dim)
+    return 2.0 * (attn + mlp), core
+
+
+def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none") -> float:
+    """FLOPs of one optimizer step over the whole cluster (3× forward, plus recomputation if asked)."""
+    tokens = wl.global_batch * wl.seq_len
+    per_kind = {moe: layer_flops_per_token(spec, moe, wl.seq_len) for moe in (False, True)}
+    kinds = [spec.is_moe_layer(i) for i in range(spec.n_layers)]
+    matmul = sum(per_kind[k][0] for k in kinds)
+    core = sum(per_kind[k][1] for k in kinds)
+    fwd = tokens * (matmul + core + 2.0 * spec.dim * spec.vocab_size)
+    extra = {"none": 0.0, "selective": tokens * core, "full": tokens * (matmul + core)}[recompute]
+    return 3.0 * fwd + extra
+
+
+def bubble_fraction(lay: Layout) -> tuple[float, str]:
+    """Idle fraction of the pipelined step and where the number came from."""
+    p, m, v = lay.pp, lay.m, lay.vp
+    if p == 1:
+        return 0.0, "none"
+    if lay.schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1), "analytic"
+    if lay.schedule == "interleaved":
+        return (p - 1) / (v * m + p - 1), "analytic"
+    simulated = _simulated_bubble(lay.schedule, p, m, v)
+    if simulated is not None:
+        return simulated, "simulator"
+    # ZB-H1 (Qi et al. 2023) with equal F, B, W: the bubble shrinks to a third of 1F1B's; DualPipeV runs
+    # the same on a V of two chunks per rank.
+    chunks = 2 if lay.schedule == "dualpipev" else 1
+    return (p - 1) / (3 * chunks * m + p - 1), "approximation"
+
+
+@lru_cache(maxsize=256)
+def _simulated_bubble(schedule: str, p: int, m: int, v: int) -> float | None:
+    """Ask shardwise.pipeline.simulate, when it exists, for schedules without a closed form.
+
+    Expected interface: simulate(schedule, pp=..., microbatches=..., vp=...) returning an object or dict
+    with `bubble_fraction`. Anything else (module missing, other signature) falls back to the formula.
+    """
+    try:
+        from shardwise.pipeline.simulate import simulate
+    except ImportError:
+        return None
+    try:
+        res = simulate(schedule, pp=p, microbatches=m, vp=v)
+        frac = res["bubble_fraction"] if isinstance(res, dict) else res.bubble_fraction
+        return float(frac)
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+
+
+@lru_cache(maxsize=8192)
+def axis_links(dp: int, pp: int, cp: int, tp: int, ep: int, domain: int) -> dict:
+    lay = Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
+    return {axis: groups_link(axis_groups(lay, axis), domain) for axis in AXES}
+
+
+def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload) -> list[dict]:
+    """Per pipeline stage: its Stage, local Params, static breakdown, activation and total bytes."""
+    per_layer = {moe: layer_activation_bytes(spec, moe, lay, wl) for moe in (False, True)}
+    out = []
+    for st in stages(spec, lay):
+        local = stage_params(spec, st, lay)
+        static = static_bytes(local, lay)
+        act = stage_activation_bytes(spec, st, lay, wl, per_layer)
+        out.append({"stage": st, "params": local, "static": static, "activation": act, "total": static["total"] + act})
+    return out
+
+
+def fits(mem: list[dict], cluster: Cluster, assume: Assumptions) -> bool:
+    return max(s["total"] for s in mem) <= cluster.gpu.memory_bytes * assume.usable_memory
+
+
+def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """(hardware FLOPs, attention-core FLOPs fwd+bwd) of one microbatch on one rank of stage `st`."""
+    tokens = lay.mb * wl.seq_len // lay.cp
+    matmul = core = 0.0
+    for moe, n in ((False, st.n_dense), (True, st.n_moe)):
+        if n:
+            mm, cc = layer_flops_per_token(spec, moe, wl.seq_len, lay.tp)
+            matmul, core = matmul + n * mm, core + n * cc
+    head = 2.0 * spec.dim * padded_vocab(spec, lay.tp) // lay.tp if st.head else 0.0
+    extra = {"none": 0.0, "selective": core, "full": matmul + core}[lay.recompute]
+    return tokens * (3 * (matmul + core + head) + extra), tokens * 3 * core
+
+
+def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assume: Assumptions = Assumptions(),
+             mem: list[dict] | None = None, detail: bool = False) -> dict:
+    """The machine-readable prediction for one layout (see the CLI's --json contract)."""
+    mem = mem or memory_by_stage(spec, lay, wl)
+    links = axis_links(lay.dp, lay.pp, lay.cp, lay.tp, lay.ep, cluster.domain)
+    rate = {a: cluster.bandwidth(links[a]) * assume.link_efficiency for a in AXES}
+    peak = peak_flops(cluster, wl)
+    bubble, bubble_src = bubble_fraction(lay)
+
+    def seconds(led, axis):
+        return led.sent_bytes(axis) / rate[axis]
+
+    per_stage = []
+    for s in mem:
+        st = s["stage"]
+        mb, sync, total = step_comm(spec, st, lay, wl, s["params"])
+        hw, core = _stage_flops(spec, st, lay, wl)
+        t_comp = hw / (peak * assume.flops_efficiency)
+        t_cp = max(0.0, seconds(mb, "cp") - core / (peak * assume.flops_efficiency))
+        t_mb = t_comp + t_cp + sum(seconds(mb, a) for a in ("tp", "pp", "ep"))
+        t_sync = seconds(sync, "tp") + seconds(sync, "pp")
+        t_sync += (1 - assume.dp_overlap) * (seconds(sync, "dp_cp") + seconds(sync, "edp"))
+        updated = s["static"]["optimizer"] / 8  # parameters this rank's Adam step touches (its ZeRO shard)
+        t_opt = updated * ADAM_STEP_BYTES / cluster.gpu.hbm_bytes_per_s
+        per_stage.append({"mb": t_mb, "tail": t_sync + t_opt, "comp": t_comp, "ledger": total, **s})
+    t_pipe = lay.m * max(p["mb"] for p in per_stage) / (1 - bubble)
+    step_time = t_pipe + max(p["tail"] for p in per_stage)
+    model_f, hw_f = model_flops(spec, wl), model_flops(spec, wl, lay.recompute)
+    rank0 = per_stage[0]["ledger"]
+    out = {
+        "model": spec.name,
+        "cluster": cluster.describe(),
+        "layout": lay.as_dict(),
+        "layout_str": ",".join(f"{k}={str(v).lower()}" for k, v in lay.as_dict().items()),
+        "params_total": total_params(spec),
+        "params_per_rank": max(p["params"].total for p in per_stage),
+        "static_bytes_per_rank": max(p["static"]["total"] for p in per_stage),
+        "static_breakdown_per_rank": max((p["static"] for p in per_stage), key=lambda d: d["total"]),
+        "activation_bytes_per_rank": round(max(p["activation"] for p in per_stage)),
+        "total_bytes_per_rank": round(max(p["total"] for p in per_stage)),
+        "usable_bytes_per_rank": cluster.gpu.memory_bytes * assume.usable_memory,
+        "fits": fits(mem, cluster, assume),
+        "layers_per_stage": max(p["stage"].n_layers for p in per_stage),
+        "stage_layers": [p["stage"].n_layers for p in per_stage],
+        "bubble_fraction": bubble,
+        "bubble_source": bubble_src,
+        "comm_rank": "global rank 0 (stage 0); see stages[] for the others",
+        "comm_bytes_per_step": rank0.per_axis("bytes"),
+        "comm_wire_bytes_per_step": rank0.per_axis("wire_bytes"),
+        "comm_ops_per_step": rank0.ops,
+        "comm_links": {a: links[a] for a in AXES if links[a]},
+        "comm_time_s": {a: rank0.sent_bytes(a) / rate[a] for a in rank0.ops},
+        "model_flops_per_step": model_f,
+        "hardware_flops_per_step": hw_f,
+        "compute_time_s": lay.m * max(p["comp"] for p in per_stage),
+        "step_time_s": step_time,
+        "mfu": model_f / (step_time * cluster.gpus * peak),
+        "tokens_per_s": wl.global_batch * wl.seq_len / step_time,
+        "assumptions": asdict(assume),
+    }
+    if detail:
+        out["stages"] = [{
+            "stage": p["stage"].index, "layers": p["stage"].n_layers, "embedding": p["stage"].embedding,
+            "head": p["stage"].head, "params": p["params"].total, "static_bytes": p["static"]["total"],
+            "activation_bytes": round(p["activation"]), "total_bytes": round(p["total"]), "microbatch_time_s": p["mb"],
+            "comm_bytes_per_step": p["ledger"].per_axis("bytes"), "comm_ops_per_step": p["ledger"].ops,
+        } for p in per_stage]
+    return out

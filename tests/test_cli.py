@@ -1,0 +1,58 @@
+"""The command line: bad input exits 2 with one line, train writes its run directory, verify prints JSON."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def shardwise(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--pp", "2"], "pipeline parallelism (pp=2) is not implemented yet"),
+    (["train", "--tp", "3"], "--tp 3 does not divide n_heads=8"),
+    (["train", "--model", "nope"], "unknown model 'nope'; valid presets: tiny"),
+    (["train", "--data", "/nonexistent.txt"], "no such file"),
+    (["train", "--seq-len", "4096"], "exceeds max_seq_len=512"),
+    (["train", "--steps", "0"], "--steps 0 must be a positive integer"),
+    (["verify", "--tp", "2", "--attn-dropout", "0.1"], "verify needs --attn-dropout 0"),
+    (["train", "--dp", "2", "--global-batch", "7"], "must be a multiple of micro-batch 4 × dp 2"),
+])
+def test_bad_input_exits_2_with_one_line(args, message):
+    t0 = time.monotonic()
+    r = shardwise(*args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_train_writes_run_directory(tmp_path):
+    out = tmp_path / "run"
+    r = shardwise("train", "--steps", "30", "--out", str(out), "--no-progress", "--seq-len", "64")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 31))
+    assert set(rows[0]) >= {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s"}
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0  # the default 4-rank job visibly learns
+    ledger = json.loads((out / "comm.json").read_text())
+    assert ledger["layout"]["tp"] == 2 and ledger["layout"]["dp"] == 2
+    assert ledger["per_step"][0]["axes"]["tp"]["all_reduce"]["bytes"] > 0
+    assert ledger["per_step"][0]["axes"]["dp_cp"]["all_reduce"]["bytes"] > 0
+    assert len(list((out / "comm").glob("rank*.json"))) == 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_loss"] == rows[-1]["loss"]
+    assert "trained tiny" in r.stdout
+
+
+def test_verify_prints_json_last_line():
+    r = shardwise("verify", "--tp", "2", "--dp", "2", "--steps", "2")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(result) >= {"layout", "steps", "max_loss_abs_diff", "max_grad_rel_diff", "max_param_rel_diff",
+                           "passed"}
+    assert result["passed"] is True and result["steps"] == 2 and result["layout"]["tp"] == 2
