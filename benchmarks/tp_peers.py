@@ -252,6 +252,11 @@ def main(argv=None) -> int:
         medians[name] = statistics.median(step)
         q = statistics.quantiles(step, n=4) if len(step) > 1 else [step[0]] * 3
         print(f"  {name:10s} median {medians[name] * 1e3:8.2f} ms  (p25 {q[0] * 1e3:.2f}, p75 {q[2] * 1e3:.2f})")
+    steps = {name: [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))] for name in impls}
+    paired = {f"vs_{k}": statistics.median(a / b for a, b in zip(steps["shardwise"], steps[k]))
+              for k in impls if k != "shardwise"}  # same repetition, same machine noise
+    for k, r in paired.items():
+        print(f"  paired per-rep ratio shardwise/{k[3:]}: median {r:.3f}")
     if per_rank[0]["profile"]:
         for name, table in per_rank[0]["profile"].items():
             print(f"\n=== profile: {name} (rank 0, 5 steps) ===\n{table}")
@@ -266,7 +271,7 @@ def main(argv=None) -> int:
               "batch": args.batch, "seq": args.seq, "tp": TP, "reps": args.reps, "warmup": args.warmup,
               "threads_per_rank": 1, "megatron_layout": "unfused" if args.megatron_unfused else "fused",
               "torch": torch.__version__}
-    print(json.dumps({"medians_s": medians, "ratios": ratios, "config": config}))
+    print(json.dumps({"medians_s": medians, "ratios": ratios, "config": config, "paired_ratios": paired}))
     return 0
 
 

@@ -18,6 +18,7 @@ addressed to other ranks, send N.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 
 import torch
@@ -161,6 +162,43 @@ def broadcast(t: torch.Tensor, axis, src_rank: int = 0, tag: str | None = None) 
             _nbytes(t) if axis.rank == src_rank else 0, tag)
     dist.broadcast(t, src=axis.ranks[src_rank], group=axis.group)
     return t
+
+
+def all_to_all(inp: torch.Tensor, axis, in_splits: list[int] | None = None, out_splits: list[int] | None = None,
+               tag: str | None = None) -> torch.Tensor:
+    """`all_to_all_single` along dim 0 with optional variable splits (rows sent to / received from each rank)."""
+    if not axis.active:
+        return inp
+    n = axis.size
+    row = math.prod(inp.shape[1:]) * inp.element_size()
+    if out_splits is None:
+        out = torch.empty_like(inp)
+        sent_to_others = _nbytes(inp) * (n - 1) / n
+    else:
+        out = inp.new_empty((sum(out_splits), *inp.shape[1:]))
+        sent_to_others = row * (sum(in_splits) - in_splits[axis.rank])
+    _record(axis, "all_to_all", _nbytes(inp), sent_to_others, tag)
+    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=axis.group)
+    return out
+
+
+def p2p(ops, tag: str | None = None) -> list:
+    """Batched non-blocking point-to-point: `ops` is a list of ("send" | "recv", tensor, axis, peer_axis_rank).
+
+    Returns the work handles (call `.wait()` on each). Sends record the tensor's bytes on their
+    axis; receives record only their count (they contribute no payload).
+    """
+    p2p_ops = []
+    for kind, t, axis, peer in ops:
+        if kind == "send":
+            _record(axis, "send", _nbytes(t), _nbytes(t), tag)
+            p2p_ops.append(dist.P2POp(dist.isend, t, axis.ranks[peer], group=axis.group))
+        elif kind == "recv":
+            _record(axis, "recv", 0, 0, tag)
+            p2p_ops.append(dist.P2POp(dist.irecv, t, axis.ranks[peer], group=axis.group))
+        else:
+            raise ValueError(f"p2p op {kind!r}: expected 'send' or 'recv'")
+    return dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
 
 
 def all_gather_object(obj, axis) -> list:

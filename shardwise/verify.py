@@ -20,7 +20,7 @@ from .mesh import Mesh
 from .tensor_parallel.layers import get_spec
 from .train import Trainer, make_mesh
 
-TOLERANCE = {"fp32": dict(loss=1e-5, grad=1e-4, param=1e-4), "bf16": dict(loss=2e-2, grad=5e-2, param=2e-2)}
+TOLERANCE = {"fp32": dict(loss=1e-5, grad=1e-4, param=1e-4), "bf16": dict(loss=2e-3, grad=1e-1, param=5e-2)}
 
 
 def check_verifiable(cfg: TrainConfig) -> None:

@@ -197,7 +197,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         "comm_bytes_per_step": rank0.per_axis("bytes"),
         "comm_wire_bytes_per_step": rank0.per_axis("wire_bytes"),
         "comm_ops_per_step": rank0.ops,
-        "comm_links": {a: links[a] for a in AXES if links[a]},
+        "comm_links": {a: links[a] for a in AXES if links[a] and (spec.is_moe or a not in ("ep", "edp"))},
         "comm_time_s": {a: rank0.sent_bytes(a) / rate[a] for a in rank0.ops},
         "model_flops_per_step": model_f,
         "hardware_flops_per_step": hw_f,

@@ -1,0 +1,342 @@
+"""The planner is pure arithmetic: every check here runs in-process, without torch.distributed."""
+from __future__ import annotations
+
+import ast
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shardwise.config import MODEL_PRESETS, ModelConfig
+from shardwise.planner import (
+    Assumptions, Cluster, Layout, PlanError, Workload, bubble_fraction, estimate, get_gpu, get_model,
+    load_hf_config, memory_by_stage, model_flops, parse_layout, search, step_comm, total_params, wire_bytes,
+)
+from shardwise.planner.cli import main
+from shardwise.planner.layout import stages
+from shardwise.planner.memory import layer_activation_bytes, stage_params
+from shardwise.planner.models import ModelSpec
+from shardwise.planner.search import SearchSpace
+
+H100 = get_gpu("h100-80gb")
+DONE_WHEN = ["plan", "--model", "llama3-70b", "--gpus", "256", "--gpus-per-node", "8", "--gpu", "h100-80gb",
+             "--seq-len", "4096", "--global-batch", "1024"]
+CONTRACT_KEYS = {"layout", "params_total", "params_per_rank", "static_bytes_per_rank", "activation_bytes_per_rank",
+                 "layers_per_stage", "bubble_fraction", "comm_bytes_per_step", "comm_wire_bytes_per_step",
+                 "comm_ops_per_step", "model_flops_per_step", "hardware_flops_per_step", "step_time_s", "mfu", "fits"}
+
+
+def rank0_ledger(spec, lay, wl):
+    mem = memory_by_stage(spec, lay, wl)
+    return step_comm(spec, mem[0]["stage"], lay, wl, mem[0]["params"])[2].ops
+
+
+def static_of(spec, lay, wl=Workload()):
+    return max(memory_by_stage(spec, lay, wl), key=lambda s: s["total"])["static"]
+
+
+def activation_of(spec, lay, wl=Workload()):
+    return max(s["activation"] for s in memory_by_stage(spec, lay, wl))
+
+
+# --- textbook sanity -------------------------------------------------------------------------------
+
+def test_70b_static_memory_is_16_bytes_per_param():
+    spec = get_model("llama3-70b")
+    static = static_of(spec, Layout(zero=0, sp=False))
+    assert static["total"] == 16 * total_params(spec)
+    assert static["total"] == pytest.approx(1120e9, rel=0.01)
+
+
+def test_tp8_pp4_on_256_gpus_leaves_dp8():
+    lay = parse_layout("tp=8,pp=4", Layout(), 256, 1024)
+    assert (lay.dp, lay.tp, lay.pp, lay.m) == (8, 8, 4, 128)
+
+
+@pytest.mark.parametrize("m,expected", [(8, 7 / 15), (64, 7 / 71)])
+def test_1f1b_bubble(m, expected):
+    assert bubble_fraction(Layout(pp=8, m=m))[0] == pytest.approx(expected)
+    assert bubble_fraction(Layout(pp=8, m=m, schedule="gpipe"))[0] == pytest.approx(expected)
+
+
+def test_interleaved_bubble_and_zero_bubble_fallback():
+    assert bubble_fraction(Layout(pp=8, m=8, vp=2, schedule="interleaved"))[0] == pytest.approx(7 / 23)
+    frac, source = bubble_fraction(Layout(pp=8, m=8, schedule="zb"))
+    assert source in ("simulator", "approximation") and 0 <= frac < 7 / 15
+
+
+def test_tp_all_reduce_wire_volume():
+    s = h = 8192
+    t = 8
+    assert wire_bytes("all_reduce", s * h * 2, t) == 2 * (t - 1) / t * (s * h * 2)
+    spec = replace(get_model("llama3-70b"), dim=h)
+    ops = rank0_ledger(spec, Layout(tp=t, mb=1, m=1, sp=False), Workload(seq_len=s, global_batch=1))
+    ar = ops["tp"]["all_reduce"]
+    # 1 embedding (fp32) + 4 per layer + 1 head backward (bf16) + 2 small CE all-reduces.
+    assert ar["count"] == 1 + 4 * 80 + 1 + 2
+    assert ar["bytes"] == s * h * 4 + (4 * 80 + 1) * s * h * 2 + s * 4 + s * 8
+
+
+# --- parameters ----------------------------------------------------------------------------------
+
+def test_param_counts():
+    assert total_params(get_model("llama3-8b")) == pytest.approx(8.03e9, rel=1e-3)
+    assert total_params(get_model("llama3-70b")) == pytest.approx(70.6e9, rel=1e-3)
+    assert total_params(get_model("mixtral-8x7b")) == pytest.approx(46.7e9, rel=2e-3)
+    assert total_params(get_model("deepseek-v3")) == pytest.approx(671e9, rel=5e-3)
+    assert total_params(get_model("tiny")) == ModelConfig().num_params()
+    for name, cfg in MODEL_PRESETS.items():
+        assert total_params(get_model(name)) == cfg.num_params(), name
+
+
+def test_tp_shards_and_pads_vocab():
+    spec = get_model("tiny")  # vocab 257 pads to 258 under tp=2
+    local = stage_params(spec, stages(spec, Layout(tp=2))[0], Layout(tp=2))
+    emb = 129 * 128
+    layer = 64 * 128 * 2 + 32 * 128 * 2 + 3 * 128 * 176 + 2 * 128
+    assert local.total == 2 * emb + 4 * layer + 128
+    assert local.sp_replicated == (2 * 4 + 1) * 128
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+def test_more_tp_less_static_memory():
+    spec = get_model("llama3-70b")
+    static = [static_of(spec, Layout(tp=t, dp=8, zero=1))["total"] for t in (1, 2, 4, 8)]
+    assert static == sorted(static, reverse=True) and len(set(static)) == 4
+
+
+def test_zero1_divides_optimizer_state_by_dp():
+    spec = get_model("llama3-8b")
+    z0 = static_of(spec, Layout(dp=8, tp=2, zero=0))
+    z1 = static_of(spec, Layout(dp=8, tp=2, zero=1))
+    assert z0["optimizer"] / z1["optimizer"] == pytest.approx(8, rel=1e-6)
+    assert z0["weights"] == z1["weights"] and z0["grads"] == z1["grads"]
+
+
+def test_sequence_parallel_reduces_activations():
+    spec = get_model("llama3-70b")
+    assert activation_of(spec, Layout(tp=8, sp=True)) < activation_of(spec, Layout(tp=8, sp=False))
+
+
+def test_recompute_order():
+    spec = get_model("llama3-8b")
+    act = {r: activation_of(spec, Layout(tp=4, recompute=r)) for r in ("none", "selective", "full")}
+    assert act["full"] < act["selective"] < act["none"]
+
+
+GPT = ModelSpec(name="gpt", vocab_size=51200, dim=2048, n_layers=24, n_heads=16, n_kv_heads=16, head_dim=128,
+                ffn_dim=8192, max_seq_len=2048, mlp="gelu", norm="layernorm", dropout=0.1, attn_dropout=0.1)
+
+
+@pytest.mark.parametrize("t", [1, 8])
+def test_korthikanti_activation_formulas(t):
+    s, b, h, a = 2048, 4, GPT.dim, GPT.n_heads
+    wl = Workload(seq_len=s, precision="bf16")
+    act = lambda **kw: layer_activation_bytes(GPT, False, Layout(tp=t, mb=b, **kw), wl)  # noqa: E731
+    sbh = s * b * h
+    assert act(sp=False, recompute="none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert act(sp=True, recompute="none") == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert act(sp=True, recompute="selective") == pytest.approx(34 * sbh / t)
+    assert act(sp=True, recompute="full") == pytest.approx(2 * sbh / t)
+
+
+def test_narayanan_flops():
+    B, s, l, h, V = 512, 2048, GPT.n_layers, GPT.dim, GPT.vocab_size
+    wl = Workload(seq_len=s, global_batch=B)
+    assert model_flops(GPT, wl) == pytest.approx(72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)))
+    assert model_flops(GPT, wl, "full") == pytest.approx(96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)))
+
+
+# --- Hugging Face configs ------------------------------------------------------------------------
+
+LLAMA = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 512}
+
+
+def _write(tmp_path, cfg) -> Path:
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+def _llama_count(h, L, heads, kv, hd, ffn, V, tied=False, qkv_bias=False):
+    attn = h * heads * hd * 2 + h * kv * hd * 2 + ((heads + 2 * kv) * hd if qkv_bias else 0)
+    return L * (attn + 3 * h * ffn + 2 * h) + h + V * h * (1 if tied else 2)
+
+
+def test_hf_llama_mistral_qwen2(tmp_path):
+    spec = load_hf_config(_write(tmp_path, LLAMA))
+    assert total_params(spec) == _llama_count(256, 2, 8, 4, 32, 512, 1000)
+    spec = load_hf_config(_write(tmp_path, LLAMA | {"model_type": "mistral", "head_dim": 64}))
+    assert spec.head_dim == 64 and total_params(spec) == _llama_count(256, 2, 8, 4, 64, 512, 1000)
+    spec = load_hf_config(_write(tmp_path, LLAMA | {"model_type": "qwen2", "tie_word_embeddings": True}))
+    assert total_params(spec) == _llama_count(256, 2, 8, 4, 32, 512, 1000, tied=True, qkv_bias=True)
+
+
+def test_hf_mixtral(tmp_path):
+    spec = load_hf_config(_write(tmp_path, LLAMA | {"model_type": "mixtral", "num_local_experts": 4,
+                                                    "num_experts_per_tok": 2}))
+    h, L = 256, 2
+    attn = h * 256 * 2 + h * 128 * 2
+    assert spec.is_moe and spec.topk == 2
+    assert total_params(spec) == L * (attn + 4 * 3 * h * 512 + 4 * h + 2 * h) + h + 2 * 1000 * h
+
+
+def test_hf_gpt2_small_is_124m(tmp_path):
+    cfg = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
+    assert total_params(load_hf_config(_write(tmp_path, cfg))) == 124_439_808
+
+
+def test_hf_errors(tmp_path):
+    with pytest.raises(PlanError, match="'bert' is not supported; supported: llama, mistral, mixtral, qwen2, gpt2"):
+        load_hf_config(_write(tmp_path, {"model_type": "bert", "hidden_size": 768}))
+    with pytest.raises(PlanError, match="'num_hidden_layers' must be a positive integer"):
+        load_hf_config(_write(tmp_path, {k: v for k, v in LLAMA.items() if k != "num_hidden_layers"}))
+    with pytest.raises(PlanError, match="no such file"):
+        load_hf_config(tmp_path / "missing.json")
+
+
+# --- communication, op by op ---------------------------------------------------------------------
+
+def test_tiny_tp2_sp_comm_ops_by_hand():
+    """b=2, s=64, h=128, L=4, t=2, bf16 (e=2), m=2 microbatches.
+
+    Per microbatch: embedding RS of b·s·h·4 = 65536 and AG of b·s/t·h·4 = 32768; 4 layers × (4 AG of
+    b·s/t·h·e = 16384 and 4 RS of b·s·h·e = 32768); head AG 16384 and RS 32768; CE all-reduces of
+    b·s·4 = 512 and b·s·8 = 1024. Per step: one all-reduce of (2L+1)·h·4 = 4608 bytes of norm grads.
+    """
+    ops = rank0_ledger(get_model("tiny"), Layout(tp=2, mb=2, m=2, sp=True), Workload(seq_len=64, global_batch=4))
+    assert ops == {"tp": {
+        "reduce_scatter": {"count": 36, "bytes": 2 * (65536 + 17 * 32768), "wire_bytes": 2 * (32768 + 17 * 16384)},
+        "all_gather": {"count": 36, "bytes": 2 * (32768 + 17 * 16384), "wire_bytes": 2 * (32768 + 17 * 16384)},
+        "all_reduce": {"count": 5, "bytes": 2 * 1536 + 4608, "wire_bytes": 2 * 1536 + 4608},
+    }}
+
+
+def test_tiny_dp_grad_sync_by_zero_stage():
+    spec, wl = get_model("tiny"), Workload(seq_len=64, global_batch=4)
+    local = 2 * 129 * 128 + 4 * (64 * 128 * 2 + 32 * 128 * 2 + 3 * 128 * 176 + 2 * 128) + 128  # 402816, even
+    z0 = rank0_ledger(spec, Layout(dp=2, tp=2, mb=2, m=1, zero=0), wl)["dp_cp"]
+    assert z0 == {"all_reduce": {"count": 1, "bytes": local * 4, "wire_bytes": local * 4}}
+    z1 = rank0_ledger(spec, Layout(dp=2, tp=2, mb=2, m=1, zero=1), wl)["dp_cp"]
+    assert z1 == {"reduce_scatter": {"count": 1, "bytes": local * 4, "wire_bytes": local * 2},
+                  "all_gather": {"count": 1, "bytes": local * 2, "wire_bytes": local * 2}}
+    odd = rank0_ledger(get_model("tiny"), Layout(dp=3, zero=1), wl)["dp_cp"]  # 804224 params pad to 804225
+    assert odd["reduce_scatter"]["bytes"] == 804225 * 4 and odd["all_gather"]["bytes"] == 268075 * 4
+
+
+def test_replicated_kv_heads_all_reduce():
+    spec = get_model("llama3-8b")  # 8 KV heads, tp=16: every rank holds one full head
+    ops = rank0_ledger(spec, Layout(tp=16, sp=False, m=1), Workload(seq_len=1024, global_batch=1))
+    kv_buf = 8 * 128 * 4096 * 2 * 32 * 4  # n_kv · head_dim · h · (K and V) · L · fp32
+    act = 1024 * 4096
+    ar = ops["tp"]["all_reduce"]
+    assert ar["count"] == 1 + 4 * 32 + 1 + 2 + 1
+    assert ar["bytes"] == act * 4 + (4 * 32 + 1) * act * 2 + 1024 * 12 + kv_buf
+
+
+def test_pp_cp_ep_axes_are_counted():
+    spec = get_model("mixtral-8x7b")
+    lay = Layout(dp=4, tp=2, pp=2, cp=2, ep=4, mb=1, m=4)
+    ops = rank0_ledger(spec, lay, Workload(seq_len=4096, global_batch=16))
+    assert ops["pp"]["send"]["count"] == 4 and ops["pp"]["send"]["bytes"] == 4 * 2048 // 2 * 4096 * 2
+    blk = 2048 * 4 * 128 * 2  # tokens · local KV heads · head dim · e
+    assert ops["cp"]["send"] == {"count": 4 * 16 * 2 * 3, "bytes": 4 * 16 * 2 * 3 * blk, "wire_bytes": 4 * 16 * 2 * 3 * blk}
+    tokens = 2048 // 2
+    a2a = ops["ep"]["all_to_all"]
+    assert a2a["count"] == 4 * 16 * 5
+    assert a2a["bytes"] == 4 * 16 * (8 * 8 + 4 * 2 * tokens * 4096 * 2)
+    assert set(ops) == {"tp", "pp", "cp", "ep", "dp_cp", "edp"}
+
+
+# --- search and CLI ------------------------------------------------------------------------------
+
+def test_done_when_command(capsys):
+    t0 = time.perf_counter()
+    assert main(DONE_WHEN) == 0
+    assert time.perf_counter() - t0 < 1.0
+    out = capsys.readouterr().out
+    assert "dp" in out and "MFU" in out and len(out.splitlines()) >= 14
+    assert main(DONE_WHEN + ["--json", "--top", "50"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(r["fits"] and r["total_bytes_per_rank"] <= 0.9 * 80e9 for r in rows)
+    assert [r["step_time_s"] for r in rows] == sorted(r["step_time_s"] for r in rows)
+    assert all(r["layout"]["tp"] <= 8 for r in rows)
+
+
+def test_explain_json_contract(capsys):
+    assert main(DONE_WHEN + ["--explain", "dp=8,tp=8,pp=4", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert CONTRACT_KEYS <= set(est)
+    assert est["layout"] | {} == est["layout"] and {"dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "schedule", "zero",
+                                                     "recompute", "sp"} <= set(est["layout"])
+    assert (est["layout"]["dp"], est["layers_per_stage"], est["layout"]["m"]) == (8, 20, 128)
+    assert est["bubble_fraction"] == pytest.approx(3 / 131)
+    assert est["hardware_flops_per_step"] > est["model_flops_per_step"] > 0
+    assert set(est["comm_bytes_per_step"]) == {"tp", "pp", "dp_cp"}
+    assert est["comm_links"]["tp"] == "nvlink" and est["comm_links"]["dp_cp"] == "network"
+    assert main(DONE_WHEN + ["--explain", "dp=8,tp=8,pp=4"]) == 0
+    assert "reduce_scatter" in capsys.readouterr().out
+
+
+def test_explain_matches_hand_counts_via_cli(capsys):
+    argv = ["plan", "--model", "tiny", "--gpus", "2", "--seq-len", "64", "--explain", "tp=2,mb=2,m=2,sp=on", "--json"]
+    assert main(argv) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["comm_ops_per_step"]["tp"]["all_reduce"] == {"count": 5, "bytes": 7680, "wire_bytes": 7680}
+    assert est["comm_bytes_per_step"]["tp"] == 2 * (65536 + 17 * 32768) + 2 * (32768 + 17 * 16384) + 7680
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--model", "llama3-8b", "--gpu", "v100"], "unknown GPU 'v100'"),
+    (["--model", "llama3-70b", "--gpus", "192", "--explain", "tp=3,pp=4"], "tp=3 does not divide n_heads=64"),
+    (["--model", "llama3-70b", "--gpus", "256", "--explain", "dp=8,tp=8,pp=3"], "!= 256 GPUs"),
+    (["--model", "llama3-70b", "--explain", "tp=8,bogus=1"], "unknown key 'bogus'"),
+])
+def test_bad_inputs_exit_2_with_one_line(capsys, argv, needle):
+    assert main(["plan"] + argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_tp_stays_in_nvlink_domain_unless_allowed():
+    spec, wl = get_model("llama3-70b"), Workload(seq_len=4096, global_batch=64)
+    cluster = Cluster(H100, 32, 8)
+    assert max(r["layout"]["tp"] for r in search(spec, cluster, wl)) <= 8
+    wide = search(spec, cluster, wl, SearchSpace(allow_tp_cross_domain=True))
+    assert max(r["layout"]["tp"] for r in wide) > 8
+
+
+def test_nvl72_domain_spans_nodes():
+    cluster = Cluster(get_gpu("gb200-nvl72"), 144, 4)
+    assert cluster.domain == 72
+    est = estimate(get_model("llama3-70b"), cluster, Layout(dp=2, tp=8, pp=9, m=8), Workload(global_batch=16))
+    assert est["comm_links"] == {"tp": "nvlink", "pp": "nvlink", "dp_cp": "network"}
+    est = estimate(get_model("llama3-70b"), cluster, Layout(dp=9, tp=8, pp=2, m=8), Workload(global_batch=72))
+    assert est["comm_links"]["pp"] == "network"  # dp=4's stage pair (ranks 64-79) straddles two racks
+
+
+def test_moe_search_uses_expert_parallelism():
+    rows = search(get_model("mixtral-8x7b"), Cluster(H100, 64, 8), Workload(seq_len=4096, global_batch=256),
+                  SearchSpace(micro_batches=(1,)))
+    assert rows and any(r["layout"]["ep"] > 1 for r in rows) and all(r["fits"] for r in rows)
+
+
+def test_planner_imports_no_torch():
+    root = Path(__file__).resolve().parents[1] / "shardwise" / "planner"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "torch" or n.startswith("torch.") for n in names), path.name
+
+
+def test_mfu_is_consistent():
+    est = estimate(get_model("llama3-8b"), Cluster(H100, 8, 8), Layout(dp=8, m=4, mb=4), Workload(global_batch=128),
+                   Assumptions(flops_efficiency=0.5))
+    assert 0 < est["mfu"] < 0.5
+    assert est["mfu"] == pytest.approx(est["model_flops_per_step"] / (est["step_time_s"] * 8 * H100.peak_bf16_flops))
