@@ -23,6 +23,11 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
                        + (" (-1: the rest of the world size)" if axis == "dp" else ""))
     g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism in TP regions")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage: 0 or 1 (AdamW state sharded over dp)")
+    g.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zb, dualpipev")
+    g.add_argument("--vp", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step per dp rank (sets global batch = M × micro-batch × dp)")
+    g.add_argument("--pp-layers", default=None, help="layers per stage, comma-separated (pp × vp counts)")
 
 
 def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
@@ -68,7 +73,17 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
     degrees = {a: given.get(a, 1) for a in ("dp", "tp", "pp", "cp", "ep")}
     if torchrun_world is not None and "dp" not in given:
         degrees["dp"] = -1
-    parallel = ParallelConfig(**degrees, sequence_parallel=args.sequence_parallel, zero=args.zero)
+    try:
+        pp_layers = [int(c) for c in args.pp_layers.split(",")] if args.pp_layers else None
+    except ValueError:
+        raise ConfigError(f"--pp-layers {args.pp_layers!r} must be comma-separated integers, e.g. 3,3,2") from None
+    parallel = ParallelConfig(**degrees, sequence_parallel=args.sequence_parallel, zero=args.zero,
+                              schedule=args.schedule, vp=args.vp, pp_layers=pp_layers)
+    if args.microbatches is not None:
+        if args.microbatches <= 0 or (args.global_batch is not None):
+            raise ConfigError(f"--microbatches {args.microbatches} must be positive and not combined with "
+                              "--global-batch")
+        args.global_batch = args.microbatches * args.micro_batch * max(1, degrees["dp"])
     cfg = TrainConfig(model=args.model, parallel=parallel, steps=args.steps, seq_len=args.seq_len,
                       micro_batch=args.micro_batch, global_batch=args.global_batch, lr=args.lr, seed=args.seed,
                       dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,
@@ -100,8 +115,8 @@ def _torchrun() -> bool:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if hasattr(args, "run"):
-        return args.run(args)
+    if hasattr(args, "func"):
+        return args.func(args)
     torchrun_world = int(os.environ["WORLD_SIZE"]) if _torchrun() else None
     try:
         cfg = config_from_args(args, torchrun_world)
@@ -153,6 +168,12 @@ def _print_summary(s: dict) -> None:
           f"{s['final_loss']:.4f}, {s['tokens_per_s']:.0f} tokens/s")
     comm_s = ", ".join(f"{a} {b / 2**20:.2f} MiB" for a, b in s["comm_bytes_per_step"].items()) or "none"
     print(f"communication per step (payload bytes per rank): {comm_s}")
+    if "pipeline" in s:
+        pl = s["pipeline"]
+        ana = "n/a" if pl["analytic_bubble"] is None else f"{pl['analytic_bubble']:.3f}"
+        print(f"pipeline {pl['schedule']}: bubble analytic {ana}, simulated {pl['simulated_bubble']:.3f}, "
+              f"measured {pl['measured_bubble']:.3f}; peak in-flight microbatches per stage "
+              f"{pl['peak_inflight_per_stage']} (timeline.json)")
     print(f"run directory: {s['out']} (metrics.jsonl, comm.json, summary.json)")
 
 

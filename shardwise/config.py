@@ -21,13 +21,13 @@ class ModelConfig:
     name: str = "tiny"
     vocab_size: int = 257
     """Number of real token ids. Byte-level tokenizer: 256 bytes + 1 end-of-document id."""
-    dim: int = 128
+    dim: int = 96
     """Hidden size h."""
-    n_layers: int = 4
+    n_layers: int = 8
     n_heads: int = 8
     n_kv_heads: int = 4
     """Key/value heads (GQA). Must divide n_heads."""
-    ffn_dim: int = 352
+    ffn_dim: int = 256
     """SwiGLU inner size (w1/w3 output features)."""
     max_seq_len: int = 512
     rope_theta: float = 10000.0
@@ -100,7 +100,7 @@ def get_model_config(name: str, **overrides) -> ModelConfig:
 
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
-NOT_IMPLEMENTED = {"pp": "pipeline", "cp": "context", "ep": "expert"}
+NOT_IMPLEMENTED = {"cp": "context", "ep": "expert"}
 
 
 @dataclass
@@ -118,12 +118,21 @@ class ParallelConfig:
     """Megatron sequence parallelism in the TP regions (norms/residuals on s/tp shards)."""
     zero: int = 0
     """ZeRO stage: 0 (replicated AdamW state) or 1 (AdamW state sharded over dp)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb or dualpipev."""
+    vp: int = 1
+    """Model chunks (virtual stages) per pipeline rank: >1 for interleaved; dualpipev uses 2."""
+    pp_layers: list[int] | None = None
+    """Layers per stage (pp × vp counts), for uneven splits; default an even split."""
 
     def describe(self) -> str:
         return ", ".join(f"{a}={getattr(self, a)}" for a in AXES)
 
     def as_dict(self) -> dict:
-        return {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
+        out = {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
+        if self.pp > 1:
+            out |= {"schedule": self.schedule, "vp": self.vp, "pp_layers": self.pp_layers}
+        return out
 
 
 @dataclass
@@ -231,8 +240,33 @@ class TrainConfig:
                 )
         if self.dtype not in ("fp32", "bf16"):
             raise ConfigError(f"--dtype {self.dtype!r} is not supported; valid: fp32, bf16")
+        if p.pp > 1:
+            self._validate_pipeline(m)
+        elif p.vp != 1 or p.pp_layers is not None:
+            raise ConfigError("--vp / --pp-layers need --pp > 1")
         if self.timeout_s <= 0:
             raise ConfigError(f"--collective-timeout {self.timeout_s} must be positive (seconds)")
+
+    def _validate_pipeline(self, m: ModelConfig) -> None:
+        from .pipeline.schedules import SCHEDULE_NAMES, build_schedule
+        from .pipeline.stage import split_layers
+
+        p = self.parallel
+        if p.schedule not in SCHEDULE_NAMES:
+            raise ConfigError(f"--schedule {p.schedule!r} is unknown; valid: {', '.join(SCHEDULE_NAMES)}")
+        if p.schedule == "dualpipev":
+            p.vp = 2
+        elif p.schedule != "interleaved" and p.vp != 1:
+            raise ConfigError(f"--vp {p.vp} needs --schedule interleaved (schedule {p.schedule} runs one chunk per rank)")
+        if m.tie_embeddings:
+            raise ConfigError("--tie-embeddings with --pp > 1 is not supported: embedding and LM head live on "
+                              "different stages")
+        try:
+            build_schedule(p.schedule, p.pp, self.grad_accum, p.vp)
+        except ValueError as e:
+            raise ConfigError(f"{e} (microbatches = global batch / (micro-batch × dp) = {self.grad_accum}; "
+                              f"set --microbatches)") from None
+        split_layers(m.n_layers, p.pp * p.vp, p.pp_layers)
 
     @property
     def grad_accum(self) -> int:

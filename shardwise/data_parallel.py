@@ -122,6 +122,7 @@ class GradReducer:
             for _, p in self.named:
                 sq += _grad(p).float().pow(2).sum() / get_spec(p).replicas
         comm.all_reduce(sq, self.tp, tag="grad_norm")
+        comm.all_reduce(sq, self.mesh["pp"], tag="grad_norm")  # stages hold disjoint parameters
         return sq
 
     def reduce_and_clip(self, max_norm: float) -> float:

@@ -55,7 +55,7 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     model.output = ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    model.tp_axis, model.vocab_start = tp, model.tok_embeddings.vocab_start
+    model.tp_axis, model.vocab_start, model.sequence_parallel = tp, model.tok_embeddings.vocab_start, sp
     # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens).
     for name, p in model.named_parameters():
         if not hasattr(p, "_sw_shard"):
@@ -95,11 +95,27 @@ def global_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
-def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool = False) -> Transformer:
-    """The model for this rank of `mesh` (the single-device model when every degree is 1)."""
+def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool = False,
+                schedule=None, pp_layers: list[int] | None = None) -> Transformer:
+    """The model for this rank of `mesh` (the single-device model when every degree is 1).
+
+    With a pipeline `schedule`, only this rank's stages are kept and `model.chunks` lists them in
+    local-chunk order; with a split-backward schedule its linear layers defer dW to a store.
+    """
     with torch.device("meta"):
         model = Transformer(cfg)
     apply_tensor_parallel(model, mesh, sequence_parallel)
+    model.chunks = None
+    if schedule is not None:
+        from .pipeline.grad_store import WeightGradStore
+        from .pipeline.stage import prune_to_stages, split_layers
+
+        stage_layers = split_layers(cfg.n_layers, schedule.num_stages, pp_layers)
+        model.chunks = prune_to_stages(model, mesh["pp"].rank, schedule.layout, stage_layers)
+        model.grad_store = WeightGradStore() if schedule.split_bw else None
+        for m in model.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                m.grad_store = model.grad_store
     materialize(model, cfg, seed, mesh.device)
     tracker = RNGTracker(seed, mesh["tp"].rank, mesh["pp"].rank, mesh.device)
     for m in model.modules():

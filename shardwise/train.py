@@ -40,13 +40,27 @@ class Trainer:
         self.cfg, self.mesh = cfg, mesh
         self.model_cfg = cfg.model_config()
         p = cfg.parallel
-        self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel)
+        self.schedule = None
+        if p.pp > 1:
+            from .pipeline.schedules import build_schedule
+
+            self.schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
+        self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel, self.schedule, p.pp_layers)
         self.model.train()
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay)
         tokens = load_tokens(cfg.data) if tokens is None else tokens
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
         self.loader = Loader(tokens, cfg.seq_len, self.global_batch, cfg.seed)
         self.step = 0
+        self.executor = None
+        if self.schedule is not None:
+            from .pipeline.runtime import PipelineExecutor
+
+            s_local = cfg.seq_len // (p.tp if p.sequence_parallel else 1)
+            self.executor = PipelineExecutor(self.model.chunks, self.schedule, mesh,
+                                             (cfg.micro_batch, s_local, self.model_cfg.dim), torch.float32,
+                                             lambda logits, y: self.model.loss_fn(logits, y, IGNORE_INDEX),
+                                             self.model.grad_store, self._autocast)
 
     def _autocast(self):
         if self.cfg.dtype == "bf16":
@@ -61,15 +75,20 @@ class Trainer:
         per = self.global_batch // self.mesh.dims.dp
         dp_rank = self.mesh["dp"].rank
         x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
-        loss_sum = torch.zeros(1, device=self.mesh.device)
-        for xm, ym in zip(x.split(self.cfg.micro_batch), y.split(self.cfg.micro_batch)):
-            xm, ym = xm.to(self.mesh.device), ym.to(self.mesh.device)
-            with self._autocast():
-                logits = self.model(xm)
-            loss = self.model.loss_fn(logits, ym, IGNORE_INDEX).sum() / n_tokens
-            loss.backward()
-            loss_sum += loss.detach()
+        xs = [t.to(self.mesh.device) for t in x.split(self.cfg.micro_batch)]
+        ys = [t.to(self.mesh.device) for t in y.split(self.cfg.micro_batch)]
+        if self.executor is not None:
+            loss_sum = self.executor.run(xs, ys, n_tokens)
+        else:
+            loss_sum = torch.zeros(1, device=self.mesh.device)
+            for xm, ym in zip(xs, ys):
+                with self._autocast():
+                    logits = self.model(xm)
+                loss = self.model.loss_fn(logits, ym, IGNORE_INDEX).sum() / n_tokens
+                loss.backward()
+                loss_sum += loss.detach()
         comm.all_reduce(loss_sum, dp, tag="metrics")
+        comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
         return float(loss_sum)
 
     def finish_gradients(self) -> float:
@@ -101,6 +120,27 @@ def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
         return Mesh.single(device)
     dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep)
     return Mesh.build(dims, device, Ledger())
+
+
+def _write_timeline(trainer: Trainer, out: str) -> dict | None:
+    """Gather the last step's action timings over pp; rank 0 writes timeline.json and returns the bubble report."""
+    from .pipeline.cli import write_timeline
+    from .pipeline.simulate import analytic_bubble, measured_bubble, simulate
+
+    ex, sched = trainer.executor, trainer.schedule
+    gathered = comm.all_gather_object((ex.events, ex.peak_inflight), trainer.mesh["pp"])
+    if trainer.mesh.rank != 0:
+        return None
+    events = [e for e, _ in gathered]
+    write_timeline(os.path.join(out, "timeline.json"), sched.name, sched.p, sched.m, sched.v, events)
+    # Simulate with the measured mean cost of each kind, so simulated and measured bubbles compare like for like.
+    costs = {k: [e["end"] - e["start"] for r in events for e in r if e["kind"] == k] for k in "FBW"}
+    mean = {k: sum(v) / len(v) for k, v in costs.items() if v}
+    sim = simulate(sched, cost_f=mean["F"], cost_b=mean["B"], cost_w=mean.get("W", 0.0))
+    return {"schedule": sched.name, "peak_inflight_per_stage": [pk for _, pk in gathered],
+            "analytic_bubble": analytic_bubble(sched.name, sched.p, sched.m, sched.v),
+            "simulated_bubble": sim.bubble_fraction, "measured_bubble": measured_bubble(events),
+            "mean_action_s": mean}
 
 
 def default_out_dir() -> str:
@@ -142,6 +182,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         if metrics is not None:
             metrics.close()
     layout = cfg.parallel.as_dict()
+    pipeline = _write_timeline(trainer, out) if trainer.executor is not None else None
     comm_dir = os.path.join(out, "comm")
     if rank0:
         os.makedirs(comm_dir, exist_ok=True)
@@ -161,6 +202,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                                 for a, ops in (mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else {}).items()},
         "out": out,
     }
+    if pipeline is not None:
+        summary["pipeline"] = pipeline
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary

@@ -271,8 +271,7 @@ def test_explain_json_contract(capsys):
     assert main(DONE_WHEN + ["--explain", "dp=8,tp=8,pp=4", "--json"]) == 0
     est = json.loads(capsys.readouterr().out)
     assert CONTRACT_KEYS <= set(est)
-    assert est["layout"] | {} == est["layout"] and {"dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "schedule", "zero",
-                                                     "recompute", "sp"} <= set(est["layout"])
+    assert set(est["layout"]) == {"dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "schedule", "zero", "recompute", "sp"}
     assert (est["layout"]["dp"], est["layers_per_stage"], est["layout"]["m"]) == (8, 20, 128)
     assert est["bubble_fraction"] == pytest.approx(3 / 131)
     assert est["hardware_flops_per_step"] > est["model_flops_per_step"] > 0
@@ -301,6 +300,27 @@ def test_bad_inputs_exit_2_with_one_line(capsys, argv, needle):
     assert main(["plan"] + argv) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_reads_hf_configs(tmp_path, capsys):
+    path = _write(tmp_path, LLAMA)
+    assert main(["plan", "--model-config", str(path), "--gpus", "8", "--seq-len", "512", "--global-batch", "64"]) == 0
+    assert "layout" in capsys.readouterr().out
+    bert = tmp_path / "bert.json"
+    bert.write_text(json.dumps({"model_type": "bert"}))
+    assert main(["plan", "--model-config", str(bert)]) == 2
+    assert "model_type 'bert' is not supported" in capsys.readouterr().err
+
+
+def test_add_parser_registers_plan_on_a_host_cli():
+    import argparse
+
+    from shardwise.planner.cli import add_parser, run
+
+    parser = argparse.ArgumentParser(prog="shardwise")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "--model", "tiny", "--gpus", "2", "--seq-len", "64", "--global-batch", "8"])
+    assert args.command == "plan" and args.func is run and run(args) == 0
 
 
 def test_tp_stays_in_nvlink_domain_unless_allowed():

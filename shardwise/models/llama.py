@@ -112,6 +112,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.tp_axis = Axis("tp")  # replaced by the plan; size 1 = single device
         self.vocab_start = 0
+        self.sequence_parallel = False
 
     def forward(self, tokens):
         seq_len = tokens.shape[1]

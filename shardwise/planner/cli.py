@@ -12,7 +12,9 @@ import sys
 from shardwise.planner.errors import PlanError
 from shardwise.planner.estimate import Assumptions, estimate
 from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
-from shardwise.planner.layout import PRECISIONS, RECOMPUTE, SCHEDULES, Layout, Workload, layout_problems, parse_layout
+from shardwise.planner.layout import (
+    DEFAULT_GLOBAL_BATCH, PRECISIONS, RECOMPUTE, SCHEDULES, Layout, Workload, layout_problems, parse_layout,
+)
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
 from shardwise.planner.search import SearchSpace, candidates, search
 
@@ -33,7 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the GPU preset's)")
     p.add_argument("--gpu", default="h100-80gb", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default h100-80gb)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 1024)")
+    p.add_argument("--global-batch", type=int, help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH}; with --explain m=..., m·mb·dp)")
     p.add_argument("--micro-batch", type=int, help="sequences per microbatch (default: search 1, 2, 4, 8; explain 1)")
     p.add_argument("--precision", default="bf16", choices=list(PRECISIONS), help="activation precision (default bf16)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over dp×cp (default 1)")
@@ -54,7 +56,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dp-overlap", type=float, default=0.0,
                    help="fraction of gradient-reduction time hidden behind backward (default 0)")
     p.add_argument("--usable-memory", type=float, default=0.9, help="fraction of GPU memory to plan for (default 0.9)")
-    p.add_argument("--top", type=int, default=10, help="rows to show (default 10)")
+    p.add_argument("--top", type=int, default=10, help="best layouts to print, as table rows or --json objects (default 10)")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="full breakdown of one layout, e.g. 'dp=8,tp=8,pp=4' (keys: dp tp pp cp ep vp mb m "
                         "schedule zero recompute sp)")
@@ -76,7 +78,7 @@ def _inputs(args):
             raise PlanError(f"--{name.replace('_', '-')} {getattr(args, name)} must be in (0, 1]")
     if not 0 <= args.dp_overlap <= 1:
         raise PlanError(f"--dp-overlap {args.dp_overlap} must be in [0, 1]")
-    wl = Workload(args.seq_len, args.global_batch or 1024, args.precision)
+    wl = Workload(args.seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, args.precision)
     assume = Assumptions(args.flops_efficiency, args.link_efficiency, args.dp_overlap, args.usable_memory)
     return spec, cluster, wl, assume
 
@@ -100,7 +102,7 @@ def _explain(args, spec, cluster, wl, assume) -> int:
         raise PlanError(f"--explain {args.explain!r}: " + "; ".join(bad))
     wl = Workload(wl.seq_len, lay.m * lay.mb * lay.dp, wl.precision)
     est = estimate(spec, cluster, lay, wl, assume, detail=True)
-    print(json.dumps(est, indent=2) if args.json else explain_text(est, cluster))
+    print(json.dumps(est, indent=2) if args.json else explain_text(est))
     return 0
 
 
@@ -122,7 +124,7 @@ def _search(args, spec, cluster, wl, assume) -> int:
         n = sum(1 for _ in candidates(spec, cluster, wl, space))
         print(f"shardwise plan: no layout fits ({n} valid layouts, none within "
               f"{cluster.gpu.memory_bytes * assume.usable_memory / GB:.0f} GB per GPU); try more GPUs, "
-              f"--zero 3, --recompute full or a smaller --micro-batch", file=sys.stderr)
+              f"--zero 3, --recompute full, a smaller --micro-batch or --uneven-pp", file=sys.stderr)
         return 1
     if not args.json:
         print(table(results[: args.top], spec, cluster, wl, space, assume, len(results)))
@@ -136,73 +138,86 @@ def _header(spec_name: str, params: int, cluster: Cluster, wl: Workload) -> str:
 
 def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchSpace, assume: Assumptions,
           n_fit: int) -> str:
-    axes = [a for a in TABLE_AXES if any(r["comm_bytes_per_step"].get(a) for r in rows)]
-    cols = [("#", 3), ("layout", max(len(r["layout_short"]) for r in _short(rows))), ("params/rank", 11),
-            ("static GB", 9), ("act GB", 7), ("total GB", 8), ("bubble", 6)]
+    """Fixed-width ranking: layout, memory breakdown, bubble, per-axis traffic, step time and MFU."""
+    names = [Layout(**r["layout"]).short() for r in rows]
+    axes = [a for a in TABLE_AXES if any(r["comm_bytes_per_step_max"].get(a) for r in rows)]
+    cols = [("#", 3), ("layout", max(map(len, names))), ("params/rank", 11), ("static GB", 9), ("act GB", 7),
+            ("total GB", 8), ("bubble", 6)]
     cols += [(f"{a} GB", max(8, len(a) + 3)) for a in axes] + [("step s", 7), ("MFU", 5)]
-    line = lambda cells: "  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, (_, w)) in enumerate(zip(cells, cols)))  # noqa: E731
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, cols)))
+
     out = [_header(spec.name, rows[0]["params_total"], cluster, wl),
            f"ZeRO-{space.zero}, recompute {space.recompute}, SP {'on' if space.sp else 'off'}; "
            f"{n_fit} layouts fit in {rows[0]['usable_bytes_per_rank'] / GB:.1f} GB per GPU; best {len(rows)}:",
            "", line([c for c, _ in cols]), line(["-" * w for _, w in cols])]
-    for i, r in enumerate(rows, 1):
-        cells = [str(i), r["layout_short"], f"{r['params_per_rank'] / 1e9:.2f}B", f"{r['static_bytes_per_rank'] / GB:.1f}",
+    for i, (r, name) in enumerate(zip(rows, names), 1):
+        comm = r["comm_bytes_per_step_max"]
+        cells = [str(i), name, f"{r['params_per_rank'] / 1e9:.2f}B", f"{r['static_bytes_per_rank'] / GB:.1f}",
                  f"{r['activation_bytes_per_rank'] / GB:.1f}", f"{r['total_bytes_per_rank'] / GB:.1f}",
                  f"{r['bubble_fraction']:.3f}"]
-        cells += [f"{r['comm_bytes_per_step'][a] / GB:.1f}" if a in r["comm_bytes_per_step"] else "-" for a in axes]
-        cells += [f"{r['step_time_s']:.2f}", f"{r['mfu']:.3f}"]
-        out.append(line(cells))
-    out += ["", f"comm: payload GB per step sent by global rank 0; assumed {assume.flops_efficiency:.0%} of peak "
-                f"FLOP/s, {assume.link_efficiency:.0%} of link bandwidth. Details: --explain \"<layout>\"."]
+        cells += [f"{comm[a] / GB:.1f}" if a in comm else "-" for a in axes]
+        out.append(line(cells + [f"{r['step_time_s']:.2f}", f"{r['mfu']:.3f}"]))
+    out += ["", f"comm: payload GB per step on the busiest rank of each axis. Assumed {assume.flops_efficiency:.0%} of "
+                f"peak FLOP/s and {assume.link_efficiency:.0%} of link bandwidth.",
+            f"Details of #1: --explain \"{rows[0]['layout_str']}\""]
     return "\n".join(out)
 
 
-def _short(rows: list[dict]) -> list[dict]:
-    for r in rows:
-        r.setdefault("layout_short", Layout(**r["layout"]).short())
-    return rows
+def explain_text(est: dict) -> str:
+    """Human-readable breakdown of one `estimate(..., detail=True)`."""
+    lay, br = est["layout"], est["static_breakdown_per_rank"]
 
+    def g(b: float) -> str:
+        return f"{b / GB:,.2f} GB"
 
-def explain_text(est: dict, cluster: Cluster) -> str:
-    lay = est["layout"]
-    g = lambda b: f"{b / GB:,.2f} GB"  # noqa: E731
-    br = est["static_breakdown_per_rank"]
-    out = [f"{est['model']}: {est['params_total'] / 1e9:.2f}B parameters on {est['cluster']}",
-           "layout: " + est["layout_str"],
-           "",
-           "memory per rank (largest stage)",
-           f"  parameters        {est['params_per_rank'] / 1e9:,.3f}B",
-           f"  weights (fp32)    {g(br['weights'])}",
-           f"  grads (fp32)      {g(br['grads'])}",
-           f"  Adam moments      {g(br['optimizer'])}",
-           f"  static            {g(est['static_bytes_per_rank'])}",
-           f"  activations       {g(est['activation_bytes_per_rank'])}  (recompute {lay['recompute']}, "
-           f"SP {'on' if lay['sp'] else 'off'})",
-           f"  total             {g(est['total_bytes_per_rank'])} of {g(est['usable_bytes_per_rank'])} usable: "
-           f"{'fits' if est['fits'] else 'DOES NOT FIT'}",
-           "",
-           "stages: " + ", ".join(f"{s['stage']}: {s['layers']} layers{' +emb' if s['embedding'] else ''}"
-                                  f"{' +head' if s['head'] else ''} {s['total_bytes'] / GB:.1f} GB"
-                                  for s in est["stages"]),
-           "",
-           f"compute: model {est['model_flops_per_step']:.3e} FLOP/step, hardware {est['hardware_flops_per_step']:.3e}"
-           f" (with recompute); {est['compute_time_s']:.3f} s per step on the busiest stage",
-           f"pipeline: schedule {lay['schedule']}, pp={lay['pp']}, vp={lay['vp']}, m={lay['m']}: bubble "
-           f"{est['bubble_fraction']:.4f} ({est['bubble_source']})",
-           "",
-           f"communication per step, {est['comm_rank']}:",
-           f"  {'axis':6} {'op':15} {'count':>8} {'payload':>10} {'wire':>10} {'link':>8} {'time s':>8}"]
+    out = [
+        f"{est['model']}: {est['params_total'] / 1e9:.2f}B parameters on {est['cluster']}",
+        "layout: " + est["layout_str"],
+        "",
+        "memory per rank (largest stage)",
+        f"  parameters        {est['params_per_rank'] / 1e9:,.3f}B",
+        f"  weights (fp32)    {g(br['weights'])}",
+        f"  grads (fp32)      {g(br['grads'])}",
+        f"  Adam moments      {g(br['optimizer'])}",
+        f"  static            {g(est['static_bytes_per_rank'])}",
+        f"  activations       {g(est['activation_bytes_per_rank'])}  (recompute {lay['recompute']}, "
+        f"SP {'on' if lay['sp'] else 'off'})",
+        f"  total             {g(est['total_bytes_per_rank'])} of {g(est['usable_bytes_per_rank'])} usable: "
+        f"{'fits' if est['fits'] else 'DOES NOT FIT'}",
+        "",
+        "per stage (each rank of it)",
+    ]
+    for st in est["stages"]:
+        extra = (" +embedding" if st["embedding"] else "") + (" +head" if st["head"] else "")
+        out.append(f"  stage {st['stage']:>3}: {st['layers']:>3} layers{extra:17} params {st['params'] / 1e9:7.3f}B  "
+                   f"static {g(st['static_bytes'])}  activations {g(st['activation_bytes'])}  "
+                   f"total {g(st['total_bytes'])}  {st['microbatch_time_s'] * 1e3:8.2f} ms/microbatch")
+    out += [
+        "",
+        f"compute: model {est['model_flops_per_step']:.3e} FLOP/step, hardware {est['hardware_flops_per_step']:.3e}"
+        f" (with recompute); {est['compute_time_s']:.3f} s per step on the busiest stage",
+        f"pipeline: schedule {lay['schedule']}, pp={lay['pp']}, vp={lay['vp']}, m={lay['m']}: bubble "
+        f"{est['bubble_fraction']:.4f} ({est['bubble_source']})",
+        "",
+        f"communication per step, {est['comm_rank']}:",
+        f"  {'axis':6} {'op':15} {'count':>8} {'payload':>10} {'wire':>10} {'link':>8} {'time s':>8}",
+    ]
     for axis, ops in est["comm_ops_per_step"].items():
-        link = est["comm_links"].get(axis, "-")
         for i, (op, e) in enumerate(ops.items()):
-            time = f"{est['comm_time_s'][axis]:.3f}" if i == 0 else ""
-            out.append(f"  {axis if i == 0 else '':6} {op:15} {e['count']:>8} {human_bytes(e['bytes']):>10} "
-                       f"{human_bytes(e['wire_bytes']):>10} {link if i == 0 else '':>8} {time:>8}")
-    out += ["",
-            f"step time {est['step_time_s']:.3f} s, MFU {est['mfu']:.3f}, {est['tokens_per_s']:,.0f} tokens/s "
-            f"(assumed {est['assumptions']['flops_efficiency']:.0%} of peak FLOP/s, "
-            f"{est['assumptions']['link_efficiency']:.0%} of link bandwidth, "
-            f"{est['assumptions']['dp_overlap']:.0%} of grad sync overlapped)"]
+            head = (axis, est["comm_links"].get(axis, "-"), f"{est['comm_time_s'][axis]:.3f}") if i == 0 else ("", "", "")
+            out.append(f"  {head[0]:6} {op:15} {e['count']:>8} {human_bytes(e['bytes']):>10} "
+                       f"{human_bytes(e['wire_bytes']):>10} {head[1]:>8} {head[2]:>8}")
+    a = est["assumptions"]
+    out += [
+        "  (tp, pp and ep time is on every microbatch's critical path; the cp ring hides behind attention;",
+        "   dp_cp and edp reductions run after the last backward)",
+        "",
+        f"step time {est['step_time_s']:.3f} s, MFU {est['mfu']:.3f}, {est['tokens_per_s']:,.0f} tokens/s "
+        f"(assumed {a['flops_efficiency']:.0%} of peak FLOP/s, {a['link_efficiency']:.0%} of link bandwidth, "
+        f"{a['dp_overlap']:.0%} of grad sync overlapped)",
+    ]
     return "\n".join(out)
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from shardwise.planner.comm_model import step_comm
-from shardwise.planner.hardware import Cluster, groups_link
-from shardwise.planner.layout import Layout, Workload, axis_groups, stages
+from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
+from shardwise.planner.errors import PlanError
+from shardwise.planner.hardware import Cluster, spans_link
+from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
 from shardwise.planner.memory import layer_activation_bytes, stage_activation_bytes, stage_params, static_bytes
 from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab, total_params
 
@@ -63,6 +64,7 @@ def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1)
     return 2.0 * (attn + mlp), core
 
 
+@lru_cache(maxsize=256)
 def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none") -> float:
     """FLOPs of one optimizer step over the whole cluster (3× forward, plus recomputation if asked)."""
     tokens = wl.global_batch * wl.seq_len
@@ -114,17 +116,23 @@ def _simulated_bubble(schedule: str, p: int, m: int, v: int) -> float | None:
 
 @lru_cache(maxsize=8192)
 def axis_links(dp: int, pp: int, cp: int, tp: int, ep: int, domain: int) -> dict:
+    """Link each axis rides: a group crossing any scale-up domain boundary is limited by the network."""
     lay = Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
-    return {axis: groups_link(axis_groups(lay, axis), domain) for axis in AXES}
+    if domain >= lay.world:
+        return {a: "nvlink" if group_size(lay, a) > 1 else None for a in AXES}
+    return {a: spans_link(group_spans(lay, a), group_size(lay, a), domain) for a in AXES}
 
 
 def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload) -> list[dict]:
     """Per pipeline stage: its Stage, local Params, static breakdown, activation and total bytes."""
     per_layer = {moe: layer_activation_bytes(spec, moe, lay, wl) for moe in (False, True)}
-    out = []
+    out, seen = [], {}
     for st in stages(spec, lay):
-        local = stage_params(spec, st, lay)
-        static = static_bytes(local, lay)
+        key = (st.n_dense, st.n_moe, st.embedding, st.head)
+        if key not in seen:
+            local = stage_params(spec, st, lay)
+            seen[key] = local, static_bytes(local, lay)
+        local, static = seen[key]
         act = stage_activation_bytes(spec, st, lay, wl, per_layer)
         out.append({"stage": st, "params": local, "static": static, "activation": act, "total": static["total"] + act})
     return out
@@ -142,14 +150,22 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
         if n:
             mm, cc = layer_flops_per_token(spec, moe, wl.seq_len, lay.tp)
             matmul, core = matmul + n * mm, core + n * cc
-    head = 2.0 * spec.dim * padded_vocab(spec, lay.tp) // lay.tp if st.head else 0.0
+    head = 2.0 * spec.dim * (padded_vocab(spec, lay.tp) // lay.tp) if st.head else 0.0
     extra = {"none": 0.0, "selective": core, "full": matmul + core}[lay.recompute]
     return tokens * (3 * (matmul + core + head) + extra), tokens * 3 * core
 
 
 def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assume: Assumptions = Assumptions(),
              mem: list[dict] | None = None, detail: bool = False) -> dict:
-    """The machine-readable prediction for one layout (see the CLI's --json contract)."""
+    """The machine-readable prediction for one layout: the object `shardwise plan --json` prints.
+
+    Bytes are per rank. Memory figures are the largest over pipeline stages; `comm_*_per_step` and
+    `comm_ops_per_step` ({axis: {op: {count, bytes, wire_bytes}}}) are global rank 0's (stage 0),
+    `comm_bytes_per_step_max` the busiest stage's per axis, and with `detail` `stages` lists every stage.
+    FLOPs are per step over the whole cluster. `mem` passes a precomputed `memory_by_stage`.
+    """
+    if lay.m * lay.mb * lay.dp != wl.global_batch:
+        raise PlanError(f"m={lay.m} × mb={lay.mb} × dp={lay.dp} != global batch {wl.global_batch}")
     mem = mem or memory_by_stage(spec, lay, wl)
     links = axis_links(lay.dp, lay.pp, lay.cp, lay.tp, lay.ep, cluster.domain)
     rate = {a: cluster.bandwidth(links[a]) * assume.link_efficiency for a in AXES}
@@ -159,23 +175,31 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     def seconds(led, axis):
         return led.sent_bytes(axis) / rate[axis]
 
-    per_stage = []
+    edges, per_stage, seen = stage_edges(chunk_owners(lay), lay.pp), [], {}
     for s in mem:
         st = s["stage"]
-        mb, sync, total = step_comm(spec, st, lay, wl, s["params"])
-        hw, core = _stage_flops(spec, st, lay, wl)
-        t_comp = hw / (peak * assume.flops_efficiency)
-        t_cp = max(0.0, seconds(mb, "cp") - core / (peak * assume.flops_efficiency))
-        t_mb = t_comp + t_cp + sum(seconds(mb, a) for a in ("tp", "pp", "ep"))
-        t_sync = seconds(sync, "tp") + seconds(sync, "pp")
-        t_sync += (1 - assume.dp_overlap) * (seconds(sync, "dp_cp") + seconds(sync, "edp"))
-        updated = s["static"]["optimizer"] / 8  # parameters this rank's Adam step touches (its ZeRO shard)
-        t_opt = updated * ADAM_STEP_BYTES / cluster.gpu.hbm_bytes_per_s
-        per_stage.append({"mb": t_mb, "tail": t_sync + t_opt, "comp": t_comp, "ledger": total, **s})
+        # Stages that hold the same kind of work share one cost evaluation (only memory differs).
+        key = (st.n_dense, st.n_moe, st.embedding, st.head, edges[st.index])
+        if key not in seen:
+            mb, sync = stage_ledgers(spec, st, lay, wl, s["params"])
+            hw, core = _stage_flops(spec, st, lay, wl)
+            t_comp = hw / (peak * assume.flops_efficiency)
+            t_cp = max(0.0, seconds(mb, "cp") - core / (peak * assume.flops_efficiency))
+            t_mb = t_comp + t_cp + sum(seconds(mb, a) for a in ("tp", "pp", "ep"))
+            t_sync = seconds(sync, "tp") + seconds(sync, "pp")
+            t_sync += (1 - assume.dp_overlap) * (seconds(sync, "dp_cp") + seconds(sync, "edp"))
+            updated = s["static"]["optimizer"] / 8  # parameters this rank's Adam step touches (its ZeRO shard)
+            t_opt = updated * ADAM_STEP_BYTES / cluster.gpu.hbm_bytes_per_s
+            seen[key] = {"mb": t_mb, "tail": t_sync + t_opt, "comp": t_comp, "ledgers": (mb, sync)}
+        per_stage.append({**seen[key], **s})
     t_pipe = lay.m * max(p["mb"] for p in per_stage) / (1 - bubble)
     step_time = t_pipe + max(p["tail"] for p in per_stage)
     model_f, hw_f = model_flops(spec, wl), model_flops(spec, wl, lay.recompute)
-    rank0 = per_stage[0]["ledger"]
+    rank0 = whole_step(*per_stage[0]["ledgers"], lay.m)
+    busiest: dict[str, float] = {}
+    for led in {id(p["ledgers"]): whole_step(*p["ledgers"], lay.m) for p in per_stage}.values():
+        for axis, b in led.per_axis("bytes").items():
+            busiest[axis] = max(busiest.get(axis, 0), b)
     out = {
         "model": spec.name,
         "cluster": cluster.describe(),
@@ -196,7 +220,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         "comm_rank": "global rank 0 (stage 0); see stages[] for the others",
         "comm_bytes_per_step": rank0.per_axis("bytes"),
         "comm_wire_bytes_per_step": rank0.per_axis("wire_bytes"),
-        "comm_ops_per_step": rank0.ops,
+        "comm_bytes_per_step_max": busiest,
+        "comm_ops_per_step": rank0.as_dict(),
         "comm_links": {a: links[a] for a in AXES if links[a] and (spec.is_moe or a not in ("ep", "edp"))},
         "comm_time_s": {a: rank0.sent_bytes(a) / rate[a] for a in rank0.ops},
         "model_flops_per_step": model_f,
@@ -212,6 +237,6 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
             "stage": p["stage"].index, "layers": p["stage"].n_layers, "embedding": p["stage"].embedding,
             "head": p["stage"].head, "params": p["params"].total, "static_bytes": p["static"]["total"],
             "activation_bytes": round(p["activation"]), "total_bytes": round(p["total"]), "microbatch_time_s": p["mb"],
-            "comm_bytes_per_step": p["ledger"].per_axis("bytes"), "comm_ops_per_step": p["ledger"].ops,
-        } for p in per_stage]
+            "comm_bytes_per_step": led.per_axis("bytes"), "comm_ops_per_step": led.as_dict(),
+        } for p, led in ((p, whole_step(*p["ledgers"], lay.m)) for p in per_stage)]
     return out

@@ -82,9 +82,6 @@ class Cluster:
         size = self.gpu.nvlink_domain if self.gpu.domain_spans_nodes else min(self.gpu.nvlink_domain, self.gpus_per_node)
         return max(1, min(size, self.gpus))
 
-    def link(self, groups) -> str | None:
-        return groups_link(groups, self.domain)
-
     def bandwidth(self, link: str | None) -> float:
         return self.gpu.internode_bytes_per_s if link == "network" else self.gpu.nvlink_bytes_per_s
 
@@ -93,12 +90,9 @@ class Cluster:
         return f"{self.gpus} x {self.gpu.name} ({nodes} nodes of {self.gpus_per_node}, NVLink domain {self.domain})"
 
 
-def groups_link(groups, domain: int) -> str | None:
-    """'nvlink' if every group stays inside one scale-up domain, 'network' if any crosses, None if trivial."""
-    for ranks in groups:
-        if len(ranks) < 2:
-            return None
-        first = ranks[0] // domain
-        if any(r // domain != first for r in ranks):
-            return "network"
-    return "nvlink"
+def spans_link(spans, size: int, domain: int) -> str | None:
+    """'nvlink' if every group (given by its lowest and highest rank) stays in one scale-up domain,
+    'network' if any crosses it, None for groups of one rank."""
+    if size < 2:
+        return None
+    return "network" if any(lo // domain != hi // domain for lo, hi in spans) else "nvlink"

@@ -8,13 +8,14 @@ parallel group. Stages hold contiguous layer chunks: chunk j of pp×vp sits on s
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from shardwise.planner.errors import PlanError
 from shardwise.planner.models import ModelSpec
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
+DEFAULT_GLOBAL_BATCH = 1024
 PRECISIONS = {"bf16": 2, "fp32": 4}
 """Activation bytes per element; parameters, grads and Adam moments stay fp32 in both (shardwise's AMP)."""
 
@@ -22,7 +23,7 @@ PRECISIONS = {"bf16": 2, "fp32": 4}
 @dataclass(frozen=True)
 class Workload:
     seq_len: int = 4096
-    global_batch: int = 1024
+    global_batch: int = DEFAULT_GLOBAL_BATCH
     """Sequences per optimizer step."""
     precision: str = "bf16"
 
@@ -54,7 +55,7 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {f: getattr(self, f) for f in _FIELDS}
 
     def short(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
@@ -65,6 +66,7 @@ class Layout:
         return " ".join(parts) + (" sp" if self.sp else "")
 
 
+_FIELDS = tuple(f.name for f in fields(Layout))
 _INT_KEYS = ("dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "zero")
 _ALIASES = {"v": "vp", "micro_batch": "mb", "microbatches": "m"}
 
@@ -74,7 +76,7 @@ def parse_layout(text: str, base: Layout, gpus: int, global_batch: int | None) -
 
     dp left out fills the rest of the GPUs; m left out follows from the global batch.
     """
-    fields: dict = {}
+    given: dict = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, val = item.partition("=")
         key = _ALIASES.get(key.strip(), key.strip())
@@ -84,31 +86,29 @@ def parse_layout(text: str, base: Layout, gpus: int, global_batch: int | None) -
         if key in _INT_KEYS:
             if not val.isdigit() or int(val) <= 0 and key != "zero":
                 raise PlanError(f"--explain: {key}={val!r} must be a positive integer")
-            fields[key] = int(val)
-        elif key == "schedule":
-            fields[key] = val
-        elif key == "recompute":
-            fields[key] = val
+            given[key] = int(val)
+        elif key in ("schedule", "recompute"):
+            given[key] = val  # checked by layout_problems
         elif key == "sp":
             if val.lower() not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
                 raise PlanError(f"--explain: sp={val!r} must be on/off")
-            fields[key] = val.lower() in ("1", "true", "on", "yes")
+            given[key] = val.lower() in ("1", "true", "on", "yes")
         else:
             raise PlanError(f"--explain: unknown key {key!r}; valid: {', '.join(_INT_KEYS)}, schedule, recompute, sp")
-    lay = replace(base, **{k: v for k, v in fields.items() if k != "m"})
-    if "dp" not in fields:
+    lay = replace(base, **{k: v for k, v in given.items() if k != "m"})
+    if "dp" not in given:
         inner = lay.tp * lay.pp * lay.cp
         if gpus % inner:
             raise PlanError(f"--explain: tp×pp×cp = {inner} does not divide --gpus {gpus}")
         lay = replace(lay, dp=gpus // inner)
-    if lay.schedule == "dualpipev" and "vp" not in fields:
+    if lay.schedule in ("dualpipev", "interleaved") and "vp" not in given:
         lay = replace(lay, vp=2)
-    if "m" in fields:
-        m = fields["m"]
+    if "m" in given:
+        m = given["m"]
         if global_batch is not None and m * lay.mb * lay.dp != global_batch:
             raise PlanError(f"--explain: m={m} × mb={lay.mb} × dp={lay.dp} != --global-batch {global_batch}")
     else:
-        gb = 1024 if global_batch is None else global_batch
+        gb = DEFAULT_GLOBAL_BATCH if global_batch is None else global_batch
         if gb % (lay.mb * lay.dp):
             raise PlanError(f"--global-batch {gb} is not divisible by mb={lay.mb} × dp={lay.dp}")
         m = gb // (lay.mb * lay.dp)
@@ -196,35 +196,44 @@ def chunk_owners(lay: Layout) -> list[int]:
 
 def stages(spec: ModelSpec, lay: Layout) -> list[Stage]:
     owner = chunk_owners(lay)
-    p = lay.pp
     sizes = _chunk_sizes(spec.n_layers, len(owner))
-    starts = [sum(sizes[:j]) for j in range(len(owner))]
-    out = []
-    for k in range(p):
-        layers = [i for j in range(len(owner)) if owner[j] == k for i in range(starts[j], starts[j] + sizes[j])]
-        moe = sum(spec.is_moe_layer(i) for i in layers)
-        out.append(Stage(k, len(layers) - moe, moe, embedding=owner[0] == k, head=owner[-1] == k))
-    return out
+    first_moe = spec.n_dense_layers if spec.is_moe else spec.n_layers
+    dense, moe, start = [0] * lay.pp, [0] * lay.pp, 0
+    for j, size in enumerate(sizes):
+        n_moe = max(0, start + size - max(start, first_moe))
+        dense[owner[j]] += size - n_moe
+        moe[owner[j]] += n_moe
+        start += size
+    return [Stage(k, dense[k], moe[k], embedding=owner[0] == k, head=owner[-1] == k) for k in range(lay.pp)]
 
 
-def axis_groups(lay: Layout, axis: str) -> list[list[int]]:
-    """Rank groups of one communication axis on the (dp, pp, cp, tp) mesh."""
-    dp, pp, cp, tp = lay.dp, lay.pp, lay.cp, lay.tp
+def group_spans(lay: Layout, axis: str):
+    """(lowest, highest) rank of every group of one communication axis on the (dp, pp, cp, tp) mesh.
+
+    Ranks grow monotonically along each group, so the two ends decide whether it leaves a domain.
+    """
+    dp, pp, cp, tp, ep = lay.dp, lay.pp, lay.cp, lay.tp, lay.ep
     rank = lambda d, p, c, t: ((d * pp + p) * cp + c) * tp + t  # noqa: E731
-    coords = [(d, p, c, t) for d in range(dp) for p in range(pp) for c in range(cp) for t in range(tp)]
-    if axis in ("tp", "cp", "pp"):
-        i = ("dp", "pp", "cp", "tp").index(axis)
-        n = (dp, pp, cp, tp)[i]
-        heads = [x for x in coords if x[i] == 0]
-        return [[rank(*(x[:i] + (k,) + x[i + 1:])) for k in range(n)] for x in heads]
-    # dp×cp flattened with cp fastest; ep takes consecutive blocks of it, edp the strided rest.
-    flat = [(d, c) for d in range(dp) for c in range(cp)]
+    if axis == "tp":
+        return ((r, r + tp - 1) for r in range(0, lay.world, tp))
+    if axis == "cp":
+        return ((rank(d, p, 0, t), rank(d, p, cp - 1, t)) for d in range(dp) for p in range(pp) for t in range(tp))
+    if axis == "pp":
+        return ((rank(d, 0, c, t), rank(d, pp - 1, c, t)) for d in range(dp) for c in range(cp) for t in range(tp))
+    # dp×cp flattened with cp fastest: dp_cp is all of it, ep takes consecutive blocks, edp the strided rest.
+    n = dp * cp
     if axis == "dp_cp":
-        members = [list(range(len(flat)))]
+        ends = [(0, n - 1)]
     elif axis == "ep":
-        members = [list(range(g, g + lay.ep)) for g in range(0, len(flat), lay.ep)]
+        ends = [(g, g + ep - 1) for g in range(0, n, ep)]
     elif axis == "edp":
-        members = [list(range(k, len(flat), lay.ep)) for k in range(lay.ep)]
+        ends = [(k, k + n - ep) for k in range(ep)]
     else:
         raise ValueError(axis)
-    return [[rank(flat[f][0], p, flat[f][1], t) for f in grp] for p in range(pp) for t in range(tp) for grp in members]
+    flat = lambda f, p, t: rank(f // cp, p, f % cp, t)  # noqa: E731
+    return ((flat(a, p, t), flat(b, p, t)) for p in range(pp) for t in range(tp) for a, b in ends)
+
+
+def group_size(lay: Layout, axis: str) -> int:
+    return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp_cp": lay.dp * lay.cp, "ep": lay.ep,
+            "edp": lay.dp * lay.cp // lay.ep}[axis]

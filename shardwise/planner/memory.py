@@ -16,10 +16,21 @@ from __future__ import annotations
 
 from shardwise.planner.layout import Layout, Stage, Workload
 from shardwise.planner.models import (
-    ModelSpec, Params, embedding_params, head_params, layer_params, local_kv_heads, padded_vocab,
+    ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, local_kv_heads,
+    padded_vocab,
 )
 
 BYTES_WEIGHT, BYTES_GRAD, BYTES_ADAM = 4, 4, 8
+
+
+def stage_tensors(spec: ModelSpec, stage: Stage, lay: Layout) -> list[Tensor]:
+    """The parameter tensors one rank of `stage` holds, in shardwise's named_parameters order."""
+    t, ep = lay.tp, lay.ep
+    out = embedding_tensors(spec, t) if stage.embedding else []
+    out += list(layer_tensors(spec, False, t, ep)) * stage.n_dense + list(layer_tensors(spec, True, t, ep)) * stage.n_moe
+    if stage.head:
+        out += head_tensors(spec, t, separate_copy=not stage.embedding)
+    return out
 
 
 def stage_params(spec: ModelSpec, stage: Stage, lay: Layout) -> Params:
@@ -27,9 +38,9 @@ def stage_params(spec: ModelSpec, stage: Stage, lay: Layout) -> Params:
     t, ep = lay.tp, lay.ep
     p = layer_params(spec, False, t, ep) * stage.n_dense + layer_params(spec, True, t, ep) * stage.n_moe
     if stage.embedding:
-        p = p + embedding_params(spec, t)
+        p = p + Params.of(embedding_tensors(spec, t))
     if stage.head:
-        p = p + head_params(spec, t, separate_copy=not stage.embedding)
+        p = p + Params.of(head_tensors(spec, t, separate_copy=not stage.embedding))
     return p
 
 
@@ -110,7 +121,7 @@ def in_flight(lay: Layout, k: int) -> float:
 def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
     """The fp32 vocab-parallel logits of one microbatch, which cross-entropy keeps for backward."""
     tokens = lay.mb * wl.seq_len // lay.cp
-    return 4.0 * tokens * padded_vocab(spec, lay.tp) // lay.tp
+    return 4.0 * tokens * (padded_vocab(spec, lay.tp) // lay.tp)
 
 
 def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, per_layer: dict) -> float:

@@ -4,7 +4,9 @@ Three sources: shardwise's own presets (`shardwise.config.MODEL_PRESETS`, exact 
 two MoE presets (Mixtral-8x7B, DeepSeek-V3) and Hugging Face `config.json` files of the llama, mistral,
 mixtral, qwen2 and gpt2 families. Counting follows shardwise's TP plan: the vocabulary is padded to a
 multiple of tp and sharded, wq/wk/wv/w1/w3 are split by output rows, wo/w2 by input columns, norms are
-replicated, and when n_kv_heads < tp every rank keeps one full K/V head.
+replicated, and when n_kv_heads < tp every rank keeps one full K/V head. Routed experts are split over
+ep by expert and over tp like the dense MLP (expert tensor parallelism = tp); routers and shared
+experts are dense weights (replicated over ep).
 
 DeepSeek-V3's Multi-head Latent Attention is modelled by its real projection shapes (q_a, q_b, kv_a,
 kv_b, o), with the down-projections and their norms replicated over tp (as Megatron does) and the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 
 from shardwise.config import MODEL_PRESETS, ModelConfig
@@ -95,25 +98,48 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor as a rank holds it, with what decides its optimizer group and reductions."""
+
+    numel: int
+    matrix: bool = True
+    """ndim >= 2: shardwise's weight-decayed optimizer group (norms and biases form the other)."""
+    expert: bool = False
+    """Routed-expert weight: its grad is reduced over the expert-data-parallel group, not dp×cp."""
+    sp_replicated: bool = False
+    """Replicated over tp but fed sequence shards under SP, so its grad needs a tp all-reduce."""
+
+
+@dataclass(frozen=True)
 class Params:
     """Parameter elements one rank holds of some part of the model, split by how their grads are reduced."""
 
     dense: int = 0
-    """Reduced over dp×cp (includes the two kinds below)."""
+    """Reduced over dp×cp (includes `sp_replicated` and `vectors`)."""
     expert: int = 0
-    """Routed-expert weights, reduced over the expert-data-parallel group."""
     sp_replicated: int = 0
-    """Replicated over tp but fed sequence shards under SP, so their grads need a tp all-reduce."""
+    vectors: int = 0
+    """Dense 1-D tensors (norms, biases): shardwise's second ZeRO-1 flat buffer."""
 
     def __add__(self, o: Params) -> Params:
-        return Params(self.dense + o.dense, self.expert + o.expert, self.sp_replicated + o.sp_replicated)
+        return Params(self.dense + o.dense, self.expert + o.expert, self.sp_replicated + o.sp_replicated,
+                      self.vectors + o.vectors)
 
     def __mul__(self, k: int) -> Params:
-        return Params(self.dense * k, self.expert * k, self.sp_replicated * k)
+        return Params(self.dense * k, self.expert * k, self.sp_replicated * k, self.vectors * k)
 
     @property
     def total(self) -> int:
         return self.dense + self.expert
+
+    @classmethod
+    def of(cls, tensors) -> Params:
+        out = [0, 0, 0, 0]
+        for t in tensors:
+            out[1 if t.expert else 0] += t.numel
+            out[2] += t.numel if t.sp_replicated else 0
+            out[3] += t.numel if not t.matrix and not t.expert else 0
+        return cls(*out)
 
 
 def padded_vocab(spec: ModelSpec, tp: int) -> int:
@@ -125,59 +151,77 @@ def local_kv_heads(spec: ModelSpec, tp: int) -> int:
     return max(spec.attn_kv_heads // tp, 1)
 
 
-def attention_params(spec: ModelSpec, tp: int) -> Params:
+def _norm(spec: ModelSpec) -> list[Tensor]:
+    n = [Tensor(spec.dim, matrix=False, sp_replicated=True)]
+    return n * 2 if spec.norm == "layernorm" else n
+
+
+def attention_tensors(spec: ModelSpec, tp: int) -> list[Tensor]:
+    """Norm, then wq, wk, wv, wo (MLA: q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o), shardwise's order."""
     h, hq = spec.dim, spec.n_heads // tp
-    rep = spec.norm_params
+    out = _norm(spec)
     if spec.is_mla:
-        q_in = spec.q_lora_rank or h
-        shard = q_in * hq * spec.k_dim + spec.kv_lora_rank * hq * (spec.head_dim + spec.v_dim) + hq * spec.v_dim * h
-        down = (h * spec.q_lora_rank + spec.q_lora_rank if spec.q_lora_rank else 0)
-        down += h * (spec.kv_lora_rank + spec.qk_rope_dim) + spec.kv_lora_rank
-        rep += down
-        return Params(dense=shard + rep, sp_replicated=rep)
-    kv = local_kv_heads(spec, tp) * spec.head_dim
-    shard = h * hq * spec.head_dim * 2 + h * kv * 2
-    if spec.qkv_bias or spec.linear_bias:
-        shard += hq * spec.head_dim + 2 * kv
+        rep = dict(sp_replicated=True)
+        if spec.q_lora_rank:
+            out += [Tensor(h * spec.q_lora_rank, **rep), Tensor(spec.q_lora_rank, matrix=False, **rep),
+                    Tensor(spec.q_lora_rank * hq * spec.k_dim)]
+        else:
+            out.append(Tensor(h * hq * spec.k_dim))
+        out += [Tensor(h * (spec.kv_lora_rank + spec.qk_rope_dim), **rep),
+                Tensor(spec.kv_lora_rank, matrix=False, **rep),
+                Tensor(spec.kv_lora_rank * hq * (spec.head_dim + spec.v_dim)), Tensor(hq * spec.v_dim * h)]
+        return out
+    q, kv = hq * spec.head_dim, local_kv_heads(spec, tp) * spec.head_dim
+    bias = spec.qkv_bias or spec.linear_bias
+    for rows in (q, kv, kv):
+        out += [Tensor(rows * h)] + ([Tensor(rows, matrix=False)] if bias else [])
+    out.append(Tensor(q * h))
     if spec.linear_bias:
-        rep += h
-    return Params(dense=shard + rep, sp_replicated=rep)
+        out.append(Tensor(h, matrix=False, sp_replicated=True))
+    return out
 
 
-def mlp_params(spec: ModelSpec, moe: bool, tp: int, ep: int) -> Params:
-    h, rep = spec.dim, spec.norm_params
+def mlp_tensors(spec: ModelSpec, moe: bool, tp: int, ep: int) -> list[Tensor]:
+    """Norm, then w1, w3, w2 (GELU: fc1, fc2 with biases); MoE: router, shared experts, local routed experts."""
+    h, out = spec.dim, _norm(spec)
     if not moe:
-        shard = spec.mlp_mats * h * (spec.ffn_dim // tp)
-        if spec.linear_bias:
-            shard += spec.ffn_dim // tp
-            rep += h
-        return Params(dense=shard + rep, sp_replicated=rep)
-    one_expert = spec.mlp_mats * h * (spec.expert_ffn_dim // tp)
-    router = h * spec.n_experts
-    rep += router
-    shared = spec.n_shared_experts * one_expert
-    return Params(dense=shared + rep, expert=(spec.n_experts // ep) * one_expert, sp_replicated=rep)
+        f = spec.ffn_dim // tp
+        if spec.mlp == "gelu":
+            out += [Tensor(h * f)] + ([Tensor(f, matrix=False)] if spec.linear_bias else []) + [Tensor(f * h)]
+            return out + ([Tensor(h, matrix=False, sp_replicated=True)] if spec.linear_bias else [])
+        return out + [Tensor(h * f)] * 3
+    one = [Tensor(h * (spec.expert_ffn_dim // tp))] * spec.mlp_mats
+    routed = [Tensor(t.numel, expert=True) for t in one]
+    return out + [Tensor(h * spec.n_experts, sp_replicated=True)] + one * spec.n_shared_experts + \
+        routed * (spec.n_experts // ep)
 
 
+@lru_cache(maxsize=4096)
+def layer_tensors(spec: ModelSpec, moe: bool, tp: int = 1, ep: int = 1) -> tuple[Tensor, ...]:
+    return tuple(attention_tensors(spec, tp) + mlp_tensors(spec, moe, tp, ep))
+
+
+@lru_cache(maxsize=4096)
 def layer_params(spec: ModelSpec, moe: bool, tp: int = 1, ep: int = 1) -> Params:
-    return attention_params(spec, tp) + mlp_params(spec, moe, tp, ep)
+    return Params.of(layer_tensors(spec, moe, tp, ep))
 
 
-def embedding_params(spec: ModelSpec, tp: int = 1) -> Params:
-    pos = spec.max_seq_len * spec.dim if spec.learned_pos else 0
-    return Params(dense=padded_vocab(spec, tp) // tp * spec.dim + pos)
+def embedding_tensors(spec: ModelSpec, tp: int = 1) -> list[Tensor]:
+    pos = [Tensor(spec.max_seq_len * spec.dim)] if spec.learned_pos else []
+    return [Tensor(padded_vocab(spec, tp) // tp * spec.dim)] + pos
 
 
-def head_params(spec: ModelSpec, tp: int = 1, separate_copy: bool = False) -> Params:
+def head_tensors(spec: ModelSpec, tp: int = 1, separate_copy: bool = False) -> list[Tensor]:
     """Final norm plus LM head; a tied head costs nothing unless it sits on another stage than the embedding."""
-    head = 0 if spec.tie_embeddings and not separate_copy else padded_vocab(spec, tp) // tp * spec.dim
-    return Params(dense=head + spec.norm_params, sp_replicated=spec.norm_params)
+    tied = spec.tie_embeddings and not separate_copy
+    return _norm(spec) + ([] if tied else [Tensor(padded_vocab(spec, tp) // tp * spec.dim)])
 
 
+@lru_cache(maxsize=256)
 def total_params(spec: ModelSpec) -> int:
     """Unsharded parameter count (no vocab padding), comparable to `ModelConfig.num_params()`."""
     layers = sum(layer_params(spec, spec.is_moe_layer(i)).total for i in range(spec.n_layers))
-    return embedding_params(spec).total + layers + head_params(spec).total
+    return Params.of(embedding_tensors(spec) + head_tensors(spec)).total + layers
 
 
 def from_model_config(cfg: ModelConfig) -> ModelSpec:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from ..pipeline.grad_store import linear
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.axis, self.gather_output, self.sequence_parallel, self.enter = axis, gather_output, sequence_parallel, enter
+        self.grad_store = None  # a WeightGradStore when a split-backward pipeline schedule defers dW
         start, length = rows if rows is not None else split_range(out_features, axis)
         self.weight = _sharded_param((out_features, in_features), 0, start, length, replicas, grad_reduce, device, dtype)
         self.bias = (_sharded_param((out_features,), 0, start, length, replicas, grad_reduce, device, dtype)
@@ -113,7 +115,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.enter:
             x = enter_region(x, self.axis, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.grad_store)
         return comm.gather_from_region(y, self.axis) if self.gather_output else y
 
 
@@ -127,6 +129,7 @@ class RowParallelLinear(nn.Module):
         self.axis, self.input_is_parallel, self.sequence_parallel = axis, input_is_parallel, sequence_parallel
         if in_features % axis.size:
             raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={axis.size}")
+        self.grad_store = None
         start, length = split_range(in_features, axis)
         self.weight = _sharded_param((out_features, in_features), 1, start, length, device=device, dtype=dtype)
         # Under SP the bias is added on a sequence shard, so each rank holds part of its gradient.
@@ -136,7 +139,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = comm.scatter_to_region(x, self.axis)
-        y = exit_region(F.linear(x, self.weight), self.axis, self.sequence_parallel)
+        y = exit_region(linear(x, self.weight, None, self.grad_store), self.axis, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
 

@@ -1,0 +1,464 @@
+"""Checkpoints that reshard: saved under one layout, loaded under any other.
+
+Every tensor is stored under its *global* name and shape with torch.distributed.checkpoint (DCP):
+each rank writes the boxes of the global tensor it owns, described by the `ShardSpec` of its
+parameters, and on load asks for the boxes it needs; DCP's resharding reads the overlaps.
+* Only the `valid` part of a padded shard is written, and a slice held by several ranks (TP
+  replicas, and every dp×cp rank) is written by exactly one of them, so DCP's save-plan check
+  (chunks cover each tensor exactly once) also checks our ownership rule.
+* AdamW exp_avg / exp_avg_sq are stored like their parameter ("optim.<name>.exp_avg"). Under
+  ZeRO-1 a rank's flat shard covers a range of the flattened local parameters; a flat range of a
+  row-major tensor is a few contiguous boxes (partial row, full rows, partial row), so each rank
+  writes and reads its own range directly — no gather over dp.
+* Custom DCP planners address boxes as views into the live tensors: no ShardedTensor/DTensor
+  wrappers, whose even-split or full-cover rules do not fit padded vocab shards or ZeRO ranges.
+Publication is atomic: ranks write `root/tmp-step-N`; after a barrier rank 0 writes a manifest
+of sha256 checksums, renames the directory to `root/step-N` and then replaces `root/latest`.
+Loading skips (with a warning naming it) any step directory without a manifest or whose files
+do not match it, and falls back to the previous one. Nothing is unpickled freely: our own
+metadata is JSON, DCP tensors are read with `torch.load(weights_only=True)`, and DCP's pickled
+`.metadata` is checksummed first and then read by an unpickler that admits only DCP's metadata
+classes.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import math
+import os
+import pathlib
+import pickle
+import re
+import shutil
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from . import comm
+from .tensor_parallel.layers import get_spec
+
+log = logging.getLogger("shardwise.checkpoint")
+
+FORMAT_VERSION = 1
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+MANIFEST, META, LATEST = "manifest.json", "meta.json", "latest"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+RNG_AXES = ("dp", "pp", "cp", "tp", "ep")
+
+
+# ---------------------------------------------------------------- boxes: local views -> global chunks
+def flat_boxes(shape, lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
+    """Elements [lo, hi) of a row-major tensor as boxes (start index, sizes, flat start), each contiguous."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,) * len(shape), (hi - lo,) * len(shape), lo)]
+    inner = math.prod(shape[1:])
+    r0, a = divmod(lo, inner)
+    r1, b = divmod(hi, inner)
+
+    def row(r, x, y):
+        return [((r, *i), (1, *s), r * inner + f) for i, s, f in flat_boxes(shape[1:], x, y)]
+
+    if r0 == r1:
+        return row(r0, a, b)
+    out = []
+    if a:
+        out += row(r0, a, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *(0,) * (len(shape) - 1)), (r1 - r0, *shape[1:]), r0 * inner))
+    if b:
+        out += row(r1, 0, b)
+    return out
+
+
+def _place(spec, shape, src: torch.Tensor, lo: int, hi: int) -> list[tuple[tuple, torch.Tensor]]:
+    """(global offsets, local view) of the valid part of local flat range [lo, hi); `src` holds exactly that range."""
+    valid = list(shape)
+    if spec.dim is not None:
+        valid[spec.dim] = spec.valid  # padding rows sit past `valid` along the split dim
+    out = []
+    for idx, sizes, start in flat_boxes(shape, lo, hi):
+        view = src[start - lo:start - lo + math.prod(sizes)].view(sizes)
+        keep = [min(i + s, v) - i for i, s, v in zip(idx, sizes, valid)]
+        if min(keep, default=1) <= 0:
+            continue
+        for d, k in enumerate(keep):
+            view = view.narrow(d, 0, k)
+        offsets = tuple(i + (spec.start if d == spec.dim else 0) for d, i in enumerate(idx))
+        out.append((offsets, view))
+    return out
+
+
+def _tp_owned(named, tp) -> set[str]:
+    """Names this TP rank writes: it is the lowest TP rank holding that identical slice."""
+    mine = {n: (s.dim, s.start, s.valid) for n, p in named for s in (get_spec(p),)}
+    every = comm.all_gather_object(mine, tp)
+    return {n for n, key in mine.items() if next(r for r, o in enumerate(every) if o.get(n) == key) == tp.rank}
+
+
+def _ensure_state(reducer, step: int | None = None) -> None:
+    """Create AdamW state AdamW would create lazily (zeros), so it can be saved or loaded into; set its step."""
+    opt = reducer.optimizer
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            if not st:
+                st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            if step is not None:
+                st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
+
+
+def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
+    """{global key: (global shape, boxes)}: on save only the boxes this rank owns, on load all it holds."""
+    red = trainer.reducer
+    dp = red.dp
+    owned = _tp_owned(red.named, trainer.mesh["tp"]) if save else {n for n, _ in red.named}
+    out: dict[str, tuple[tuple, list]] = {}
+
+    def add(key, spec, boxes):
+        out[key] = (tuple(spec.global_shape), boxes)
+
+    for i, (n, p) in enumerate(red.named):
+        spec = get_spec(p)
+        # Params (and zero=0 state) are identical on every dp×cp rank: spread the writes over them.
+        mine = n in owned and (not save or i % dp.size == dp.rank)
+        tensors = {"model": p} | ({} if red.zero else {k: red.optimizer.state[p][k] for k in STATE_KEYS})
+        for kind, t in tensors.items():
+            boxes = _place(spec, p.shape, t.detach().reshape(-1), 0, p.numel()) if mine else []
+            add(f"model.{n}" if kind == "model" else f"optim.{n}.{kind}", spec, boxes)
+    if red.zero:
+        for g in red.flat:
+            state = red.optimizer.state[g["shard"]]
+            lo_s = dp.rank * g["per"]
+            for n, p, off, k in g["offsets"]:
+                lo, hi = max(off, lo_s), min(off + k, lo_s + g["per"])
+                for key in STATE_KEYS:
+                    boxes = (_place(get_spec(p), p.shape, state[key][lo - lo_s:hi - lo_s], lo - off, hi - off)
+                             if lo < hi and n in owned else [])
+                    add(f"optim.{n}.{key}", get_spec(p), boxes)
+    return out
+
+
+# ---------------------------------------------------------------- DCP planners over boxes
+class _BoxSavePlanner(DefaultSavePlanner):
+    """Writes each owned box as a chunk of its global tensor; the default global plan validates coverage."""
+
+    def __init__(self, entries):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.entries = entries
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, (size, boxes) in self.entries.items():
+            for off, t in boxes:
+                chunk = ChunkStorageMetadata(torch.Size(off), t.size())
+                items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(t),
+                                                                   torch.Size(size))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        for off, t in self.entries[write_item.index.fqn][1]:
+            if torch.Size(off) == write_item.index.offset:
+                return t.detach().cpu().clone()  # a compact copy: torch.save of a view writes its whole storage
+        raise KeyError(write_item.index)
+
+
+class _BoxLoadPlanner(LoadPlanner):
+    """Reads into each box (a view of a live tensor) whatever saved chunks overlap it."""
+
+    def __init__(self, entries, path):
+        self.entries, self.path = entries, path
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        saved = self.metadata.state_dict_metadata
+        for fqn, (size, boxes) in self.entries.items():
+            if fqn not in saved:
+                raise KeyError(f"checkpoint {self.path} has no tensor {fqn!r}: was it saved from another model?")
+            if tuple(saved[fqn].size) != tuple(size):
+                raise ValueError(f"checkpoint {self.path}: {fqn} has shape {tuple(saved[fqn].size)}, "
+                                 f"the model needs {tuple(size)}")
+            chunks = [ChunkStorageMetadata(torch.Size(off), t.size()) for off, t in boxes]
+            items += create_read_items_for_chunk_list(fqn, saved[fqn], chunks)
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, new_plan):
+        return new_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        raise ValueError(f"checkpoint {self.path}: unexpected pickled object {read_item.dest_index.fqn!r}")
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        t = self.entries[read_item.dest_index.fqn][1][read_item.dest_index.index][1]
+        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            t = t.narrow(d, o, n)
+        return t
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass
+
+
+_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                 ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
+                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP pickles its metadata; admit only DCP metadata classes, torch.Size, dtypes and paths."""
+
+    def find_class(self, module, name):
+        if ((module, name) in _SAFE_GLOBALS or module == "torch.distributed.checkpoint.metadata"
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _dcp_kwargs(mesh) -> dict:
+    return dict(no_dist=not mesh["world"].active)
+
+
+# ---------------------------------------------------------------- files
+def _write_json(path: str, obj) -> None:
+    """Write then rename, so a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().contiguous().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def _layout(trainer) -> dict:
+    return trainer.cfg.parallel.as_dict() | {"world": trainer.mesh["world"].size}
+
+
+# ---------------------------------------------------------------- save
+def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = None, keep: int | None = None) -> str:
+    """Collective. Save after `step` completed optimizer steps; returns the published directory.
+
+    `extra_state` (JSON-serialisable, rank 0's copy) comes back from `load_checkpoint`; `keep`
+    prunes all but the newest `keep` step directories.
+    """
+    mesh, world = trainer.mesh, trainer.mesh["world"]
+    rank0 = mesh.rank == 0
+    tmp, final = os.path.join(root, f"tmp-step-{step}"), os.path.join(root, f"step-{step}")
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
+        os.makedirs(tmp)
+    comm.barrier(world)
+    _ensure_state(trainer.reducer)
+    state = next(iter(trainer.reducer.optimizer.state.values()))
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(_entries(trainer, save=True)),
+             **_dcp_kwargs(mesh))
+    tracker = trainer.model.rng_tracker
+    _write_json(os.path.join(tmp, f"rank{mesh.rank}.json"), {
+        "rank": mesh.rank, "coords": mesh.coords, "torch_cpu_rng": _b64(torch.get_rng_state()),
+        "tracker_rng": {k: _b64(g.get_state()) for k, g in tracker.generators.items()}})
+    if rank0:
+        _write_json(os.path.join(tmp, META), {
+            "format": FORMAT_VERSION, "step": step, "optimizer_step": int(state["step"]), "layout": _layout(trainer),
+            "model": vars(trainer.model_cfg), "extra_state": extra_state or {}})
+    comm.barrier(world)  # every rank's files are complete
+    if rank0:
+        files = sorted(f for f in os.listdir(tmp) if not f.endswith(".tmp"))
+        _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT_VERSION, "step": step, "files": {
+            f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))}
+            for f in files}})
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # saved this step before (e.g. resumed): replace it
+            old = os.path.join(root, f"old-step-{step}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            shutil.rmtree(old)
+        os.replace(tmp, final)
+        with open(os.path.join(root, f"{LATEST}.tmp"), "w") as f:
+            f.write(f"step-{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(root, f"{LATEST}.tmp"), os.path.join(root, LATEST))
+        _fsync_dir(root)
+        if keep:
+            for old_step, path in list_checkpoints(root)[keep:]:
+                shutil.rmtree(path)
+    comm.barrier(world)
+    return final
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """Published step directories under `root`, newest first (validity not checked)."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := STEP_DIR.match(d))]
+    return sorted(found, reverse=True)
+
+
+# ---------------------------------------------------------------- verify and load
+def _problems(path: str, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with checkpoint `path`; this rank checks every `world`-th file of the manifest."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return [f"no {MANIFEST} (incomplete save)"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"unreadable {MANIFEST}: {e}"]
+    if META not in files or ".metadata" not in files:
+        return [f"{MANIFEST} lists no {META} or .metadata"]
+    out = []
+    for name in sorted(files)[rank::world]:
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            out.append(f"{name} is missing")
+        elif os.path.getsize(full) != files[name]["bytes"]:
+            out.append(f"{name} has {os.path.getsize(full)} bytes, manifest says {files[name]['bytes']} (truncated?)")
+        elif _sha256(full) != files[name]["sha256"]:
+            out.append(f"{name} fails its sha256 checksum")
+    return out
+
+
+def _candidates(root: str) -> list[str]:
+    if os.path.isfile(os.path.join(root, MANIFEST)) or STEP_DIR.match(os.path.basename(os.path.normpath(root))):
+        return [root]
+    return [path for _, path in list_checkpoints(root)]
+
+
+def find_valid(root: str, world_axis=None) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest intact checkpoint under `root` (or `root` itself) and the (path, reason) of each skipped one.
+
+    Collective over `world_axis` when given: ranks split the checksumming and agree on the answer.
+    """
+    size, rank = (world_axis.size, world_axis.rank) if world_axis is not None else (1, 0)
+    cands = _candidates(root)
+    if world_axis is not None:
+        cands = comm.all_gather_object(cands, world_axis)[0]  # one listing for all ranks
+    skipped = []
+    for path in cands:
+        probs = _problems(path, rank, size)
+        if world_axis is not None:
+            probs = sorted({p for ps in comm.all_gather_object(probs, world_axis) for p in ps})
+        if not probs:
+            return path, skipped
+        reason = "; ".join(probs)
+        if rank == 0:
+            log.warning("skipping checkpoint %s: %s", path, reason)
+        skipped.append((path, reason))
+    return None, skipped
+
+
+def load_checkpoint(root: str, trainer) -> dict | None:
+    """Collective. Load the newest intact checkpoint under `root` into `trainer`, resharding as needed.
+
+    Restores parameters, AdamW state and step count, `trainer.step`, and — when the layout is the
+    one saved — every rank's RNG streams (another layout cannot replay them, so the tracker streams
+    are reseeded from (seed, step) instead). Returns {"step", "path", "layout", "extra_state",
+    "skipped"}, or None when no intact checkpoint exists.
+    """
+    mesh = trainer.mesh
+    path, skipped = find_valid(root, mesh["world"] if mesh["world"].active else None)
+    if path is None:
+        if skipped and mesh.rank == 0:
+            log.warning("no intact checkpoint under %s; starting from scratch", root)
+        return None
+    with open(os.path.join(path, META)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path} has format {meta.get('format')}, this shardwise reads {FORMAT_VERSION}")
+    _ensure_state(trainer.reducer, meta["optimizer_step"])
+    dcp.load({}, storage_reader=_SafeReader(path), planner=_BoxLoadPlanner(_entries(trainer, save=False), path),
+             **_dcp_kwargs(mesh))
+    step = meta["step"]
+    tracker = trainer.model.rng_tracker
+    same = all(meta["layout"].get(a) == getattr(mesh.dims, a) for a in RNG_AXES)
+    rank_file = os.path.join(path, f"rank{mesh.rank}.json")
+    if same and os.path.isfile(rank_file):
+        with open(rank_file) as f:
+            rng = json.load(f)
+        torch.set_rng_state(_unb64(rng["torch_cpu_rng"]))
+        for k, g in tracker.generators.items():
+            g.set_state(_unb64(rng["tracker_rng"][k]))
+    else:
+        for g in tracker.generators.values():
+            g.manual_seed((g.initial_seed() + 1_000_003 * step) % 2**63)
+        if mesh.rank == 0:
+            log.info("checkpoint %s was saved under %s: RNG streams reseeded from (seed, step)", path, meta["layout"])
+    trainer.step = step
+    return {"step": step, "path": path, "layout": meta["layout"], "extra_state": meta["extra_state"],
+            "skipped": skipped}
+
+
+def load_global_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Full-shaped tensors of every key under `prefix` (prefix stripped), read in this process alone."""
+    reader = _SafeReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    full = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items() if k.startswith(prefix)}
+    entries = {k: (tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in full.items()}
+    dcp.load({}, storage_reader=reader, planner=_BoxLoadPlanner(entries, path), no_dist=True)
+    return {k[len(prefix):]: t for k, t in full.items()}
+
+
+def to_safetensors(root: str, out: str) -> tuple[str, int]:
+    """Consolidate the model weights of the newest intact checkpoint into one safetensors file."""
+    from safetensors.torch import save_file
+
+    path, _ = find_valid(root)
+    if path is None:
+        raise FileNotFoundError(f"no intact checkpoint under {root}")
+    with open(os.path.join(path, META)) as f:
+        step = json.load(f)["step"]
+    weights = load_global_tensors(path)
+    tmp = f"{out}.tmp"
+    save_file(weights, tmp, metadata={"format": "pt", "step": str(step), "source": str(pathlib.Path(path).resolve())})
+    os.replace(tmp, out)
+    return path, len(weights)

@@ -1,0 +1,231 @@
+"""Ring attention: each rank keeps its queries and passes K/V blocks around the cp ring.
+
+Layouts: q [b, hq, s_local, d], k/v [b, hkv, s_local, d] with hq a multiple of hkv (GQA). K/V travel
+with their hkv heads — never expanded before communication — and the kernel broadcasts them over
+the query groups.
+
+Forward, step i of c: rank r holds the K/V of rank (r − i) mod c. It posts the non-blocking p2p
+that hands this block on to r + 1 (and receives the next one from r − 1) *before* computing on it,
+so the transfer overlaps the block's attention. Block results merge with the log-sum-exp rule
+(out = Σ exp(lse_blk − lse)·out_blk), so no rank ever holds more than one block pair of scores.
+
+Backward recomputes every block from the saved q, k, v, output and LSE (the flash-attention
+backward takes the *global* out and LSE). K/V go round the ring again; a dK/dV accumulator for each
+block follows one step behind it (it starts at the rank after the owner, the owner adds its own
+share last), so it reaches its owner after c − 1 hops.
+
+Per rank and call, in ledger rows on the cp axis (B = b·hkv·s_local·d·elem bytes):
+  forward:  2(c−1) sends, 2(c−1)·B bytes (c−1 K blocks, c−1 V blocks);
+  backward: 4(c−1) sends, 4(c−1)·B bytes (c−1 K, c−1 V, c−1 dK, c−1 dV; the accumulators travel in
+            K/V's dtype, as the planner's comm model assumes).
+
+Causal masking comes from the layout (`sharding.chunk_ids`): a rank's own block is causal as a
+whole (local positions increase), every other block pair is either fully visible or skipped, chunk
+by chunk, so the kernel only ever needs `is_causal` on a square block — never an explicit mask.
+
+Attention primitive (`block_forward` / `block_backward`):
+  * CPU: `aten._scaled_dot_product_flash_attention_for_cpu` (+ `_backward`) — returns the fp32 LSE,
+    supports GQA natively and takes the global out/LSE in its backward;
+  * any other device (or backend="math"): fp32 math with an explicit causal triangle per block.
+    The CUDA flash/efficient kernels also return the LSE but need their own RNG/cum-seq bookkeeping
+    in the backward; wiring them in wants a GPU check this code has not had yet.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import comm
+from .sharding import chunk_ids, check_seq_len
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+# ---------------------------------------------------------------- block primitive
+def _use_flash(q: torch.Tensor, backend: str) -> bool:
+    if backend not in ("auto", "math"):
+        raise ValueError(f"attention backend {backend!r}: expected 'auto' or 'math'")
+    return backend == "auto" and q.device.type == "cpu" and _FLASH_CPU is not None
+
+
+def _expand(k: torch.Tensor, groups: int) -> torch.Tensor:
+    return k if groups == 1 else k.repeat_interleave(groups, dim=1)
+
+
+def _fold(dk: torch.Tensor, groups: int) -> torch.Tensor:
+    return dk if groups == 1 else dk.unflatten(1, (-1, groups)).sum(2)
+
+
+def _math_scores(q, k, causal, scale):
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    return s
+
+
+def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto"):
+    """Attention of one block pair → (out in q's dtype, lse fp32 [b, hq, s_q]). Causal needs s_q == s_k."""
+    if _use_flash(q, backend):
+        out, lse = _FLASH_CPU(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.float()
+    g = q.shape[1] // k.shape[1]
+    s = _math_scores(q, _expand(k, g), causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _expand(v, g).float())
+    return out.to(q.dtype), lse
+
+
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str = "auto"):
+    """(dq, dk, dv) of one block pair, given the *global* out and LSE of these query rows."""
+    if _use_flash(q, backend):
+        return _FLASH_CPU_BWD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    g = q.shape[1] // k.shape[1]
+    ke, ve = _expand(k, g).float(), _expand(v, g).float()
+    p = torch.exp(_math_scores(q, ke, causal, scale) - lse.unsqueeze(-1))
+    do = dout.float()
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, ve.transpose(-1, -2))
+    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True)) * scale
+    dq = torch.matmul(ds, ke)
+    dk = torch.matmul(ds.transpose(-1, -2), q.float())
+    return dq.to(q.dtype), _fold(dk, g).to(k.dtype), _fold(dv, g).to(v.dtype)
+
+
+# ---------------------------------------------------------------- which block pairs to compute
+def _span(local_chunks: list[int], length: int) -> slice:
+    # A rank holds at most two chunks, so any non-empty subset of them is one contiguous slice.
+    return slice(local_chunks[0] * length, (local_chunks[-1] + 1) * length)
+
+
+def block_plan(q_rank: int, kv_rank: int, cp_size: int, order: str, causal: bool, s_local: int):
+    """Block pairs rank `q_rank` computes against rank `kv_rank`'s K/V: a list of (q slice, kv slice, is_causal).
+
+    Pure layout arithmetic. Non-causal: one full block. Causal: the own block is causal as a whole;
+    for another rank's block, chunk a of the queries sees chunk b of the keys iff b < a (chunks of
+    different ranks never coincide), and query chunks that see the same key chunks share one call.
+    """
+    whole = slice(0, s_local)
+    if not causal:
+        return [(whole, whole, False)]
+    if q_rank == kv_rank:
+        return [(whole, whole, True)]
+    q_chunks, kv_chunks = chunk_ids(q_rank, cp_size, order), chunk_ids(kv_rank, cp_size, order)
+    length = s_local // len(q_chunks)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, a in enumerate(q_chunks):
+        seen = tuple(j for j, b in enumerate(kv_chunks) if b < a)
+        if seen:
+            groups.setdefault(seen, []).append(i)
+    return [(_span(qi, length), _span(list(seen), length), False) for seen, qi in groups.items()]
+
+
+def _rows(t: torch.Tensor, sl: slice) -> torch.Tensor:
+    return t[:, :, sl]
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, sl: slice, o_blk: torch.Tensor, l_blk: torch.Tensor) -> None:
+    """Online-softmax merge of one block's (out, lse) into the fp32 accumulators' rows `sl`, in place."""
+    o_acc, l_acc = _rows(out, sl), _rows(lse, sl)
+    new = torch.logaddexp(l_acc, l_blk)
+    o_acc.mul_(torch.exp(l_acc - new).unsqueeze(-1)).add_(o_blk.float() * torch.exp(l_blk - new).unsqueeze(-1))
+    l_acc.copy_(new)
+
+
+def _pass_on(send: tuple, recv: tuple, axis) -> list:
+    """Non-blocking: send `send` to the next cp rank, receive `recv` from the previous one."""
+    nxt, prv = (axis.rank + 1) % axis.size, (axis.rank - 1) % axis.size
+    return comm.p2p([("send", t, axis, nxt) for t in send] + [("recv", t, axis, prv) for t in recv])
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+# ---------------------------------------------------------------- the autograd Function
+class _RingAttention(torch.autograd.Function):
+    """forward: K/V ring over cp, LSE-merged block attention /
+    backward: K/V ring again with dK/dV accumulators one step behind, block recompute."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, axis, causal, order, scale, backend):
+        c, r, s_local = axis.size, axis.rank, q.shape[2]
+        k, v = k.contiguous(), v.contiguous()  # p2p needs contiguous buffers
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        cur = (k, v)
+        for step in range(c):
+            works, nxt = [], None
+            if step < c - 1:  # post the next transfer first: it overlaps this step's compute
+                nxt = (torch.empty_like(k), torch.empty_like(v))
+                works = _pass_on(cur, nxt, axis)
+            for qs, ks, is_causal in block_plan(r, (r - step) % c, c, order, causal, s_local):
+                o_blk, l_blk = block_forward(_rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks),
+                                             is_causal, scale, backend)
+                _merge(out, lse, qs, o_blk, l_blk)
+            _wait(works)
+            cur = nxt if nxt is not None else cur
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.axis, ctx.causal, ctx.order, ctx.scale, ctx.backend = axis, causal, order, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        axis, c, r, s_local = ctx.axis, ctx.axis.size, ctx.axis.rank, q.shape[2]
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        own = None  # this rank's share of its own dK/dV (step 0), added when the accumulator returns
+        acc_works, acc_in, acc_out = [], None, None  # acc_out stays referenced until its send completes
+        cur = (k, v)
+        for step in range(c):
+            kv_works, nxt = [], None
+            if step < c - 1:
+                nxt = (torch.empty_like(k), torch.empty_like(v))
+                kv_works = _pass_on(cur, nxt, axis)
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            for qs, ks, is_causal in block_plan(r, (r - step) % c, c, ctx.order, ctx.causal, s_local):
+                g_q, g_k, g_v = block_backward(
+                    _rows(dout, qs).contiguous(), _rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks),
+                    _rows(out, qs).contiguous(), _rows(lse, qs).contiguous(), is_causal, ctx.scale, ctx.backend)
+                _rows(dq, qs).add_(g_q)
+                _rows(dk, ks).add_(g_k)
+                _rows(dv, ks).add_(g_v)
+            if step == 0:
+                own = (dk, dv)
+            else:  # add to the accumulator of this block (from the previous rank) and hand it on
+                _wait(acc_works)
+                if acc_in is not None:
+                    dk.add_(acc_in[0])
+                    dv.add_(acc_in[1])
+                acc_in, acc_out = (torch.empty_like(k), torch.empty_like(v)), (dk.to(k.dtype), dv.to(v.dtype))
+                acc_works = _pass_on(acc_out, acc_in, axis)
+            _wait(kv_works)
+            cur = nxt if nxt is not None else cur
+        _wait(acc_works)
+        dk, dv = own
+        if acc_in is not None:  # after c − 1 hops the accumulator of this rank's own K/V is back
+            dk.add_(acc_in[0])
+            dv.add_(acc_in[1])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, causal: bool = True,
+                   order: str = "balanced", scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Exact attention over the whole sequence for this rank's queries; out [b, hq, s_local, d].
+
+    q/k/v are this rank's shard in `order` (see `sharding.shard_sequence(..., dim=2)`); `axis` is the
+    cp axis. backend "auto" uses the fused CPU kernel where it applies, "math" forces the fallback.
+    """
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"ring_attention: expected q [b, hq, s, d] and k, v [b, hkv, s, d], got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"ring_attention: hq={q.shape[1]} query heads is not a multiple of hkv={k.shape[1]}")
+    check_seq_len(q.shape[2] * axis.size, axis.size, order)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _RingAttention.apply(q, k, v, axis, causal, order, scale, backend)

@@ -1,0 +1,78 @@
+"""This ep rank's slice of the experts: E/ep SwiGLU FFNs as stacked weights, run over grouped rows.
+
+Weights are the global [E, ...] tensors split on dim 0 over ep, with a ShardSpec each, so the
+layout-independent init (draw the global tensor, keep the spec's slice) gives every layout the
+same experts. Parameters are marked `_sw_expert`: their gradients are complete over the ep group
+(every token routed to them arrives here) and must be summed over "edp" only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tensor_parallel.layers import ShardSpec, set_spec
+
+
+def _expert_param(n_experts, n_local, start, shape, replicas, device, dtype) -> nn.Parameter:
+    p = nn.Parameter(torch.empty((n_local, *shape), device=device, dtype=dtype))
+    set_spec(p, ShardSpec((n_experts, *shape), 0, start, n_local, n_local, replicas))
+    p._sw_expert = True
+    return p
+
+
+def grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """torch._grouped_mm (torch >= 2.8 on CPU fp32/bf16; CUDA needs bf16 on sm90+) with 16-byte-aligned rows."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+    elif x.device.type != "cpu":
+        return False
+    return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0
+               for w in weights)
+
+
+class GroupedExperts(nn.Module):
+    """w1, w3 [E_l, ffn, dim] and w2 [E_l, dim, ffn]: expert e computes w2ₑ(silu(w1ₑ x) · w3ₑ x).
+
+    `grouped_mm`: None picks torch._grouped_mm when it runs here, else a per-expert loop; the loop
+    also visits empty experts so every weight stays in the graph (gradient zeros, never None).
+    `replicas` is how many ranks outside ep hold the same slice for the grad norm (tp when the
+    experts are not TP-sharded).
+    """
+
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int, ep_axis, replicas: int = 1,
+                 grouped_mm: bool | None = None, device=None, dtype=None):
+        super().__init__()
+        if n_experts % ep_axis.size:
+            raise ValueError(f"n_experts={n_experts} not divisible by ep={ep_axis.size}")
+        self.n_experts, self.n_local = n_experts, n_experts // ep_axis.size
+        self.first = ep_axis.rank * self.n_local
+        self.grouped_mm = grouped_mm
+        mk = lambda shape: _expert_param(n_experts, self.n_local, self.first, shape, replicas, device, dtype)  # noqa: E731
+        self.w1 = mk((ffn_dim, dim))
+        self.w3 = mk((ffn_dim, dim))
+        self.w2 = mk((dim, ffn_dim))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [M, dim], contiguous per local expert with `counts` rows each → [M, dim]."""
+        if len(counts) != self.n_local or sum(counts) != rows.shape[0]:
+            raise ValueError(f"counts {counts} do not describe {rows.shape[0]} rows over {self.n_local} experts")
+        use = self.grouped_mm
+        if use is None:
+            use = grouped_mm_available(rows, self.w1, self.w2)
+        if use:
+            offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(rows, self.w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+        outs = []
+        for e, part in enumerate(rows.split(counts)):
+            h = F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e])
+            outs.append(F.linear(h, self.w2[e]))
+        return torch.cat(outs)
+
+    def extra_repr(self) -> str:
+        return f"experts [{self.first}, {self.first + self.n_local}) of {self.n_experts}"

@@ -1,0 +1,107 @@
+"""The MoE feed-forward block: router → dispatch → grouped experts → combine (+ shared experts).
+
+Drop-in for the dense FeedForward: [b, s, dim] → [b, s, dim]. Each forward sets
+
+* `self.aux_loss` — coefficient-weighted aux + z loss of this rank's tokens (a scalar with grad).
+  The training loop adds it to the loss with the same weighting as the cross-entropy: since
+  gradients are summed over dp×cp and the CE is divided by the global token count, add
+  `aux_loss · local_tokens / global_tokens` per micro-batch (the token-weighted mean over ranks
+  and micro-batches, Switch's per-micro-batch convention).
+* `self.stats` — an `MoEStats` of the step's load (host numbers, no extra sync).
+
+Call `update_bias(mesh["dp_cp"])` once per optimizer step when `bias_update_rate` > 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..mesh import Axis
+from .dispatch import AllToAllDispatcher
+from .experts import GroupedExperts
+from .router import Router
+
+
+class SwiGLU(nn.Module):
+    """Dense w2(silu(w1 x) · w3 x); names match FeedForward so the TP plan and init rule apply."""
+
+    def __init__(self, dim: int, hidden: int, device=None, dtype=None):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False, device=device, dtype=dtype)
+        self.w3 = nn.Linear(dim, hidden, bias=False, device=device, dtype=dtype)
+        self.w2 = nn.Linear(hidden, dim, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+@dataclass
+class MoEStats:
+    """This rank's routing in the last forward (assignments after capacity; before, for `dropped`)."""
+
+    tokens_per_expert: list[int]
+    dropped: int
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+    @property
+    def max_load(self) -> int:
+        return max(self.tokens_per_expert)
+
+    @property
+    def mean_load(self) -> float:
+        return sum(self.tokens_per_expert) / len(self.tokens_per_expert)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean load: 1 is perfectly balanced, E is everything on one expert."""
+        return self.max_load / self.mean_load if self.mean_load else 0.0
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts, E/ep per ep rank, plus `shared_experts` dense ones (DeepSeek-V3).
+
+    The shared experts are one SwiGLU of hidden size shared_experts·ffn_dim, which equals the sum
+    of that many ffn_dim experts applied to every token.
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int, topk: int, ep_axis: Axis | None = None,
+                 shared_experts: int = 0, capacity_factor: float | None = None, drop_policy: str = "probs",
+                 score: str = "softmax", softmax_before_topk: bool = True, aux_loss_coef: float = 0.0,
+                 z_loss_coef: float = 0.0, bias_update_rate: float = 0.0, expert_replicas: int = 1,
+                 grouped_mm: bool | None = None, device=None, dtype=None):
+        super().__init__()
+        ep_axis = ep_axis if ep_axis is not None else Axis("ep")
+        self.router = Router(dim, n_experts, topk, score, softmax_before_topk, aux_loss_coef, z_loss_coef,
+                             bias_update_rate, device=device, dtype=dtype)
+        self.dispatcher = AllToAllDispatcher(n_experts, ep_axis, capacity_factor, drop_policy)
+        self.experts = GroupedExperts(n_experts, dim, ffn_dim, ep_axis, expert_replicas, grouped_mm,
+                                      device=device, dtype=dtype)
+        self.shared = SwiGLU(dim, shared_experts * ffn_dim, device, dtype) if shared_experts else None
+        self.aux_loss: torch.Tensor | None = None
+        self.stats: MoEStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.router(flat)
+        rows, handle = self.dispatcher.dispatch(flat, routing.indices, routing.weights)
+        out = self.dispatcher.combine(self.experts(rows, handle.tokens_per_local_expert), handle)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        self.aux_loss = routing.loss
+        self.stats = MoEStats(handle.tokens_per_expert, handle.dropped, routing.aux_loss.detach(),
+                              routing.z_loss.detach())
+        return out.view(shape)
+
+    def update_bias(self, axis: Axis | None = None) -> torch.Tensor:
+        """Loss-free balancing step from the selections since the last call, summed over `axis`."""
+        return self.router.update_bias(axis)
+
+    def reset_buffers(self) -> None:
+        """Zero the router's bias and pending counts (after materialising from the meta device)."""
+        self.router.expert_bias.zero_()
+        self.router.pending_counts.zero_()

@@ -1,0 +1,116 @@
+"""Top-k token router with the Switch/GShard balancing loss, z-loss and DeepSeek's loss-free bias.
+
+Losses are per rank (micro-batch local, as in Switch and Megatron's default): f and P below are
+computed over the N tokens this rank routes in this forward. That is deterministic and needs no
+communication; the training loop weights each rank's loss like its cross-entropy (see `MoE`).
+
+    aux   = E · Σᵢ fᵢ·Pᵢ,  fᵢ = (1 / (N·k)) · #{(t, j): idx[t, j] = i}   (share of the N·k assignments)
+                          Pᵢ = (1 / N) · Σₜ p[t, i]                      (mean full-distribution prob)
+    z     = (1 / N) · Σₜ logsumexp(logits[t])²
+
+p is softmax over all E logits ("softmax" score), or sigmoid scores normalised to sum 1 per token
+("sigmoid"). fᵢ counts the selected experts (bias included, before any capacity drop) and carries
+no gradient; Pᵢ carries the gradient. Uniform routing gives aux = 1.
+
+The loss-free bias (arXiv 2408.15664) is added to the scores for *selection only*; the combine
+weights come from the unbiased scores. It changes only in `update_bias`, from counts all-reduced
+over the axis that holds different tokens, so every rank keeps the same bias.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+
+
+@dataclass
+class Routing:
+    """One forward's routing: indices/weights [N, k], counts [E] (selected, pre-drop), scalar losses.
+
+    `loss` = aux_loss_coef·aux_loss + z_loss_coef·z_loss, the term to add to the training loss.
+    """
+
+    indices: torch.Tensor
+    weights: torch.Tensor
+    counts: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    loss: torch.Tensor
+
+
+class Router(nn.Module):
+    """Linear gate (no bias) → scores → top-k, in fp32.
+
+    score="softmax": softmax_before_topk=True takes the top-k of softmax(logits) and uses those
+    probabilities as weights (Switch/DeepSeek-V2); False takes the top-k logits and softmaxes over
+    just those k (Mixtral: weights sum to 1). score="sigmoid" (DeepSeek-V3): top-k of sigmoid
+    scores, weights renormalised to sum 1.
+    """
+
+    def __init__(self, dim: int, n_experts: int, topk: int, score: str = "softmax", softmax_before_topk: bool = True,
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
+                 device=None, dtype=None):
+        super().__init__()
+        if not 1 <= topk <= n_experts:
+            raise ValueError(f"topk={topk} must be in [1, n_experts={n_experts}]")
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"score={score!r}: expected 'softmax' or 'sigmoid'")
+        self.n_experts, self.topk, self.score = n_experts, topk, score
+        self.softmax_before_topk = softmax_before_topk
+        self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
+        self.weight = nn.Parameter(torch.empty(n_experts, dim, device=device, dtype=dtype))
+        # Selection-only bias (fp32, in checkpoints) and the selected counts since the last update.
+        self.register_buffer("expert_bias", torch.zeros(n_experts, device=device))
+        self.register_buffer("pending_counts", torch.zeros(n_experts, device=device), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [N, dim] → Routing. Accumulates `pending_counts` while training (for `update_bias`)."""
+        logits = F.linear(x.float(), self.weight.float())
+        n, e, k = logits.shape[0], self.n_experts, self.topk
+        if self.score == "softmax":
+            scores = logits.softmax(-1)
+            probs = scores
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(-1, keepdim=True)
+        if self.score == "softmax" and not self.softmax_before_topk:
+            select = logits
+        else:
+            select = scores
+        _, indices = torch.topk(select.detach() + self.expert_bias, k, dim=-1)
+        if self.score == "softmax" and not self.softmax_before_topk:
+            weights = logits.gather(1, indices).softmax(-1)
+        else:
+            weights = scores.gather(1, indices)
+            if self.score == "sigmoid":
+                weights = weights / weights.sum(-1, keepdim=True)
+        counts = torch.zeros(e, device=x.device).scatter_add_(0, indices.reshape(-1),
+                                                              torch.ones(n * k, device=x.device))
+        if n:
+            aux = e * torch.dot(counts / (n * k), probs.mean(0))
+            z = logits.logsumexp(-1).pow(2).mean()
+        else:
+            aux = z = logits.sum() * 0.0
+        if self.training:
+            self.pending_counts += counts
+        return Routing(indices, weights, counts, aux, z, self.aux_loss_coef * aux + self.z_loss_coef * z)
+
+    @torch.no_grad()
+    def update_bias(self, axis=None, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """bias += rate · sign(mean load − load): call once per optimizer step on every rank.
+
+        `counts` defaults to the selections accumulated since the last call; they are summed over
+        `axis` (the ranks that route different tokens, e.g. mesh["dp_cp"]) so all ranks agree.
+        Returns the global counts used.
+        """
+        counts = (self.pending_counts if counts is None else counts).detach().float().clone()
+        if axis is not None:
+            comm.all_reduce(counts, axis, tag="moe_bias")
+        if self.bias_update_rate:
+            self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
+        self.pending_counts.zero_()
+        return counts

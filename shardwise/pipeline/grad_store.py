@@ -1,0 +1,68 @@
+"""Deferred weight gradients for zero-bubble schedules (the W of F/B/W).
+
+In a split schedule, B must produce only the input gradient the previous stage is waiting for.
+Our linear layers therefore, while a store is `capturing`, hand (input, grad_output) to the store
+instead of computing dW; the executor runs W(microbatch, chunk) later, which computes and
+accumulates those weight gradients. One autograd pass, no recomputation.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class WeightGradStore:
+    def __init__(self):
+        self.capturing = False
+        self.key = None
+        self.pending: dict[object, list] = {}
+
+    def put(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+        self.pending.setdefault(self.key, []).append((weight, bias, x, grad_out))
+
+    def run(self, key) -> None:
+        """Compute and accumulate every deferred weight gradient of `key`, then drop the saved tensors."""
+        with torch.no_grad():
+            for weight, bias, x, g in self.pending.pop(key, []):
+                _accumulate(weight, g.flatten(0, -2).t() @ x.flatten(0, -2))
+                if bias is not None:
+                    _accumulate(bias, g.flatten(0, -2).sum(0))
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.pending.values())
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    g = g.to(p.dtype)
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad += g
+
+
+class _LinearDeferredW(torch.autograd.Function):
+    """forward: y = x Wᵀ + b / backward: dx now; dW, db handed to the store (or computed now when not capturing)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.store = bias is not None, store
+        ctx.bias = bias
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        dx = g @ weight.to(g.dtype)
+        if ctx.store.capturing:
+            ctx.store.put(weight, ctx.bias, x, g)
+            return dx, None, None, None
+        dw = g.flatten(0, -2).t() @ x.flatten(0, -2)
+        db = g.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return dx, dw.to(weight.dtype), db, None
+
+
+def linear(x, weight, bias=None, store: WeightGradStore | None = None):
+    """F.linear, or the deferred-W version when the layer belongs to a split-backward pipeline stage."""
+    if store is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _LinearDeferredW.apply(x, weight, bias, store)

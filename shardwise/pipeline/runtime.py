@@ -1,0 +1,159 @@
+"""The one executor that runs any valid schedule's action list on this pipeline rank.
+
+Communication is point-to-point on the pp axis, non-blocking and deadlock-free by construction:
+* sends are posted (isend) as soon as an output or input-gradient exists and never waited on
+  before later work;
+* receives from a peer are posted in exactly the order that peer sends (the order is known on
+  every rank, since every rank can read every rank's action list), so messages between a pair of
+  ranks can never be matched to the wrong buffer — the silent-corruption mode of batched p2p in
+  interleaved schedules — whatever the backend's matching rule (NCCL: order; gloo: tag + order);
+* a stage output's storage is released once its send completed (Megatron's
+  deallocate_output_tensor); backward then runs the autograd engine on the output's graph alone.
+Each action's start and end are recorded for the timeline; the number of microbatch-chunks whose
+activations are held (F done, B not yet) is tracked for the memory report.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import comm
+from .grad_store import WeightGradStore
+from .schedules import Schedule
+
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
+def _message_order(schedule: Schedule) -> dict[tuple[int, int], list[tuple]]:
+    """For every (src, dst) pair of pp ranks: the messages src sends to dst, in src's program order."""
+    lay, last = schedule.layout, schedule.num_stages - 1
+    order: dict[tuple[int, int], list[tuple]] = {}
+    for src, actions in enumerate(schedule.actions):
+        for a in actions:
+            stage = lay.stage_of(src, a.chunk)
+            if a.kind == "F" and stage != last:
+                dst, key = lay.next_rank(stage), ("act", a.microbatch, stage + 1)
+            elif a.kind == "B" and stage != 0:
+                dst, key = lay.prev_rank(stage), ("grad", a.microbatch, stage - 1)
+            else:
+                continue
+            order.setdefault((src, dst), []).append(key)
+    return order
+
+
+class PipelineExecutor:
+    def __init__(self, chunks, schedule: Schedule, mesh, act_shape, act_dtype, loss_fn,
+                 store: WeightGradStore | None = None, autocast=None):
+        self.chunks, self.schedule, self.mesh = chunks, schedule, mesh
+        self.pp = mesh["pp"]
+        self.rank = self.pp.rank
+        self.act_shape, self.act_dtype, self.loss_fn = tuple(act_shape), act_dtype, loss_fn
+        self.layout = schedule.layout
+        self.order = _message_order(schedule)
+        self.store = store if schedule.split_bw else None
+        if schedule.split_bw and store is None:
+            raise ValueError(f"schedule {schedule.name} splits B and W: pass the model's WeightGradStore")
+        self.autocast = autocast
+        self.events: list[dict] = []
+        self.peak_inflight = 0
+
+    # ------------------------------------------------------------ messages
+    def _begin(self):
+        self.posted: dict[tuple, tuple[torch.Tensor, object]] = {}
+        self.next_recv = {src: 0 for (src, dst) in self.order if dst == self.rank}
+        self.local: dict[tuple, torch.Tensor] = {}
+        self.sends: list[tuple[object, torch.Tensor | None]] = []
+
+    def _receive(self, src: int, key: tuple) -> torch.Tensor:
+        if src == self.rank:  # neighbouring stages on the same rank (the V turn-around)
+            return self.local.pop(key)
+        seq = self.order[(src, self.rank)]
+        new = []
+        while key not in self.posted and all(k != key for k, _ in new):
+            k = seq[self.next_recv[src]]  # everything src sends before `key` is posted first, in src's order
+            self.next_recv[src] += 1
+            new.append((k, torch.empty(self.act_shape, dtype=self.act_dtype, device=self.mesh.device)))
+        if new:
+            works = comm.p2p([("recv", buf, self.pp, src) for _, buf in new])
+            for (k, buf), work in zip(new, works):
+                self.posted[k] = (buf, work)
+        buf, work = self.posted.pop(key)
+        work.wait()
+        return buf
+
+    def _send(self, dst: int, key: tuple, t: torch.Tensor, free_after: torch.Tensor | None = None) -> None:
+        if dst == self.rank:
+            self.local[key] = t
+            return
+        if t.shape != self.act_shape:
+            raise RuntimeError(f"pp rank {self.rank}: sending {key} of shape {tuple(t.shape)}, "
+                               f"expected {self.act_shape}")
+        (work,) = comm.p2p([("send", t.contiguous(), self.pp, dst)])
+        self.sends.append((work, free_after))
+        self._reap_sends()
+
+    def _reap_sends(self, wait: bool = False) -> None:
+        still = []
+        for work, out in self.sends:
+            if wait:
+                work.wait()
+            if wait or work.is_completed():
+                if out is not None:
+                    out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
+            else:
+                still.append((work, out))
+        self.sends = still
+
+    # ------------------------------------------------------------ the loop
+    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], n_tokens: int) -> torch.Tensor:
+        """Run this rank's actions for one step; returns the sum of its last-stage losses (0 elsewhere)."""
+        self._begin()
+        self.events = []
+        lay, last = self.layout, self.schedule.num_stages - 1
+        state: dict[tuple[int, int], tuple] = {}
+        loss_sum = torch.zeros(1, device=self.mesh.device)
+        inflight = 0
+        for a in self.schedule.actions[self.rank]:
+            stage = lay.stage_of(self.rank, a.chunk)
+            chunk, mb = self.chunks[a.chunk], a.microbatch
+            # Timing starts once the input has arrived: waiting on a peer is bubble, not work.
+            if a.kind == "F":
+                x = inputs[mb] if stage == 0 else \
+                    self._receive(lay.prev_rank(stage), ("act", mb, stage)).requires_grad_()
+                t0 = time.time()
+                with self.autocast():
+                    out = chunk(x)
+                if stage == last:
+                    out = self.loss_fn(out, targets[mb]).sum() / n_tokens
+                    loss_sum += out.detach()
+                state[(mb, a.chunk)] = (x, out)
+                if stage != last:
+                    dst = lay.next_rank(stage)
+                    self._send(dst, ("act", mb, stage + 1), out.detach(), free_after=out if dst != self.rank else None)
+                inflight += 1
+                self.peak_inflight = max(self.peak_inflight, inflight)
+            elif a.kind == "B":
+                x, out = state.pop((mb, a.chunk))
+                grad = torch.ones_like(out) if stage == last else \
+                    self._receive(lay.next_rank(stage), ("grad", mb, stage))
+                t0 = time.time()
+                if self.store is not None:
+                    self.store.capturing, self.store.key = True, (mb, a.chunk)
+                try:
+                    _ENGINE.run_backward((out,), (grad,), False, False, (), True, True)
+                finally:
+                    if self.store is not None:
+                        self.store.capturing = False
+                if stage != 0:
+                    self._send(lay.prev_rank(stage), ("grad", mb, stage - 1), x.grad)
+                inflight -= 1
+            else:
+                t0 = time.time()
+                self.store.run((mb, a.chunk))
+            self.events.append({"kind": a.kind, "microbatch": mb, "chunk": a.chunk, "start": t0, "end": time.time()})
+            self._reap_sends()
+        self._reap_sends(wait=True)
+        if state or self.posted or (self.store is not None and len(self.store)):
+            raise RuntimeError(f"pp rank {self.rank}: schedule {self.schedule.name} left work undone")
+        return loss_sum

@@ -1,0 +1,75 @@
+"""Cutting the model into pipeline stages.
+
+There are p·v stages (v chunks per rank). Stage k holds a contiguous run of layers; stage 0 also
+holds the embedding, the last stage the final norm, LM head and loss. A rank keeps only the modules
+of its own chunks and drops the rest, and parameter names stay global (`layers.7.attention.wq`),
+so checkpoints and parity checks need no renaming.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from ..models.llama import Transformer, rope_tables
+
+
+def split_layers(n_layers: int, n_stages: int, pp_layers: list[int] | None = None) -> list[range]:
+    """Global layer indices of every stage: an even split, or `pp_layers` (one count per stage)."""
+    if pp_layers is not None:
+        if len(pp_layers) != n_stages:
+            raise ConfigError(f"--pp-layers {','.join(map(str, pp_layers))} has {len(pp_layers)} entries; "
+                              f"need one per stage (pp × vp = {n_stages})")
+        if any(c < 0 for c in pp_layers) or sum(pp_layers) != n_layers:
+            raise ConfigError(f"--pp-layers {','.join(map(str, pp_layers))} must be non-negative counts summing to "
+                              f"the model's {n_layers} layers")
+        counts = pp_layers
+    else:
+        if n_layers % n_stages:
+            raise ConfigError(f"{n_layers} layers cannot be split evenly over {n_stages} stages (pp × vp); "
+                              f"pass --pp-layers with {n_stages} counts summing to {n_layers}")
+        counts = [n_layers // n_stages] * n_stages
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+class StageChunk(nn.Module):
+    """One stage's view of the (pruned) model: embedding?, its layers, head? — no parameters of its own."""
+
+    def __init__(self, model: Transformer, layers: range, first: bool, last: bool):
+        super().__init__()
+        self._model = [model]  # a list, so the chunk does not register the model's parameters twice
+        self.layer_ids, self.first, self.last = list(layers), first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens → hidden (first stage), hidden → hidden, or hidden → logits (last stage)."""
+        model = self._model[0]
+        seq_len = x.shape[1] * (model.tp_axis.size if model.sequence_parallel and not self.first else 1)
+        cos, sin = rope_tables(model.cfg.head_dim, seq_len, model.cfg.rope_theta, x.device)
+        h = model.tok_embeddings(x) if self.first else x
+        for i in self.layer_ids:
+            h = model.layers[str(i)](h, cos, sin)
+        return model.output(model.norm(h)) if self.last else h
+
+
+def prune_to_stages(model: Transformer, rank: int, layout, stage_layers: list[range]) -> list[StageChunk]:
+    """Delete every module this pipeline rank does not own; return its chunks in local-chunk order."""
+    n_stages = layout.num_stages
+    chunks = []
+    keep: set[int] = set()
+    for c in range(layout.v):
+        stage = layout.stage_of(rank, c)
+        chunks.append(StageChunk(model, stage_layers[stage], stage == 0, stage == n_stages - 1))
+        keep.update(stage_layers[stage])
+    for name in list(model.layers.keys()):
+        if int(name) not in keep:
+            del model.layers[name]
+    if not any(ch.first for ch in chunks):
+        model.tok_embeddings = None
+    if not any(ch.last for ch in chunks):
+        model.norm = None
+        model.output = None
+    return chunks
