@@ -32,6 +32,7 @@ import pathlib
 import pickle
 import re
 import shutil
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -241,8 +242,11 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def _dcp_kwargs(mesh) -> dict:
-    return dict(no_dist=not mesh["world"].active)
+def _dcp(fn, mesh=None, **kw) -> None:
+    """dcp.save / dcp.load, in one process (no process group) unless the mesh spans several ranks."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        fn({}, no_dist=mesh is None or not mesh["world"].active, **kw)
 
 
 # ---------------------------------------------------------------- files
@@ -300,8 +304,7 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
     comm.barrier(world)
     _ensure_state(trainer.reducer)
     state = next(iter(trainer.reducer.optimizer.state.values()))
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(_entries(trainer, save=True)),
-             **_dcp_kwargs(mesh))
+    _dcp(dcp.save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(_entries(trainer, True)))
     tracker = trainer.model.rng_tracker
     _write_json(os.path.join(tmp, f"rank{mesh.rank}.json"), {
         "rank": mesh.rank, "coords": mesh.coords, "torch_cpu_rng": _b64(torch.get_rng_state()),
@@ -345,7 +348,7 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
 
 
 # ---------------------------------------------------------------- verify and load
-def _problems(path: str, rank: int = 0, world: int = 1) -> list[str]:
+def checkpoint_problems(path: str, rank: int = 0, world: int = 1) -> list[str]:
     """What is wrong with checkpoint `path`; this rank checks every `world`-th file of the manifest."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
@@ -385,7 +388,7 @@ def find_valid(root: str, world_axis=None) -> tuple[str | None, list[tuple[str, 
         cands = comm.all_gather_object(cands, world_axis)[0]  # one listing for all ranks
     skipped = []
     for path in cands:
-        probs = _problems(path, rank, size)
+        probs = checkpoint_problems(path, rank, size)
         if world_axis is not None:
             probs = sorted({p for ps in comm.all_gather_object(probs, world_axis) for p in ps})
         if not probs:
@@ -416,8 +419,7 @@ def load_checkpoint(root: str, trainer) -> dict | None:
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format {meta.get('format')}, this shardwise reads {FORMAT_VERSION}")
     _ensure_state(trainer.reducer, meta["optimizer_step"])
-    dcp.load({}, storage_reader=_SafeReader(path), planner=_BoxLoadPlanner(_entries(trainer, save=False), path),
-             **_dcp_kwargs(mesh))
+    _dcp(dcp.load, mesh, storage_reader=_SafeReader(path), planner=_BoxLoadPlanner(_entries(trainer, False), path))
     step = meta["step"]
     tracker = trainer.model.rng_tracker
     same = all(meta["layout"].get(a) == getattr(mesh.dims, a) for a in RNG_AXES)
@@ -444,7 +446,7 @@ def load_global_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Te
     saved = reader.read_metadata().state_dict_metadata
     full = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items() if k.startswith(prefix)}
     entries = {k: (tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in full.items()}
-    dcp.load({}, storage_reader=reader, planner=_BoxLoadPlanner(entries, path), no_dist=True)
+    _dcp(dcp.load, storage_reader=reader, planner=_BoxLoadPlanner(entries, path))
     return {k[len(prefix):]: t for k, t in full.items()}
 
 

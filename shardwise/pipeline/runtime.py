@@ -55,6 +55,11 @@ class PipelineExecutor:
         if schedule.split_bw and store is None:
             raise ValueError(f"schedule {schedule.name} splits B and W: pass the model's WeightGradStore")
         self.autocast = autocast
+        # Gloo accepts a smaller message into a larger buffer silently: agree on the shape up front,
+        # and check every outgoing tensor against it.
+        agreed = comm.all_gather_object((self.act_shape, str(act_dtype)), self.pp)
+        if any(a != agreed[0] for a in agreed):
+            raise RuntimeError(f"pipeline ranks disagree on the activation shape/dtype: {agreed}")
         self.events: list[dict] = []
         self.peak_inflight = 0
 

@@ -24,6 +24,7 @@ from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
 from shardwise.planner.memory import layer_activation_bytes, stage_activation_bytes, stage_params, static_bytes
 from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab, total_params
+from shardwise.planner.schedule import bubble_fraction
 
 AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp")
 ADAM_STEP_BYTES = 28
@@ -75,43 +76,6 @@ def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none") -> float
     fwd = tokens * (matmul + core + 2.0 * spec.dim * spec.vocab_size)
     extra = {"none": 0.0, "selective": tokens * core, "full": tokens * (matmul + core)}[recompute]
     return 3.0 * fwd + extra
-
-
-def bubble_fraction(lay: Layout) -> tuple[float, str]:
-    """Idle fraction of the pipelined step and where the number came from."""
-    p, m, v = lay.pp, lay.m, lay.vp
-    if p == 1:
-        return 0.0, "none"
-    if lay.schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1), "analytic"
-    if lay.schedule == "interleaved":
-        return (p - 1) / (v * m + p - 1), "analytic"
-    simulated = _simulated_bubble(lay.schedule, p, m, v)
-    if simulated is not None:
-        return simulated, "simulator"
-    # ZB-H1 (Qi et al. 2023) with equal F, B, W: the bubble shrinks to a third of 1F1B's; DualPipeV runs
-    # the same on a V of two chunks per rank.
-    chunks = 2 if lay.schedule == "dualpipev" else 1
-    return (p - 1) / (3 * chunks * m + p - 1), "approximation"
-
-
-@lru_cache(maxsize=256)
-def _simulated_bubble(schedule: str, p: int, m: int, v: int) -> float | None:
-    """Ask shardwise.pipeline.simulate, when it exists, for schedules without a closed form.
-
-    Expected interface: simulate(schedule, pp=..., microbatches=..., vp=...) returning an object or dict
-    with `bubble_fraction`. Anything else (module missing, other signature) falls back to the formula.
-    """
-    try:
-        from shardwise.pipeline.simulate import simulate
-    except ImportError:
-        return None
-    try:
-        res = simulate(schedule, pp=p, microbatches=m, vp=v)
-        frac = res["bubble_fraction"] if isinstance(res, dict) else res.bubble_fraction
-        return float(frac)
-    except (TypeError, ValueError, KeyError, AttributeError):
-        return None
 
 
 @lru_cache(maxsize=8192)

@@ -151,8 +151,8 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
         bad.append(f"schedule {lay.schedule!r} unknown; valid: {', '.join(SCHEDULES)}")
     elif lay.pp > 1 and lay.schedule == "interleaved" and (lay.vp < 2 or lay.m % lay.pp):
         bad.append(f"interleaved needs vp >= 2 and m % pp == 0 (vp={lay.vp}, m={lay.m}, pp={lay.pp})")
-    elif lay.schedule == "dualpipev" and (lay.vp != 2 or lay.m < lay.pp):
-        bad.append(f"dualpipev needs vp=2 and m >= pp (vp={lay.vp}, m={lay.m}, pp={lay.pp})")
+    elif lay.schedule == "dualpipev" and (lay.vp != 2 or lay.m < 2 * lay.pp):
+        bad.append(f"dualpipev needs vp=2 and m >= 2·pp (vp={lay.vp}, m={lay.m}, pp={lay.pp})")
     elif lay.schedule not in ("interleaved", "dualpipev") and lay.vp != 1:
         bad.append(f"vp={lay.vp} needs schedule interleaved or dualpipev")
     if lay.recompute not in RECOMPUTE:

@@ -11,6 +11,8 @@ Models", §4), term by term, generalised to GQA, SwiGLU and MoE: with e-byte act
 dropout masks a GPT layer stores s·b·h·(34 + 5·a·s/h) bytes at e=2; tensor parallelism divides the 24
 sbh of sharded terms and the attention scores; sequence parallelism also divides the 10 replicated sbh;
 selective recompute drops the attention-score terms; full recompute keeps only each layer's input.
+A stage holds that per-layer figure for every microbatch its schedule keeps in flight
+(`schedule.in_flight`), plus the last stage's fp32 logits for one microbatch.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from shardwise.planner.models import (
     ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, local_kv_heads,
     padded_vocab,
 )
+from shardwise.planner.schedule import in_flight
 
 BYTES_WEIGHT, BYTES_GRAD, BYTES_ADAM = 4, 4, 8
 
@@ -97,25 +100,6 @@ def layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload
         mlp += 2 * e * routed * h + inner * e * routed * (spec.expert_ffn_dim // t)  # dispatched in, out before combine
         mlp += inner * e * tokens * spec.n_shared_experts * (spec.expert_ffn_dim // t)
     return attn + mlp
-
-
-def in_flight(lay: Layout, k: int) -> float:
-    """Microbatches whose activations stage k holds at its peak, in units of the whole stage's layers.
-
-    gpipe: all m; 1F1B and ZB-H1: pp−k; interleaved (Megatron warm-up): 2(pp−k−1)+(vp−1)pp+1 chunks of
-    1/vp stage each, i.e. 1+(pp−1)/(pp·vp) stages at k=0 (Korthikanti §4.2.3); DualPipeV: pp+1 on every
-    rank (DeepSeek-V3 report, Table 2) — an approximation until the simulator reports peaks.
-    """
-    p, m, v = lay.pp, lay.m, lay.vp
-    if p == 1:
-        return 1.0
-    if lay.schedule == "gpipe":
-        return float(m)
-    if lay.schedule == "interleaved":
-        return min(v * m, 2 * (p - k - 1) + (v - 1) * p + 1) / v
-    if lay.schedule == "dualpipev":
-        return float(min(m, p + 1))
-    return float(min(p - k, m))
 
 
 def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
