@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -101,24 +102,33 @@ class Mesh:
         return cls(dims, 0, axes, torch.device(device), ledger=ledger)
 
     @classmethod
-    def build(cls, dims: ParallelDims, device: torch.device, ledger: "Ledger | None" = None) -> "Mesh":
-        """Create the DeviceMesh and all groups. Collective: every rank must call it, in the same order."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def build(cls, dims: ParallelDims, device: torch.device, ledger: "Ledger | None" = None,
+              timeout_s: float = 300.0) -> "Mesh":
+        """Create every group, then the DeviceMesh over them. Collective: every rank calls it, in the same order.
+
+        Groups are made here with an explicit timeout (sub-groups would otherwise get gloo's 30-minute
+        default), so a rank stuck in any collective fails within `timeout_s`.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
 
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != dims.world_size:
             raise ConfigError(f"mesh {dataclasses.asdict(dims)} needs {dims.world_size} ranks, got {world}")
-        device_mesh = init_device_mesh(device.type, (dims.dp, dims.pp, dims.cp, dims.tp), mesh_dim_names=GRID)
+        timeout = timedelta(seconds=timeout_s)
         grid = torch.arange(world).view(dims.dp, dims.pp, dims.cp, dims.tp)
         axes: dict[str, Axis] = {}
+        dim_groups = []
         for i, name in enumerate(GRID):
-            ranks = tuple(device_mesh[name].mesh.flatten().tolist())
-            axes[name] = Axis(name, getattr(dims, name), device_mesh.get_local_rank(i),
-                              device_mesh.get_group(name), ranks)
+            lines = grid.movedim(i, -1).reshape(-1, grid.shape[i])  # every group along grid dim i
+            for line in lines.tolist():
+                group = dist.new_group(line, timeout=timeout)
+                if rank in line:
+                    axes[name] = Axis(name, len(line), line.index(rank), group, tuple(line))
+                    dim_groups.append(group)
         # dp×cp (dense gradient reduction) and ep / edp carved out of it: groups of ranks that share
-        # (pp, tp) coordinates. new_group is collective over the world, so every rank creates all.
+        # (pp, tp) coordinates; consecutive dp×cp ranks form an ep group.
         dpcp = grid.permute(1, 3, 0, 2).reshape(dims.pp * dims.tp, dims.dp * dims.cp)
-        ep_blocks = dpcp.reshape(-1, dims.edp, dims.ep)  # consecutive dp×cp ranks form an ep group
+        ep_blocks = dpcp.reshape(-1, dims.edp, dims.ep)
         families = {
             "dp_cp": [row.tolist() for row in dpcp],
             "ep": [row.tolist() for blk in ep_blocks for row in blk],
@@ -126,10 +136,11 @@ class Mesh:
         }
         for name, lists in families.items():
             for ranks in lists:
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     axes[name] = Axis(name, len(ranks), ranks.index(rank), group, tuple(ranks))
         axes["world"] = Axis("world", world, rank, dist.group.WORLD, tuple(range(world)))
+        device_mesh = DeviceMesh.from_group(dim_groups, device.type, mesh=grid, mesh_dim_names=GRID)
         return cls(dims, rank, axes, device, device_mesh, ledger)
 
     def describe(self) -> str:

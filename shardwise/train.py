@@ -119,7 +119,7 @@ def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     if not dist.is_initialized():
         return Mesh.single(device)
     dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep)
-    return Mesh.build(dims, device, Ledger())
+    return Mesh.build(dims, device, Ledger(), cfg.timeout_s)
 
 
 def _write_timeline(trainer: Trainer, out: str) -> dict | None:

@@ -20,9 +20,9 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 120.0):
     return run_local(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=600)
 
 
-def make_mesh(**degrees) -> Mesh:
+def make_mesh(timeout_s: float = 120.0, **degrees) -> Mesh:
     """Inside a rank: the mesh for the given degrees (dp fills the rest)."""
     import torch.distributed as dist
 
     dims = ParallelDims.build(dist.get_world_size(), **degrees)
-    return Mesh.build(dims, torch.device("cpu"), Ledger())
+    return Mesh.build(dims, torch.device("cpu"), Ledger(), timeout_s)

@@ -1,4 +1,4 @@
-"""Resharding checkpoints: save under tp=2 × dp=2, load under tp=4, dp=2 × ZeRO-1 and one device.
+"""Resharding checkpoints: save under tp=2 × dp=2, load under tp=4, dp=2 × ZeRO-1 and one device; pp=2.
 
 Three spawns in all (4, 4 and 2 ranks); the module-scoped `saved` fixture trains and saves once.
 Parameters and AdamW state are compared exactly against the saved global tensors (ZeRO-1 state
@@ -22,9 +22,10 @@ from shardwise.train import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 
-# n_kv_heads=2 < tp=4 shares K/V heads between ranks; vocab 257 pads under tp=2 and tp=4.
+# n_kv_heads=2 < tp=4 shares K/V heads between ranks; vocab 257 pads under tp=2 and tp=4; tied embeddings
+# make the ZeRO-1 dp=2 split fall mid-row (partial-row boxes).
 MODEL = ModelConfig(name="ckpt", vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                    max_seq_len=64)
+                    max_seq_len=64, tie_embeddings=True)
 LOGIT_TOL = dict(atol=2e-5, rtol=1e-5)
 
 
@@ -59,13 +60,10 @@ def _state_mismatch(trainer, path) -> float:
                 local |= {f"optim.{n}.{key}": full[off:off + k].view(p.shape) for n, p, off, k in g["offsets"]}
     else:
         local |= {f"optim.{n}.{key}": red.optimizer.state[p][key] for n, p in red.named for key in STATE_KEYS}
-    params = dict(red.named)
-    assert len(local) == len(saved) == 3 * len(params)
-    worst = 0.0
-    for name, mine in local.items():
-        spec = get_spec(params[name.removeprefix("optim.").rsplit(".", 1)[0] if name.startswith("optim.") else name])
-        worst = max(worst, float((mine - spec.local_slice(saved[name])).abs().max()))
-    return worst
+    specs = {n: get_spec(p) for n, p in red.named} | {f"optim.{n}.{key}": get_spec(p) for n, p in red.named
+                                                        for key in STATE_KEYS}
+    assert sorted(local) == sorted(specs) and set(local) <= set(saved)
+    return max(float((mine - specs[k].local_slice(saved[k])).abs().max()) for k, mine in local.items())
 
 
 def _train_and_save(cfg, root):
@@ -79,14 +77,24 @@ def _train_and_save(cfg, root):
     return {"logits": logits, "next_loss": t.train_step(3)["loss"]}
 
 
-def _load_tp4_then_resume(cfg_tp4, cfg_same, root):
+def _untied(cfg) -> TrainConfig:
+    """PP refuses tied embeddings; no dropout, so another layout can match its losses."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(MODEL, tie_embeddings=False), dropout=0.0,
+                               attn_dropout=0.0)
+
+
+def _load_tp4_then_resume(cfg_tp4, cfg_same, cfg_pp, root, root_pp):
+    """Three layouts in one process group: load under tp=4; resume the saving layout; save under pp=2 × tp=2."""
     t = _trainer(cfg_tp4)
     info = load_checkpoint(root, t)
     out = {"info": info, "step": t.step, "logits": _logits(t), "mismatch": _state_mismatch(t, info["path"])}
-    t_same = _trainer(cfg_same)  # the saving layout, in the same process group
+    t_same = _trainer(cfg_same)
     load_checkpoint(root, t_same)
     out["resumed_loss"] = t_same.train_step(3)["loss"]
-    return out
+    t_pp = _trainer(cfg_pp)
+    t_pp.train_step(0)
+    path = save_checkpoint(root_pp, 1, t_pp)
+    return out | {"pp_mismatch": _state_mismatch(t_pp, path), "pp_next_loss": t_pp.train_step(1)["loss"]}
 
 
 def _zero1_load_train_save(cfg, root, root2):
@@ -125,15 +133,22 @@ def test_keep_prunes_and_latest_points_at_newest(saved):
     assert [s for s, _ in list_checkpoints(saved["root"])] == [3, 2]
 
 
-def test_load_under_tp4_and_resume_bitwise(saved):
+def test_load_under_tp4_resume_bitwise_and_pipeline_save(saved, tmp_path):
     seed = saved["seed"]
-    out = run_ranks(4, _load_tp4_then_resume, _cfg(seed, tp=4), _cfg(seed, tp=2, dp=2), saved["root"])
+    root_pp = str(tmp_path / "pp")
+    out = run_ranks(4, _load_tp4_then_resume, _cfg(seed, tp=4), _cfg(seed, tp=2, dp=2),
+                    _untied(_cfg(seed, pp=2, tp=2)), saved["root"], root_pp)
     for r in out:
         assert r["step"] == 3 and r["info"]["extra_state"] == {"completed": 3} and not r["info"]["skipped"]
-        assert r["mismatch"] == 0.0, (seed, r["mismatch"])
+        assert r["mismatch"] == 0.0 and r["pp_mismatch"] == 0.0, (seed, r)
         torch.testing.assert_close(r["logits"], saved["logits"][3], **LOGIT_TOL)
     # Same layout, RNG streams restored: CPU fp32 with fixed gloo reduction order is bitwise reproducible.
     assert out[0]["resumed_loss"] == saved["next_loss"], (seed, out[0]["resumed_loss"], saved["next_loss"])
+    # Pipeline stages hold disjoint layers under global names: one device picks them all up.
+    single = _trainer(_untied(_cfg(seed)))
+    assert load_checkpoint(root_pp, single)["step"] == 1
+    assert _state_mismatch(single, os.path.join(root_pp, "step-1")) == 0.0
+    assert abs(single.train_step(1)["loss"] - out[0]["pp_next_loss"]) < 1e-5, seed
 
 
 def test_zero1_loads_tp_checkpoint_and_saves_one_that_reshards(saved, tmp_path):
@@ -164,7 +179,7 @@ def test_single_device_load_and_safetensors_round_trip(saved, tmp_path):
     assert args.run(args) == 0
     weights = safetensors.load_file(out)
     state = t.model.state_dict()
-    assert sorted(weights) == sorted(state)
+    assert sorted(weights) == sorted(set(state) - {"output.weight"})  # tied to tok_embeddings.weight: stored once
     for name, w in weights.items():
         assert w.shape == state[name].shape and torch.equal(w, state[name]), name
 

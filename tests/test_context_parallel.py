@@ -103,6 +103,22 @@ def test_block_primitive_fused_matches_math(hq, hkv, causal):
             assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_single_device_axis_is_plain_sdpa(causal):
+    g = torch.Generator().manual_seed(fresh_seed())
+    q, k, v = (torch.randn(B, h, 12, D, generator=g) for h in (4, 2, 2))
+    dout = torch.randn(B, 4, 12, D, generator=g)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, is_causal=causal, enable_gqa=True)
+    ref.backward(dout)
+    for attn in (ring_attention, ulysses_attention):
+        loc = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attn(*loc, Axis("cp"), causal=causal)  # cp=1: any length, no communication
+        out.backward(dout)
+        for got, want in zip((out, *(t.grad for t in loc)), (ref, *(t.grad for t in ref_in))):
+            assert_close(got, want, **TOL)
+
+
 # ---------------------------------------------------------------- distributed
 def _parity(axis, g, attn, causal, order, hq, hkv, dtype=torch.float32, **kw):
     c, r = axis.size, axis.rank

@@ -21,7 +21,6 @@ def test_degrees_validated_with_every_degree_named():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tp=3), "does not divide n_heads=8"),
-    (dict(pp=2), "pipeline parallelism .* not implemented yet"),
     (dict(cp=2), "context parallelism .* not implemented yet"),
     (dict(ep=2, dp=2), "expert parallelism .* not implemented yet"),
     (dict(zero=2, dp=2), "--zero 2 is not supported"),

@@ -61,7 +61,7 @@ def test_1f1b_bubble(m, expected):
     assert bubble_fraction(Layout(pp=8, m=m, schedule="gpipe"))[0] == pytest.approx(expected)
 
 
-def test_interleaved_bubble_and_zero_bubble_fallback():
+def test_interleaved_and_zero_bubble_bubbles():
     assert bubble_fraction(Layout(pp=8, m=8, vp=2, schedule="interleaved"))[0] == pytest.approx(7 / 23)
     frac, source = bubble_fraction(Layout(pp=8, m=8, schedule="zb"))
     assert source in ("simulator", "approximation") and 0 <= frac < 7 / 15
@@ -251,12 +251,10 @@ def test_tiny_dp_grad_sync_by_zero_stage():
     z0 = rank0_ledger(spec, Layout(dp=2, tp=2, mb=2, m=1, zero=0), wl)["dp_cp"]
     assert z0 == {"all_reduce": {"count": 1, "bytes": local * 4, "wire_bytes": local * 4}}
     # ZeRO-1: one flat buffer for matrices, one for norm weights, each padded to a multiple of dp×cp.
-    pad = lambda n, g: -(-n // g) * g  # noqa: E731
-    for dp, tp in ((2, 2), (3, 1)):
-        if tp == 1:
-            local, vec = TINY.num_params(), (2 * TINY.n_layers + 1) * TINY.dim
+    whole = (TINY.num_params(), (2 * TINY.n_layers + 1) * TINY.dim)
+    for dp, tp, (n, n_vec) in ((2, 2, (local, vec)), (3, 1, whole)):
         z1 = rank0_ledger(spec, Layout(dp=dp, tp=tp, mb=2, m=1, zero=1), Workload(seq_len=64, global_batch=2 * dp))
-        padded = pad(local - vec, dp) + pad(vec, dp)
+        padded = -(-(n - n_vec) // dp) * dp + -(-n_vec // dp) * dp
         assert z1["dp_cp"] == {
             "reduce_scatter": {"count": 2, "bytes": padded * 4, "wire_bytes": round(padded * 4 * (dp - 1) / dp)},
             "all_gather": {"count": 2, "bytes": padded // dp * 4, "wire_bytes": padded // dp * 4 * (dp - 1)},

@@ -127,13 +127,13 @@ class AllToAllDispatcher:
         in_splits = [sum(per_expert[r * e_l:(r + 1) * e_l]) for r in range(ep)]
         out_splits = [sum(recv[r * e_l:(r + 1) * e_l]) for r in range(ep)]
         token_idx = perm // k
-        rows = all_to_all_rows(x[token_idx], self.axis, in_splits, out_splits, "dispatch")
+        rows = all_to_all_rows(x.index_select(0, token_idx), self.axis, in_splits, out_splits, "dispatch")
         regroup = None
         if ep > 1 and e_l > 1:
             chunk = torch.repeat_interleave(torch.arange(ep * e_l, device=x.device), recv_counts,
                                             output_size=sum(out_splits))
             regroup = torch.argsort((chunk % e_l) * ep + chunk // e_l, stable=True)
-            rows = rows[regroup]
+            rows = rows.index_select(0, regroup)
         per_local = [sum(recv[r * e_l + j] for r in range(ep)) for j in range(e_l)]
         handle = DispatchHandle(token_idx, flat_w[perm], n, in_splits, out_splits, regroup, per_local,
                                 per_expert, n * k - kept)
@@ -143,7 +143,7 @@ class AllToAllDispatcher:
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Expert outputs [M, d] (local-expert-major) → [N, d]: Σ over kept choices of weight · output."""
         if handle.regroup is not None:
-            y = y[torch.argsort(handle.regroup)]
+            y = y.index_select(0, torch.argsort(handle.regroup))
         rows = all_to_all_rows(y, self.axis, handle.out_splits, handle.in_splits, "combine")
         contrib = rows * handle.row_weights.unsqueeze(-1).to(rows.dtype)
         out = rows.new_zeros((handle.n_tokens, rows.shape[-1]))

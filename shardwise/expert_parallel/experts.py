@@ -51,10 +51,10 @@ class GroupedExperts(nn.Module):
         self.n_experts, self.n_local = n_experts, n_experts // ep_axis.size
         self.first = ep_axis.rank * self.n_local
         self.grouped_mm = grouped_mm
-        mk = lambda shape: _expert_param(n_experts, self.n_local, self.first, shape, replicas, device, dtype)  # noqa: E731
-        self.w1 = mk((ffn_dim, dim))
-        self.w3 = mk((ffn_dim, dim))
-        self.w2 = mk((dim, ffn_dim))
+        args = (n_experts, self.n_local, self.first)
+        self.w1 = _expert_param(*args, (ffn_dim, dim), replicas, device, dtype)
+        self.w3 = _expert_param(*args, (ffn_dim, dim), replicas, device, dtype)
+        self.w2 = _expert_param(*args, (dim, ffn_dim), replicas, device, dtype)
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [M, dim], contiguous per local expert with `counts` rows each → [M, dim]."""
@@ -64,7 +64,7 @@ class GroupedExperts(nn.Module):
         if use is None:
             use = grouped_mm_available(rows, self.w1, self.w2)
         if use:
-            offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+            offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)  # host → device, no sync
             h = F.silu(torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offs))
             h = h * torch._grouped_mm(rows, self.w3.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)

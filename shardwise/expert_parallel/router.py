@@ -104,12 +104,12 @@ class Router(nn.Module):
         """bias += rate · sign(mean load − load): call once per optimizer step on every rank.
 
         `counts` defaults to the selections accumulated since the last call; they are summed over
-        `axis` (the ranks that route different tokens, e.g. mesh["dp_cp"]) so all ranks agree.
-        Returns the global counts used.
+        `axis` — the ranks that route different tokens: mesh["dp_cp"], or a sequence of axes such
+        as (dp_cp, tp) under sequence parallelism — so all ranks agree. Returns the counts used.
         """
         counts = (self.pending_counts if counts is None else counts).detach().float().clone()
-        if axis is not None:
-            comm.all_reduce(counts, axis, tag="moe_bias")
+        for ax in (axis if isinstance(axis, (list, tuple)) else [axis] if axis is not None else []):
+            comm.all_reduce(counts, ax, tag="moe_bias")
         if self.bias_update_rate:
             self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
         self.pending_counts.zero_()

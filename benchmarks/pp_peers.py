@@ -1,0 +1,329 @@
+"""Pipeline parallelism on CPU gloo ranks: shardwise's executor vs. torch.distributed.pipelining.
+
+The same stages (shardwise's own model chunks, built from the same seeded global weights) and the
+same microbatches (the Trainer's loader, step 0) run through three pairs of schedules:
+
+  shardwise schedule            torch.distributed.pipelining peer           stages per rank
+  ----------------------------  ------------------------------------------  ---------------
+  1f1b                          Schedule1F1B                                1
+  interleaved (vp=2)            ScheduleInterleaved1F1B                     2 (loop layout)
+  zb (ZB-H1: 1F1B + split W)    ScheduleInterleavedZeroBubble, 1 stage/rank 1
+  dualpipev (--dualpipev)       ScheduleDualPipeV                           2 (V layout)
+
+ScheduleInterleavedZeroBubble with one stage per rank is ZB1P at v=1, i.e. ZB-H1: the F/B order of
+1F1B with rank r holding back r weight-gradient passes, the same action lists shardwise's `zb`
+builds. torch splits dI and dW with two autograd calls over a retained graph
+(stage_backward_input / stage_backward_weight); shardwise keeps (input, grad_output) of every
+linear in its WeightGradStore during B and runs the dW matmuls in W.
+
+Both sides compute the loss as shardwise's Trainer does: the per-token cross-entropy summed and
+divided by the step's token count, per microbatch, so gradients are not rescaled
+(`scale_grads=False` for torch). The torch stage module wraps a shardwise StageChunk and registers
+the chunk's own modules, so the forward code is identical; only the pipeline machinery differs.
+Every model is its own copy (the zb model has the deferred-W linears, the torch models do not).
+
+Timing: after a warm-up, every repetition runs each implementation once, in rotated order, after a
+barrier; a repetition's time is the slower rank's wall time of one forward+backward of the whole
+step (shardwise: `executor.run`; torch: `schedule.step`), no optimizer. Medians, ratios of medians
+and paired per-repetition ratios are printed.
+
+Bubbles (shardwise): measured = 1 - busy/(p * makespan) from the executor's per-action events of
+every timed repetition; simulated = `simulate(schedule, mean F, mean B, mean W)` with that
+repetition's measured mean cost per kind (as `shardwise train` writes in summary.json);
+analytic = the textbook formula. Medians over repetitions are reported.
+
+The last stdout line is one JSON object: medians_s, ratios, bubbles, paired_ratios, loss_diff,
+max_grad_diff, config.
+
+    python benchmarks/pp_peers.py                 # pp=2, m=8, dim 256, 8 layers, seq 128, mb 2
+    python benchmarks/pp_peers.py --pp 4 --reps 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from shardwise import comm  # noqa: E402
+from shardwise.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from shardwise.data import load_tokens  # noqa: E402
+from shardwise.launch import run_local  # noqa: E402
+from shardwise.pipeline.simulate import analytic_bubble, measured_bubble, simulate  # noqa: E402
+from shardwise.train import IGNORE_INDEX, Trainer, make_mesh  # noqa: E402
+
+PAIRS = {  # key -> (shardwise schedule, vp, torch schedule class name)
+    "1f1b": ("1f1b", 1, "Schedule1F1B"),
+    "interleaved": ("interleaved", 2, "ScheduleInterleaved1F1B"),
+    "zb": ("zb", 1, "ScheduleInterleavedZeroBubble"),
+    "dualpipev": ("dualpipev", 2, "ScheduleDualPipeV"),
+}
+
+
+class TorchStageModule(nn.Module):
+    """A shardwise StageChunk as a torch pipelining submodule: same forward, its own parameters registered."""
+
+    def __init__(self, chunk):
+        super().__init__()
+        model = chunk._model[0]
+        self._chunk = [chunk]  # not registered: the chunk holds the whole (pruned) model
+        self.layers = nn.ModuleList(model.layers[str(i)] for i in chunk.layer_ids)
+        self.tok_embeddings = model.tok_embeddings if chunk.first else None
+        self.norm = model.norm if chunk.last else None
+        self.output = model.output if chunk.last else None
+
+    def forward(self, x):
+        return self._chunk[0](x)
+
+
+def make_cfg(opts: dict, schedule: str, vp: int) -> TrainConfig:
+    m = ModelConfig(name="bench", dim=opts["dim"], n_layers=opts["layers"], n_heads=opts["heads"],
+                    n_kv_heads=opts["kv_heads"], ffn_dim=opts["ffn"], max_seq_len=opts["seq"])
+    cfg = TrainConfig(model=m, parallel=ParallelConfig(pp=opts["pp"], schedule=schedule, vp=vp),
+                      seq_len=opts["seq"], micro_batch=opts["mb"], global_batch=opts["mb"] * opts["m"],
+                      seed=opts["seed"], progress=False, timeout_s=120.0)
+    cfg.resolve_world(opts["pp"])
+    return cfg
+
+
+class ShardwiseRunner:
+    def __init__(self, opts, mesh, tokens, schedule, vp):
+        self.trainer = Trainer(make_cfg(opts, schedule, vp), mesh, tokens)
+        self.model = self.trainer.model
+
+    def step(self, xs, ys, n_tokens) -> float:
+        return float(self.trainer.executor.run(xs, ys, n_tokens))
+
+
+class TorchRunner:
+    def __init__(self, opts, mesh, tokens, schedule, vp, cls_name):
+        import torch.distributed.pipelining as pipelining
+
+        # The plain-linear model of the same stage layout (the zb peer must not use the deferred-W linears).
+        plain = {"zb": "1f1b", "dualpipev": "dualpipev"}.get(schedule, schedule)
+        tr = Trainer(make_cfg(opts, plain, vp), mesh, tokens)
+        if tr.model.grad_store is not None:
+            for m in tr.model.modules():
+                if hasattr(m, "grad_store"):
+                    m.grad_store = None
+        self.model, lay = tr.model, tr.schedule.layout
+        pp = mesh["pp"]
+        self.stages = [pipelining.PipelineStage(TorchStageModule(ch), lay.stage_of(pp.rank, c), lay.num_stages,
+                                                mesh.device, group=pp.group)
+                       for c, ch in enumerate(tr.model.chunks)]
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
+        self.n_tokens = 1
+        loss_model = tr.model
+
+        def loss_fn(logits, y):
+            return loss_model.loss_fn(logits, y, IGNORE_INDEX).sum() / self.n_tokens
+
+        cls = getattr(pipelining, cls_name)
+        stages = self.stages[0] if cls_name == "Schedule1F1B" else self.stages
+        self.sched = cls(stages, n_microbatches=opts["m"], loss_fn=loss_fn, scale_grads=False)
+
+    def step(self, x, y, n_tokens) -> float:
+        self.n_tokens = n_tokens
+        losses: list = []
+        args = (x,) if self.has_first else ()
+        kw = dict(target=y, losses=losses) if self.has_last else {}
+        self.sched.step(*args, **kw, return_outputs=False)
+        return float(sum(loss.detach() for loss in losses)) if losses else 0.0
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rank_main(opts: dict) -> dict:
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    cfg0 = make_cfg(opts, "1f1b", 1)
+    mesh = make_mesh(cfg0, torch.device("cpu"))
+    pp = mesh["pp"]
+    tokens = load_tokens(None)
+    keys = [k for k in PAIRS if k != "dualpipev" or opts["dualpipev"]]
+    runners, names = {}, []
+    for k in keys:
+        sched, vp, cls_name = PAIRS[k]
+        runners[f"shardwise_{k}"] = ShardwiseRunner(opts, mesh, tokens, sched, vp)
+        runners[f"torch_{k}"] = TorchRunner(opts, mesh, tokens, sched, vp, cls_name)
+        names += [f"shardwise_{k}", f"torch_{k}"]
+
+    x, y = runners[names[0]].trainer.loader.global_batch_at(0)  # the same global batch for everyone
+    n_tokens = int((y != IGNORE_INDEX).sum())
+    xs, ys = list(x.split(opts["mb"])), list(y.split(opts["mb"]))
+
+    def run(name) -> float:
+        r = runners[name]
+        r.model.zero_grad(set_to_none=True)
+        if name.startswith("shardwise"):
+            return r.step(xs, ys, n_tokens)
+        return r.step(x, y, n_tokens)
+
+    # Correctness: the pp-summed loss and every local gradient of each pair.
+    check = {}
+    for k in keys:
+        out = {}
+        for side in ("shardwise", "torch"):
+            loss = torch.tensor([run(f"{side}_{k}")])
+            dist.all_reduce(loss, group=pp.group)
+            out[side] = (float(loss), _grads(runners[f"{side}_{k}"].model))
+        gs, gt = out["shardwise"][1], out["torch"][1]
+        missing = sorted(set(gs) ^ set(gt))
+        gdiff = max(((gs[n] - gt[n]).abs().max().item() for n in gs if n in gt), default=float("nan"))
+        check[k] = {"loss_shardwise": out["shardwise"][0], "loss_torch": out["torch"][0],
+                    "loss_diff": abs(out["shardwise"][0] - out["torch"][0]), "max_grad_diff": gdiff,
+                    "grads_missing": missing}
+
+    times: dict[str, list[float]] = {n: [] for n in names}
+    events: dict[str, list] = {n: [] for n in names if n.startswith("shardwise")}
+    for it in range(opts["warmup"] + opts["reps"]):
+        order = names[it % len(names):] + names[:it % len(names)]  # rotate who goes first
+        for name in order:
+            dist.barrier(group=pp.group)
+            t0 = time.perf_counter()
+            run(name)
+            dt = time.perf_counter() - t0
+            if it >= opts["warmup"]:
+                times[name].append(dt)
+                if name in events:
+                    events[name].append(list(runners[name].trainer.executor.events))
+
+    prof = None
+    if opts["profile"]:
+        prof = profile_tables(names, run, opts)
+    peaks = {n: runners[n].trainer.executor.peak_inflight for n in events}
+    return {"times": times, "events": events, "check": check, "peaks": peaks, "profile": prof,
+            "rank": pp.rank}
+
+
+def profile_tables(names, run, opts) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name in names:
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            for _ in range(3):
+                dist.barrier()
+                run(name)
+        out[name] = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=opts["profile_rows"])
+    return out
+
+
+# ---------------------------------------------------------------- driver
+def bubble_report(opts, per_rank, key) -> dict:
+    from shardwise.pipeline.schedules import build_schedule
+
+    sched_name, vp, _ = PAIRS[key]
+    sched = build_schedule(sched_name, opts["pp"], opts["m"], vp)
+    name = f"shardwise_{key}"
+    meas, sims, means = [], [], []
+    for rep in range(opts["reps"]):
+        ev = [r["events"][name][rep] for r in per_rank]
+        costs = {k: [e["end"] - e["start"] for evs in ev for e in evs if e["kind"] == k] for k in "FBW"}
+        mean = {k: sum(v) / len(v) for k, v in costs.items() if v}
+        sim = simulate(sched, cost_f=mean["F"], cost_b=mean["B"], cost_w=mean.get("W", 0.0))
+        meas.append(measured_bubble(ev))
+        sims.append(sim.bubble_fraction)
+        means.append(mean)
+    mb, sb = statistics.median(meas), statistics.median(sims)
+    mean_cost = {k: statistics.median(m[k] for m in means) for k in means[0]}
+    return {"measured": mb, "simulated": sb, "analytic": analytic_bubble(sched.name, sched.p, sched.m, sched.v),
+            "measured_vs_simulated_rel": (mb - sb) / sb if sb else None,
+            "paired_measured_minus_simulated": statistics.median(a - b for a, b in zip(meas, sims)),
+            "mean_action_s": mean_cost}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
+    ap.add_argument("--m", type=int, default=8, help="microbatches per step")
+    ap.add_argument("--mb", type=int, default=2, help="sequences per microbatch")
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=704)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per implementation")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--dualpipev", action="store_true", help="also run shardwise dualpipev vs ScheduleDualPipeV")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table per implementation (rank 0)")
+    ap.add_argument("--profile-rows", type=int, default=15)
+    args = ap.parse_args(argv)
+    opts = vars(args)
+    if args.layers % (2 * args.pp):
+        ap.error(f"--layers {args.layers} must be divisible by 2 x pp = {2 * args.pp} (interleaved vp=2)")
+    if args.m % args.pp:
+        ap.error(f"--m {args.m} must be a multiple of pp={args.pp} (interleaved)")
+
+    t_start = time.perf_counter()
+    per_rank = run_local(rank_main, args.pp, opts, timeout_s=300.0)
+    wall = time.perf_counter() - t_start
+    keys = list(per_rank[0]["check"])
+    names = list(per_rank[0]["times"])
+    print(f"model dim={args.dim} layers={args.layers} heads={args.heads}/{args.kv_heads} ffn={args.ffn} "
+          f"seq={args.seq}; pp={args.pp} gloo ranks x 1 thread, m={args.m} microbatches of {args.mb}; "
+          f"{args.warmup} warm-up + {args.reps} reps; torch {torch.__version__}")
+    print("correctness (pp-summed loss; worst local gradient over ranks):")
+    loss_diff, grad_diff = {}, {}
+    for k in keys:
+        c = per_rank[0]["check"][k]
+        gd = max(r["check"][k]["max_grad_diff"] for r in per_rank)
+        missing = sorted({n for r in per_rank for n in r["check"][k]["grads_missing"]})
+        loss_diff[k], grad_diff[k] = c["loss_diff"], gd
+        flag = "" if c["loss_diff"] < 1e-5 and gd < 1e-5 and not missing else "  <-- MISMATCH"
+        print(f"  {k:12s} loss shardwise {c['loss_shardwise']:.6f} torch {c['loss_torch']:.6f} "
+              f"diff {c['loss_diff']:.1e}  max|dgrad| {gd:.1e}{flag}"
+              + (f"  grads only on one side: {missing}" if missing else ""))
+    steps = {n: [max(ts) for ts in zip(*(r["times"][n] for r in per_rank))] for n in names}
+    medians = {n: statistics.median(v) for n, v in steps.items()}
+    print("step time (forward+backward of the whole step, slower rank):")
+    for n in names:
+        q = statistics.quantiles(steps[n], n=4) if len(steps[n]) > 1 else [steps[n][0]] * 3
+        print(f"  {n:22s} median {medians[n] * 1e3:8.1f} ms  (p25 {q[0] * 1e3:.1f}, p75 {q[2] * 1e3:.1f})")
+    ratios = {f"vs_torch_{k}": medians[f"shardwise_{k}"] / medians[f"torch_{k}"] for k in keys}
+    paired = {f"vs_torch_{k}": statistics.median(a / b for a, b in zip(steps[f"shardwise_{k}"], steps[f"torch_{k}"]))
+              for k in keys}
+    for k in keys:
+        r, pr = ratios[f"vs_torch_{k}"], paired[f"vs_torch_{k}"]
+        print(f"  shardwise/torch {k:12s} ratio of medians {r:.3f}, paired {pr:.3f} "
+              f"({'faster' if pr < 1 else 'slower'})")
+    bubbles = {}
+    print("shardwise bubble (median over reps; simulated with that rep's measured mean F/B/W):")
+    for k in keys:
+        b = bubble_report(opts, per_rank, k)
+        b["peak_inflight_per_stage"] = [r["peaks"][f"shardwise_{k}"] for r in per_rank]
+        bubbles[k] = b
+        an = "n/a" if b["analytic"] is None else f"{b['analytic']:.3f}"
+        rel = b["measured_vs_simulated_rel"]
+        costs = " ".join(f"{kk}={v * 1e3:.2f}ms" for kk, v in b["mean_action_s"].items())
+        print(f"  {k:12s} measured {b['measured']:.3f}  simulated {b['simulated']:.3f}  analytic {an}  "
+              f"(measured/simulated - 1 = {rel:+.1%}; {costs})")
+    if per_rank[0]["profile"]:
+        for n, table in per_rank[0]["profile"].items():
+            print(f"\n=== profile: {n} (rank 0, 3 steps) ===\n{table}")
+    print(f"total wall {wall:.1f} s")
+    config = {"pp": args.pp, "m": args.m, "micro_batch": args.mb, "dim": args.dim, "n_layers": args.layers,
+              "n_heads": args.heads, "n_kv_heads": args.kv_heads, "ffn_dim": args.ffn, "seq": args.seq,
+              "reps": args.reps, "warmup": args.warmup, "threads_per_rank": 1, "torch": torch.__version__,
+              "mapping": {k: f"shardwise {PAIRS[k][0]} (vp={PAIRS[k][1]}) vs torch {PAIRS[k][2]}" for k in keys}}
+    print(json.dumps({"medians_s": medians, "ratios": ratios, "bubbles": bubbles, "paired_ratios": paired,
+                      "loss_diff": loss_diff, "max_grad_diff": grad_diff, "config": config}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
