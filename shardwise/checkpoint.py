@@ -1,24 +1,16 @@
 """Checkpoints that reshard: saved under one layout, loaded under any other.
 
-Every tensor is stored under its *global* name and shape with torch.distributed.checkpoint (DCP):
-each rank writes the boxes of the global tensor it owns, described by the `ShardSpec` of its
-parameters, and on load asks for the boxes it needs; DCP's resharding reads the overlaps.
-* Only the `valid` part of a padded shard is written, and a slice held by several ranks (TP
-  replicas, and every dp×cp rank) is written by exactly one of them, so DCP's save-plan check
-  (chunks cover each tensor exactly once) also checks our ownership rule.
-* AdamW exp_avg / exp_avg_sq are stored like their parameter ("optim.<name>.exp_avg"). Under
-  ZeRO-1 a rank's flat shard covers a range of the flattened local parameters; a flat range of a
-  row-major tensor is a few contiguous boxes (partial row, full rows, partial row), so each rank
-  writes and reads its own range directly — no gather over dp.
-* Custom DCP planners address boxes as views into the live tensors: no ShardedTensor/DTensor
-  wrappers, whose even-split or full-cover rules do not fit padded vocab shards or ZeRO ranges.
-Publication is atomic: ranks write `root/tmp-step-N`; after a barrier rank 0 writes a manifest
-of sha256 checksums, renames the directory to `root/step-N` and then replaces `root/latest`.
-Loading skips (with a warning naming it) any step directory without a manifest or whose files
-do not match it, and falls back to the previous one. Nothing is unpickled freely: our own
-metadata is JSON, DCP tensors are read with `torch.load(weights_only=True)`, and DCP's pickled
-`.metadata` is checksummed first and then read by an unpickler that admits only DCP's metadata
-classes.
+Tensors are stored with torch.distributed.checkpoint (DCP) under their *global* names and shapes.
+Each rank turns its `ShardSpec`s into boxes of the global tensor (views of its live tensors) and a
+pair of small DCP planners writes or reads them, so DCP's resharding handles any layout change:
+* only the `valid` rows of padded shards are written, and a slice held by several ranks (TP
+  replicas, every dp×cp rank) by exactly one of them — DCP's save-plan check (each tensor covered
+  exactly once) therefore also checks the ownership rule;
+* AdamW exp_avg / exp_avg_sq are stored like their parameter. A ZeRO-1 shard is a range of the
+  flattened local parameters, i.e. a few contiguous boxes (partial row, full rows, partial row),
+  so each rank writes and reads its own range with no gather over dp.
+Publishing is atomic (tmp-step-N → step-N rename, then `latest`), a JSON manifest of sha256 sums
+lets loading skip incomplete or corrupt saves, and nothing is unpickled freely (see _SafeReader).
 """
 from __future__ import annotations
 
@@ -28,7 +20,6 @@ import json
 import logging
 import math
 import os
-import pathlib
 import pickle
 import re
 import shutil
@@ -133,7 +124,7 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
         mine = n in owned and (not save or i % dp.size == dp.rank)
         tensors = {"model": p} | ({} if red.zero else {k: red.optimizer.state[p][k] for k in STATE_KEYS})
         for kind, t in tensors.items():
-            boxes = _place(spec, p.shape, t.detach().reshape(-1), 0, p.numel()) if mine else []
+            boxes = _place(spec, p.shape, t.detach().view(-1), 0, p.numel()) if mine else []  # a view, never a copy
             add(f"model.{n}" if kind == "model" else f"optim.{n}.{kind}", spec, boxes)
     if red.zero:
         for g in red.flat:
@@ -234,6 +225,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _SafeReader(dcp.FileSystemReader):
+    """DCP's reader, minus free unpickling: tensors already load with weights_only=True; `.metadata` is a
+    pickle, checksummed against the manifest before this runs and read with the allow-list above."""
+
     def read_metadata(self, *args, **kwargs):
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -250,14 +244,17 @@ def _dcp(fn, mesh=None, **kw) -> None:
 
 
 # ---------------------------------------------------------------- files
-def _write_json(path: str, obj) -> None:
+def _write_text(path: str, text: str) -> None:
     """Write then rename, so a reader never sees half a file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(f"{path}.tmp", path)
+
+
+def _write_json(path: str, obj) -> None:
+    _write_text(path, json.dumps(obj, indent=1, default=str))
 
 
 def _fsync_dir(path: str) -> None:
@@ -299,7 +296,10 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
     rank0 = mesh.rank == 0
     tmp, final = os.path.join(root, f"tmp-step-{step}"), os.path.join(root, f"step-{step}")
     if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
+        os.makedirs(root, exist_ok=True)
+        for d in os.listdir(root):  # saves are collective and sequential: any tmp dir is from a save that died
+            if d.startswith("tmp-step-"):
+                shutil.rmtree(os.path.join(root, d))
         os.makedirs(tmp)
     comm.barrier(world)
     _ensure_state(trainer.reducer)
@@ -326,11 +326,7 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
             os.replace(final, old)
             shutil.rmtree(old)
         os.replace(tmp, final)
-        with open(os.path.join(root, f"{LATEST}.tmp"), "w") as f:
-            f.write(f"step-{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(root, f"{LATEST}.tmp"), os.path.join(root, LATEST))
+        _write_text(os.path.join(root, LATEST), f"step-{step}\n")
         _fsync_dir(root)
         if keep:
             for old_step, path in list_checkpoints(root)[keep:]:
@@ -377,7 +373,7 @@ def _candidates(root: str) -> list[str]:
     return [path for _, path in list_checkpoints(root)]
 
 
-def find_valid(root: str, world_axis=None) -> tuple[str | None, list[tuple[str, str]]]:
+def newest_intact(root: str, world_axis=None) -> tuple[str | None, list[tuple[str, str]]]:
     """The newest intact checkpoint under `root` (or `root` itself) and the (path, reason) of each skipped one.
 
     Collective over `world_axis` when given: ranks split the checksumming and agree on the answer.
@@ -409,7 +405,7 @@ def load_checkpoint(root: str, trainer) -> dict | None:
     "skipped"}, or None when no intact checkpoint exists.
     """
     mesh = trainer.mesh
-    path, skipped = find_valid(root, mesh["world"] if mesh["world"].active else None)
+    path, skipped = newest_intact(root, mesh["world"] if mesh["world"].active else None)
     if path is None:
         if skipped and mesh.rank == 0:
             log.warning("no intact checkpoint under %s; starting from scratch", root)
@@ -448,19 +444,3 @@ def load_global_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Te
     entries = {k: (tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in full.items()}
     _dcp(dcp.load, storage_reader=reader, planner=_BoxLoadPlanner(entries, path))
     return {k[len(prefix):]: t for k, t in full.items()}
-
-
-def to_safetensors(root: str, out: str) -> tuple[str, int]:
-    """Consolidate the model weights of the newest intact checkpoint into one safetensors file."""
-    from safetensors.torch import save_file
-
-    path, _ = find_valid(root)
-    if path is None:
-        raise FileNotFoundError(f"no intact checkpoint under {root}")
-    with open(os.path.join(path, META)) as f:
-        step = json.load(f)["step"]
-    weights = load_global_tensors(path)
-    tmp = f"{out}.tmp"
-    save_file(weights, tmp, metadata={"format": "pt", "step": str(step), "source": str(pathlib.Path(path).resolve())})
-    os.replace(tmp, out)
-    return path, len(weights)

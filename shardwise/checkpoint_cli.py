@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -34,15 +35,22 @@ def run(args) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     try:
-        import safetensors  # noqa: F401
+        from safetensors.torch import save_file
     except ImportError:
         print("shardwise checkpoint convert: error: needs the safetensors package (pip install safetensors)",
               file=sys.stderr)
         return 2
-    try:
-        path, n = ck.to_safetensors(args.ckpt_dir, args.to_safetensors)
-    except (FileNotFoundError, KeyError, ValueError) as e:
-        print(f"shardwise checkpoint convert: error: {e}", file=sys.stderr)
+    path, skipped = ck.newest_intact(args.ckpt_dir)
+    if path is None:
+        why = "; ".join(f"{p}: {r}" for p, r in skipped) or "no step-N directories"
+        print(f"shardwise checkpoint convert: error: no intact checkpoint under {args.ckpt_dir} ({why})",
+              file=sys.stderr)
         return 2
-    print(f"wrote {n} tensors from {path} to {args.to_safetensors}")
+    with open(os.path.join(path, ck.META)) as f:
+        step = json.load(f)["step"]
+    weights = ck.load_global_tensors(path, "model.")
+    out = args.to_safetensors
+    save_file(weights, f"{out}.tmp", metadata={"format": "pt", "step": str(step), "source": os.path.abspath(path)})
+    os.replace(f"{out}.tmp", out)  # never leave a half-written file under the requested name
+    print(f"wrote {len(weights)} tensors (step {step}, global names and shapes) from {path} to {out}")
     return 0

@@ -47,6 +47,10 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--tie-embeddings", action="store_true", default=None)
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--fault-inject", default=None, metavar="RANK:STEP:KIND",
+                   help="make RANK crash, hang or produce NaN (KIND) at STEP — for testing recovery")
+    p.add_argument("--bad-step", default="skip", help="on non-finite loss/grads: skip (logged) or abort")
+    p.add_argument("--max-bad-steps", type=int, default=5, help="abort once more steps than this were skipped")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +92,8 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       micro_batch=args.micro_batch, global_batch=args.global_batch, lr=args.lr, seed=args.seed,
                       dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,
                       attn_dropout=args.attn_dropout, tie_embeddings=args.tie_embeddings,
-                      timeout_s=args.collective_timeout, progress=not args.no_progress)
+                      timeout_s=args.collective_timeout, progress=not args.no_progress,
+                      fault_inject=args.fault_inject, bad_step=args.bad_step, max_bad_steps=args.max_bad_steps)
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps
     cfg.warmup_steps = min(cfg.warmup_steps, max(1, cfg.steps // 10))

@@ -25,6 +25,25 @@ import torch
 import torch.distributed as dist
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; names this rank, the axis, the op and the group's ranks."""
+
+
+def _guarded(axis, what: str, fn, *args, **kwargs):
+    """Run one torch.distributed call; turn backend errors (peer died, timeout) into a CollectiveError."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, dist.DistError) as e:
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CollectiveError(f"rank {dist.get_rank()}: {what} on axis '{axis.name}' (ranks {list(axis.ranks)}) "
+                              f"failed: {first}") from e
+
+
+def wait(work, axis, op: str) -> None:
+    """Wait on an async work handle with the same error naming as the blocking ops."""
+    _guarded(axis, op, work.wait)
+
+
 class Ledger:
     """Bytes and op counts per (axis, op), per step. Cheap: one dict update per collective."""
 
@@ -103,7 +122,8 @@ def all_reduce(t: torch.Tensor, axis, op: str = "sum", tag: str | None = None) -
         return t
     n = axis.size
     _record(axis, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t), tag)
-    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=axis.group)
+    _guarded(axis, "all_reduce", dist.all_reduce, t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op],
+             group=axis.group)
     return t
 
 
@@ -117,7 +137,7 @@ def reduce_scatter(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) 
     src = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
     out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
     _record(axis, "reduce_scatter", _nbytes(src), (n - 1) / n * _nbytes(src), tag)
-    _reduce_scatter_flat(out, src, group=axis.group)
+    _guarded(axis, "reduce_scatter", _reduce_scatter_flat, out, src, group=axis.group)
     return out.movedim(0, dim) if dim else out
 
 
@@ -129,7 +149,7 @@ def all_gather(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> t
     src = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
     out = src.new_empty((n * src.shape[0], *src.shape[1:]))
     _record(axis, "all_gather", _nbytes(src), (n - 1) * _nbytes(src), tag)
-    _all_gather_flat(out, src, group=axis.group)
+    _guarded(axis, "all_gather", _all_gather_flat, out, src, group=axis.group)
     return out.movedim(0, dim) if dim else out
 
 
@@ -139,7 +159,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis, tag: str | Non
         out.copy_(shard)
         return out
     _record(axis, "all_gather", _nbytes(shard), (axis.size - 1) * _nbytes(shard), tag)
-    _all_gather_flat(out, shard, group=axis.group)
+    _guarded(axis, "all_gather", _all_gather_flat, out, shard, group=axis.group)
     return out
 
 
@@ -150,7 +170,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis, tag: str | 
         return out
     n = axis.size
     _record(axis, "reduce_scatter", _nbytes(full), (n - 1) / n * _nbytes(full), tag)
-    _reduce_scatter_flat(out, full, group=axis.group)
+    _guarded(axis, "reduce_scatter", _reduce_scatter_flat, out, full, group=axis.group)
     return out
 
 
@@ -160,7 +180,7 @@ def broadcast(t: torch.Tensor, axis, src_rank: int = 0, tag: str | None = None) 
         return t
     _record(axis, "broadcast", _nbytes(t) if axis.rank == src_rank else 0,
             _nbytes(t) if axis.rank == src_rank else 0, tag)
-    dist.broadcast(t, src=axis.ranks[src_rank], group=axis.group)
+    _guarded(axis, "broadcast", dist.broadcast, t, src=axis.ranks[src_rank], group=axis.group)
     return t
 
 
@@ -178,7 +198,8 @@ def all_to_all(inp: torch.Tensor, axis, in_splits: list[int] | None = None, out_
         out = inp.new_empty((sum(out_splits), *inp.shape[1:]))
         sent_to_others = row * (sum(in_splits) - in_splits[axis.rank])
     _record(axis, "all_to_all", _nbytes(inp), sent_to_others, tag)
-    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=axis.group)
+    _guarded(axis, "all_to_all", dist.all_to_all_single, out, inp.contiguous(), out_splits, in_splits,
+             group=axis.group)
     return out
 
 
@@ -198,7 +219,7 @@ def p2p(ops, tag: str | None = None) -> list:
             p2p_ops.append(dist.P2POp(dist.irecv, t, axis.ranks[peer], group=axis.group))
         else:
             raise ValueError(f"p2p op {kind!r}: expected 'send' or 'recv'")
-    return dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
+    return _guarded(ops[0][2], "p2p", dist.batch_isend_irecv, p2p_ops) if p2p_ops else []
 
 
 def all_gather_object(obj, axis) -> list:
@@ -207,13 +228,13 @@ def all_gather_object(obj, axis) -> list:
         return [obj]
     out = [None] * axis.size
     _record(axis, "all_gather_object", 0, 0, None)
-    dist.all_gather_object(out, obj, group=axis.group)
+    _guarded(axis, "all_gather_object", dist.all_gather_object, out, obj, group=axis.group)
     return out
 
 
 def barrier(axis) -> None:
     if axis.active:
-        dist.barrier(group=axis.group)
+        _guarded(axis, "barrier", dist.barrier, group=axis.group)
 
 
 # ---------------------------------------------------------------- autograd Functions

@@ -166,8 +166,23 @@ class TrainConfig:
     tie_embeddings: bool | None = None
     timeout_s: float = 300.0
     """Collective timeout: a rank stuck longer than this in a collective fails instead of hanging."""
-    log_every: int = 1
     progress: bool = True
+    fault_inject: str | None = None
+    """RANK:STEP:{crash,hang,nan} — make global rank RANK crash, hang or produce a NaN loss at STEP (tests)."""
+    bad_step: str = "skip"
+    """Non-finite loss or gradients: 'skip' the step (logged), or 'abort' the run at once."""
+    max_bad_steps: int = 5
+    """With bad_step='skip': abort once more than this many steps were skipped."""
+
+    def fault(self) -> tuple[int, int, str] | None:
+        if not self.fault_inject:
+            return None
+        parts = self.fault_inject.split(":")
+        kinds = ("crash", "hang", "nan")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in kinds:
+            raise ConfigError(f"--fault-inject {self.fault_inject!r} must be RANK:STEP:KIND with KIND in "
+                              f"{', '.join(kinds)}, e.g. 1:3:crash")
+        return int(parts[0]), int(parts[1]), parts[2]
 
     def model_config(self) -> ModelConfig:
         overrides = dict(dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings)
@@ -244,6 +259,13 @@ class TrainConfig:
             self._validate_pipeline(m)
         elif p.vp != 1 or p.pp_layers is not None:
             raise ConfigError("--vp / --pp-layers need --pp > 1")
+        fault = self.fault()
+        if fault is not None and fault[0] >= world:
+            raise ConfigError(f"--fault-inject rank {fault[0]} does not exist (world size {world})")
+        if self.bad_step not in ("skip", "abort"):
+            raise ConfigError(f"--bad-step {self.bad_step!r} is not supported; valid: skip, abort")
+        if not isinstance(self.max_bad_steps, int) or self.max_bad_steps < 0:
+            raise ConfigError(f"--max-bad-steps {self.max_bad_steps!r} must be a non-negative integer")
         if self.timeout_s <= 0:
             raise ConfigError(f"--collective-timeout {self.timeout_s} must be positive (seconds)")
 

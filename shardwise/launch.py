@@ -69,11 +69,13 @@ def _worker(rank, world, port, timeout_s, fn, args, results):
         os._exit(1)
 
 
-def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None):
+def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
+              grace_s: float = 5.0):
     """Run `fn(*args)` on `world` forked gloo ranks; return the per-rank results in rank order.
 
-    Raises RankError naming the first failing rank (others are terminated); `wall_timeout_s`
-    bounds the whole run.
+    On the first failure the other ranks get `grace_s` to report theirs, then all are torn down and
+    a RankError names the culprit: a rank that died (its exit code), or a rank still alive that
+    reported nothing while its peers failed (hung), and what each failing rank was doing.
     """
     ctx = mp.get_context("fork")
     results = ctx.Queue()
@@ -83,22 +85,32 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
     for p in procs:
         p.start()
     out: dict[int, object] = {}
+    errors: dict[int, str] = {}
     deadline = time.monotonic() + (wall_timeout_s or float("inf"))
+    failed_at = None
     try:
-        while len(out) < world:
+        while len(out) + len(errors) < world:
+            now = time.monotonic()
+            if failed_at is not None and now > failed_at + grace_s:
+                break
             try:
-                rank, ok, payload = results.get(timeout=0.2)
+                rank, ok, payload = results.get(timeout=0.1)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead and results.empty():
-                    raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                if time.monotonic() > deadline:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out
+                        and r not in errors]
+                if dead and results.empty() and failed_at is None:
+                    failed_at = now
+                if now > deadline and failed_at is None:
                     raise RankError(f"ranks {sorted(set(range(world)) - set(out))} did not finish within "
                                     f"{wall_timeout_s:.0f} s")
                 continue
-            if not ok:
-                raise RankError(f"rank {rank} failed: {payload}")
-            out[rank] = payload
+            if ok:
+                out[rank] = payload
+            else:
+                errors[rank] = payload
+                failed_at = failed_at or time.monotonic()
+        if errors or len(out) < world:
+            raise RankError(_failure_report(procs, out, errors))
         for p in procs:
             p.join(timeout=30)
     finally:
@@ -110,3 +122,17 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world)]
+
+
+def _failure_report(procs, out, errors) -> str:
+    dead = [r for r, p in enumerate(procs) if r not in out and r not in errors and p.exitcode not in (None, 0)]
+    hung = [r for r, p in enumerate(procs) if r not in out and r not in errors and p.exitcode is None]
+    lines = []
+    for r in dead:
+        lines.append(f"rank {r} died with exit code {procs[r].exitcode}")
+    for r in hung:
+        lines.append(f"rank {r} hung: alive but reported nothing while its peers failed")
+    for r, msg in sorted(errors.items()):
+        lines.append(f"rank {r} failed: {msg.splitlines()[0]}")
+    first_tb = next(iter(sorted(errors.items())), (None, ""))[1]
+    return "; ".join(lines) + ("\n" + first_tb if first_tb and not dead and not hung else "")

@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -52,6 +53,8 @@ class Trainer:
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
         self.loader = Loader(tokens, cfg.seq_len, self.global_batch, cfg.seed)
         self.step = 0
+        self.bad_steps = 0
+        self._poison = False
         self.executor = None
         if self.schedule is not None:
             from .pipeline.runtime import PipelineExecutor
@@ -87,6 +90,11 @@ class Trainer:
                 loss = self.model.loss_fn(logits, ym, IGNORE_INDEX).sum() / n_tokens
                 loss.backward()
                 loss_sum += loss.detach()
+        if self._poison:  # fault injection: this rank's gradients and loss become NaN
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+            loss_sum.fill_(float("nan"))
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
         return float(loss_sum)
@@ -101,17 +109,50 @@ class Trainer:
         self.reducer.step()
         return lr
 
+    def _inject_fault(self, step: int) -> None:
+        fault = self.cfg.fault()
+        if fault is None or fault[0] != self.mesh.rank or fault[1] != step + 1:
+            return
+        kind = fault[2]
+        if kind == "crash":
+            print(f"shardwise: fault injection: rank {self.mesh.rank} crashes at step {step + 1}", file=sys.stderr,
+                  flush=True)
+            os._exit(13)
+        if kind == "hang":
+            print(f"shardwise: fault injection: rank {self.mesh.rank} hangs at step {step + 1}", file=sys.stderr,
+                  flush=True)
+            while True:
+                time.sleep(3600)
+        self._poison = True
+
     def train_step(self, step: int) -> dict:
+        """One optimizer step. Non-finite loss or gradient norm (global, so every rank agrees) skips it."""
         t0 = time.perf_counter()
+        self._poison = False
+        self._inject_fault(step)
         loss = self.forward_backward(step)
         norm = self.finish_gradients()
-        lr = self.optimizer_step(step)
+        skipped = not (math.isfinite(loss) and math.isfinite(norm))
+        if skipped:
+            self.bad_steps += 1
+            self.reducer.zero_grad()
+            lr = lr_at(step, self.cfg)
+            if self.cfg.bad_step == "abort" or self.bad_steps > self.cfg.max_bad_steps:
+                raise FloatingPointError(
+                    f"step {step + 1}: non-finite loss ({loss}) or grad norm ({norm}); "
+                    + ("aborting (--bad-step abort)" if self.cfg.bad_step == "abort" else
+                       f"{self.bad_steps} bad steps exceed --max-bad-steps {self.cfg.max_bad_steps}"))
+        else:
+            lr = self.optimizer_step(step)
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         self.mesh.ledger.end_step(step + 1)
-        return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
-                "tokens": self.global_batch * self.cfg.seq_len, "step_time_s": dt}
+        rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
+               "tokens": self.global_batch * self.cfg.seq_len, "step_time_s": dt}
+        if skipped:
+            rec["skipped"] = True
+        return rec
 
 
 def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:

@@ -12,9 +12,10 @@ p is softmax over all E logits ("softmax" score), or sigmoid scores normalised t
 ("sigmoid"). fᵢ counts the selected experts (bias included, before any capacity drop) and carries
 no gradient; Pᵢ carries the gradient. Uniform routing gives aux = 1.
 
-The loss-free bias (arXiv 2408.15664) is added to the scores for *selection only*; the combine
-weights come from the unbiased scores. It changes only in `update_bias`, from counts all-reduced
-over the axis that holds different tokens, so every rank keeps the same bias.
+The loss-free bias (arXiv 2408.15664) is added to the selection scores (the logits when softmax
+comes after top-k) for *selection only*; the combine weights come from the unbiased scores. It
+changes only in `update_bias`, from counts all-reduced over the axes that hold different tokens,
+so every rank keeps the same bias.
 """
 from __future__ import annotations
 
@@ -71,23 +72,16 @@ class Router(nn.Module):
         """x [N, dim] → Routing. Accumulates `pending_counts` while training (for `update_bias`)."""
         logits = F.linear(x.float(), self.weight.float())
         n, e, k = logits.shape[0], self.n_experts, self.topk
+        after = self.score == "softmax" and not self.softmax_before_topk
         if self.score == "softmax":
-            scores = logits.softmax(-1)
-            probs = scores
+            scores = probs = logits.softmax(-1)
         else:
             scores = logits.sigmoid()
             probs = scores / scores.sum(-1, keepdim=True)
-        if self.score == "softmax" and not self.softmax_before_topk:
-            select = logits
-        else:
-            select = scores
-        _, indices = torch.topk(select.detach() + self.expert_bias, k, dim=-1)
-        if self.score == "softmax" and not self.softmax_before_topk:
-            weights = logits.gather(1, indices).softmax(-1)
-        else:
-            weights = scores.gather(1, indices)
-            if self.score == "sigmoid":
-                weights = weights / weights.sum(-1, keepdim=True)
+        _, indices = torch.topk((logits if after else scores).detach() + self.expert_bias, k, dim=-1)
+        weights = logits.gather(1, indices).softmax(-1) if after else scores.gather(1, indices)
+        if self.score == "sigmoid":
+            weights = weights / weights.sum(-1, keepdim=True)
         counts = torch.zeros(e, device=x.device).scatter_add_(0, indices.reshape(-1),
                                                               torch.ones(n * k, device=x.device))
         if n:

@@ -84,7 +84,7 @@ class PipelineExecutor:
             for (k, buf), work in zip(new, works):
                 self.posted[k] = (buf, work)
         buf, work = self.posted.pop(key)
-        work.wait()
+        comm.wait(work, self.pp, f"recv of {key[0]} for microbatch {key[1]}, stage {key[2]} from pp rank {src}")
         return buf
 
     def _send(self, dst: int, key: tuple, t: torch.Tensor, free_after: torch.Tensor | None = None) -> None:
@@ -102,7 +102,7 @@ class PipelineExecutor:
         still = []
         for work, out in self.sends:
             if wait:
-                work.wait()
+                comm.wait(work, self.pp, "send")
             if wait or work.is_completed():
                 if out is not None:
                     out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
