@@ -56,7 +56,9 @@ from torch import nn  # noqa: E402
 
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.data import load_tokens  # noqa: E402
+from shardwise import comm  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
+from shardwise.pipeline.runtime import PipelineExecutor  # noqa: E402
 from shardwise.pipeline.simulate import analytic_bubble, measured_bubble, simulate  # noqa: E402
 from shardwise.train import IGNORE_INDEX, Trainer, make_mesh  # noqa: E402
 
@@ -94,10 +96,52 @@ def make_cfg(opts: dict, schedule: str, vp: int) -> TrainConfig:
     return cfg
 
 
+class PrepostExecutor(PipelineExecutor):
+    """Prototype (benchmark only, `--prepost`): keep the next `depth` receives from every peer posted.
+
+    shardwise's executor posts a receive only when an action needs it. Gloo's tcp transport is
+    rendezvous-based (the sender's payload goes out only after the receiver's NOTIFY_RECV_READY
+    reaches it), so a receive posted late costs a round trip through the *sender's* gloo thread
+    even when the sender finished long ago. Posting ahead, still in each peer's send order (so
+    matching stays correct), moves that round trip off the critical path, as torch's runtime does by
+    placing every RECV early in the action list.
+    """
+
+    depth = 2
+
+    def _begin(self):
+        super()._begin()
+        self.outstanding = {src: 0 for src in self.next_recv}
+        for src in self.next_recv:
+            self._top_up(src)
+
+    def _top_up(self, src):
+        seq, new = self.order[(src, self.rank)], []
+        while self.next_recv[src] < len(seq) and self.outstanding[src] + len(new) < self.depth:
+            new.append((seq[self.next_recv[src]],
+                        torch.empty(self.act_shape, dtype=self.act_dtype, device=self.mesh.device)))
+            self.next_recv[src] += 1
+        if new:
+            for (k, buf), work in zip(new, comm.p2p([("recv", buf, self.pp, src) for _, buf in new])):
+                self.posted[k] = (buf, work)
+            self.outstanding[src] += len(new)
+
+    def _receive(self, src, key):
+        if src == self.rank:
+            return self.local.pop(key)
+        before = self.next_recv[src]
+        buf = super()._receive(src, key)  # posts up to `key` if it was not posted yet
+        self.outstanding[src] += self.next_recv[src] - before - 1
+        self._top_up(src)
+        return buf
+
+
 class ShardwiseRunner:
-    def __init__(self, opts, mesh, tokens, schedule, vp):
+    def __init__(self, opts, mesh, tokens, schedule, vp, prepost=False):
         self.trainer = Trainer(make_cfg(opts, schedule, vp), mesh, tokens)
         self.model = self.trainer.model
+        if prepost:
+            self.trainer.executor.__class__ = PrepostExecutor
 
     def step(self, xs, ys, n_tokens) -> float:
         return float(self.trainer.executor.run(xs, ys, n_tokens))
@@ -158,6 +202,9 @@ def rank_main(opts: dict) -> dict:
         runners[f"shardwise_{k}"] = ShardwiseRunner(opts, mesh, tokens, sched, vp)
         runners[f"torch_{k}"] = TorchRunner(opts, mesh, tokens, sched, vp, cls_name)
         names += [f"shardwise_{k}", f"torch_{k}"]
+        if opts["prepost"]:
+            runners[f"prepost_{k}"] = ShardwiseRunner(opts, mesh, tokens, sched, vp, prepost=True)
+            names.append(f"prepost_{k}")
 
     x, y = runners[names[0]].trainer.loader.global_batch_at(0)  # the same global batch for everyone
     n_tokens = int((y != IGNORE_INDEX).sum())
@@ -166,7 +213,7 @@ def rank_main(opts: dict) -> dict:
     def run(name) -> float:
         r = runners[name]
         r.model.zero_grad(set_to_none=True)
-        if name.startswith("shardwise"):
+        if isinstance(r, ShardwiseRunner):
             return r.step(xs, ys, n_tokens)
         return r.step(x, y, n_tokens)
 
@@ -184,11 +231,22 @@ def rank_main(opts: dict) -> dict:
         check[k] = {"loss_shardwise": out["shardwise"][0], "loss_torch": out["torch"][0],
                     "loss_diff": abs(out["shardwise"][0] - out["torch"][0]), "max_grad_diff": gdiff,
                     "grads_missing": missing}
+        if opts["prepost"]:
+            loss = torch.tensor([run(f"prepost_{k}")])
+            dist.all_reduce(loss, group=pp.group)
+            gp = _grads(runners[f"prepost_{k}"].model)
+            check[k]["prepost_loss_diff"] = abs(float(loss) - out["shardwise"][0])
+            check[k]["prepost_max_grad_diff"] = max((gp[n] - gs[n]).abs().max().item() for n in gs)
 
     times: dict[str, list[float]] = {n: [] for n in names}
-    events: dict[str, list] = {n: [] for n in names if n.startswith("shardwise")}
+    events: dict[str, list] = {n: [] for n in names if isinstance(runners[n], ShardwiseRunner)}
+    groups = [[n for n in names if n.endswith(f"_{k}")] for k in keys]  # the implementations compared
     for it in range(opts["warmup"] + opts["reps"]):
-        order = names[it % len(names):] + names[:it % len(names)]  # rotate who goes first
+        # A pair runs back to back (so a paired ratio sees one background load), who goes first
+        # alternates within the pair, and the pairs' order rotates.
+        order = []
+        for g in groups[it % len(groups):] + groups[:it % len(groups)]:
+            order += g[it % len(g):] + g[:it % len(g)]
         for name in order:
             dist.barrier(group=pp.group)
             t0 = time.perf_counter()
@@ -257,29 +315,59 @@ def replay(schedule, durations: list[list[float]], comm: float = 0.0) -> float:
     return 1.0 - busy / (schedule.p * makespan) if makespan > 0 else 0.0
 
 
-def bubble_report(opts, per_rank, key) -> dict:
+def late_receive_gaps(schedule, events: list[list[dict]]) -> tuple[float, int]:
+    """Idle time before actions whose cross-rank input had been produced before the rank was free.
+
+    The data was ready, so the gap is the executor's receive path alone (post the irecv, gloo's
+    rendezvous round trip through the sender, wait). Returns (total seconds over ranks, count).
+    """
+    lay, last = schedule.layout, schedule.num_stages - 1
+    end = {(e["kind"], lay.stage_of(r, e["chunk"]), e["microbatch"]): (e["end"], r)
+           for r, evs in enumerate(events) for e in evs}
+    total, n = 0.0, 0
+    for r, evs in enumerate(events):
+        for prev, e in zip(evs, evs[1:]):
+            k = lay.stage_of(r, e["chunk"])
+            dep = (end[("F", k - 1, e["microbatch"])] if e["kind"] == "F" and k > 0 else
+                   end[("B", k + 1, e["microbatch"])] if e["kind"] == "B" and k < last else None)
+            if dep is not None and dep[1] != r and dep[0] <= prev["end"]:
+                total += max(0.0, e["start"] - prev["end"])
+                n += 1
+    return total, n
+
+
+def bubble_report(opts, per_rank, name, key) -> dict:
     from shardwise.pipeline.schedules import build_schedule
 
     sched_name, vp, _ = PAIRS[key]
     sched = build_schedule(sched_name, opts["pp"], opts["m"], vp)
-    name = f"shardwise_{key}"
-    meas, sims, reps, means = [], [], [], []
+    rows = []
     for rep in range(opts["reps"]):
         ev = [r["events"][name][rep] for r in per_rank]
-        costs = {k: [e["end"] - e["start"] for evs in ev for e in evs if e["kind"] == k] for k in "FBW"}
+        dur = [[e["end"] - e["start"] for e in evs] for evs in ev]
+        costs = {k: [d for evs, ds in zip(ev, dur) for e, d in zip(evs, ds) if e["kind"] == k] for k in "FBW"}
         mean = {k: sum(v) / len(v) for k, v in costs.items() if v}
-        sim = simulate(sched, cost_f=mean["F"], cost_b=mean["B"], cost_w=mean.get("W", 0.0))
-        meas.append(measured_bubble(ev))
-        sims.append(sim.bubble_fraction)
-        reps.append(replay(sched, [[e["end"] - e["start"] for e in evs] for evs in ev]))
-        means.append(mean)
-    mb, sb, rb = statistics.median(meas), statistics.median(sims), statistics.median(reps)
-    mean_cost = {k: statistics.median(m[k] for m in means) for k in means[0]}
-    return {"measured": mb, "simulated": sb, "analytic": analytic_bubble(sched.name, sched.p, sched.m, sched.v),
-            "replayed": rb,
-            "measured_vs_simulated_rel": (mb - sb) / sb if sb else None,
-            "measured_vs_replayed_rel": (mb - rb) / rb if rb else None,
-            "mean_action_s": mean_cost}
+        per_rank_mean = []  # every action at its own rank's mean cost of its kind
+        for evs, ds in zip(ev, dur):
+            by = {k: statistics.fmean([d for e, d in zip(evs, ds) if e["kind"] == k] or [0.0]) for k in "FBW"}
+            per_rank_mean.append([by[e["kind"]] for e in evs])
+        late, n_late = late_receive_gaps(sched, ev)
+        makespan = max(e["end"] for evs in ev for e in evs) - min(e["start"] for evs in ev for e in evs)
+        rows.append({"measured": measured_bubble(ev),
+                     "simulated": simulate(sched, mean["F"], mean["B"], mean.get("W", 0.0)).bubble_fraction,
+                     "simulated_per_stage": replay(sched, per_rank_mean), "replayed": replay(sched, dur),
+                     "late_recv_share": late / (sched.p * makespan), "late_recv_n": n_late,
+                     "late_recv_s": late, "mean": mean})
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "mean"}
+    out = {"measured": med["measured"], "simulated": med["simulated"],
+           "analytic": analytic_bubble(sched.name, sched.p, sched.m, sched.v),
+           "simulated_per_stage": med["simulated_per_stage"], "replayed": med["replayed"]}
+    for k in ("simulated", "simulated_per_stage", "replayed"):
+        out[f"measured_vs_{k}_rel"] = (med["measured"] - med[k]) / med[k] if med[k] else None
+    out["late_receive"] = {"share_of_rank_time": med["late_recv_share"], "per_step_s": med["late_recv_s"],
+                           "count": med["late_recv_n"]}
+    out["mean_action_s"] = {k: statistics.median(r["mean"][k] for r in rows) for k in rows[0]["mean"]}
+    return out
 
 
 def main(argv=None) -> int:
@@ -293,10 +381,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--ffn", type=int, default=704)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=10, help="timed repetitions per implementation")
+    ap.add_argument("--reps", type=int, default=12, help="timed repetitions per implementation")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--dualpipev", action="store_true", help="also run shardwise dualpipev vs ScheduleDualPipeV")
+    ap.add_argument("--prepost", action="store_true",
+                    help="also run a prototype shardwise executor that posts receives ahead (benchmark-only subclass)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per implementation (rank 0)")
     ap.add_argument("--profile-rows", type=int, default=15)
     args = ap.parse_args(argv)
@@ -325,32 +415,56 @@ def main(argv=None) -> int:
         print(f"  {k:12s} loss shardwise {c['loss_shardwise']:.6f} torch {c['loss_torch']:.6f} "
               f"diff {c['loss_diff']:.1e}  max|dgrad| {gd:.1e}{flag}"
               + (f"  grads only on one side: {missing}" if missing else ""))
+        if "prepost_loss_diff" in c:
+            gp = max(r["check"][k]["prepost_max_grad_diff"] for r in per_rank)
+            print(f"  {'':12s} prepost prototype vs shardwise: loss diff {c['prepost_loss_diff']:.1e}  "
+                  f"max|dgrad| {gp:.1e}")
     steps = {n: [max(ts) for ts in zip(*(r["times"][n] for r in per_rank))] for n in names}
     medians = {n: statistics.median(v) for n, v in steps.items()}
     print("step time (forward+backward of the whole step, slower rank):")
     for n in names:
         q = statistics.quantiles(steps[n], n=4) if len(steps[n]) > 1 else [steps[n][0]] * 3
-        print(f"  {n:22s} median {medians[n] * 1e3:8.1f} ms  (p25 {q[0] * 1e3:.1f}, p75 {q[2] * 1e3:.1f})")
+        print(f"  {n:22s} median {medians[n] * 1e3:8.1f} ms  (min {min(steps[n]) * 1e3:.1f}, "
+              f"p25 {q[0] * 1e3:.1f}, p75 {q[2] * 1e3:.1f})")
+
+    def paired_ratio(a, b):  # same repetition, same background load
+        return statistics.median(x / y for x, y in zip(steps[a], steps[b]))
+
     ratios = {f"vs_torch_{k}": medians[f"shardwise_{k}"] / medians[f"torch_{k}"] for k in keys}
-    paired = {f"vs_torch_{k}": statistics.median(a / b for a, b in zip(steps[f"shardwise_{k}"], steps[f"torch_{k}"]))
-              for k in keys}
+    paired = {f"vs_torch_{k}": paired_ratio(f"shardwise_{k}", f"torch_{k}") for k in keys}
     for k in keys:
         r, pr = ratios[f"vs_torch_{k}"], paired[f"vs_torch_{k}"]
         print(f"  shardwise/torch {k:12s} ratio of medians {r:.3f}, paired {pr:.3f} "
               f"({'faster' if pr < 1 else 'slower'})")
+        if f"prepost_{k}" in steps:
+            paired[f"prepost_vs_torch_{k}"] = paired_ratio(f"prepost_{k}", f"torch_{k}")
+            paired[f"prepost_vs_shardwise_{k}"] = paired_ratio(f"prepost_{k}", f"shardwise_{k}")
+            print(f"  prepost/torch   {k:12s} paired {paired[f'prepost_vs_torch_{k}']:.3f}; prepost/shardwise "
+                  f"paired {paired[f'prepost_vs_shardwise_{k}']:.3f}")
     bubbles = {}
-    print("shardwise bubble, median over reps (simulated: that rep's mean F/B/W over all ranks, as `shardwise train`;\n"
-          "  replayed: every action with its own measured duration, zero comm):")
-    for k in keys:
-        b = bubble_report(opts, per_rank, k)
-        b["peak_inflight_per_stage"] = [r["peaks"][f"shardwise_{k}"] for r in per_rank]
-        bubbles[k] = b
-        an = "n/a" if b["analytic"] is None else f"{b['analytic']:.3f}"
-        rel = b["measured_vs_simulated_rel"]
-        costs = " ".join(f"{kk}={v * 1e3:.2f}ms" for kk, v in b["mean_action_s"].items())
-        print(f"  {k:12s} measured {b['measured']:.3f}  simulated {b['simulated']:.3f}  analytic {an}  "
-              f"replayed {b['replayed']:.3f}  (measured/simulated - 1 = {rel:+.1%}, "
-              f"measured/replayed - 1 = {b['measured_vs_replayed_rel']:+.1%}; {costs})")
+    print("shardwise bubble, median over reps. simulated: that rep's mean F/B/W over all ranks (as `shardwise\n"
+          "  train`); per-stage: each rank's own mean F/B/W; replayed: every action at its measured duration;\n"
+          "  late recv: idle while receiving data that was already sent (share of p x makespan):")
+    for n in names:
+        if n not in per_rank[0]["events"]:
+            continue
+        k = n.split("_", 1)[1]
+        b = bubble_report(opts, per_rank, n, k)
+        b["peak_inflight_per_stage"] = [r["peaks"][n] for r in per_rank]
+        if n.startswith("shardwise"):
+            bubbles[k] = b
+        else:
+            bubbles[n] = b
+        an = "  n/a" if b["analytic"] is None else f"{b['analytic']:.3f}"
+        lr = b["late_receive"]
+        print(f"  {n:22s} measured {b['measured']:.3f}  simulated {b['simulated']:.3f} "
+              f"({b['measured_vs_simulated_rel']:+.0%})  analytic {an}  per-stage {b['simulated_per_stage']:.3f} "
+              f"({b['measured_vs_simulated_per_stage_rel']:+.0%})  replayed {b['replayed']:.3f} "
+              f"({b['measured_vs_replayed_rel']:+.0%})  late recv {lr['share_of_rank_time']:.3f} "
+              f"({lr['count']:.0f} x, {lr['per_step_s'] * 1e3:.1f} ms)")
+    print("  mean action s: " + "; ".join(
+        f"{k} " + " ".join(f"{kk}={v * 1e3:.1f}ms" for kk, v in b["mean_action_s"].items())
+        for k, b in bubbles.items() if not k.startswith("prepost")))
     if per_rank[0]["profile"]:
         for n, table in per_rank[0]["profile"].items():
             print(f"\n=== profile: {n} (rank 0, 3 steps) ===\n{table}")

@@ -27,9 +27,9 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from . import comm
@@ -151,31 +151,41 @@ class _BoxSavePlanner(DefaultSavePlanner):
         self.state_dict, self.is_coordinator = {}, is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        items = []
-        for fqn, (size, boxes) in self.entries.items():
-            for off, t in boxes:
-                chunk = ChunkStorageMetadata(torch.Size(off), t.size())
-                items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(t),
-                                                                   torch.Size(size))))
-        self.plan = SavePlan(items)
+        self.plan = SavePlan([
+            WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(off), t.size()),
+                                                  TensorProperties.create_from_tensor(t), torch.Size(size)))
+            for fqn, (size, boxes) in self.entries.items() for off, t in boxes])
         return self.plan
+
+    def create_global_plan(self, all_plans):
+        """DCP would silently drop exact duplicates; a duplicate means the ownership rule broke, so refuse it."""
+        seen, dups = set(), set()
+        for plan in all_plans:
+            for item in plan.items:
+                key = (item.index.fqn, tuple(item.index.offset))
+                (dups if key in seen else seen).add(key)
+        if dups:
+            raise ValueError(f"checkpoint: {len(dups)} chunks written by several ranks, e.g. {sorted(dups)[:3]}")
+        return super().create_global_plan(all_plans)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         for off, t in self.entries[write_item.index.fqn][1]:
             if torch.Size(off) == write_item.index.offset:
-                return t.detach().cpu().clone()  # a compact copy: torch.save of a view writes its whole storage
+                # A compact copy: torch.save of a view would write its whole storage.
+                return t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
         raise KeyError(write_item.index)
 
 
-class _BoxLoadPlanner(LoadPlanner):
+class _BoxLoadPlanner(DefaultLoadPlanner):
     """Reads into each box (a view of a live tensor) whatever saved chunks overlap it."""
 
     def __init__(self, entries, path):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.entries, self.path = entries, path
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-        self.metadata = metadata
+        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
         items = []
@@ -186,17 +196,11 @@ class _BoxLoadPlanner(LoadPlanner):
             if tuple(saved[fqn].size) != tuple(size):
                 raise ValueError(f"checkpoint {self.path}: {fqn} has shape {tuple(saved[fqn].size)}, "
                                  f"the model needs {tuple(size)}")
-            chunks = [ChunkStorageMetadata(torch.Size(off), t.size()) for off, t in boxes]
-            items += create_read_items_for_chunk_list(fqn, saved[fqn], chunks)
+            items += create_read_items_for_chunk_list(
+                fqn, saved[fqn], [ChunkStorageMetadata(torch.Size(off), t.size()) for off, t in boxes])
         return LoadPlan(items)
 
-    def create_global_plan(self, global_plan):
-        return global_plan
-
-    def finish_plan(self, new_plan):
-        return new_plan
-
-    def load_bytes(self, read_item, value) -> None:
+    def load_bytes(self, read_item, value) -> None:  # the default would torch.load(weights_only=False)
         raise ValueError(f"checkpoint {self.path}: unexpected pickled object {read_item.dest_index.fqn!r}")
 
     def resolve_tensor(self, read_item) -> torch.Tensor:
@@ -204,9 +208,6 @@ class _BoxLoadPlanner(LoadPlanner):
         for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             t = t.narrow(d, o, n)
         return t
-
-    def commit_tensor(self, read_item, tensor) -> None:
-        pass
 
 
 _SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
@@ -218,9 +219,15 @@ class _MetadataUnpickler(pickle.Unpickler):
     """DCP pickles its metadata; admit only DCP metadata classes, torch.Size, dtypes and paths."""
 
     def find_class(self, module, name):
-        if ((module, name) in _SAFE_GLOBALS or module == "torch.distributed.checkpoint.metadata"
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+        if (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
+        obj = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(obj, torch.dtype):
+            return obj
+        if module == "torch.distributed.checkpoint.metadata":  # only the classes defined there
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
 
 
@@ -266,11 +273,8 @@ def _fsync_dir(path: str) -> None:
 
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -279,10 +283,6 @@ def _b64(t: torch.Tensor) -> str:
 
 def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-
-
-def _layout(trainer) -> dict:
-    return trainer.cfg.parallel.as_dict() | {"world": trainer.mesh["world"].size}
 
 
 # ---------------------------------------------------------------- save
@@ -310,8 +310,9 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
         "rank": mesh.rank, "coords": mesh.coords, "torch_cpu_rng": _b64(torch.get_rng_state()),
         "tracker_rng": {k: _b64(g.get_state()) for k, g in tracker.generators.items()}})
     if rank0:
+        layout = trainer.cfg.parallel.as_dict() | {"world": world.size}
         _write_json(os.path.join(tmp, META), {
-            "format": FORMAT_VERSION, "step": step, "optimizer_step": int(state["step"]), "layout": _layout(trainer),
+            "format": FORMAT_VERSION, "step": step, "optimizer_step": int(state["step"]), "layout": layout,
             "model": vars(trainer.model_cfg), "extra_state": extra_state or {}})
     comm.barrier(world)  # every rank's files are complete
     if rank0:
@@ -320,11 +321,7 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
             f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))}
             for f in files}})
         _fsync_dir(tmp)
-        if os.path.exists(final):  # saved this step before (e.g. resumed): replace it
-            old = os.path.join(root, f"old-step-{step}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            shutil.rmtree(old)
+        shutil.rmtree(final, ignore_errors=True)  # saved this step before (a resume): the older steps still stand
         os.replace(tmp, final)
         _write_text(os.path.join(root, LATEST), f"step-{step}\n")
         _fsync_dir(root)
@@ -367,19 +364,14 @@ def checkpoint_problems(path: str, rank: int = 0, world: int = 1) -> list[str]:
     return out
 
 
-def _candidates(root: str) -> list[str]:
-    if os.path.isfile(os.path.join(root, MANIFEST)) or STEP_DIR.match(os.path.basename(os.path.normpath(root))):
-        return [root]
-    return [path for _, path in list_checkpoints(root)]
-
-
 def newest_intact(root: str, world_axis=None) -> tuple[str | None, list[tuple[str, str]]]:
     """The newest intact checkpoint under `root` (or `root` itself) and the (path, reason) of each skipped one.
 
     Collective over `world_axis` when given: ranks split the checksumming and agree on the answer.
     """
     size, rank = (world_axis.size, world_axis.rank) if world_axis is not None else (1, 0)
-    cands = _candidates(root)
+    single = os.path.isfile(os.path.join(root, MANIFEST)) or STEP_DIR.match(os.path.basename(os.path.normpath(root)))
+    cands = [root] if single else [path for _, path in list_checkpoints(root)]
     if world_axis is not None:
         cands = comm.all_gather_object(cands, world_axis)[0]  # one listing for all ranks
     skipped = []
@@ -440,7 +432,8 @@ def load_global_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Te
     """Full-shaped tensors of every key under `prefix` (prefix stripped), read in this process alone."""
     reader = _SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    full = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items() if k.startswith(prefix)}
+    full = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            for k, md in saved.items() if k.startswith(prefix)}
     entries = {k: (tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in full.items()}
     _dcp(dcp.load, storage_reader=reader, planner=_BoxLoadPlanner(entries, path))
     return {k[len(prefix):]: t for k, t in full.items()}

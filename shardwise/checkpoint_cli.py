@@ -16,11 +16,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description="Work with checkpoint directories (root/step-N) in one process.")
     sub = p.add_subparsers(dest="checkpoint_command", required=True)
     c = sub.add_parser("convert", help="consolidate model weights into one file with global names")
-    c.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a checkpoint root (newest intact step is used) or a step-N dir")
+    c.add_argument("ckpt_dir", metavar="CKPT_DIR",
+                   help="a checkpoint root (its newest intact step is used) or one step-N directory")
     c.add_argument("--to-safetensors", metavar="OUT", required=True, help="output .safetensors file")
     ls = sub.add_parser("list", help="every step directory under a root, with its integrity")
     ls.add_argument("ckpt_dir", metavar="CKPT_DIR")
-    p.set_defaults(func=run, run=run)
+    p.set_defaults(func=run)
     return p
 
 

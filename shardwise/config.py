@@ -100,7 +100,7 @@ def get_model_config(name: str, **overrides) -> ModelConfig:
 
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
-NOT_IMPLEMENTED = {"cp": "context", "ep": "expert"}
+NOT_IMPLEMENTED = {"ep": "expert"}
 
 
 @dataclass
@@ -124,6 +124,10 @@ class ParallelConfig:
     """Model chunks (virtual stages) per pipeline rank: >1 for interleaved; dualpipev uses 2."""
     pp_layers: list[int] | None = None
     """Layers per stage (pp × vp counts), for uneven splits; default an even split."""
+    cp_order: str = "balanced"
+    """Context-parallel token order: 'balanced' (rank r holds chunks r and 2c-1-r) or 'contiguous'."""
+    cp_impl: str = "ring"
+    """Context-parallel attention: 'ring' (p2p K/V ring) or 'ulysses' (all-to-all to head shards)."""
 
     def describe(self) -> str:
         return ", ".join(f"{a}={getattr(self, a)}" for a in AXES)
@@ -242,8 +246,11 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
         if self.seq_len > m.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} exceeds max_seq_len={m.max_seq_len} of model {m.name!r}")
-        if p.sequence_parallel and self.seq_len % p.tp:
-            raise ConfigError(f"--seq-len {self.seq_len} is not divisible by tp={p.tp} (needed by --sequence-parallel)")
+        if p.cp > 1:
+            self._validate_context(m)
+        if p.sequence_parallel and (self.seq_len // p.cp) % p.tp:
+            raise ConfigError(f"--seq-len {self.seq_len} / cp {p.cp} = {self.seq_len // p.cp} tokens per rank is not "
+                              f"divisible by tp={p.tp} (needed by --sequence-parallel)")
         gb = self.global_batch
         if gb is not None:
             if not isinstance(gb, int) or gb <= 0:
@@ -268,6 +275,26 @@ class TrainConfig:
             raise ConfigError(f"--max-bad-steps {self.max_bad_steps!r} must be a non-negative integer")
         if self.timeout_s <= 0:
             raise ConfigError(f"--collective-timeout {self.timeout_s} must be positive (seconds)")
+
+    def _validate_context(self, m: ModelConfig) -> None:
+        from .context_parallel.sharding import ORDERS, check_seq_len
+
+        p = self.parallel
+        if p.cp_order not in ORDERS:
+            raise ConfigError(f"--cp-order {p.cp_order!r} is unknown; valid: {', '.join(ORDERS)}")
+        if p.cp_impl not in ("ring", "ulysses"):
+            raise ConfigError(f"--cp-impl {p.cp_impl!r} is unknown; valid: ring, ulysses")
+        try:
+            check_seq_len(self.seq_len, p.cp, p.cp_order)
+        except ValueError as e:
+            raise ConfigError(f"--seq-len: {e}") from None
+        if m.attn_dropout > 0:
+            raise ConfigError("--attn-dropout > 0 is not supported with --cp > 1 (ring attention has no dropout)")
+        if p.cp_impl == "ulysses":
+            q_local, kv_local = m.n_heads // p.tp, max(1, m.n_kv_heads // p.tp)
+            if q_local % p.cp or (kv_local % p.cp and p.cp % kv_local):
+                raise ConfigError(f"--cp-impl ulysses needs the {q_local} query heads per TP rank divisible by cp={p.cp} "
+                                  f"and the {kv_local} K/V heads per TP rank to divide or be divided by it")
 
     def _validate_pipeline(self, m: ModelConfig) -> None:
         from .pipeline.schedules import SCHEDULE_NAMES, build_schedule

@@ -95,8 +95,17 @@ def global_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
+def apply_context_parallel(model: Transformer, mesh: Mesh, order: str, impl: str) -> None:
+    """Point attention at the cp axis (ring or Ulysses) and RoPE at the layout's global positions."""
+    cp = mesh["cp"]
+    model.cp_axis, model.cp_order = cp, order
+    for block in model.layers.values():
+        block.attention.cp_axis, block.attention.cp_order, block.attention.cp_impl = cp, order, impl
+
+
 def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool = False,
-                schedule=None, pp_layers: list[int] | None = None) -> Transformer:
+                schedule=None, pp_layers: list[int] | None = None, cp_order: str = "balanced",
+                cp_impl: str = "ring") -> Transformer:
     """The model for this rank of `mesh` (the single-device model when every degree is 1).
 
     With a pipeline `schedule`, only this rank's stages are kept and `model.chunks` lists them in
@@ -105,6 +114,7 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool
     with torch.device("meta"):
         model = Transformer(cfg)
     apply_tensor_parallel(model, mesh, sequence_parallel)
+    apply_context_parallel(model, mesh, cp_order, cp_impl)
     model.chunks = None
     if schedule is not None:
         from .pipeline.grad_store import WeightGradStore

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from . import comm
 from .comm import Ledger
 from .config import TrainConfig
+from .context_parallel.sharding import shard_sequence
 from .data import Loader, load_tokens
 from .data_parallel import GradReducer
 from .mesh import Mesh, ParallelDims
@@ -46,7 +47,8 @@ class Trainer:
             from .pipeline.schedules import build_schedule
 
             self.schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
-        self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel, self.schedule, p.pp_layers)
+        self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel, self.schedule, p.pp_layers,
+                                 p.cp_order, p.cp_impl)
         self.model.train()
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay)
         tokens = load_tokens(cfg.data) if tokens is None else tokens
@@ -59,7 +61,7 @@ class Trainer:
         if self.schedule is not None:
             from .pipeline.runtime import PipelineExecutor
 
-            s_local = cfg.seq_len // (p.tp if p.sequence_parallel else 1)
+            s_local = cfg.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)
             self.executor = PipelineExecutor(self.model.chunks, self.schedule, mesh,
                                              (cfg.micro_batch, s_local, self.model_cfg.dim), torch.float32,
                                              lambda logits, y: self.model.loss_fn(logits, y, IGNORE_INDEX),
@@ -78,6 +80,10 @@ class Trainer:
         per = self.global_batch // self.mesh.dims.dp
         dp_rank = self.mesh["dp"].rank
         x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        cp = self.mesh["cp"]
+        if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
+            x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
+            y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
         xs = [t.to(self.mesh.device) for t in x.split(self.cfg.micro_batch)]
         ys = [t.to(self.mesh.device) for t in y.split(self.cfg.micro_batch)]
         if self.executor is not None:

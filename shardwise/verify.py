@@ -20,7 +20,11 @@ from .mesh import Mesh
 from .tensor_parallel.layers import get_spec
 from .train import Trainer, make_mesh
 
-TOLERANCE = {"fp32": dict(loss=1e-5, grad=1e-4, param=1e-4), "bf16": dict(loss=2e-3, grad=1e-1, param=5e-2)}
+# first_grad: gradients of step 1, computed from bit-identical weights — pure layout arithmetic.
+# grad / param: every step; later steps start from weights that AdamW's g/sqrt(v) has already pulled
+# apart wherever a gradient is near zero, so they get a drift bound (a real layout bug is O(1)).
+TOLERANCE = {"fp32": dict(loss=1e-5, first_grad=1e-5, grad=1e-3, param=1e-3),
+             "bf16": dict(loss=2e-3, first_grad=2e-2, grad=1e-1, param=5e-2)}
 
 
 def check_verifiable(cfg: TrainConfig) -> None:
@@ -59,7 +63,7 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     ref_params = dict(ref.model.named_parameters())
     names = sorted(ref_params)
     world = mesh["world"]
-    loss_diff = grad_diff = param_diff = 0.0
+    loss_diff = grad_diff = param_diff = first_grad = 0.0
     losses = []
     for step in range(cfg.steps):
         loss = trainer.forward_backward(step)
@@ -73,7 +77,9 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         for name, vals, lo, hi in trainer.reducer.grad_views():
             ref_g = get_spec(local[name]).local_slice(ref_params[name].grad).reshape(-1)[lo:hi]
             grads.append((name, vals, ref_g))
-        grad_diff = max(grad_diff, _rel_diffs(grads, names, world))
+        step_grad = _rel_diffs(grads, names, world)
+        first_grad = step_grad if step == 0 else first_grad
+        grad_diff = max(grad_diff, step_grad)
         trainer.optimizer_step(step)
         ref.optimizer_step(step)
         params = [(n, p.detach().reshape(-1), get_spec(p).local_slice(ref_params[n].detach()).reshape(-1))
@@ -81,8 +87,8 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         param_diff = max(param_diff, _rel_diffs(params, names, world))
         mesh.ledger.end_step(step + 1)
     tol = TOLERANCE[cfg.dtype]
-    passed = (loss_diff <= tol["loss"] * max(1.0, abs(losses[0])) and grad_diff <= tol["grad"]
-              and param_diff <= tol["param"])
+    passed = (loss_diff <= tol["loss"] * max(1.0, abs(losses[0])) and first_grad <= tol["first_grad"]
+              and grad_diff <= tol["grad"] and param_diff <= tol["param"])
     return {"layout": cfg.parallel.as_dict(), "steps": cfg.steps, "max_loss_abs_diff": loss_diff,
             "max_grad_rel_diff": grad_diff, "max_param_rel_diff": param_diff, "passed": bool(passed),
-            "losses": losses}
+            "first_step_grad_rel_diff": first_grad, "tolerances": tol, "losses": losses}

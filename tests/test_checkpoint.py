@@ -51,7 +51,8 @@ def _logits(trainer) -> torch.Tensor:
 def _state_mismatch(trainer, path) -> float:
     """Max |local - saved| over every parameter and AdamW state slice this rank holds (padding must be 0)."""
     red = trainer.reducer
-    saved = load_global_tensors(path, "model.") | {f"optim.{k}": v for k, v in load_global_tensors(path, "optim.").items()}
+    saved = load_global_tensors(path, "model.")
+    saved |= {f"optim.{k}": v for k, v in load_global_tensors(path, "optim.").items()}
     local = {n: p.detach() for n, p in red.named}
     if red.zero:
         for g in red.flat:
@@ -101,6 +102,9 @@ def _zero1_load_train_save(cfg, root, root2):
     t = _trainer(cfg)
     info = load_checkpoint(root, t)
     out = {"step": info["step"], "logits": _logits(t), "mismatch": _state_mismatch(t, info["path"])}
+    lo = t.reducer.dp.rank * t.reducer.flat[0]["per"]  # where this rank's ZeRO range starts in the 2-D group
+    out["mid_row"] = any(off < lo < off + k and (lo - off) % p.shape[-1]
+                         for _, p, off, k in t.reducer.flat[0]["offsets"])
     t.train_step(3)
     path = save_checkpoint(root2, 4, t)
     out |= {"logits_after": _logits(t), "mismatch_after": _state_mismatch(t, path)}
@@ -157,6 +161,7 @@ def test_zero1_loads_tp_checkpoint_and_saves_one_that_reshards(saved, tmp_path):
     for r in out:
         assert r["step"] == 3 and r["mismatch"] == 0.0 and r["mismatch_after"] == 0.0, (saved["seed"], r)
         torch.testing.assert_close(r["logits"], saved["logits"][3], **LOGIT_TOL)
+    assert out[1]["mid_row"]  # the dp split cuts a weight mid-row: partial-row boxes are exercised
     single = _trainer(_cfg(saved["seed"]))  # no process group here: the single-device mesh
     assert load_checkpoint(root2, single)["step"] == 4 and single.step == 4
     assert _state_mismatch(single, os.path.join(root2, "step-4")) == 0.0
@@ -176,12 +181,18 @@ def test_single_device_load_and_safetensors_round_trip(saved, tmp_path):
     checkpoint_cli.add_parser(parser.add_subparsers(dest="command"))
     out = str(tmp_path / "model.safetensors")
     args = parser.parse_args(["checkpoint", "convert", saved["root"], "--to-safetensors", out])
-    assert args.run(args) == 0
+    assert args.func(args) == 0
     weights = safetensors.load_file(out)
     state = t.model.state_dict()
     assert sorted(weights) == sorted(set(state) - {"output.weight"})  # tied to tok_embeddings.weight: stored once
     for name, w in weights.items():
         assert w.shape == state[name].shape and torch.equal(w, state[name]), name
+    again = str(tmp_path / "again")  # a single-process save, twice at one step (as after a resume)
+    for _ in range(2):
+        save_checkpoint(again, 3, t, keep=1)
+    assert sorted(os.listdir(again)) == ["latest", "step-3"]
+    t2 = _trainer(_cfg(saved["seed"]))
+    assert load_checkpoint(again, t2)["step"] == 3 and _state_mismatch(t2, os.path.join(again, "step-3")) == 0.0
 
 
 def test_corrupt_or_incomplete_checkpoints_fall_back(saved, tmp_path, caplog):

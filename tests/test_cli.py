@@ -13,7 +13,8 @@ def shardwise(*args, timeout=300):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["train", "--cp", "2"], "context parallelism (cp=2) is not implemented yet"),
+    (["train", "--ep", "2"], "expert parallelism (ep=2) is not implemented yet"),
+    (["train", "--cp", "2", "--seq-len", "102"], "cannot be split over cp c=2"),
     (["train", "--pp", "3"], "8 layers cannot be split evenly over 3 stages"),
     (["train", "--tp", "3"], "--tp 3 does not divide n_heads=8"),
     (["train", "--model", "nope"], "unknown model 'nope'; valid presets: tiny"),

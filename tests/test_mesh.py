@@ -21,7 +21,8 @@ def test_degrees_validated_with_every_degree_named():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tp=3), "does not divide n_heads=8"),
-    (dict(cp=2), "context parallelism .* not implemented yet"),
+    (dict(cp=3), "s must be a positive multiple of 6"),
+    (dict(cp=2, cp_impl="nope"), "--cp-impl 'nope' is unknown"),
     (dict(ep=2, dp=2), "expert parallelism .* not implemented yet"),
     (dict(zero=2, dp=2), "--zero 2 is not supported"),
     (dict(tp=1, sequence_parallel=True), "needs --tp > 1"),

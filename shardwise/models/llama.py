@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel import positions as cp_positions
+from ..context_parallel import ring_attention, ulysses_attention
 from ..mesh import Axis
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import ReplicatedDropout
@@ -57,6 +59,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * hd, h, bias=False)
         self.attn_dropout = cfg.attn_dropout
         self.rng = None  # RNGTracker, set by the parallel plan: attention dropout is a TP-sharded region
+        self.cp_axis, self.cp_order, self.cp_impl = None, "balanced", "ring"  # set by the plan under cp > 1
 
     def forward(self, x, cos, sin):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -64,6 +67,10 @@ class Attention(nn.Module):
         q = apply_rope(q.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
         k = apply_rope(k.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.cp_axis is not None and self.cp_axis.active:
+            attend = ring_attention if self.cp_impl == "ring" else ulysses_attention
+            out = attend(q, k, v, self.cp_axis, causal=True, order=self.cp_order)
+            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
         p = self.attn_dropout if self.training else 0.0
         gqa = q.shape[1] != k.shape[1]
         if p > 0 and self.rng is not None:
@@ -113,12 +120,23 @@ class Transformer(nn.Module):
         self.tp_axis = Axis("tp")  # replaced by the plan; size 1 = single device
         self.vocab_start = 0
         self.sequence_parallel = False
+        self.cp_axis, self.cp_order = None, "balanced"
 
-    def forward(self, tokens):
-        seq_len = tokens.shape[1]
+    def rope(self, local_len: int, device):
+        """RoPE tables for this rank's tokens: under cp, the global positions of its chunks."""
+        cp = self.cp_axis
+        if cp is None or not cp.active:
+            if local_len > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {local_len} exceeds max_seq_len={self.cfg.max_seq_len}")
+            return rope_tables(self.cfg.head_dim, local_len, self.cfg.rope_theta, device)
+        seq_len = local_len * cp.size
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = rope_tables(self.cfg.head_dim, seq_len, self.cfg.rope_theta, tokens.device)
+        pos = cp_positions(seq_len, cp.rank, cp.size, self.cp_order, device)
+        return rope_tables(self.cfg.head_dim, local_len, self.cfg.rope_theta, device, positions=pos)
+
+    def forward(self, tokens):
+        cos, sin = self.rope(tokens.shape[1], tokens.device)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

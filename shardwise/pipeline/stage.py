@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from ..models.llama import Transformer, rope_tables
+from ..models.llama import Transformer
 
 
 def split_layers(n_layers: int, n_stages: int, pp_layers: list[int] | None = None) -> list[range]:
@@ -47,8 +47,8 @@ class StageChunk(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens → hidden (first stage), hidden → hidden, or hidden → logits (last stage)."""
         model = self._model[0]
-        seq_len = x.shape[1] * (model.tp_axis.size if model.sequence_parallel and not self.first else 1)
-        cos, sin = rope_tables(model.cfg.head_dim, seq_len, model.cfg.rope_theta, x.device)
+        local_len = x.shape[1] * (model.tp_axis.size if model.sequence_parallel and not self.first else 1)
+        cos, sin = model.rope(local_len, x.device)
         h = model.tok_embeddings(x) if self.first else x
         for i in self.layer_ids:
             h = model.layers[str(i)](h, cos, sin)
