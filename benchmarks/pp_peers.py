@@ -97,43 +97,61 @@ def make_cfg(opts: dict, schedule: str, vp: int) -> TrainConfig:
 
 
 class PrepostExecutor(PipelineExecutor):
-    """Prototype (benchmark only, `--prepost`): keep the next `depth` receives from every peer posted.
+    """Prototype (benchmark only, `--prepost`): post the receives of the next `lookahead` receiving actions early.
 
-    shardwise's executor posts a receive only when an action needs it. Gloo's tcp transport is
-    rendezvous-based (the sender's payload goes out only after the receiver's NOTIFY_RECV_READY
-    reaches it), so a receive posted late costs a round trip through the *sender's* gloo thread
-    even when the sender finished long ago. Posting ahead, still in each peer's send order (so
-    matching stays correct), moves that round trip off the critical path, as torch's runtime does by
-    placing every RECV early in the action list.
+    shardwise's executor posts a receive only when the action that needs it starts. Gloo's tcp
+    transport is rendezvous-based (the payload leaves the sender only after the receiver's
+    NOTIFY_RECV_READY reached the sender's gloo thread), so a receive posted late costs a round trip
+    through the *sender's* process even when the sender finished long ago; on a loaded 2-core box
+    that is 0.3-5 ms per message. Here, whenever an action takes its input, the irecvs of the
+    next `lookahead` cross-rank inputs this rank will need are posted too (each peer's messages
+    still in that peer's send order, via the executor's own posting loop, so matching is unchanged),
+    so the round trip overlaps the current action's compute. torch's _PipelineScheduleRuntime gets the
+    same effect by placing each RECV in the receiver's action list as soon as the matching send is
+    scheduled.
     """
 
-    depth = 2
+    lookahead = 2
 
     def _begin(self):
         super()._begin()
-        self.outstanding = {src: 0 for src in self.next_recv}
-        for src in self.next_recv:
-            self._top_up(src)
+        lay, last = self.layout, self.schedule.num_stages - 1
+        self.needs = []  # (src, key) of every cross-rank input, in this rank's program order
+        for a in self.schedule.actions[self.rank]:
+            stage = lay.stage_of(self.rank, a.chunk)
+            if a.kind == "F" and stage != 0:
+                src, key = lay.prev_rank(stage), ("act", a.microbatch, stage)
+            elif a.kind == "B" and stage != last:
+                src, key = lay.next_rank(stage), ("grad", a.microbatch, stage)
+            else:
+                continue
+            if src != self.rank:
+                self.needs.append((src, key))
+        self.need_at = {key: i for i, (_, key) in enumerate(self.needs)}
+        self.send_pos = {src: {k: i for i, k in enumerate(self.order[(src, dst)])}
+                         for (src, dst) in self.order if dst == self.rank}
+        self._post_through(self.lookahead - 1)
 
-    def _top_up(self, src):
+    def _post_through(self, last_index):
+        for src, key in self.needs[:last_index + 1]:
+            if self.next_recv[src] <= self.send_pos[src][key]:  # not posted yet
+                self._post_up_to(src, key)
+
+    def _post_up_to(self, src, key):
+        """Post src's messages in src's send order up to and including `key` (no waiting)."""
         seq, new = self.order[(src, self.rank)], []
-        while self.next_recv[src] < len(seq) and self.outstanding[src] + len(new) < self.depth:
-            new.append((seq[self.next_recv[src]],
-                        torch.empty(self.act_shape, dtype=self.act_dtype, device=self.mesh.device)))
+        while key not in self.posted and all(k != key for k, _ in new):
+            k = seq[self.next_recv[src]]
             self.next_recv[src] += 1
+            new.append((k, torch.empty(self.act_shape, dtype=self.act_dtype, device=self.mesh.device)))
         if new:
             for (k, buf), work in zip(new, comm.p2p([("recv", buf, self.pp, src) for _, buf in new])):
                 self.posted[k] = (buf, work)
-            self.outstanding[src] += len(new)
 
     def _receive(self, src, key):
-        if src == self.rank:
-            return self.local.pop(key)
-        before = self.next_recv[src]
-        buf = super()._receive(src, key)  # posts up to `key` if it was not posted yet
-        self.outstanding[src] += self.next_recv[src] - before - 1
-        self._top_up(src)
-        return buf
+        if src != self.rank:
+            self._post_through(self.need_at[key] + self.lookahead)
+        return super()._receive(src, key)
 
 
 class ShardwiseRunner:
@@ -195,7 +213,8 @@ def rank_main(opts: dict) -> dict:
     mesh = make_mesh(cfg0, torch.device("cpu"))
     pp = mesh["pp"]
     tokens = load_tokens(None)
-    keys = [k for k in PAIRS if k != "dualpipev" or opts["dualpipev"]]
+    keys = [k for k in PAIRS if (k != "dualpipev" or opts["dualpipev"]) and (not opts["only"] or k in opts["only"])]
+    PrepostExecutor.lookahead = opts["prepost_lookahead"]
     runners, names = {}, []
     for k in keys:
         sched, vp, cls_name = PAIRS[k]
@@ -387,6 +406,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dualpipev", action="store_true", help="also run shardwise dualpipev vs ScheduleDualPipeV")
     ap.add_argument("--prepost", action="store_true",
                     help="also run a prototype shardwise executor that posts receives ahead (benchmark-only subclass)")
+    ap.add_argument("--prepost-lookahead", type=int, default=2,
+                    help="--prepost: how many upcoming receiving actions have their irecvs posted")
+    ap.add_argument("--only", type=lambda v: v.split(","), default=None,
+                    help=f"comma-separated subset of {','.join(PAIRS)}")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per implementation (rank 0)")
     ap.add_argument("--profile-rows", type=int, default=15)
     args = ap.parse_args(argv)

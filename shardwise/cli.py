@@ -47,6 +47,17 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--dropout", type=float, default=None, help="residual dropout")
     p.add_argument("--attn-dropout", type=float, default=None, help="attention-probability dropout")
     p.add_argument("--tie-embeddings", action="store_true", default=None)
+    moe = p.add_argument_group("mixture of experts (override the preset)")
+    for flag, typ, what in (("experts", int, "routed experts per MoE layer (0 = dense)"),
+                            ("topk", int, "experts per token"), ("every", int, "every N-th block is MoE"),
+                            ("shared-experts", int, "dense experts applied to every token"),
+                            ("ffn-dim", int, "inner size of each expert"),
+                            ("capacity-factor", float, "cap tokens per expert per rank (default dropless)"),
+                            ("aux-loss-coef", float, "Switch load-balancing loss weight"),
+                            ("z-loss-coef", float, "router z-loss weight"),
+                            ("bias-update-rate", float, "aux-loss-free balancing bias step (DeepSeek-V3)"),
+                            ("score", str, "router scores: softmax or sigmoid")):
+        moe.add_argument(f"--moe-{flag}", type=typ, default=None, help=what)
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--fault-inject", default=None, metavar="RANK:STEP:KIND",
@@ -97,6 +108,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       attn_dropout=args.attn_dropout, tie_embeddings=args.tie_embeddings,
                       timeout_s=args.collective_timeout, progress=not args.no_progress,
                       fault_inject=args.fault_inject, bad_step=args.bad_step, max_bad_steps=args.max_bad_steps)
+    cfg.model_overrides = {k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None}
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps
     cfg.warmup_steps = min(cfg.warmup_steps, max(1, cfg.steps // 10))

@@ -38,6 +38,28 @@ class ModelConfig:
     """Residual dropout after attention and MLP outputs (replicated / SP region)."""
     attn_dropout: float = 0.0
     """Dropout on attention probabilities (TP-sharded region: per-TP-rank masks)."""
+    moe_experts: int = 0
+    """Routed experts per MoE layer; 0 = dense model."""
+    moe_topk: int = 2
+    moe_every: int = 1
+    """Every N-th block (layer i with i % N == 0, as Megatron's moe_layer_freq) is an MoE block."""
+    moe_ffn_dim: int | None = None
+    """Inner size of each routed expert (default ffn_dim)."""
+    moe_shared_experts: int = 0
+    """Dense experts applied to every token (DeepSeek-V3), as one SwiGLU of S × expert size."""
+    moe_capacity_factor: float | None = None
+    """Tokens per expert per rank capped at ceil(F·N·k/E); None = dropless."""
+    moe_aux_loss_coef: float = 0.0
+    """Switch/GShard load-balancing loss E·Σ fᵢ·Pᵢ, with fᵢ over the global microbatch."""
+    moe_z_loss_coef: float = 0.0
+    moe_bias_update_rate: float = 0.0
+    """DeepSeek auxiliary-loss-free balancing: per-expert selection bias step size (0 = off)."""
+    moe_score: str = "softmax"
+    """Router scores: softmax or sigmoid (DeepSeek-V3)."""
+    moe_softmax_before_topk: bool = True
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe_experts > 0 and i % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -56,6 +78,16 @@ class ModelConfig:
             raise ConfigError(
                 f"model {self.name!r}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
+        if self.moe_experts:
+            if not 1 <= self.moe_topk <= self.moe_experts:
+                raise ConfigError(f"model {self.name!r}: moe_topk={self.moe_topk} must be in [1, moe_experts="
+                                  f"{self.moe_experts}]")
+            if self.moe_every < 1:
+                raise ConfigError(f"model {self.name!r}: moe_every={self.moe_every} must be >= 1")
+            if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+                raise ConfigError(f"--moe-capacity-factor {self.moe_capacity_factor} must be positive")
+            if self.moe_score not in ("softmax", "sigmoid"):
+                raise ConfigError(f"--moe-score {self.moe_score!r}: valid: softmax, sigmoid")
         for f in ("dropout", "attn_dropout"):
             v = getattr(self, f)
             if not 0.0 <= v < 1.0:
@@ -65,16 +97,20 @@ class ModelConfig:
         """Total parameter count (embedding and LM head counted once each unless tied)."""
         h, kv = self.dim, self.n_kv_heads * self.head_dim
         attn = h * h * 2 + h * kv * 2
-        mlp = 3 * h * self.ffn_dim
-        per_layer = attn + mlp + 2 * h
+        dense_mlp = 3 * h * self.ffn_dim
+        moe_ffn = self.moe_ffn_dim or self.ffn_dim
+        moe_mlp = 3 * h * moe_ffn * (self.moe_experts + self.moe_shared_experts) + self.moe_experts * h
+        mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.n_layers))
         emb = self.vocab_size * h
-        return self.n_layers * per_layer + h + emb * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + 2 * h) + mlps + h + emb * (1 if self.tie_embeddings else 2)
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # CPU-sized models for tests and the embedded default run.
     "tiny": ModelConfig(),
     "small": ModelConfig(name="small", dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=704, max_seq_len=1024),
+    "tiny-moe": ModelConfig(name="tiny-moe", moe_experts=8, moe_topk=2, moe_every=2, moe_ffn_dim=128,
+                            moe_shared_experts=1, moe_aux_loss_coef=0.01),
     # Real shapes (Meta Llama-3 model cards / HF config.json) for the planner.
     "llama3-8b": ModelConfig(
         name="llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -100,7 +136,7 @@ def get_model_config(name: str, **overrides) -> ModelConfig:
 
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
-NOT_IMPLEMENTED = {"ep": "expert"}
+NOT_IMPLEMENTED: dict[str, str] = {}
 
 
 @dataclass
@@ -168,6 +204,8 @@ class TrainConfig:
     dropout: float | None = None
     attn_dropout: float | None = None
     tie_embeddings: bool | None = None
+    model_overrides: dict = field(default_factory=dict)
+    """ModelConfig fields to override on the preset (e.g. moe_experts from --moe-experts)."""
     timeout_s: float = 300.0
     """Collective timeout: a rank stuck longer than this in a collective fails instead of hanging."""
     progress: bool = True
@@ -189,7 +227,8 @@ class TrainConfig:
         return int(parts[0]), int(parts[1]), parts[2]
 
     def model_config(self) -> ModelConfig:
-        overrides = dict(dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings)
+        overrides = dict(dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings,
+                         **self.model_overrides)
         if isinstance(self.model, ModelConfig):
             cfg = dataclasses.replace(self.model, **{k: v for k, v in overrides.items() if v is not None})
             cfg.validate()
@@ -262,6 +301,8 @@ class TrainConfig:
                 )
         if self.dtype not in ("fp32", "bf16"):
             raise ConfigError(f"--dtype {self.dtype!r} is not supported; valid: fp32, bf16")
+        if p.ep > 1 or m.moe_experts:
+            self._validate_experts(m)
         if p.pp > 1:
             self._validate_pipeline(m)
         elif p.vp != 1 or p.pp_layers is not None:
@@ -275,6 +316,16 @@ class TrainConfig:
             raise ConfigError(f"--max-bad-steps {self.max_bad_steps!r} must be a non-negative integer")
         if self.timeout_s <= 0:
             raise ConfigError(f"--collective-timeout {self.timeout_s} must be positive (seconds)")
+
+    def _validate_experts(self, m: ModelConfig) -> None:
+        p = self.parallel
+        if p.ep > 1 and not m.moe_experts:
+            raise ConfigError(f"--ep {p.ep} needs an MoE model (e.g. --model tiny-moe or --moe-experts E)")
+        if (p.dp * p.cp) % p.ep:
+            raise ConfigError(f"--ep {p.ep} must divide dp × cp = {p.dp} × {p.cp} = {p.dp * p.cp} "
+                              "(expert parallelism is drawn from the data-parallel ranks)")
+        if m.moe_experts % p.ep:
+            raise ConfigError(f"--ep {p.ep} does not divide moe_experts={m.moe_experts} of model {m.name!r}")
 
     def _validate_context(self, m: ModelConfig) -> None:
         from .context_parallel.sharding import ORDERS, check_seq_len

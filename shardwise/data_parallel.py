@@ -7,7 +7,10 @@ Order after the last microbatch's backward:
    averaged) across dp×cp: a bucketed all-reduce, or under ZeRO-1 a reduce-scatter into the rank's
    shard of a flat buffer (AdamW states live only for that shard, params are all-gathered after).
 3. The global grad norm counts every parameter once: local squares are divided by the number of
-   TP ranks holding the same slice, then summed over TP (and over dp×cp under ZeRO-1).
+   TP ranks holding the same slice, then summed over TP and PP (and over dp×cp under ZeRO-1).
+Expert parameters (`_sw_expert`) are split over ep and replicated over its complement edp: their
+gradients are summed over edp instead of dp×cp, their ZeRO-1 shards live on edp, and their share
+of the norm is also summed over ep.
 """
 from __future__ import annotations
 
@@ -33,15 +36,16 @@ class GradReducer:
                  betas=(0.9, 0.95), eps: float = 1e-8):
         self.mesh, self.zero = mesh, zero
         self.named = _unique_params(model)
-        self.dp = mesh["dp_cp"]
         self.tp = mesh["tp"]
-        groups = {True: [], False: []}
+        groups: dict[tuple[bool, bool], list] = {}
         for n, p in self.named:
-            groups[p.ndim >= 2].append((n, p))  # no weight decay on norms and biases
-        self.groups = [(groups[True], weight_decay), (groups[False], 0.0)]
+            # no weight decay on norms and biases; experts reduce over edp
+            groups.setdefault((is_expert(p), p.ndim >= 2), []).append((n, p))
+        self.groups = [(named, weight_decay if decay else 0.0, mesh["edp"] if expert else mesh["dp_cp"], expert)
+                       for (expert, decay), named in sorted(groups.items())]
         if zero == 0:
             self.optimizer = torch.optim.AdamW(
-                [{"params": [p for _, p in g], "weight_decay": wd} for g, wd in self.groups if g],
+                [{"params": [p for _, p in g], "weight_decay": wd} for g, wd, _, _ in self.groups],
                 lr=lr, betas=betas, eps=eps)
         else:
             self._build_zero(lr, betas, eps)
@@ -49,12 +53,10 @@ class GradReducer:
     # ------------------------------------------------------------ ZeRO-1 layout
     def _build_zero(self, lr, betas, eps):
         """Each group's params become views of one flat buffer; this rank owns a contiguous 1/dp of it."""
-        n_dp, r = self.dp.size, self.dp.rank
         self.flat = []
         opt_groups = []
-        for named, wd in self.groups:
-            if not named:
-                continue
+        for named, wd, axis, expert in self.groups:
+            n_dp, r = axis.size, axis.rank
             total = sum(p.numel() for _, p in named)
             padded = math.ceil(total / n_dp) * n_dp
             flat = torch.zeros(padded, device=self.mesh.device, dtype=named[0][1].dtype)
@@ -71,7 +73,7 @@ class GradReducer:
             shard = torch.nn.Parameter(flat[r * per:(r + 1) * per])
             shard.grad = torch.zeros_like(shard)
             self.flat.append(dict(flat=flat, offsets=offsets, per=per, shard=shard, grad_full=torch.zeros_like(flat),
-                                  norm_weight=weights[r * per:(r + 1) * per].clone()))
+                                  norm_weight=weights[r * per:(r + 1) * per].clone(), axis=axis, expert=expert))
             opt_groups.append({"params": [shard], "weight_decay": wd})
         self.optimizer = torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps)
 
@@ -102,25 +104,30 @@ class GradReducer:
                 full = g["grad_full"]
                 for _, p, off, k in g["offsets"]:
                     full[off:off + k].copy_(_grad(p).reshape(-1))
-                comm.reduce_scatter_into(g["shard"].grad, full, self.dp)
+                comm.reduce_scatter_into(g["shard"].grad, full, g["axis"])
             return
-        if not self.dp.active:
-            return
-        for bucket in _buckets([p for _, p in self.named]):
-            flat = torch.cat([_grad(p).reshape(-1) for p in bucket])
-            comm.all_reduce(flat, self.dp)
-            _unflatten_into(flat, bucket)
+        for axis, expert in ((self.mesh["dp_cp"], False), (self.mesh["edp"], True)):
+            if not axis.active:
+                continue
+            for bucket in _buckets([p for _, p in self.named if is_expert(p) == expert]):
+                flat = torch.cat([_grad(p).reshape(-1) for p in bucket])
+                comm.all_reduce(flat, axis)
+                _unflatten_into(flat, bucket)
 
     # ------------------------------------------------------------ step 3: norm and clip
     def _grad_norm_sq(self) -> torch.Tensor:
+        dense = torch.zeros(1, device=self.mesh.device)
+        expert = torch.zeros(1, device=self.mesh.device)
         if self.zero:
-            sq = sum((g["shard"].grad.float().pow(2) * g["norm_weight"]).sum() for g in self.flat)
-            sq = torch.as_tensor(sq, device=self.mesh.device, dtype=torch.float32).reshape(1)
-            comm.all_reduce(sq, self.dp, tag="grad_norm")
+            for g in self.flat:
+                part = (g["shard"].grad.float().pow(2) * g["norm_weight"]).sum().reshape(1)
+                comm.all_reduce(part, g["axis"], tag="grad_norm")
+                (expert if g["expert"] else dense).add_(part)
         else:
-            sq = torch.zeros(1, device=self.mesh.device)
             for _, p in self.named:
-                sq += _grad(p).float().pow(2).sum() / get_spec(p).replicas
+                (expert if is_expert(p) else dense).add_(_grad(p).float().pow(2).sum() / get_spec(p).replicas)
+        comm.all_reduce(expert, self.mesh["ep"], tag="grad_norm")  # each ep rank holds different experts
+        sq = dense + expert
         comm.all_reduce(sq, self.tp, tag="grad_norm")
         comm.all_reduce(sq, self.mesh["pp"], tag="grad_norm")  # stages hold disjoint parameters
         return sq
@@ -145,7 +152,7 @@ class GradReducer:
         self.optimizer.step()
         if self.zero:
             for g in self.flat:
-                comm.all_gather_into(g["flat"], g["shard"].detach().clone(), self.dp)
+                comm.all_gather_into(g["flat"], g["shard"].detach().clone(), g["axis"])
                 for _, p, _, _ in g["offsets"]:
                     p.grad = None
         self.zero_grad()
@@ -161,12 +168,16 @@ class GradReducer:
                 yield n, _grad(p).reshape(-1), 0, p.numel()
             return
         for g in self.flat:
-            lo_s = self.dp.rank * g["per"]
+            lo_s = g["axis"].rank * g["per"]
             hi_s = lo_s + g["per"]
             for n, p, off, k in g["offsets"]:
                 lo, hi = max(off, lo_s), min(off + k, hi_s)
                 if lo < hi:
                     yield n, g["shard"].grad[lo - lo_s:hi - lo_s], lo - off, hi - off
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return getattr(p, "_sw_expert", False)
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

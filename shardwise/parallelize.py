@@ -7,6 +7,7 @@ slice. Every layout therefore starts from bit-identical global weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import torch
@@ -14,7 +15,8 @@ from torch import nn
 
 from .config import ModelConfig
 from .mesh import Mesh
-from .models.llama import Transformer
+from .expert_parallel.moe import MoE
+from .models.llama import Transformer, build_moe
 from .tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec, VocabParallelEmbedding,
                                      enter_region, get_spec, set_spec)
 from .tensor_parallel.random import ReplicatedDropout, RNGTracker
@@ -39,6 +41,9 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     for block in model.layers.values():
         attn, ffn = block.attention, block.feed_forward
         h, hd = cfg.dim, cfg.head_dim
+        if isinstance(ffn, MoE):
+            block.feed_forward = apply_expert_parallel(cfg, mesh, sp)
+            ffn = None
         kv_rows, kv_replicas, kv_reduce = _kv_rows(cfg, tp)
         attn.wq = ColumnParallelLinear(h, cfg.n_heads * hd, tp, enter=False, **kw)
         attn.wk = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, enter=False, rows=kv_rows,
@@ -46,12 +51,14 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
         attn.wv = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, enter=False, rows=kv_rows,
                                        replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
         attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sequence_parallel=sp, **kw)
-        ffn.w1 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
-        ffn.w3 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
-        ffn.w2 = RowParallelLinear(cfg.ffn_dim, h, tp, sequence_parallel=sp, **kw)
+        if ffn is not None:
+            ffn.w1 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
+            ffn.w3 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
+            ffn.w2 = RowParallelLinear(cfg.ffn_dim, h, tp, sequence_parallel=sp, **kw)
         # One region entry per sub-block, shared by its column-parallel projections (one gather / one f).
         for region in (attn, ffn):
-            region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+            if region is not None:
+                region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
     model.output = ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
@@ -66,9 +73,28 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     return model
 
 
+def apply_expert_parallel(cfg: ModelConfig, mesh: Mesh, sp: bool) -> MoE:
+    """An MoE block whose experts are split over ep; router, shared experts and experts are replicated over TP.
+
+    Without SP every TP rank routes the same tokens, so replicas compute identical gradients. Under
+    SP each TP rank routes its own sequence shard: gradients are partial and summed over TP, and the
+    aux loss statistics span tp as well as dp×cp.
+    """
+    tp = mesh["tp"]
+    moe = build_moe(cfg, mesh["ep"], expert_replicas=tp.size, device="meta")
+    moe.router.token_axes = (mesh["dp_cp"], tp) if sp else (mesh["dp_cp"],)
+    for p in moe.experts.parameters():
+        if sp:
+            set_spec(p, dataclasses.replace(get_spec(p), grad_reduce="tp_sum"))
+    return moe
+
+
 def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> None:
     """Allocate and fill every parameter with its slice of the seeded global initialisation."""
+    # to_empty makes new Parameter objects: keep the shardwise annotations (_sw_shard, _sw_expert, ...)
     specs = {n: get_spec(p) for n, p in model.named_parameters()}
+    marks = {n: {k: v for k, v in vars(p).items() if k.startswith("_sw_") and k != "_sw_shard"}
+             for n, p in model.named_parameters()}
     first_name = {}
     aliases = []  # (module, attribute, canonical name): tied parameters that to_empty would untie
     for mod_name, mod in model.named_modules():
@@ -78,12 +104,17 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
                 aliases.append((mod, attr, first_name[id(p)]))
             first_name.setdefault(id(p), full)
     model.to_empty(device=device)
+    for m in model.modules():
+        if hasattr(m, "reset_buffers"):
+            m.reset_buffers()
     for mod, attr, canonical in aliases:
         setattr(mod, attr, model.get_parameter(canonical))
     with torch.no_grad():
         for name, p in model.named_parameters():
             spec = specs[name]
             set_spec(p, spec)
+            for k, v in marks[name].items():
+                setattr(p, k, v)
             p.copy_(spec.local_slice(global_init(name, spec.global_shape, cfg, seed)).to(device))
 
 

@@ -22,6 +22,7 @@ from .config import TrainConfig
 from .context_parallel.sharding import shard_sequence
 from .data import Loader, load_tokens
 from .data_parallel import GradReducer
+from .expert_parallel.moe import MoE
 from .mesh import Mesh, ParallelDims
 from .parallelize import build_model
 
@@ -54,6 +55,10 @@ class Trainer:
         tokens = load_tokens(cfg.data) if tokens is None else tokens
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
         self.loader = Loader(tokens, cfg.seq_len, self.global_batch, cfg.seed)
+        self.moe = [m for m in self.model.modules() if isinstance(m, MoE)]
+        for m in self.moe:  # every global microbatch's aux loss weighs tokens(microbatch) / tokens(step)
+            m.aux_scale = 1.0 / cfg.grad_accum
+        self.group_dp = 1  # >1 only for verify's reference: microbatch i = every dp rank's microbatch i
         self.step = 0
         self.bad_steps = 0
         self._poison = False
@@ -80,6 +85,9 @@ class Trainer:
         per = self.global_batch // self.mesh.dims.dp
         dp_rank = self.mesh["dp"].rank
         x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        if self.group_dp > 1:
+            g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
+            x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
         cp = self.mesh["cp"]
         if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
             x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
@@ -150,6 +158,7 @@ class Trainer:
                        f"{self.bad_steps} bad steps exceed --max-bad-steps {self.cfg.max_bad_steps}"))
         else:
             lr = self.optimizer_step(step)
+        moe = self._moe_metrics() if self.model_cfg.moe_experts else None  # every stage joins the pp reduce
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -158,7 +167,31 @@ class Trainer:
                "tokens": self.global_batch * self.cfg.seq_len, "step_time_s": dt}
         if skipped:
             rec["skipped"] = True
+        if moe is not None:
+            rec.update(moe)
         return rec
+
+    def _moe_metrics(self) -> dict:
+        """Global routing of this step (all dp×cp ranks, all stages) and the loss-free bias update."""
+        p = self.cfg.parallel
+        axes = (self.mesh["dp_cp"], self.mesh["tp"]) if p.sequence_parallel else (self.mesh["dp_cp"],)
+        n_exp = self.model_cfg.moe_experts
+        vec = torch.zeros(n_exp + 4, dtype=torch.float64)
+        for m in self.moe:
+            counts = m.update_bias(axes).double().cpu()  # all-reduced over the token axes; bias step
+            vec[:n_exp] += counts
+            vec[n_exp] += float(counts.max() / counts.mean()) if counts.sum() > 0 else 0.0
+            vec[n_exp + 1] += 1
+            vec[n_exp + 2] += m.step_dropped
+            vec[n_exp + 3] += float(m.step_aux)
+            m.step_dropped, m.step_aux = 0, 0.0
+        tail = vec[n_exp + 2:]  # dropped rows and aux parts are per rank: sum them over every token axis
+        for ax in axes:
+            comm.all_reduce(tail, ax, tag="metrics")
+        comm.all_reduce(vec, self.mesh["pp"], tag="metrics")
+        return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp].tolist()],
+                "moe_max_over_mean_load": float(vec[n_exp] / max(1.0, float(vec[n_exp + 1]))),
+                "moe_dropped": int(vec[n_exp + 2]), "moe_aux_loss": float(vec[n_exp + 3])}
 
 
 def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:

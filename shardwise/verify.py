@@ -34,12 +34,20 @@ def check_verifiable(cfg: TrainConfig) -> None:
                           "by design, so no single-device run can match")
     if m.dropout > 0 and p.dp > 1:
         raise ConfigError("verify needs --dropout 0 when dp > 1: each dp rank draws its own residual-dropout masks")
+    if m.moe_capacity_factor is not None and (p.dp * p.cp > 1 or p.sequence_parallel):
+        raise ConfigError("verify needs dropless MoE (no --moe-capacity-factor) when tokens are split over dp×cp "
+                          "or SP: expert capacity is per rank's tokens, so drops depend on the layout")
 
 
 def _reference(cfg: TrainConfig, device) -> Trainer:
+    """The single-device run. Its microbatch i is every dp rank's microbatch i together, so losses
+    defined per global microbatch (the MoE aux loss) see the same tokens."""
+    dp = cfg.parallel.dp
     ref_cfg = dataclasses.replace(cfg, parallel=ParallelConfig(), global_batch=cfg.global_batch or
-                                  cfg.micro_batch * cfg.parallel.dp)
-    return Trainer(ref_cfg, Mesh.single(device, Ledger(enabled=False)))
+                                  cfg.micro_batch * dp, micro_batch=cfg.micro_batch * dp)
+    ref = Trainer(ref_cfg, Mesh.single(device, Ledger(enabled=False)))
+    ref.group_dp = dp
+    return ref
 
 
 def _rel_diffs(pairs, names, world) -> float:

@@ -61,6 +61,25 @@ class MoEStats:
         return self.max_load / self.mean_load if self.mean_load else 0.0
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """forward: identity on the block output / backward: also feed d(scale·aux)/d(aux) = scale to the aux loss.
+
+    The aux loss then joins backward wherever the block sits — even on a pipeline stage that never
+    sees the training loss — without the loop having to collect it (Megatron's MoEAuxLossAutoScaler).
+    """
+
+    @staticmethod
+    def forward(ctx, out, aux, scale):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        shape, dtype, device = ctx.aux_meta
+        return g, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts, E/ep per ep rank, plus `shared_experts` dense ones (DeepSeek-V3).
 
@@ -83,6 +102,9 @@ class MoE(nn.Module):
         self.shared = SwiGLU(dim, shared_experts * ffn_dim, device, dtype) if shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
+        self.aux_scale = 1.0  # weight of this microbatch's aux loss in the step's loss (set by the loop)
+        self.step_dropped = 0  # rows dropped by capacity since the loop last read it
+        self.step_aux = 0.0  # scale-weighted aux loss since the loop last read it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -95,7 +117,12 @@ class MoE(nn.Module):
         self.aux_loss = routing.loss
         self.stats = MoEStats(handle.tokens_per_expert, handle.dropped, routing.aux_loss.detach(),
                               routing.z_loss.detach())
-        return out.view(shape)
+        out = out.view(shape)
+        self.step_dropped += handle.dropped
+        self.step_aux = self.step_aux + routing.aux_loss.detach() * self.aux_scale  # no host sync
+        if self.training and routing.loss.requires_grad:
+            out = _AttachAuxLoss.apply(out, routing.loss, self.aux_scale)
+        return out
 
     def update_bias(self, axis: Axis | None = None) -> torch.Tensor:
         """Loss-free balancing step from the selections since the last call, summed over `axis`."""

@@ -1,8 +1,10 @@
 """Top-k token router with the Switch/GShard balancing loss, z-loss and DeepSeek's loss-free bias.
 
-Losses are per rank (micro-batch local, as in Switch and Megatron's default): f and P below are
-computed over the N tokens this rank routes in this forward. That is deterministic and needs no
-communication; the training loop weights each rank's loss like its cross-entropy (see `MoE`).
+Without `token_axes`, losses are per rank (micro-batch local, as in Switch and Megatron's
+default): f and P below are computed over the N tokens this rank routes in this forward. With
+`token_axes` (set by shardwise's parallel plan), f and N are global over the microbatch spread
+across those axes, and each rank contributes its tokens' share of P, so the summed loss equals the
+single-device loss of the same global microbatch. The z-loss stays per rank.
 
     aux   = E · Σᵢ fᵢ·Pᵢ,  fᵢ = (1 / (N·k)) · #{(t, j): idx[t, j] = i}   (share of the N·k assignments)
                           Pᵢ = (1 / N) · Σₜ p[t, i]                      (mean full-distribution prob)
@@ -67,6 +69,10 @@ class Router(nn.Module):
         # Selection-only bias (fp32, in checkpoints) and the selected counts since the last update.
         self.register_buffer("expert_bias", torch.zeros(n_experts, device=device))
         self.register_buffer("pending_counts", torch.zeros(n_experts, device=device), persistent=False)
+        # Axes over which one microbatch's tokens are spread (dp×cp, and tp under SP). When set and
+        # the aux loss is on, fᵢ and N are taken over the whole global microbatch (one small
+        # all-reduce), so the loss — and its gradient — is the same for every layout.
+        self.token_axes: tuple = ()
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [N, dim] → Routing. Accumulates `pending_counts` while training (for `update_bias`)."""
@@ -84,7 +90,15 @@ class Router(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         counts = torch.zeros(e, device=x.device).scatter_add_(0, indices.reshape(-1),
                                                               torch.ones(n * k, device=x.device))
-        if n:
+        active = [ax for ax in self.token_axes if ax.active]
+        if active and (self.aux_loss_coef or self.z_loss_coef):
+            stats = torch.cat([counts, torch.tensor([float(n)], device=x.device)])
+            for ax in active:
+                comm.all_reduce(stats, ax, tag="aux_loss")
+            n_global = stats[-1]
+            aux = e * torch.dot(stats[:-1] / (n_global * k), probs.sum(0) / n_global)
+            z = logits.logsumexp(-1).pow(2).sum() / n_global
+        elif n:
             aux = e * torch.dot(counts / (n * k), probs.mean(0))
             z = logits.logsumexp(-1).pow(2).mean()
         else:

@@ -16,6 +16,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..context_parallel import positions as cp_positions
 from ..context_parallel import ring_attention, ulysses_attention
+from ..expert_parallel.moe import MoE
 from ..mesh import Axis
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import ReplicatedDropout
@@ -92,14 +93,23 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def build_moe(cfg: ModelConfig, ep_axis=None, expert_replicas: int = 1, device=None):
+    """The MoE feed-forward of one block (router, E experts split over ep_axis, shared experts)."""
+    return MoE(cfg.dim, cfg.moe_ffn_dim or cfg.ffn_dim, cfg.moe_experts, cfg.moe_topk, ep_axis,
+               shared_experts=cfg.moe_shared_experts, capacity_factor=cfg.moe_capacity_factor,
+               score=cfg.moe_score, softmax_before_topk=cfg.moe_softmax_before_topk,
+               aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
+               bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.attn_resid_dropout = ReplicatedDropout(cfg.dropout)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = build_moe(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
         self.ffn_resid_dropout = ReplicatedDropout(cfg.dropout)
 
     def forward(self, x, cos, sin):
@@ -112,7 +122,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -152,6 +162,6 @@ class Transformer(nn.Module):
         """How to initialise the *global* tensor called `name`: ('ones', 0) or ('normal', std)."""
         if name.endswith("norm.weight"):
             return "ones", 0.0
-        if name.endswith(("wo.weight", "w2.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             return "normal", 0.02 / math.sqrt(2 * cfg.n_layers)
         return "normal", 0.02
