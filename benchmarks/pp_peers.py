@@ -22,21 +22,35 @@ divided by the step's token count, per microbatch, so gradients are not rescaled
 the chunk's own modules, so the forward code is identical; only the pipeline machinery differs.
 Every model is its own copy (the zb model has the deferred-W linears, the torch models do not).
 
-Timing: after a warm-up, every repetition runs each implementation once, in rotated order, after a
-barrier; a repetition's time is the slower rank's wall time of one forward+backward of the whole
-step (shardwise: `executor.run`; torch: `schedule.step`), no optimizer. Medians, ratios of medians
-and paired per-repetition ratios are printed.
+Timing: after a warm-up, every repetition runs each pair back to back (who goes first alternates,
+the pairs' order rotates), each run after a barrier; a run's time is the slower rank's wall time of
+one forward+backward of the whole step (shardwise: `executor.run`; torch: `schedule.step`), no
+optimizer. Medians, ratios of medians and paired per-repetition ratios (the same background load
+on both sides: trust these more on a shared machine) are printed.
 
-Bubbles (shardwise): measured = 1 - busy/(p * makespan) from the executor's per-action events of
-every timed repetition; simulated = `simulate(schedule, mean F, mean B, mean W)` with that
-repetition's measured mean cost per kind (as `shardwise train` writes in summary.json);
-analytic = the textbook formula. Medians over repetitions are reported.
+Bubbles (shardwise), medians over the timed repetitions of:
+  measured             1 - busy / (p * makespan) from the executor's per-action events;
+  simulated            `simulate(schedule, mean F, mean B, mean W)` with that repetition's mean cost per
+                       kind over all ranks (what `shardwise train` writes to summary.json);
+  analytic             the textbook formula (None for zb / dualpipev);
+  simulated_per_stage  the same dependencies with each rank's own mean cost per kind (the last
+                       stage's LM head + loss make it the slow one);
+  replayed             every action at its own measured duration, zero communication time;
+  late_receive         idle time before actions whose cross-rank input was sent before the rank was
+                       free, i.e. spent only in the executor's receive path.
+measured - replayed is what the executor and the transport add; simulated_per_stage - simulated is
+stage imbalance, which a mean-cost simulation cannot see.
+
+`--prepost` adds a third implementation per pair: shardwise's executor with receives posted ahead
+(a subclass defined in this file, nothing in shardwise/ changes); see PrepostExecutor.
 
 The last stdout line is one JSON object: medians_s, ratios, bubbles, paired_ratios, loss_diff,
 max_grad_diff, config.
 
     python benchmarks/pp_peers.py                 # pp=2, m=8, dim 256, 8 layers, seq 128, mb 2
-    python benchmarks/pp_peers.py --pp 4 --reps 8
+    python benchmarks/pp_peers.py --prepost       # + the receive-ahead prototype (about 1.5x longer)
+    python benchmarks/pp_peers.py --dualpipev     # + shardwise dualpipev vs ScheduleDualPipeV
+    python benchmarks/pp_peers.py --pp 4 --reps 6 # 4 ranks on 2 cores: ranks share cores, bubbles are not meaningful
 """
 from __future__ import annotations
 
@@ -54,9 +68,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from shardwise import comm  # noqa: E402
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.data import load_tokens  # noqa: E402
-from shardwise import comm  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
 from shardwise.pipeline.runtime import PipelineExecutor  # noqa: E402
 from shardwise.pipeline.simulate import analytic_bubble, measured_bubble, simulate  # noqa: E402

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from . import comm
+from .data_parallel import is_expert
 from .tensor_parallel.layers import get_spec
 
 log = logging.getLogger("shardwise.checkpoint")
@@ -111,7 +112,6 @@ def _ensure_state(reducer, step: int | None = None) -> None:
 def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
     """{global key: (global shape, boxes)}: on save only the boxes this rank owns, on load all it holds."""
     red = trainer.reducer
-    dp = red.dp
     owned = _tp_owned(red.named, trainer.mesh["tp"]) if save else {n for n, _ in red.named}
     out: dict[str, tuple[tuple, list]] = {}
 
@@ -120,7 +120,9 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
 
     for i, (n, p) in enumerate(red.named):
         spec = get_spec(p)
-        # Params (and zero=0 state) are identical on every dp×cp rank: spread the writes over them.
+        # Params (and zero=0 state) are identical on every dp×cp rank (experts: every edp rank):
+        # spread the writes over them.
+        dp = trainer.mesh["edp"] if is_expert(p) else trainer.mesh["dp_cp"]
         mine = n in owned and (not save or i % dp.size == dp.rank)
         tensors = {"model": p} | ({} if red.zero else {k: red.optimizer.state[p][k] for k in STATE_KEYS})
         for kind, t in tensors.items():
@@ -129,7 +131,7 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
     if red.zero:
         for g in red.flat:
             state = red.optimizer.state[g["shard"]]
-            lo_s = dp.rank * g["per"]
+            lo_s = g["axis"].rank * g["per"]
             for n, p, off, k in g["offsets"]:
                 lo, hi = max(off, lo_s), min(off + k, lo_s + g["per"])
                 for key in STATE_KEYS:

@@ -60,6 +60,11 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
         moe.add_argument(f"--moe-{flag}", type=typ, default=None, help=what)
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ck = p.add_argument_group("checkpoints")
+    ck.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps and at the end (0: never)")
+    ck.add_argument("--checkpoint-dir", default=None, help="default <out>/checkpoints")
+    ck.add_argument("--keep", type=int, default=None, help="keep the newest K checkpoints")
+    ck.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
     p.add_argument("--fault-inject", default=None, metavar="RANK:STEP:KIND",
                    help="make RANK crash, hang or produce NaN (KIND) at STEP — for testing recovery")
     p.add_argument("--bad-step", default="skip", help="on non-finite loss/grads: skip (logged) or abort")
@@ -75,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check a layout against the single-device model")
     _add_layout(v)
     _add_run(v, steps=3)
-    for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli"):
+    for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint_cli"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ImportError:
@@ -107,7 +112,9 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,
                       attn_dropout=args.attn_dropout, tie_embeddings=args.tie_embeddings,
                       timeout_s=args.collective_timeout, progress=not args.no_progress,
-                      fault_inject=args.fault_inject, bad_step=args.bad_step, max_bad_steps=args.max_bad_steps)
+                      fault_inject=args.fault_inject, bad_step=args.bad_step, max_bad_steps=args.max_bad_steps,
+                      save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, keep=args.keep,
+                      resume=args.resume)
     cfg.model_overrides = {k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None}
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps
@@ -145,9 +152,15 @@ def main(argv=None) -> int:
 
             check_verifiable(cfg)
         if args.command == "train" and cfg.out is None:
-            from .train import default_out_dir
+            from .train import default_out_dir, newest_run_with_checkpoints
 
-            cfg.out = default_out_dir()
+            if cfg.resume and cfg.checkpoint_dir is None:
+                cfg.out = newest_run_with_checkpoints()
+                if cfg.out is None:
+                    raise ConfigError("--resume found no run with checkpoints under runs/; pass --out RUN_DIR "
+                                      "or --checkpoint-dir DIR")
+            else:
+                cfg.out = default_out_dir()
         if cfg.data is not None:
             from .data import load_tokens
 

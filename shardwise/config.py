@@ -209,6 +209,14 @@ class TrainConfig:
     timeout_s: float = 300.0
     """Collective timeout: a rank stuck longer than this in a collective fails instead of hanging."""
     progress: bool = True
+    save_every: int = 0
+    """Write a checkpoint every N steps (and at the last step); 0 = never."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; default <out>/checkpoints."""
+    keep: int | None = None
+    """Keep only the newest K checkpoints."""
+    resume: bool = False
+    """Continue from the newest intact checkpoint (any layout: it reshards)."""
     fault_inject: str | None = None
     """RANK:STEP:{crash,hang,nan} — make global rank RANK crash, hang or produce a NaN loss at STEP (tests)."""
     bad_step: str = "skip"
@@ -307,6 +315,10 @@ class TrainConfig:
             self._validate_pipeline(m)
         elif p.vp != 1 or p.pp_layers is not None:
             raise ConfigError("--vp / --pp-layers need --pp > 1")
+        if not isinstance(self.save_every, int) or self.save_every < 0:
+            raise ConfigError(f"--save-every {self.save_every!r} must be a non-negative integer")
+        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
+            raise ConfigError(f"--keep {self.keep!r} must be a positive integer")
         fault = self.fault()
         if fault is not None and fault[0] >= world:
             raise ConfigError(f"--fault-inject rank {fault[0]} does not exist (world size {world})")

@@ -202,6 +202,17 @@ def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     return Mesh.build(dims, device, Ledger(), cfg.timeout_s)
 
 
+def _open_metrics(path: str, start: int):
+    """metrics.jsonl for appending: on resume keep the rows up to the checkpoint's step, drop later ones."""
+    rows = []
+    if start and os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
+    f = open(path, "w")
+    f.writelines(rows)
+    return f
+
+
 def _write_timeline(trainer: Trainer, out: str) -> dict | None:
     """Gather the last step's action timings over pp; rank 0 writes timeline.json and returns the bubble report."""
     from .pipeline.cli import write_timeline
@@ -223,6 +234,12 @@ def _write_timeline(trainer: Trainer, out: str) -> dict | None:
             "mean_action_s": mean}
 
 
+def newest_run_with_checkpoints(root: str = "runs") -> str | None:
+    runs = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else [])
+                  if os.path.exists(os.path.join(root, d, "checkpoints", "latest")))
+    return os.path.join(root, runs[-1]) if runs else None
+
+
 def default_out_dir() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
@@ -239,17 +256,34 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({"train": {k: v for k, v in vars(cfg).items() if k != "parallel"},
                        "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg)}, f, indent=1)
+    start = 0
+    ckpt_dir = cfg.checkpoint_dir or os.path.join(out, "checkpoints")
+    if cfg.resume:
+        from .checkpoint import load_checkpoint
+
+        info = load_checkpoint(ckpt_dir, trainer)
+        if info is None:
+            raise FileNotFoundError(f"--resume: no intact checkpoint under {ckpt_dir}")
+        start = info["step"]
+        if rank0:
+            for path, reason in info["skipped"]:
+                print(f"shardwise: skipped checkpoint {path}: {reason}", file=sys.stderr)
+            print(f"shardwise: resuming from {info['path']} (step {start})", file=sys.stderr)
     bar = None
     if rank0 and cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, desc=f"train {mesh.describe()}", dynamic_ncols=True)
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"train {mesh.describe()}", dynamic_ncols=True)
     records = []
-    metrics = open(os.path.join(out, "metrics.jsonl"), "w") if rank0 else None
+    metrics = _open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank0 else None
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             rec = trainer.train_step(step)
             records.append(rec)
+            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+                from .checkpoint import save_checkpoint
+
+                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"]}, keep=cfg.keep)
             if rank0:
                 metrics.write(json.dumps(rec) + "\n")
                 metrics.flush()
@@ -273,6 +307,10 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         return {}
     with open(os.path.join(out, "comm.json"), "w") as f:
         f.write(mesh.ledger.to_json(0, layout))
+    if not records:
+        return {"layout": layout, "model": cfg.model if isinstance(cfg.model, str) else cfg.model.name,
+                "steps": cfg.steps, "first_loss": float("nan"), "final_loss": float("nan"), "tokens_per_s": 0.0,
+                "comm_bytes_per_step": {}, "out": out}
     times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     summary = {
         "layout": layout, "model": cfg.model, "steps": cfg.steps,

@@ -57,7 +57,7 @@ def _state_mismatch(trainer, path) -> float:
     if red.zero:
         for g in red.flat:
             for key in STATE_KEYS:
-                full = comm.all_gather(red.optimizer.state[g["shard"]][key], red.dp)
+                full = comm.all_gather(red.optimizer.state[g["shard"]][key], g["axis"])
                 local |= {f"optim.{n}.{key}": full[off:off + k].view(p.shape) for n, p, off, k in g["offsets"]}
     else:
         local |= {f"optim.{n}.{key}": red.optimizer.state[p][key] for n, p in red.named for key in STATE_KEYS}
@@ -102,9 +102,9 @@ def _zero1_load_train_save(cfg, root, root2):
     t = _trainer(cfg)
     info = load_checkpoint(root, t)
     out = {"step": info["step"], "logits": _logits(t), "mismatch": _state_mismatch(t, info["path"])}
-    lo = t.reducer.dp.rank * t.reducer.flat[0]["per"]  # where this rank's ZeRO range starts in the 2-D group
-    out["mid_row"] = any(off < lo < off + k and (lo - off) % p.shape[-1]
-                         for _, p, off, k in t.reducer.flat[0]["offsets"])
+    g2d = next(g for g in t.reducer.flat if g["offsets"][0][1].ndim == 2)
+    lo = g2d["axis"].rank * g2d["per"]  # where this rank's ZeRO range starts in the 2-D group
+    out["mid_row"] = any(off < lo < off + k and (lo - off) % p.shape[-1] for _, p, off, k in g2d["offsets"])
     t.train_step(3)
     path = save_checkpoint(root2, 4, t)
     out |= {"logits_after": _logits(t), "mismatch_after": _state_mismatch(t, path)}
