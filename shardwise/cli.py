@@ -14,6 +14,7 @@ import sys
 from .config import ConfigError, ParallelConfig, TrainConfig
 
 DEFAULT_LAYOUT = {"dp": 2, "tp": 2}  # `shardwise train` with no layout flags: a small 4-rank job
+MAX_LOCAL_RANKS = 64
 
 
 def _add_layout(p: argparse.ArgumentParser) -> None:
@@ -80,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check a layout against the single-device model")
     _add_layout(v)
     _add_run(v, steps=3)
-    for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint_cli"):
+    for p in (t, v):
+        p.add_argument("--config", default=None, metavar="FILE.toml",
+                       help="TOML file whose keys are these flags' names; flags given on the command line win")
+        p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    parser._sw_runs = {"train": t, "verify": v}
+    for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint_cli", "shardwise.report"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ImportError:
@@ -146,7 +152,16 @@ def main(argv=None) -> int:
         return args.func(args)
     torchrun_world = int(os.environ["WORLD_SIZE"]) if _torchrun() else None
     try:
+        if args.config:
+            from .config_file import apply_config_file
+
+            args = apply_config_file(parser, parser._sw_runs[args.command], args.config, argv)
         cfg = config_from_args(args, torchrun_world)
+        if args.print_config:
+            from .config_file import render_config
+
+            print(render_config(parser._sw_runs[args.command], args, cfg))
+            return 0
         if args.command == "verify":
             from .verify import check_verifiable
 
@@ -169,6 +184,10 @@ def main(argv=None) -> int:
         print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
         return 2
     world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
+    if torchrun_world is None and world > MAX_LOCAL_RANKS:
+        print(f"shardwise {args.command}: error: the layout needs {world} ranks; the local launcher starts at most "
+              f"{MAX_LOCAL_RANKS} (use torchrun for more)", file=sys.stderr)
+        return 2
     from .launch import RankError, run_local
 
     try:

@@ -25,6 +25,7 @@ from .data_parallel import GradReducer
 from .expert_parallel.moe import MoE
 from .mesh import Mesh, ParallelDims
 from .parallelize import build_model
+from .report import RunLog
 
 IGNORE_INDEX = -100
 
@@ -202,17 +203,6 @@ def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     return Mesh.build(dims, device, Ledger(), cfg.timeout_s)
 
 
-def _open_metrics(path: str, start: int):
-    """metrics.jsonl for appending: on resume keep the rows up to the checkpoint's step, drop later ones."""
-    rows = []
-    if start and os.path.exists(path):
-        with open(path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
-    f = open(path, "w")
-    f.writelines(rows)
-    return f
-
-
 def _write_timeline(trainer: Trainer, out: str) -> dict | None:
     """Gather the last step's action timings over pp; rank 0 writes timeline.json and returns the bubble report."""
     from .pipeline.cli import write_timeline
@@ -275,7 +265,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
 
         bar = tqdm(total=cfg.steps, initial=start, desc=f"train {mesh.describe()}", dynamic_ncols=True)
     records = []
-    metrics = _open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank0 else None
+    metrics = RunLog(out, start) if rank0 else None
     try:
         for step in range(start, cfg.steps):
             rec = trainer.train_step(step)
@@ -285,8 +275,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
 
                 save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"]}, keep=cfg.keep)
             if rank0:
-                metrics.write(json.dumps(rec) + "\n")
-                metrics.flush()
+                metrics.write(rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}")

@@ -12,12 +12,13 @@ import pytest
 from shardwise.config import MODEL_PRESETS, ModelConfig
 from shardwise.planner import (
     Assumptions, Cluster, Layout, PlanError, Workload, bubble_fraction, estimate, get_gpu, get_model,
-    load_hf_config, memory_by_stage, model_flops, parse_layout, search, step_comm, total_params, wire_bytes,
+    layout_problems, load_hf_config, memory_by_stage, model_flops, parse_layout, search, step_comm, total_params,
+    wire_bytes,
 )
 from shardwise.planner.cli import main
 from shardwise.planner.layout import stages
 from shardwise.planner.memory import layer_activation_bytes, stage_params
-from shardwise.planner.models import ModelSpec
+from shardwise.planner.models import ModelSpec, attention_tensors, layer_params
 from shardwise.planner.search import SearchSpace
 
 H100 = get_gpu("h100-80gb")
@@ -85,9 +86,10 @@ def test_tp_all_reduce_wire_volume():
     spec = replace(get_model("llama3-70b"), dim=h)
     ops = rank0_ledger(spec, Layout(tp=t, mb=1, m=1, sp=False), Workload(seq_len=s, global_batch=1))
     ar = ops["tp"]["all_reduce"]
-    # 1 embedding (fp32) + 4 per layer + 1 head backward (bf16) + 2 small CE all-reduces.
+    # 1 embedding (fp32) + per layer 2 forward (bf16 wo/w2 outputs) and 2 backward (fp32 grads of the fp32 norm
+    # outputs, autocast's casts sit after the f operator) + 1 head backward (fp32) + 2 small CE all-reduces.
     assert ar["count"] == 1 + 4 * 80 + 1 + 2
-    assert ar["bytes"] == s * h * 4 + (4 * 80 + 1) * s * h * 2 + s * 4 + s * 8
+    assert ar["bytes"] == s * h * 4 + 2 * 80 * s * h * 2 + 2 * 80 * s * h * 4 + s * h * 4 + s * 4 + s * 8
 
 
 # --- parameters ----------------------------------------------------------------------------------
@@ -155,7 +157,8 @@ GPT = ModelSpec(name="gpt", vocab_size=51200, dim=2048, n_layers=24, n_heads=16,
 def test_korthikanti_activation_formulas(t):
     s, b, h, a = 2048, 4, GPT.dim, GPT.n_heads
     wl = Workload(seq_len=s, precision="bf16")
-    act = lambda **kw: layer_activation_bytes(GPT, False, Layout(tp=t, mb=b, **kw), wl)  # noqa: E731
+    def act(**kw):
+        return layer_activation_bytes(GPT, False, Layout(tp=t, mb=b, **kw), wl, model="korthikanti")
     sbh = s * b * h
     assert act(sp=False, recompute="none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
     assert act(sp=True, recompute="none") == pytest.approx(sbh / t * (34 + 5 * a * s / h))
@@ -225,13 +228,14 @@ def tiny_tp2_sp_expected(b: int, s: int, m: int) -> dict:
     """The issue's list for `tiny`, tp=2 with SP, bf16 (e=2), m microbatches, written out by hand.
 
     Per microbatch: embedding RS of b·s·h·4 and AG of b·(s/t)·h·4 (fp32 embedding output); per layer
-    forward 2 AG of b·(s/t)·h·e + 2 RS of b·s·h·e and the same backward; LM head AG and RS; CE
-    all-reduces of b·s·4 (max) and b·s·2·4 (sum). Per step: one all-reduce of (2L+1)·h·4 norm grads.
+    forward 2 AG of the fp32 norm output b·(s/t)·h·4 + 2 RS of the row-parallel outputs b·s·h·e, backward
+    2 AG of b·(s/t)·h·e + 2 RS of the fp32 input grads b·s·h·4; LM head AG and RS of its fp32 input;
+    CE all-reduces of b·s·4 (max) and b·s·2·4 (sum). Per step: one all-reduce of (2L+1)·h·4 norm grads.
     """
     h, L, t, e = TINY.dim, TINY.n_layers, 2, 2
-    full, shard = b * s * h * e, b * (s // t) * h * e
-    rs = m * (b * s * h * 4 + (4 * L + 1) * full)
-    ag = m * (b * (s // t) * h * 4 + (4 * L + 1) * shard)
+    full, shard = b * s * h, b * (s // t) * h
+    rs = m * (full * 4 + 2 * L * full * (e + 4) + full * 4)
+    ag = m * (shard * 4 + 2 * L * shard * (4 + e) + shard * 4)
     ar = m * (b * s * 4 + b * s * 2 * 4) + (2 * L + 1) * h * 4
     return {"tp": {
         "reduce_scatter": {"count": m * (4 * L + 2), "bytes": rs, "wire_bytes": rs * (t - 1) // t},
@@ -277,7 +281,7 @@ def test_replicated_kv_heads_all_reduce():
     act = 1024 * 4096
     ar = ops["tp"]["all_reduce"]
     assert ar["count"] == 1 + 4 * 32 + 1 + 2 + 1
-    assert ar["bytes"] == act * 4 + (4 * 32 + 1) * act * 2 + 1024 * 12 + kv_buf
+    assert ar["bytes"] == act * 4 + 2 * 32 * act * (2 + 4) + act * 4 + 1024 * 12 + kv_buf
 
 
 def test_pp_cp_ep_axes_are_counted():
@@ -291,10 +295,15 @@ def test_pp_cp_ep_axes_are_counted():
     sends = 4 * 16 * 2 * 3  # microbatches · layers · (K, V) · (fwd, bwd K/V, bwd dK/dV) · (cp − 1)
     assert ops["cp"] == {"send": {"count": sends, "bytes": sends * blk, "wire_bytes": sends * blk},
                          "recv": {"count": sends, "bytes": 0, "wire_bytes": 0}}
-    tokens = 2048 // 2
-    a2a = ops["ep"]["all_to_all"]
-    assert a2a["count"] == 4 * 16 * 5
-    assert a2a["bytes"] == 4 * 16 * (8 * 8 + 4 * 2 * tokens * 4096 * 2)
+    # ep, per microbatch and MoE layer, under shardwise's tags: the routed rows are topk · s/cp/tp tokens · h;
+    # dispatch carries the fp32 norm output, combine the bf16 expert outputs (balanced routing).
+    rows, n = 2 * (2048 // 2) * 4096, 4 * 16
+    ep = ops["ep"]
+    assert ep["all_to_all:counts"] == {"count": n, "bytes": n * 8 * 8, "wire_bytes": n * 8 * 8 * 3 // 4}
+    for op, e in (("dispatch", 4), ("combine", 2), ("combine_grad", 2), ("dispatch_grad", 4)):
+        assert ep[f"all_to_all:{op}"] == {"count": n, "bytes": n * rows * e, "wire_bytes": n * rows * e * 3 // 4}, op
+    # the loss-free-bias counts, once per step per MoE layer, over the token axes (dp×cp and, under SP, tp)
+    assert ops["dp_cp"]["all_reduce:moe_bias"]["count"] == ops["tp"]["all_reduce:moe_bias"]["count"] == 16
     assert set(ops) == {"tp", "pp", "cp", "ep", "dp_cp", "edp"}
 
 
@@ -317,7 +326,8 @@ def test_explain_json_contract(capsys):
     assert main(DONE_WHEN + ["--explain", "dp=8,tp=8,pp=4", "--json"]) == 0
     est = json.loads(capsys.readouterr().out)
     assert CONTRACT_KEYS <= set(est)
-    assert set(est["layout"]) == {"dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "schedule", "zero", "recompute", "sp"}
+    assert set(est["layout"]) == {"dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "schedule", "zero", "recompute", "sp",
+                                  "cp_impl"}
     assert (est["layout"]["dp"], est["layers_per_stage"], est["layout"]["m"]) == (8, 20, 128)
     assert est["bubble_fraction"] == pytest.approx(3 / 131)
     assert est["hardware_flops_per_step"] > est["model_flops_per_step"] > 0
@@ -371,8 +381,10 @@ def test_add_parser_registers_plan_on_a_host_cli():
 
 
 def test_tp_stays_in_nvlink_domain_unless_allowed():
+    # 128 GPUs: on 32 no shardwise layout of 70B fits at seq 4096 (its bf16 autocast saves a weight copy per
+    # microbatch in flight and, under SP, a cast of the gathered input per linear; ZeRO-1 keeps grad buffers).
     spec, wl = get_model("llama3-70b"), Workload(seq_len=4096, global_batch=64)
-    cluster = Cluster(H100, 32, 8)
+    cluster = Cluster(H100, 128, 8)
     assert max(r["layout"]["tp"] for r in search(spec, cluster, wl)) <= 8
     wide = search(spec, cluster, wl, SearchSpace(allow_tp_cross_domain=True))
     assert max(r["layout"]["tp"] for r in wide) > 8
@@ -407,3 +419,59 @@ def test_mfu_is_consistent():
                    Assumptions(flops_efficiency=0.5))
     assert 0 < est["mfu"] < 0.5
     assert est["mfu"] == pytest.approx(est["model_flops_per_step"] / (est["step_time_s"] * 8 * H100.peak_bf16_flops))
+
+
+# --- shardwise's own MoE, Ulysses and memory facts (checked against real runs in test_planner_ledger.py) --
+
+def test_tiny_moe_spec_follows_shardwise():
+    cfg, spec = MODEL_PRESETS["tiny-moe"], get_model("tiny-moe")
+    assert [spec.is_moe_layer(i) for i in range(spec.n_layers)] == [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
+    assert (spec.n_experts, spec.topk, spec.expert_ffn_dim, spec.n_shared_experts, spec.aux_loss) == (8, 2, 128, 1, True)
+    lay = Layout(pp=2, m=2)
+    assert [(s.n_dense, s.n_moe, s.kinds) for s in stages(spec, lay)] == [(2, 2, (True, False, True, False))] * 2
+    # The MoE block is replicated over tp (only attention and the dense MLPs are sharded), split over ep.
+    moe = lambda tp, ep: layer_params(spec, True, tp, ep)  # noqa: E731
+    h, f = spec.dim, spec.expert_ffn_dim
+    block = h * spec.n_experts + 3 * h * f  # router + shared expert
+    attention = lambda tp: sum(t.numel for t in attention_tensors(spec, tp))  # noqa: E731
+    assert moe(1, 1).total - moe(2, 1).total == attention(1) - attention(2)
+    assert moe(1, 2).expert == 3 * 4 * h * f and moe(2, 2).expert == moe(1, 2).expert
+    assert moe(2, 2).sp_replicated == 2 * h + block + moe(2, 2).expert  # norms and the whole block sum over tp
+
+
+def test_ulysses_all_to_alls():
+    spec, wl = get_model("tiny"), Workload(seq_len=64, global_batch=2, precision="fp32")
+    ops = rank0_ledger(spec, Layout(cp=2, cp_impl="ulysses", mb=2, m=1, sp=False), wl)
+    n = 2 * 64 // 2  # b · s/cp
+    q, kv = n * 8 * 12 * 4, n * 4 * 12 * 4  # q (and out): 8 heads of 12; k, v: 4 heads
+    per_layer = 2 * (2 * q + 2 * kv)  # forward q, k, v, out and backward the same four
+    assert ops["cp"] == {"all_to_all": {"count": 8 * 8, "bytes": 8 * per_layer, "wire_bytes": 8 * per_layer // 2}}
+    assert parse_layout("cp=2,cp_impl=ulysses", Layout(), 2, 2).cp_impl == "ulysses"
+    assert any("ulysses needs" in p for p in layout_problems(spec, Layout(cp=16, cp_impl="ulysses", m=2), 16, 64))
+    assert any("cp_impl 'x'" in p for p in layout_problems(spec, Layout(cp_impl="x"), 1, 64))
+
+
+def test_zero1_grad_buffers_and_break_even():
+    """shardwise's ZeRO-1 keeps a full fp32 gradient copy per flat buffer plus the shard's gradient, so it
+    saves memory over ZeRO-0 only when dp×cp > 3 (−4·P + 12·P/g bytes)."""
+    spec = get_model("llama3-8b")
+    for g in (2, 3, 4, 8):
+        z0, z1 = static_of(spec, Layout(dp=g, tp=2, zero=0)), static_of(spec, Layout(dp=g, tp=2, zero=1))
+        params = z0["weights"] // 4
+        assert z0["grad_buffers"] == 0
+        assert z1["grad_buffers"] == pytest.approx(4 * params * (1 + 1 / g), rel=1e-6)
+        assert (z1["total"] < z0["total"]) == (g > 3)
+
+
+def test_activation_model_option(capsys):
+    argv = DONE_WHEN + ["--explain", "dp=8,tp=8,pp=4", "--json"]
+    assert main(argv) == 0
+    shardwise = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--activation-model", "korthikanti"]) == 0
+    korthikanti = json.loads(capsys.readouterr().out)
+    assert (shardwise["assumptions"]["activation_model"], korthikanti["assumptions"]["activation_model"]) == \
+        ("shardwise", "korthikanti")
+    # shardwise saves fp32 norms, a bf16 cast of the gathered input per linear and a bf16 weight copy per
+    # microbatch in flight: several times the paper's figure for Megatron
+    assert korthikanti["activation_bytes_per_rank"] < shardwise["activation_bytes_per_rank"] / 2
+    assert korthikanti["static_bytes_per_rank"] == shardwise["static_bytes_per_rank"]

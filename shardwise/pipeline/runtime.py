@@ -23,6 +23,7 @@ from .grad_store import WeightGradStore
 from .schedules import Schedule
 
 _ENGINE = torch.autograd.Variable._execution_engine
+PREPOST = 2  # receives kept posted ahead of need
 
 
 def _message_order(schedule: Schedule) -> dict[tuple[int, int], list[tuple]]:
@@ -51,6 +52,7 @@ class PipelineExecutor:
         self.act_shape, self.act_dtype, self.loss_fn = tuple(act_shape), act_dtype, loss_fn
         self.layout = schedule.layout
         self.order = _message_order(schedule)
+        self.position = {pair: {k: i for i, k in enumerate(seq)} for pair, seq in self.order.items()}
         self.store = store if schedule.split_bw else None
         if schedule.split_bw and store is None:
             raise ValueError(f"schedule {schedule.name} splits B and W: pass the model's WeightGradStore")
@@ -69,21 +71,51 @@ class PipelineExecutor:
         self.next_recv = {src: 0 for (src, dst) in self.order if dst == self.rank}
         self.local: dict[tuple, torch.Tensor] = {}
         self.sends: list[tuple[object, torch.Tensor | None]] = []
+        self.needed = self._needed_inputs()
+        self.next_needed = 0
+        self._prepost()
 
-    def _receive(self, src: int, key: tuple) -> torch.Tensor:
-        if src == self.rank:  # neighbouring stages on the same rank (the V turn-around)
-            return self.local.pop(key)
-        seq = self.order[(src, self.rank)]
+    def _needed_inputs(self) -> list[tuple[int, tuple]]:
+        """(src rank, message) of every cross-rank input this rank's actions take, in action order."""
+        lay, last, out = self.layout, self.schedule.num_stages - 1, []
+        for a in self.schedule.actions[self.rank]:
+            stage = lay.stage_of(self.rank, a.chunk)
+            if a.kind == "F" and stage != 0:
+                src, key = lay.prev_rank(stage), ("act", a.microbatch, stage)
+            elif a.kind == "B" and stage != last:
+                src, key = lay.next_rank(stage), ("grad", a.microbatch, stage)
+            else:
+                continue
+            if src != self.rank:
+                out.append((src, key))
+        return out
+
+    def _prepost(self) -> None:
+        """Keep the next PREPOST inputs' receives posted: gloo sends a payload only once the receive is
+        posted, so a receive posted late costs a round trip through a sender that is busy computing."""
+        for src, key in self.needed[self.next_needed:self.next_needed + PREPOST]:
+            self._post_up_to(src, key)
+
+    def _post_up_to(self, src: int, key: tuple) -> None:
+        """Post receives for everything `src` sends us up to and including `key`, in src's send order."""
+        seq, upto = self.order[(src, self.rank)], self.position[(src, self.rank)][key]
         new = []
-        while key not in self.posted and all(k != key for k, _ in new):
-            k = seq[self.next_recv[src]]  # everything src sends before `key` is posted first, in src's order
+        while self.next_recv[src] <= upto:
+            k = seq[self.next_recv[src]]
             self.next_recv[src] += 1
             new.append((k, torch.empty(self.act_shape, dtype=self.act_dtype, device=self.mesh.device)))
         if new:
             works = comm.p2p([("recv", buf, self.pp, src) for _, buf in new])
             for (k, buf), work in zip(new, works):
                 self.posted[k] = (buf, work)
+
+    def _receive(self, src: int, key: tuple) -> torch.Tensor:
+        if src == self.rank:  # neighbouring stages on the same rank (the V turn-around)
+            return self.local.pop(key)
+        self._post_up_to(src, key)
         buf, work = self.posted.pop(key)
+        self.next_needed += 1
+        self._prepost()
         comm.wait(work, self.pp, f"recv of {key[0]} for microbatch {key[1]}, stage {key[2]} from pp rank {src}")
         return buf
 

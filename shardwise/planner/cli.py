@@ -15,6 +15,7 @@ from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
 from shardwise.planner.layout import (
     DEFAULT_GLOBAL_BATCH, PRECISIONS, RECOMPUTE, SCHEDULES, Layout, Workload, layout_problems, parse_layout,
 )
+from shardwise.planner.memory import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
 from shardwise.planner.search import SearchSpace, candidates, search
 
@@ -56,10 +57,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dp-overlap", type=float, default=0.0,
                    help="fraction of gradient-reduction time hidden behind backward (default 0)")
     p.add_argument("--usable-memory", type=float, default=0.9, help="fraction of GPU memory to plan for (default 0.9)")
+    p.add_argument("--activation-model", default="shardwise", choices=ACTIVATION_MODELS,
+                   help="activation memory: what shardwise saves (default) or Korthikanti et al. 2022's formula")
     p.add_argument("--top", type=int, default=10, help="best layouts to print, as table rows or --json objects (default 10)")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="full breakdown of one layout, e.g. 'dp=8,tp=8,pp=4' (keys: dp tp pp cp ep vp mb m "
-                        "schedule zero recompute sp)")
+                        "schedule zero recompute sp cp_impl)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
     return p
@@ -79,7 +82,8 @@ def _inputs(args):
     if not 0 <= args.dp_overlap <= 1:
         raise PlanError(f"--dp-overlap {args.dp_overlap} must be in [0, 1]")
     wl = Workload(args.seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, args.precision)
-    assume = Assumptions(args.flops_efficiency, args.link_efficiency, args.dp_overlap, args.usable_memory)
+    assume = Assumptions(args.flops_efficiency, args.link_efficiency, args.dp_overlap, args.usable_memory,
+                         args.activation_model)
     return spec, cluster, wl, assume
 
 
@@ -180,6 +184,7 @@ def explain_text(est: dict) -> str:
         f"  parameters        {est['params_per_rank'] / 1e9:,.3f}B",
         f"  weights (fp32)    {g(br['weights'])}",
         f"  grads (fp32)      {g(br['grads'])}",
+        f"  ZeRO-1 buffers    {g(br.get('grad_buffers', 0))}  (full-gradient copy + shard gradient)",
         f"  Adam moments      {g(br['optimizer'])}",
         f"  static            {g(est['static_bytes_per_rank'])}",
         f"  activations       {g(est['activation_bytes_per_rank'])}  (recompute {lay['recompute']}, "
@@ -202,12 +207,12 @@ def explain_text(est: dict) -> str:
         f"{est['bubble_fraction']:.4f} ({est['bubble_source']})",
         "",
         f"communication per step, {est['comm_rank']}:",
-        f"  {'axis':6} {'op':15} {'count':>8} {'payload':>10} {'wire':>10} {'link':>8} {'time s':>8}",
+        f"  {'axis':6} {'op':24} {'count':>8} {'payload':>10} {'wire':>10} {'link':>8} {'time s':>8}",
     ]
     for axis, ops in est["comm_ops_per_step"].items():
         for i, (op, e) in enumerate(ops.items()):
             head = (axis, est["comm_links"].get(axis, "-"), f"{est['comm_time_s'][axis]:.3f}") if i == 0 else ("", "", "")
-            out.append(f"  {head[0]:6} {op:15} {e['count']:>8} {human_bytes(e['bytes']):>10} "
+            out.append(f"  {head[0]:6} {op:24} {e['count']:>8} {human_bytes(e['bytes']):>10} "
                        f"{human_bytes(e['wire_bytes']):>10} {head[1]:>8} {head[2]:>8}")
     a = est["assumptions"]
     out += [

@@ -7,8 +7,15 @@ send: the tensor; recv: 0, only counted) and `wire_bytes` what it puts on links 
 under uniform routing, send N). Wire bytes are accumulated unrounded and rounded once on output, as the
 ledger does. Axes: tp, pp, cp, dp_cp (dense grads and ZeRO over dp×cp), ep, edp (expert grads).
 
-The tp and dp_cp functions mirror what shardwise's step issues; pp, cp and ep follow the textbook
-schedules those axes will implement, each in its own function so it is easy to adjust when they land.
+Every function mirrors what shardwise's training step issues, op name and tag included, and
+tests/test_planner_ledger.py checks the prediction against the ledger of real CPU runs (tp, SP, dp with
+ZeRO 0/1, 1F1B and interleaved pp, ring and Ulysses cp, ep with tiny-moe, and a dp×tp×pp mix) exactly.
+Tagged MoE ops are predicted under their tags (`all_to_all:counts|dispatch|combine|combine_grad|
+dispatch_grad`, `all_reduce:aux_loss`, `all_reduce:moe_bias`); the all-to-alls' payloads follow the
+routing, so for combine and dispatch_grad (and every routed op's wire bytes) the prediction is the
+balanced value, which the mean over an ep group's ranks always equals (every row sent is received).
+Two bookkeeping tags are left out: `all_reduce:metrics` (the logged loss and MoE load numbers) and
+`all_reduce:grad_norm` (one scalar per reduction group), a few bytes per step.
 """
 from __future__ import annotations
 
@@ -77,34 +84,43 @@ def _tokens(lay: Layout, wl: Workload) -> int:
 
 
 def tp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
-    """One microbatch's TP collectives: vocab-parallel embedding, 4 per layer, LM head, vocab-parallel CE.
+    """One microbatch's TP collectives: vocab-parallel embedding, 2 per TP region and pass, LM head, CE.
 
-    The embedding output is fp32 (its parameters are), everything inside layers is e bytes.
+    A dense layer has two TP regions (attention, MLP); an MoE layer only attention, since shardwise
+    replicates the MoE block over tp (its input is the norm output, or under SP the sequence shard).
+    Dtypes follow shardwise's autocast: a region's entry (f, or SP's all-gather) carries the fp32 norm
+    output forward and its fp32 gradient back (the bf16 casts sit after it, inside the linears); its
+    exit (g, or SP's reduce-scatter) carries the e-byte row-parallel output forward and an e-byte
+    gradient back. The embedding output and the LM head's input are fp32.
     """
     t, h, e, n = lay.tp, spec.dim, wl.act_bytes, _tokens(lay, wl)
-    full, shard, L = n * h * e, n // t * h * e, stage.n_layers
+    regions = 2 * stage.n_dense + stage.n_moe
     if not lay.sp:
         if stage.embedding:
             led.add("tp", "all_reduce", n * h * 4, t)
-        led.add("tp", "all_reduce", full, t, 4 * L)  # fwd: wo, w2 outputs; bwd: grads into wq/wk/wv, w1/w3
+        led.add("tp", "all_reduce", n * h * e, t, regions)  # fwd: wo, w2 outputs
+        led.add("tp", "all_reduce", n * h * 4, t, regions)  # bwd: grads into wq/wk/wv, w1/w3 inputs
         if stage.head:
-            led.add("tp", "all_reduce", full, t)  # bwd: grad of the head's replicated input
+            led.add("tp", "all_reduce", n * h * 4, t)  # bwd: grad of the head's replicated input
     else:
         if stage.embedding:
             led.add("tp", "reduce_scatter", n * h * 4, t)
             led.add("tp", "all_gather", n // t * h * 4, t)
-        led.add("tp", "all_gather", shard, t, 4 * L)  # fwd: before attention and MLP; bwd: the mirrors
-        led.add("tp", "reduce_scatter", full, t, 4 * L)
+        led.add("tp", "all_gather", n // t * h * 4, t, regions)  # fwd: before attention and MLP
+        led.add("tp", "all_gather", n // t * h * e, t, regions)  # bwd: mirrors of the exits
+        led.add("tp", "reduce_scatter", n * h * e, t, regions)  # fwd: wo, w2 outputs
+        led.add("tp", "reduce_scatter", n * h * 4, t, regions)  # bwd: mirrors of the entries
         if stage.head:
-            led.add("tp", "all_gather", shard, t)
-            led.add("tp", "reduce_scatter", full, t)
+            led.add("tp", "all_gather", n // t * h * 4, t)
+            led.add("tp", "reduce_scatter", n * h * 4, t)
     if stage.head:
         led.add("tp", "all_reduce", n * 4, t)  # CE: MAX of the logits
         led.add("tp", "all_reduce", n * 2 * 4, t)  # CE: SUM of exp-sums and target logits
 
 
 def tp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, local: Params) -> None:
-    """Per-step TP grad reductions: SP-replicated weights (norms, ...) and K/V heads duplicated when n_kv < tp."""
+    """Per-step TP grad reductions: one flat all-reduce of the SP-partial grads (norms, and under SP the whole
+    MoE block), one of the K/V heads duplicated when n_kv < tp."""
     t = lay.tp
     if lay.sp and local.sp_replicated:
         led.add("tp", "all_reduce", local.sp_replicated * 4, t)
@@ -118,12 +134,13 @@ BUCKET_BYTES = 25 * 2**20
 
 
 @lru_cache(maxsize=4096)
-def zero0_buckets(spec: ModelSpec, tp: int, ep: int, n_dense: int, n_moe: int, embedding: bool, head: bool) -> int:
-    """All-reduces ZeRO-0 issues for a stage's dense grads: its tensors in order, 25 MiB buckets."""
-    stage = Stage(0, n_dense, n_moe, embedding, head)
+def zero0_buckets(spec: ModelSpec, tp: int, ep: int, kinds: tuple[bool, ...], embedding: bool, head: bool,
+                  expert: bool = False) -> int:
+    """All-reduces ZeRO-0 issues for a stage's dense (or expert) grads: its tensors in order, 25 MiB buckets."""
+    stage = Stage(0, len(kinds) - sum(kinds), sum(kinds), embedding, head, kinds)
     count = size = held = 0
     for t in stage_tensors(spec, stage, Layout(tp=tp, ep=ep)):
-        if t.expert:
+        if t.expert != expert:
             continue
         size, held = size + 4 * t.numel, held + 1
         if size >= BUCKET_BYTES:
@@ -153,11 +170,16 @@ def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
     """Dense grads over dp×cp, expert grads over the expert-data-parallel group, as shardwise's GradReducer:
     ZeRO-0 a bucketed all-reduce; ZeRO-1 a reduce-scatter and, after the update, an all-gather per flat
     buffer (matrices, then norms/biases), each padded to a multiple of the group size."""
-    g = lay.dp * lay.cp
-    buckets = zero0_buckets(spec, lay.tp, lay.ep, stage.n_dense, stage.n_moe, stage.embedding, stage.head) \
-        if lay.zero == 0 and g > 1 else 1
-    _reduce_grads(led, "dp_cp", [local.dense - local.vectors, local.vectors], g, lay.zero, lay.m, buckets)
-    _reduce_grads(led, "edp", [local.expert], g // lay.ep, lay.zero, lay.m)
+    g, ge = lay.dp * lay.cp, lay.dp * lay.cp // lay.ep
+    kinds = stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe
+
+    def buckets(expert: bool, group: int) -> int:
+        if lay.zero or group < 2:
+            return 1
+        return zero0_buckets(spec, lay.tp, lay.ep, kinds, stage.embedding, stage.head, expert)
+
+    _reduce_grads(led, "dp_cp", [local.dense - local.vectors, local.vectors], g, lay.zero, lay.m, buckets(False, g))
+    _reduce_grads(led, "edp", [local.expert], ge, lay.zero, lay.m, buckets(True, ge))
 
 
 PP_BOUNDARY_BYTES = 4
@@ -199,10 +221,13 @@ def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     """Ring attention, per layer: forward passes cp−1 K and cp−1 V blocks on; backward passes the K/V
     blocks round again plus cp−1 dK and cp−1 dV accumulators (e bytes each, this rank's tp shard of the
     K/V heads). Full recompute re-runs the forward ring. Ring backward recomputes the scores block by
-    block anyway, so selective recompute adds no traffic.
+    block anyway, so selective recompute adds no traffic. Ulysses: see `ulysses_microbatch`.
     """
     c = lay.cp
     if c < 2 or not stage.n_layers:
+        return
+    if lay.cp_impl == "ulysses":
+        ulysses_microbatch(led, spec, stage, lay, wl)
         return
     blocks = _tokens(lay, wl) * local_kv_heads(spec, lay.tp) * wl.act_bytes
     k_blk, v_blk = blocks * spec.k_dim, blocks * spec.v_dim
@@ -213,17 +238,62 @@ def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     led.add("cp", "recv", 0, c, 2 * n)
 
 
-def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
-    """Per MoE layer forward: token-count exchange (int64 per expert), dispatch and combine all-to-alls of
-    topk·tokens·h·e; backward: dispatch and combine again. Tokens are this rank's sequence shard (s/cp,
-    and s/cp/tp under SP, where each tp rank routes its own shard).
+def ulysses_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
+    """DeepSpeed-Ulysses, per layer: forward one equal-split all-to-all each for q, k, v (sequence → head
+    shards) and the output (back), backward the same four on their grads (each the input tensor, e bytes:
+    b·heads·s/cp·d on this tp rank; K/V heads replicated cp/hkv times when hkv < cp). Full recompute
+    repeats the forward four.
     """
-    if lay.ep < 2 or not stage.n_moe:
+    c, t = lay.cp, lay.tp
+    n, e = _tokens(lay, wl), wl.act_bytes
+    hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
+    rep = c // hkv if hkv % c else 1
+    per_pass = 1 + (1 if lay.recompute == "full" else 0)
+    L = stage.n_layers
+    led.add("cp", "all_to_all", n * hq * spec.k_dim * e, c, (1 + per_pass) * L)  # q, dq
+    led.add("cp", "all_to_all", n * hkv * rep * spec.k_dim * e, c, (1 + per_pass) * L)  # k, dk
+    led.add("cp", "all_to_all", n * hkv * rep * spec.v_dim * e, c, (1 + per_pass) * L)  # v, dv
+    led.add("cp", "all_to_all", n * hq * spec.v_dim * e, c, (1 + per_pass) * L)  # out, d_out
+
+
+MOE_DISPATCH_BYTES = 4
+"""shardwise routes the MoE block's input, the fp32 output of its (fp32) RMSNorm: dispatched rows are fp32 even
+under bf16 autocast. The expert outputs (combine) are in the activation dtype."""
+
+
+def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
+    """Per MoE layer and microbatch, on the ep axis (shardwise's AllToAllDispatcher, dropless):
+    forward `all_to_all:counts` (int64 per expert), `:dispatch` (the n·k assigned rows, fp32) and
+    `:combine` (the expert outputs coming back); backward `:combine_grad` (n·k rows) and `:dispatch_grad`.
+    n is this rank's routed tokens: s/cp, or s/cp/tp under SP (each tp rank routes its own shard; without
+    SP every tp rank routes — and dispatches — the same tokens). combine and dispatch_grad carry the rows
+    this rank's experts received, n·k under balanced routing (the ep group's mean, whatever the routing).
+    Router statistics: with the aux/z loss on, one `all_reduce:aux_loss` of (E+1) fp32 per MoE forward
+    over every axis holding other tokens of the microbatch (dp×cp, and tp under SP).
+    """
+    if not stage.n_moe:
         return
     tokens = _tokens(lay, wl) // (lay.tp if lay.sp else 1)
-    payload = spec.topk * tokens * spec.dim * wl.act_bytes
-    led.add("ep", "all_to_all", spec.n_experts * 8, lay.ep, stage.n_moe)
-    led.add("ep", "all_to_all", payload, lay.ep, 4 * stage.n_moe)
+    if spec.aux_loss:
+        for axis, group in (("dp_cp", lay.dp * lay.cp), ("tp", lay.tp if lay.sp else 1)):
+            led.add(axis, "all_reduce:aux_loss", (spec.n_experts + 1) * 4, group, stage.n_moe)
+    if lay.ep < 2:
+        return
+    rows = spec.topk * tokens * spec.dim
+    L = stage.n_moe
+    led.add("ep", "all_to_all:counts", spec.n_experts * 8, lay.ep, L)
+    led.add("ep", "all_to_all:dispatch", rows * MOE_DISPATCH_BYTES, lay.ep, L)
+    led.add("ep", "all_to_all:combine", rows * wl.act_bytes, lay.ep, L)
+    led.add("ep", "all_to_all:combine_grad", rows * wl.act_bytes, lay.ep, L)
+    led.add("ep", "all_to_all:dispatch_grad", rows * MOE_DISPATCH_BYTES, lay.ep, L)
+
+
+def moe_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout) -> None:
+    """Once per step, every MoE layer's router sums its selection counts (E fp32) over the token axes for
+    the loss-free bias update (`all_reduce:moe_bias`; issued whether or not the bias rate is 0)."""
+    if stage.n_moe:
+        for axis, group in (("dp_cp", lay.dp * lay.cp), ("tp", lay.tp if lay.sp else 1)):
+            led.add(axis, "all_reduce:moe_bias", spec.n_experts * 4, group, stage.n_moe)
 
 
 def step_comm(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, local: Params) -> tuple[CommLedger, CommLedger, CommLedger]:
@@ -247,6 +317,7 @@ def stage_ledgers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, loca
         tp_grad_sync(sync, spec, stage, lay, local)
     pp_grad_sync(sync, spec, stage, lay)
     dp_grad_sync(sync, spec, stage, lay, local)
+    moe_grad_sync(sync, spec, stage, lay)
     return mb, sync
 
 

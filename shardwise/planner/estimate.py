@@ -22,7 +22,7 @@ from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
-from shardwise.planner.memory import layer_activation_bytes, stage_activation_bytes, stage_params, static_bytes
+from shardwise.planner.memory import ACTIVATION_MODELS, stage_activation_bytes, stage_params, static_bytes
 from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab, total_params
 from shardwise.planner.schedule import bubble_fraction
 
@@ -41,6 +41,12 @@ class Assumptions:
     """Fraction of gradient-reduction time hidden behind backward (0: shardwise reduces after it)."""
     usable_memory: float = 0.9
     """Fraction of GPU memory the planner may fill (the rest: CUDA context, NCCL buffers, fragmentation)."""
+    activation_model: str = "shardwise"
+    """'shardwise' (what its implementation saves, checked against real runs) or 'korthikanti' (the paper)."""
+
+    def __post_init__(self):
+        if self.activation_model not in ACTIVATION_MODELS:
+            raise PlanError(f"activation model {self.activation_model!r}; valid: {', '.join(ACTIVATION_MODELS)}")
 
 
 def peak_flops(cluster: Cluster, wl: Workload) -> float:
@@ -48,8 +54,13 @@ def peak_flops(cluster: Cluster, wl: Workload) -> float:
     return cluster.gpu.peak_bf16_flops * (1.0 if wl.precision == "bf16" else 0.5)
 
 
-def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1) -> tuple[float, float]:
-    """(matmul, attention-core) forward FLOPs per token of one layer on one tp rank (tp=1: the whole layer)."""
+def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1,
+                          sp: bool = False) -> tuple[float, float]:
+    """(matmul, attention-core) forward FLOPs per token of one layer on one tp rank (tp=1: the whole layer).
+
+    shardwise replicates an MoE block over tp: without SP every tp rank runs it on all tokens, with SP on
+    its s/tp shard (per token of the rank's sequence: 1/tp of the work).
+    """
     h, hq = spec.dim, spec.n_heads // tp
     if spec.is_mla:
         q = (h * spec.q_lora_rank + spec.q_lora_rank * hq * spec.k_dim) if spec.q_lora_rank else h * hq * spec.k_dim
@@ -58,7 +69,8 @@ def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1)
     else:
         attn = 2 * h * hq * spec.head_dim + 2 * h * local_kv_heads(spec, tp) * spec.head_dim
     if moe:
-        mlp = h * spec.n_experts + (spec.topk + spec.n_shared_experts) * spec.mlp_mats * h * (spec.expert_ffn_dim // tp)
+        mlp = h * spec.n_experts + (spec.topk + spec.n_shared_experts) * spec.mlp_mats * h * spec.expert_ffn_dim
+        mlp /= tp if sp else 1
     else:
         mlp = spec.mlp_mats * h * (spec.ffn_dim // tp)
     core = 2.0 * seq_len * hq * (spec.k_dim + spec.v_dim)
@@ -87,9 +99,8 @@ def axis_links(dp: int, pp: int, cp: int, tp: int, ep: int, domain: int) -> dict
     return {a: spans_link(group_spans(lay, a), group_size(lay, a), domain) for a in AXES}
 
 
-def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload) -> list[dict]:
+def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload, activation_model: str = "shardwise") -> list[dict]:
     """Per pipeline stage: its Stage, local Params, static breakdown, activation and total bytes."""
-    per_layer = {moe: layer_activation_bytes(spec, moe, lay, wl) for moe in (False, True)}
     out, seen = [], {}
     for st in stages(spec, lay):
         key = (st.n_dense, st.n_moe, st.embedding, st.head)
@@ -97,7 +108,7 @@ def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload) -> list[dict]:
             local = stage_params(spec, st, lay)
             seen[key] = local, static_bytes(local, lay)
         local, static = seen[key]
-        act = stage_activation_bytes(spec, st, lay, wl, per_layer)
+        act = stage_activation_bytes(spec, st, lay, wl, activation_model)
         out.append({"stage": st, "params": local, "static": static, "activation": act, "total": static["total"] + act})
     return out
 
@@ -112,7 +123,7 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
     matmul = core = 0.0
     for moe, n in ((False, st.n_dense), (True, st.n_moe)):
         if n:
-            mm, cc = layer_flops_per_token(spec, moe, wl.seq_len, lay.tp)
+            mm, cc = layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp)
             matmul, core = matmul + n * mm, core + n * cc
     head = 2.0 * spec.dim * (padded_vocab(spec, lay.tp) // lay.tp) if st.head else 0.0
     extra = {"none": 0.0, "selective": core, "full": matmul + core}[lay.recompute]
@@ -130,7 +141,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     """
     if lay.m * lay.mb * lay.dp != wl.global_batch:
         raise PlanError(f"m={lay.m} × mb={lay.mb} × dp={lay.dp} != global batch {wl.global_batch}")
-    mem = mem or memory_by_stage(spec, lay, wl)
+    mem = mem or memory_by_stage(spec, lay, wl, assume.activation_model)
     links = axis_links(lay.dp, lay.pp, lay.cp, lay.tp, lay.ep, cluster.domain)
     rate = {a: cluster.bandwidth(links[a]) * assume.link_efficiency for a in AXES}
     peak = peak_flops(cluster, wl)
@@ -143,7 +154,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     for s in mem:
         st = s["stage"]
         # Stages that hold the same kind of work share one cost evaluation (only memory differs).
-        key = (st.n_dense, st.n_moe, st.embedding, st.head, edges[st.index])
+        key = (st.kinds, st.embedding, st.head, edges[st.index])
         if key not in seen:
             mb, sync = stage_ledgers(spec, st, lay, wl, s["params"])
             hw, core = _stage_flops(spec, st, lay, wl)

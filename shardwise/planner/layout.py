@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from shardwise.planner.errors import PlanError
-from shardwise.planner.models import ModelSpec
+from shardwise.planner.models import ModelSpec, from_model_config, local_kv_heads
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb", "dualpipev")
+CP_IMPLS = ("ring", "ulysses")
 RECOMPUTE = ("none", "selective", "full")
 DEFAULT_GLOBAL_BATCH = 1024
 PRECISIONS = {"bf16": 2, "fp32": 4}
@@ -49,6 +50,8 @@ class Layout:
     zero: int = 1
     recompute: str = "selective"
     sp: bool = True
+    cp_impl: str = "ring"
+    """Context-parallel attention: 'ring' (p2p K/V ring) or 'ulysses' (all-to-all to head shards)."""
 
     @property
     def world(self) -> int:
@@ -60,6 +63,8 @@ class Layout:
     def short(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         parts += [f"{k}{getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1]
+        if self.cp > 1 and self.cp_impl != "ring":
+            parts.append(self.cp_impl)
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.vp}" if self.vp > 1 and self.schedule == "interleaved" else ""))
         parts += [f"mb{self.mb}", f"m{self.m}"]
@@ -72,7 +77,7 @@ _ALIASES = {"v": "vp", "micro_batch": "mb", "microbatches": "m"}
 
 
 def parse_layout(text: str, base: Layout, gpus: int, global_batch: int | None) -> Layout:
-    """Parse 'dp=8,tp=8,pp=4[,cp=..,ep=..,vp=..,mb=..,m=..,schedule=..,zero=..,recompute=..,sp=..]'.
+    """Parse 'dp=8,tp=8,pp=4[,cp=..,ep=..,vp=..,mb=..,m=..,schedule=..,zero=..,recompute=..,sp=..,cp_impl=..]'.
 
     dp left out fills the rest of the GPUs; m left out follows from the global batch.
     """
@@ -87,14 +92,15 @@ def parse_layout(text: str, base: Layout, gpus: int, global_batch: int | None) -
             if not val.isdigit() or int(val) <= 0 and key != "zero":
                 raise PlanError(f"--explain: {key}={val!r} must be a positive integer")
             given[key] = int(val)
-        elif key in ("schedule", "recompute"):
+        elif key in ("schedule", "recompute", "cp_impl"):
             given[key] = val  # checked by layout_problems
         elif key == "sp":
             if val.lower() not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
                 raise PlanError(f"--explain: sp={val!r} must be on/off")
             given[key] = val.lower() in ("1", "true", "on", "yes")
         else:
-            raise PlanError(f"--explain: unknown key {key!r}; valid: {', '.join(_INT_KEYS)}, schedule, recompute, sp")
+            raise PlanError(f"--explain: unknown key {key!r}; valid: {', '.join(_INT_KEYS)}, schedule, recompute, sp, "
+                            "cp_impl")
     lay = replace(base, **{k: v for k, v in given.items() if k != "m"})
     if "dp" not in given:
         inner = lay.tp * lay.pp * lay.cp
@@ -128,12 +134,9 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
     kv = spec.attn_kv_heads
     if (kv >= t and kv % t) or (kv < t and t % kv):
         bad.append(f"tp={t} and n_kv_heads={kv}: one must divide the other")
-    if not spec.is_moe or spec.n_dense_layers:
-        if spec.ffn_dim % t:
-            bad.append(f"tp={t} does not divide ffn_dim={spec.ffn_dim}")
+    if spec.n_moe_layers < spec.n_layers and spec.ffn_dim % t:  # MoE blocks are not tp-sharded
+        bad.append(f"tp={t} does not divide ffn_dim={spec.ffn_dim}")
     if spec.is_moe:
-        if spec.expert_ffn_dim % t:
-            bad.append(f"tp={t} does not divide expert_ffn_dim={spec.expert_ffn_dim}")
         if spec.n_experts % lay.ep:
             bad.append(f"ep={lay.ep} does not divide n_experts={spec.n_experts}")
     if (lay.dp * lay.cp) % lay.ep:
@@ -147,6 +150,13 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
         bad.append(f"cp={lay.cp} does not divide seq_len={seq_len}")
     elif lay.sp and (seq_len // lay.cp) % t:
         bad.append(f"seq_len/cp = {seq_len // lay.cp} is not divisible by tp={t} (sequence parallelism)")
+    if lay.cp_impl not in CP_IMPLS:
+        bad.append(f"cp_impl {lay.cp_impl!r} unknown; valid: {', '.join(CP_IMPLS)}")
+    elif lay.cp > 1 and lay.cp_impl == "ulysses":
+        q_local, kv_local = spec.n_heads // t, local_kv_heads(spec, t)
+        if q_local % lay.cp or (kv_local % lay.cp and lay.cp % kv_local):
+            bad.append(f"ulysses needs the {q_local} query heads per tp rank divisible by cp={lay.cp} and the "
+                       f"{kv_local} K/V heads per tp rank to divide or be divided by it")
     if lay.schedule not in SCHEDULES:
         bad.append(f"schedule {lay.schedule!r} unknown; valid: {', '.join(SCHEDULES)}")
     elif lay.pp > 1 and lay.schedule == "interleaved" and (lay.vp < 2 or lay.m % lay.pp):
@@ -168,13 +178,15 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
 
 @dataclass(frozen=True)
 class Stage:
-    """What one pipeline stage holds."""
+    """What one pipeline stage (one pp rank, all its chunks) holds."""
 
     index: int
     n_dense: int
     n_moe: int
     embedding: bool
     head: bool
+    kinds: tuple[bool, ...] = ()
+    """MoE flag of each held layer in model order (shardwise's parameter order); () = dense first, then MoE."""
 
     @property
     def n_layers(self) -> int:
@@ -194,17 +206,25 @@ def chunk_owners(lay: Layout) -> list[int]:
     return [j % p for j in range(p * v)]
 
 
+def stage_layer_ids(spec: ModelSpec, lay: Layout) -> list[list[int]]:
+    """Global layer indices each stage holds, in model order (its chunks' contiguous runs)."""
+    owner = chunk_owners(lay)
+    held: list[list[int]] = [[] for _ in range(lay.pp)]
+    start = 0
+    for j, size in enumerate(_chunk_sizes(spec.n_layers, len(owner))):
+        held[owner[j]] += range(start, start + size)
+        start += size
+    return [sorted(ids) for ids in held]
+
+
 def stages(spec: ModelSpec, lay: Layout) -> list[Stage]:
     owner = chunk_owners(lay)
-    sizes = _chunk_sizes(spec.n_layers, len(owner))
-    first_moe = spec.n_dense_layers if spec.is_moe else spec.n_layers
-    dense, moe, start = [0] * lay.pp, [0] * lay.pp, 0
-    for j, size in enumerate(sizes):
-        n_moe = max(0, start + size - max(start, first_moe))
-        dense[owner[j]] += size - n_moe
-        moe[owner[j]] += n_moe
-        start += size
-    return [Stage(k, dense[k], moe[k], embedding=owner[0] == k, head=owner[-1] == k) for k in range(lay.pp)]
+    out = []
+    for k, ids in enumerate(stage_layer_ids(spec, lay)):
+        kinds = tuple(spec.is_moe_layer(i) for i in ids)
+        out.append(Stage(k, len(kinds) - sum(kinds), sum(kinds), embedding=owner[0] == k, head=owner[-1] == k,
+                         kinds=kinds))
+    return out
 
 
 def group_spans(lay: Layout, axis: str):
@@ -237,3 +257,17 @@ def group_spans(lay: Layout, axis: str):
 def group_size(lay: Layout, axis: str) -> int:
     return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp_cp": lay.dp * lay.cp, "ep": lay.ep,
             "edp": lay.dp * lay.cp // lay.ep}[axis]
+
+
+def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
+    """The planner's (model, layout, workload) for a shardwise `TrainConfig` (after `resolve_world`).
+
+    Recompute is "none" (shardwise has none); m is the config's gradient-accumulation count.
+    """
+    p = cfg.parallel
+    spec = from_model_config(cfg.model_config())
+    lay = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, vp=p.vp if p.pp > 1 else 1,
+                 schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
+                 recompute="none", sp=bool(p.sequence_parallel and p.tp > 1), cp_impl=p.cp_impl)
+    gb = cfg.global_batch or cfg.micro_batch * p.dp
+    return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype)

@@ -4,19 +4,38 @@ Static: shardwise keeps fp32 parameters (they are the master copy; bf16 is autoc
 gradients and two fp32 Adam moments, 16 bytes per parameter — the same total as the classic
 "bf16 weights + bf16 grads + fp32 master + Adam" split of the ZeRO paper. ZeRO-1 shards the moments over
 dp×cp (expert weights: over the expert-data-parallel group), ZeRO-2 also the grads, ZeRO-3 also the
-weights; shards are padded up like shardwise's flat ZeRO-1 buffer.
+weights. Shards are exactly shardwise's: `GradReducer` keeps one flat buffer per (expert?, matrix?)
+group — dense matrices, dense 1-D tensors, expert matrices — each padded up to a multiple of its group;
+its ZeRO-1 also keeps a full fp32 gradient copy of each flat buffer plus the shard's gradient
+(`grad_buffers`), so on shardwise ZeRO-1 saves memory only for dp×cp > 3.
 
-Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", §4), term by term, generalised to GQA, SwiGLU and MoE: with e-byte activations and 1-byte
-dropout masks a GPT layer stores s·b·h·(34 + 5·a·s/h) bytes at e=2; tensor parallelism divides the 24
-sbh of sharded terms and the attention scores; sequence parallelism also divides the 10 replicated sbh;
-selective recompute drops the attention-score terms; full recompute keeps only each layer's input.
-A stage holds that per-layer figure for every microbatch its schedule keeps in flight
-(`schedule.in_flight`), plus the last stage's fp32 logits for one microbatch.
+Activations have two models (`ACTIVATION_MODELS`):
+
+* "shardwise" (default): the tensors shardwise's own implementation saves for backward, term by term
+  (`shardwise_layer_activation_bytes`), checked against real runs by tests/test_planner_ledger.py (the
+  bytes of the unique storages autograd's saved-tensor hooks see during one microbatch forward).
+  Where it differs from the textbook: the residual stream and the RMSNorms run in fp32 (autocast
+  leaves them alone; each norm saves its input, the normalised product and the rsqrt); SDPA is a
+  flash kernel that saves q, k, v, the output and an fp32 log-sum-exp, never the s×s scores (they
+  appear only with attention dropout, which takes SDPA's math path on CPU); SwiGLU saves four
+  [n, ffn] tensors (w1 out, silu out, w3 out, their product); under bf16 autocast every linear saves
+  its own bf16 cast of an fp32 input (q, k and v each cast the norm output) and a bf16 copy of its
+  weight — per microbatch in flight, since each microbatch runs in its own autocast region; the LM
+  head's cross-entropy saves the fp32 softmax over the (padded) local vocabulary.
+* "korthikanti": Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+  Models", §4), term by term, generalised to GQA, SwiGLU and MoE: with e-byte activations and 1-byte
+  dropout masks a GPT layer stores s·b·h·(34 + 5·a·s/h) bytes at e=2; tensor parallelism divides the 24
+  sbh of sharded terms and the attention scores; sequence parallelism also divides the 10 replicated
+  sbh; selective recompute drops the attention-score terms; full recompute keeps only each layer's
+  input. It describes Megatron with unfused attention, not shardwise: on `tiny` it is 11–38% below
+  what shardwise saves in fp32 and 60–70% below under bf16 (most of that the weight copies).
+
+A stage holds its per-microbatch figure for every microbatch its schedule keeps in flight
+(`schedule.in_flight`), plus the last stage's head (logits/softmax) for one microbatch.
 """
 from __future__ import annotations
 
-from shardwise.planner.layout import Layout, Stage, Workload
+from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.models import (
     ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, local_kv_heads,
     padded_vocab,
@@ -30,7 +49,8 @@ def stage_tensors(spec: ModelSpec, stage: Stage, lay: Layout) -> list[Tensor]:
     """The parameter tensors one rank of `stage` holds, in shardwise's named_parameters order."""
     t, ep = lay.tp, lay.ep
     out = embedding_tensors(spec, t) if stage.embedding else []
-    out += list(layer_tensors(spec, False, t, ep)) * stage.n_dense + list(layer_tensors(spec, True, t, ep)) * stage.n_moe
+    for moe in stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe:
+        out += layer_tensors(spec, moe, t, ep)
     if stage.head:
         out += head_tensors(spec, t, separate_copy=not stage.embedding)
     return out
@@ -51,26 +71,141 @@ def _shard(n: int, group: int) -> int:
     return -(-n // group)
 
 
-def static_bytes(local: Params, lay: Layout) -> dict:
-    """Weights, grads and optimizer state of one rank, as ZeRO stage `lay.zero` divides them."""
+def zero_groups(local: Params, lay: Layout) -> list[tuple[str, int, int]]:
+    """shardwise's flat ZeRO buffers of one rank: (axis, numel, group size) for dense matrices, dense 1-D
+    tensors (no weight decay) and expert matrices, as `GradReducer` groups them by (expert?, ndim >= 2)."""
     g = lay.dp * lay.cp
-    ge = max(1, g // lay.ep)
+    return [("dp_cp", local.dense - local.vectors, g), ("dp_cp", local.vectors, g),
+            ("edp", local.expert, max(1, g // lay.ep))]
+
+
+def zero_shard_numel(local: Params, lay: Layout) -> int:
+    """Elements of this rank's ZeRO shard: every flat buffer padded to a multiple of its group, then split."""
+    return sum(_shard(n, g) for _, n, g in zero_groups(local, lay) if n)
+
+
+def static_bytes(local: Params, lay: Layout) -> dict:
+    """Weights, grads and optimizer state of one rank, as ZeRO stage `lay.zero` divides them.
+
+    `grad_buffers`: shardwise's ZeRO-1 (`GradReducer`) keeps, next to the parameters' own .grad, a
+    persistent fp32 copy of every flat buffer's full gradient (the reduce-scatter input) and the fp32
+    gradient of its shard — 4·(padded flat + shard) bytes that ZeRO-0 does not need.
+    """
+    shard = zero_shard_numel(local, lay)
 
     def part(bytes_per: int, sharded: bool) -> int:
-        if not sharded:
-            return bytes_per * local.total
-        return bytes_per * (_shard(local.dense, g) + _shard(local.expert, ge))
+        return bytes_per * (shard if sharded else local.total)
 
     out = {
         "weights": part(BYTES_WEIGHT, lay.zero >= 3),
         "grads": part(BYTES_GRAD, lay.zero >= 2),
         "optimizer": part(BYTES_ADAM, lay.zero >= 1),
+        "grad_buffers": BYTES_GRAD * (sum(_shard(n, g) * g for _, n, g in zero_groups(local, lay)) + shard)
+        if lay.zero == 1 else 0,
     }
     out["total"] = sum(out.values())
     return out
 
 
-def layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, recompute: str | None = None) -> float:
+ACTIVATION_MODELS = ("shardwise", "korthikanti")
+
+
+def _norm_saved(tokens: int, h: int) -> int:
+    """An fp32 RMSNorm (autocast leaves it alone) saves its input, x·rsqrt and the rsqrt: 8·n·h + 4·n bytes."""
+    return 8 * tokens * h + 4 * tokens
+
+
+def _region_input(tokens: int, h: int, consumers: int, e: int, gathered: bool = False, mb: int = 1) -> int:
+    """What the linears entering a region save of their shared input: one fp32 tensor — unless it is a
+    copy per consuming linear: under bf16 autocast (each casts it), or under SP with mb > 1, where the
+    all-gathered [b, s, h] is a strided view of the [s, b, h] gather buffer and each linear saves its own
+    contiguous copy."""
+    shared = e == 4 and (not gathered or mb == 1)
+    return 4 * tokens * h if shared else consumers * e * tokens * h
+
+
+def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload,
+                                     recompute: str | None = None) -> float:
+    """Bytes shardwise's TransformerBlock saves for backward per microbatch on one rank (weight copies of
+    bf16 autocast excluded: `autocast_weight_bytes`).
+
+    n = mb·s/cp tokens per rank; n_r = n/tp of them in the replicated region under SP (norms, residual
+    dropout, MoE routing), n otherwise. Attention: norm, region input, then
+    * flash SDPA (cp=1): q and k after RoPE, v, the output (which is also wo's input), fp32 LSE [b, hq, s];
+    * ring (cp>1): the same, K/V as contiguous copies, plus wo's input (the output re-laid-out);
+    * Ulysses (cp>1): head-sharded q, k, v (K/V replicated when hkv < cp), output, LSE, wo's input and the
+      two int64 position permutations of the balanced order;
+    * attention dropout (SDPA's math path, what CPU runs): the softmax, the dropout mask and the dropped
+      probabilities [b, hq, s_loc, s], scaled q, K/V expanded to hq heads, and wo's input.
+    Dense MLP: norm, region input, SwiGLU's four [n, ffn/tp] tensors (GELU: two). MoE (replicated over
+    tp, routing n_r tokens, dropless and balanced: each rank's experts receive n_r·k rows): norm, the
+    router's fp32 logits, probabilities and LSE and int64 top-k indices, dispatch bookkeeping (two int64
+    index vectors and the fp32 weights of the n_r·k assignments), the received rows and their regroup
+    permutations, four [rows, expert_ffn] expert tensors, the combined rows and their weighted copy,
+    and the shared experts' SwiGLU tensors. Residual dropout adds its mask (activation dtype; under SP
+    the n_r·h slice a rank keeps is a view of the full n·h mask every rank draws).
+
+    shardwise has no recompute; the other modes are modelled as Megatron's: "selective" recomputes the
+    attention core (dropping the LSE and, with attention dropout, the s×s tensors — a flash kernel never
+    stores scores, so it saves little), "full" keeps each layer's fp32 input only.
+    """
+    recompute = recompute or lay.recompute
+    e, t, h, c = wl.act_bytes, lay.tp, spec.dim, lay.cp
+    s_loc = wl.seq_len // c
+    n = lay.mb * s_loc
+    n_r = n // t if lay.sp else n
+    if recompute == "full":
+        return 4 * n_r * h  # each layer's fp32 input; the layer being recomputed is added per stage
+    hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
+    dk, dv = spec.k_dim, spec.v_dim
+    mask = e * n * h if spec.dropout > 0 else 0  # under SP each rank keeps its slice of the full mask
+    lse = 4 * n * hq if recompute == "none" else 0  # selective recompute of the attention core drops it
+    attn = _norm_saved(n_r, h) + _region_input(n, h, 3, e, lay.sp, lay.mb) + mask
+    if spec.is_mla:  # compressed latents and their norms (replicated over tp, like the down-projections)
+        attn += 2 * e * n * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_dim)
+    if c > 1 and lay.cp_impl == "ulysses":
+        rep = c // hkv if hkv % c else 1
+        attn += e * n * (hq * dk + rep * hkv * (dk + dv) + 2 * hq * dv) + lse
+        attn += 2 * 8 * wl.seq_len  # gather / scatter permutations of the balanced order
+    elif c > 1:
+        attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + e * n * hq * dv + lse
+    elif spec.attn_dropout > 0:
+        scores = lay.mb * hq * s_loc * wl.seq_len
+        attn += (3 * e * scores if recompute == "none" else 0) + e * n * hq * (2 * dk + 2 * dv)
+    else:
+        attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + lse
+    mlp = _norm_saved(n_r, h) + mask
+    if not moe:
+        swiglu = spec.mlp == "swiglu"
+        mlp += _region_input(n, h, 2 if swiglu else 1, e, lay.sp, lay.mb)
+        mlp += (4 if swiglu else 2) * e * n * (spec.ffn_dim // t)
+        return attn + mlp
+    k, E, f_e = spec.topk, spec.n_experts, spec.expert_ffn_dim
+    rows = n_r * k
+    mlp += _region_input(n_r, h, 1 + (2 if spec.n_shared_experts else 0), e)  # router (+ shared w1, w3) input
+    mlp += 4 * n_r * (2 * E + 1) + 8 * rows  # router: logits, probs, LSE (fp32), top-k indices
+    mlp += 8 * rows * 2 + 4 * rows  # dispatch: send order, token index (int64), assignment weights
+    mlp += 4 * rows * h  # received rows (the fp32 norm output), grouped-GEMM input
+    if lay.ep > 1 and E // lay.ep > 1:
+        mlp += 2 * 8 * rows  # regroup permutation and its inverse
+    mlp += 4 * e * rows * f_e  # w1 out, silu out, w3 out, product
+    mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
+    mlp += 4 * e * n_r * spec.n_shared_experts * f_e
+    return attn + mlp
+
+
+def layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, recompute: str | None = None,
+                           model: str = "shardwise") -> float:
+    """Bytes one layer keeps for backward per microbatch on one rank, under activation `model`."""
+    if model == "shardwise":
+        return shardwise_layer_activation_bytes(spec, moe, lay, wl, recompute)
+    if model == "korthikanti":
+        return korthikanti_layer_activation_bytes(spec, moe, lay, wl, recompute)
+    raise ValueError(f"activation model {model!r}; valid: {', '.join(ACTIVATION_MODELS)}")
+
+
+def korthikanti_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload,
+                                       recompute: str | None = None) -> float:
     """Bytes one layer keeps for backward per microbatch on one rank (Korthikanti, generalised)."""
     recompute = recompute or lay.recompute
     e, t, h = wl.act_bytes, lay.tp, spec.dim
@@ -102,19 +237,57 @@ def layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload
     return attn + mlp
 
 
-def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
-    """The fp32 vocab-parallel logits of one microbatch, which cross-entropy keeps for backward."""
-    tokens = lay.mb * wl.seq_len // lay.cp
-    return 4.0 * tokens * (padded_vocab(spec, lay.tp) // lay.tp)
+def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload, model: str = "shardwise") -> float:
+    """The LM head of one microbatch: cross-entropy keeps the fp32 softmax over the local (padded) vocabulary;
+    shardwise's head also saves the final norm, the head's input, and int64 targets plus two bool masks."""
+    n = lay.mb * wl.seq_len // lay.cp
+    softmax = 4.0 * n * (padded_vocab(spec, lay.tp) // lay.tp)
+    if model == "korthikanti":
+        return softmax
+    n_r = n // lay.tp if lay.sp else n
+    head_in = _region_input(n, spec.dim, 1, wl.act_bytes, lay.sp, lay.mb)
+    return softmax + _norm_saved(n_r, spec.dim) + head_in + 10 * n
 
 
-def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, per_layer: dict) -> float:
-    """Peak activation bytes on one rank of `stage`; `per_layer` maps moe(bool) → layer_activation_bytes."""
-    held = (stage.n_dense * per_layer[False] + stage.n_moe * per_layer[True]) * in_flight(lay, stage.index)
+def autocast_weight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """bf16 autocast: every linear saves a bf16 copy of its (fp32 master) weight for backward, once per
+    microbatch, since each microbatch's forward runs in its own autocast region. Norms and the embedding
+    table are not cast; routed experts are (CUDA's per-expert F.linear path; CPU's grouped GEMM would stay
+    fp32). 0 for fp32 runs, and under full recompute (the copies would be recomputed with the layer)."""
+    if wl.act_bytes == 4 or lay.recompute == "full":
+        return 0.0
+    p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
+    head = padded_vocab(spec, lay.tp) // lay.tp * spec.dim if stage.head else 0
+    return float(wl.act_bytes * (p.total - p.vectors + head))
+
+
+def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
+                                model: str = "shardwise", recompute: str | None = None) -> dict:
+    """What one microbatch's forward through this stage's chunks saves for backward, by part:
+    {layers, head, embedding, rope, weights, total}. The "shardwise" embedding part is its int64 token ids
+    (under tp: the shifted local ids and the out-of-shard mask), rope the fp32 cos/sin tables of each chunk."""
+    per = {moe: layer_activation_bytes(spec, moe, lay, wl, recompute, model) for moe in (False, True)}
+    n = lay.mb * wl.seq_len // lay.cp
+    out = {"layers": stage.n_dense * per[False] + stage.n_moe * per[True],
+           "head": head_activation_bytes(spec, lay, wl, model) if stage.head else 0.0,
+           "embedding": 0.0, "rope": 0.0, "weights": 0.0}
+    if model == "shardwise":
+        chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
+        out["embedding"] = float((9 * n if lay.tp > 1 else 8 * n) if stage.embedding else 0)
+        out["rope"] = float(4 * (wl.seq_len // lay.cp) * spec.k_dim * chunks if not spec.learned_pos else 0)
+        out["weights"] = autocast_weight_bytes(spec, stage, lay, wl)
+    out["total"] = sum(out.values())
+    return out
+
+
+def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
+                           model: str = "shardwise") -> float:
+    """Peak activation bytes on one rank of `stage`: its microbatch figure (head excluded) for every
+    microbatch in flight, the head's for one, and under full recompute one layer's full activations."""
+    mb = microbatch_activation_bytes(spec, stage, lay, wl, model)
+    held = (mb["total"] - mb["head"]) * in_flight(lay, stage.index) + mb["head"]
     if lay.recompute == "full" and stage.n_layers:
         # The layer being recomputed materialises its full activations once more.
         kinds = [moe for moe, n in ((False, stage.n_dense), (True, stage.n_moe)) if n]
-        held += max(layer_activation_bytes(spec, moe, lay, wl, recompute="none") for moe in kinds)
-    if stage.head:
-        held += head_activation_bytes(spec, lay, wl)
+        held += max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
     return held

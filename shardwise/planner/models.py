@@ -4,9 +4,12 @@ Three sources: shardwise's own presets (`shardwise.config.MODEL_PRESETS`, exact 
 two MoE presets (Mixtral-8x7B, DeepSeek-V3) and Hugging Face `config.json` files of the llama, mistral,
 mixtral, qwen2 and gpt2 families. Counting follows shardwise's TP plan: the vocabulary is padded to a
 multiple of tp and sharded, wq/wk/wv/w1/w3 are split by output rows, wo/w2 by input columns, norms are
-replicated, and when n_kv_heads < tp every rank keeps one full K/V head. Routed experts are split over
-ep by expert and over tp like the dense MLP (expert tensor parallelism = tp); routers and shared
-experts are dense weights (replicated over ep).
+replicated, and when n_kv_heads < tp every rank keeps one full K/V head. An MoE block is shardwise's
+(`parallelize.apply_expert_parallel`): routed experts are split over ep by expert — each rank holds
+one stacked [E/ep, ...] tensor per projection — and the whole block (router, routed and shared
+experts) is replicated over tp, not tensor-sharded; routers and shared experts are dense weights
+(replicated over ep). MoE layers are those with i >= n_dense_layers and i % moe_every == 0
+(shardwise's `moe_every`, Megatron's moe_layer_freq; DeepSeek-V3's first-k-dense).
 
 DeepSeek-V3's Multi-head Latent Attention is modelled by its real projection shapes (q_a, q_b, kv_a,
 kv_b, o), with the down-projections and their norms replicated over tp (as Megatron does) and the
@@ -54,6 +57,10 @@ class ModelSpec:
     n_shared_experts: int = 0
     n_dense_layers: int = 0
     """Leading layers with a dense MLP in an MoE model (DeepSeek-V3: 3)."""
+    moe_every: int = 1
+    """Of the remaining layers, those with i % moe_every == 0 are MoE (shardwise's tiny-moe: 2)."""
+    aux_loss: bool = False
+    """Router aux/z loss on: shardwise all-reduces the (E+1) routing counts of every MoE forward."""
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_rope_dim: int = 0
@@ -83,10 +90,10 @@ class ModelSpec:
 
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers - self.n_dense_layers if self.is_moe else 0
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.is_moe and i >= self.n_dense_layers
+        return self.is_moe and i >= self.n_dense_layers and i % self.moe_every == 0
 
     @property
     def mlp_mats(self) -> int:
@@ -182,7 +189,12 @@ def attention_tensors(spec: ModelSpec, tp: int) -> list[Tensor]:
 
 
 def mlp_tensors(spec: ModelSpec, moe: bool, tp: int, ep: int) -> list[Tensor]:
-    """Norm, then w1, w3, w2 (GELU: fc1, fc2 with biases); MoE: router, shared experts, local routed experts."""
+    """Norm, then w1, w3, w2 (GELU: fc1, fc2 with biases); MoE (shardwise's order): router, the local routed
+    experts as one stacked tensor per projection, the shared experts as one MLP of n_shared·expert_ffn_dim.
+
+    The MoE block is replicated over tp: under SP each tp rank routes its own sequence shard, so every
+    MoE gradient is partial and summed over tp (`sp_replicated`).
+    """
     h, out = spec.dim, _norm(spec)
     if not moe:
         f = spec.ffn_dim // tp
@@ -190,10 +202,11 @@ def mlp_tensors(spec: ModelSpec, moe: bool, tp: int, ep: int) -> list[Tensor]:
             out += [Tensor(h * f)] + ([Tensor(f, matrix=False)] if spec.linear_bias else []) + [Tensor(f * h)]
             return out + ([Tensor(h, matrix=False, sp_replicated=True)] if spec.linear_bias else [])
         return out + [Tensor(h * f)] * 3
-    one = [Tensor(h * (spec.expert_ffn_dim // tp))] * spec.mlp_mats
-    routed = [Tensor(t.numel, expert=True) for t in one]
-    return out + [Tensor(h * spec.n_experts, sp_replicated=True)] + one * spec.n_shared_experts + \
-        routed * (spec.n_experts // ep)
+    rep = dict(sp_replicated=True)
+    routed = [Tensor(spec.n_experts // ep * h * spec.expert_ffn_dim, expert=True, **rep)] * spec.mlp_mats
+    shared = [Tensor(h * spec.n_shared_experts * spec.expert_ffn_dim, **rep)] * spec.mlp_mats \
+        if spec.n_shared_experts else []
+    return out + [Tensor(h * spec.n_experts, **rep)] + routed + shared
 
 
 @lru_cache(maxsize=4096)
@@ -225,10 +238,16 @@ def total_params(spec: ModelSpec) -> int:
 
 
 def from_model_config(cfg: ModelConfig) -> ModelSpec:
+    """The planner's view of a shardwise ModelConfig (MoE fields included: tiny-moe is exact)."""
+    moe = {}
+    if cfg.moe_experts:
+        moe = dict(n_experts=cfg.moe_experts, topk=cfg.moe_topk, expert_ffn_dim=cfg.moe_ffn_dim or cfg.ffn_dim,
+                   n_shared_experts=cfg.moe_shared_experts, moe_every=cfg.moe_every,
+                   aux_loss=bool(cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef))
     return ModelSpec(
         name=cfg.name, vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_dim=cfg.ffn_dim, max_seq_len=cfg.max_seq_len,
-        tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout, attn_dropout=cfg.attn_dropout,
+        tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout, attn_dropout=cfg.attn_dropout, **moe,
     )
 
 

@@ -79,7 +79,7 @@ def search(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpace =
     """Estimates of every fitting layout, fastest first (ties: less memory first)."""
     results = []
     for lay in candidates(spec, cluster, wl, space):
-        mem = memory_by_stage(spec, lay, wl)
+        mem = memory_by_stage(spec, lay, wl, assume.activation_model)
         if fits(mem, cluster, assume):
             results.append(estimate(spec, cluster, lay, wl, assume, mem=mem))
     results.sort(key=lambda r: (r["step_time_s"], r["total_bytes_per_rank"]))

@@ -1,0 +1,137 @@
+"""Run observability: metrics.jsonl + TensorBoard events while training, `shardwise report` after.
+
+`RunLog` is rank 0's writer: one JSON line per step (the contract) and, when the `tensorboard`
+package is installed, the same scalars as TensorBoard events under RUN_DIR/tensorboard.
+`shardwise report RUN_DIR` renders loss, tokens/s, communication per axis and (with pp) the
+recorded pipeline Gantt chart to PNG files and prints a short text summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+class RunLog:
+    def __init__(self, out: str, start: int = 0):
+        path = os.path.join(out, "metrics.jsonl")
+        rows = []
+        if start and os.path.exists(path):  # resuming: keep rows up to the checkpoint, drop later ones
+            with open(path) as f:
+                rows = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
+        self.file = open(path, "w")
+        self.file.writelines(rows)
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start + 1 if start else None)
+        except ImportError:
+            pass
+
+    def write(self, rec: dict, comm_axes: dict | None = None) -> None:
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if self.tb is None:
+            return
+        step = rec["step"]
+        for key in ("loss", "lr", "grad_norm", "step_time_s", "moe_max_over_mean_load", "moe_aux_loss"):
+            if key in rec and rec[key] is not None:
+                self.tb.add_scalar(f"train/{key}", rec[key], step)
+        self.tb.add_scalar("train/tokens_per_s", rec["tokens"] / rec["step_time_s"], step)
+        for axis, ops in (comm_axes or {}).items():
+            self.tb.add_scalar(f"comm_bytes/{axis}", sum(v["bytes"] for v in ops.values()), step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def render(run_dir: str) -> list[str]:
+    """Write the PNGs; return the summary lines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("shardwise report needs matplotlib: pip install matplotlib") from None
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(metrics):
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is it a shardwise run directory?)")
+    rows = _read_jsonl(metrics)
+    if not rows:
+        raise ValueError(f"{metrics} is empty")
+    steps = [r["step"] for r in rows]
+    written = []
+
+    def save(fig, name):
+        path = os.path.join(run_dir, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps, [r["loss"] for r in rows], lw=1.2)
+    ax.set(xlabel="step", ylabel="loss", title="training loss")
+    ax.grid(alpha=0.3)
+    save(fig, "loss.png")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps, [r["tokens"] / r["step_time_s"] for r in rows], lw=1.2, color="tab:green")
+    ax.set(xlabel="step", ylabel="tokens / s", title="throughput")
+    ax.grid(alpha=0.3)
+    save(fig, "tokens_per_s.png")
+    lines = [f"run {run_dir}: {len(rows)} steps, loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, "
+             f"median {sorted(r['tokens'] / r['step_time_s'] for r in rows)[len(rows) // 2]:.0f} tokens/s"]
+    comm_path = os.path.join(run_dir, "comm.json")
+    if os.path.exists(comm_path):
+        with open(comm_path) as f:
+            ledger = json.load(f)
+        last = ledger["per_step"][-1]["axes"] if ledger["per_step"] else {}
+        axes = sorted(last)
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        per_axis = [sum(v["bytes"] for v in last[a].values()) / 2**20 for a in axes]
+        ax.bar(axes, per_axis, color="tab:orange")
+        ax.set(ylabel="MiB per step (payload, rank 0)", title="communication per axis")
+        save(fig, "comm_per_axis.png")
+        lines.append("communication per step (rank 0, payload bytes): " +
+                     ", ".join(f"{a} {b:.2f} MiB" for a, b in zip(axes, per_axis)))
+    timeline = os.path.join(run_dir, "timeline.json")
+    if os.path.exists(timeline):
+        from .pipeline.cli import read_timeline
+        from .pipeline.draw import draw_timeline
+        from .pipeline.simulate import measured_bubble
+
+        doc = read_timeline(timeline)
+        written.append(str(draw_timeline(doc["ranks"], os.path.join(run_dir, "timeline.png"),
+                                         f"{doc['schedule']} p={doc['pp']} m={doc['microbatches']} (recorded)")))
+        lines.append(f"pipeline {doc['schedule']}: measured bubble {measured_bubble(doc['ranks']):.3f}")
+    if "moe_max_over_mean_load" in rows[-1]:
+        lines.append(f"MoE max/mean expert load {rows[0]['moe_max_over_mean_load']:.2f} -> "
+                     f"{rows[-1]['moe_max_over_mean_load']:.2f}")
+    return lines + ["wrote " + ", ".join(os.path.basename(p) for p in written)]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("report", help="render a run directory's curves, comm and pipeline chart to PNG")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    try:
+        lines = render(args.run_dir)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"shardwise report: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,310 @@
+"""Hugging Face interop: HF checkpoints load into every layout with transformers' logits; export round-trips.
+
+Tiny random models are built with transformers itself (weights drawn with initializer_range 0.2,
+so attention is far from uniform and a wrong q/k permutation is visible: it changes logits by ~5,
+against ~1e-6 when right). Multi-rank runs: tp=2 × pp=2 × SP (CLI, with every safetensors read
+recorded), tp=2, tp=2 × cp=2 × SP, dualpipev pp=2, Mixtral dp=2 × ep=2 (reads recorded) and
+tp=2 × SP, Qwen2 tp=2.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+
+from shardwise import hf  # noqa: E402
+from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from shardwise.hf_cli import add_parser, compare, hf_logits, run_export  # noqa: E402
+
+FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+needs_bias = pytest.mark.skipif("attention_bias" not in FIELDS,
+                                reason="Qwen2 needs ModelConfig.attention_bias and q/k/v biases (patch in the report)")
+needs_rope_scaling = pytest.mark.skipif("rope_scaling" not in FIELDS,
+                                        reason="llama3 RoPE needs ModelConfig.rope_scaling (patch in the report)")
+SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _save(factory, name, cls_name, save_kw=None, biases=False, **cfg_kw):
+    torch.manual_seed(len(name))
+    config = getattr(transformers, f"{cls_name}Config")(**(SHAPE | cfg_kw))
+    model = getattr(transformers, f"{cls_name}ForCausalLM")(config)
+    if biases:  # HF zero-initialises them; random biases make the permutation of q/k biases matter
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("bias"):
+                    p.normal_(0.0, 0.5)
+    path = str(factory.mktemp(name))
+    model.save_pretrained(path, safe_serialization=True, **(save_kw or {}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> HF directory. llama: GQA 4/2, untied, rope_theta 5e5; tied: one K/V head (shared by tp=2
+    ranks), tied embeddings, sharded into several files with an index; mixtral: 4 experts, top-2."""
+    f = tmp_path_factory
+    out = {"llama": _save(f, "llama", "Llama", rope_theta=500000.0),
+           "tied": _save(f, "tied", "Llama", dict(max_shard_size="20KB"), num_key_value_heads=1,
+                         tie_word_embeddings=True, num_hidden_layers=2),
+           "mixtral": _save(f, "mixtral", "Mixtral", num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+           "mistral_window": _save(f, "mistral", "Mistral", sliding_window=16, num_hidden_layers=2)}
+    if "attention_bias" in FIELDS:
+        out["qwen2"] = _save(f, "qwen2", "Qwen2", biases=True, num_hidden_layers=2)
+    if "rope_scaling" in FIELDS:
+        out["llama3"] = _save(f, "llama3", "Llama", rope_parameters=LLAMA3_ROPE, num_hidden_layers=2)
+    return out
+
+
+@pytest.fixture
+def reads(tmp_path, monkeypatch):
+    """Record every safetensors read made inside a rank (rank, name, box, elements); returns a collector.
+
+    Forked ranks inherit the patched `safetensors.safe_open`; each appends to its own file.
+    """
+    import torch.distributed as dist
+
+    real, log = safetensors.safe_open, tmp_path / "reads"
+    log.mkdir()
+
+    def record(name, op, box, numel):
+        if dist.is_initialized():
+            with open(log / f"{os.getpid()}.jsonl", "a") as fh:
+                fh.write(json.dumps({"rank": dist.get_rank(), "name": name, "op": op, "numel": numel,
+                                     "box": [[b.start, b.stop] for b in box]}) + "\n")
+
+    class Slice:
+        def __init__(self, inner, name):
+            self.inner, self.name = inner, name
+
+        def get_shape(self):
+            return self.inner.get_shape()
+
+        def __getitem__(self, box):
+            t = self.inner[box]
+            record(self.name, "get_slice", box if isinstance(box, tuple) else (box,), t.numel())
+            return t
+
+    class Handle:
+        def __init__(self, *args, **kwargs):
+            self.inner = real(*args, **kwargs)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return Slice(self.inner.get_slice(name), name)
+
+        def get_tensor(self, name):
+            t = self.inner.get_tensor(name)
+            record(name, "get_tensor", (), t.numel())
+            return t
+
+    monkeypatch.setattr(safetensors, "safe_open", Handle)
+    return lambda: [json.loads(line) for p in log.glob("*.jsonl") for line in p.read_text().splitlines()]
+
+
+def _full_numel(path):
+    files = hf._Files(path)
+    return {n: int(torch.Size(files.shape(n)).numel()) for n in files.where}
+
+
+def _check_result(r):
+    assert r["passed"] and r["max_abs_diff"] < 1e-4 * max(1.0, r["max_ref_abs"]), r
+
+
+@pytest.mark.parametrize("name", ["llama", "tied", "mixtral", "qwen2", "llama3"])
+def test_single_device_matches_transformers(models, name):
+    if name not in models:
+        pytest.skip("qwen2 needs ModelConfig.attention_bias" if name == "qwen2" else
+                    "llama3 RoPE needs ModelConfig.rope_scaling (patch in the report)")
+    if name == "tied":
+        assert os.path.isfile(os.path.join(models[name], hf.INDEX))
+        assert len([f for f in os.listdir(models[name]) if f.endswith(".safetensors")]) > 1
+    _check_result(compare(models[name], ParallelConfig(), seq_len=32, batch=2))
+
+
+LAYOUTS = {
+    "llama_tp2": ("llama", dict(tp=2)),
+    "tied_tp2_cp2_sp": ("tied", dict(tp=2, cp=2, sequence_parallel=True)),
+    "llama_dualpipev_pp2": ("llama", dict(pp=2, schedule="dualpipev")),
+    "mixtral_tp2_sp": ("mixtral", dict(tp=2, sequence_parallel=True)),
+    "qwen2_tp2": ("qwen2", dict(tp=2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_transformers(models, layout):
+    name, degrees = LAYOUTS[layout]
+    if name not in models:
+        pytest.skip("qwen2 needs ModelConfig.attention_bias (patch in the report)")
+    _check_result(compare(models[name], ParallelConfig(**degrees), seq_len=32, batch=2))
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_tp2_pp2_reads_only_local_slices(models, reads, capsys):
+    """hf-compare on tp=2 × pp=2: logits match, and each HF tensor is read by one pipeline stage only,
+    split between its two TP ranks (norms whole on both), never with get_tensor."""
+    assert _cli(["hf-compare", models["llama"], "--tp", "2", "--pp", "2", "--sequence-parallel",
+                 "--seq-len", "16", "--batch", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["passed"] and result["layout"]["tp"] == 2 and result["layout"]["pp"] == 2, result
+    records = reads()
+    assert records and not [r for r in records if r["op"] != "get_slice"]
+    full = _full_numel(models["llama"])
+    assert {r["name"] for r in records} == set(full)
+    for name, numel in full.items():
+        got = [r for r in records if r["name"] == name]
+        assert len({r["rank"] // 2 for r in got}) == 1, (name, got)  # rank = pp · tp + tp_rank
+        layer = int(name.split(".")[2]) if ".layers." in name else None
+        if layer is not None:
+            assert got[0]["rank"] // 2 == layer // 2, (name, got)  # layers 0-1 on stage 0, 2-3 on stage 1
+        assert len(got) == 2, (name, got)
+        if name.endswith("norm.weight"):
+            assert all(r["numel"] == numel for r in got)
+        else:
+            assert sum(r["numel"] for r in got) == numel and got[0]["box"] != got[1]["box"], (name, got)
+    assert sum(r["numel"] * 4 for r in records) == sum(result["bytes_read_per_rank"])
+
+
+def test_mixtral_dp2_ep2_reads_only_local_experts(models, reads):
+    r = compare(models["mixtral"], ParallelConfig(dp=2, ep=2), seq_len=16, batch=2)
+    _check_result(r)
+    records = reads()
+    assert not [x for x in records if x["op"] != "get_slice"]
+    for name, numel in _full_numel(models["mixtral"]).items():
+        got = sorted(x["rank"] for x in records if x["name"] == name)
+        if ".experts." in name:  # expert e lives on ep rank e // 2 only
+            assert got == [int(name.split(".experts.")[1].split(".")[0]) // 2], (name, got)
+        else:  # everything else is replicated over dp
+            assert got == [0, 1] and all(x["numel"] == numel for x in records if x["name"] == name), name
+
+
+def test_fused_mixtral_experts_load(models, tmp_path):
+    """transformers >= 5 keeps experts fused in memory (gate_up_proj [E, 2F, D], down_proj): a file
+    saved from its state_dict loads too."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["mixtral"])
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if not any(k.endswith("gate_up_proj") for k in state):
+        pytest.skip("this transformers keeps Mixtral experts per expert")
+    from safetensors.torch import save_file
+
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(models["mixtral"], "config.json"), tmp_path)
+    r = compare(str(tmp_path), ParallelConfig(), seq_len=16, batch=2)
+    _check_result(r)
+    assert torch.allclose(r["logits"], hf_logits(models["mixtral"], _tokens(16)), atol=1e-5)
+
+
+def _tokens(seq_len, batch=2, seed=0):
+    return torch.randint(0, SHAPE["vocab_size"], (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def _single_model(path):
+    from shardwise.mesh import Mesh
+    from shardwise.parallelize import build_model
+
+    cfg = hf.config_from_hf(path)
+    model = build_model(cfg, Mesh.single(), seed=0)
+    hf.load_hf_into(model, path)
+    return cfg, model.eval()
+
+
+@pytest.mark.parametrize("name,as_state", [("llama", False), ("tied", True), ("mixtral", True), ("qwen2", False)])
+def test_export_round_trip(models, tmp_path, name, as_state):
+    if name not in models:
+        pytest.skip("qwen2 needs ModelConfig.attention_bias (patch in the report)")
+    cfg, model = _single_model(models[name])
+    out = hf.export_hf(model.state_dict() if as_state else model, cfg, str(tmp_path / "out"))
+    tokens = _tokens(24)
+    ref = hf_logits(models[name], tokens)
+    assert torch.allclose(hf_logits(out, tokens), ref, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        assert torch.allclose(model(tokens), ref, atol=1e-4, rtol=0)
+    back = hf.config_from_hf(out)
+    assert dataclasses.replace(back, name=cfg.name) == cfg
+
+
+def test_hf_export_from_checkpoint(models, tmp_path):
+    """A checkpoint of a model loaded from HF exports (hf-export) to the same HF logits."""
+    from shardwise.checkpoint import save_checkpoint
+    from shardwise.train import Trainer, make_mesh
+
+    cfg = TrainConfig(model=hf.config_from_hf(models["llama"]), steps=1, seq_len=16, micro_batch=2, progress=False)
+    trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")), tokens=torch.randint(0, 101, (2048,)))
+    hf.load_hf_into(trainer.model, models["llama"])
+    save_checkpoint(str(tmp_path / "ckpt"), 0, trainer)
+    out = str(tmp_path / "exported")
+    assert run_export(argparse.Namespace(ckpt_dir=str(tmp_path / "ckpt"), out_dir=out)) == 0
+    tokens = _tokens(16)
+    assert torch.allclose(hf_logits(out, tokens), hf_logits(models["llama"], tokens), atol=1e-6, rtol=0)
+
+
+def test_sliding_window_caps_sequence(models):
+    with pytest.warns(UserWarning, match="sliding_window=16"):
+        cfg = hf.config_from_hf(models["mistral_window"])
+    assert cfg.max_seq_len == 16
+    with pytest.warns(UserWarning):
+        _check_result(compare(models["mistral_window"], ParallelConfig(), seq_len=16, batch=2))
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match="max_seq_len=16"):
+        compare(models["mistral_window"], ParallelConfig(), seq_len=32)
+
+
+def _write_config(tmp_path, **changes):
+    base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 101, "hidden_size": 32,
+            "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps(base | changes))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(model_type="gpt2"), "model_type='gpt2' is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(head_dim=16), "head_dim=16"),
+    (dict(mlp_bias=True), "mlp_bias=True"),
+    (dict(attention_bias=True), "attention_bias=True"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type='yarn'"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), "rope_parameters.rope_type='dynamic'"),
+    (dict(architectures=["LlamaForSequenceClassification"]), "only \\*ForCausalLM"),
+    (dict(hidden_size=None), "lacks 'hidden_size'"),
+])
+def test_unsupported_configs_are_refused(tmp_path, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        hf.config_from_hf(_write_config(tmp_path, **changes))
+
+
+def test_config_mapping_and_rope_scaling(tmp_path):
+    cfg = hf.config_from_hf(_write_config(tmp_path, rope_theta=5e5, tie_word_embeddings=True))
+    assert (cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.max_seq_len, cfg.rope_theta, cfg.norm_eps,
+            cfg.tie_embeddings) == (32, 4, 2, 48, 64, 5e5, 1e-6, True)
+    scaled = _write_config(tmp_path, rope_scaling=LLAMA3_ROPE)
+    if "rope_scaling" in FIELDS:
+        assert hf.config_from_hf(scaled).rope_scaling == (8.0, 1.0, 4.0, 16)
+    else:
+        with pytest.raises(ConfigError, match="needs ModelConfig.rope_scaling"):
+            hf.config_from_hf(scaled)
+    with pytest.raises(ConfigError, match="no config.json"):
+        hf.config_from_hf(str(tmp_path / "missing"))
+
+
+def test_export_refuses_what_hf_cannot_express(tmp_path):
+    moe = ModelConfig(moe_experts=4, moe_topk=2, moe_softmax_before_topk=False, moe_shared_experts=1)
+    with pytest.raises(ConfigError, match="moe_shared_experts=1"):
+        hf.export_hf({}, moe, str(tmp_path))
+    with pytest.raises(ConfigError, match="moe_softmax_before_topk=True"):
+        hf.export_hf({}, dataclasses.replace(moe, moe_shared_experts=0, moe_softmax_before_topk=True), str(tmp_path))
