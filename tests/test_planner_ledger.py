@@ -57,6 +57,8 @@ LAYOUTS = {
     "ep2-dp2-tp2-sp-moe": (4, "tiny-moe", dict(dp=2, tp=2, ep=2, sequence_parallel=True), dict(KW, global_batch=8)),
     "dp2-tp2-pp2-sp-zero1": (8, "tiny", dict(dp=2, tp=2, pp=2, sequence_parallel=True, zero=1),
                              dict(KW, global_batch=16)),
+    "tp4-cp2-ulysses": (8, "tiny", dict(tp=4, cp=2, cp_impl="ulysses"), dict(KW, global_batch=4)),  # K/V replicated
+    "tp8": (8, "tiny", dict(tp=8), dict(KW, global_batch=4)),  # 4 K/V heads on 8 ranks: their grads summed over tp
 }
 IGNORED_TAGS = ("metrics", "grad_norm")
 ROUTED = ("all_to_all:dispatch", "all_to_all:combine", "all_to_all:combine_grad", "all_to_all:dispatch_grad")
