@@ -31,7 +31,12 @@ class ModelConfig:
     """SwiGLU inner size (w1/w3 output features)."""
     max_seq_len: int = 512
     rope_theta: float = 10000.0
+    rope_scaling: tuple[float, float, float, int] | None = None
+    """Llama-3.1 RoPE frequency scaling (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings), as HF's rope_type "llama3"; None = plain RoPE."""
     norm_eps: float = 1e-5
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2); wo and the MLP stay bias-free."""
     tie_embeddings: bool = False
     """Share the token-embedding matrix with the LM head."""
     dropout: float = 0.0
@@ -96,7 +101,7 @@ class ModelConfig:
     def num_params(self) -> int:
         """Total parameter count (embedding and LM head counted once each unless tied)."""
         h, kv = self.dim, self.n_kv_heads * self.head_dim
-        attn = h * h * 2 + h * kv * 2
+        attn = h * h * 2 + h * kv * 2 + ((h + 2 * kv) if self.attention_bias else 0)
         dense_mlp = 3 * h * self.ffn_dim
         moe_ffn = self.moe_ffn_dim or self.ffn_dim
         moe_mlp = 3 * h * moe_ffn * (self.moe_experts + self.moe_shared_experts) + self.moe_experts * h

@@ -45,10 +45,11 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
             block.feed_forward = apply_expert_parallel(cfg, mesh, sp)
             ffn = None
         kv_rows, kv_replicas, kv_reduce = _kv_rows(cfg, tp)
-        attn.wq = ColumnParallelLinear(h, cfg.n_heads * hd, tp, enter=False, **kw)
-        attn.wk = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, enter=False, rows=kv_rows,
+        bias = cfg.attention_bias
+        attn.wq = ColumnParallelLinear(h, cfg.n_heads * hd, tp, bias=bias, enter=False, **kw)
+        attn.wk = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
                                        replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
-        attn.wv = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, enter=False, rows=kv_rows,
+        attn.wv = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
                                        replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
         attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sequence_parallel=sp, **kw)
         if ffn is not None:
@@ -120,8 +121,8 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
 
 def global_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
     kind, std = Transformer.init_rule(name, cfg)
-    if kind == "ones":
-        return torch.ones(shape)
+    if kind in ("ones", "zeros"):
+        return torch.ones(shape) if kind == "ones" else torch.zeros(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 

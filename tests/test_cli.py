@@ -13,7 +13,7 @@ def shardwise(*args, timeout=300):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["train", "--ep", "2"], "expert parallelism (ep=2) is not implemented yet"),
+    (["train", "--ep", "2"], "--ep 2 needs an MoE model"),
     (["train", "--cp", "2", "--seq-len", "102"], "cannot be split over cp c=2"),
     (["train", "--pp", "3"], "8 layers cannot be split evenly over 3 stages"),
     (["train", "--tp", "3"], "--tp 3 does not divide n_heads=8"),

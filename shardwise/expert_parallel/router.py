@@ -76,7 +76,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [N, dim] → Routing. Accumulates `pending_counts` while training (for `update_bias`)."""
-        logits = F.linear(x.float(), self.weight.float())
+        with torch.autocast(x.device.type, enabled=False):  # routing math stays fp32 under bf16 autocast
+            logits = F.linear(x.float(), self.weight.float())
         n, e, k = logits.shape[0], self.n_experts, self.topk
         after = self.score == "softmax" and not self.softmax_before_topk
         if self.score == "softmax":

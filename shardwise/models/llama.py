@@ -33,9 +33,21 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device, positions=None):
-    """cos/sin tables [s, head_dim/2]; `positions` lets a sequence shard use its global positions."""
+def llama3_inv_freq(inv: torch.Tensor, factor: float, low: float, high: float, old_len: int) -> torch.Tensor:
+    """Llama-3.1 long-context RoPE: divide low frequencies by `factor`, keep high ones, blend between."""
+    wavelen = 2 * math.pi / inv
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv / factor + smooth * inv
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device, positions=None, scaling=None):
+    """cos/sin tables [s, head_dim/2]; `positions` lets a sequence shard use its global positions.
+
+    `scaling` is ModelConfig.rope_scaling (Llama-3.1 frequency scaling) or None.
+    """
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv = llama3_inv_freq(inv, *scaling)
     pos = torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None else positions.float()
     ang = torch.outer(pos, inv)
     return ang.cos(), ang.sin()
@@ -54,9 +66,9 @@ class Attention(nn.Module):
         super().__init__()
         h, hd = cfg.dim, cfg.head_dim
         self.head_dim = hd
-        self.wq = nn.Linear(h, cfg.n_heads * hd, bias=False)
-        self.wk = nn.Linear(h, cfg.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(h, cfg.n_kv_heads * hd, bias=False)
+        self.wq = nn.Linear(h, cfg.n_heads * hd, bias=cfg.attention_bias)
+        self.wk = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.wv = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.wo = nn.Linear(cfg.n_heads * hd, h, bias=False)
         self.attn_dropout = cfg.attn_dropout
         self.rng = None  # RNGTracker, set by the parallel plan: attention dropout is a TP-sharded region
@@ -138,12 +150,14 @@ class Transformer(nn.Module):
         if cp is None or not cp.active:
             if local_len > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {local_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-            return rope_tables(self.cfg.head_dim, local_len, self.cfg.rope_theta, device)
+            return rope_tables(self.cfg.head_dim, local_len, self.cfg.rope_theta, device,
+                               scaling=self.cfg.rope_scaling)
         seq_len = local_len * cp.size
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
         pos = cp_positions(seq_len, cp.rank, cp.size, self.cp_order, device)
-        return rope_tables(self.cfg.head_dim, local_len, self.cfg.rope_theta, device, positions=pos)
+        return rope_tables(self.cfg.head_dim, local_len, self.cfg.rope_theta, device, positions=pos,
+                           scaling=self.cfg.rope_scaling)
 
     def forward(self, tokens):
         cos, sin = self.rope(tokens.shape[1], tokens.device)
@@ -159,9 +173,11 @@ class Transformer(nn.Module):
 
     @staticmethod
     def init_rule(name: str, cfg: ModelConfig) -> tuple[str, float]:
-        """How to initialise the *global* tensor called `name`: ('ones', 0) or ('normal', std)."""
+        """How to initialise the *global* tensor called `name`: ('ones', 0), ('zeros', 0) or ('normal', std)."""
         if name.endswith("norm.weight"):
             return "ones", 0.0
+        if name.endswith(".bias"):
+            return "zeros", 0.0
         if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             return "normal", 0.02 / math.sqrt(2 * cfg.n_layers)
         return "normal", 0.02
