@@ -173,8 +173,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions per model (default: tiny 40, small 16)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=90.0,
-                    help="wall-time budget for all models; repetitions stop early (after at least 3) once a "
-                         "model's share is spent, so an overloaded box still finishes")
+                    help="wall-time budget for all models; warm-up (after 1) and repetitions (after 3) stop "
+                         "early once a model's share is spent, so an overloaded box still finishes")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 = torch's default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per implementation")
@@ -199,19 +199,22 @@ def main() -> None:
         sw = build_model(cfg, Mesh.single(), seed=args.seed)
         hf = hf_model(cfg)
         mapping = copy_weights(sw, hf, cfg)
-        sw.train(), hf.train()
         gen = torch.Generator().manual_seed(args.seed + 1)
         data = torch.randint(0, cfg.vocab_size, (args.batch, seq + 1), generator=gen)
         tokens, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
-        sw.eval(), hf.eval()
+        for m in (sw, hf):
+            m.eval()  # dropout is 0 anyway; eval only for the logits comparison
         diffs[name] = check(sw, hf, cfg, mapping, tokens, targets)
-        sw.train(), hf.train()
+        for m in (sw, hf):
+            m.train()
         print(f"[{name}] dim {cfg.dim} layers {cfg.n_layers} heads {cfg.n_heads}/{cfg.n_kv_heads} ffn {cfg.ffn_dim} "
               f"vocab {cfg.vocab_size}, batch {args.batch} seq {seq}; max abs diff {diffs[name]}", file=sys.stderr)
 
         impls = {"shardwise": (sw_step, sw), "transformers": (hf_step, hf)}
-        for _ in range(args.warmup):
+        for w in range(args.warmup):
+            if w >= 1 and time.perf_counter() > deadline:
+                break
             for fn, model in impls.values():
                 timed(fn, model, tokens, targets)
         times = {k: [] for k in impls}

@@ -83,6 +83,11 @@ class ModelConfig:
             raise ConfigError(
                 f"model {self.name!r}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
+        for f in ("moe_topk", "moe_every"):  # refused even on a dense model: a typo should not pass silently
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ConfigError(f"--{f.replace('_', '-')} {getattr(self, f)!r} must be a positive integer")
+        if self.moe_experts < 0:
+            raise ConfigError(f"--moe-experts {self.moe_experts} must be >= 0 (0 = dense)")
         if self.moe_experts:
             if not 1 <= self.moe_topk <= self.moe_experts:
                 raise ConfigError(f"model {self.name!r}: moe_topk={self.moe_topk} must be in [1, moe_experts="

@@ -214,10 +214,18 @@ def _write_timeline(trainer: Trainer, out: str) -> dict | None:
         return None
     events = [e for e, _ in gathered]
     write_timeline(os.path.join(out, "timeline.json"), sched.name, sched.p, sched.m, sched.v, events)
-    # Simulate with the measured mean cost of each kind, so simulated and measured bubbles compare like for like.
-    costs = {k: [e["end"] - e["start"] for r in events for e in r if e["kind"] == k] for k in "FBW"}
-    mean = {k: sum(v) / len(v) for k, v in costs.items() if v}
-    sim = simulate(sched, cost_f=mean["F"], cost_b=mean["B"], cost_w=mean.get("W", 0.0))
+    # Simulate with each rank's measured mean cost per kind (the last stage also runs the head and
+    # loss), so simulated and measured bubbles compare like for like.
+    def means(evs):
+        out = {}
+        for k in "FBW":
+            d = [e["end"] - e["start"] for e in evs if e["kind"] == k]
+            if d:
+                out[k] = sum(d) / len(d)
+        return out
+
+    mean = means([e for r in events for e in r])
+    sim = simulate(sched, cost_w=0.0, rank_costs=[means(r) for r in events])
     return {"schedule": sched.name, "peak_inflight_per_stage": [pk for _, pk in gathered],
             "analytic_bubble": analytic_bubble(sched.name, sched.p, sched.m, sched.v),
             "simulated_bubble": sim.bubble_fraction, "measured_bubble": measured_bubble(events),

@@ -54,11 +54,10 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device, positions=Non
 
 
 def apply_rope(x, cos, sin):
-    """x [b, s, heads, hd]; rotate interleaved pairs (Meta's Llama convention)."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).type_as(x)
+    """x [b, s, heads, hd]; rotate interleaved pairs (Meta's Llama convention) as one complex multiply."""
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    rot = torch.complex(cos, sin)[None, :, None, :]
+    return torch.view_as_real(xc * rot).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):

@@ -137,16 +137,20 @@ def simulate(
     cost_w: float = 1.0,
     comm: float = 0.0,
     costs: dict | None = None,
+    rank_costs: list[dict] | None = None,
 ) -> SimResult:
     """Event-simulate ``schedule``; raise ScheduleError if malformed, DeadlockError if stuck.
 
     Costs are per action (one microbatch through one chunk). The defaults F=B=W=1 model a
     backward that costs twice the forward; a fused B costs cost_b + cost_w. ``costs`` (a dict
-    keyed by "F"/"B"/"W") overrides the scalars.
+    keyed by "F"/"B"/"W") overrides the scalars; ``rank_costs`` (one such dict per rank) overrides
+    them per rank — e.g. measured means, where the last stage also runs the LM head and loss.
     """
     validate(schedule)
     s, layout = schedule, schedule.layout
     c = _costs(s.split_bw, cost_f, cost_b, cost_w, costs)
+    per_rank = [_costs(s.split_bw, cost_f, cost_b, cost_w, {**(costs or {}), **rc}) for rc in rank_costs] \
+        if rank_costs is not None else [c] * s.p
     last = s.num_stages - 1
     finished: dict[tuple[str, int, int], tuple[float, int]] = {}  # (kind, stage, mb) -> (end, rank)
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(s.p)]
@@ -173,7 +177,7 @@ def simulate(
                     break
                 ready = [finished[d][0] + (comm if finished[d][1] != r else 0.0) for d in needed]
                 start = max([clock[r], *ready])
-                clock[r] = start + c[a.kind]
+                clock[r] = start + per_rank[r][a.kind]
                 finished[(a.kind, stage, a.microbatch)] = (clock[r], r)
                 timeline[r].append((a, start, clock[r]))
                 nxt[r] += 1

@@ -9,6 +9,7 @@ vocabulary columns (>= vocab_size) are excluded, and the input logits are never 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import comm
 
@@ -22,7 +23,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if valid_cols < n_local:
             z = z.clone()
             z[..., valid_cols:] = float("-inf")
-        row_max = z.max(dim=-1).values
+        row_max = z.amax(dim=-1)
         comm.all_reduce(row_max, axis, op="max")
         shifted = z - row_max.unsqueeze(-1)
         exp = shifted.exp()
@@ -71,5 +72,9 @@ def vocab_parallel_cross_entropy(logits, target, axis, vocab_start: int = 0, voc
         vocab_size = logits.shape[-1] * axis.size
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+    if not axis.active and vocab_start == 0 and logits.shape[-1] == vocab_size:
+        # One rank holding the whole unpadded vocabulary: PyTorch's fused kernel does the same math.
+        return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=ignore_index,
+                               reduction="none", label_smoothing=label_smoothing).view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, axis, vocab_start, vocab_size, ignore_index,
                                             label_smoothing)
