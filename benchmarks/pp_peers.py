@@ -41,14 +41,11 @@ Bubbles (shardwise), medians over the timed repetitions of:
 measured - replayed is what the executor and the transport add; simulated_per_stage - simulated is
 stage imbalance, which a mean-cost simulation cannot see.
 
-`--prepost` adds a third implementation per pair: shardwise's executor with receives posted ahead
-(a subclass defined in this file, nothing in shardwise/ changes); see PrepostExecutor.
 
 The last stdout line is one JSON object: medians_s, ratios, bubbles, paired_ratios, loss_diff,
 max_grad_diff, config.
 
     python benchmarks/pp_peers.py                 # pp=2, m=8, dim 256, 8 layers, seq 128, mb 2
-    python benchmarks/pp_peers.py --prepost       # + the receive-ahead prototype (about 1.5x longer)
     python benchmarks/pp_peers.py --dualpipev     # + shardwise dualpipev vs ScheduleDualPipeV
     python benchmarks/pp_peers.py --pp 4 --reps 6 # 4 ranks on 2 cores: ranks share cores, bubbles are not meaningful
 """
@@ -68,11 +65,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from shardwise import comm  # noqa: E402
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.data import load_tokens  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
-from shardwise.pipeline.runtime import PipelineExecutor  # noqa: E402
 from shardwise.pipeline.simulate import analytic_bubble, measured_bubble, simulate  # noqa: E402
 from shardwise.train import IGNORE_INDEX, Trainer, make_mesh  # noqa: E402
 
@@ -110,70 +105,10 @@ def make_cfg(opts: dict, schedule: str, vp: int) -> TrainConfig:
     return cfg
 
 
-class PrepostExecutor(PipelineExecutor):
-    """Prototype (benchmark only, `--prepost`): post the receives of the next `lookahead` receiving actions early.
-
-    shardwise's executor posts a receive only when the action that needs it starts. Gloo's tcp
-    transport is rendezvous-based (the payload leaves the sender only after the receiver's
-    NOTIFY_RECV_READY reached the sender's gloo thread), so a receive posted late costs a round trip
-    through the *sender's* process even when the sender finished long ago; on a loaded 2-core box
-    that is 0.3-5 ms per message. Here, whenever an action takes its input, the irecvs of the
-    next `lookahead` cross-rank inputs this rank will need are posted too (each peer's messages
-    still in that peer's send order, via the executor's own posting loop, so matching is unchanged),
-    so the round trip overlaps the current action's compute. torch's _PipelineScheduleRuntime gets the
-    same effect by placing each RECV in the receiver's action list as soon as the matching send is
-    scheduled.
-    """
-
-    lookahead = 2
-
-    def _begin(self):
-        super()._begin()
-        lay, last = self.layout, self.schedule.num_stages - 1
-        self.needs = []  # (src, key) of every cross-rank input, in this rank's program order
-        for a in self.schedule.actions[self.rank]:
-            stage = lay.stage_of(self.rank, a.chunk)
-            if a.kind == "F" and stage != 0:
-                src, key = lay.prev_rank(stage), ("act", a.microbatch, stage)
-            elif a.kind == "B" and stage != last:
-                src, key = lay.next_rank(stage), ("grad", a.microbatch, stage)
-            else:
-                continue
-            if src != self.rank:
-                self.needs.append((src, key))
-        self.need_at = {key: i for i, (_, key) in enumerate(self.needs)}
-        self.send_pos = {src: {k: i for i, k in enumerate(self.order[(src, dst)])}
-                         for (src, dst) in self.order if dst == self.rank}
-        self._post_through(self.lookahead - 1)
-
-    def _post_through(self, last_index):
-        for src, key in self.needs[:last_index + 1]:
-            if self.next_recv[src] <= self.send_pos[src][key]:  # not posted yet
-                self._post_up_to(src, key)
-
-    def _post_up_to(self, src, key):
-        """Post src's messages in src's send order up to and including `key` (no waiting)."""
-        seq, new = self.order[(src, self.rank)], []
-        while key not in self.posted and all(k != key for k, _ in new):
-            k = seq[self.next_recv[src]]
-            self.next_recv[src] += 1
-            new.append((k, torch.empty(self.act_shape, dtype=self.act_dtype, device=self.mesh.device)))
-        if new:
-            for (k, buf), work in zip(new, comm.p2p([("recv", buf, self.pp, src) for _, buf in new])):
-                self.posted[k] = (buf, work)
-
-    def _receive(self, src, key):
-        if src != self.rank:
-            self._post_through(self.need_at[key] + self.lookahead)
-        return super()._receive(src, key)
-
-
 class ShardwiseRunner:
-    def __init__(self, opts, mesh, tokens, schedule, vp, prepost=False):
+    def __init__(self, opts, mesh, tokens, schedule, vp):
         self.trainer = Trainer(make_cfg(opts, schedule, vp), mesh, tokens)
         self.model = self.trainer.model
-        if prepost:
-            self.trainer.executor.__class__ = PrepostExecutor
 
     def step(self, xs, ys, n_tokens) -> float:
         return float(self.trainer.executor.run(xs, ys, n_tokens))
@@ -228,16 +163,12 @@ def rank_main(opts: dict) -> dict:
     pp = mesh["pp"]
     tokens = load_tokens(None)
     keys = [k for k in PAIRS if (k != "dualpipev" or opts["dualpipev"]) and (not opts["only"] or k in opts["only"])]
-    PrepostExecutor.lookahead = opts["prepost_lookahead"]
     runners, names = {}, []
     for k in keys:
         sched, vp, cls_name = PAIRS[k]
         runners[f"shardwise_{k}"] = ShardwiseRunner(opts, mesh, tokens, sched, vp)
         runners[f"torch_{k}"] = TorchRunner(opts, mesh, tokens, sched, vp, cls_name)
         names += [f"shardwise_{k}", f"torch_{k}"]
-        if opts["prepost"]:
-            runners[f"prepost_{k}"] = ShardwiseRunner(opts, mesh, tokens, sched, vp, prepost=True)
-            names.append(f"prepost_{k}")
 
     x, y = runners[names[0]].trainer.loader.global_batch_at(0)  # the same global batch for everyone
     n_tokens = int((y != IGNORE_INDEX).sum())
@@ -264,12 +195,6 @@ def rank_main(opts: dict) -> dict:
         check[k] = {"loss_shardwise": out["shardwise"][0], "loss_torch": out["torch"][0],
                     "loss_diff": abs(out["shardwise"][0] - out["torch"][0]), "max_grad_diff": gdiff,
                     "grads_missing": missing}
-        if opts["prepost"]:
-            loss = torch.tensor([run(f"prepost_{k}")])
-            dist.all_reduce(loss, group=pp.group)
-            gp = _grads(runners[f"prepost_{k}"].model)
-            check[k]["prepost_loss_diff"] = abs(float(loss) - out["shardwise"][0])
-            check[k]["prepost_max_grad_diff"] = max((gp[n] - gs[n]).abs().max().item() for n in gs)
 
     times: dict[str, list[float]] = {n: [] for n in names}
     events: dict[str, list] = {n: [] for n in names if isinstance(runners[n], ShardwiseRunner)}
@@ -418,10 +343,6 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--dualpipev", action="store_true", help="also run shardwise dualpipev vs ScheduleDualPipeV")
-    ap.add_argument("--prepost", action="store_true",
-                    help="also run a prototype shardwise executor that posts receives ahead (benchmark-only subclass)")
-    ap.add_argument("--prepost-lookahead", type=int, default=2,
-                    help="--prepost: how many upcoming receiving actions have their irecvs posted")
     ap.add_argument("--only", type=lambda v: v.split(","), default=None,
                     help=f"comma-separated subset of {','.join(PAIRS)}")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per implementation (rank 0)")
@@ -452,10 +373,6 @@ def main(argv=None) -> int:
         print(f"  {k:12s} loss shardwise {c['loss_shardwise']:.6f} torch {c['loss_torch']:.6f} "
               f"diff {c['loss_diff']:.1e}  max|dgrad| {gd:.1e}{flag}"
               + (f"  grads only on one side: {missing}" if missing else ""))
-        if "prepost_loss_diff" in c:
-            gp = max(r["check"][k]["prepost_max_grad_diff"] for r in per_rank)
-            print(f"  {'':12s} prepost prototype vs shardwise: loss diff {c['prepost_loss_diff']:.1e}  "
-                  f"max|dgrad| {gp:.1e}")
     steps = {n: [max(ts) for ts in zip(*(r["times"][n] for r in per_rank))] for n in names}
     medians = {n: statistics.median(v) for n, v in steps.items()}
     print("step time (forward+backward of the whole step, slower rank):")
@@ -473,11 +390,6 @@ def main(argv=None) -> int:
         r, pr = ratios[f"vs_torch_{k}"], paired[f"vs_torch_{k}"]
         print(f"  shardwise/torch {k:12s} ratio of medians {r:.3f}, paired {pr:.3f} "
               f"({'faster' if pr < 1 else 'slower'})")
-        if f"prepost_{k}" in steps:
-            paired[f"prepost_vs_torch_{k}"] = paired_ratio(f"prepost_{k}", f"torch_{k}")
-            paired[f"prepost_vs_shardwise_{k}"] = paired_ratio(f"prepost_{k}", f"shardwise_{k}")
-            print(f"  prepost/torch   {k:12s} paired {paired[f'prepost_vs_torch_{k}']:.3f}; prepost/shardwise "
-                  f"paired {paired[f'prepost_vs_shardwise_{k}']:.3f}")
     bubbles = {}
     print("shardwise bubble, median over reps. simulated: that rep's mean F/B/W over all ranks (as `shardwise\n"
           "  train`); per-stage: each rank's own mean F/B/W; replayed: every action at its measured duration;\n"
@@ -501,7 +413,7 @@ def main(argv=None) -> int:
               f"({lr['count']:.0f} x, {lr['per_step_s'] * 1e3:.1f} ms)")
     print("  mean action s: " + "; ".join(
         f"{k} " + " ".join(f"{kk}={v * 1e3:.1f}ms" for kk, v in b["mean_action_s"].items())
-        for k, b in bubbles.items() if not k.startswith("prepost")))
+        for k, b in bubbles.items()))
     if per_rank[0]["profile"]:
         for n, table in per_rank[0]["profile"].items():
             print(f"\n=== profile: {n} (rank 0, 3 steps) ===\n{table}")

@@ -38,7 +38,7 @@ from shardwise.comm import Ledger  # noqa: E402
 from shardwise.config import ModelConfig  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
 from shardwise.mesh import Mesh, ParallelDims  # noqa: E402
-from shardwise.models.llama import RMSNorm, Transformer, apply_rope, rope_tables  # noqa: E402
+from shardwise.models.llama import Transformer, apply_rope, rope_tables  # noqa: E402
 from shardwise.parallelize import build_model, global_init  # noqa: E402
 
 TP = 2

@@ -134,6 +134,12 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         name="llama3-405b", vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
         ffn_dim=53248, max_seq_len=8192, rope_theta=500000.0,
     ),
+    # Mistral AI's Mixtral-8x7B config.json: 8 experts, top-2, softmax over the chosen two.
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        max_seq_len=32768, rope_theta=1e6, moe_experts=8, moe_topk=2, moe_every=1, moe_softmax_before_topk=False,
+        moe_aux_loss_coef=0.02,
+    ),
 }
 
 

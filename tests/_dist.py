@@ -26,3 +26,14 @@ def make_mesh(timeout_s: float = 120.0, **degrees) -> Mesh:
 
     dims = ParallelDims.build(dist.get_world_size(), **degrees)
     return Mesh.build(dims, torch.device("cpu"), Ledger(), timeout_s)
+
+
+def verify_all(cfgs):
+    """Inside ranks: run `verify_main` for each config in turn (one spawn checks many layouts)."""
+    from shardwise.verify import verify_main
+
+    out = []
+    for cfg in cfgs:
+        cfg.resolve_world()
+        out.append(verify_main(cfg))
+    return out

@@ -5,12 +5,10 @@ import socket
 import subprocess
 import sys
 
-import pytest
 
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.verify import verify_main
 
-from _dist import fresh_seed, run_ranks
+from _dist import fresh_seed, run_ranks, verify_all
 
 EIGHT = {
     "dp2_pp2_tp2_sp": dict(dp=2, pp=2, tp=2, sequence_parallel=True),
@@ -19,20 +17,12 @@ EIGHT = {
 }
 
 
-def _verify_all(cfgs):
-    out = []
-    for cfg in cfgs:
-        cfg.resolve_world()
-        out.append(verify_main(cfg))
-    return out
-
-
 def test_eight_rank_compositions():
     seed = fresh_seed()
     cfgs = [TrainConfig(model="tiny-moe" if "moe" in name else "tiny", parallel=ParallelConfig(**p), steps=2,
                         seq_len=32, micro_batch=2, global_batch=8, seed=seed, progress=False)
             for name, p in EIGHT.items()]
-    for name, result in zip(EIGHT, run_ranks(8, _verify_all, cfgs, timeout_s=300)[0]):
+    for name, result in zip(EIGHT, run_ranks(8, verify_all, cfgs, timeout_s=300)[0]):
         assert result["passed"], (name, seed, result)
 
 

@@ -1,5 +1,4 @@
 """Config files, --print-config, `shardwise report`, and property-based bad input (always exit 2, one line)."""
-import json
 import subprocess
 import sys
 

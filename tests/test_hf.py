@@ -123,9 +123,6 @@ def _check_result(r):
 
 @pytest.mark.parametrize("name", ["llama", "tied", "mixtral", "qwen2", "llama3"])
 def test_single_device_matches_transformers(models, name):
-    if name not in models:
-        pytest.skip("qwen2 needs ModelConfig.attention_bias" if name == "qwen2" else
-                    "llama3 RoPE needs ModelConfig.rope_scaling (patch in the report)")
     if name == "tied":
         assert os.path.isfile(os.path.join(models[name], hf.INDEX))
         assert len([f for f in os.listdir(models[name]) if f.endswith(".safetensors")]) > 1
@@ -137,6 +134,7 @@ LAYOUTS = {
     "tied_tp2_cp2_sp": ("tied", dict(tp=2, cp=2, sequence_parallel=True)),
     "llama_dualpipev_pp2": ("llama", dict(pp=2, schedule="dualpipev")),
     "mixtral_tp2_sp": ("mixtral", dict(tp=2, sequence_parallel=True)),
+    "mixtral_tp2_pp2": ("mixtral", dict(tp=2, pp=2)),
     "qwen2_tp2": ("qwen2", dict(tp=2)),
 }
 
@@ -144,8 +142,6 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_transformers(models, layout):
     name, degrees = LAYOUTS[layout]
-    if name not in models:
-        pytest.skip("qwen2 needs ModelConfig.attention_bias (patch in the report)")
     _check_result(compare(models[name], ParallelConfig(**degrees), seq_len=32, batch=2))
 
 
@@ -226,8 +222,6 @@ def _single_model(path):
 
 @pytest.mark.parametrize("name,as_state", [("llama", False), ("tied", True), ("mixtral", True), ("qwen2", False)])
 def test_export_round_trip(models, tmp_path, name, as_state):
-    if name not in models:
-        pytest.skip("qwen2 needs ModelConfig.attention_bias (patch in the report)")
     cfg, model = _single_model(models[name])
     out = hf.export_hf(model.state_dict() if as_state else model, cfg, str(tmp_path / "out"))
     tokens = _tokens(24)

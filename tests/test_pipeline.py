@@ -6,23 +6,14 @@ import torch
 
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.train import Trainer, make_mesh
-from shardwise.verify import verify_main
 
-from _dist import fresh_seed, run_ranks
+from _dist import fresh_seed, run_ranks, verify_all
 
 
 def _cfg(seed, microbatches=4, **parallel):
     cfg = TrainConfig(parallel=ParallelConfig(**parallel), steps=2, seq_len=32, micro_batch=2, seed=seed,
                       progress=False)
     return dataclasses.replace(cfg, global_batch=microbatches * cfg.micro_batch * cfg.parallel.dp)
-
-
-def _verify_all(cfgs):
-    out = []
-    for cfg in cfgs:
-        cfg.resolve_world()
-        out.append(verify_main(cfg))
-    return out
 
 
 def _peaks(cfgs):
@@ -39,7 +30,7 @@ def test_every_schedule_pp2():
     seed = fresh_seed()
     cfgs = [_cfg(seed, pp=2, schedule=s, vp=2 if s == "interleaved" else 1)
             for s in ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")]
-    for cfg, result in zip(cfgs, run_ranks(2, _verify_all, cfgs)[0]):
+    for cfg, result in zip(cfgs, run_ranks(2, verify_all, cfgs)[0]):
         assert result["passed"], (seed, cfg.parallel, result)
 
 
@@ -49,7 +40,7 @@ def test_pp4_and_compositions():
             _cfg(seed, pp=4, schedule="interleaved", vp=2), _cfg(seed, pp=2, tp=2, sequence_parallel=True),
             _cfg(seed, microbatches=3, pp=2, dp=2, schedule="zb", zero=1),
             dataclasses.replace(_cfg(seed, pp=4, pp_layers=[3, 2, 2, 1]), global_batch=8)]
-    for cfg, result in zip(cfgs, run_ranks(4, _verify_all, cfgs)[0]):
+    for cfg, result in zip(cfgs, run_ranks(4, verify_all, cfgs)[0]):
         assert result["passed"], (seed, cfg.parallel, result)
 
 

@@ -32,6 +32,7 @@ LAYOUTS = {
     "cp2_ulysses_dp2": (dict(cp=2, dp=2, cp_impl="ulysses"), {}),
     "cp2_pp2": (dict(cp=2, pp=2), dict(global_batch=4)),
     "moe_dp2_ep2": (dict(dp=2, ep=2), dict(model="tiny-moe")),
+    "moe_cp2_ep2": (dict(cp=2, ep=2), dict(model="tiny-moe")),  # ep drawn from the cp ranks
     "moe_dp4_ep4_zero1": (dict(dp=4, ep=4, zero=1), dict(model="tiny-moe")),
     "moe_dp2_ep2_tp2_sp": (dict(dp=2, ep=2, tp=2, sequence_parallel=True), dict(model="tiny-moe")),
     "moe_dp2_ep2_pp2_bias": (dict(dp=2, ep=2, pp=2), dict(model="tiny-moe", global_batch=8,
