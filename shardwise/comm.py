@@ -41,7 +41,8 @@ def _guarded(axis, what: str, fn, *args, **kwargs):
 
 def wait(work, axis, op: str) -> None:
     """Wait on an async work handle with the same error naming as the blocking ops."""
-    _guarded(axis, op, work.wait)
+    if work is not None:
+        _guarded(axis, op, work.wait)
 
 
 class Ledger:
@@ -125,6 +126,15 @@ def all_reduce(t: torch.Tensor, axis, op: str = "sum", tag: str | None = None) -
     _guarded(axis, "all_reduce", dist.all_reduce, t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op],
              group=axis.group)
     return t
+
+
+def all_reduce_async(t: torch.Tensor, axis, tag: str | None = None):
+    """Start an in-place sum all-reduce; returns the work handle (None on a size-1 axis) for `wait`."""
+    if not axis.active:
+        return None
+    n = axis.size
+    _record(axis, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t), tag)
+    return _guarded(axis, "all_reduce", dist.all_reduce, t, group=axis.group, async_op=True)
 
 
 def reduce_scatter(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> torch.Tensor:

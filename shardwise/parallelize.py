@@ -17,8 +17,8 @@ from .config import ModelConfig
 from .mesh import Mesh
 from .expert_parallel.moe import MoE
 from .models.llama import Transformer, build_moe
-from .tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec, VocabParallelEmbedding,
-                                     enter_region, get_spec, set_spec)
+from .tensor_parallel.layers import (ColumnParallelLinear, ColumnRegion, RowParallelLinear, ShardSpec,
+                                     VocabParallelEmbedding, enter_region, get_spec, set_spec)
 from .tensor_parallel.random import ReplicatedDropout, RNGTracker
 
 
@@ -56,10 +56,15 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
             ffn.w1 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
             ffn.w3 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
             ffn.w2 = RowParallelLinear(cfg.ffn_dim, h, tp, sequence_parallel=sp, **kw)
-        # One region entry per sub-block, shared by its column-parallel projections (one gather / one f).
-        for region in (attn, ffn):
-            if region is not None:
+        # One region entry per sub-block, shared by its column-parallel projections: under SP one
+        # all-gather; otherwise a ColumnRegion (one f, its backward all-reduce overlapped with dW).
+        for region, layers in ((attn, [attn.wq, attn.wk, attn.wv]), (ffn, [ffn.w1, ffn.w3] if ffn else [])):
+            if region is None or not tp.active:
+                continue
+            if sp:
                 region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+            else:
+                region.register_forward_pre_hook(ColumnRegion(layers, tp))
     model.output = ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight

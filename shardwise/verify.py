@@ -24,7 +24,7 @@ from .train import Trainer, make_mesh
 # grad / param: every step; later steps start from weights that AdamW's g/sqrt(v) has already pulled
 # apart wherever a gradient is near zero, so they get a drift bound (a real layout bug is O(1)).
 TOLERANCE = {"fp32": dict(loss=1e-5, first_grad=1e-5, grad=1e-3, param=1e-3),
-             "bf16": dict(loss=2e-3, first_grad=2e-2, grad=1e-1, param=5e-2)}
+             "bf16": dict(loss=2e-3, first_grad=2e-2, grad=5e-1, param=1e-1)}
 
 
 def check_verifiable(cfg: TrainConfig) -> None:

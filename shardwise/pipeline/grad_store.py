@@ -23,7 +23,7 @@ class WeightGradStore:
         """Compute and accumulate every deferred weight gradient of `key`, then drop the saved tensors."""
         with torch.no_grad():
             for weight, bias, x, g in self.pending.pop(key, []):
-                _accumulate(weight, g.flatten(0, -2).t() @ x.flatten(0, -2))
+                _accumulate(weight, g.flatten(0, -2).t() @ x.flatten(0, -2).to(g.dtype))
                 if bias is not None:
                     _accumulate(bias, g.flatten(0, -2).sum(0))
 
@@ -56,9 +56,9 @@ class _LinearDeferredW(torch.autograd.Function):
         if ctx.store.capturing:
             ctx.store.put(weight, ctx.bias, x, g)
             return dx, None, None, None
-        dw = g.flatten(0, -2).t() @ x.flatten(0, -2)
-        db = g.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return dx, dw.to(weight.dtype), db, None
+        dw = g.flatten(0, -2).t() @ x.flatten(0, -2).to(g.dtype)
+        db = g.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
+        return dx.to(x.dtype), dw.to(weight.dtype), db, None
 
 
 def linear(x, weight, bias=None, store: WeightGradStore | None = None):

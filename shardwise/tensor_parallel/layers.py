@@ -105,6 +105,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.axis, self.gather_output, self.sequence_parallel, self.enter = axis, gather_output, sequence_parallel, enter
         self.grad_store = None  # a WeightGradStore when a split-backward pipeline schedule defers dW
+        self.region = None  # a ColumnRegion when siblings share this layer's input (see below)
         start, length = rows if rows is not None else split_range(out_features, axis)
         self.weight = _sharded_param((out_features, in_features), 0, start, length, replicas, grad_reduce, device, dtype)
         self.bias = (_sharded_param((out_features,), 0, start, length, replicas, grad_reduce, device, dtype)
@@ -113,10 +114,76 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"gather_output needs out_features={out_features} divisible by tp={axis.size}")
 
     def forward(self, x):
+        if self.region is not None:  # computed, together with its siblings, by the region's hook
+            return self.region.take(self, x)
         if self.enter:
             x = enter_region(x, self.axis, self.sequence_parallel)
         y = linear(x, self.weight, self.bias, self.grad_store)
         return comm.gather_from_region(y, self.axis) if self.gather_output else y
+
+
+class _ColumnRegionFn(torch.autograd.Function):
+    """forward: y_i = x W_iᵀ + b_i for every projection reading x (Megatron's f: identity) /
+    backward: dx = Σ g_i W_i, all-reduced over TP *asynchronously* while the dW_i are computed.
+
+    One autograd node for the whole region is what lets the input-gradient all-reduce overlap the
+    weight-gradient GEMMs (with separate nodes autograd finishes every dW before f runs).
+    """
+
+    @staticmethod
+    def forward(ctx, x, axis, store, *params):
+        ws, bs = params[0::2], params[1::2]
+        ctx.save_for_backward(x, *ws)
+        ctx.axis, ctx.store, ctx.bs = axis, store, bs
+        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        x, *ws = ctx.saved_tensors
+        live = [(i, g.reshape(-1, g.shape[-1])) for i, g in enumerate(gs) if g is not None]
+        dx = None
+        for i, g in live:
+            part = (g @ ws[i].to(g.dtype)).to(x.dtype)
+            dx = part if dx is None else dx.add_(part)
+        work = comm.all_reduce_async(dx, ctx.axis)
+        grads: list = [None] * (2 * len(ws))
+        capture = ctx.store is not None and ctx.store.capturing
+        x2 = x.reshape(-1, x.shape[-1])
+        for i, g in live:
+            if capture:  # zero-bubble: dW runs later, at this microbatch's W action
+                ctx.store.put(ws[i], ctx.bs[i], x, gs[i])
+                continue
+            grads[2 * i] = (g.t() @ x2.to(g.dtype)).to(ws[i].dtype)
+            if ctx.bs[i] is not None:
+                grads[2 * i + 1] = g.sum(0).to(ctx.bs[i].dtype)
+        comm.wait(work, ctx.axis, "all_reduce of a column region's input gradient")
+        return (dx.view_as(x), None, None, *grads)
+
+
+class ColumnRegion:
+    """Column-parallel layers that read one input (q/k/v, or w1/w3), entered once as one TP region.
+
+    Installed as the parent module's forward pre-hook when TP is on without SP: it runs all the
+    projections in one `_ColumnRegionFn` and hands each layer its output when the layer is called.
+    """
+
+    def __init__(self, layers: list[ColumnParallelLinear], axis):
+        self.layers, self.axis = layers, axis
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in layers:
+            layer.region = self
+
+    def __call__(self, module, args):
+        x = args[0]
+        params = [t for layer in self.layers for t in (layer.weight, layer.bias)]
+        outs = _ColumnRegionFn.apply(x, self.axis, self.layers[0].grad_store, *params)
+        self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
+
+    def take(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        seen, y = self.outputs.pop(id(layer))
+        if seen is not x:
+            raise RuntimeError("a column region's layer was called on another input than the region's")
+        return y
 
 
 class RowParallelLinear(nn.Module):
