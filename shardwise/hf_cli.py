@@ -16,10 +16,12 @@ import argparse
 import dataclasses
 import json
 import sys
-
-import torch
+from typing import TYPE_CHECKING
 
 from .config import ConfigError, ParallelConfig, TrainConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -66,6 +68,8 @@ def layout_config(hf_dir: str, parallel: ParallelConfig, seq_len: int, batch: in
 
 def _pipeline_forward(model, mesh, x, schedule, act_shape):
     """Stage by stage over blocking p2p (every rank walks the stages in the same order); logits or None."""
+    import torch  # lazy: `shardwise plan` must not pay for torch
+
     from . import comm
 
     pp, lay = mesh["pp"], schedule.layout
@@ -88,6 +92,8 @@ def _pipeline_forward(model, mesh, x, schedule, act_shape):
 
 def rank_forward(cfg: TrainConfig, hf_dir: str, tokens: torch.Tensor) -> dict:
     """On one rank: build the layout, load `hf_dir`, forward this dp rank's share; global logits on one rank."""
+    import torch  # lazy: `shardwise plan` must not pay for torch
+
     from . import comm
     from .context_parallel.sharding import shard_sequence, unshard_sequence
     from .hf import load_hf_into
@@ -126,6 +132,8 @@ def rank_forward(cfg: TrainConfig, hf_dir: str, tokens: torch.Tensor) -> dict:
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     """transformers' fp32 logits for `tokens` (imported here only: a test-time dependency)."""
+    import torch  # lazy: `shardwise plan` must not pay for torch
+
     import transformers
 
     major = int(transformers.__version__.split(".")[0])
@@ -139,6 +147,8 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 def compare(hf_dir: str, parallel: ParallelConfig, seq_len: int = 32, batch: int = 2, seed: int = 0,
             atol: float = 1e-4, timeout_s: float = 120.0) -> dict:
     """Load `hf_dir` into the layout, compare its logits with transformers'; the hf-compare result."""
+    import torch  # lazy: `shardwise plan` must not pay for torch
+
     from .launch import run_local
 
     cfg = layout_config(hf_dir, parallel, seq_len, batch, timeout_s)

@@ -32,17 +32,29 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_two_node_torchrun_on_loopback(tmp_path):
-    """Two torchrun agents (two "nodes" of 2 processes each) rendezvous over c10d on 127.0.0.1."""
+def _two_node_run():
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shardwise-test",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"shardwise-{port}",
            "-m", "shardwise.cli", "verify", "--tp", "2", "--steps", "2", "--seq-len", "32"]
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     outs = [n.communicate(timeout=240) for n in nodes]
-    assert all(n.returncode == 0 for n in nodes), [o[1][-2000:] for o in outs]
+    return [n.returncode for n in nodes], outs
+
+
+def test_two_node_torchrun_on_loopback():
+    """Two torchrun agents (two "nodes" of 2 processes each) rendezvous over c10d on 127.0.0.1.
+
+    One retry with a fresh port: the loopback rendezvous itself (not shardwise) can lose a race for
+    the port on a loaded machine; a real failure fails twice.
+    """
+    codes, outs = _two_node_run()
+    if any(codes):
+        first = "\n\n".join(o[1][-3000:] for o in outs)
+        codes, outs = _two_node_run()
+        assert not any(codes), first + "\n\n--- retry ---\n\n" + "\n\n".join(o[1][-3000:] for o in outs)
     results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs if o[0].strip()]
     assert len(results) == 1  # only global rank 0 prints the verdict
     assert results[0]["passed"] and results[0]["layout"]["dp"] == 2 and results[0]["layout"]["tp"] == 2
