@@ -22,11 +22,6 @@ from shardwise import hf  # noqa: E402
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.hf_cli import add_parser, compare, hf_logits, run_export  # noqa: E402
 
-FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
-needs_bias = pytest.mark.skipif("attention_bias" not in FIELDS,
-                                reason="Qwen2 needs ModelConfig.attention_bias and q/k/v biases (patch in the report)")
-needs_rope_scaling = pytest.mark.skipif("rope_scaling" not in FIELDS,
-                                        reason="llama3 RoPE needs ModelConfig.rope_scaling (patch in the report)")
 SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -56,11 +51,9 @@ def models(tmp_path_factory):
            "tied": _save(f, "tied", "Llama", dict(max_shard_size="20KB"), num_key_value_heads=1,
                          tie_word_embeddings=True, num_hidden_layers=2),
            "mixtral": _save(f, "mixtral", "Mixtral", num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
-           "mistral_window": _save(f, "mistral", "Mistral", sliding_window=16, num_hidden_layers=2)}
-    if "attention_bias" in FIELDS:
-        out["qwen2"] = _save(f, "qwen2", "Qwen2", biases=True, num_hidden_layers=2)
-    if "rope_scaling" in FIELDS:
-        out["llama3"] = _save(f, "llama3", "Llama", rope_parameters=LLAMA3_ROPE, num_hidden_layers=2)
+           "mistral_window": _save(f, "mistral", "Mistral", sliding_window=16, num_hidden_layers=2),
+           "qwen2": _save(f, "qwen2", "Qwen2", biases=True, num_hidden_layers=2),
+           "llama3": _save(f, "llama3", "Llama", rope_parameters=LLAMA3_ROPE, num_hidden_layers=2)}
     return out
 
 
@@ -287,11 +280,7 @@ def test_config_mapping_and_rope_scaling(tmp_path):
     assert (cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.max_seq_len, cfg.rope_theta, cfg.norm_eps,
             cfg.tie_embeddings) == (32, 4, 2, 48, 64, 5e5, 1e-6, True)
     scaled = _write_config(tmp_path, rope_scaling=LLAMA3_ROPE)
-    if "rope_scaling" in FIELDS:
-        assert hf.config_from_hf(scaled).rope_scaling == (8.0, 1.0, 4.0, 16)
-    else:
-        with pytest.raises(ConfigError, match="needs ModelConfig.rope_scaling"):
-            hf.config_from_hf(scaled)
+    assert hf.config_from_hf(scaled).rope_scaling == (8.0, 1.0, 4.0, 16)
     with pytest.raises(ConfigError, match="no config.json"):
         hf.config_from_hf(str(tmp_path / "missing"))
 
