@@ -76,6 +76,7 @@ class GradReducer:
                                   norm_weight=weights[r * per:(r + 1) * per].clone(), axis=axis, expert=expert))
             opt_groups.append({"params": [shard], "weight_decay": wd})
         self.optimizer = torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps)
+        self.zero_grad()
 
     # ------------------------------------------------------------ step 1: TP
     def _reduce_tp(self):
@@ -103,7 +104,8 @@ class GradReducer:
             for g in self.flat:
                 full = g["grad_full"]
                 for _, p, off, k in g["offsets"]:
-                    full[off:off + k].copy_(_grad(p).reshape(-1))
+                    if p.grad is None or p.grad.data_ptr() != full[off:off + k].data_ptr():
+                        full[off:off + k].copy_(_grad(p).reshape(-1))  # someone replaced the view
                 comm.reduce_scatter_into(g["shard"].grad, full, g["axis"])
             return
         for axis, expert in ((self.mesh["dp_cp"], False), (self.mesh["edp"], True)):
@@ -153,13 +155,19 @@ class GradReducer:
         if self.zero:
             for g in self.flat:
                 comm.all_gather_into(g["flat"], g["shard"].detach().clone(), g["axis"])
-                for _, p, _, _ in g["offsets"]:
-                    p.grad = None
         self.zero_grad()
 
     def zero_grad(self) -> None:
-        for _, p in self.named:
-            p.grad = None
+        """Drop gradients; under ZeRO-1 every .grad is a zeroed view of its group's flat gradient
+        buffer, so backward accumulates straight into the reduce-scatter input (no copy, no twin)."""
+        if not self.zero:
+            for _, p in self.named:
+                p.grad = None
+            return
+        for g in self.flat:
+            g["grad_full"].zero_()
+            for _, p, off, k in g["offsets"]:
+                p.grad = g["grad_full"][off:off + k].view_as(p)
 
     def grad_views(self):
         """(name, reduced gradient values this rank holds, start, end within the flattened local param)."""

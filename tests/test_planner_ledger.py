@@ -132,7 +132,9 @@ def _run(names: list[str], seed: int) -> dict:
         axes = mesh.ledger.steps[-1]["axes"]
         params = list(trainer.model.parameters())
         state = trainer.reducer.optimizer.state.values()
-        buffers = sum(g["grad_full"].numel() + g["shard"].grad.numel() for g in getattr(trainer.reducer, "flat", []))
+        # ZeRO-1: .grad tensors are views of grad_full, so only its padding and the shard grad are extra
+        buffers = sum(g["grad_full"].numel() - sum(k for *_, k in g["offsets"]) + g["shard"].grad.numel()
+                      for g in getattr(trainer.reducer, "flat", []))
         act, grads = _one_microbatch(trainer, cfg)
         out[name] = dict(
             rank=mesh.rank, pp=mesh["pp"].rank, ep_ranks=mesh["ep"].ranks, axes=axes,

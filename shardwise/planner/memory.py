@@ -6,8 +6,8 @@ gradients and two fp32 Adam moments, 16 bytes per parameter — the same total a
 dp×cp (expert weights: over the expert-data-parallel group), ZeRO-2 also the grads, ZeRO-3 also the
 weights. Shards are exactly shardwise's: `GradReducer` keeps one flat buffer per (expert?, matrix?)
 group — dense matrices, dense 1-D tensors, expert matrices — each padded up to a multiple of its group;
-its ZeRO-1 also keeps a full fp32 gradient copy of each flat buffer plus the shard's gradient
-(`grad_buffers`), so on shardwise ZeRO-1 saves memory only for dp×cp > 3.
+under ZeRO-1 the .grad tensors are views of each padded flat buffer, and the shard's gradient is kept
+beside them (`grad_buffers`: padding + shard), so ZeRO-1 saves 8·P·(1 − 1/g) − 4·P/g bytes for g > 1.
 
 Activations have two models (`ACTIVATION_MODELS`):
 
@@ -87,9 +87,9 @@ def zero_shard_numel(local: Params, lay: Layout) -> int:
 def static_bytes(local: Params, lay: Layout) -> dict:
     """Weights, grads and optimizer state of one rank, as ZeRO stage `lay.zero` divides them.
 
-    `grad_buffers`: shardwise's ZeRO-1 (`GradReducer`) keeps, next to the parameters' own .grad, a
-    persistent fp32 copy of every flat buffer's full gradient (the reduce-scatter input) and the fp32
-    gradient of its shard — 4·(padded flat + shard) bytes that ZeRO-0 does not need.
+    `grad_buffers`: shardwise's ZeRO-1 (`GradReducer`) makes every .grad a view of its group's
+    padded flat fp32 gradient buffer (the reduce-scatter input) and keeps the fp32 gradient of the
+    rank's shard — 4·(padding + shard) bytes beyond the gradients themselves.
     """
     shard = zero_shard_numel(local, lay)
 
@@ -100,7 +100,7 @@ def static_bytes(local: Params, lay: Layout) -> dict:
         "weights": part(BYTES_WEIGHT, lay.zero >= 3),
         "grads": part(BYTES_GRAD, lay.zero >= 2),
         "optimizer": part(BYTES_ADAM, lay.zero >= 1),
-        "grad_buffers": BYTES_GRAD * (sum(_shard(n, g) * g for _, n, g in zero_groups(local, lay)) + shard)
+        "grad_buffers": BYTES_GRAD * (sum(_shard(n, g) * g - n for _, n, g in zero_groups(local, lay)) + shard)
         if lay.zero == 1 else 0,
     }
     out["total"] = sum(out.values())
