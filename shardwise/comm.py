@@ -160,7 +160,9 @@ def all_gather(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> t
     out = src.new_empty((n * src.shape[0], *src.shape[1:]))
     _record(axis, "all_gather", _nbytes(src), (n - 1) * _nbytes(src), tag)
     _guarded(axis, "all_gather", _all_gather_flat, out, src, group=axis.group)
-    return out.movedim(0, dim) if dim else out
+    # Contiguous once here, so the several linears that read a gathered SP input share one tensor
+    # instead of each saving its own contiguous copy for backward.
+    return out.movedim(0, dim).contiguous() if dim else out
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis, tag: str | None = None) -> torch.Tensor:

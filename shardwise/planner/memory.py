@@ -115,12 +115,10 @@ def _norm_saved(tokens: int, h: int) -> int:
     return 8 * tokens * h + 4 * tokens
 
 
-def _region_input(tokens: int, h: int, consumers: int, e: int, gathered: bool = False, mb: int = 1) -> int:
-    """What the linears entering a region save of their shared input: one fp32 tensor — unless it is a
-    copy per consuming linear: under bf16 autocast (each casts it), or under SP with mb > 1, where the
-    all-gathered [b, s, h] is a strided view of the [s, b, h] gather buffer and each linear saves its own
-    contiguous copy."""
-    shared = e == 4 and (not gathered or mb == 1)
+def _region_input(tokens: int, h: int, consumers: int, e: int) -> int:
+    """What the linears entering a region save of their shared input: one fp32 tensor (an SP all-gather
+    returns it contiguous) — unless it is a copy per consuming linear, under bf16 autocast (each casts it)."""
+    shared = e == 4
     return 4 * tokens * h if shared else consumers * e * tokens * h
 
 
@@ -160,7 +158,7 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     dk, dv = spec.k_dim, spec.v_dim
     mask = e * n * h if spec.dropout > 0 else 0  # under SP each rank keeps its slice of the full mask
     lse = 4 * n * hq if recompute == "none" else 0  # selective recompute of the attention core drops it
-    attn = _norm_saved(n_r, h) + _region_input(n, h, 3, e, lay.sp, lay.mb) + mask
+    attn = _norm_saved(n_r, h) + _region_input(n, h, 3, e) + mask
     if spec.is_mla:  # compressed latents and their norms (replicated over tp, like the down-projections)
         attn += 2 * e * n * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_dim)
     if c > 1 and lay.cp_impl == "ulysses":
@@ -177,7 +175,7 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     mlp = _norm_saved(n_r, h) + mask
     if not moe:
         swiglu = spec.mlp == "swiglu"
-        mlp += _region_input(n, h, 2 if swiglu else 1, e, lay.sp, lay.mb)
+        mlp += _region_input(n, h, 2 if swiglu else 1, e)
         mlp += (4 if swiglu else 2) * e * n * (spec.ffn_dim // t)
         return attn + mlp
     k, E, f_e = spec.topk, spec.n_experts, spec.expert_ffn_dim
@@ -245,7 +243,7 @@ def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload, model: str
     if model == "korthikanti":
         return softmax
     n_r = n // lay.tp if lay.sp else n
-    head_in = _region_input(n, spec.dim, 1, wl.act_bytes, lay.sp, lay.mb)
+    head_in = _region_input(n, spec.dim, 1, wl.act_bytes)
     return softmax + _norm_saved(n_r, spec.dim) + head_in + 10 * n
 
 
