@@ -29,6 +29,8 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step per dp rank (sets global batch = M × micro-batch × dp)")
     g.add_argument("--pp-layers", default=None, help="layers per stage, comma-separated (pp × vp counts)")
+    g.add_argument("--pp-scatter-gather", action="store_true",
+                   help="under TP without SP, send 1/tp of each stage activation and all-gather it on arrival")
     g.add_argument("--cp-order", default="balanced", help="context-parallel token order: balanced or contiguous")
     g.add_argument("--cp-impl", default="ring", help="context-parallel attention: ring or ulysses")
 
@@ -107,7 +109,8 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
     except ValueError:
         raise ConfigError(f"--pp-layers {args.pp_layers!r} must be comma-separated integers, e.g. 3,3,2") from None
     parallel = ParallelConfig(**degrees, sequence_parallel=args.sequence_parallel, zero=args.zero,
-                              schedule=args.schedule, vp=args.vp, pp_layers=pp_layers, cp_order=args.cp_order,
+                              schedule=args.schedule, vp=args.vp, pp_layers=pp_layers,
+                              pp_scatter_gather=args.pp_scatter_gather, cp_order=args.cp_order,
                               cp_impl=args.cp_impl)
     if args.microbatches is not None:
         if args.microbatches <= 0 or (args.global_batch is not None):

@@ -176,6 +176,8 @@ class ParallelConfig:
     """Model chunks (virtual stages) per pipeline rank: >1 for interleaved; dualpipev uses 2."""
     pp_layers: list[int] | None = None
     """Layers per stage (pp × vp counts), for uneven splits; default an even split."""
+    pp_scatter_gather: bool = False
+    """Under TP without SP, send 1/tp of each stage activation and all-gather it over TP on arrival."""
     cp_order: str = "balanced"
     """Context-parallel token order: 'balanced' (rank r holds chunks r and 2c-1-r) or 'contiguous'."""
     cp_impl: str = "ring"
@@ -187,7 +189,8 @@ class ParallelConfig:
     def as_dict(self) -> dict:
         out = {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
         if self.pp > 1:
-            out |= {"schedule": self.schedule, "vp": self.vp, "pp_layers": self.pp_layers}
+            out |= {"schedule": self.schedule, "vp": self.vp, "pp_layers": self.pp_layers,
+                    "pp_scatter_gather": self.pp_scatter_gather}
         return out
 
 
@@ -329,8 +332,8 @@ class TrainConfig:
             self._validate_experts(m)
         if p.pp > 1:
             self._validate_pipeline(m)
-        elif p.vp != 1 or p.pp_layers is not None:
-            raise ConfigError("--vp / --pp-layers need --pp > 1")
+        elif p.vp != 1 or p.pp_layers is not None or p.pp_scatter_gather:
+            raise ConfigError("--vp / --pp-layers / --pp-scatter-gather need --pp > 1")
         if not isinstance(self.save_every, int) or self.save_every < 0:
             raise ConfigError(f"--save-every {self.save_every!r} must be a non-negative integer")
         if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
@@ -386,6 +389,9 @@ class TrainConfig:
             p.vp = 2
         elif p.schedule != "interleaved" and p.vp != 1:
             raise ConfigError(f"--vp {p.vp} needs --schedule interleaved (schedule {p.schedule} runs one chunk per rank)")
+        if p.pp_scatter_gather and (p.tp == 1 or p.sequence_parallel):
+            raise ConfigError("--pp-scatter-gather needs --tp > 1 without --sequence-parallel (under SP each TP "
+                              "rank already sends only its own sequence shard)")
         if m.tie_embeddings:
             raise ConfigError("--tie-embeddings with --pp > 1 is not supported: embedding and LM head live on "
                               "different stages")

@@ -71,7 +71,7 @@ class Trainer:
             self.executor = PipelineExecutor(self.model.chunks, self.schedule, mesh,
                                              (cfg.micro_batch, s_local, self.model_cfg.dim), torch.float32,
                                              lambda logits, y: self.model.loss_fn(logits, y, IGNORE_INDEX),
-                                             self.model.grad_store, self._autocast)
+                                             self.model.grad_store, self._autocast, p.pp_scatter_gather)
 
     def _autocast(self):
         if self.cfg.dtype == "bf16":

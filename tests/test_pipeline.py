@@ -39,6 +39,7 @@ def test_pp4_and_compositions():
     cfgs = [_cfg(seed, pp=4, schedule="gpipe"), _cfg(seed, microbatches=2, pp=4, schedule="1f1b"),
             _cfg(seed, pp=4, schedule="interleaved", vp=2), _cfg(seed, pp=2, tp=2, sequence_parallel=True),
             _cfg(seed, microbatches=3, pp=2, dp=2, schedule="zb", zero=1),
+            _cfg(seed, pp=2, tp=2, schedule="interleaved", vp=2, pp_scatter_gather=True),
             dataclasses.replace(_cfg(seed, pp=4, pp_layers=[3, 2, 2, 1]), global_batch=8)]
     for cfg, result in zip(cfgs, run_ranks(4, verify_all, cfgs)[0]):
         assert result["passed"], (seed, cfg.parallel, result)
@@ -65,8 +66,30 @@ def test_peak_inflight_activations():
     (dict(pp=2, pp_layers=[4, 3]), 8, "summing to the model's 8 layers"),
     (dict(pp=2, schedule="nope"), 8, "--schedule 'nope' is unknown"),
     (dict(pp=2, vp=2), 8, "--vp 2 needs --schedule interleaved"),
+    (dict(pp=2, tp=2, sequence_parallel=True, pp_scatter_gather=True), 8, "--pp-scatter-gather needs --tp > 1"),
 ])
 def test_pipeline_config_errors(parallel, gb, message):
     cfg = TrainConfig(parallel=ParallelConfig(**parallel), micro_batch=1, global_batch=gb)
     with pytest.raises(ConfigError, match=message):
         cfg.resolve_world()
+
+
+def _pp_send_bytes(cfgs):
+    out = []
+    for cfg in cfgs:
+        cfg.resolve_world()
+        mesh = make_mesh(cfg, torch.device("cpu"))
+        trainer = Trainer(cfg, mesh)
+        mesh.ledger.reset()
+        trainer.train_step(0)
+        axes = mesh.ledger.steps[-1]["axes"]
+        out.append((axes["pp"]["send"], axes["tp"].get("all_gather", {"count": 0, "bytes": 0})))
+    return out
+
+
+def test_scatter_gather_sends_one_tp_share():
+    seed = fresh_seed()
+    cfgs = [_cfg(seed, pp=2, tp=2), _cfg(seed, pp=2, tp=2, pp_scatter_gather=True)]
+    (plain, _), (scattered, gathered) = run_ranks(4, _pp_send_bytes, cfgs)[0]
+    assert scattered["count"] == plain["count"] and scattered["bytes"] * 2 == plain["bytes"]
+    assert gathered["count"] == plain["count"] and gathered["bytes"] == scattered["bytes"]  # one gather per receive

@@ -45,7 +45,7 @@ def _message_order(schedule: Schedule) -> dict[tuple[int, int], list[tuple]]:
 
 class PipelineExecutor:
     def __init__(self, chunks, schedule: Schedule, mesh, act_shape, act_dtype, loss_fn,
-                 store: WeightGradStore | None = None, autocast=None):
+                 store: WeightGradStore | None = None, autocast=None, scatter_gather: bool = False):
         self.chunks, self.schedule, self.mesh = chunks, schedule, mesh
         self.pp = mesh["pp"]
         self.rank = self.pp.rank
@@ -57,6 +57,16 @@ class PipelineExecutor:
         if schedule.split_bw and store is None:
             raise ValueError(f"schedule {schedule.name} splits B and W: pass the model's WeightGradStore")
         self.autocast = autocast
+        # Megatron's scatter-gather: without SP every TP rank holds the same activation, so each sends
+        # only its 1/tp and the receivers all-gather it over TP (p2p bytes / tp, plus one all-gather).
+        self.tp = mesh["tp"]
+        self.scatter = scatter_gather and self.tp.active
+        numel = 1
+        for d in self.act_shape:
+            numel *= d
+        if self.scatter and numel % self.tp.size:
+            raise ValueError(f"scatter-gather needs the activation size {numel} divisible by tp={self.tp.size}")
+        self.wire_shape = (numel // self.tp.size,) if self.scatter else self.act_shape
         # Gloo accepts a smaller message into a larger buffer silently: agree on the shape up front,
         # and check every outgoing tensor against it.
         agreed = comm.all_gather_object((self.act_shape, str(act_dtype)), self.pp)
@@ -103,7 +113,7 @@ class PipelineExecutor:
         while self.next_recv[src] <= upto:
             k = seq[self.next_recv[src]]
             self.next_recv[src] += 1
-            new.append((k, torch.empty(self.act_shape, dtype=self.act_dtype, device=self.mesh.device)))
+            new.append((k, torch.empty(self.wire_shape, dtype=self.act_dtype, device=self.mesh.device)))
         if new:
             works = comm.p2p([("recv", buf, self.pp, src) for _, buf in new])
             for (k, buf), work in zip(new, works):
@@ -117,6 +127,8 @@ class PipelineExecutor:
         self.next_needed += 1
         self._prepost()
         comm.wait(work, self.pp, f"recv of {key[0]} for microbatch {key[1]}, stage {key[2]} from pp rank {src}")
+        if self.scatter:  # every TP rank reaches this receive at the same point of the same action list
+            buf = comm.all_gather(buf, self.tp).view(self.act_shape)
         return buf
 
     def _send(self, dst: int, key: tuple, t: torch.Tensor, free_after: torch.Tensor | None = None) -> None:
@@ -126,7 +138,8 @@ class PipelineExecutor:
         if t.shape != self.act_shape:
             raise RuntimeError(f"pp rank {self.rank}: sending {key} of shape {tuple(t.shape)}, "
                                f"expected {self.act_shape}")
-        (work,) = comm.p2p([("send", t.contiguous(), self.pp, dst)])
+        payload = t.reshape(-1).chunk(self.tp.size)[self.tp.rank].contiguous() if self.scatter else t.contiguous()
+        (work,) = comm.p2p([("send", payload, self.pp, dst)])
         self.sends.append((work, free_after))
         self._reap_sends()
 
