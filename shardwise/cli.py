@@ -143,6 +143,21 @@ def _run(kind: str, cfg: TrainConfig, device=None):
     return verify_main(cfg, device)
 
 
+def _check_tp_within_node(cfg: TrainConfig) -> None:
+    """TP is innermost, so a TP group is `tp` consecutive ranks: it stays on one node (NVLink) exactly
+    when the processes per node are a multiple of tp. On GPUs anything else is refused."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    tp = cfg.parallel.tp
+    if local and local % tp:
+        msg = (f"--tp {tp} does not fit the {local} processes per node: TP groups would span nodes; "
+               f"use a tp that divides {local}")
+        import torch
+
+        if torch.cuda.is_available():
+            raise ConfigError(msg)
+        print(f"shardwise: warning: {msg}", file=sys.stderr)
+
+
 def _torchrun() -> bool:
     from .launch import under_torchrun
 
@@ -161,6 +176,8 @@ def main(argv=None) -> int:
 
             args = apply_config_file(parser, parser._sw_runs[args.command], args.config, argv)
         cfg = config_from_args(args, torchrun_world)
+        if torchrun_world is not None:
+            _check_tp_within_node(cfg)
         if args.print_config:
             from .config_file import render_config
 

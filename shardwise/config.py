@@ -259,8 +259,13 @@ class TrainConfig:
         if isinstance(self.model, ModelConfig):
             cfg = dataclasses.replace(self.model, **{k: v for k, v in overrides.items() if v is not None})
             cfg.validate()
-            return cfg
-        return get_model_config(self.model, **overrides)
+        else:
+            cfg = get_model_config(self.model, **overrides)
+        stray = sorted(k for k in self.model_overrides if k.startswith("moe_") and k != "moe_experts")
+        if stray and not cfg.moe_experts:
+            raise ConfigError(f"--{stray[0].replace('_', '-')} given, but model {cfg.name!r} has no experts; "
+                              "add --moe-experts E or use an MoE preset such as tiny-moe")
+        return cfg
 
     def resolve_world(self, world_size: int | None = None) -> int:
         """Fill dp=-1 and return the world size; validate everything that needs no process."""
