@@ -120,11 +120,11 @@ class GradReducer:
     def _grad_norm_sq(self) -> torch.Tensor:
         dense = torch.zeros(1, device=self.mesh.device)
         expert = torch.zeros(1, device=self.mesh.device)
-        if self.zero:
+        if self.zero:  # shards are disjoint over each group's axis: one reduce per axis (dp×cp, edp)
             for g in self.flat:
-                part = (g["shard"].grad.float().pow(2) * g["norm_weight"]).sum().reshape(1)
-                comm.all_reduce(part, g["axis"], tag="grad_norm")
-                (expert if g["expert"] else dense).add_(part)
+                (expert if g["expert"] else dense).add_((g["shard"].grad.float().pow(2) * g["norm_weight"]).sum())
+            comm.all_reduce(dense, self.mesh["dp_cp"], tag="grad_norm")
+            comm.all_reduce(expert, self.mesh["edp"], tag="grad_norm")
         else:
             for _, p in self.named:
                 (expert if is_expert(p) else dense).add_(_grad(p).float().pow(2).sum() / get_spec(p).replicas)

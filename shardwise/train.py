@@ -159,7 +159,7 @@ class Trainer:
                        f"{self.bad_steps} bad steps exceed --max-bad-steps {self.cfg.max_bad_steps}"))
         else:
             lr = self.optimizer_step(step)
-        moe = self._moe_metrics() if self.model_cfg.moe_experts else None  # every stage joins the pp reduce
+        moe = self.moe_step() if self.model_cfg.moe_experts else None  # every stage joins the pp reduce
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -172,8 +172,9 @@ class Trainer:
             rec.update(moe)
         return rec
 
-    def _moe_metrics(self) -> dict:
-        """Global routing of this step (all dp×cp ranks, all stages) and the loss-free bias update."""
+    def moe_step(self) -> dict:
+        """After the optimizer step: the loss-free bias update and this step's global routing metrics
+        (all dp×cp ranks, all stages). Collective over the token axes and pp."""
         p = self.cfg.parallel
         axes = (self.mesh["dp_cp"], self.mesh["tp"]) if p.sequence_parallel else (self.mesh["dp_cp"],)
         n_exp = self.model_cfg.moe_experts
@@ -217,12 +218,8 @@ def _write_timeline(trainer: Trainer, out: str) -> dict | None:
     # Simulate with each rank's measured mean cost per kind (the last stage also runs the head and
     # loss), so simulated and measured bubbles compare like for like.
     def means(evs):
-        out = {}
-        for k in "FBW":
-            d = [e["end"] - e["start"] for e in evs if e["kind"] == k]
-            if d:
-                out[k] = sum(d) / len(d)
-        return out
+        durations = {k: [e["end"] - e["start"] for e in evs if e["kind"] == k] for k in "FBW"}
+        return {k: sum(d) / len(d) for k, d in durations.items() if d}
 
     mean = means([e for r in events for e in r])
     sim = simulate(sched, cost_w=0.0, rank_costs=[means(r) for r in events])

@@ -90,6 +90,9 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         grad_diff = max(grad_diff, step_grad)
         trainer.optimizer_step(step)
         ref.optimizer_step(step)
+        if trainer.model_cfg.moe_experts:  # the loss-free bias moves the same way in both, or routing diverges
+            trainer.moe_step()
+            ref.moe_step()
         params = [(n, p.detach().reshape(-1), get_spec(p).local_slice(ref_params[n].detach()).reshape(-1))
                   for n, p in trainer.model.named_parameters()]
         param_diff = max(param_diff, _rel_diffs(params, names, world))

@@ -26,20 +26,34 @@ _ENGINE = torch.autograd.Variable._execution_engine
 PREPOST = 2  # receives kept posted ahead of need
 
 
+def message_in(schedule: Schedule, rank: int, a) -> tuple[int, tuple] | None:
+    """(src rank, key) of the message action `a` on `rank` waits for: F's activation, B's gradient."""
+    lay, stage = schedule.layout, schedule.layout.stage_of(rank, a.chunk)
+    if a.kind == "F" and stage != 0:
+        return lay.prev_rank(stage), ("act", a.microbatch, stage)
+    if a.kind == "B" and stage != schedule.num_stages - 1:
+        return lay.next_rank(stage), ("grad", a.microbatch, stage)
+    return None
+
+
+def message_out(schedule: Schedule, rank: int, a) -> tuple[int, tuple] | None:
+    """(dst rank, key) of the message action `a` on `rank` produces: the mirror of `message_in`."""
+    lay, stage = schedule.layout, schedule.layout.stage_of(rank, a.chunk)
+    if a.kind == "F" and stage != schedule.num_stages - 1:
+        return lay.next_rank(stage), ("act", a.microbatch, stage + 1)
+    if a.kind == "B" and stage != 0:
+        return lay.prev_rank(stage), ("grad", a.microbatch, stage - 1)
+    return None
+
+
 def _message_order(schedule: Schedule) -> dict[tuple[int, int], list[tuple]]:
     """For every (src, dst) pair of pp ranks: the messages src sends to dst, in src's program order."""
-    lay, last = schedule.layout, schedule.num_stages - 1
     order: dict[tuple[int, int], list[tuple]] = {}
     for src, actions in enumerate(schedule.actions):
         for a in actions:
-            stage = lay.stage_of(src, a.chunk)
-            if a.kind == "F" and stage != last:
-                dst, key = lay.next_rank(stage), ("act", a.microbatch, stage + 1)
-            elif a.kind == "B" and stage != 0:
-                dst, key = lay.prev_rank(stage), ("grad", a.microbatch, stage - 1)
-            else:
-                continue
-            order.setdefault((src, dst), []).append(key)
+            out = message_out(schedule, src, a)
+            if out is not None:
+                order.setdefault((src, out[0]), []).append(out[1])
     return order
 
 
@@ -87,18 +101,8 @@ class PipelineExecutor:
 
     def _needed_inputs(self) -> list[tuple[int, tuple]]:
         """(src rank, message) of every cross-rank input this rank's actions take, in action order."""
-        lay, last, out = self.layout, self.schedule.num_stages - 1, []
-        for a in self.schedule.actions[self.rank]:
-            stage = lay.stage_of(self.rank, a.chunk)
-            if a.kind == "F" and stage != 0:
-                src, key = lay.prev_rank(stage), ("act", a.microbatch, stage)
-            elif a.kind == "B" and stage != last:
-                src, key = lay.next_rank(stage), ("grad", a.microbatch, stage)
-            else:
-                continue
-            if src != self.rank:
-                out.append((src, key))
-        return out
+        ins = (message_in(self.schedule, self.rank, a) for a in self.schedule.actions[self.rank])
+        return [m for m in ins if m is not None and m[0] != self.rank]
 
     def _prepost(self) -> None:
         """Keep the next PREPOST inputs' receives posted: gloo sends a payload only once the receive is
@@ -160,17 +164,17 @@ class PipelineExecutor:
         """Run this rank's actions for one step; returns the sum of its last-stage losses (0 elsewhere)."""
         self._begin()
         self.events = []
-        lay, last = self.layout, self.schedule.num_stages - 1
+        last = self.schedule.num_stages - 1
         state: dict[tuple[int, int], tuple] = {}
         loss_sum = torch.zeros(1, device=self.mesh.device)
         inflight = 0
         for a in self.schedule.actions[self.rank]:
-            stage = lay.stage_of(self.rank, a.chunk)
+            stage = self.layout.stage_of(self.rank, a.chunk)
             chunk, mb = self.chunks[a.chunk], a.microbatch
+            src_in, dst_out = message_in(self.schedule, self.rank, a), message_out(self.schedule, self.rank, a)
             # Timing starts once the input has arrived: waiting on a peer is bubble, not work.
             if a.kind == "F":
-                x = inputs[mb] if stage == 0 else \
-                    self._receive(lay.prev_rank(stage), ("act", mb, stage)).requires_grad_()
+                x = inputs[mb] if src_in is None else self._receive(*src_in).requires_grad_()
                 t0 = time.time()
                 with self.autocast():
                     out = chunk(x)
@@ -178,15 +182,13 @@ class PipelineExecutor:
                     out = self.loss_fn(out, targets[mb]).sum() / n_tokens
                     loss_sum += out.detach()
                 state[(mb, a.chunk)] = (x, out)
-                if stage != last:
-                    dst = lay.next_rank(stage)
-                    self._send(dst, ("act", mb, stage + 1), out.detach(), free_after=out if dst != self.rank else None)
+                if dst_out is not None:
+                    self._send(*dst_out, out.detach(), free_after=out if dst_out[0] != self.rank else None)
                 inflight += 1
                 self.peak_inflight = max(self.peak_inflight, inflight)
             elif a.kind == "B":
                 x, out = state.pop((mb, a.chunk))
-                grad = torch.ones_like(out) if stage == last else \
-                    self._receive(lay.next_rank(stage), ("grad", mb, stage))
+                grad = torch.ones_like(out) if src_in is None else self._receive(*src_in)
                 t0 = time.time()
                 if self.store is not None:
                     self.store.capturing, self.store.key = True, (mb, a.chunk)
@@ -195,8 +197,8 @@ class PipelineExecutor:
                 finally:
                     if self.store is not None:
                         self.store.capturing = False
-                if stage != 0:
-                    self._send(lay.prev_rank(stage), ("grad", mb, stage - 1), x.grad)
+                if dst_out is not None:
+                    self._send(*dst_out, x.grad)
                 inflight -= 1
             else:
                 t0 = time.time()
