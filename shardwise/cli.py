@@ -116,7 +116,10 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
         if args.microbatches <= 0 or (args.global_batch is not None):
             raise ConfigError(f"--microbatches {args.microbatches} must be positive and not combined with "
                               "--global-batch")
-        args.global_batch = args.microbatches * args.micro_batch * max(1, degrees["dp"])
+        dp = degrees["dp"]
+        if dp == -1:  # under torchrun: the rest of the world (resolve_world reports a bad split)
+            dp = max(1, torchrun_world // (degrees["pp"] * degrees["cp"] * degrees["tp"]))
+        args.global_batch = args.microbatches * args.micro_batch * dp
     cfg = TrainConfig(model=args.model, parallel=parallel, steps=args.steps, seq_len=args.seq_len,
                       micro_batch=args.micro_batch, global_batch=args.global_batch, lr=args.lr, seed=args.seed,
                       dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,
@@ -124,8 +127,8 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       timeout_s=args.collective_timeout, progress=not args.no_progress,
                       fault_inject=args.fault_inject, bad_step=args.bad_step, max_bad_steps=args.max_bad_steps,
                       save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, keep=args.keep,
-                      resume=args.resume)
-    cfg.model_overrides = {k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None}
+                      resume=args.resume,
+                      model_overrides={k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None})
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps
     cfg.warmup_steps = min(cfg.warmup_steps, max(1, cfg.steps // 10))
@@ -201,13 +204,12 @@ def main(argv=None) -> int:
             from .data import load_tokens
 
             load_tokens(cfg.data)
+        world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
+        if torchrun_world is None and world > MAX_LOCAL_RANKS:
+            raise ConfigError(f"the layout needs {world} ranks; the local launcher starts at most "
+                              f"{MAX_LOCAL_RANKS} (use torchrun for more)")
     except ConfigError as e:
         print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
-    if torchrun_world is None and world > MAX_LOCAL_RANKS:
-        print(f"shardwise {args.command}: error: the layout needs {world} ranks; the local launcher starts at most "
-              f"{MAX_LOCAL_RANKS} (use torchrun for more)", file=sys.stderr)
         return 2
     from .launch import RankError, run_local
 

@@ -92,8 +92,6 @@ class ModelConfig:
             if not 1 <= self.moe_topk <= self.moe_experts:
                 raise ConfigError(f"model {self.name!r}: moe_topk={self.moe_topk} must be in [1, moe_experts="
                                   f"{self.moe_experts}]")
-            if self.moe_every < 1:
-                raise ConfigError(f"model {self.name!r}: moe_every={self.moe_every} must be >= 1")
             if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
                 raise ConfigError(f"--moe-capacity-factor {self.moe_capacity_factor} must be positive")
             if self.moe_score not in ("softmax", "sigmoid"):
@@ -152,7 +150,6 @@ def get_model_config(name: str, **overrides) -> ModelConfig:
 
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
-NOT_IMPLEMENTED: dict[str, str] = {}
 
 
 @dataclass
@@ -293,9 +290,6 @@ class TrainConfig:
 
     def validate(self, world: int) -> None:
         p = self.parallel
-        for a, what in NOT_IMPLEMENTED.items():
-            if getattr(p, a) > 1:
-                raise ConfigError(f"{what} parallelism ({a}={getattr(p, a)}) is not implemented yet; use --{a} 1")
         if p.zero not in (0, 1):
             raise ConfigError(f"--zero {p.zero} is not supported; valid: 0 or 1")
         if p.sequence_parallel and p.tp == 1:
