@@ -23,12 +23,20 @@ class WeightGradStore:
         """Compute and accumulate every deferred weight gradient of `key`, then drop the saved tensors."""
         with torch.no_grad():
             for weight, bias, x, g in self.pending.pop(key, []):
-                _accumulate(weight, g.flatten(0, -2).t() @ x.flatten(0, -2).to(g.dtype))
+                dw, db = weight_grads(x, g, weight, bias)
+                _accumulate(weight, dw)
                 if bias is not None:
-                    _accumulate(bias, g.flatten(0, -2).sum(0))
+                    _accumulate(bias, db)
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.pending.values())
+
+
+def weight_grads(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """dW = gᵀx and db = Σg of y = x Wᵀ + b, in g's dtype (bf16 under autocast), returned in the params' dtypes."""
+    g2 = g.reshape(-1, g.shape[-1])
+    dw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
+    return dw, (g2.sum(0).to(bias.dtype) if bias is not None else None)
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -45,7 +53,7 @@ class _LinearDeferredW(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, store):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.store = bias is not None, store
+        ctx.store = store
         ctx.bias = bias
         return torch.nn.functional.linear(x, weight, bias)
 
@@ -56,9 +64,8 @@ class _LinearDeferredW(torch.autograd.Function):
         if ctx.store.capturing:
             ctx.store.put(weight, ctx.bias, x, g)
             return dx, None, None, None
-        dw = g.flatten(0, -2).t() @ x.flatten(0, -2).to(g.dtype)
-        db = g.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
-        return dx.to(x.dtype), dw.to(weight.dtype), db, None
+        dw, db = weight_grads(x, g, weight, ctx.bias)
+        return dx.to(x.dtype), dw, db, None
 
 
 def linear(x, weight, bias=None, store: WeightGradStore | None = None):

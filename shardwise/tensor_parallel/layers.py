@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-from ..pipeline.grad_store import linear
+from ..pipeline.grad_store import linear, weight_grads
 
 
 @dataclass(frozen=True)
@@ -148,14 +148,11 @@ class _ColumnRegionFn(torch.autograd.Function):
         work = comm.all_reduce_async(dx, ctx.axis)
         grads: list = [None] * (2 * len(ws))
         capture = ctx.store is not None and ctx.store.capturing
-        x2 = x.reshape(-1, x.shape[-1])
-        for i, g in live:
+        for i, _ in live:
             if capture:  # zero-bubble: dW runs later, at this microbatch's W action
                 ctx.store.put(ws[i], ctx.bs[i], x, gs[i])
-                continue
-            grads[2 * i] = (g.t() @ x2.to(g.dtype)).to(ws[i].dtype)
-            if ctx.bs[i] is not None:
-                grads[2 * i + 1] = g.sum(0).to(ctx.bs[i].dtype)
+            else:
+                grads[2 * i], grads[2 * i + 1] = weight_grads(x, gs[i], ws[i], ctx.bs[i])
         comm.wait(work, ctx.axis, "all_reduce of a column region's input gradient")
         return (dx.view_as(x), None, None, *grads)
 
