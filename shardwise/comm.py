@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import defaultdict
 
 import torch
@@ -29,8 +30,28 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; names this rank, the axis, the op and the group's ranks."""
 
 
+class DeviceError(RuntimeError):
+    """A tensor handed to a collective is not on the mesh's device (NCCL would fail at once)."""
+
+
+def _check_device(axis, what: str, t: torch.Tensor) -> None:
+    device = getattr(axis, "device", None)
+    if device is not None and (t.device.type != device.type or
+                               (device.index is not None and t.device.index != device.index)):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise DeviceError(f"rank {rank}: {what} on axis '{axis.name}' got a tensor on {t.device}, "
+                          f"but the mesh's device is {device}: create it with device=mesh.device")
+
+
 def _guarded(axis, what: str, fn, *args, **kwargs):
-    """Run one torch.distributed call; turn backend errors (peer died, timeout) into a CollectiveError."""
+    """Run one torch.distributed call; turn backend errors (peer died, timeout) into a CollectiveError.
+
+    Every tensor argument must live on the mesh's device: gloo moves CPU tensors anywhere, NCCL
+    accepts only tensors on the rank's GPU, so the check makes a CPU test run fail where a GPU run would.
+    """
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            _check_device(axis, what, a)
     try:
         return fn(*args, **kwargs)
     except (RuntimeError, dist.DistError) as e:
@@ -215,23 +236,65 @@ def all_to_all(inp: torch.Tensor, axis, in_splits: list[int] | None = None, out_
     return out
 
 
-def p2p(ops, tag: str | None = None) -> list:
-    """Batched non-blocking point-to-point: `ops` is a list of ("send" | "recv", tensor, axis, peer_axis_rank).
+class _BatchWork:
+    """One handle for a whole p2p batch, as NCCL returns (gloo returns one per op).
 
-    Returns the work handles (call `.wait()` on each). Sends record the tensor's bytes on their
-    axis; receives record only their count (they contribute no payload).
+    Waiting twice is a no-op: a second wait on a finished gloo receive would block for a new message.
     """
-    p2p_ops = []
+
+    def __init__(self, works: list):
+        self.works, self.done = works, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done or all(w.is_completed() for w in self.works)
+
+
+def strict_p2p() -> bool:
+    """SHARDWISE_STRICT_P2P=1: comm.p2p follows NCCL's p2p rules on gloo (a debugging/test mode)."""
+    return os.environ.get("SHARDWISE_STRICT_P2P", "") not in ("", "0")
+
+
+_pair_tail: dict[tuple[int, int], _BatchWork] = {}  # (group id, peer global rank) -> last batch (strict mode)
+
+
+def p2p(ops, tag: str | None = None) -> list:
+    """One batch of non-blocking point-to-point ops: ("send" | "recv", tensor, axis, peer_axis_rank).
+
+    Returns the batch's work handles; callers must treat the list as one unit and wait on all of it,
+    since NCCL returns ONE handle for the whole batch (gloo one per op). Sends record the tensor's
+    bytes on their axis; receives record only their count (they contribute no payload).
+
+    Under SHARDWISE_STRICT_P2P=1 the batch is issued only after the previous batch with each of its
+    peers completed, and one handle is returned: NCCL's rule that p2p between two ranks runs in
+    posting order on one stream, so code that would deadlock or mis-handle handles on NCCL fails here.
+    """
+    p2p_ops, peers = [], set()
     for kind, t, axis, peer in ops:
-        if kind == "send":
-            _record(axis, "send", _nbytes(t), _nbytes(t), tag)
-            p2p_ops.append(dist.P2POp(dist.isend, t, axis.ranks[peer], group=axis.group))
-        elif kind == "recv":
-            _record(axis, "recv", 0, 0, tag)
-            p2p_ops.append(dist.P2POp(dist.irecv, t, axis.ranks[peer], group=axis.group))
-        else:
+        if kind not in ("send", "recv"):
             raise ValueError(f"p2p op {kind!r}: expected 'send' or 'recv'")
-    return _guarded(ops[0][2], "p2p", dist.batch_isend_irecv, p2p_ops) if p2p_ops else []
+        _check_device(axis, f"p2p {kind}", t)
+        _record(axis, kind, _nbytes(t) if kind == "send" else 0, _nbytes(t) if kind == "send" else 0, tag)
+        p2p_ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, axis.ranks[peer], group=axis.group))
+        peers.add((id(axis.group), axis.ranks[peer]))
+    if not p2p_ops:
+        return []
+    axis = ops[0][2]
+    if not strict_p2p():
+        return _guarded(axis, "p2p", dist.batch_isend_irecv, p2p_ops)
+    for pair in sorted(peers):
+        if pair in _pair_tail:
+            _guarded(axis, "p2p (previous batch on the pair)", _pair_tail.pop(pair).wait)
+    work = _BatchWork(_guarded(axis, "p2p", dist.batch_isend_irecv, p2p_ops))
+    for pair in peers:
+        _pair_tail[pair] = work
+    return [work]
 
 
 def all_gather_object(obj, axis) -> list:

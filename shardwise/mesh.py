@@ -65,6 +65,7 @@ class Axis:
     group: object = None
     ranks: tuple[int, ...] = (0,)
     ledger: "Ledger | None" = None
+    device: torch.device | None = None  # the mesh's device: comm refuses tensors elsewhere
 
     @property
     def active(self) -> bool:
@@ -81,7 +82,7 @@ class Mesh:
                  device_mesh=None, ledger: "Ledger | None" = None):
         self.ledger = ledger if ledger is not None else Ledger()
         for axis in axes.values():
-            axis.ledger = self.ledger
+            axis.ledger, axis.device = self.ledger, device
         self.dims = dims
         self.rank = rank
         self.axes = axes

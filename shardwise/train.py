@@ -178,14 +178,14 @@ class Trainer:
         p = self.cfg.parallel
         axes = (self.mesh["dp_cp"], self.mesh["tp"]) if p.sequence_parallel else (self.mesh["dp_cp"],)
         n_exp = self.model_cfg.moe_experts
-        vec = torch.zeros(n_exp + 4, dtype=torch.float64)
+        vec = torch.zeros(n_exp + 4, dtype=torch.float64, device=self.mesh.device)  # NCCL: on the device
         for m in self.moe:
-            counts = m.update_bias(axes).double().cpu()  # all-reduced over the token axes; bias step
+            counts = m.update_bias(axes).double()  # all-reduced over the token axes; bias step
             vec[:n_exp] += counts
-            vec[n_exp] += float(counts.max() / counts.mean()) if counts.sum() > 0 else 0.0
+            vec[n_exp] += torch.where(counts.sum() > 0, counts.max() / counts.mean().clamp_min(1e-30), 0.0)
             vec[n_exp + 1] += 1
             vec[n_exp + 2] += m.step_dropped
-            vec[n_exp + 3] += float(m.step_aux)
+            vec[n_exp + 3] += m.step_aux
             m.step_dropped, m.step_aux = 0, 0.0
         tail = vec[n_exp + 2:]  # dropped rows and aux parts are per rank: sum them over every token axis
         for ax in axes:

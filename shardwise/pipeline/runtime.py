@@ -1,12 +1,14 @@
 """The one executor that runs any valid schedule's action list on this pipeline rank.
 
-Communication is point-to-point on the pp axis, non-blocking and deadlock-free by construction:
-* sends are posted (isend) as soon as an output or input-gradient exists and never waited on
-  before later work;
-* receives from a peer are posted in exactly the order that peer sends (the order is known on
-  every rank, since every rank can read every rank's action list), so messages between a pair of
-  ranks can never be matched to the wrong buffer — the silent-corruption mode of batched p2p in
-  interleaved schedules — whatever the backend's matching rule (NCCL: order; gloo: tag + order);
+Communication is point-to-point on the pp axis, non-blocking, and follows the p2p program that
+`p2p_program.build_programs` derives from the schedule (checked against NCCL's rules by
+`p2p_check`, so it cannot deadlock on a backend that runs a pair's p2p in posting order):
+* before each action the rank posts one batch per peer — the previous action's send fused with
+  every receive the agreed order allows now (receives are posted as early as that order allows) —
+  and waits only for the batch that holds the next action's input; each batch is one unit, as
+  NCCL returns one work handle per batch;
+* both sides of a pair post their messages in one agreed order, so a message can never be matched
+  to the wrong buffer — the silent-corruption mode of batched p2p in interleaved schedules;
 * a stage output's storage is released once its send completed (Megatron's
   deallocate_output_tensor); backward then runs the autograd engine on the output's graph alone.
 Each action's start and end are recorded for the timeline; the number of microbatch-chunks whose
@@ -20,41 +22,20 @@ import torch
 
 from .. import comm
 from .grad_store import WeightGradStore
+from .p2p_program import build_programs, message_in, message_out
 from .schedules import Schedule
 
 _ENGINE = torch.autograd.Variable._execution_engine
-PREPOST = 2  # receives kept posted ahead of need
 
 
-def message_in(schedule: Schedule, rank: int, a) -> tuple[int, tuple] | None:
-    """(src rank, key) of the message action `a` on `rank` waits for: F's activation, B's gradient."""
-    lay, stage = schedule.layout, schedule.layout.stage_of(rank, a.chunk)
-    if a.kind == "F" and stage != 0:
-        return lay.prev_rank(stage), ("act", a.microbatch, stage)
-    if a.kind == "B" and stage != schedule.num_stages - 1:
-        return lay.next_rank(stage), ("grad", a.microbatch, stage)
-    return None
+class _Batch:
+    """One posted p2p batch: its work handles (one on NCCL, one per op on gloo) and outputs to free."""
 
+    def __init__(self, works: list, frees: list):
+        self.works, self.frees, self.done = works, frees, False
 
-def message_out(schedule: Schedule, rank: int, a) -> tuple[int, tuple] | None:
-    """(dst rank, key) of the message action `a` on `rank` produces: the mirror of `message_in`."""
-    lay, stage = schedule.layout, schedule.layout.stage_of(rank, a.chunk)
-    if a.kind == "F" and stage != schedule.num_stages - 1:
-        return lay.next_rank(stage), ("act", a.microbatch, stage + 1)
-    if a.kind == "B" and stage != 0:
-        return lay.prev_rank(stage), ("grad", a.microbatch, stage - 1)
-    return None
-
-
-def _message_order(schedule: Schedule) -> dict[tuple[int, int], list[tuple]]:
-    """For every (src, dst) pair of pp ranks: the messages src sends to dst, in src's program order."""
-    order: dict[tuple[int, int], list[tuple]] = {}
-    for src, actions in enumerate(schedule.actions):
-        for a in actions:
-            out = message_out(schedule, src, a)
-            if out is not None:
-                order.setdefault((src, out[0]), []).append(out[1])
-    return order
+    def completed(self) -> bool:
+        return self.done or all(w.is_completed() for w in self.works)
 
 
 class PipelineExecutor:
@@ -65,8 +46,7 @@ class PipelineExecutor:
         self.rank = self.pp.rank
         self.act_shape, self.act_dtype, self.loss_fn = tuple(act_shape), act_dtype, loss_fn
         self.layout = schedule.layout
-        self.order = _message_order(schedule)
-        self.position = {pair: {k: i for i, k in enumerate(seq)} for pair, seq in self.order.items()}
+        self.program = build_programs(schedule)[self.rank]
         self.store = store if schedule.split_bw else None
         if schedule.split_bw and store is None:
             raise ValueError(f"schedule {schedule.name} splits B and W: pass the model's WeightGradStore")
@@ -91,51 +71,49 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------ messages
     def _begin(self):
-        self.posted: dict[tuple, tuple[torch.Tensor, object]] = {}
-        self.next_recv = {src: 0 for (src, dst) in self.order if dst == self.rank}
+        self.inbox: dict[tuple, tuple[torch.Tensor, _Batch]] = {}
+        self.outbox: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.local: dict[tuple, torch.Tensor] = {}
-        self.sends: list[tuple[object, torch.Tensor | None]] = []
-        self.needed = self._needed_inputs()
-        self.next_needed = 0
-        self._prepost()
+        self.batches: list[_Batch] = []
 
-    def _needed_inputs(self) -> list[tuple[int, tuple]]:
-        """(src rank, message) of every cross-rank input this rank's actions take, in action order."""
-        ins = (message_in(self.schedule, self.rank, a) for a in self.schedule.actions[self.rank])
-        return [m for m in ins if m is not None and m[0] != self.rank]
-
-    def _prepost(self) -> None:
-        """Keep the next PREPOST inputs' receives posted: gloo sends a payload only once the receive is
-        posted, so a receive posted late costs a round trip through a sender that is busy computing."""
-        for src, key in self.needed[self.next_needed:self.next_needed + PREPOST]:
-            self._post_up_to(src, key)
-
-    def _post_up_to(self, src: int, key: tuple) -> None:
-        """Post receives for everything `src` sends us up to and including `key`, in src's send order."""
-        seq, upto = self.order[(src, self.rank)], self.position[(src, self.rank)][key]
-        new = []
-        while self.next_recv[src] <= upto:
-            k = seq[self.next_recv[src]]
-            self.next_recv[src] += 1
-            new.append((k, torch.empty(self.wire_shape, dtype=self.act_dtype, device=self.mesh.device)))
-        if new:
-            works = comm.p2p([("recv", buf, self.pp, src) for _, buf in new])
-            for (k, buf), work in zip(new, works):
-                self.posted[k] = (buf, work)
-
-    def _receive(self, src: int, key: tuple) -> torch.Tensor:
-        if src == self.rank:  # neighbouring stages on the same rank (the V turn-around)
-            return self.local.pop(key)
-        self._post_up_to(src, key)
-        buf, work = self.posted.pop(key)
-        self.next_needed += 1
-        self._prepost()
-        comm.wait(work, self.pp, f"recv of {key[0]} for microbatch {key[1]}, stage {key[2]} from pp rank {src}")
+    def _boundary(self, i: int) -> torch.Tensor | None:
+        """Post boundary i's batches; return the next action's input once its batch completed."""
+        bnd = self.program[i]
+        for ops in bnd.batches:
+            items, frees, recvs = [], [], []
+            for op in ops:
+                if op.kind == "send":
+                    payload, free = self.outbox.pop(op.key)
+                    items.append(("send", payload, self.pp, op.peer))
+                    frees.append(free)
+                else:
+                    buf = torch.empty(self.wire_shape, dtype=self.act_dtype, device=self.mesh.device)
+                    items.append(("recv", buf, self.pp, op.peer))
+                    recvs.append((op.key, buf))
+            batch = _Batch(comm.p2p(items), frees)
+            self.batches.append(batch)
+            for key, buf in recvs:
+                self.inbox[key] = (buf, batch)
+        if bnd.wait is None:
+            return None
+        buf, batch = self.inbox.pop(bnd.wait)
+        self._wait(batch, f"recv of {bnd.wait[0]} for microbatch {bnd.wait[1]}, stage {bnd.wait[2]}")
         if self.scatter:  # every TP rank reaches this receive at the same point of the same action list
             buf = comm.all_gather(buf, self.tp).view(self.act_shape)
         return buf
 
+    def _wait(self, batch: _Batch, what: str) -> None:
+        if not batch.done:
+            for work in batch.works:
+                comm.wait(work, self.pp, what)
+            batch.done = True
+
+    def _take(self, src_in: tuple[int, tuple], received: torch.Tensor | None) -> torch.Tensor:
+        """The input of the current action: from this rank's other chunk, or the boundary's receive."""
+        return self.local.pop(src_in[1]) if src_in[0] == self.rank else received
+
     def _send(self, dst: int, key: tuple, t: torch.Tensor, free_after: torch.Tensor | None = None) -> None:
+        """Queue an output for the next boundary's batch to `dst` (or hand it over on this rank)."""
         if dst == self.rank:
             self.local[key] = t
             return
@@ -143,21 +121,21 @@ class PipelineExecutor:
             raise RuntimeError(f"pp rank {self.rank}: sending {key} of shape {tuple(t.shape)}, "
                                f"expected {self.act_shape}")
         payload = t.reshape(-1).chunk(self.tp.size)[self.tp.rank].contiguous() if self.scatter else t.contiguous()
-        (work,) = comm.p2p([("send", payload, self.pp, dst)])
-        self.sends.append((work, free_after))
-        self._reap_sends()
+        self.outbox[key] = (payload, free_after)
 
-    def _reap_sends(self, wait: bool = False) -> None:
+    def _reap(self, wait: bool = False) -> None:
+        """Free the outputs of sends that completed (all of them, waiting, at the end of the step)."""
         still = []
-        for work, out in self.sends:
+        for batch in self.batches:
             if wait:
-                comm.wait(work, self.pp, "send")
-            if wait or work.is_completed():
-                if out is not None:
-                    out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
+                self._wait(batch, "p2p batch at the end of the step")
+            if batch.completed():
+                for out in batch.frees:
+                    if out is not None:
+                        out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
             else:
-                still.append((work, out))
-        self.sends = still
+                still.append(batch)
+        self.batches = still
 
     # ------------------------------------------------------------ the loop
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], n_tokens: int) -> torch.Tensor:
@@ -168,13 +146,14 @@ class PipelineExecutor:
         state: dict[tuple[int, int], tuple] = {}
         loss_sum = torch.zeros(1, device=self.mesh.device)
         inflight = 0
-        for a in self.schedule.actions[self.rank]:
+        for i, a in enumerate(self.schedule.actions[self.rank]):
+            received = self._boundary(i)
             stage = self.layout.stage_of(self.rank, a.chunk)
             chunk, mb = self.chunks[a.chunk], a.microbatch
             src_in, dst_out = message_in(self.schedule, self.rank, a), message_out(self.schedule, self.rank, a)
             # Timing starts once the input has arrived: waiting on a peer is bubble, not work.
             if a.kind == "F":
-                x = inputs[mb] if src_in is None else self._receive(*src_in).requires_grad_()
+                x = inputs[mb] if src_in is None else self._take(src_in, received).requires_grad_()
                 t0 = time.time()
                 with self.autocast():
                     out = chunk(x)
@@ -188,7 +167,7 @@ class PipelineExecutor:
                 self.peak_inflight = max(self.peak_inflight, inflight)
             elif a.kind == "B":
                 x, out = state.pop((mb, a.chunk))
-                grad = torch.ones_like(out) if src_in is None else self._receive(*src_in)
+                grad = torch.ones_like(out) if src_in is None else self._take(src_in, received)
                 t0 = time.time()
                 if self.store is not None:
                     self.store.capturing, self.store.key = True, (mb, a.chunk)
@@ -204,8 +183,9 @@ class PipelineExecutor:
                 t0 = time.time()
                 self.store.run((mb, a.chunk))
             self.events.append({"kind": a.kind, "microbatch": mb, "chunk": a.chunk, "start": t0, "end": time.time()})
-            self._reap_sends()
-        self._reap_sends(wait=True)
-        if state or self.posted or (self.store is not None and len(self.store)):
+            self._reap()
+        self._boundary(len(self.schedule.actions[self.rank]))
+        self._reap(wait=True)
+        if state or self.inbox or self.outbox or (self.store is not None and len(self.store)):
             raise RuntimeError(f"pp rank {self.rank}: schedule {self.schedule.name} left work undone")
         return loss_sum

@@ -1,0 +1,106 @@
+"""Every pipeline rank's point-to-point program, derived from the schedule as data.
+
+NCCL runs the p2p between two ranks in posting order on one stream, and a batch of sends and
+receives completes only as a whole. A receive posted before the peer's matching send is posted
+therefore blocks every later op on that pair — so the order of posting, not only the schedule,
+decides whether a pipeline step finishes. This module fixes that order once, for all ranks:
+
+1. Play the schedule in the simulator (unit costs) to get one global order of actions that
+   respects every dependency; each message's place in it is the place of the action producing it.
+2. Every rank posts its ops with a peer in that global order of messages, so both sides of a pair
+   agree on the order of everything between them. A send is posted at the boundary right after
+   the action producing it; a receive at the first boundary on the receiver after the producer
+   ran in the global order — as early as the agreed order allows, never later than its need.
+3. At each boundary a rank posts one batch per peer (sends and receives fused, in the agreed
+   order) and then waits only for the batch holding the input of its next action.
+
+`p2p_check.check_programs` replays these programs under NCCL's rules; the executor runs exactly
+what `build_programs` returns, so what the checker proves is what runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .schedules import Schedule
+from .simulate import simulate
+
+
+class Op(NamedTuple):
+    """One p2p op with a peer pp rank: ``key`` names the message (kind, microbatch, receiving stage)."""
+
+    kind: str  # "send" | "recv"
+    peer: int
+    key: tuple
+
+
+@dataclass
+class Boundary:
+    """What a rank does before its next action: post ``batches`` (one per peer), then wait for ``wait``."""
+
+    batches: list[tuple[Op, ...]] = field(default_factory=list)
+    wait: tuple | None = None  # key of the message the next action takes, if it comes from another rank
+
+
+def message_in(schedule: Schedule, rank: int, a) -> tuple[int, tuple] | None:
+    """(src rank, key) of the message action `a` on `rank` waits for: F's activation, B's gradient."""
+    lay, stage = schedule.layout, schedule.layout.stage_of(rank, a.chunk)
+    if a.kind == "F" and stage != 0:
+        return lay.prev_rank(stage), ("act", a.microbatch, stage)
+    if a.kind == "B" and stage != schedule.num_stages - 1:
+        return lay.next_rank(stage), ("grad", a.microbatch, stage)
+    return None
+
+
+def message_out(schedule: Schedule, rank: int, a) -> tuple[int, tuple] | None:
+    """(dst rank, key) of the message action `a` on `rank` produces: the mirror of `message_in`."""
+    lay, stage = schedule.layout, schedule.layout.stage_of(rank, a.chunk)
+    if a.kind == "F" and stage != schedule.num_stages - 1:
+        return lay.next_rank(stage), ("act", a.microbatch, stage + 1)
+    if a.kind == "B" and stage != 0:
+        return lay.prev_rank(stage), ("grad", a.microbatch, stage - 1)
+    return None
+
+
+def build_programs(schedule: Schedule) -> list[list[Boundary]]:
+    """programs[r][i]: what rank r posts and waits for before its action i; index len(actions) is the end."""
+    timeline = simulate(schedule).timeline
+    # Global order: (start time, rank); start times rise strictly along each rank (costs > 0) and a
+    # consumer starts no earlier than its producer ends, so this order respects every dependency.
+    order = {(r, i): (t0, r) for r, ops in enumerate(timeline) for i, (_, t0, _) in enumerate(ops)}
+    index = {(r, a): i for r, ops in enumerate(timeline) for i, (a, _, _) in enumerate(ops)}
+    producer: dict[tuple, tuple] = {}  # message key -> global order of the action producing it
+    for r, actions in enumerate(schedule.actions):
+        for a in actions:
+            out = message_out(schedule, r, a)
+            if out is not None and out[0] != r:
+                producer[out[1]] = order[(r, index[(r, a)])]
+
+    programs = []
+    for r, actions in enumerate(schedule.actions):
+        n = len(actions)
+        pending: list[list[tuple[tuple, Op]]] = [[] for _ in range(n + 1)]  # (sort key, op) per boundary
+        starts = [order[(r, index[(r, a)])] for a in actions]
+        for i, a in enumerate(actions):
+            out = message_out(schedule, r, a)
+            if out is not None and out[0] != r:
+                pending[i + 1].append((producer[out[1]], Op("send", out[0], out[1])))
+            src = message_in(schedule, r, a)
+            if src is not None and src[0] != r:
+                made = producer[src[1]]
+                post = next(j for j in range(n) if starts[j] > made)  # first action after the producer
+                if post > i:
+                    raise AssertionError(f"rank {r}: {src[1]} is produced after it is needed")
+                pending[post].append((made, Op("recv", src[0], src[1])))
+        program = []
+        for i in range(n + 1):
+            by_peer: dict[int, list[tuple[tuple, Op]]] = {}
+            for item in sorted(pending[i]):
+                by_peer.setdefault(item[1].peer, []).append(item)
+            b = Boundary(batches=[tuple(op for _, op in by_peer[peer]) for peer in sorted(by_peer)])
+            if i < n:
+                src = message_in(schedule, r, actions[i])
+                b.wait = src[1] if src is not None and src[0] != r else None
+            program.append(b)
+        programs.append(program)
+    return programs
