@@ -316,6 +316,10 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     }
     if pipeline is not None:
         summary["pipeline"] = pipeline
+    if cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "ring":
+        from .context_parallel.kernels import USED
+
+        summary["attention_kernel"] = ",".join(sorted(USED))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
