@@ -245,7 +245,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     mesh = make_mesh(cfg, device)
     trainer = Trainer(cfg, mesh)
     rank0 = mesh.rank == 0
-    out = cfg.out
+    # Rank 0 names the run directory: under torchrun every process computed its own from its own clock.
+    out = cfg.out = comm.all_gather_object(cfg.out, mesh["ckpt"])[0]
     if rank0:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
@@ -312,7 +313,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         "tokens_per_s": records[0]["tokens"] / (sum(times) / len(times)),
         "comm_bytes_per_step": {a: sum(v["bytes"] for v in ops.values())
                                 for a, ops in (mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else {}).items()},
-        "out": out,
+        "out": out, "mesh_build_s": mesh.build_s,
     }
     if pipeline is not None:
         summary["pipeline"] = pipeline
