@@ -142,7 +142,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         """One optimizer step. Non-finite loss or gradient norm (global, so every rank agrees) skips it."""
-        t0 = time.perf_counter()
+        timer = _StepTimer(self.mesh.device)
         self._poison = False
         self._inject_fault(step)
         loss = self.forward_backward(step)
@@ -160,9 +160,7 @@ class Trainer:
         else:
             lr = self.optimizer_step(step)
         moe = self.moe_step() if self.model_cfg.moe_experts else None  # every stage joins the pp reduce
-        if self.mesh.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        dt = timer.elapsed_s()
         self.mesh.ledger.end_step(step + 1)
         rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
                "tokens": self.global_batch * self.cfg.seq_len, "step_time_s": dt}
@@ -194,6 +192,25 @@ class Trainer:
         return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp].tolist()],
                 "moe_max_over_mean_load": float(vec[n_exp] / max(1.0, float(vec[n_exp + 1]))),
                 "moe_dropped": int(vec[n_exp + 2]), "moe_aux_loss": float(vec[n_exp + 3])}
+
+
+class _StepTimer:
+    """Step time: CUDA events on the GPU (host clocks around asynchronous launches would time the
+    launches), the host clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.t0 = time.perf_counter()
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+
+    def elapsed_s(self) -> float:
+        if self.events is None:
+            return time.perf_counter() - self.t0
+        self.events[1].record()
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1000.0
 
 
 def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
@@ -242,6 +259,8 @@ def default_out_dir() -> str:
 def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     """Train on this rank; rank 0 writes the run directory and returns the summary."""
     device = device or torch.device("cpu")
+    if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls (verify keeps full fp32)
+        torch.set_float32_matmul_precision("high")
     mesh = make_mesh(cfg, device)
     trainer = Trainer(cfg, mesh)
     rank0 = mesh.rank == 0
