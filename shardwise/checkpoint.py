@@ -42,6 +42,7 @@ FORMAT_VERSION = 1
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 MANIFEST, META, LATEST = "manifest.json", "meta.json", "latest"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+_OWNER = re.compile(r"^__(\d+)_\d+\.distcp$")
 RNG_AXES = ("dp", "pp", "cp", "tp", "ep")
 
 
@@ -294,7 +295,7 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
     `extra_state` (JSON-serialisable, rank 0's copy) comes back from `load_checkpoint`; `keep`
     prunes all but the newest `keep` step directories.
     """
-    mesh, world = trainer.mesh, trainer.mesh["world"]
+    mesh, ckpt = trainer.mesh, trainer.mesh["ckpt"]
     rank0 = mesh.rank == 0
     tmp, final = os.path.join(root, f"tmp-step-{step}"), os.path.join(root, f"step-{step}")
     if rank0:
@@ -303,7 +304,7 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
             if d.startswith("tmp-step-"):
                 shutil.rmtree(os.path.join(root, d))
         os.makedirs(tmp)
-    comm.barrier(world)
+    comm.barrier(ckpt)
     _ensure_state(trainer.reducer)
     state = next(iter(trainer.reducer.optimizer.state.values()))
     _dcp(dcp.save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(_entries(trainer, True)))
@@ -312,16 +313,22 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
         "rank": mesh.rank, "coords": mesh.coords, "torch_cpu_rng": _b64(torch.get_rng_state()),
         "tracker_rng": {k: _b64(g.get_state()) for k, g in tracker.generators.items()}})
     if rank0:
-        layout = trainer.cfg.parallel.as_dict() | {"world": world.size}
+        layout = trainer.cfg.parallel.as_dict() | {"world": ckpt.size}
         _write_json(os.path.join(tmp, META), {
             "format": FORMAT_VERSION, "step": step, "optimizer_step": int(state["step"]), "layout": layout,
             "model": vars(trainer.model_cfg), "extra_state": extra_state or {}})
-    comm.barrier(world)  # every rank's files are complete
+    # Each rank hashes what it wrote (DCP names data files __<rank>_<n>.distcp); rank 0 merges the
+    # small per-rank dicts, so no rank reads the whole checkpoint while the others wait.
+    mine = [f for f in os.listdir(tmp) if (m := _OWNER.match(f)) and int(m.group(1)) == mesh.rank]
+    mine += [f"rank{mesh.rank}.json"] + ([META, ".metadata"] if rank0 else [])
+    sums = {f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))} for f in mine}
+    merged = comm.all_gather_object(sums, ckpt)
     if rank0:
-        files = sorted(f for f in os.listdir(tmp) if not f.endswith(".tmp"))
-        _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT_VERSION, "step": step, "files": {
-            f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))}
-            for f in files}})
+        files = {f: v for part in merged for f, v in part.items()}
+        unowned = sorted(set(os.listdir(tmp)) - set(files) - {f for f in os.listdir(tmp) if f.endswith(".tmp")})
+        if unowned:
+            raise RuntimeError(f"checkpoint {tmp}: files no rank hashed: {unowned}")
+        _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT_VERSION, "step": step, "files": files})
         _fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)  # saved this step before (a resume): the older steps still stand
         os.replace(tmp, final)
@@ -330,7 +337,7 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
         if keep:
             for old_step, path in list_checkpoints(root)[keep:]:
                 shutil.rmtree(path)
-    comm.barrier(world)
+    comm.barrier(ckpt)
     return final
 
 

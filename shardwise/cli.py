@@ -62,6 +62,7 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
                             ("score", str, "router scores: softmax or sigmoid")):
         moe.add_argument(f"--moe-{flag}", type=typ, default=None, help=what)
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
+    p.add_argument("--device", default="auto", help="auto (one NCCL rank per GPU when CUDA is present), cpu or cuda")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps and at the end (0: never)")
@@ -205,6 +206,12 @@ def main(argv=None) -> int:
 
             load_tokens(cfg.data)
         world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
+        import torch
+
+        from .launch import plan_launch
+
+        launch = plan_launch(world, args.device, torch.cuda.device_count() if args.device != "cpu" else 0,
+                             torchrun_world is not None)
         if torchrun_world is None and world > MAX_LOCAL_RANKS:
             raise ConfigError(f"the layout needs {world} ranks; the local launcher starts at most "
                               f"{MAX_LOCAL_RANKS} (use torchrun for more)")
@@ -217,12 +224,16 @@ def main(argv=None) -> int:
         if torchrun_world is not None:
             from .launch import init_distributed
 
-            result = _run(args.command, cfg, init_distributed(cfg.timeout_s))
+            result = _run(args.command, cfg, init_distributed(cfg.timeout_s, launch.device))
             rank0 = int(os.environ["RANK"]) == 0
         elif world == 1:
-            result, rank0 = _run(args.command, cfg), True
+            import torch
+
+            device = torch.device("cuda", 0) if launch.device == "cuda" else None
+            result, rank0 = _run(args.command, cfg, device), True
         else:
-            result, rank0 = run_local(_run, world, args.command, cfg, timeout_s=cfg.timeout_s)[0], True
+            result, rank0 = run_local(_run, world, args.command, cfg, timeout_s=cfg.timeout_s,
+                                      backend=launch.backend)[0], True
     except RankError as e:
         print(f"shardwise {args.command}: {e}", file=sys.stderr)
         return 1

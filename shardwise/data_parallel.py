@@ -46,7 +46,7 @@ class GradReducer:
         if zero == 0:
             self.optimizer = torch.optim.AdamW(
                 [{"params": [p for _, p in g], "weight_decay": wd} for g, wd, _, _ in self.groups],
-                lr=lr, betas=betas, eps=eps)
+                lr=lr, betas=betas, eps=eps, fused=mesh.device.type == "cuda")
         else:
             self._build_zero(lr, betas, eps)
 
@@ -75,7 +75,7 @@ class GradReducer:
             self.flat.append(dict(flat=flat, offsets=offsets, per=per, shard=shard, grad_full=torch.zeros_like(flat),
                                   norm_weight=weights[r * per:(r + 1) * per].clone(), axis=axis, expert=expert))
             opt_groups.append({"params": [shard], "weight_decay": wd})
-        self.optimizer = torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps)
+        self.optimizer = torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps, fused=self.mesh.device.type == "cuda")
         self.zero_grad()
 
     # ------------------------------------------------------------ step 1: TP

@@ -8,6 +8,7 @@ an `Axis` by name.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,6 +19,16 @@ from .comm import Ledger
 from .config import ConfigError
 
 GRID = ("dp", "pp", "cp", "tp")
+CHECKPOINT_TIMEOUT_S = 3600.0
+
+
+def _subgroups(lines: list[list[int]], timeout: timedelta, name: str):
+    """This rank's group among `lines` (disjoint, covering the world), in ONE collective call per axis:
+    ncclCommSplit when the NCCL communicator is bound to a device, else new_subgroups_by_enumeration."""
+    default = dist.distributed_c10d._get_default_group()
+    if getattr(default, "bound_device_id", None) is not None and dist.get_backend() == "nccl":
+        return dist.split_group(split_ranks=lines, timeout=timeout, group_desc=f"shardwise_{name}")
+    return dist.new_subgroups_by_enumeration(lines, timeout=timeout, group_desc=f"shardwise_{name}")[0]
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,7 @@ class Mesh:
         self.axes = axes
         self.device = device
         self.device_mesh = device_mesh
+        self.build_s = 0.0
 
     def __getitem__(self, name: str) -> Axis:
         return self.axes[name]
@@ -99,7 +111,7 @@ class Mesh:
     @classmethod
     def single(cls, device: torch.device | str = "cpu", ledger: "Ledger | None" = None) -> "Mesh":
         dims = ParallelDims()
-        axes = {n: Axis(n) for n in (*GRID, "dp_cp", "ep", "edp", "world")}
+        axes = {n: Axis(n) for n in (*GRID, "dp_cp", "ep", "edp", "world", "ckpt")}
         return cls(dims, 0, axes, torch.device(device), ledger=ledger)
 
     @classmethod
@@ -107,42 +119,45 @@ class Mesh:
               timeout_s: float = 300.0) -> "Mesh":
         """Create every group, then the DeviceMesh over them. Collective: every rank calls it, in the same order.
 
-        Groups are made here with an explicit timeout (sub-groups would otherwise get gloo's 30-minute
-        default), so a rank stuck in any collective fails within `timeout_s`.
+        One group-creating call per axis (not per line), none for size-1 axes; the time it takes is
+        `build_s` (summary.json's mesh_build_s). Groups get an explicit timeout (sub-groups would otherwise
+        get gloo's 30-minute default), so a rank stuck in any collective fails within `timeout_s`.
         """
         from torch.distributed.device_mesh import DeviceMesh
 
+        t0 = time.perf_counter()
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != dims.world_size:
             raise ConfigError(f"mesh {dataclasses.asdict(dims)} needs {dims.world_size} ranks, got {world}")
         timeout = timedelta(seconds=timeout_s)
         grid = torch.arange(world).view(dims.dp, dims.pp, dims.cp, dims.tp)
-        axes: dict[str, Axis] = {}
-        dim_groups = []
-        for i, name in enumerate(GRID):
-            lines = grid.movedim(i, -1).reshape(-1, grid.shape[i])  # every group along grid dim i
-            for line in lines.tolist():
-                group = dist.new_group(line, timeout=timeout)
-                if rank in line:
-                    axes[name] = Axis(name, len(line), line.index(rank), group, tuple(line))
-                    dim_groups.append(group)
         # dp×cp (dense gradient reduction) and ep / edp carved out of it: groups of ranks that share
         # (pp, tp) coordinates; consecutive dp×cp ranks form an ep group.
         dpcp = grid.permute(1, 3, 0, 2).reshape(dims.pp * dims.tp, dims.dp * dims.cp)
         ep_blocks = dpcp.reshape(-1, dims.edp, dims.ep)
-        families = {
-            "dp_cp": [row.tolist() for row in dpcp],
-            "ep": [row.tolist() for blk in ep_blocks for row in blk],
-            "edp": [row.tolist() for blk in ep_blocks for row in blk.T],
-        }
-        for name, lists in families.items():
-            for ranks in lists:
-                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-                if rank in ranks:
-                    axes[name] = Axis(name, len(ranks), ranks.index(rank), group, tuple(ranks))
+        families = {name: grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist() for i, name in enumerate(GRID)}
+        families |= {"dp_cp": dpcp.tolist(), "ep": [row.tolist() for blk in ep_blocks for row in blk],
+                     "edp": [row.tolist() for blk in ep_blocks for row in blk.T]}
+        axes: dict[str, Axis] = {}
+        for name, lines in families.items():
+            line = next(ln for ln in lines if rank in ln)
+            group = _subgroups(lines, timeout, name) if len(line) > 1 else None  # no group for size-1 lines
+            axes[name] = Axis(name, len(line), line.index(rank), group, tuple(line))
         axes["world"] = Axis("world", world, rank, dist.group.WORLD, tuple(range(world)))
-        device_mesh = DeviceMesh.from_group(dim_groups, device.type, mesh=grid, mesh_dim_names=GRID)
-        return cls(dims, rank, axes, device, device_mesh, ledger)
+        # Checkpoint barriers and metadata gathers: gloo (CPU objects), with a long timeout, since
+        # writing a large checkpoint legitimately outlasts the collective timeout.
+        axes["ckpt"] = Axis("ckpt", world, rank, dist.new_group(backend="gloo", timeout=timedelta(
+            seconds=max(timeout_s, CHECKPOINT_TIMEOUT_S))), tuple(range(world)))
+        active = [n for n in GRID if axes[n].active]
+        device_mesh = None
+        if active:  # a DeviceMesh over the axes that have groups (peers such as DTensor use it)
+            groups = [axes[n].group for n in active]
+            device_mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device.type,
+                                                mesh=grid.view(*[axes[n].size for n in active]),
+                                                mesh_dim_names=tuple(active))
+        mesh = cls(dims, rank, axes, device, device_mesh, ledger)
+        mesh.build_s = time.perf_counter() - t0
+        return mesh
 
     def describe(self) -> str:
         return " × ".join(f"{a}={self.axes[a].size}" for a in GRID)

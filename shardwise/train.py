@@ -142,7 +142,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         """One optimizer step. Non-finite loss or gradient norm (global, so every rank agrees) skips it."""
-        t0 = time.perf_counter()
+        timer = _StepTimer(self.mesh.device)
         self._poison = False
         self._inject_fault(step)
         loss = self.forward_backward(step)
@@ -160,9 +160,7 @@ class Trainer:
         else:
             lr = self.optimizer_step(step)
         moe = self.moe_step() if self.model_cfg.moe_experts else None  # every stage joins the pp reduce
-        if self.mesh.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        dt = timer.elapsed_s()
         self.mesh.ledger.end_step(step + 1)
         rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
                "tokens": self.global_batch * self.cfg.seq_len, "step_time_s": dt}
@@ -194,6 +192,25 @@ class Trainer:
         return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp].tolist()],
                 "moe_max_over_mean_load": float(vec[n_exp] / max(1.0, float(vec[n_exp + 1]))),
                 "moe_dropped": int(vec[n_exp + 2]), "moe_aux_loss": float(vec[n_exp + 3])}
+
+
+class _StepTimer:
+    """Step time: CUDA events on the GPU (host clocks around asynchronous launches would time the
+    launches), the host clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.t0 = time.perf_counter()
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+
+    def elapsed_s(self) -> float:
+        if self.events is None:
+            return time.perf_counter() - self.t0
+        self.events[1].record()
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1000.0
 
 
 def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
@@ -242,10 +259,13 @@ def default_out_dir() -> str:
 def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     """Train on this rank; rank 0 writes the run directory and returns the summary."""
     device = device or torch.device("cpu")
+    if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls (verify keeps full fp32)
+        torch.set_float32_matmul_precision("high")
     mesh = make_mesh(cfg, device)
     trainer = Trainer(cfg, mesh)
     rank0 = mesh.rank == 0
-    out = cfg.out
+    # Rank 0 names the run directory: under torchrun every process computed its own from its own clock.
+    out = cfg.out = comm.all_gather_object(cfg.out, mesh["ckpt"])[0]
     if rank0:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
@@ -312,10 +332,14 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         "tokens_per_s": records[0]["tokens"] / (sum(times) / len(times)),
         "comm_bytes_per_step": {a: sum(v["bytes"] for v in ops.values())
                                 for a, ops in (mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else {}).items()},
-        "out": out,
+        "out": out, "mesh_build_s": mesh.build_s,
     }
     if pipeline is not None:
         summary["pipeline"] = pipeline
+    if cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "ring":
+        from .context_parallel.kernels import USED
+
+        summary["attention_kernel"] = ",".join(sorted(USED))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary

@@ -1,5 +1,8 @@
 """Mesh: degree validation (no processes) and the groups every axis gets (8 ranks)."""
 import pytest
+import torch
+
+from shardwise import comm
 
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.mesh import ParallelDims
@@ -50,3 +53,25 @@ def test_groups_tp_innermost():
     for r, o in enumerate(out):
         assert r in o["tp"] and r in o["dp_cp"] and r in o["ep"] and r in o["edp"]
         assert len(set(o["ep"]) & set(o["edp"])) == 1  # ep × edp tiles dp×cp
+
+
+def _group_calls():
+    import torch.distributed as dist
+
+    calls = []
+    for fn in ("new_subgroups_by_enumeration", "new_group", "split_group"):
+        orig = getattr(dist, fn)
+        setattr(dist, fn, lambda *a, _f=orig, _n=fn, **k: (calls.append(_n), _f(*a, **k))[1])
+    mesh = make_mesh(dp=2, cp=2, tp=2, ep=2)
+    for name in ("dp", "cp", "tp", "dp_cp", "ep", "edp", "ckpt"):  # every group works
+        t = torch.ones(1)
+        comm.all_reduce(t, mesh[name])
+        assert t.item() == mesh[name].size
+    return calls, mesh["pp"].group, mesh.build_s, mesh.device_mesh.mesh_dim_names
+
+
+def test_one_group_call_per_axis_and_none_for_size_one():
+    calls, pp_group, build_s, names = run_ranks(8, _group_calls)[3]
+    # dp, cp, tp, dp_cp, ep, edp: one enumeration each (pp has size 1: no group); the gloo checkpoint group
+    assert sorted(calls) == sorted(["new_subgroups_by_enumeration"] * 6 + ["new_group"])
+    assert pp_group is None and 0 < build_s < 30 and names == ("dp", "cp", "tp")

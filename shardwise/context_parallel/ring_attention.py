@@ -23,12 +23,9 @@ Causal masking comes from the layout (`sharding.chunk_ids`): a rank's own block 
 whole (local positions increase), every other block pair is either fully visible or skipped, chunk
 by chunk, so the kernel only ever needs `is_causal` on a square block — never an explicit mask.
 
-Attention primitive (`block_forward` / `block_backward`):
-  * CPU: `aten._scaled_dot_product_flash_attention_for_cpu` (+ `_backward`) — returns the fp32 LSE,
-    supports GQA natively and takes the global out/LSE in its backward;
-  * any other device (or backend="math"): fp32 math with an explicit causal triangle per block.
-    The CUDA flash/efficient kernels also return the LSE but need their own RNG/cum-seq bookkeeping
-    in the backward; wiring them in wants a GPU check this code has not had yet.
+Attention primitive (`block_forward` / `block_backward`): the fused LSE kernel `kernels.choose_kernel`
+picks (flash on CPU, flash or memory-efficient on CUDA), else fp32 math with an explicit causal
+triangle per block (warned once).
 """
 from __future__ import annotations
 
@@ -37,25 +34,12 @@ import math
 import torch
 
 from .. import comm
+from . import kernels
+from .kernels import _expand, _fold
 from .sharding import chunk_ids, check_seq_len
-
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 # ---------------------------------------------------------------- block primitive
-def _use_flash(q: torch.Tensor, backend: str) -> bool:
-    if backend not in ("auto", "math"):
-        raise ValueError(f"attention backend {backend!r}: expected 'auto' or 'math'")
-    return backend == "auto" and q.device.type == "cpu" and _FLASH_CPU is not None
-
-
-def _expand(k: torch.Tensor, groups: int) -> torch.Tensor:
-    return k if groups == 1 else k.repeat_interleave(groups, dim=1)
-
-
-def _fold(dk: torch.Tensor, groups: int) -> torch.Tensor:
-    return dk if groups == 1 else dk.unflatten(1, (-1, groups)).sum(2)
 
 
 def _math_scores(q, k, causal, scale):
@@ -67,9 +51,9 @@ def _math_scores(q, k, causal, scale):
 
 def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto"):
     """Attention of one block pair → (out in q's dtype, lse fp32 [b, hq, s_q]). Causal needs s_q == s_k."""
-    if _use_flash(q, backend):
-        out, lse = _FLASH_CPU(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
+    kernel = kernels.pick(q, backend)
+    if kernel != "math":
+        return kernels.fused_forward(kernel, q, k, v, causal, scale)
     g = q.shape[1] // k.shape[1]
     s = _math_scores(q, _expand(k, g), causal, scale)
     lse = torch.logsumexp(s, dim=-1)
@@ -79,8 +63,9 @@ def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto"):
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str = "auto"):
     """(dq, dk, dv) of one block pair, given the *global* out and LSE of these query rows."""
-    if _use_flash(q, backend):
-        return _FLASH_CPU_BWD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    kernel = kernels.pick(q, backend)
+    if kernel != "math":
+        return kernels.fused_backward(kernel, dout, q, k, v, out, lse, causal, scale)
     g = q.shape[1] // k.shape[1]
     ke, ve = _expand(k, g).float(), _expand(v, g).float()
     p = torch.exp(_math_scores(q, ke, causal, scale) - lse.unsqueeze(-1))
@@ -219,7 +204,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, caus
     """Exact attention over the whole sequence for this rank's queries; out [b, hq, s_local, d].
 
     q/k/v are this rank's shard in `order` (see `sharding.shard_sequence(..., dim=2)`); `axis` is the
-    cp axis. backend "auto" uses the fused CPU kernel where it applies, "math" forces the fallback.
+    cp axis. backend "auto" uses a fused kernel where one applies, "math" forces the fallback.
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"ring_attention: expected q [b, hq, s, d] and k, v [b, hkv, s, d], got "
