@@ -14,12 +14,12 @@ Activations have two models (`ACTIVATION_MODELS`):
 * "shardwise" (default): the tensors shardwise's own implementation saves for backward, term by term
   (`shardwise_layer_activation_bytes`), checked against real runs by tests/test_planner_ledger.py (the
   bytes of the unique storages autograd's saved-tensor hooks see during one microbatch forward).
-  Where it differs from the textbook: the residual stream and the RMSNorms run in fp32 (autocast
-  leaves them alone; each norm saves its input, the normalised product and the rsqrt); SDPA is a
+  Where it differs from the textbook: the RMSNorms compute in fp32 (each saves its fp32 input, the
+  normalised product and the rsqrt); the residual stream is bf16 under bf16 (fp32 with --fp32-residual); SDPA is a
   flash kernel that saves q, k, v, the output and an fp32 log-sum-exp, never the s×s scores (they
   appear only with attention dropout, which takes SDPA's math path on CPU); SwiGLU saves four
-  [n, ffn] tensors (w1 out, silu out, w3 out, their product); under bf16 autocast every linear saves
-  its own bf16 cast of an fp32 input (q, k and v each cast the norm output) and a bf16 copy of its
+  [n, ffn] tensors (w1 out, silu out, w3 out, their product); under bf16 autocast over an fp32 residual
+  every linear saves its own bf16 cast of the input (q, k and v each cast the norm output) and a bf16 copy of its
   weight — per microbatch in flight, since each microbatch runs in its own autocast region; the LM
   head's cross-entropy saves the fp32 softmax over the (padded) local vocabulary.
 * "korthikanti": Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
