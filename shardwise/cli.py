@@ -45,6 +45,8 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
+    p.add_argument("--fp32-residual", action="store_true", help="under bf16: keep the residual stream fp32")
+    p.add_argument("--grad-reduce-dtype", default="fp32", help="DP gradient reduction dtype: fp32 or bf16")
     p.add_argument("--data", default=None, help="text file (default: the embedded pydoc_data corpus)")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
     p.add_argument("--dropout", type=float, default=None, help="residual dropout")
@@ -128,7 +130,8 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       timeout_s=args.collective_timeout, progress=not args.no_progress,
                       fault_inject=args.fault_inject, bad_step=args.bad_step, max_bad_steps=args.max_bad_steps,
                       save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, keep=args.keep,
-                      resume=args.resume,
+                      resume=args.resume, fp32_residual=args.fp32_residual,
+                      grad_reduce_dtype=args.grad_reduce_dtype,
                       model_overrides={k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None})
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps

@@ -213,6 +213,10 @@ class TrainConfig:
     seed: int = 1234
     dtype: str = "fp32"
     """fp32 or bf16 (bf16 autocast for matmuls; master weights and optimizer state stay fp32)."""
+    fp32_residual: bool = False
+    """Under bf16: keep the residual stream (and so the SP/PP/EP payloads) fp32; default bf16, as Megatron."""
+    grad_reduce_dtype: str = "fp32"
+    """Dtype of the DP gradient reduction: fp32, or bf16 (bucket cast for the collective, accumulated in fp32)."""
     data: str | None = None
     """Text file to train on; default: CPython's pydoc_data.topics (embedded, no download)."""
     out: str | None = None
@@ -240,6 +244,12 @@ class TrainConfig:
     max_bad_steps: int = 5
     """With bad_step='skip': abort once more than this many steps were skipped."""
 
+    def residual_dtype(self) -> str:
+        """'bf16' when the residual stream runs in bf16, else 'fp32'."""
+        if self.grad_reduce_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"--grad-reduce-dtype {self.grad_reduce_dtype!r}; valid: fp32, bf16")
+        return "bf16" if self.dtype == "bf16" and not self.fp32_residual else "fp32"
+
     def fault(self) -> tuple[int, int, str] | None:
         if not self.fault_inject:
             return None
@@ -266,6 +276,7 @@ class TrainConfig:
 
     def resolve_world(self, world_size: int | None = None) -> int:
         """Fill dp=-1 and return the world size; validate everything that needs no process."""
+        self.residual_dtype()
         p = self.parallel
         for a in AXES:
             v = getattr(p, a)

@@ -33,8 +33,9 @@ class GradReducer:
     """Steps 1–3 above plus the AdamW update, for zero=0 or zero=1."""
 
     def __init__(self, model, mesh: Mesh, zero: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
-                 betas=(0.9, 0.95), eps: float = 1e-8):
+                 betas=(0.9, 0.95), eps: float = 1e-8, reduce_dtype: torch.dtype | None = None):
         self.mesh, self.zero = mesh, zero
+        self.reduce_dtype = reduce_dtype  # --grad-reduce-dtype bf16: halve the dp×cp / edp gradient bytes
         self.named = _unique_params(model)
         self.tp = mesh["tp"]
         groups: dict[tuple[bool, bool], list] = {}
@@ -106,13 +107,20 @@ class GradReducer:
                 for _, p, off, k in g["offsets"]:
                     if p.grad is None or p.grad.data_ptr() != full[off:off + k].data_ptr():
                         full[off:off + k].copy_(_grad(p).reshape(-1))  # someone replaced the view
-                comm.reduce_scatter_into(g["shard"].grad, full, g["axis"])
+                if self.reduce_dtype is None or not g["axis"].active:
+                    comm.reduce_scatter_into(g["shard"].grad, full, g["axis"])
+                else:  # the collective in bf16, its result accumulated back into the fp32 shard grad
+                    low = torch.empty(g["per"], device=full.device, dtype=self.reduce_dtype)
+                    comm.reduce_scatter_into(low, full.to(self.reduce_dtype), g["axis"])
+                    g["shard"].grad.copy_(low)
             return
         for axis, expert in ((self.mesh["dp_cp"], False), (self.mesh["edp"], True)):
             if not axis.active:
                 continue
             for bucket in _buckets([p for _, p in self.named if is_expert(p) == expert]):
                 flat = torch.cat([_grad(p).reshape(-1) for p in bucket])
+                if self.reduce_dtype is not None:
+                    flat = flat.to(self.reduce_dtype)
                 comm.all_reduce(flat, axis)
                 _unflatten_into(flat, bucket)
 

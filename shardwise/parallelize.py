@@ -142,15 +142,18 @@ def apply_context_parallel(model: Transformer, mesh: Mesh, order: str, impl: str
 
 def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool = False,
                 schedule=None, pp_layers: list[int] | None = None, cp_order: str = "balanced",
-                cp_impl: str = "ring") -> Transformer:
+                cp_impl: str = "ring", residual_dtype: torch.dtype | None = None) -> Transformer:
     """The model for this rank of `mesh` (the single-device model when every degree is 1).
 
     With a pipeline `schedule`, only this rank's stages are kept and `model.chunks` lists them in
     local-chunk order; with a split-backward schedule its linear layers defer dW to a store.
+    `residual_dtype` (bf16 activations) is the embedding's output dtype, so the residual stream and
+    every activation payload downstream follow it.
     """
     with torch.device("meta"):
         model = Transformer(cfg)
     apply_tensor_parallel(model, mesh, sequence_parallel)
+    model.tok_embeddings.out_dtype = residual_dtype
     apply_context_parallel(model, mesh, cp_order, cp_impl)
     model.chunks = None
     if schedule is not None:

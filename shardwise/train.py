@@ -49,10 +49,12 @@ class Trainer:
             from .pipeline.schedules import build_schedule
 
             self.schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
+        self.act_dtype = torch.bfloat16 if cfg.residual_dtype() == "bf16" else torch.float32
         self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel, self.schedule, p.pp_layers,
-                                 p.cp_order, p.cp_impl)
+                                 p.cp_order, p.cp_impl, self.act_dtype)
         self.model.train()
-        self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                   reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None)
         tokens = load_tokens(cfg.data) if tokens is None else tokens
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
         self.loader = Loader(tokens, cfg.seq_len, self.global_batch, cfg.seed)
@@ -69,7 +71,7 @@ class Trainer:
 
             s_local = cfg.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)
             self.executor = PipelineExecutor(self.model.chunks, self.schedule, mesh,
-                                             (cfg.micro_batch, s_local, self.model_cfg.dim), torch.float32,
+                                             (cfg.micro_batch, s_local, self.model_cfg.dim), self.act_dtype,
                                              lambda logits, y: self.model.loss_fn(logits, y, IGNORE_INDEX),
                                              self.model.grad_store, self._autocast, p.pp_scatter_gather)
 

@@ -86,9 +86,13 @@ def test_tp_all_reduce_wire_volume():
     spec = replace(get_model("llama3-70b"), dim=h)
     ops = rank0_ledger(spec, Layout(tp=t, mb=1, m=1, sp=False), Workload(seq_len=s, global_batch=1))
     ar = ops["tp"]["all_reduce"]
-    # 1 embedding (fp32) + per layer 2 forward (bf16 wo/w2 outputs) and 2 backward (fp32 grads of the fp32 norm
-    # outputs, autocast's casts sit after the f operator) + 1 head backward (fp32) + 2 small CE all-reduces.
+    # bf16 activations: 1 embedding + per layer 2 forward (wo/w2 outputs) and 2 backward (grads of the norm
+    # outputs) + 1 head backward, all bf16, + 2 small fp32 CE all-reduces.
     assert ar["count"] == 1 + 4 * 80 + 1 + 2
+    assert ar["bytes"] == s * h * 2 + 4 * 80 * s * h * 2 + s * h * 2 + s * 4 + s * 8
+    # --fp32-residual: the embedding, the entries' gradients and the head's stay fp32 (autocast casts after f)
+    ops = rank0_ledger(spec, Layout(tp=t, mb=1, m=1, sp=False), Workload(seq_len=s, global_batch=1, fp32_residual=True))
+    ar = ops["tp"]["all_reduce"]
     assert ar["bytes"] == s * h * 4 + 2 * 80 * s * h * 2 + 2 * 80 * s * h * 4 + s * h * 4 + s * 4 + s * 8
 
 
@@ -224,18 +228,19 @@ def test_hf_errors(tmp_path):
 
 # --- communication, op by op ---------------------------------------------------------------------
 
-def tiny_tp2_sp_expected(b: int, s: int, m: int) -> dict:
-    """The issue's list for `tiny`, tp=2 with SP, bf16 (e=2), m microbatches, written out by hand.
+def tiny_tp2_sp_expected(b: int, s: int, m: int, r: int = 2) -> dict:
+    """The issue's list for `tiny`, tp=2 with SP, bf16 (e=2), m microbatches, written out by hand; r is the
+    residual stream's bytes (2: bf16 activations, 4: --fp32-residual).
 
-    Per microbatch: embedding RS of b·s·h·4 and AG of b·(s/t)·h·4 (fp32 embedding output); per layer
-    forward 2 AG of the fp32 norm output b·(s/t)·h·4 + 2 RS of the row-parallel outputs b·s·h·e, backward
-    2 AG of b·(s/t)·h·e + 2 RS of the fp32 input grads b·s·h·4; LM head AG and RS of its fp32 input;
+    Per microbatch: embedding RS of b·s·h·r and AG of b·(s/t)·h·r (the embedding output); per layer
+    forward 2 AG of the norm output b·(s/t)·h·r + 2 RS of the row-parallel outputs b·s·h·e, backward
+    2 AG of b·(s/t)·h·e + 2 RS of the input grads b·s·h·r; LM head AG and RS of its input;
     CE all-reduces of b·s·4 (max) and b·s·2·4 (sum). Per step: one all-reduce of (2L+1)·h·4 norm grads.
     """
     h, L, t, e = TINY.dim, TINY.n_layers, 2, 2
     full, shard = b * s * h, b * (s // t) * h
-    rs = m * (full * 4 + 2 * L * full * (e + 4) + full * 4)
-    ag = m * (shard * 4 + 2 * L * shard * (4 + e) + shard * 4)
+    rs = m * (full * r + 2 * L * full * (e + r) + full * r)
+    ag = m * (shard * r + 2 * L * shard * (r + e) + shard * r)
     ar = m * (b * s * 4 + b * s * 2 * 4) + (2 * L + 1) * h * 4
     return {"tp": {
         "reduce_scatter": {"count": m * (4 * L + 2), "bytes": rs, "wire_bytes": rs * (t - 1) // t},
@@ -247,6 +252,9 @@ def tiny_tp2_sp_expected(b: int, s: int, m: int) -> dict:
 def test_tiny_tp2_sp_comm_ops_by_hand():
     ops = rank0_ledger(get_model("tiny"), Layout(tp=2, mb=2, m=2, sp=True), Workload(seq_len=64, global_batch=4))
     assert ops == tiny_tp2_sp_expected(b=2, s=64, m=2)
+    ops = rank0_ledger(get_model("tiny"), Layout(tp=2, mb=2, m=2, sp=True),
+                       Workload(seq_len=64, global_batch=4, fp32_residual=True))
+    assert ops == tiny_tp2_sp_expected(b=2, s=64, m=2, r=4)
 
 
 def test_tiny_dp_grad_sync_by_zero_stage():
@@ -281,26 +289,26 @@ def test_replicated_kv_heads_all_reduce():
     act = 1024 * 4096
     ar = ops["tp"]["all_reduce"]
     assert ar["count"] == 1 + 4 * 32 + 1 + 2 + 1
-    assert ar["bytes"] == act * 4 + 2 * 32 * act * (2 + 4) + act * 4 + 1024 * 12 + kv_buf
+    assert ar["bytes"] == act * 2 + 2 * 32 * act * (2 + 2) + act * 2 + 1024 * 12 + kv_buf
 
 
 def test_pp_cp_ep_axes_are_counted():
     spec = get_model("mixtral-8x7b")
     lay = Layout(dp=4, tp=2, pp=2, cp=2, ep=4, mb=1, m=4)
     ops = rank0_ledger(spec, lay, Workload(seq_len=4096, global_batch=16))
-    # pp: stage 0 sends each microbatch's fp32 activation shard [1, 4096/cp/tp, h]; receives count, 0 bytes.
-    assert ops["pp"] == {"send": {"count": 4, "bytes": 4 * 1024 * 4096 * 4, "wire_bytes": 4 * 1024 * 4096 * 4},
+    # pp: stage 0 sends each microbatch's bf16 activation shard [1, 4096/cp/tp, h]; receives count, 0 bytes.
+    assert ops["pp"] == {"send": {"count": 4, "bytes": 4 * 1024 * 4096 * 2, "wire_bytes": 4 * 1024 * 4096 * 2},
                          "recv": {"count": 4, "bytes": 0, "wire_bytes": 0}}
     blk = 2048 * 4 * 128 * 2  # tokens · local KV heads · head dim · e
     sends = 4 * 16 * 2 * 3  # microbatches · layers · (K, V) · (fwd, bwd K/V, bwd dK/dV) · (cp − 1)
     assert ops["cp"] == {"send": {"count": sends, "bytes": sends * blk, "wire_bytes": sends * blk},
                          "recv": {"count": sends, "bytes": 0, "wire_bytes": 0}}
     # ep, per microbatch and MoE layer, under shardwise's tags: the routed rows are topk · s/cp/tp tokens · h;
-    # dispatch carries the fp32 norm output, combine the bf16 expert outputs (balanced routing).
+    # dispatch carries the bf16 norm output, combine the bf16 expert outputs (balanced routing).
     rows, n = 2 * (2048 // 2) * 4096, 4 * 16
     ep = ops["ep"]
     assert ep["all_to_all:counts"] == {"count": n, "bytes": n * 8 * 8, "wire_bytes": n * 8 * 8 * 3 // 4}
-    for op, e in (("dispatch", 4), ("combine", 2), ("combine_grad", 2), ("dispatch_grad", 4)):
+    for op, e in (("dispatch", 2), ("combine", 2), ("combine_grad", 2), ("dispatch_grad", 2)):
         assert ep[f"all_to_all:{op}"] == {"count": n, "bytes": n * rows * e, "wire_bytes": n * rows * e * 3 // 4}, op
     # the loss-free-bias counts, once per step per MoE layer, over the token axes (dp×cp and, under SP, tp)
     assert ops["dp_cp"]["all_reduce:moe_bias"]["count"] == ops["tp"]["all_reduce:moe_bias"]["count"] == 16

@@ -65,9 +65,10 @@ class GroupedExperts(nn.Module):
             use = grouped_mm_available(rows, self.w1, self.w2)
         if use:
             offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)  # host → device, no sync
-            h = F.silu(torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(rows, self.w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+            x = rows.to(self.w1.dtype)  # autocast leaves _grouped_mm alone: it runs in the weights' dtype
+            h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs).to(rows.dtype)
         outs = []
         for e, part in enumerate(rows.split(counts)):
             h = F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e])

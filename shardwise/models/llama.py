@@ -30,7 +30,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        # Statistics in fp32; the output keeps the residual stream's dtype (bf16 under bf16 activations),
+        # so what enters a TP/SP region or the MoE dispatch moves in that dtype.
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).type_as(x)
 
 
 def llama3_inv_freq(inv: torch.Tensor, factor: float, low: float, high: float, old_len: int) -> torch.Tensor:
@@ -124,8 +126,9 @@ class TransformerBlock(nn.Module):
         self.ffn_resid_dropout = ReplicatedDropout(cfg.dropout)
 
     def forward(self, x, cos, sin):
-        x = x + self.attn_resid_dropout(self.attention(self.attention_norm(x), cos, sin))
-        return x + self.ffn_resid_dropout(self.feed_forward(self.ffn_norm(x)))
+        """The residual stream keeps x's dtype: each branch's output is cast to it before the add."""
+        x = x + self.attn_resid_dropout(self.attention(self.attention_norm(x), cos, sin)).to(x.dtype)
+        return x + self.ffn_resid_dropout(self.feed_forward(self.ffn_norm(x))).to(x.dtype)
 
 
 class Transformer(nn.Module):

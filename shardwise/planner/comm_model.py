@@ -88,31 +88,31 @@ def tp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
 
     A dense layer has two TP regions (attention, MLP); an MoE layer only attention, since shardwise
     replicates the MoE block over tp (its input is the norm output, or under SP the sequence shard).
-    Dtypes follow shardwise's autocast: a region's entry (f, or SP's all-gather) carries the fp32 norm
-    output forward and its fp32 gradient back (the bf16 casts sit after it, inside the linears); its
-    exit (g, or SP's reduce-scatter) carries the e-byte row-parallel output forward and an e-byte
-    gradient back. The embedding output and the LM head's input are fp32.
+    Dtypes follow the residual stream (r bytes: bf16 under bf16 activations, fp32 with --fp32-residual):
+    a region's entry (f, or SP's all-gather) carries the norm output forward and its gradient back; its
+    exit (g, or SP's reduce-scatter) the e-byte row-parallel output forward and an e-byte gradient back. The embedding output and the LM head's input are r bytes; CE statistics fp32.
     """
     t, h, e, n = lay.tp, spec.dim, wl.act_bytes, _tokens(lay, wl)
+    r = wl.resid_bytes
     regions = 2 * stage.n_dense + stage.n_moe
     if not lay.sp:
         if stage.embedding:
-            led.add("tp", "all_reduce", n * h * 4, t)
+            led.add("tp", "all_reduce", n * h * r, t)
         led.add("tp", "all_reduce", n * h * e, t, regions)  # fwd: wo, w2 outputs
-        led.add("tp", "all_reduce", n * h * 4, t, regions)  # bwd: grads into wq/wk/wv, w1/w3 inputs
+        led.add("tp", "all_reduce", n * h * r, t, regions)  # bwd: grads into wq/wk/wv, w1/w3 inputs
         if stage.head:
-            led.add("tp", "all_reduce", n * h * 4, t)  # bwd: grad of the head's replicated input
+            led.add("tp", "all_reduce", n * h * r, t)  # bwd: grad of the head's replicated input
     else:
         if stage.embedding:
-            led.add("tp", "reduce_scatter", n * h * 4, t)
-            led.add("tp", "all_gather", n // t * h * 4, t)
-        led.add("tp", "all_gather", n // t * h * 4, t, regions)  # fwd: before attention and MLP
+            led.add("tp", "reduce_scatter", n * h * r, t)
+            led.add("tp", "all_gather", n // t * h * r, t)
+        led.add("tp", "all_gather", n // t * h * r, t, regions)  # fwd: before attention and MLP
         led.add("tp", "all_gather", n // t * h * e, t, regions)  # bwd: mirrors of the exits
         led.add("tp", "reduce_scatter", n * h * e, t, regions)  # fwd: wo, w2 outputs
-        led.add("tp", "reduce_scatter", n * h * 4, t, regions)  # bwd: mirrors of the entries
+        led.add("tp", "reduce_scatter", n * h * r, t, regions)  # bwd: mirrors of the entries
         if stage.head:
-            led.add("tp", "all_gather", n // t * h * 4, t)
-            led.add("tp", "reduce_scatter", n * h * 4, t)
+            led.add("tp", "all_gather", n // t * h * r, t)
+            led.add("tp", "reduce_scatter", n * h * r, t)
     if stage.head:
         led.add("tp", "all_reduce", n * 4, t)  # CE: MAX of the logits
         led.add("tp", "all_reduce", n * 2 * 4, t)  # CE: SUM of exp-sums and target logits
@@ -149,24 +149,25 @@ def zero0_buckets(spec: ModelSpec, tp: int, ep: int, kinds: tuple[bool, ...], em
 
 
 def _reduce_grads(led: CommLedger, axis: str, groups: list[int], group: int, zero: int, m: int,
-                  buckets: int = 1) -> None:
-    """fp32 grads of one reduction group; `groups` are the numels of shardwise's flat optimizer buffers."""
+                  buckets: int = 1, gb: int = 4) -> None:
+    """Grads of one reduction group (`gb` bytes each: --grad-reduce-dtype); `groups` are the numels of
+    shardwise's flat optimizer buffers. ZeRO's parameter all-gather stays fp32."""
     if group < 2 or not any(groups):
         return
     if zero == 0:
-        led.add(axis, "all_reduce", sum(groups) * 4, group, pieces=buckets)
+        led.add(axis, "all_reduce", sum(groups) * gb, group, pieces=buckets)
         return
     for numel in filter(None, groups):
         padded = -(-numel // group) * group
         if zero in (1, 2):
-            led.add(axis, "reduce_scatter", padded * 4, group)
+            led.add(axis, "reduce_scatter", padded * gb, group)
             led.add(axis, "all_gather", padded // group * 4, group)
         else:  # ZeRO-3 / FSDP: gather weights for forward and backward, reduce-scatter grads, every microbatch
             led.add(axis, "all_gather", padded // group * 4, group, 2 * m)
             led.add(axis, "reduce_scatter", padded * 4, group, m)
 
 
-def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, local: Params) -> None:
+def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, local: Params, gb: int = 4) -> None:
     """Dense grads over dp×cp, expert grads over the expert-data-parallel group, as shardwise's GradReducer:
     ZeRO-0 a bucketed all-reduce; ZeRO-1 a reduce-scatter and, after the update, an all-gather per flat
     buffer (matrices, then norms/biases), each padded to a multiple of the group size."""
@@ -178,13 +179,9 @@ def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
             return 1
         return zero0_buckets(spec, lay.tp, lay.ep, kinds, stage.embedding, stage.head, expert)
 
-    _reduce_grads(led, "dp_cp", [local.dense - local.vectors, local.vectors], g, lay.zero, lay.m, buckets(False, g))
-    _reduce_grads(led, "edp", [local.expert], ge, lay.zero, lay.m, buckets(True, ge))
-
-
-PP_BOUNDARY_BYTES = 4
-"""Bytes per element of what stages exchange: shardwise's residual stream stays fp32 under bf16 autocast,
-and its pipeline executor sends float32 activations and gradients."""
+    _reduce_grads(led, "dp_cp", [local.dense - local.vectors, local.vectors], g, lay.zero, lay.m, buckets(False, g),
+                  gb)
+    _reduce_grads(led, "edp", [local.expert], ge, lay.zero, lay.m, buckets(True, ge), gb)
 
 
 def pp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
@@ -194,7 +191,7 @@ def pp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     """
     if lay.pp < 2:
         return
-    nbytes = _tokens(lay, wl) // (lay.tp if lay.sp else 1) * spec.dim * PP_BOUNDARY_BYTES
+    nbytes = _tokens(lay, wl) // (lay.tp if lay.sp else 1) * spec.dim * wl.resid_bytes  # the residual stream's dtype
     out_edges, in_edges = stage_edges(chunk_owners(lay), lay.pp)[stage.index]
     led.add("pp", "send", nbytes, lay.pp, out_edges + in_edges)  # activations out, grads back
     led.add("pp", "recv", 0, lay.pp, out_edges + in_edges)
@@ -256,14 +253,9 @@ def ulysses_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layo
     led.add("cp", "all_to_all", n * hq * spec.v_dim * e, c, (1 + per_pass) * L)  # out, d_out
 
 
-MOE_DISPATCH_BYTES = 4
-"""shardwise routes the MoE block's input, the fp32 output of its (fp32) RMSNorm: dispatched rows are fp32 even
-under bf16 autocast. The expert outputs (combine) are in the activation dtype."""
-
-
 def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
     """Per MoE layer and microbatch, on the ep axis (shardwise's AllToAllDispatcher, dropless):
-    forward `all_to_all:counts` (int64 per expert), `:dispatch` (the n·k assigned rows, fp32) and
+    forward `all_to_all:counts` (int64 per expert), `:dispatch` (the n·k assigned rows, in the residual's dtype) and
     `:combine` (the expert outputs coming back); backward `:combine_grad` (n·k rows) and `:dispatch_grad`.
     n is this rank's routed tokens: s/cp, or s/cp/tp under SP (each tp rank routes its own shard; without
     SP every tp rank routes — and dispatches — the same tokens). combine and dispatch_grad carry the rows
@@ -282,10 +274,10 @@ def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     rows = spec.topk * tokens * spec.dim
     L = stage.n_moe
     led.add("ep", "all_to_all:counts", spec.n_experts * 8, lay.ep, L)
-    led.add("ep", "all_to_all:dispatch", rows * MOE_DISPATCH_BYTES, lay.ep, L)
+    led.add("ep", "all_to_all:dispatch", rows * wl.resid_bytes, lay.ep, L)
     led.add("ep", "all_to_all:combine", rows * wl.act_bytes, lay.ep, L)
     led.add("ep", "all_to_all:combine_grad", rows * wl.act_bytes, lay.ep, L)
-    led.add("ep", "all_to_all:dispatch_grad", rows * MOE_DISPATCH_BYTES, lay.ep, L)
+    led.add("ep", "all_to_all:dispatch_grad", rows * wl.resid_bytes, lay.ep, L)
 
 
 def moe_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout) -> None:
@@ -316,7 +308,7 @@ def stage_ledgers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, loca
     if lay.tp > 1:
         tp_grad_sync(sync, spec, stage, lay, local)
     pp_grad_sync(sync, spec, stage, lay)
-    dp_grad_sync(sync, spec, stage, lay, local)
+    dp_grad_sync(sync, spec, stage, lay, local, wl.grad_reduce_bytes)
     moe_grad_sync(sync, spec, stage, lay)
     return mb, sync
 

@@ -27,10 +27,24 @@ class Workload:
     global_batch: int = DEFAULT_GLOBAL_BATCH
     """Sequences per optimizer step."""
     precision: str = "bf16"
+    fp32_residual: bool = False
+    """shardwise's --fp32-residual: under bf16 the residual stream (and what it feeds: TP/SP region entries,
+    the embedding's reduction, PP boundaries, MoE dispatch) stays fp32."""
+    grad_reduce: str = "fp32"
+    """Dtype of the dp×cp / edp gradient reduction (shardwise's --grad-reduce-dtype)."""
 
     @property
     def act_bytes(self) -> int:
         return PRECISIONS[self.precision]
+
+    @property
+    def resid_bytes(self) -> int:
+        """Bytes per element of the residual stream and of the norm outputs it feeds."""
+        return 4 if self.fp32_residual else self.act_bytes
+
+    @property
+    def grad_reduce_bytes(self) -> int:
+        return PRECISIONS[self.grad_reduce]
 
 
 @dataclass(frozen=True)
@@ -270,4 +284,5 @@ def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
                  schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
                  recompute="none", sp=bool(p.sequence_parallel and p.tp > 1), cp_impl=p.cp_impl)
     gb = cfg.global_batch or cfg.micro_batch * p.dp
-    return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype)
+    return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,
+                               fp32_residual=cfg.fp32_residual, grad_reduce=cfg.grad_reduce_dtype)

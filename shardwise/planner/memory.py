@@ -14,12 +14,12 @@ Activations have two models (`ACTIVATION_MODELS`):
 * "shardwise" (default): the tensors shardwise's own implementation saves for backward, term by term
   (`shardwise_layer_activation_bytes`), checked against real runs by tests/test_planner_ledger.py (the
   bytes of the unique storages autograd's saved-tensor hooks see during one microbatch forward).
-  Where it differs from the textbook: the residual stream and the RMSNorms run in fp32 (autocast
-  leaves them alone; each norm saves its input, the normalised product and the rsqrt); SDPA is a
+  Where it differs from the textbook: the RMSNorms compute in fp32 (each saves its fp32 input, the
+  normalised product and the rsqrt); the residual stream is bf16 under bf16 (fp32 with --fp32-residual); SDPA is a
   flash kernel that saves q, k, v, the output and an fp32 log-sum-exp, never the s×s scores (they
   appear only with attention dropout, which takes SDPA's math path on CPU); SwiGLU saves four
-  [n, ffn] tensors (w1 out, silu out, w3 out, their product); under bf16 autocast every linear saves
-  its own bf16 cast of an fp32 input (q, k and v each cast the norm output) and a bf16 copy of its
+  [n, ffn] tensors (w1 out, silu out, w3 out, their product); under bf16 autocast over an fp32 residual
+  every linear saves its own bf16 cast of the input (q, k and v each cast the norm output) and a bf16 copy of its
   weight — per microbatch in flight, since each microbatch runs in its own autocast region; the LM
   head's cross-entropy saves the fp32 softmax over the (padded) local vocabulary.
 * "korthikanti": Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
@@ -115,11 +115,11 @@ def _norm_saved(tokens: int, h: int) -> int:
     return 8 * tokens * h + 4 * tokens
 
 
-def _region_input(tokens: int, h: int, consumers: int, e: int) -> int:
-    """What the linears entering a region save of their shared input: one fp32 tensor (an SP all-gather
-    returns it contiguous) — unless it is a copy per consuming linear, under bf16 autocast (each casts it)."""
-    shared = e == 4
-    return 4 * tokens * h if shared else consumers * e * tokens * h
+def _region_input(tokens: int, h: int, consumers: int, e: int, r: int = 4) -> int:
+    """What the linears entering a region save of their shared input (r bytes, the residual's dtype): one
+    tensor (an SP all-gather returns it contiguous) — unless autocast casts it, once per consuming linear
+    (bf16 autocast over an fp32 residual, --fp32-residual)."""
+    return r * tokens * h if r == e else consumers * e * tokens * h
 
 
 def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload,
@@ -149,16 +149,17 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     """
     recompute = recompute or lay.recompute
     e, t, h, c = wl.act_bytes, lay.tp, spec.dim, lay.cp
+    r = wl.resid_bytes
     s_loc = wl.seq_len // c
     n = lay.mb * s_loc
     n_r = n // t if lay.sp else n
     if recompute == "full":
-        return 4 * n_r * h  # each layer's fp32 input; the layer being recomputed is added per stage
+        return r * n_r * h  # each layer's input (the residual's dtype); the layer being recomputed is added per stage
     hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
     dk, dv = spec.k_dim, spec.v_dim
     mask = e * n * h if spec.dropout > 0 else 0  # under SP each rank keeps its slice of the full mask
     lse = 4 * n * hq if recompute == "none" else 0  # selective recompute of the attention core drops it
-    attn = _norm_saved(n_r, h) + _region_input(n, h, 3, e) + mask
+    attn = _norm_saved(n_r, h) + _region_input(n, h, 3, e, r) + mask
     if spec.is_mla:  # compressed latents and their norms (replicated over tp, like the down-projections)
         attn += 2 * e * n * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_dim)
     if c > 1 and lay.cp_impl == "ulysses":
@@ -175,15 +176,15 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     mlp = _norm_saved(n_r, h) + mask
     if not moe:
         swiglu = spec.mlp == "swiglu"
-        mlp += _region_input(n, h, 2 if swiglu else 1, e)
+        mlp += _region_input(n, h, 2 if swiglu else 1, e, r)
         mlp += (4 if swiglu else 2) * e * n * (spec.ffn_dim // t)
         return attn + mlp
     k, E, f_e = spec.topk, spec.n_experts, spec.expert_ffn_dim
     rows = n_r * k
-    mlp += _region_input(n_r, h, 1 + (2 if spec.n_shared_experts else 0), e)  # router (+ shared w1, w3) input
+    mlp += _region_input(n_r, h, 1 + (2 if spec.n_shared_experts else 0), e, r)  # router (+ shared w1, w3) input
     mlp += 4 * n_r * (2 * E + 1) + 8 * rows  # router: logits, probs, LSE (fp32), top-k indices
     mlp += 8 * rows * 2 + 4 * rows  # dispatch: send order, token index (int64), assignment weights
-    mlp += 4 * rows * h  # received rows (the fp32 norm output), grouped-GEMM input
+    mlp += 4 * rows * h  # received rows as the fp32 grouped-GEMM input (autocast leaves _grouped_mm alone)
     if lay.ep > 1 and E // lay.ep > 1:
         mlp += 2 * 8 * rows  # regroup permutation and its inverse
     mlp += 4 * e * rows * f_e  # w1 out, silu out, w3 out, product
@@ -243,7 +244,7 @@ def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload, model: str
     if model == "korthikanti":
         return softmax
     n_r = n // lay.tp if lay.sp else n
-    head_in = _region_input(n, spec.dim, 1, wl.act_bytes)
+    head_in = _region_input(n, spec.dim, 1, wl.act_bytes, wl.resid_bytes)
     return softmax + _norm_saved(n_r, spec.dim) + head_in + 10 * n
 
 

@@ -217,14 +217,16 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.per_rank = split_range(num_embeddings, axis)
         self.weight = _sharded_param((num_embeddings, embedding_dim), 0, self.vocab_start, self.per_rank,
                                      device=device, dtype=dtype)
+        self.out_dtype = None  # the residual stream's dtype (bf16 activations), cast before the TP reduction
 
     def forward(self, ids):
         check_token_ids(ids, self.num_embeddings)
         if not self.axis.active:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight).to(self.out_dtype or self.weight.dtype)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = out.to(self.out_dtype or out.dtype)
         return exit_region(out, self.axis, self.sequence_parallel)
 
 
