@@ -75,6 +75,8 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
                    help="make RANK crash, hang or produce NaN (KIND) at STEP — for testing recovery")
     p.add_argument("--bad-step", default="skip", help="on non-finite loss/grads: skip (logged) or abort")
     p.add_argument("--max-bad-steps", type=int, default=5, help="abort once more steps than this were skipped")
+    p.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing in [0, 1)")
+    p.add_argument("--no-report", action="store_true", help="train: do not render the report PNGs at the end")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,7 +133,8 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       fault_inject=args.fault_inject, bad_step=args.bad_step, max_bad_steps=args.max_bad_steps,
                       save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, keep=args.keep,
                       resume=args.resume, fp32_residual=args.fp32_residual,
-                      grad_reduce_dtype=args.grad_reduce_dtype,
+                      grad_reduce_dtype=args.grad_reduce_dtype, label_smoothing=args.label_smoothing,
+                      report=not args.no_report,
                       model_overrides={k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None})
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps
@@ -264,6 +267,8 @@ def _print_summary(s: dict) -> None:
               f"measured {pl['measured_bubble']:.3f}; peak in-flight microbatches per stage "
               f"{pl['peak_inflight_per_stage']} (timeline.json)")
     print(f"run directory: {s['out']} (metrics.jsonl, comm.json, summary.json)")
+    if "report" in s:
+        print(s["report"])
 
 
 if __name__ == "__main__":

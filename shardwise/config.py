@@ -243,6 +243,10 @@ class TrainConfig:
     """Non-finite loss or gradients: 'skip' the step (logged), or 'abort' the run at once."""
     max_bad_steps: int = 5
     """With bad_step='skip': abort once more than this many steps were skipped."""
+    label_smoothing: float = 0.0
+    """Cross-entropy label smoothing ε in [0, 1): the target is (1-ε)·one-hot + ε/V."""
+    report: bool = True
+    """Render the report PNGs (loss, tokens/s, comm per axis, timeline) into the run directory at the end."""
 
     def residual_dtype(self) -> str:
         """'bf16' when the residual stream runs in bf16, else 'fp32'."""
@@ -357,6 +361,8 @@ class TrainConfig:
             raise ConfigError(f"--max-bad-steps {self.max_bad_steps!r} must be a non-negative integer")
         if self.timeout_s <= 0:
             raise ConfigError(f"--collective-timeout {self.timeout_s} must be positive (seconds)")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"--label-smoothing {self.label_smoothing} must be in [0, 1), e.g. 0.1")
 
     def _validate_experts(self, m: ModelConfig) -> None:
         p = self.parallel

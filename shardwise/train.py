@@ -72,7 +72,7 @@ class Trainer:
             s_local = cfg.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)
             self.executor = PipelineExecutor(self.model.chunks, self.schedule, mesh,
                                              (cfg.micro_batch, s_local, self.model_cfg.dim), self.act_dtype,
-                                             lambda logits, y: self.model.loss_fn(logits, y, IGNORE_INDEX),
+                                             lambda logits, y: self.model.loss_fn(logits, y, IGNORE_INDEX, cfg.label_smoothing),
                                              self.model.grad_store, self._autocast, p.pp_scatter_gather)
 
     def _autocast(self):
@@ -104,7 +104,7 @@ class Trainer:
             for xm, ym in zip(xs, ys):
                 with self._autocast():
                     logits = self.model(xm)
-                loss = self.model.loss_fn(logits, ym, IGNORE_INDEX).sum() / n_tokens
+                loss = self.model.loss_fn(logits, ym, IGNORE_INDEX, self.cfg.label_smoothing).sum() / n_tokens
                 loss.backward()
                 loss_sum += loss.detach()
         if self._poison:  # fault injection: this rank's gradients and loss become NaN
@@ -344,4 +344,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         summary["attention_kernel"] = ",".join(sorted(USED))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    if cfg.report:
+        from .report import render
+
+        summary["report"] = render(out)[-1]
     return summary

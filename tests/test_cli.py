@@ -24,6 +24,7 @@ def shardwise(*args, timeout=300):
     (["verify", "--tp", "2", "--attn-dropout", "0.1"], "verify needs --attn-dropout 0"),
     (["train", "--dp", "2", "--global-batch", "7"], "must be a multiple of micro-batch 4 × dp 2"),
     (["train", "--device", "cuda"], "--device cuda: no CUDA device is visible"),
+    (["verify", "--label-smoothing", "1.5"], "--label-smoothing 1.5 must be in [0, 1)"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     t0 = time.monotonic()

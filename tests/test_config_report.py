@@ -42,6 +42,8 @@ def test_report_renders_pngs(tmp_path):
                   "--out", str(run))
     assert r.returncode == 0, r.stderr
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "timeline.png").stat().st_size > 1000 and "wrote loss.png" in r.stdout  # train drew them itself
+    (run / "timeline.png").unlink()
     r = shardwise("report", str(run))
     assert r.returncode == 0, r.stderr
     for png in ("loss.png", "tokens_per_s.png", "comm_per_axis.png", "timeline.png"):

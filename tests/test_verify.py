@@ -10,7 +10,7 @@ import pytest
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.verify import verify_main
 
-from _dist import fresh_seed, run_ranks
+from _dist import fresh_seed, run_ranks, verify_all
 
 GQA_SHARED = ModelConfig(name="gqa2", vocab_size=257, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=96,
                          max_seq_len=64, tie_embeddings=True)
@@ -54,3 +54,19 @@ def test_verify_layout(name):
     if cfg.dtype == "fp32":
         assert result["max_loss_abs_diff"] < 1e-5 and result["first_step_grad_rel_diff"] < 1e-5, result
     assert len(result["losses"]) == 3
+
+
+def test_label_smoothing_tp2_and_pp2():
+    """--label-smoothing reaches the loss on both paths (TP's vocab-parallel CE against the reference's fused
+    kernel, and the pipeline executor's loss), and changes it."""
+    seed = fresh_seed()
+    base = TrainConfig(steps=2, seq_len=32, micro_batch=2, seed=seed, progress=False, label_smoothing=0.1)
+    cfgs = [dataclasses.replace(base, parallel=ParallelConfig(tp=2)),
+            dataclasses.replace(base, parallel=ParallelConfig(pp=2), global_batch=4),
+            dataclasses.replace(base, parallel=ParallelConfig(tp=2), label_smoothing=0.0)]
+    smooth, piped, plain = run_ranks(2, verify_all, cfgs)[0]
+    for r in (smooth, piped, plain):
+        assert r["passed"] and r["first_step_grad_rel_diff"] < 1e-5, (seed, r)
+    # near-uniform logits at init: ε=0.1 adds ~1e-3 to the loss, 20× verify's loss bound (and exactly 0 if dropped)
+    assert abs(smooth["losses"][0] - plain["losses"][0]) > 2e-4, (seed, smooth["losses"], plain["losses"])
+    assert abs(piped["losses"][0] - plain["losses"][0]) > 2e-4, (seed, piped["losses"], plain["losses"])
