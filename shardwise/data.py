@@ -76,8 +76,3 @@ class Loader:
         starts = self._starts(step)
         win = torch.stack([self.tokens[s:s + self.seq_len + 1] for s in starts.tolist()])
         return win[:, :-1], win[:, 1:]
-
-    def dp_shard(self, step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.global_batch_at(step)
-        per = self.global_batch // dp_size
-        return x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
