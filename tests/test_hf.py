@@ -1,4 +1,7 @@
-"""Hugging Face interop: HF checkpoints load into every layout with transformers' logits; export round-trips.
+"""Hugging Face interop: HF checkpoints load into every layout with transformers' logits; one training
+step's loss and every parameter gradient equal transformers' loss.backward() (Llama tp2×pp2, Qwen2 with
+q/k/v biases dp2×tp2×SP, Mixtral dp2×ep2×tp2; measured: loss within 1e-7, gradients within 3e-7
+absolute); export round-trips.
 
 Tiny random models are built with transformers itself (weights drawn with initializer_range 0.2,
 so attention is far from uniform and a wrong q/k permutation is visible: it changes logits by ~5,
@@ -329,8 +332,8 @@ def _rank_grads(jobs):
             spec = get_spec(params[name])
             assert (lo, hi) == (0, params[name].numel())  # no ZeRO here: every rank holds whole local grads
             grads.append((name, spec.dim, spec.start, spec.valid,
-                          spec.valid_part(vals.reshape(params[name].shape)).clone()))
-        out.append((loss, grads))
+                          spec.valid_part(vals.reshape(params[name].shape)).numpy().copy()))
+        out.append((loss, grads))  # numpy: pickled by value, not as shared memory the exiting rank owns
     return out
 
 
@@ -339,6 +342,7 @@ def _global_grads(per_rank, shapes):
     full = {n: torch.zeros(s) for n, s in shapes.items()}
     seen = {n: torch.zeros(s, dtype=torch.bool) for n, s in shapes.items()}
     for name, dim, start, rows, vals in per_rank:
+        vals = torch.from_numpy(vals)
         dst = full[name] if dim is None else full[name].narrow(dim, start, rows)
         mask = seen[name] if dim is None else seen[name].narrow(dim, start, rows)
         if mask.any():  # a replica (TP-replicated norm, dp copy): reduced gradients are identical
@@ -393,8 +397,7 @@ def test_training_step_matches_transformers(models, trained, tmp_path, i, layout
     from shardwise.mesh import Mesh
     from shardwise.parallelize import build_model
 
-    with torch.device("meta"):
-        shapes = {n: p.shape for n, p in build_model(cfg, Mesh.single(), seed=0).named_parameters()}
+    shapes = {n: p.shape for n, p in build_model(cfg, Mesh.single(), seed=0).named_parameters()}
     ours = _global_grads([g for r in trained for g in r[i][1]], shapes)
     for n, g in ours.items():
         src = hf._source(n, cfg, files)
