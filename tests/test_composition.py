@@ -11,7 +11,8 @@ from shardwise.config import ParallelConfig, TrainConfig
 from _dist import fresh_seed, run_ranks, verify_all
 
 EIGHT = {
-    "dp2_pp2_tp2_sp": dict(dp=2, pp=2, tp=2, sequence_parallel=True),
+    "dp2_pp2_tp2_sp_zero1": dict(dp=2, pp=2, tp=2, sequence_parallel=True, zero=1),
+    "tp4_cp2_ulysses": dict(tp=4, cp=2, cp_impl="ulysses"),  # one K/V head per tp rank, replicated over cp
     "cp2_pp2_tp2": dict(cp=2, pp=2, tp=2),
     "dp4_ep2_tp2_moe": dict(dp=4, ep=2, tp=2),  # ep is drawn from dp: 8 ranks need dp=4
 }
@@ -19,11 +20,28 @@ EIGHT = {
 
 def test_eight_rank_compositions():
     seed = fresh_seed()
+    for name, result in _verify_layouts(EIGHT, 8, seed):
+        assert result["passed"] and result["first_step_grad_rel_diff"] < 1e-5, (name, seed, result)
+
+
+FOUR = {
+    "cp2_tp2_ulysses": dict(cp=2, tp=2, cp_impl="ulysses"),
+    "dp2_ep2_tp2_moe": dict(dp=2, ep=2, tp=2),  # MoE under TP without SP: replicated tokens, sharded experts
+}
+
+
+def _verify_layouts(layouts, world, seed):
     cfgs = [TrainConfig(model="tiny-moe" if "moe" in name else "tiny", parallel=ParallelConfig(**p), steps=2,
                         seq_len=32, micro_batch=2, global_batch=8, seed=seed, progress=False)
-            for name, p in EIGHT.items()]
-    for name, result in zip(EIGHT, run_ranks(8, verify_all, cfgs, timeout_s=300)[0]):
-        assert result["passed"], (name, seed, result)
+            for name, p in layouts.items()]
+    return zip(layouts, run_ranks(world, verify_all, cfgs, timeout_s=300)[0])
+
+
+def test_four_rank_compositions():
+    """Layouts the planner test checks only for bytes, here for loss and gradients against one device."""
+    seed = fresh_seed()
+    for name, result in _verify_layouts(FOUR, 4, seed):
+        assert result["passed"] and result["first_step_grad_rel_diff"] < 1e-5, (name, seed, result)
 
 
 def _free_port():

@@ -40,9 +40,12 @@ def test_pp4_and_compositions():
             _cfg(seed, pp=4, schedule="interleaved", vp=2), _cfg(seed, pp=2, tp=2, sequence_parallel=True),
             _cfg(seed, microbatches=3, pp=2, dp=2, schedule="zb", zero=1),
             _cfg(seed, pp=2, tp=2, schedule="interleaved", vp=2, pp_scatter_gather=True),
-            dataclasses.replace(_cfg(seed, pp=4, pp_layers=[3, 2, 2, 1]), global_batch=8)]
+            dataclasses.replace(_cfg(seed, pp=4, pp_layers=[3, 2, 2, 1]), global_batch=8),
+            # steady state at p=4: m = 2p microbatches
+            _cfg(seed, microbatches=8, pp=4, schedule="1f1b"), _cfg(seed, microbatches=8, pp=4, schedule="zb"),
+            _cfg(seed, microbatches=8, pp=4, schedule="dualpipev")]
     for cfg, result in zip(cfgs, run_ranks(4, verify_all, cfgs)[0]):
-        assert result["passed"], (seed, cfg.parallel, result)
+        assert result["passed"] and result["first_step_grad_rel_diff"] < 1e-5, (seed, cfg.parallel, result)
 
 
 def test_peak_inflight_activations():
