@@ -98,6 +98,14 @@ def _tp_owned(named, tp) -> set[str]:
     return {n for n, key in mine.items() if next(r for r, o in enumerate(every) if o.get(n) == key) == tp.rank}
 
 
+def _persistent_buffers(model):
+    """(global name, owner module, tensor) of every persistent buffer: training state (e.g. the MoE expert_bias)."""
+    for prefix, mod in model.named_modules():
+        for name, b in mod.named_buffers(recurse=False):
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), mod, b
+
+
 def _ensure_state(reducer, step: int | None = None) -> None:
     """Create AdamW state AdamW would create lazily (zeros), so it can be saved or loaded into; set its step."""
     opt = reducer.optimizer
@@ -129,6 +137,13 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
         for kind, t in tensors.items():
             boxes = _place(spec, p.shape, t.detach().view(-1), 0, p.numel()) if mine else []  # a view, never a copy
             add(f"model.{n}" if kind == "model" else f"optim.{n}.{kind}", spec, boxes)
+    for n, mod, b in _persistent_buffers(trainer.model):
+        # Replicated like their module's parameters: the first TP rank of each dp×cp (experts: edp) group writes.
+        expert = any(is_expert(q) for q in mod.parameters(recurse=False))
+        dp = trainer.mesh["edp"] if expert else trainer.mesh["dp_cp"]
+        mine = not save or (trainer.mesh["tp"].rank == 0 and dp.rank == 0)
+        spec = get_spec(b)
+        add(f"buffer.{n}", spec, _place(spec, b.shape, b.view(-1), 0, b.numel()) if mine else [])
     if red.zero:
         for g in red.flat:
             state = red.optimizer.state[g["shard"]]
@@ -316,7 +331,8 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
         layout = trainer.cfg.parallel.as_dict() | {"world": ckpt.size}
         _write_json(os.path.join(tmp, META), {
             "format": FORMAT_VERSION, "step": step, "optimizer_step": int(state["step"]), "layout": layout,
-            "model": vars(trainer.model_cfg), "extra_state": extra_state or {}})
+            "model": vars(trainer.model_cfg), "extra_state": extra_state or {},
+            "bad_steps": getattr(trainer, "bad_steps", 0)})
     # Each rank hashes what it wrote (DCP names data files __<rank>_<n>.distcp); rank 0 merges the
     # small per-rank dicts, so no rank reads the whole checkpoint while the others wait.
     mine = [f for f in os.listdir(tmp) if (m := _OWNER.match(f)) and int(m.group(1)) == mesh.rank]
@@ -433,6 +449,7 @@ def load_checkpoint(root: str, trainer) -> dict | None:
         if mesh.rank == 0:
             log.info("checkpoint %s was saved under %s: RNG streams reseeded from (seed, step)", path, meta["layout"])
     trainer.step = step
+    trainer.bad_steps = meta.get("bad_steps", 0)
     return {"step": step, "path": path, "layout": meta["layout"], "extra_state": meta["extra_state"],
             "skipped": skipped}
 

@@ -50,3 +50,15 @@ def test_truncated_checkpoint_falls_back(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "skipped checkpoint" in r.stderr and "step-4" in r.stderr and "resuming from" in r.stderr
     assert "step-2" in r.stderr.split("resuming from")[1]
+
+
+def test_moe_bias_resume_bitwise(tmp_path):
+    """The router's expert_bias (a persistent buffer) is checkpointed: dp2×ep2 with bias updates resumes bitwise."""
+    common = ["train", "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--moe-bias-update-rate", "0.01",
+              "--steps", "6", "--no-progress"]
+    assert shardwise(*common, "--out", str(tmp_path / "full")).returncode == 0
+    run = tmp_path / "run"
+    assert shardwise(*common, "--out", str(run), "--save-every", "3", "--fault-inject", "1:4:crash").returncode != 0
+    r = shardwise(*common, "--out", str(run), "--save-every", "3", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert losses(run) == losses(tmp_path / "full")
