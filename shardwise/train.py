@@ -50,7 +50,7 @@ class Trainer:
 
             self.schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
         self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel, self.schedule, p.pp_layers,
-                                 p.cp_order, p.cp_impl)
+                                 p.cp_order, p.cp_impl, p.recompute, p.recompute_layers)
         self.model.train()
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay)
         tokens = load_tokens(cfg.data) if tokens is None else tokens
