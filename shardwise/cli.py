@@ -33,6 +33,9 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
                    help="under TP without SP, send 1/tp of each stage activation and all-gather it on arrival")
     g.add_argument("--cp-order", default="balanced", help="context-parallel token order: balanced or contiguous")
     g.add_argument("--cp-impl", default="ring", help="context-parallel attention: ring or ulysses")
+    g.add_argument("--recompute", default="none", help="activation recompute: none, selective (attention core), full")
+    g.add_argument("--recompute-layers", type=int, default=None,
+                   help="full recompute of the first N layers of every stage/chunk (default: all)")
 
 
 def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
@@ -116,7 +119,8 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
     parallel = ParallelConfig(**degrees, sequence_parallel=args.sequence_parallel, zero=args.zero,
                               schedule=args.schedule, vp=args.vp, pp_layers=pp_layers,
                               pp_scatter_gather=args.pp_scatter_gather, cp_order=args.cp_order,
-                              cp_impl=args.cp_impl)
+                              cp_impl=args.cp_impl, recompute=args.recompute,
+                              recompute_layers=args.recompute_layers)
     if args.microbatches is not None:
         if args.microbatches <= 0 or (args.global_batch is not None):
             raise ConfigError(f"--microbatches {args.microbatches} must be positive and not combined with "

@@ -179,12 +179,18 @@ class ParallelConfig:
     """Context-parallel token order: 'balanced' (rank r holds chunks r and 2c-1-r) or 'contiguous'."""
     cp_impl: str = "ring"
     """Context-parallel attention: 'ring' (p2p K/V ring) or 'ulysses' (all-to-all to head shards)."""
+    recompute: str = "none"
+    """Activation recompute: 'none', 'selective' (the attention core) or 'full' (whole blocks)."""
+    recompute_layers: int | None = None
+    """Full recompute of the first N layers of every stage/chunk; None = all."""
 
     def describe(self) -> str:
         return ", ".join(f"{a}={getattr(self, a)}" for a in AXES)
 
     def as_dict(self) -> dict:
         out = {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
+        if self.recompute != "none":
+            out |= {"recompute": self.recompute, "recompute_layers": self.recompute_layers}
         if self.pp > 1:
             out |= {"schedule": self.schedule, "vp": self.vp, "pp_layers": self.pp_layers,
                     "pp_scatter_gather": self.pp_scatter_gather}
@@ -303,8 +309,24 @@ class TrainConfig:
         self.validate(world)
         return world
 
+    @staticmethod
+    def _validate_recompute(p: ParallelConfig, m: ModelConfig) -> None:
+        if p.recompute not in ("none", "selective", "full"):
+            raise ConfigError(f"--recompute {p.recompute!r} is not supported; valid: none, selective, full")
+        if p.recompute == "full" and p.pp > 1 and p.schedule in ("zb", "dualpipev"):
+            raise ConfigError(f"--recompute full with --schedule {p.schedule} is not supported yet (deferred weight "
+                              "gradients of recomputed blocks); valid there: none, selective")
+        if p.recompute_layers is None:
+            return
+        stages = p.pp * (p.vp if p.pp > 1 else 1)
+        fewest = min(p.pp_layers) if p.pp_layers else m.n_layers // stages
+        if not isinstance(p.recompute_layers, int) or not 1 <= p.recompute_layers <= fewest:
+            raise ConfigError(f"--recompute-layers {p.recompute_layers!r} must be in [1, {fewest}] "
+                              f"(the layers of the smallest stage/chunk)")
+
     def validate(self, world: int) -> None:
         p = self.parallel
+        self._validate_recompute(p, self.model_config())
         if p.zero not in (0, 1):
             raise ConfigError(f"--zero {p.zero} is not supported; valid: 0 or 1")
         if p.sequence_parallel and p.tp == 1:

@@ -17,6 +17,7 @@ from .config import ModelConfig
 from .mesh import Mesh
 from .expert_parallel.moe import MoE
 from .models.llama import Transformer, build_moe
+from .recompute import apply_recompute
 from .tensor_parallel.layers import (ColumnParallelLinear, ColumnRegion, RowParallelLinear, ShardSpec,
                                      VocabParallelEmbedding, enter_region, get_spec, set_spec)
 from .tensor_parallel.random import ReplicatedDropout, RNGTracker
@@ -142,7 +143,8 @@ def apply_context_parallel(model: Transformer, mesh: Mesh, order: str, impl: str
 
 def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool = False,
                 schedule=None, pp_layers: list[int] | None = None, cp_order: str = "balanced",
-                cp_impl: str = "ring", residual_dtype: torch.dtype | None = None) -> Transformer:
+                cp_impl: str = "ring", residual_dtype: torch.dtype | None = None, recompute: str = "none",
+                recompute_layers: int | None = None) -> Transformer:
     """The model for this rank of `mesh` (the single-device model when every degree is 1).
 
     With a pipeline `schedule`, only this rank's stages are kept and `model.chunks` lists them in
@@ -174,4 +176,5 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool
         elif hasattr(m, "attn_dropout"):
             m.rng = tracker
     model.rng_tracker = tracker
+    apply_recompute(model, recompute, recompute_layers)
     return model

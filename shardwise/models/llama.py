@@ -74,6 +74,7 @@ class Attention(nn.Module):
         self.attn_dropout = cfg.attn_dropout
         self.rng = None  # RNGTracker, set by the parallel plan: attention dropout is a TP-sharded region
         self.cp_axis, self.cp_order, self.cp_impl = None, "balanced", "ring"  # set by the plan under cp > 1
+        self.recompute_core = None  # set by shardwise.recompute under selective recompute
 
     def forward(self, x, cos, sin):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -81,18 +82,20 @@ class Attention(nn.Module):
         q = apply_rope(q.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
         k = apply_rope(k.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        out = self.core(q, k, v) if self.recompute_core is None else self.recompute_core(self.core, q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    def core(self, q, k, v):
+        """The attention core — QKᵀ, softmax, ·V (SDPA, or ring/Ulysses under cp): what selective recompute replays."""
         if self.cp_axis is not None and self.cp_axis.active:
             attend = ring_attention if self.cp_impl == "ring" else ulysses_attention
-            out = attend(q, k, v, self.cp_axis, causal=True, order=self.cp_order)
-            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+            return attend(q, k, v, self.cp_axis, causal=True, order=self.cp_order)
         p = self.attn_dropout if self.training else 0.0
         gqa = q.shape[1] != k.shape[1]
         if p > 0 and self.rng is not None:
             with self.rng.fork("tp"):
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):

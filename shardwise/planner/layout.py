@@ -276,13 +276,13 @@ def group_size(lay: Layout, axis: str) -> int:
 def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
     """The planner's (model, layout, workload) for a shardwise `TrainConfig` (after `resolve_world`).
 
-    Recompute is "none" (shardwise has none); m is the config's gradient-accumulation count.
+    Recompute is the run's (--recompute-layers is not modelled: all layers); m is the config's gradient-accumulation count.
     """
     p = cfg.parallel
     spec = from_model_config(cfg.model_config())
     lay = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, vp=p.vp if p.pp > 1 else 1,
                  schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
-                 recompute="none", sp=bool(p.sequence_parallel and p.tp > 1), cp_impl=p.cp_impl)
+                 recompute=p.recompute, sp=bool(p.sequence_parallel and p.tp > 1), cp_impl=p.cp_impl)
     gb = cfg.global_batch or cfg.micro_batch * p.dp
     return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,
                                fp32_residual=cfg.fp32_residual, grad_reduce=cfg.grad_reduce_dtype)

@@ -28,6 +28,14 @@ class RNGTracker:
     def generator(self, name: str) -> torch.Generator:
         return self.generators[name]
 
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """Every stream's state: activation recompute restores these so dropout masks replay identically."""
+        return {name: gen.get_state() for name, gen in self.generators.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        for name, state in states.items():
+            self.generators[name].set_state(state)
+
     @contextlib.contextmanager
     def fork(self, name: str = "tp"):
         """Run code that draws from torch's default generator (e.g. SDPA dropout) on stream `name`."""

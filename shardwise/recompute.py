@@ -1,0 +1,83 @@
+"""Activation recompute: trade a second forward for the activations backward would otherwise keep.
+
+* "selective" (Korthikanti et al. 2022): only the attention core — SDPA, or the ring / Ulysses kernel
+  under cp — is recomputed, so its saved q·k statistics (and with attention dropout the s×s tensors)
+  are not kept; a recomputed ring repeats its sends, as the other ranks' recomputations expect.
+* "full": a whole TransformerBlock is recomputed; only its input is kept (under SP its 1/tp shard).
+  The recomputed forward repeats the block's TP/SP collectives and MoE all-to-alls (the ledger
+  counts them), and hands the deferred-W store the *recomputed* tensors, so zb / dualpipev save each
+  input once.
+
+Both use non-reentrant `torch.utils.checkpoint`. Like Megatron's CheckpointFunction, the RNG
+tracker's streams are snapshotted at the forward and restored for the recomputation (then set back),
+so every dropout mask replays bit for bit; an MoE block's bookkeeping (load counts for the
+loss-free bias, drop and aux-loss metrics) is restored too, so a recomputation is not counted twice.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from torch.utils.checkpoint import checkpoint
+
+from .expert_parallel.moe import MoE
+
+MODES = ("none", "selective", "full")
+
+
+class _Replay:
+    """checkpoint's context_fn: remember the RNG streams at forward, replay them in the recomputation."""
+
+    def __init__(self, tracker, moes):
+        self.tracker, self.moes = tracker, moes
+
+    def __call__(self):
+        saved = self.tracker.get_states() if self.tracker is not None else None
+        return contextlib.nullcontext(), self._recompute(saved)
+
+    @contextlib.contextmanager
+    def _recompute(self, saved):
+        now = self.tracker.get_states() if saved is not None else None
+        books = [_moe_books(m) for m in self.moes]
+        if saved is not None:
+            self.tracker.set_states(saved)
+        try:
+            yield
+        finally:
+            if now is not None:
+                self.tracker.set_states(now)
+            for m, b in zip(self.moes, books):
+                _restore_moe_books(m, b)
+
+
+def _moe_books(m: MoE) -> tuple:
+    return m.aux_loss, m.stats, m.step_dropped, m.step_aux, m.router.pending_counts.clone()
+
+
+def _restore_moe_books(m: MoE, books: tuple) -> None:
+    m.aux_loss, m.stats, m.step_dropped, m.step_aux, counts = books
+    m.router.pending_counts.copy_(counts)
+
+
+def _checkpointed(fn, replay: _Replay):
+    def run(*args):
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=replay, preserve_rng_state=True)
+    return run
+
+
+def apply_recompute(model, mode: str, layers: int | None = None) -> None:
+    """Recompute the first `layers` blocks (default all) of every pipeline chunk (or of the model)."""
+    if mode == "none":
+        return
+    if mode not in MODES:
+        raise ValueError(f"recompute {mode!r}; valid: {', '.join(MODES)}")
+    chunks = [ch.layer_ids for ch in model.chunks] if model.chunks else [[int(i) for i in model.layers]]
+    tracker = getattr(model, "rng_tracker", None)
+    for ids in chunks:
+        for i in ids[:layers]:
+            block = model.layers[str(i)]
+            moes = [m for m in block.modules() if isinstance(m, MoE)]
+            if mode == "full":
+                block.forward = _checkpointed(block.forward, _Replay(tracker, moes))
+            else:
+                block.attention.recompute_core = lambda core, *qkv: checkpoint(
+                    core, *qkv, use_reentrant=False, context_fn=_Replay(tracker, []), preserve_rng_state=True)
