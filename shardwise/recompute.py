@@ -5,8 +5,8 @@
   are not kept; a recomputed ring repeats its sends, as the other ranks' recomputations expect.
 * "full": a whole TransformerBlock is recomputed; only its input is kept (under SP its 1/tp shard).
   The recomputed forward repeats the block's TP/SP collectives and MoE all-to-alls (the ledger
-  counts them), and hands the deferred-W store the *recomputed* tensors, so zb / dualpipev save each
-  input once.
+  counts them). With the split-backward schedules (zb, dualpipev) it is refused for now: the
+  deferred-W store and the recomputed forward do not yet agree on which tensors the W pass uses.
 
 Both use non-reentrant `torch.utils.checkpoint`. Like Megatron's CheckpointFunction, the RNG
 tracker's streams are snapshotted at the forward and restored for the recomputation (then set back),
