@@ -23,8 +23,12 @@ class P2PMismatch(AssertionError):
     """Two matched ops name different messages: on hardware the data would land in the wrong buffer."""
 
 
-def check_programs(programs: list[list[Boundary]]) -> str | None:
-    """None if the programs complete under NCCL's rules; otherwise which ranks are stuck, on what."""
+def check_programs(programs: list[list[Boundary]], streams_per: str = "pair") -> str | None:
+    """None if the programs complete under NCCL's rules; otherwise which ranks are stuck, on what.
+
+    streams_per="pair": one FIFO stream per rank pair; "rank": one per rank (what ProcessGroupNCCL's
+    batched p2p does, since a batch runs on the group's communicator): the stricter model.
+    """
     p = len(programs)
     pos = [0] * p                       # next boundary to run per rank
     posted = [False] * p                # whether boundary pos[r] has been posted
@@ -37,9 +41,12 @@ def check_programs(programs: list[list[Boundary]]) -> str | None:
     outstanding: list[set[int]] = [set() for _ in range(p)]
     next_id = 0
 
+    def lanes(peers):
+        return peers if streams_per == "pair" else (-1,)
+
     def issued(b: int) -> bool:
         info = batches[b]
-        return all(streams[(info["rank"], peer)][0] == b for peer in info["peers"])
+        return all(streams[(info["rank"], peer)][0] == b for peer in lanes(info["peers"]))
 
     progress = True
     while progress:
@@ -52,7 +59,7 @@ def check_programs(programs: list[list[Boundary]]) -> str | None:
                         b, next_id = next_id, next_id + 1
                         batches[b] = {"rank": r, "ops": ops, "matched": set(), "peers": {op.peer for op in ops}}
                         outstanding[r].add(b)
-                        for peer in batches[b]["peers"]:
+                        for peer in lanes(batches[b]["peers"]):
                             streams.setdefault((r, peer), deque()).append(b)
                         for k, op in enumerate(ops):
                             pair = (r, op.peer) if op.kind == "send" else (op.peer, r)
@@ -85,7 +92,7 @@ def check_programs(programs: list[list[Boundary]]) -> str | None:
         for r in range(p):  # complete batches whose every op matched
             for b in [b for b in outstanding[r] if len(batches[b]["matched"]) == len(batches[b]["ops"])]:
                 outstanding[r].discard(b)
-                for peer in batches[b]["peers"]:
+                for peer in lanes(batches[b]["peers"]):
                     streams[(r, peer)].popleft()
                 progress = True
     stuck = [r for r in range(p) if pos[r] < len(programs[r]) or outstanding[r]]

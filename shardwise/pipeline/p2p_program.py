@@ -11,8 +11,8 @@ decides whether a pipeline step finishes. This module fixes that order once, for
    agree on the order of everything between them. A send is posted at the boundary right after
    the action producing it; a receive at the first boundary on the receiver after the producer
    ran in the global order — as early as the agreed order allows, never later than its need.
-3. At each boundary a rank posts one batch per peer (sends and receives fused, in the agreed
-   order) and then waits only for the batch holding the input of its next action.
+3. At each boundary a rank posts one batch (sends and receives with every peer fused, in the
+   agreed order per peer) and then waits only for the batch holding the input of its next action.
 
 `p2p_check.check_programs` replays these programs under NCCL's rules; the executor runs exactly
 what `build_programs` returns, so what the checker proves is what runs.
@@ -97,7 +97,10 @@ def build_programs(schedule: Schedule) -> list[list[Boundary]]:
             by_peer: dict[int, list[tuple[tuple, Op]]] = {}
             for item in sorted(pending[i]):
                 by_peer.setdefault(item[1].peer, []).append(item)
-            b = Boundary(batches=[tuple(op for _, op in by_peer[peer]) for peer in sorted(by_peer)])
+            # One batch for all peers: batched p2p on NCCL runs on the group's one stream, so a batch to
+            # one peer posted before a batch to another would serialize them (deadlock at p >= 3).
+            ops = tuple(op for peer in sorted(by_peer) for _, op in by_peer[peer])
+            b = Boundary(batches=[ops] if ops else [])
             if i < n:
                 src = message_in(schedule, r, actions[i])
                 b.wait = src[1] if src is not None and src[0] != r else None

@@ -3,8 +3,8 @@
 Communication is point-to-point on the pp axis, non-blocking, and follows the p2p program that
 `p2p_program.build_programs` derives from the schedule (checked against NCCL's rules by
 `p2p_check`, so it cannot deadlock on a backend that runs a pair's p2p in posting order):
-* before each action the rank posts one batch per peer — the previous action's send fused with
-  every receive the agreed order allows now (receives are posted as early as that order allows) —
+* before each action the rank posts one batch — the previous action's send fused with every
+  receive the agreed order allows now, for all peers (receives are posted as early as that order allows) —
   and waits only for the batch that holds the next action's input; each batch is one unit, as
   NCCL returns one work handle per batch;
 * both sides of a pair post their messages in one agreed order, so a message can never be matched
