@@ -36,7 +36,7 @@ class Op(NamedTuple):
 
 @dataclass
 class Boundary:
-    """What a rank does before its next action: post ``batches`` (one per peer), then wait for ``wait``."""
+    """What a rank does before its next action: post ``batches`` (one, for all peers), then wait for ``wait``."""
 
     batches: list[tuple[Op, ...]] = field(default_factory=list)
     wait: tuple | None = None  # key of the message the next action takes, if it comes from another rank
