@@ -213,7 +213,7 @@ def rank_main(opts: dict) -> dict:
             if it >= opts["warmup"]:
                 times[name].append(dt)
                 if name in events:
-                    events[name].append(list(runners[name].trainer.executor.events))
+                    events[name].append(list(runners[name].trainer.executor.clock.events()))
 
     prof = None
     if opts["profile"]:

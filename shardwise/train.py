@@ -229,7 +229,7 @@ def _write_timeline(trainer: Trainer, out: str) -> dict | None:
     from .pipeline.simulate import analytic_bubble, measured_bubble, simulate
 
     ex, sched = trainer.executor, trainer.schedule
-    gathered = comm.all_gather_object((ex.events, ex.peak_inflight), trainer.mesh["pp"])
+    gathered = comm.all_gather_object((ex.clock.events(), ex.peak_inflight), trainer.mesh["pp"])
     if trainer.mesh.rank != 0:
         return None
     events = [e for e, _ in gathered]

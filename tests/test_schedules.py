@@ -7,6 +7,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from shardwise.pipeline import cli
 from shardwise.pipeline.schedules import Action, Schedule, StageLayout, build_schedule, stage_of
@@ -250,3 +251,37 @@ def test_draw_without_matplotlib(monkeypatch, tmp_path):
     events = [[{"kind": "F", "microbatch": 0, "chunk": 0, "start": 0.0, "end": 1.0}]]
     with pytest.raises(RuntimeError, match="pip install matplotlib"):
         draw_timeline(events, tmp_path / "x.png", "t")
+
+
+def test_action_clock_resolves_device_events_once():
+    """The CUDA path of the timeline clock, with fake events: no sync until read, times = host0 + GPU elapsed."""
+    from shardwise.pipeline.timing import ActionClock
+
+    class FakeEvent:
+        gpu_ms, syncs = 0.0, []
+
+        def record(self):
+            FakeEvent.gpu_ms += 2.5
+            self.ms = FakeEvent.gpu_ms
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+        def synchronize(self):
+            FakeEvent.syncs.append(self.ms)
+
+    clock = ActionClock(torch.device("cpu"), event_factory=FakeEvent)
+    for mb in range(2):
+        t0 = clock.start()
+        clock.stop({"kind": "F", "microbatch": mb, "chunk": 0}, t0)
+    assert FakeEvent.syncs == []
+    ev = clock.events()
+    assert FakeEvent.syncs == [12.5]  # one sync, on the last event
+    assert [e["microbatch"] for e in ev] == [0, 1]
+    assert [round(e["start"] - clock.host0, 6) for e in ev] == [0.0025, 0.0075]
+    assert [round(e["end"] - e["start"], 6) for e in ev] == [0.0025, 0.0025]
+    host = ActionClock(torch.device("cpu"))
+    t0 = host.start()
+    host.stop({"kind": "B", "microbatch": 0, "chunk": 0}, t0)
+    (e,) = host.events()
+    assert e["kind"] == "B" and e["start"] <= e["end"]

@@ -11,12 +11,11 @@ Communication is point-to-point on the pp axis, non-blocking, and follows the p2
   to the wrong buffer — the silent-corruption mode of batched p2p in interleaved schedules;
 * a stage output's storage is released once its send completed (Megatron's
   deallocate_output_tensor); backward then runs the autograd engine on the output's graph alone.
-Each action's start and end are recorded for the timeline; the number of microbatch-chunks whose
-activations are held (F done, B not yet) is tracked for the memory report.
+Each action's start and end are recorded for the timeline (`timing.ActionClock`: CUDA events on
+the GPU); the number of microbatch-chunks whose activations are held (F done, B not yet) is
+tracked for the memory report.
 """
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -24,6 +23,7 @@ from .. import comm
 from .grad_store import WeightGradStore
 from .p2p_program import build_programs, message_in, message_out
 from .schedules import Schedule
+from .timing import ActionClock
 
 _ENGINE = torch.autograd.Variable._execution_engine
 
@@ -66,7 +66,7 @@ class PipelineExecutor:
         agreed = comm.all_gather_object((self.act_shape, str(act_dtype)), self.pp)
         if any(a != agreed[0] for a in agreed):
             raise RuntimeError(f"pipeline ranks disagree on the activation shape/dtype: {agreed}")
-        self.events: list[dict] = []
+        self.clock = ActionClock(mesh.device)
         self.peak_inflight = 0
 
     # ------------------------------------------------------------ messages
@@ -141,7 +141,7 @@ class PipelineExecutor:
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], n_tokens: int) -> torch.Tensor:
         """Run this rank's actions for one step; returns the sum of its last-stage losses (0 elsewhere)."""
         self._begin()
-        self.events = []
+        self.clock.begin_step()
         last = self.schedule.num_stages - 1
         state: dict[tuple[int, int], tuple] = {}
         loss_sum = torch.zeros(1, device=self.mesh.device)
@@ -154,7 +154,7 @@ class PipelineExecutor:
             # Timing starts once the input has arrived: waiting on a peer is bubble, not work.
             if a.kind == "F":
                 x = inputs[mb] if src_in is None else self._take(src_in, received).requires_grad_()
-                t0 = time.time()
+                t0 = self.clock.start()
                 with self.autocast():
                     out = chunk(x)
                 if stage == last:
@@ -168,7 +168,7 @@ class PipelineExecutor:
             elif a.kind == "B":
                 x, out = state.pop((mb, a.chunk))
                 grad = torch.ones_like(out) if src_in is None else self._take(src_in, received)
-                t0 = time.time()
+                t0 = self.clock.start()
                 if self.store is not None:
                     self.store.capturing, self.store.key = True, (mb, a.chunk)
                 try:
@@ -180,9 +180,9 @@ class PipelineExecutor:
                     self._send(*dst_out, x.grad)
                 inflight -= 1
             else:
-                t0 = time.time()
+                t0 = self.clock.start()
                 self.store.run((mb, a.chunk))
-            self.events.append({"kind": a.kind, "microbatch": mb, "chunk": a.chunk, "start": t0, "end": time.time()})
+            self.clock.stop({"kind": a.kind, "microbatch": mb, "chunk": a.chunk}, t0)
             self._reap()
         self._boundary(len(self.schedule.actions[self.rank]))
         self._reap(wait=True)
