@@ -76,6 +76,7 @@ def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype:
     if compile_ and any(f.name == "compile" for f in dataclasses.fields(TrainConfig)):
         cfg.compile = True
     cfg.resolve_world()
+    planned = planner_memory(cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     s = train_main(cfg, device)
@@ -85,19 +86,30 @@ def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype:
     flops_per_token = 6 * (n_params + m.dim * m.vocab_size) + 6 * m.n_layers * m.dim * seq_len  # causal attention
     tflops = s["tokens_per_s"] * flops_per_token / 1e12
     out = {"model": m.name, "dtype": dtype, "tokens_per_s": s["tokens_per_s"], "model_tflops": tflops,
-           "first_loss": s["first_loss"], "final_loss": s["final_loss"]}
+           "first_loss": s["first_loss"], "final_loss": s["final_loss"]} | planned
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device).lower()
         preset = next((p for key, p in (("h200", "h200"), ("h100", "h100-80gb"), ("a100", "a100-80gb")) if key in name),
                       None)
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["peak_vs_planner"] = out["peak_memory_gib"] / planned["planner_peak_gib"]
         if preset:
             out["mfu"] = tflops * 1e12 / get_gpu(preset).peak_bf16_flops
     return out
 
 
+def planner_memory(cfg: TrainConfig) -> dict:
+    """The planner's per-GPU peak for exactly this run (static state + saved activations of one step)."""
+    from shardwise.planner.estimate import memory_by_stage
+    from shardwise.planner.layout import from_train_config
+
+    (stage,) = memory_by_stage(*from_train_config(cfg))
+    return {"planner_peak_gib": stage["total"] / 2**30, "planner_activation_gib": stage["activation"] / 2**30}
+
+
 def verify_layouts(layouts: list[dict]) -> list[dict]:
-    """tp2/pp2/cp2 verify on forked gloo CPU ranks (NCCL cannot share one GPU between ranks)."""
+    """tp2/pp2/cp2 verify on forked gloo CPU ranks: NCCL refuses two ranks on one GPU, and gloo has no
+    CUDA alltoall / reduce-scatter, so on a one-GPU machine this checks the installed torch on its CPUs."""
     from shardwise.config import ParallelConfig
     from shardwise.launch import run_local
     from shardwise.verify import verify_main
@@ -123,8 +135,7 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
     res: dict = {"device": "cpu" if args.dry_run else torch.cuda.get_device_name(device), "dry_run": args.dry_run}
-    if args.dry_run:
-        res["verify"] = verify_layouts([{"tp": 2}, {"pp": 2}, {"cp": 2}])  # fork before anything else runs
+    res["verify"] = verify_layouts([{"tp": 2}, {"pp": 2}, {"cp": 2}])  # fork before any CUDA work
     dtypes = [torch.float32] if args.dry_run else [torch.bfloat16, torch.float32]
     s, d = (64, 16) if args.dry_run else (4096, 128)
     res["ring_blocks_vs_sdpa"] = {str(dt).split(".")[-1]: ring_blocks_vs_sdpa(device, dt, s, d) for dt in dtypes}
@@ -136,8 +147,6 @@ def main(argv=None) -> int:
     res["train"] = [train_once(m, device, steps, sl, mb, dt, compile_=not args.dry_run) for m, sl, mb, dt in runs]
     if args.dry_run:
         res["bf16_vs_fp32_first_loss_diff"] = abs(res["train"][1]["first_loss"] - res["train"][0]["first_loss"])
-    else:
-        res["verify"] = "not run on the GPU: NCCL cannot share one GPU; run --dry-run for the gloo CPU verify"
     print(json.dumps(res))
     return 0
 
