@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .comm import Ledger
 from .config import TrainConfig
 from .context_parallel.sharding import shard_sequence
@@ -254,6 +255,15 @@ def newest_run_with_checkpoints(root: str = "runs") -> str | None:
     return os.path.join(root, runs[-1]) if runs else None
 
 
+def _activation_summary(cfg: TrainConfig, measured: int) -> dict:
+    """Saved-activation peak of the first step (max over ranks) beside the planner's figure for this run
+    (None where the planner does not model the run: --recompute-layers)."""
+    pred = predicted_activation_bytes(cfg) if cfg.parallel.recompute_layers is None else None
+    return {"activation_bytes_measured": measured,
+            "activation_bytes_predicted": None if pred is None else pred["held"],
+            "activation_recompute_transient_bytes_predicted": None if pred is None else pred["recompute_transient"]}
+
+
 def default_out_dir() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
@@ -291,11 +301,15 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc=f"train {mesh.describe()}", dynamic_ncols=True)
-    records = []
+    records, act_peak = [], 0
     metrics = RunLog(out, start) if rank0 else None
     try:
         for step in range(start, cfg.steps):
-            rec = trainer.train_step(step)
+            meter = SavedActivationMeter(trainer.model.parameters()) if step == start else None
+            with meter or contextlib.nullcontext():  # activation memory of the first step only: hooks cost time
+                rec = trainer.train_step(step)
+            if meter is not None:
+                act_peak = meter.peak
             records.append(rec)
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
                 from .checkpoint import save_checkpoint
@@ -316,6 +330,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     comm_dir = os.path.join(out, "comm")
     if rank0:
         os.makedirs(comm_dir, exist_ok=True)
+    act_peak = max(comm.all_gather_object(act_peak, mesh["ckpt"]))
     comm.barrier(mesh["world"])
     with open(os.path.join(comm_dir, f"rank{mesh.rank}.json"), "w") as f:
         f.write(mesh.ledger.to_json(mesh.rank, layout))
@@ -335,7 +350,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         "comm_bytes_per_step": {a: sum(v["bytes"] for v in ops.values())
                                 for a, ops in (mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else {}).items()},
         "out": out, "mesh_build_s": mesh.build_s,
-    }
+    } | _activation_summary(cfg, act_peak)
     if pipeline is not None:
         summary["pipeline"] = pipeline
     if cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "ring":

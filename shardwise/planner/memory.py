@@ -143,9 +143,12 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     and the shared experts' SwiGLU tensors. Residual dropout adds its mask (activation dtype; under SP
     the n_r·h slice a rank keeps is a view of the full n·h mask every rank draws).
 
-    shardwise has no recompute; the other modes are modelled as Megatron's: "selective" recomputes the
-    attention core (dropping the LSE and, with attention dropout, the s×s tensors — a flash kernel never
-    stores scores, so it saves little), "full" keeps each layer's fp32 input only.
+    Recompute (shardwise.recompute): "selective" checkpoints the attention core — with SDPA it drops the
+    LSE and, with attention dropout, the s×s tensors (a flash kernel never stores scores, so it saves
+    little); under cp (ring or Ulysses) checkpoint keeps only the core's inputs q, k, v, so the kernel's
+    own copies, output, LSE and permutations go. "full" keeps each layer's input only (the residual's
+    dtype; under SP its 1/tp shard); the layer being recomputed is `recompute_transient_bytes`.
+    Measured against real runs by tests/test_activation_memory.py.
     """
     recompute = recompute or lay.recompute
     e, t, h, c = wl.act_bytes, lay.tp, spec.dim, lay.cp
@@ -162,7 +165,9 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     attn = _norm_saved(n_r, h) + _region_input(n, h, 3, e, r) + mask
     if spec.is_mla:  # compressed latents and their norms (replicated over tp, like the down-projections)
         attn += 2 * e * n * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_dim)
-    if c > 1 and lay.cp_impl == "ulysses":
+    if c > 1 and recompute == "selective":  # checkpoint keeps the core's inputs q, k, v; wo keeps its input
+        attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv)
+    elif c > 1 and lay.cp_impl == "ulysses":
         rep = c // hkv if hkv % c else 1
         attn += e * n * (hq * dk + rep * hkv * (dk + dv) + 2 * hq * dv) + lse
         attn += 2 * 8 * wl.seq_len  # gather / scatter permutations of the balanced order
@@ -285,8 +290,14 @@ def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
     microbatch in flight, the head's for one, and under full recompute one layer's full activations."""
     mb = microbatch_activation_bytes(spec, stage, lay, wl, model)
     held = (mb["total"] - mb["head"]) * in_flight(lay, stage.index) + mb["head"]
-    if lay.recompute == "full" and stage.n_layers:
-        # The layer being recomputed materialises its full activations once more.
-        kinds = [moe for moe, n in ((False, stage.n_dense), (True, stage.n_moe)) if n]
-        held += max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
-    return held
+    return held + recompute_transient_bytes(spec, stage, lay, wl, model)
+
+
+def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
+                              model: str = "shardwise") -> float:
+    """Under full recompute, the layer being recomputed materialises its full activations once more
+    (during its backward only: checkpoint holds them in its own frame, not as saved tensors)."""
+    if lay.recompute != "full" or not stage.n_layers:
+        return 0.0
+    kinds = [moe for moe, n in ((False, stage.n_dense), (True, stage.n_moe)) if n]
+    return max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)

@@ -1,0 +1,78 @@
+"""Measured activation memory: the peak bytes autograd holds in saved tensors during a step.
+
+The planner's activation figure is a claim about exactly these tensors, so the trainer measures them
+the same way the planner counts them: every tensor saved for backward (seen by a saved-tensor pack
+hook), counted once per storage at the storage's full size, parameters (and the ZeRO flat buffers
+they are views of) excluded, and released when autograd drops it (the graph frees a node's saved
+tensors after its backward). Under activation recompute the hook sees what checkpoint keeps (each
+recomputed region's inputs); the tensors a recomputation rebuilds during backward live in
+checkpoint's own frame, outside any hook — the planner reports that one-layer transient separately.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class _Held:
+    """A saved tensor on loan to autograd; its storage stops counting when autograd lets go of it."""
+
+    __slots__ = ("meter", "key", "tensor")
+
+    def __init__(self, meter: "SavedActivationMeter", key: int, tensor: torch.Tensor):
+        self.meter, self.key, self.tensor = meter, key, tensor
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class SavedActivationMeter:
+    """Context manager: `peak` = max over time of the bytes of distinct saved storages alive."""
+
+    def __init__(self, params):
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, list[int]] = {}  # storage data_ptr -> [saved tensors holding it, nbytes]
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor):
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        if key in self.skip or not s.nbytes():
+            return t
+        ref = self.refs.setdefault(key, [0, s.nbytes()])
+        if ref[0] == 0:
+            self.live += ref[1]
+            self.peak = max(self.peak, self.live)
+        ref[0] += 1
+        return _Held(self, key, t)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    def _release(self, key: int) -> None:
+        ref = self.refs[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.live -= ref[1]
+            del self.refs[key]
+
+
+def predicted_activation_bytes(cfg) -> dict:
+    """The planner's figures for exactly this run (after `resolve_world`), max over pipeline stages:
+    `held` (what the meter sees) and `recompute_transient` (one layer rebuilt during backward)."""
+    from .planner.estimate import memory_by_stage
+    from .planner.layout import from_train_config
+    from .planner.memory import recompute_transient_bytes
+
+    spec, lay, wl = from_train_config(cfg)
+    stages = memory_by_stage(spec, lay, wl)
+    transient = [recompute_transient_bytes(spec, s["stage"], lay, wl) for s in stages]
+    return {"held": max(s["activation"] - t for s, t in zip(stages, transient)), "recompute_transient": max(transient)}
