@@ -113,6 +113,17 @@ def tp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
         if stage.head:
             led.add("tp", "all_gather", n // t * h * r, t)
             led.add("tp", "reduce_scatter", n * h * r, t)
+    if lay.recompute == "full":
+        # The recomputed forward repeats every region entry, and every exit but the block's last: torch's
+        # checkpoint stops recomputing once the last saved tensor is rebuilt, and nothing after the
+        # MLP's exit is saved — unless residual dropout saves its mask there (an MoE block's last TP
+        # collective is its attention exit).
+        exits = regions if spec.dropout > 0 else stage.n_dense + stage.n_moe
+        if lay.sp:
+            led.add("tp", "all_gather", n // t * h * r, t, regions)
+            led.add("tp", "reduce_scatter", n * h * e, t, exits)
+        else:
+            led.add("tp", "all_reduce", n * h * e, t, exits)
     if stage.head:
         led.add("tp", "all_reduce", n * 4, t)  # CE: MAX of the logits
         led.add("tp", "all_reduce", n * 2 * 4, t)  # CE: SUM of exp-sums and target logits
@@ -217,8 +228,8 @@ def pp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout) ->
 def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
     """Ring attention, per layer: forward passes cp−1 K and cp−1 V blocks on; backward passes the K/V
     blocks round again plus cp−1 dK and cp−1 dV accumulators (e bytes each, this rank's tp shard of the
-    K/V heads). Full recompute re-runs the forward ring. Ring backward recomputes the scores block by
-    block anyway, so selective recompute adds no traffic. Ulysses: see `ulysses_microbatch`.
+    K/V heads). Selective and full recompute re-run the forward ring (the ring is the attention core).
+    Ulysses: see `ulysses_microbatch`.
     """
     c = lay.cp
     if c < 2 or not stage.n_layers:
@@ -228,7 +239,7 @@ def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
         return
     blocks = _tokens(lay, wl) * local_kv_heads(spec, lay.tp) * wl.act_bytes
     k_blk, v_blk = blocks * spec.k_dim, blocks * spec.v_dim
-    rings = 3 + (1 if lay.recompute == "full" else 0)  # fwd K/V, bwd K/V, bwd dK/dV (+ recomputed fwd)
+    rings = 3 + (lay.recompute != "none")  # fwd K/V, bwd K/V, bwd dK/dV (+ recomputed fwd)
     n = rings * (c - 1) * stage.n_layers
     led.add("cp", "send", k_blk, c, n)
     led.add("cp", "send", v_blk, c, n)
@@ -239,18 +250,19 @@ def ulysses_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layo
     """DeepSpeed-Ulysses, per layer: forward one equal-split all-to-all each for q, k, v (sequence → head
     shards) and the output (back), backward the same four on their grads (each the input tensor, e bytes:
     b·heads·s/cp·d on this tp rank; K/V heads replicated cp/hkv times when hkv < cp). Full recompute
-    repeats the forward four.
+    repeats the forward four; selective only q, k and v's (checkpoint stops recomputing the core once
+    its last saved tensor is rebuilt, before the output's all-to-all).
     """
     c, t = lay.cp, lay.tp
     n, e = _tokens(lay, wl), wl.act_bytes
     hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
     rep = c // hkv if hkv % c else 1
-    per_pass = 1 + (1 if lay.recompute == "full" else 0)
+    qkv = 2 + (lay.recompute != "none")  # fwd, bwd (+ recomputed fwd)
     L = stage.n_layers
-    led.add("cp", "all_to_all", n * hq * spec.k_dim * e, c, (1 + per_pass) * L)  # q, dq
-    led.add("cp", "all_to_all", n * hkv * rep * spec.k_dim * e, c, (1 + per_pass) * L)  # k, dk
-    led.add("cp", "all_to_all", n * hkv * rep * spec.v_dim * e, c, (1 + per_pass) * L)  # v, dv
-    led.add("cp", "all_to_all", n * hq * spec.v_dim * e, c, (1 + per_pass) * L)  # out, d_out
+    led.add("cp", "all_to_all", n * hq * spec.k_dim * e, c, qkv * L)  # q, dq
+    led.add("cp", "all_to_all", n * hkv * rep * spec.k_dim * e, c, qkv * L)  # k, dk
+    led.add("cp", "all_to_all", n * hkv * rep * spec.v_dim * e, c, qkv * L)  # v, dv
+    led.add("cp", "all_to_all", n * hq * spec.v_dim * e, c, (2 + (lay.recompute == "full")) * L)  # out, d_out
 
 
 def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
@@ -266,16 +278,17 @@ def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     if not stage.n_moe:
         return
     tokens = _tokens(lay, wl) // (lay.tp if lay.sp else 1)
+    fwd = 1 + (lay.recompute == "full")  # full recompute repeats the block's forward, router statistics included
     if spec.aux_loss:
         for axis, group in (("dp_cp", lay.dp * lay.cp), ("tp", lay.tp if lay.sp else 1)):
-            led.add(axis, "all_reduce:aux_loss", (spec.n_experts + 1) * 4, group, stage.n_moe)
+            led.add(axis, "all_reduce:aux_loss", (spec.n_experts + 1) * 4, group, fwd * stage.n_moe)
     if lay.ep < 2:
         return
     rows = spec.topk * tokens * spec.dim
     L = stage.n_moe
-    led.add("ep", "all_to_all:counts", spec.n_experts * 8, lay.ep, L)
-    led.add("ep", "all_to_all:dispatch", rows * wl.resid_bytes, lay.ep, L)
-    led.add("ep", "all_to_all:combine", rows * wl.act_bytes, lay.ep, L)
+    led.add("ep", "all_to_all:counts", spec.n_experts * 8, lay.ep, fwd * L)
+    led.add("ep", "all_to_all:dispatch", rows * wl.resid_bytes, lay.ep, fwd * L)
+    led.add("ep", "all_to_all:combine", rows * wl.act_bytes, lay.ep, fwd * L)
     led.add("ep", "all_to_all:combine_grad", rows * wl.act_bytes, lay.ep, L)
     led.add("ep", "all_to_all:dispatch_grad", rows * wl.resid_bytes, lay.ep, L)
 

@@ -148,7 +148,7 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     little); under cp (ring or Ulysses) checkpoint keeps only the core's inputs q, k, v, so the kernel's
     own copies, output, LSE and permutations go. "full" keeps each layer's input only (the residual's
     dtype; under SP its 1/tp shard); the layer being recomputed is `recompute_transient_bytes`.
-    Measured against real runs by tests/test_activation_memory.py.
+    Measured against real runs by tests/test_recompute_planner.py.
     """
     recompute = recompute or lay.recompute
     e, t, h, c = wl.act_bytes, lay.tp, spec.dim, lay.cp
