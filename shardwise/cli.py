@@ -80,6 +80,9 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--max-bad-steps", type=int, default=5, help="abort once more steps than this were skipped")
     p.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing in [0, 1)")
     p.add_argument("--no-report", action="store_true", help="train: do not render the report PNGs at the end")
+    p.add_argument("--attention-mask", default="causal",
+                   help="causal, or document: attend only within each document of a packed window (EOS-delimited)")
+    p.add_argument("--reset-positions", action="store_true", help="restart RoPE positions at each document start")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +141,8 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, keep=args.keep,
                       resume=args.resume, fp32_residual=args.fp32_residual,
                       grad_reduce_dtype=args.grad_reduce_dtype, label_smoothing=args.label_smoothing,
-                      report=not args.no_report,
+                      report=not args.no_report, attention_mask=args.attention_mask,
+                      reset_positions=args.reset_positions,
                       model_overrides={k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None})
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps

@@ -253,6 +253,12 @@ class TrainConfig:
     """Cross-entropy label smoothing ε in [0, 1): the target is (1-ε)·one-hot + ε/V."""
     report: bool = True
     """Render the report PNGs (loss, tokens/s, comm per axis, timeline) into the run directory at the end."""
+    attention_mask: str = "causal"
+    """'causal', or 'document': a token attends only within its own document of the packed window."""
+    reset_positions: bool = False
+    """Restart RoPE positions at 0 at each document start (documents begin right after an EOS)."""
+    eos_id: int | None = None
+    """End-of-document id that delimits documents for the two knobs above; None = the byte tokenizer's (256)."""
 
     def residual_dtype(self) -> str:
         """'bf16' when the residual stream runs in bf16, else 'fp32'."""
@@ -385,6 +391,10 @@ class TrainConfig:
             raise ConfigError(f"--collective-timeout {self.timeout_s} must be positive (seconds)")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"--label-smoothing {self.label_smoothing} must be in [0, 1), e.g. 0.1")
+        if self.attention_mask not in ("causal", "document"):
+            raise ConfigError(f"--attention-mask {self.attention_mask!r} is unknown; valid: causal, document")
+        if self.eos_id is not None and (not isinstance(self.eos_id, int) or not 0 <= self.eos_id < m.vocab_size):
+            raise ConfigError(f"eos id {self.eos_id!r} must be a token id in [0, {m.vocab_size})")
 
     def _validate_experts(self, m: ModelConfig) -> None:
         p = self.parallel

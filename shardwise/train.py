@@ -21,10 +21,11 @@ from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .comm import Ledger
 from .config import TrainConfig
 from .context_parallel.sharding import shard_sequence
-from .data import Loader, load_tokens
+from .data import EOS, Loader, load_tokens
 from .data_parallel import GradReducer
 from .expert_parallel.moe import MoE
 from .mesh import Mesh, ParallelDims
+from .models.documents import document_ids, document_positions
 from .parallelize import build_model
 from .report import RunLog
 
@@ -59,6 +60,7 @@ class Trainer:
         tokens = load_tokens(cfg.data) if tokens is None else tokens
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
         self.loader = Loader(tokens, cfg.seq_len, self.global_batch, cfg.seed)
+        self.eos_id = EOS if cfg.eos_id is None else cfg.eos_id
         self.moe = [m for m in self.model.modules() if isinstance(m, MoE)]
         for m in self.moe:  # every global microbatch's aux loss weighs tokens(microbatch) / tokens(step)
             m.aux_scale = 1.0 / cfg.grad_accum
@@ -92,6 +94,7 @@ class Trainer:
         if self.group_dp > 1:
             g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
             x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
+        side = self._document_inputs(x)  # from the global sequences, before any cp cut
         cp = self.mesh["cp"]
         if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
             x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
@@ -99,12 +102,12 @@ class Trainer:
         xs = [t.to(self.mesh.device) for t in x.split(self.cfg.micro_batch)]
         ys = [t.to(self.mesh.device) for t in y.split(self.cfg.micro_batch)]
         if self.executor is not None:
-            loss_sum = self.executor.run(xs, ys, n_tokens)
+            loss_sum = self.executor.run(xs, ys, n_tokens, side)
         else:
             loss_sum = torch.zeros(1, device=self.mesh.device)
-            for xm, ym in zip(xs, ys):
+            for mb, (xm, ym) in enumerate(zip(xs, ys)):
                 with self._autocast():
-                    logits = self.model(xm)
+                    logits = self.model(xm, **(side[mb] if side else {}))
                 loss = self.model.loss_fn(logits, ym, IGNORE_INDEX, self.cfg.label_smoothing).sum() / n_tokens
                 loss.backward()
                 loss_sum += loss.detach()
@@ -116,6 +119,21 @@ class Trainer:
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
         return float(loss_sum)
+
+    def _document_inputs(self, x: torch.Tensor) -> list[dict] | None:
+        """Per microbatch, the model's side inputs for --attention-mask document / --reset-positions:
+        document ids and positions of the *global* (uncut) sequences; every cp rank takes its share."""
+        if self.cfg.attention_mask == "causal" and not self.cfg.reset_positions:
+            return None
+        doc = document_ids(x, self.eos_id).to(self.mesh.device)
+        side = [{} for _ in range(-(-x.shape[0] // self.cfg.micro_batch))]
+        if self.cfg.attention_mask == "document":
+            for s, d in zip(side, doc.split(self.cfg.micro_batch)):
+                s["doc_ids"] = d
+        if self.cfg.reset_positions:
+            for s, pos in zip(side, document_positions(doc).split(self.cfg.micro_batch)):
+                s["positions"] = pos
+        return side
 
     def finish_gradients(self) -> float:
         return self.reducer.reduce_and_clip(self.cfg.grad_clip)

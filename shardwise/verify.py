@@ -39,13 +39,13 @@ def check_verifiable(cfg: TrainConfig) -> None:
                           "or SP: expert capacity is per rank's tokens, so drops depend on the layout")
 
 
-def _reference(cfg: TrainConfig, device) -> Trainer:
+def _reference(cfg: TrainConfig, device, tokens=None) -> Trainer:
     """The single-device run. Its microbatch i is every dp rank's microbatch i together, so losses
     defined per global microbatch (the MoE aux loss) see the same tokens."""
     dp = cfg.parallel.dp
     ref_cfg = dataclasses.replace(cfg, parallel=ParallelConfig(), global_batch=cfg.global_batch or
                                   cfg.micro_batch * dp, micro_batch=cfg.micro_batch * dp)
-    ref = Trainer(ref_cfg, Mesh.single(device, Ledger(enabled=False)))
+    ref = Trainer(ref_cfg, Mesh.single(device, Ledger(enabled=False)), tokens)
     ref.group_dp = dp
     return ref
 
@@ -62,12 +62,13 @@ def _rel_diffs(pairs, names, world) -> float:
     return float(rel.max())
 
 
-def verify_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
+def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: torch.Tensor | None = None) -> dict:
+    """`tokens`: a token stream to train on instead of cfg.data (tests build documents of known lengths)."""
     device = device or torch.device("cpu")
     check_verifiable(cfg)
     mesh = make_mesh(cfg, device)
-    trainer = Trainer(cfg, mesh)
-    ref = _reference(cfg, device)
+    trainer = Trainer(cfg, mesh, tokens)
+    ref = _reference(cfg, device, tokens)
     ref_params = dict(ref.model.named_parameters())
     names = sorted(ref_params)
     world = mesh["world"]

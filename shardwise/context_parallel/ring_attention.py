@@ -23,6 +23,13 @@ Causal masking comes from the layout (`sharding.chunk_ids`): a rank's own block 
 whole (local positions increase), every other block pair is either fully visible or skipped, chunk
 by chunk, so the kernel only ever needs `is_causal` on a square block — never an explicit mask.
 
+Document masking (`doc_ids`, the window's global document ids, which every rank has): each block
+pair the causal plan keeps gets its own mask (same document, and causal by global position); a
+pair in which no query sees a key of its own document is skipped like a causally masked one, a
+pair inside one document keeps the plain path, and the rest pass an explicit mask. The decisions
+come from per-row document ranges (documents are contiguous, so two token sets share one iff the
+ranges touch) in one host sync per call; masks are rebuilt in backward rather than kept.
+
 Attention primitive (`block_forward` / `block_backward`): the fused LSE kernel `kernels.choose_kernel`
 picks (flash on CPU, flash or memory-efficient on CUDA), else fp32 math with an explicit causal
 triangle per block (warned once).
@@ -34,41 +41,48 @@ import math
 import torch
 
 from .. import comm
+from ..models.documents import document_mask
 from . import kernels
 from .kernels import _expand, _fold
-from .sharding import chunk_ids, check_seq_len
+from .sharding import chunk_ids, check_seq_len, positions, shard_sequence
 
 
 # ---------------------------------------------------------------- block primitive
 
 
-def _math_scores(q, k, causal, scale):
+def _math_scores(q, k, causal, scale, mask=None):
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
     return s
 
 
-def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto"):
-    """Attention of one block pair → (out in q's dtype, lse fp32 [b, hq, s_q]). Causal needs s_q == s_k."""
-    kernel = kernels.pick(q, backend)
+def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto", mask=None):
+    """Attention of one block pair → (out in q's dtype, lse fp32 [b, hq, s_q]). Causal needs s_q == s_k.
+
+    `mask` boolean [b, 1, s_q, s_k] (True = attend): rows that see nothing give out 0, LSE −inf.
+    """
+    kernel = kernels.pick(q, backend, mask is not None)
     if kernel != "math":
-        return kernels.fused_forward(kernel, q, k, v, causal, scale)
+        return kernels.fused_forward(kernel, q, k, v, causal, scale, mask)
     g = q.shape[1] // k.shape[1]
-    s = _math_scores(q, _expand(k, g), causal, scale)
+    s = _math_scores(q, _expand(k, g), causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _expand(v, g).float())
+    safe = torch.where(lse.isneginf(), 0.0, lse)  # rows with no visible key: exp(−inf − 0) = 0, not NaN
+    out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), _expand(v, g).float())
     return out.to(q.dtype), lse
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str = "auto"):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str = "auto", mask=None):
     """(dq, dk, dv) of one block pair, given the *global* out and LSE of these query rows."""
-    kernel = kernels.pick(q, backend)
+    kernel = kernels.pick(q, backend, mask is not None)
     if kernel != "math":
-        return kernels.fused_backward(kernel, dout, q, k, v, out, lse, causal, scale)
+        return kernels.fused_backward(kernel, dout, q, k, v, out, lse, causal, scale, mask)
     g = q.shape[1] // k.shape[1]
     ke, ve = _expand(k, g).float(), _expand(v, g).float()
-    p = torch.exp(_math_scores(q, ke, causal, scale) - lse.unsqueeze(-1))
+    p = torch.exp(_math_scores(q, ke, causal, scale, mask) - lse.unsqueeze(-1))
     do = dout.float()
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, ve.transpose(-1, -2))
@@ -106,15 +120,66 @@ def block_plan(q_rank: int, kv_rank: int, cp_size: int, order: str, causal: bool
     return [(_span(qi, length), _span(list(seen), length), False) for seen, qi in groups.items()]
 
 
+def document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local: int,
+                  doc_ids: torch.Tensor | None) -> list[list[tuple]]:
+    """For every ring step, the block pairs to compute: (q slice, kv slice, is_causal, mask or None).
+
+    Without `doc_ids` this is `block_plan` with no masks. With them ([b, s] global document ids,
+    non-decreasing along the window), a pair is skipped when no query row shares a document with
+    the keys, runs unmasked when every row of both sides lies in one document, else gets
+    `document_mask` (same document, key position ≤ query position). One host sync per call.
+    """
+    plans = [block_plan(q_rank, (q_rank - step) % cp_size, cp_size, order, causal, s_local)
+             for step in range(cp_size)]
+    if doc_ids is None:
+        return [[(qs, ks, c, None) for qs, ks, c in plan] for plan in plans]
+    seq_len = s_local * cp_size
+    q_doc = shard_sequence(doc_ids, q_rank, cp_size, order)
+    q_pos = positions(seq_len, q_rank, cp_size, order, doc_ids.device)
+    kv = [(shard_sequence(doc_ids, (q_rank - step) % cp_size, cp_size, order),
+           positions(seq_len, (q_rank - step) % cp_size, cp_size, order, doc_ids.device)) for step in range(cp_size)]
+    flags = []  # per pair: (some query sees a key, one document on both sides), for every batch row
+    for step, plan in enumerate(plans):
+        for qs, ks, _ in plan:
+            qd, kd = q_doc[:, qs], kv[step][0][:, ks]
+            q_lo, q_hi, k_lo, k_hi = qd.amin(1), qd.amax(1), kd.amin(1), kd.amax(1)
+            # Ids never decrease along the window, so with every key before every query (the causal
+            # pairs of other ranks) the sets share a document iff the ranges touch; the own block
+            # always overlaps; elsewhere (non-causal) overlapping ranges may still share nothing,
+            # which the mask then handles.
+            visible = ((k_hi >= q_lo) & (q_hi >= k_lo)).any()
+            flags.append(torch.stack([visible, ((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all()]))
+    flags = torch.stack(flags).tolist() if flags else []  # the one host sync
+    out, i = [], 0
+    for step, plan in enumerate(plans):
+        pairs = []
+        for qs, ks, is_causal in plan:
+            visible, uniform = flags[i]
+            i += 1
+            if not visible:
+                continue
+            if uniform:
+                pairs.append((qs, ks, is_causal, None))
+            else:
+                mask = document_mask(q_doc[:, qs], kv[step][0][:, ks], q_pos[qs], kv[step][1][ks], causal)
+                pairs.append((qs, ks, False, mask))
+        out.append(pairs)
+    return out
+
+
 def _rows(t: torch.Tensor, sl: slice) -> torch.Tensor:
     return t[:, :, sl]
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, sl: slice, o_blk: torch.Tensor, l_blk: torch.Tensor) -> None:
-    """Online-softmax merge of one block's (out, lse) into the fp32 accumulators' rows `sl`, in place."""
+    """Online-softmax merge of one block's (out, lse) into the fp32 accumulators' rows `sl`, in place.
+
+    A row with LSE −inf on both sides (no key seen yet, none in this block) stays (0, −inf).
+    """
     o_acc, l_acc = _rows(out, sl), _rows(lse, sl)
     new = torch.logaddexp(l_acc, l_blk)
-    o_acc.mul_(torch.exp(l_acc - new).unsqueeze(-1)).add_(o_blk.float() * torch.exp(l_blk - new).unsqueeze(-1))
+    safe = torch.where(new.isneginf(), 0.0, new).unsqueeze(-1)
+    o_acc.mul_(torch.exp(l_acc.unsqueeze(-1) - safe)).add_(o_blk.float() * torch.exp(l_blk.unsqueeze(-1) - safe))
     l_acc.copy_(new)
 
 
@@ -135,8 +200,9 @@ class _RingAttention(torch.autograd.Function):
     backward: K/V ring again with dK/dV accumulators one step behind, block recompute."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis, causal, order, scale, backend):
+    def forward(ctx, q, k, v, axis, causal, order, scale, backend, doc_ids):
         c, r, s_local = axis.size, axis.rank, q.shape[2]
+        plans = document_plan(r, c, order, causal, s_local, doc_ids)
         k, v = k.contiguous(), v.contiguous()  # p2p needs contiguous buffers
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -146,15 +212,16 @@ class _RingAttention(torch.autograd.Function):
             if step < c - 1:  # post the next transfer first: it overlaps this step's compute
                 nxt = (torch.empty_like(k), torch.empty_like(v))
                 works = _pass_on(cur, nxt, axis)
-            for qs, ks, is_causal in block_plan(r, (r - step) % c, c, order, causal, s_local):
+            for qs, ks, is_causal, mask in plans[step]:
                 o_blk, l_blk = block_forward(_rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks),
-                                             is_causal, scale, backend)
+                                             is_causal, scale, backend, mask)
                 _merge(out, lse, qs, o_blk, l_blk)
             _wait(works)
             cur = nxt if nxt is not None else cur
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.axis, ctx.causal, ctx.order, ctx.scale, ctx.backend = axis, causal, order, scale, backend
+        ctx.doc_ids = doc_ids  # masks are rebuilt in backward: b·s_local·s bytes are not worth keeping
         return out
 
     @staticmethod
@@ -162,6 +229,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         axis, c, r, s_local = ctx.axis, ctx.axis.size, ctx.axis.rank, q.shape[2]
         dout = dout.contiguous()
+        plans = document_plan(r, c, ctx.order, ctx.causal, s_local, ctx.doc_ids)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         own = None  # this rank's share of its own dK/dV (step 0), added when the accumulator returns
         acc_works, acc_in, acc_out = [], None, None  # acc_out stays referenced until its send completes
@@ -173,10 +241,11 @@ class _RingAttention(torch.autograd.Function):
                 kv_works = _pass_on(cur, nxt, axis)
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            for qs, ks, is_causal in block_plan(r, (r - step) % c, c, ctx.order, ctx.causal, s_local):
+            for qs, ks, is_causal, mask in plans[step]:
                 g_q, g_k, g_v = block_backward(
                     _rows(dout, qs).contiguous(), _rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks),
-                    _rows(out, qs).contiguous(), _rows(lse, qs).contiguous(), is_causal, ctx.scale, ctx.backend)
+                    _rows(out, qs).contiguous(), _rows(lse, qs).contiguous(), is_causal, ctx.scale, ctx.backend,
+                    mask)
                 _rows(dq, qs).add_(g_q)
                 _rows(dk, ks).add_(g_k)
                 _rows(dv, ks).add_(g_v)
@@ -196,15 +265,17 @@ class _RingAttention(torch.autograd.Function):
         if acc_in is not None:  # after c − 1 hops the accumulator of this rank's own K/V is back
             dk.add_(acc_in[0])
             dv.add_(acc_in[1])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, causal: bool = True,
-                   order: str = "balanced", scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                   order: str = "balanced", scale: float | None = None, backend: str = "auto",
+                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over the whole sequence for this rank's queries; out [b, hq, s_local, d].
 
     q/k/v are this rank's shard in `order` (see `sharding.shard_sequence(..., dim=2)`); `axis` is the
     cp axis. backend "auto" uses a fused kernel where one applies, "math" forces the fallback.
+    `doc_ids` [b, s] (global, unsharded): document masking (see the module docstring).
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"ring_attention: expected q [b, hq, s, d] and k, v [b, hkv, s, d], got "
@@ -213,4 +284,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, caus
         raise ValueError(f"ring_attention: hq={q.shape[1]} query heads is not a multiple of hkv={k.shape[1]}")
     check_seq_len(q.shape[2] * axis.size, axis.size, order)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, axis, causal, order, scale, backend)
+    if doc_ids is not None and doc_ids.shape != (q.shape[0], q.shape[2] * axis.size):
+        raise ValueError(f"ring_attention: doc_ids {tuple(doc_ids.shape)} must be the global [b, s] = "
+                         f"[{q.shape[0]}, {q.shape[2] * axis.size}]")
+    return _RingAttention.apply(q, k, v, axis, causal, order, scale, backend, doc_ids)

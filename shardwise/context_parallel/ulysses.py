@@ -4,7 +4,9 @@ Layouts: q [b, hq, s_local, d], k/v [b, hkv, s_local, d], this rank's tokens in 
 all-to-all per tensor turns them into [b, hq/c, s, d] and [b, hkv/c, s, d] (cp rank g takes head
 group g), SDPA runs on the full sequence, and one all-to-all brings the output back to
 [b, hq, s_local, d]. The gathered sequence arrives in layout order (rank 0's chunks, rank 1's, ...);
-for causal attention it is put into true token order first and back afterwards.
+for causal attention it is put into true token order first and back afterwards. Document masking
+needs no communication: after the all-to-all each rank holds the whole sequence (in true order) for
+its heads, so the window's global document ids give the mask directly.
 
 Communication per rank and call: forward 4 all-to-alls (q, k, v, out), backward 4 (their grads).
 Heads must split over cp: hq % c == 0, and hkv % c == 0 — or, with fewer KV heads than ranks,
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
+from ..models.documents import document_mask
 from .sharding import check_seq_len, layout_positions
 
 
@@ -73,26 +76,34 @@ def _kv_replication(hq: int, hkv: int, c: int) -> int:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, causal: bool = True,
-                      order: str = "balanced", scale: float | None = None) -> torch.Tensor:
-    """Exact attention for this rank's tokens via head-sharded full-sequence SDPA; out [b, hq, s_local, d]."""
+                      order: str = "balanced", scale: float | None = None,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact attention for this rank's tokens via head-sharded full-sequence SDPA; out [b, hq, s_local, d].
+
+    `doc_ids` [b, s] (global, unsharded): a token attends only within its own document.
+    """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"ulysses_attention: expected q [b, hq, s, d] and k, v [b, hkv, s, d], got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     c = axis.size
     seq_len = q.shape[2] * c
     check_seq_len(seq_len, c, order)
+    if doc_ids is not None and doc_ids.shape != (q.shape[0], seq_len):
+        raise ValueError(f"ulysses_attention: doc_ids {tuple(doc_ids.shape)} must be the global [b, s] = "
+                         f"[{q.shape[0]}, {seq_len}]")
+    mask = None if doc_ids is None else document_mask(doc_ids, doc_ids, causal=causal)
     if not axis.active:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     rep = _kv_replication(q.shape[1], k.shape[1], c)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     # Non-causal attention does not care about token order; causal needs the true order, which only
-    # the balanced layout scrambles.
-    reorder = causal and order == "balanced"
+    # the balanced layout scrambles; so does a document mask, built in true order.
+    reorder = (causal or mask is not None) and order == "balanced"
     scatter_index = layout_positions(seq_len, c, order, q.device) if reorder else None
     gather_index = torch.argsort(scatter_index) if reorder else None
     qh, kh, vh = (_seq_to_heads(t, axis, gather_index) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale,
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                                          enable_gqa=qh.shape[1] != kh.shape[1])
     return _heads_to_seq(out, axis, scatter_index)

@@ -7,6 +7,7 @@ computed by `loss_fn`, a vocabulary-parallel cross-entropy that the plan points 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -15,11 +16,12 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..context_parallel import positions as cp_positions
-from ..context_parallel import ring_attention, ulysses_attention
+from ..context_parallel import ring_attention, shard_sequence, ulysses_attention
 from ..expert_parallel.moe import MoE
 from ..mesh import Axis
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import ReplicatedDropout
+from .documents import document_mask
 
 
 class RMSNorm(nn.Module):
@@ -45,20 +47,22 @@ def llama3_inv_freq(inv: torch.Tensor, factor: float, low: float, high: float, o
 def rope_tables(head_dim: int, seq_len: int, theta: float, device, positions=None, scaling=None):
     """cos/sin tables [s, head_dim/2]; `positions` lets a sequence shard use its global positions.
 
+    Per-sequence positions [b, s] (--reset-positions: each document counts from 0) give [b, s, head_dim/2].
+
     `scaling` is ModelConfig.rope_scaling (Llama-3.1 frequency scaling) or None.
     """
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if scaling is not None:
         inv = llama3_inv_freq(inv, *scaling)
     pos = torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None else positions.float()
-    ang = torch.outer(pos, inv)
+    ang = pos.unsqueeze(-1) * inv
     return ang.cos(), ang.sin()
 
 
 def apply_rope(x, cos, sin):
     """x [b, s, heads, hd]; rotate interleaved pairs (Meta's Llama convention) as one complex multiply."""
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
-    rot = torch.complex(cos, sin)[None, :, None, :]
+    rot = torch.complex(cos, sin).unsqueeze(-2)  # [s, 1, hd/2] or, per sequence, [b, s, 1, hd/2]
     return torch.view_as_real(xc * rot).flatten(-2).type_as(x)
 
 
@@ -76,26 +80,34 @@ class Attention(nn.Module):
         self.cp_axis, self.cp_order, self.cp_impl = None, "balanced", "ring"  # set by the plan under cp > 1
         self.recompute_core = None  # set by shardwise.recompute under selective recompute
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, doc_ids=None):
+        """`doc_ids` [b, s_global] (document masking) are the window's document ids, never sharded."""
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         b, s = q.shape[:2]
         q = apply_rope(q.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
         k = apply_rope(k.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
-        out = self.core(q, k, v) if self.recompute_core is None else self.recompute_core(self.core, q, k, v)
+        if self.recompute_core is None:
+            out = self.core(q, k, v, doc_ids)
+        else:
+            out = self.recompute_core(self.core, q, k, v, doc_ids)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
-    def core(self, q, k, v):
-        """The attention core — QKᵀ, softmax, ·V (SDPA, or ring/Ulysses under cp): what selective recompute replays."""
+    def core(self, q, k, v, doc_ids=None):
+        """The attention core — QKᵀ, softmax, ·V (SDPA, or ring/Ulysses under cp): what selective recompute replays.
+
+        With `doc_ids` a token sees only earlier tokens of its own document (an explicit SDPA mask;
+        ring and Ulysses build theirs from the global ids).
+        """
         if self.cp_axis is not None and self.cp_axis.active:
             attend = ring_attention if self.cp_impl == "ring" else ulysses_attention
-            return attend(q, k, v, self.cp_axis, causal=True, order=self.cp_order)
+            return attend(q, k, v, self.cp_axis, causal=True, order=self.cp_order, doc_ids=doc_ids)
         p = self.attn_dropout if self.training else 0.0
         gqa = q.shape[1] != k.shape[1]
-        if p > 0 and self.rng is not None:
-            with self.rng.fork("tp"):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        mask = None if doc_ids is None else document_mask(doc_ids, doc_ids)
+        with self.rng.fork("tp") if p > 0 and self.rng is not None else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+                                                  enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
@@ -128,9 +140,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = build_moe(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
         self.ffn_resid_dropout = ReplicatedDropout(cfg.dropout)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, doc_ids=None):
         """The residual stream keeps x's dtype: each branch's output is cast to it before the add."""
-        x = x + self.attn_resid_dropout(self.attention(self.attention_norm(x), cos, sin)).to(x.dtype)
+        x = x + self.attn_resid_dropout(self.attention(self.attention_norm(x), cos, sin, doc_ids)).to(x.dtype)
         return x + self.ffn_resid_dropout(self.feed_forward(self.ffn_norm(x))).to(x.dtype)
 
 
@@ -149,26 +161,30 @@ class Transformer(nn.Module):
         self.sequence_parallel = False
         self.cp_axis, self.cp_order = None, "balanced"
 
-    def rope(self, local_len: int, device):
-        """RoPE tables for this rank's tokens: under cp, the global positions of its chunks."""
+    def rope(self, local_len: int, device, positions: torch.Tensor | None = None):
+        """RoPE tables for this rank's tokens: under cp, the global positions of its chunks.
+
+        `positions` [b, s_global] (--reset-positions) are per-token positions of the whole window;
+        this rank takes its tokens' share, cut as the tokens were.
+        """
         cp = self.cp_axis
-        if cp is None or not cp.active:
-            if local_len > self.cfg.max_seq_len:
-                raise ValueError(f"sequence length {local_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-            return rope_tables(self.cfg.head_dim, local_len, self.cfg.rope_theta, device,
-                               scaling=self.cfg.rope_scaling)
-        seq_len = local_len * cp.size
+        cp_active = cp is not None and cp.active
+        seq_len = local_len * cp.size if cp_active else local_len
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-        pos = cp_positions(seq_len, cp.rank, cp.size, self.cp_order, device)
+        if positions is not None:
+            pos = shard_sequence(positions, cp.rank, cp.size, self.cp_order) if cp_active else positions
+        else:
+            pos = cp_positions(seq_len, cp.rank, cp.size, self.cp_order, device) if cp_active else None
         return rope_tables(self.cfg.head_dim, local_len, self.cfg.rope_theta, device, positions=pos,
                            scaling=self.cfg.rope_scaling)
 
-    def forward(self, tokens):
-        cos, sin = self.rope(tokens.shape[1], tokens.device)
+    def forward(self, tokens, doc_ids=None, positions=None):
+        """`doc_ids` / `positions` [b, s_global]: document masking and reset RoPE positions (see documents.py)."""
+        cos, sin = self.rope(tokens.shape[1], tokens.device, positions)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, doc_ids)
         return self.output(self.norm(h))
 
     def loss_fn(self, logits, targets, ignore_index: int = -100, label_smoothing: float = 0.0):

@@ -138,8 +138,13 @@ class PipelineExecutor:
         self.batches = still
 
     # ------------------------------------------------------------ the loop
-    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], n_tokens: int) -> torch.Tensor:
-        """Run this rank's actions for one step; returns the sum of its last-stage losses (0 elsewhere)."""
+    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], n_tokens: int,
+            side: list[dict] | None = None) -> torch.Tensor:
+        """Run this rank's actions for one step; returns the sum of its last-stage losses (0 elsewhere).
+
+        `side[mb]`: keyword inputs every chunk of microbatch mb gets (document ids, positions), on
+        every stage — each rank has the global batch, so nothing travels for them.
+        """
         self._begin()
         self.clock.begin_step()
         last = self.schedule.num_stages - 1
@@ -156,7 +161,7 @@ class PipelineExecutor:
                 x = inputs[mb] if src_in is None else self._take(src_in, received).requires_grad_()
                 t0 = self.clock.start()
                 with self.autocast():
-                    out = chunk(x)
+                    out = chunk(x, **(side[mb] if side else {}))
                 if stage == last:
                     out = self.loss_fn(out, targets[mb]).sum() / n_tokens
                     loss_sum += out.detach()

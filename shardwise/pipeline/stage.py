@@ -44,14 +44,19 @@ class StageChunk(nn.Module):
         self._model = [model]  # a list, so the chunk does not register the model's parameters twice
         self.layer_ids, self.first, self.last = list(layers), first, last
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens → hidden (first stage), hidden → hidden, or hidden → logits (last stage)."""
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens → hidden (first stage), hidden → hidden, or hidden → logits (last stage).
+
+        `doc_ids` / `positions` are the microbatch's side inputs (document masking, reset RoPE
+        positions): every stage gets them from the global batch, since later stages see no tokens.
+        """
         model = self._model[0]
         local_len = x.shape[1] * (model.tp_axis.size if model.sequence_parallel and not self.first else 1)
-        cos, sin = model.rope(local_len, x.device)
+        cos, sin = model.rope(local_len, x.device, positions)
         h = model.tok_embeddings(x) if self.first else x
         for i in self.layer_ids:
-            h = model.layers[str(i)](h, cos, sin)
+            h = model.layers[str(i)](h, cos, sin, doc_ids)
         return model.output(model.norm(h)) if self.last else h
 
 
