@@ -169,7 +169,7 @@ def _ring_checks(seed):
             pairs = [(out, ref)] + [(m.grad, r.grad) for m, r in zip(mine, ref_in)]
             for a, r in pairs:
                 expect = shard_sequence(r.detach(), cp.rank, 2, order, dim=2)
-                worst = max(worst, float((a - expect).abs().max()))
+                worst = max(worst, float((a.detach() - expect).abs().max()))
                 assert_close(a, expect, rtol=2e-5, atol=2e-5, msg=f"{order} {backend} seed {seed}")
     return worst
 
