@@ -18,6 +18,7 @@ from shardwise.config import ModelConfig, TrainConfig
 from shardwise.context_parallel import kernels
 from shardwise.context_parallel.ring_attention import _merge, block_backward, block_forward
 from shardwise.mesh import Axis
+from shardwise.models.documents import document_mask
 from shardwise.planner.hardware import get_gpu
 from shardwise.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
@@ -30,18 +31,34 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def ring_blocks_vs_sdpa(device, dtype, s: int, d: int, blocks: int = 2) -> dict:
+def ring_blocks_vs_sdpa(device, dtype, s: int, d: int, blocks: int = 2, documents: bool = False) -> dict:
     """Causal attention from `blocks` contiguous K/V blocks merged by LSE (and the block backward with the
-    global out/LSE) against SDPA on the whole sequence, forward and backward."""
+    global out/LSE) against SDPA on the whole sequence, forward and backward.
+
+    `documents`: packed documents of s/8 tokens, one starting mid-block, so some block pairs carry an explicit
+    mask with fully masked rows (the memory-efficient kernel with a bias on CUDA) and some are skipped."""
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, dout = (torch.randn(1, h, s, d, generator=g).to(device, dtype) for h in (8, 4, 4, 8))
     n = s // blocks
+    doc = (torch.arange(s, device=device) + s // 16).div(s // 8, rounding_mode="floor").view(1, s) if documents else None
+    pos = torch.arange(s, device=device)
+
+    def mask_of(i, j):  # None: no mask needed (or no documents); False: the pair is fully masked
+        if doc is None:
+            return None
+        qs, ks = slice(i * n, (i + 1) * n), slice(j * n, (j + 1) * n)
+        m = document_mask(doc[:, qs], doc[:, ks], pos[qs], pos[ks])
+        return m if m.any() else False
+
     out = torch.zeros(q.shape, dtype=torch.float32, device=device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=device)
     for i in range(blocks):
         for j in range(i + 1):
+            m = mask_of(i, j)
+            if m is False:
+                continue
             o, lb = block_forward(q[:, :, i * n:(i + 1) * n], k[:, :, j * n:(j + 1) * n], v[:, :, j * n:(j + 1) * n],
-                                  i == j, d ** -0.5)
+                                  i == j and m is None, d ** -0.5, mask=m)
             _merge(out, lse, slice(i * n, (i + 1) * n), o, lb)
     out = out.to(dtype)
     dq, dk, dv = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(k, dtype=torch.float32), \
@@ -49,14 +66,18 @@ def ring_blocks_vs_sdpa(device, dtype, s: int, d: int, blocks: int = 2) -> dict:
     for i in range(blocks):
         qs = slice(i * n, (i + 1) * n)
         for j in range(i + 1):
-            ks = slice(j * n, (j + 1) * n)
+            ks, m = slice(j * n, (j + 1) * n), mask_of(i, j)
+            if m is False:
+                continue
             a, b, c = block_backward(dout[:, :, qs].contiguous(), q[:, :, qs], k[:, :, ks], v[:, :, ks],
-                                     out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), i == j, d ** -0.5)
+                                     out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), i == j and m is None,
+                                     d ** -0.5, mask=m)
             dq[:, :, qs] += a
             dk[:, :, ks] += b
             dv[:, :, ks] += c
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True)
+    full = None if doc is None else document_mask(doc, doc)
+    ref = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=full, is_causal=full is None, enable_gqa=True)
     ref.backward(dout)
     return {"out": _rel(out, ref), "dq": _rel(dq, qr.grad), "dk": _rel(dk, kr.grad), "dv": _rel(dv, vr.grad)}
 
@@ -139,6 +160,8 @@ def main(argv=None) -> int:
     dtypes = [torch.float32] if args.dry_run else [torch.bfloat16, torch.float32]
     s, d = (64, 16) if args.dry_run else (4096, 128)
     res["ring_blocks_vs_sdpa"] = {str(dt).split(".")[-1]: ring_blocks_vs_sdpa(device, dt, s, d) for dt in dtypes}
+    res["ring_blocks_vs_sdpa_document_mask"] = {str(dt).split(".")[-1]: ring_blocks_vs_sdpa(device, dt, s, d, 4, True)
+                                                for dt in dtypes}
     res["attention_kernels"] = sorted(kernels.USED)
     res["vocab_ce_rel_diff"] = vocab_ce_vs_torch(device)
     steps = 3 if args.dry_run else args.steps
