@@ -54,13 +54,15 @@ def test_ring_plan_skips_fully_masked_pairs():
     doc = torch.tensor([[0] * 12 + [1] * 4] * 2)  # chunk 3 is a document of its own
     own, other = document_plan(0, 2, "balanced", True, 8, doc)
     assert other == []  # chunk 3 would see chunks 1 and 2 (causal plan), but shares no document with them
-    (qs, ks, causal, mask), = own  # chunks 0 and 3: two documents → explicit mask, causal by position
+    (qs, ks, causal, make_mask), = own  # chunks 0 and 3: two documents → explicit mask, causal by position
+    mask = make_mask()
     assert not causal and mask.shape == (2, 1, 8, 8) and mask[:, :, :4, 4:].sum() == 0
     own, other = document_plan(1, 2, "balanced", True, 8, doc)  # chunks 1, 2 and chunk 0: all document 0
     assert own == [(slice(0, 8), slice(0, 8), True, None)] and other == [(slice(0, 8), slice(0, 4), False, None)]
     doc[1, 9:] = 1  # row 1's chunk 2 now reaches into chunk 3's document: the pair is kept, masked
     _, other = document_plan(0, 2, "balanced", True, 8, doc)
-    (qs, ks, causal, mask), = other
+    (qs, ks, causal, make_mask), = other
+    mask = make_mask()
     assert mask[0].sum() == 0 and mask[1].sum() == 4 * 3  # row 1: chunk 3's 4 queries see tokens 9..11
 
 
@@ -90,7 +92,7 @@ def test_ring_plan_decisions_match_the_masks():
                                                qp[qs], kp[ks])
                         assert torch.equal(m, causal), (trial, r, step)
                     elif pair is not None:
-                        assert torch.equal(pair[3], m)
+                        assert torch.equal(pair[3](), m)
 
 
 def _logits_and_rotated_q(model, tokens, **side):

@@ -36,6 +36,7 @@ triangle per block (warned once).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -122,12 +123,13 @@ def block_plan(q_rank: int, kv_rank: int, cp_size: int, order: str, causal: bool
 
 def document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local: int,
                   doc_ids: torch.Tensor | None) -> list[list[tuple]]:
-    """For every ring step, the block pairs to compute: (q slice, kv slice, is_causal, mask or None).
+    """For every ring step, the block pairs to compute: (q slice, kv slice, is_causal, make_mask or None).
 
     Without `doc_ids` this is `block_plan` with no masks. With them ([b, s] global document ids,
     non-decreasing along the window), a pair is skipped when no query row shares a document with
     the keys, runs unmasked when every row of both sides lies in one document, else gets
-    `document_mask` (same document, key position ≤ query position). One host sync per call.
+    `make_mask()` → `document_mask` (same document, key position ≤ query position), built only when
+    the pair runs: all of a call's masks at once would be b·s_local·s booleans. One host sync per call.
     """
     plans = [block_plan(q_rank, (q_rank - step) % cp_size, cp_size, order, causal, s_local)
              for step in range(cp_size)]
@@ -161,8 +163,8 @@ def document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local: 
             if uniform:
                 pairs.append((qs, ks, is_causal, None))
             else:
-                mask = document_mask(q_doc[:, qs], kv[step][0][:, ks], q_pos[qs], kv[step][1][ks], causal)
-                pairs.append((qs, ks, False, mask))
+                pairs.append((qs, ks, False, functools.partial(
+                    document_mask, q_doc[:, qs], kv[step][0][:, ks], q_pos[qs], kv[step][1][ks], causal)))
         out.append(pairs)
     return out
 
@@ -212,9 +214,9 @@ class _RingAttention(torch.autograd.Function):
             if step < c - 1:  # post the next transfer first: it overlaps this step's compute
                 nxt = (torch.empty_like(k), torch.empty_like(v))
                 works = _pass_on(cur, nxt, axis)
-            for qs, ks, is_causal, mask in plans[step]:
+            for qs, ks, is_causal, make_mask in plans[step]:
                 o_blk, l_blk = block_forward(_rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks),
-                                             is_causal, scale, backend, mask)
+                                             is_causal, scale, backend, make_mask and make_mask())
                 _merge(out, lse, qs, o_blk, l_blk)
             _wait(works)
             cur = nxt if nxt is not None else cur
@@ -241,11 +243,11 @@ class _RingAttention(torch.autograd.Function):
                 kv_works = _pass_on(cur, nxt, axis)
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            for qs, ks, is_causal, mask in plans[step]:
+            for qs, ks, is_causal, make_mask in plans[step]:
                 g_q, g_k, g_v = block_backward(
                     _rows(dout, qs).contiguous(), _rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks),
                     _rows(out, qs).contiguous(), _rows(lse, qs).contiguous(), is_causal, ctx.scale, ctx.backend,
-                    mask)
+                    make_mask and make_mask())
                 _rows(dq, qs).add_(g_q)
                 _rows(dk, ks).add_(g_k)
                 _rows(dv, ks).add_(g_v)
