@@ -4,6 +4,8 @@ The model knows nothing of parallelism. Head counts are read off the projection 
 time, so the tensor-parallel plan (`shardwise.parallelize`) can swap `nn.Linear`/`nn.Embedding`
 for their sharded versions by module name and the same forward runs on every layout. The loss is
 computed by `loss_fn`, a vocabulary-parallel cross-entropy that the plan points at its TP axis.
+Packed windows can pass side inputs: document ids (attention stays within each document) and
+per-document positions for RoPE (see `documents.py`).
 """
 from __future__ import annotations
 
