@@ -430,9 +430,6 @@ class TrainConfig:
         if p.pp_scatter_gather and (p.tp == 1 or p.sequence_parallel):
             raise ConfigError("--pp-scatter-gather needs --tp > 1 without --sequence-parallel (under SP each TP "
                               "rank already sends only its own sequence shard)")
-        if m.tie_embeddings:
-            raise ConfigError("--tie-embeddings with --pp > 1 is not supported: embedding and LM head live on "
-                              "different stages")
         try:
             build_schedule(p.schedule, p.pp, self.grad_accum, p.vp)
         except ValueError as e:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, ModelConfig
+from .pipeline.tied_embedding import tied_name
 from .tensor_parallel.layers import get_spec
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral")
@@ -275,7 +276,7 @@ def load_hf_into(model: nn.Module, path: str, mesh=None) -> dict:
     n = nbytes = 0
     for name, p in model.named_parameters():
         spec = get_spec(p)
-        src = _source(name, cfg, files)
+        src = _source(tied_name(name, p), cfg, files)  # a tied LM head's PP copy reads the embedding
         if tuple(src.shape) != tuple(spec.global_shape):
             raise ValueError(f"{who}{path}: {src.names[0]} has shape {tuple(src.shape)}, shardwise's {name} needs "
                              f"{tuple(spec.global_shape)} (config.json and weights disagree?)")

@@ -26,6 +26,7 @@ from .data_parallel import GradReducer
 from .expert_parallel.moe import MoE
 from .mesh import Mesh, ParallelDims
 from .parallelize import build_model
+from .pipeline.tied_embedding import emb_stages
 from .report import RunLog
 
 IGNORE_INDEX = -100
@@ -221,7 +222,8 @@ def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     if not dist.is_initialized():
         return Mesh.single(device)
     dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep)
-    return Mesh.build(dims, device, Ledger(), cfg.timeout_s)
+    tied = emb_stages(p) if cfg.model_config().tie_embeddings else None
+    return Mesh.build(dims, device, Ledger(), cfg.timeout_s, emb_stages=tied)
 
 
 def _write_timeline(trainer: Trainer, out: str) -> dict | None:

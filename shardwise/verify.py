@@ -68,7 +68,7 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     mesh = make_mesh(cfg, device)
     trainer = Trainer(cfg, mesh)
     ref = _reference(cfg, device)
-    ref_params = dict(ref.model.named_parameters())
+    ref_params = dict(ref.model.named_parameters(remove_duplicate=False))  # tied: output.weight too (PP's copy)
     names = sorted(ref_params)
     world = mesh["world"]
     loss_diff = grad_diff = param_diff = first_grad = 0.0
