@@ -56,6 +56,7 @@ def models(tmp_path_factory):
            "mixtral": _save(f, "mixtral", "Mixtral", num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
            "mistral_window": _save(f, "mistral", "Mistral", sliding_window=16, num_hidden_layers=2),
            "qwen2": _save(f, "qwen2", "Qwen2", biases=True, num_hidden_layers=2),
+           "qwen2_tied": _save(f, "qwen2_tied", "Qwen2", biases=True, tie_word_embeddings=True, num_hidden_layers=2),
            "llama3": _save(f, "llama3", "Llama", rope_parameters=LLAMA3_ROPE, num_hidden_layers=2)}
     return out
 
@@ -132,6 +133,7 @@ LAYOUTS = {
     "mixtral_tp2_sp": ("mixtral", dict(tp=2, sequence_parallel=True)),
     "mixtral_tp2_pp2": ("mixtral", dict(tp=2, pp=2)),
     "qwen2_tp2": ("qwen2", dict(tp=2)),
+    "qwen2_tied_tp2_pp2": ("qwen2_tied", dict(tp=2, pp=2)),  # the LM head's stage reads embed_tokens
 }
 
 
