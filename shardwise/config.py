@@ -253,6 +253,9 @@ class TrainConfig:
     """Cross-entropy label smoothing ε in [0, 1): the target is (1-ε)·one-hot + ε/V."""
     report: bool = True
     """Render the report PNGs (loss, tokens/s, comm per axis, timeline) into the run directory at the end."""
+    init_from_hf: str | None = None
+    """Hugging Face model directory to fine-tune: its config.json is the model (`model` must be None, shape
+    flags must agree), every rank reads its slices of the weights, its tokenizer.json is checked and recorded."""
 
     def residual_dtype(self) -> str:
         """'bf16' when the residual stream runs in bf16, else 'fp32'."""
@@ -273,7 +276,11 @@ class TrainConfig:
     def model_config(self) -> ModelConfig:
         overrides = dict(dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings,
                          **self.model_overrides)
-        if isinstance(self.model, ModelConfig):
+        if self.init_from_hf:
+            from .hf import init_model_config  # lazy: reads config.json
+
+            cfg = init_model_config(self.init_from_hf, self.model, overrides)
+        elif isinstance(self.model, ModelConfig):
             cfg = dataclasses.replace(self.model, **{k: v for k, v in overrides.items() if v is not None})
             cfg.validate()
         else:
