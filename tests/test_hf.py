@@ -482,14 +482,16 @@ def test_finetune_dp2_tp2_zero1_exported_loss_matches_transformers(ft_models, tm
     assert all(r[1] == held for r in results)
     out = str(tmp_path / "exported")
     assert run_export(argparse.Namespace(ckpt_dir=ckpt, out_dir=out)) == 0
-    x, y = Loader(load_tokens(None), 16, 8, TrainConfig().seed).global_batch_at(HELD_STEP)
+    loader = Loader(load_tokens(None), 16, 8, TrainConfig().seed)
 
-    def hf_loss(d):
+    def hf_loss(d, step):
+        x, y = loader.global_batch_at(step)
         logits = hf_logits(d, x)
         return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
 
-    assert abs(hf_loss(out) - held) <= 1e-5, (hf_loss(out), held, losses)
-    assert abs(hf_loss(path) - held) > 1e-2, "the fine-tune changed the model"
+    assert abs(hf_loss(path, 0) - losses[0]) <= 1e-5, (hf_loss(path, 0), losses)  # started from the HF weights
+    assert abs(hf_loss(out, HELD_STEP) - held) <= 1e-5, (hf_loss(out, HELD_STEP), held, losses)
+    assert abs(hf_loss(path, HELD_STEP) - held) > 1e-2, "the fine-tune changed the model"
 
 
 @pytest.mark.parametrize("extra,message", [
