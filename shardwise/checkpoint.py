@@ -8,7 +8,8 @@ pair of small DCP planners writes or reads them, so DCP's resharding handles any
   exactly once) therefore also checks the ownership rule;
 * AdamW exp_avg / exp_avg_sq are stored like their parameter. A ZeRO-1 shard is a range of the
   flattened local parameters, i.e. a few contiguous boxes (partial row, full rows, partial row),
-  so each rank writes and reads its own range with no gather over dp.
+  so each rank writes and reads its own range with no gather over dp;
+* a tied embedding's LM-head copy under PP is not written: it reads `tok_embeddings.weight`'s entries.
 Publishing is atomic (tmp-step-N → step-N rename, then `latest`), a JSON manifest of sha256 sums
 lets loading skip incomplete or corrupt saves, and nothing is unpickled freely (see _SafeReader).
 """

@@ -220,7 +220,7 @@ def main(argv=None) -> int:
 
             tokens = load_tokens(cfg.data)
             if cfg.init_from_hf:  # weights, tokenizer and data ids against the checkpoint's shapes
-                from .hf import check_init_from_hf
+                from .hf_init import check_init_from_hf
 
                 check_init_from_hf(cfg.init_from_hf, cfg.model_config(), int(tokens.max()) + 1)
         world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp

@@ -277,7 +277,7 @@ class TrainConfig:
         overrides = dict(dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings,
                          **self.model_overrides)
         if self.init_from_hf:
-            from .hf import init_model_config  # lazy: reads config.json
+            from .hf_init import init_model_config  # lazy: hf imports torch
 
             cfg = init_model_config(self.init_from_hf, self.model, overrides)
         elif isinstance(self.model, ModelConfig):

@@ -24,7 +24,7 @@ from .context_parallel.sharding import shard_sequence
 from .data import Loader, load_tokens
 from .data_parallel import GradReducer
 from .expert_parallel.moe import MoE
-from .hf import init_record
+from .hf_init import init_record
 from .mesh import Mesh, ParallelDims
 from .parallelize import build_model
 from .pipeline.tied_embedding import emb_stages
