@@ -7,7 +7,11 @@ Tiny random models are built with transformers itself (weights drawn with initia
 so attention is far from uniform and a wrong q/k permutation is visible: it changes logits by ~5,
 against ~1e-6 when right). Multi-rank runs: tp=2 × pp=2 × SP (CLI, with every safetensors read
 recorded), tp=2, tp=2 × cp=2 × SP, dualpipev pp=2, Mixtral dp=2 × ep=2 (reads recorded) and
-tp=2 × SP, Qwen2 tp=2.
+tp=2 × SP, Qwen2 tp=2, tied Qwen2 tp=2 × pp=2 (the head's stage reads embed_tokens).
+
+Fine-tuning (`train --init-from-hf`): tp=2 × pp=2 with a tied model at lr 0 exports the original
+tensors; a 5-step dp=2 × tp=2 ZeRO-1 fine-tune starts at transformers' loss and, exported, gives
+transformers shardwise's loss on a held batch; contradicting flags, tokenizers and data exit 2.
 """
 import argparse
 import dataclasses
