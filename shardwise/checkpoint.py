@@ -8,7 +8,8 @@ pair of small DCP planners writes or reads them, so DCP's resharding handles any
   exactly once) therefore also checks the ownership rule;
 * AdamW exp_avg / exp_avg_sq are stored like their parameter. A ZeRO-1 shard is a range of the
   flattened local parameters, i.e. a few contiguous boxes (partial row, full rows, partial row),
-  so each rank writes and reads its own range with no gather over dp.
+  so each rank writes and reads its own range with no gather over dp;
+* a tied embedding's LM-head copy under PP is not written: it reads `tok_embeddings.weight`'s entries.
 Publishing is atomic (tmp-step-N → step-N rename, then `latest`), a JSON manifest of sha256 sums
 lets loading skip incomplete or corrupt saves, and nothing is unpickled freely (see _SafeReader).
 """
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from . import comm
 from .data_parallel import is_expert
+from .pipeline.tied_embedding import is_tied_copy, tied_name
 from .tensor_parallel.layers import get_spec
 
 log = logging.getLogger("shardwise.checkpoint")
@@ -122,6 +124,9 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
     """{global key: (global shape, boxes)}: on save only the boxes this rank owns, on load all it holds."""
     red = trainer.reducer
     owned = _tp_owned(red.named, trainer.mesh["tp"]) if save else {n for n, _ in red.named}
+    if save:  # a tied LM head's copy (PP) is stored once, by the embedding's stage
+        owned -= {n for n, p in red.named if is_tied_copy(n, p)}
+    gname = {n: tied_name(n, p) for n, p in red.named}  # the copy reads the embedding's entries
     out: dict[str, tuple[tuple, list]] = {}
 
     def add(key, spec, boxes):
@@ -136,7 +141,7 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
         tensors = {"model": p} | ({} if red.zero else {k: red.optimizer.state[p][k] for k in STATE_KEYS})
         for kind, t in tensors.items():
             boxes = _place(spec, p.shape, t.detach().view(-1), 0, p.numel()) if mine else []  # a view, never a copy
-            add(f"model.{n}" if kind == "model" else f"optim.{n}.{kind}", spec, boxes)
+            add(f"model.{gname[n]}" if kind == "model" else f"optim.{gname[n]}.{kind}", spec, boxes)
     for n, mod, b in _persistent_buffers(trainer.model):
         # Replicated like their module's parameters: the first TP rank of each dp×cp (experts: edp) group writes.
         expert = any(is_expert(q) for q in mod.parameters(recurse=False))
@@ -150,10 +155,10 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
             lo_s = g["axis"].rank * g["per"]
             for n, p, off, k in g["offsets"]:
                 lo, hi = max(off, lo_s), min(off + k, lo_s + g["per"])
-                for key in STATE_KEYS:
-                    boxes = (_place(get_spec(p), p.shape, state[key][lo - lo_s:hi - lo_s], lo - off, hi - off)
+                for state_key in STATE_KEYS:
+                    boxes = (_place(get_spec(p), p.shape, state[state_key][lo - lo_s:hi - lo_s], lo - off, hi - off)
                              if lo < hi and n in owned else [])
-                    add(f"optim.{n}.{key}", get_spec(p), boxes)
+                    add(f"optim.{gname[n]}.{state_key}", get_spec(p), boxes)
     return out
 
 

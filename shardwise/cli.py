@@ -39,7 +39,10 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
-    p.add_argument("--model", default="tiny", help="model preset (tiny, small, llama3-8b, ...)")
+    p.add_argument("--model", default=None, help="model preset (tiny, small, llama3-8b, ...; default tiny)")
+    p.add_argument("--init-from-hf", default=None, metavar="DIR",
+                   help="fine-tune a Hugging Face model directory: its config, weights (each rank reads its slices) "
+                        "and tokenizer")
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch per dp rank")
@@ -132,7 +135,8 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
         if dp == -1:  # under torchrun: the rest of the world (resolve_world reports a bad split)
             dp = max(1, torchrun_world // (degrees["pp"] * degrees["cp"] * degrees["tp"]))
         args.global_batch = args.microbatches * args.micro_batch * dp
-    cfg = TrainConfig(model=args.model, parallel=parallel, steps=args.steps, seq_len=args.seq_len,
+    model = args.model if args.model is not None or args.init_from_hf else "tiny"
+    cfg = TrainConfig(model=model, init_from_hf=args.init_from_hf, parallel=parallel, steps=args.steps, seq_len=args.seq_len,
                       micro_batch=args.micro_batch, global_batch=args.global_batch, lr=args.lr, seed=args.seed,
                       dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,
                       attn_dropout=args.attn_dropout, tie_embeddings=args.tie_embeddings,
@@ -215,10 +219,14 @@ def main(argv=None) -> int:
                                       "or --checkpoint-dir DIR")
             else:
                 cfg.out = default_out_dir()
-        if cfg.data is not None:
+        if cfg.data is not None or cfg.init_from_hf:
             from .data import load_tokens
 
-            load_tokens(cfg.data)
+            tokens = load_tokens(cfg.data)
+            if cfg.init_from_hf:  # weights, tokenizer and data ids against the checkpoint's shapes
+                from .hf_init import check_init_from_hf
+
+                check_init_from_hf(cfg.init_from_hf, cfg.model_config(), int(tokens.max()) + 1)
         world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
         import torch
 

@@ -259,6 +259,9 @@ class TrainConfig:
     """Restart RoPE positions at 0 at each document start (documents begin right after an EOS)."""
     eos_id: int | None = None
     """End-of-document id that delimits documents for the two knobs above; None = the byte tokenizer's (256)."""
+    init_from_hf: str | None = None
+    """Hugging Face model directory to fine-tune: its config.json is the model (`model` must be None, shape
+    flags must agree), every rank reads its slices of the weights, its tokenizer.json is checked and recorded."""
 
     def residual_dtype(self) -> str:
         """'bf16' when the residual stream runs in bf16, else 'fp32'."""
@@ -279,7 +282,11 @@ class TrainConfig:
     def model_config(self) -> ModelConfig:
         overrides = dict(dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings,
                          **self.model_overrides)
-        if isinstance(self.model, ModelConfig):
+        if self.init_from_hf:
+            from .hf_init import init_model_config  # lazy: hf imports torch
+
+            cfg = init_model_config(self.init_from_hf, self.model, overrides)
+        elif isinstance(self.model, ModelConfig):
             cfg = dataclasses.replace(self.model, **{k: v for k, v in overrides.items() if v is not None})
             cfg.validate()
         else:
@@ -440,9 +447,6 @@ class TrainConfig:
         if p.pp_scatter_gather and (p.tp == 1 or p.sequence_parallel):
             raise ConfigError("--pp-scatter-gather needs --tp > 1 without --sequence-parallel (under SP each TP "
                               "rank already sends only its own sequence shard)")
-        if m.tie_embeddings:
-            raise ConfigError("--tie-embeddings with --pp > 1 is not supported: embedding and LM head live on "
-                              "different stages")
         try:
             build_schedule(p.schedule, p.pp, self.grad_accum, p.vp)
         except ValueError as e:

@@ -20,6 +20,7 @@ import torch
 
 from . import comm
 from .mesh import Mesh
+from .pipeline.tied_embedding import reduce_tied_embedding_grads
 from .tensor_parallel.layers import get_spec
 
 BUCKET_BYTES = 25 * 2**20
@@ -145,6 +146,7 @@ class GradReducer:
     def reduce_and_clip(self, max_norm: float) -> float:
         """Finish the gradients of this step; returns the global grad norm (before clipping)."""
         self._reduce_tp()
+        reduce_tied_embedding_grads(self.named, self.mesh)  # before dp×cp: ZeRO shards differ per stage
         self._reduce_dp()
         norm = float(self._grad_norm_sq().sqrt())
         if max_norm > 0 and math.isfinite(norm) and norm > max_norm:

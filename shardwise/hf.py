@@ -6,6 +6,7 @@
   `*.safetensors` files: every parameter's ShardSpec gives the box of the global tensor this rank
   holds, and only that box is read (`safe_open(...).get_slice(name)[box]`), so a 70B checkpoint
   never has to fit in one rank's memory. Parameters a pipeline stage pruned are simply not asked for.
+* `train --init-from-hf DIR` (fine-tuning) uses `load_hf_into` too; its checks are in `hf_init.py`.
 * `export_hf(model_or_state, cfg, dir)` writes `config.json` + `model.safetensors` back from a
   single-device model or a global state dict (e.g. `checkpoint.load_global_tensors`).
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, ModelConfig
+from .pipeline.tied_embedding import tied_name
 from .tensor_parallel.layers import get_spec
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral")
@@ -275,7 +277,7 @@ def load_hf_into(model: nn.Module, path: str, mesh=None) -> dict:
     n = nbytes = 0
     for name, p in model.named_parameters():
         spec = get_spec(p)
-        src = _source(name, cfg, files)
+        src = _source(tied_name(name, p), cfg, files)  # a tied LM head's PP copy reads the embedding
         if tuple(src.shape) != tuple(spec.global_shape):
             raise ValueError(f"{who}{path}: {src.names[0]} has shape {tuple(src.shape)}, shardwise's {name} needs "
                              f"{tuple(spec.global_shape)} (config.json and weights disagree?)")
@@ -385,3 +387,4 @@ def export_hf(source, cfg: ModelConfig, out_dir: str) -> str:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return out_dir
+

@@ -23,12 +23,31 @@ CHECKPOINT_TIMEOUT_S = 3600.0
 
 
 def _subgroups(lines: list[list[int]], timeout: timedelta, name: str):
-    """This rank's group among `lines` (disjoint, covering the world), in ONE collective call per axis:
-    ncclCommSplit when the NCCL communicator is bound to a device, else new_subgroups_by_enumeration."""
+    """This rank's group among `lines` (disjoint; a rank in none gets None), in ONE collective call per
+    axis: ncclCommSplit when the NCCL communicator is bound to a device, else new_subgroups_by_enumeration."""
     default = dist.distributed_c10d._get_default_group()
     if getattr(default, "bound_device_id", None) is not None and dist.get_backend() == "nccl":
         return dist.split_group(split_ranks=lines, timeout=timeout, group_desc=f"shardwise_{name}")
     return dist.new_subgroups_by_enumeration(lines, timeout=timeout, group_desc=f"shardwise_{name}")[0]
+
+
+def _emb_axis(pp_lines: list[list[int]], pp: "Axis", rank: int, stages: tuple[int, int] | None,
+              timeout: timedelta) -> "Axis":
+    """The embedding group (Megatron's): the first and last pipeline stage's ranks with the same dp/cp/tp
+    coordinates, which hold the two copies of a tied embedding matrix and sum their gradients.
+
+    No group when one rank holds both ends (pp=1, or dualpipev's V puts the last stage back on pp rank 0);
+    at pp=2 the pp group itself has exactly those two ranks, so it is reused (no new communicator). Ranks
+    of the middle stages belong to no line: size 1, like an inactive axis.
+    """
+    if stages is None or stages[0] == stages[1]:
+        return Axis("emb")
+    if pp.size == 2:
+        return Axis("emb", 2, pp.rank, pp.group, pp.ranks)
+    lines = [[ln[stages[0]], ln[stages[1]]] for ln in pp_lines]
+    group = _subgroups(lines, timeout, "emb")
+    line = next((ln for ln in lines if rank in ln), None)
+    return Axis("emb") if line is None else Axis("emb", 2, line.index(rank), group, tuple(line))
 
 
 @dataclass(frozen=True)
@@ -111,17 +130,18 @@ class Mesh:
     @classmethod
     def single(cls, device: torch.device | str = "cpu", ledger: "Ledger | None" = None) -> "Mesh":
         dims = ParallelDims()
-        axes = {n: Axis(n) for n in (*GRID, "dp_cp", "ep", "edp", "world", "ckpt")}
+        axes = {n: Axis(n) for n in (*GRID, "dp_cp", "ep", "edp", "emb", "world", "ckpt")}
         return cls(dims, 0, axes, torch.device(device), ledger=ledger)
 
     @classmethod
     def build(cls, dims: ParallelDims, device: torch.device, ledger: "Ledger | None" = None,
-              timeout_s: float = 300.0) -> "Mesh":
+              timeout_s: float = 300.0, emb_stages: tuple[int, int] | None = None) -> "Mesh":
         """Create every group, then the DeviceMesh over them. Collective: every rank calls it, in the same order.
 
         One group-creating call per axis (not per line), none for size-1 axes; the time it takes is
         `build_s` (summary.json's mesh_build_s). Groups get an explicit timeout (sub-groups would otherwise
         get gloo's 30-minute default), so a rank stuck in any collective fails within `timeout_s`.
+        `emb_stages` (tied embeddings under PP): the pp ranks holding the embedding and the LM head; see `_emb_axis`.
         """
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -143,6 +163,7 @@ class Mesh:
             line = next(ln for ln in lines if rank in ln)
             group = _subgroups(lines, timeout, name) if len(line) > 1 else None  # no group for size-1 lines
             axes[name] = Axis(name, len(line), line.index(rank), group, tuple(line))
+        axes["emb"] = _emb_axis(families["pp"], axes["pp"], rank, emb_stages, timeout)
         axes["world"] = Axis("world", world, rank, dist.group.WORLD, tuple(range(world)))
         # Checkpoint barriers and metadata gathers: gloo (CPU objects), with a long timeout, since
         # writing a large checkpoint legitimately outlasts the collective timeout.

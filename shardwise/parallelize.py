@@ -122,7 +122,9 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
             set_spec(p, spec)
             for k, v in marks[name].items():
                 setattr(p, k, v)
-            p.copy_(spec.local_slice(global_init(name, spec.global_shape, cfg, seed)).to(device))
+            # the LM head's copy of a tied matrix (PP) draws from the embedding's name: equal at init
+            init_name = marks[name].get("_sw_tied", name)
+            p.copy_(spec.local_slice(global_init(init_name, spec.global_shape, cfg, seed)).to(device))
 
 
 def global_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
@@ -161,9 +163,11 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool
     if schedule is not None:
         from .pipeline.grad_store import WeightGradStore
         from .pipeline.stage import prune_to_stages, split_layers
+        from .pipeline.tied_embedding import mark_tied_copies
 
         stage_layers = split_layers(cfg.n_layers, schedule.num_stages, pp_layers)
         model.chunks = prune_to_stages(model, mesh["pp"].rank, schedule.layout, stage_layers)
+        mark_tied_copies(model, mesh)
         model.grad_store = WeightGradStore() if schedule.split_bw else None
         for m in model.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):

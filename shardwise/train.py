@@ -24,9 +24,11 @@ from .context_parallel.sharding import shard_sequence
 from .data import EOS, Loader, load_tokens
 from .data_parallel import GradReducer
 from .expert_parallel.moe import MoE
+from .hf_init import init_record
 from .mesh import Mesh, ParallelDims
 from .models.documents import document_ids, document_positions
 from .parallelize import build_model
+from .pipeline.tied_embedding import emb_stages
 from .report import RunLog
 
 IGNORE_INDEX = -100
@@ -54,6 +56,10 @@ class Trainer:
         self.act_dtype = torch.bfloat16 if cfg.residual_dtype() == "bf16" else torch.float32
         self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel, self.schedule, p.pp_layers,
                                  p.cp_order, p.cp_impl, self.act_dtype, p.recompute, p.recompute_layers)
+        if cfg.init_from_hf:  # before the reducer: ZeRO's flat buffers start from the parameters' values
+            from .hf import load_hf_into
+
+            load_hf_into(self.model, cfg.init_from_hf, mesh)
         self.model.train()
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None)
@@ -239,7 +245,8 @@ def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     if not dist.is_initialized():
         return Mesh.single(device)
     dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep)
-    return Mesh.build(dims, device, Ledger(), cfg.timeout_s)
+    tied = emb_stages(p) if cfg.model_config().tie_embeddings else None
+    return Mesh.build(dims, device, Ledger(), cfg.timeout_s, emb_stages=tied)
 
 
 def _write_timeline(trainer: Trainer, out: str) -> dict | None:
@@ -300,7 +307,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({"train": {k: v for k, v in vars(cfg).items() if k != "parallel"},
-                       "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg)}, f, indent=1)
+                       "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg)}
+                      | ({"init_from_hf": init_record(cfg.init_from_hf)} if cfg.init_from_hf else {}), f, indent=1)
     start = 0
     ckpt_dir = cfg.checkpoint_dir or os.path.join(out, "checkpoints")
     if cfg.resume:
@@ -357,12 +365,12 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     with open(os.path.join(out, "comm.json"), "w") as f:
         f.write(mesh.ledger.to_json(0, layout))
     if not records:
-        return {"layout": layout, "model": cfg.model if isinstance(cfg.model, str) else cfg.model.name,
+        return {"layout": layout, "model": trainer.model_cfg.name,
                 "steps": cfg.steps, "first_loss": float("nan"), "final_loss": float("nan"), "tokens_per_s": 0.0,
                 "comm_bytes_per_step": {}, "out": out}
     times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     summary = {
-        "layout": layout, "model": cfg.model, "steps": cfg.steps,
+        "layout": layout, "model": trainer.model_cfg.name, "steps": cfg.steps,
         "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
         "tokens_per_s": records[0]["tokens"] / (sum(times) / len(times)),
         "comm_bytes_per_step": {a: sum(v["bytes"] for v in ops.values())

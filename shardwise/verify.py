@@ -69,7 +69,7 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
     mesh = make_mesh(cfg, device)
     trainer = Trainer(cfg, mesh, tokens)
     ref = _reference(cfg, device, tokens)
-    ref_params = dict(ref.model.named_parameters())
+    ref_params = dict(ref.model.named_parameters(remove_duplicate=False))  # tied: output.weight too (PP's copy)
     names = sorted(ref_params)
     world = mesh["world"]
     loss_diff = grad_diff = param_diff = first_grad = 0.0

@@ -7,7 +7,11 @@ Tiny random models are built with transformers itself (weights drawn with initia
 so attention is far from uniform and a wrong q/k permutation is visible: it changes logits by ~5,
 against ~1e-6 when right). Multi-rank runs: tp=2 × pp=2 × SP (CLI, with every safetensors read
 recorded), tp=2, tp=2 × cp=2 × SP, dualpipev pp=2, Mixtral dp=2 × ep=2 (reads recorded) and
-tp=2 × SP, Qwen2 tp=2.
+tp=2 × SP, Qwen2 tp=2, tied Qwen2 tp=2 × pp=2 (the head's stage reads embed_tokens).
+
+Fine-tuning (`train --init-from-hf`): tp=2 × pp=2 with a tied model at lr 0 exports the original
+tensors; a 5-step dp=2 × tp=2 ZeRO-1 fine-tune starts at transformers' loss and, exported, gives
+transformers shardwise's loss on a held batch; contradicting flags, tokenizers and data exit 2.
 """
 import argparse
 import dataclasses
@@ -56,6 +60,7 @@ def models(tmp_path_factory):
            "mixtral": _save(f, "mixtral", "Mixtral", num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
            "mistral_window": _save(f, "mistral", "Mistral", sliding_window=16, num_hidden_layers=2),
            "qwen2": _save(f, "qwen2", "Qwen2", biases=True, num_hidden_layers=2),
+           "qwen2_tied": _save(f, "qwen2_tied", "Qwen2", biases=True, tie_word_embeddings=True, num_hidden_layers=2),
            "llama3": _save(f, "llama3", "Llama", rope_parameters=LLAMA3_ROPE, num_hidden_layers=2)}
     return out
 
@@ -132,6 +137,7 @@ LAYOUTS = {
     "mixtral_tp2_sp": ("mixtral", dict(tp=2, sequence_parallel=True)),
     "mixtral_tp2_pp2": ("mixtral", dict(tp=2, pp=2)),
     "qwen2_tp2": ("qwen2", dict(tp=2)),
+    "qwen2_tied_tp2_pp2": ("qwen2_tied", dict(tp=2, pp=2)),  # the LM head's stage reads embed_tokens
 }
 
 
@@ -404,3 +410,121 @@ def test_training_step_matches_transformers(models, trained, tmp_path, i, layout
         ref = src.read(files, tuple(slice(0, s) for s in shapes[n]))
         assert float(ref.abs().max()) > 0, n  # every parameter gets a gradient in this step
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{layout} {n}: {m}")
+
+
+# ---------------------------------------------------------------- fine-tuning: train --init-from-hf
+HELD_STEP = 1000  # a global batch no training step of these tests reads
+
+
+def _tokenizer(path, n_ids):
+    """A WordLevel tokenizer.json with `n_ids` ids (the `tokenizers` library, as HF models ship)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel({f"t{i}": i for i in range(n_ids)}, unk_token="t0")).save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ft_models(tmp_path_factory):
+    """Vocabulary 300, so the byte-level training data (ids < 257) fits; tokenizers of 280 ids."""
+    f = tmp_path_factory
+    return {"tied": _tokenizer(_save(f, "ft_tied", "Llama", dict(max_shard_size="40KB"), vocab_size=300,
+                                     tie_word_embeddings=True), 280),
+            "llama": _tokenizer(_save(f, "ft_llama", "Llama", vocab_size=300), 280)}
+
+
+def test_init_from_hf_lr0_tied_tp2_pp2_export_reproduces_weights(ft_models, tmp_path, capsys):
+    """`train --init-from-hf` on tp=2 × pp=2 with a tied model (the head's stage reads embed_tokens), one
+    step at lr 0, then `hf-export`: every original safetensors tensor comes back (1e-6), nothing extra,
+    and the run directory records the tokenizer."""
+    from safetensors.torch import load_file
+
+    from shardwise.cli import main
+
+    path, run = ft_models["tied"], str(tmp_path / "run")
+    assert main(["train", "--init-from-hf", path, "--tp", "2", "--pp", "2", "--lr", "0", "--steps", "1",
+                 "--seq-len", "16", "--micro-batch", "1", "--microbatches", "2", "--save-every", "1", "--out", run,
+                 "--no-report", "--no-progress"]) == 0
+    with open(os.path.join(run, "config.json")) as f:
+        rec = json.load(f)["init_from_hf"]
+    assert rec["tokenizer"]["vocab_size"] == 280 and len(rec["weight_files"]) > 1, rec
+    out = str(tmp_path / "exported")
+    assert run_export(argparse.Namespace(ckpt_dir=os.path.join(run, "checkpoints"), out_dir=out)) == 0
+    files = hf._Files(path)
+    original = {n: files.read(n, tuple(slice(0, s) for s in files.shape(n))) for n in files.where}
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(exported) == sorted(original) and "lm_head.weight" not in exported
+    for n, t in original.items():
+        torch.testing.assert_close(exported[n], t, atol=1e-6, rtol=0, msg=lambda m: f"{n}: {m}")
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(hf_logits(out, tokens), hf_logits(path, tokens), atol=1e-6, rtol=0)
+
+
+def _finetune(path, ckpt):
+    """Inside each rank: 5 steps of a real fine-tune on dp=2 × tp=2 with ZeRO-1, a checkpoint, and the
+    loss (no update) on a held batch."""
+    from shardwise.checkpoint import save_checkpoint
+    from shardwise.train import Trainer, make_mesh
+
+    cfg = TrainConfig(model=None, init_from_hf=path, parallel=ParallelConfig(dp=2, tp=2, zero=1), steps=5,
+                      seq_len=16, micro_batch=2, global_batch=8, lr=3e-3, warmup_steps=1, progress=False)
+    cfg.resolve_world()
+    trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
+    losses = [trainer.train_step(s)["loss"] for s in range(cfg.steps)]
+    save_checkpoint(ckpt, cfg.steps, trainer)
+    return losses, trainer.forward_backward(HELD_STEP)
+
+
+def test_finetune_dp2_tp2_zero1_exported_loss_matches_transformers(ft_models, tmp_path):
+    from shardwise.data import Loader, load_tokens
+    from shardwise.launch import run_local
+
+    path, ckpt = ft_models["llama"], str(tmp_path / "ckpt")
+    results = run_local(_finetune, 4, path, ckpt, timeout_s=120)
+    losses, held = results[0]
+    assert all(r[1] == held for r in results)
+    out = str(tmp_path / "exported")
+    assert run_export(argparse.Namespace(ckpt_dir=ckpt, out_dir=out)) == 0
+    loader = Loader(load_tokens(None), 16, 8, TrainConfig().seed)
+
+    def hf_loss(d, step):
+        x, y = loader.global_batch_at(step)
+        logits = hf_logits(d, x)
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+
+    assert abs(hf_loss(path, 0) - losses[0]) <= 1e-5, (hf_loss(path, 0), losses)  # started from the HF weights
+    assert abs(hf_loss(out, HELD_STEP) - held) <= 1e-5, (hf_loss(out, HELD_STEP), held, losses)
+    assert abs(hf_loss(path, HELD_STEP) - held) > 1e-2, "the fine-tune changed the model"
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--model", "small"], "--model small contradicts --init-from-hf"),
+    (["--tie-embeddings"], "--tie-embeddings True contradicts"),
+    (["--moe-experts", "4"], "--moe-experts 4 contradicts"),
+    (["--seq-len", "128"], "--seq-len 128 exceeds max_seq_len=64"),
+])
+def test_init_from_hf_contradicting_flags_exit_2(ft_models, capsys, extra, message):
+    from shardwise.cli import main
+
+    assert main(["train", "--init-from-hf", ft_models["llama"], "--seq-len", "16", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_init_from_hf_tokenizer_and_data_vocab_checked(ft_models, models, tmp_path, capsys):
+    """Exit 2 before any rank starts: a tokenizer with more ids than the model's vocabulary; byte data
+    (ids up to 256) for a model of 101 ids; a shape override (e.g. n_layers) that differs."""
+    from shardwise.cli import main
+
+    big = str(tmp_path / "big")
+    shutil.copytree(ft_models["llama"], big)
+    _tokenizer(big, 400)
+    for path, message in ((big, "the tokenizer has 400 ids, more than the model's vocab_size=300"),
+                          (models["llama"], "token ids up to 256 exceed the vocab_size=101")):
+        assert main(["train", "--init-from-hf", path, "--seq-len", "16"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    cfg = TrainConfig(model=None, init_from_hf=ft_models["llama"], model_overrides={"n_layers": 3})
+    with pytest.raises(ConfigError, match="--n-layers 3 contradicts .* n_layers=4"):
+        cfg.model_config()

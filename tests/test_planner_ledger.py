@@ -60,6 +60,8 @@ LAYOUTS = {
     "cp2-ulysses": (2, "tiny", dict(cp=2, cp_impl="ulysses"), dict(KW, global_batch=4)),
     "dp2-pp2-1f1b": (4, "tiny", dict(dp=2, pp=2), dict(KW, global_batch=16)),
     "dp2-pp2-interleaved": (4, "tiny", dict(dp=2, pp=2, schedule="interleaved", vp=2), dict(KW, global_batch=16)),
+    "dp2-pp2-interleaved-tied-zero1": (4, "tiny", dict(dp=2, pp=2, schedule="interleaved", vp=2, zero=1),
+                                       dict(KW, global_batch=16, tie_embeddings=True)),  # the "emb" all-reduce
     "ep2-dp4-moe-zero0": (4, "tiny-moe", dict(dp=4, ep=2), dict(KW, global_batch=16)),
     "ep2-dp4-moe-zero1": (4, "tiny-moe", dict(dp=4, ep=2, zero=1), dict(KW, global_batch=16)),
     "ep2-dp2-tp2-sp-moe": (4, "tiny-moe", dict(dp=2, tp=2, ep=2, sequence_parallel=True), dict(KW, global_batch=8)),

@@ -144,6 +144,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     mem = mem or memory_by_stage(spec, lay, wl, assume.activation_model)
     links = axis_links(lay.dp, lay.pp, lay.cp, lay.tp, lay.ep, cluster.domain)
     rate = {a: cluster.bandwidth(links[a]) * assume.link_efficiency for a in AXES}
+    rate["emb"] = rate["pp"]  # tied embeddings' group: the first and last stage, across the pp links
     peak = peak_flops(cluster, wl)
     bubble, bubble_src = bubble_fraction(lay)
 
@@ -161,7 +162,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
             t_comp = hw / (peak * assume.flops_efficiency)
             t_cp = max(0.0, seconds(mb, "cp") - core / (peak * assume.flops_efficiency))
             t_mb = t_comp + t_cp + sum(seconds(mb, a) for a in ("tp", "pp", "ep"))
-            t_sync = seconds(sync, "tp") + seconds(sync, "pp")
+            t_sync = seconds(sync, "tp") + seconds(sync, "emb")
             t_sync += (1 - assume.dp_overlap) * (seconds(sync, "dp_cp") + seconds(sync, "edp"))
             updated = s["static"]["optimizer"] / 8  # parameters this rank's Adam step touches (its ZeRO shard)
             t_opt = updated * ADAM_STEP_BYTES / cluster.gpu.hbm_bytes_per_s

@@ -1,0 +1,99 @@
+"""`train --init-from-hf DIR`: fine-tuning a Hugging Face checkpoint on any layout.
+
+The model is the checkpoint's config.json (a preset or a contradicting shape flag is refused); before
+any rank starts the weights' shapes (safetensors headers only), the tokenizer's vocabulary and the
+training data's ids are checked against it; the Trainer then fills every rank's slices with
+`hf.load_hf_into` before it builds the optimizer (so ZeRO's flat buffers start from them). What the
+run started from, tokenizer included, is recorded in the run's config.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+
+import torch
+
+from .config import ConfigError, ModelConfig
+from .hf import _FIELDS, _Files, _source, config_from_hf
+
+# ModelConfig fields a fine-tune may set freely: they change training, not the checkpoint's shape.
+TRAINING_ONLY = {"name", "dropout", "attn_dropout", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate",
+                 "moe_capacity_factor"}
+
+
+def init_model_config(path: str, model, overrides: dict) -> ModelConfig:
+    """The model of `train --init-from-hf path`: the checkpoint's config.json plus training-only overrides.
+
+    A preset (`--model`) or a shape flag whose value differs from the checkpoint's is a ConfigError:
+    silently training another shape than the weights would fail later, on some rank, with less to go on.
+    """
+    base = config_from_hf(path)
+    if model is not None and not (isinstance(model, ModelConfig) and dataclasses.replace(model, name=base.name) == base):
+        shown = model if isinstance(model, str) else model.name
+        raise ConfigError(f"--model {shown} contradicts --init-from-hf {path}: the model's shape comes from its "
+                          "config.json (drop --model)")
+    for k, v in overrides.items():
+        if v is None or k in TRAINING_ONLY:
+            continue
+        if k not in _FIELDS or getattr(base, k) != v:
+            have = getattr(base, k, "no such field")
+            raise ConfigError(f"--{k.replace('_', '-')} {v} contradicts --init-from-hf {path}: its config.json gives "
+                              f"{k}={have!r} (drop the flag)")
+    cfg = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None and k in TRAINING_ONLY})
+    cfg.validate()
+    return cfg
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def init_record(path: str) -> dict:
+    """What a fine-tune started from (config.json's `init_from_hf`): the directory, its weight files and its
+    tokenizer (tokenizer.json through the `tokenizers` library: vocabulary size and sha256), if it has one."""
+    try:
+        files = _Files(path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"--init-from-hf {e}") from None
+    record = {"path": os.path.abspath(path), "weight_files": sorted({os.path.basename(f) for f in files.where.values()}),
+              "tokenizer": None}
+    tok = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tok):
+        from tokenizers import Tokenizer
+
+        try:
+            n = Tokenizer.from_file(tok).get_vocab_size(with_added_tokens=True)
+        except Exception as e:  # the tokenizers library raises its own exception types
+            raise ConfigError(f"--init-from-hf {tok}: not a readable tokenizer ({e})") from None
+        record["tokenizer"] = {"file": tok, "vocab_size": n, "sha256": _sha256(tok)}
+    return record
+
+
+def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int) -> dict:
+    """Before any rank starts: the weights match config.json (shapes from the safetensors headers only),
+    and the tokenizer's ids and the training data's ids (`data_vocab` = largest id + 1) fit the model's
+    vocabulary. ConfigError otherwise; returns `init_record(path)`."""
+    from .models.llama import Transformer
+
+    record = init_record(path)
+    files = _Files(path)
+    with torch.device("meta"):
+        expected = dict(Transformer(cfg).named_parameters())
+    for name, p in expected.items():
+        try:
+            src = _source(name, cfg, files)
+        except KeyError as e:
+            raise ConfigError(f"--init-from-hf {e.args[0]}") from None
+        if tuple(src.shape) != tuple(p.shape):
+            raise ConfigError(f"--init-from-hf {path}: {src.names[0]} has shape {tuple(src.shape)}, but its "
+                              f"config.json makes {name} {tuple(p.shape)}")
+    tok = record["tokenizer"]
+    if tok is not None and tok["vocab_size"] > cfg.vocab_size:
+        raise ConfigError(f"--init-from-hf {tok['file']}: the tokenizer has {tok['vocab_size']} ids, more than the "
+                          f"model's vocab_size={cfg.vocab_size}")
+    if data_vocab > cfg.vocab_size:
+        raise ConfigError(f"--data: token ids up to {data_vocab - 1} exceed the vocab_size={cfg.vocab_size} of "
+                          f"--init-from-hf {path}; tokenize the data with the model's tokenizer")
+    return record
