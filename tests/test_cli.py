@@ -3,13 +3,33 @@ import json
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
+
+from shardwise.cli import main
 
 
 def shardwise(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+class Launched(Exception):
+    """Raised instead of starting ranks: the arguments passed every check made before any rank starts."""
+
+
+def main_without_ranks(argv: list[str]) -> int:
+    """`shardwise.cli.main(argv)` in this process (milliseconds), with the launcher and the one-rank path
+    replaced by `Launched`, so a bad-input case costs no process and a valid one starts no rank."""
+    def launched(*args, **kwargs):
+        raise Launched(argv)
+
+    with mock.patch("shardwise.launch.run_local", launched), mock.patch("shardwise.cli._run", launched):
+        try:
+            return main(argv)
+        except SystemExit as e:  # argparse's own errors (unknown flag, non-integer value)
+            return e.code
 
 
 @pytest.mark.parametrize("args, message", [
@@ -26,12 +46,19 @@ def shardwise(*args, timeout=300):
     (["train", "--device", "cuda"], "--device cuda: no CUDA device is visible"),
     (["verify", "--label-smoothing", "1.5"], "--label-smoothing 1.5 must be in [0, 1)"),
 ])
-def test_bad_input_exits_2_with_one_line(args, message):
+def test_bad_input_exits_2_with_one_line(args, message, capsys):
+    """In-process: the checks run before any rank starts, so none needs a process of its own."""
+    assert main_without_ranks(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"shardwise {args[0]}: error: ") and message in lines[0], lines
+
+
+def test_bad_input_from_the_shell_exits_2_before_any_rank():
+    """The same contract end to end, once, as a user's shell sees it."""
     t0 = time.monotonic()
-    r = shardwise(*args)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], r.stderr
+    r = shardwise("train", "--tp", "3")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "shardwise train: error: --tp 3 does not divide n_heads=8 of model 'tiny'"], r.stderr
     assert time.monotonic() - t0 < 30
 
 
@@ -53,10 +80,10 @@ def test_train_writes_run_directory(tmp_path):
     assert "trained tiny" in r.stdout
 
 
-def test_verify_prints_json_last_line():
-    r = shardwise("verify", "--tp", "2", "--dp", "2", "--steps", "2")
-    assert r.returncode == 0, r.stderr
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+def test_verify_prints_json_last_line(capsys):
+    """In-process (the ranks are forked from this process, as the CLI forks them from its own)."""
+    assert main(["verify", "--tp", "2", "--dp", "2", "--steps", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) >= {"layout", "steps", "max_loss_abs_diff", "max_grad_rel_diff", "max_param_rel_diff",
                            "passed"}
     assert result["passed"] is True and result["steps"] == 2 and result["layout"]["tp"] == 2

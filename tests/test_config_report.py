@@ -1,11 +1,16 @@
-"""Config files, --print-config, `shardwise report`, and property-based bad input (always exit 2, one line)."""
+"""Config files, --print-config, `shardwise report` and TensorBoard, and property-based bad input (exit 2, one line)."""
+import json
 import subprocess
 import sys
 
+import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardwise.cli import main
+
+from test_cli import Launched, main_without_ranks
 
 
 def shardwise(*args, timeout=120):
@@ -41,7 +46,7 @@ def test_report_renders_pngs(tmp_path):
     r = shardwise("train", "--pp", "2", "--microbatches", "2", "--steps", "3", "--seq-len", "32", "--no-progress",
                   "--out", str(run))
     assert r.returncode == 0, r.stderr
-    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    _tensorboard_equals_metrics_and_ledger(run)
     assert (run / "timeline.png").stat().st_size > 1000 and "wrote loss.png" in r.stdout  # train drew them itself
     (run / "timeline.png").unlink()
     r = shardwise("report", str(run))
@@ -50,6 +55,29 @@ def test_report_renders_pngs(tmp_path):
         assert (run / png).stat().st_size > 1000
     assert "measured bubble" in r.stdout and "pp" in r.stdout
     assert shardwise("report", str(tmp_path / "nope")).returncode == 2
+
+
+def _tensorboard_equals_metrics_and_ledger(run):
+    """The TensorBoard events, read back with tensorboard's own loader, hold metrics.jsonl's scalars and
+    comm.json's bytes per axis for every step (as float32, what a scalar summary stores)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    events = list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1, events
+    got = {}
+    for event in EventFileLoader(str(events[0])).Load():
+        for v in event.summary.value:
+            got[(v.tag, event.step)] = v.simple_value if v.HasField("simple_value") else float(v.tensor.float_val[0])
+    want = {}
+    for row in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()):
+        for key in ("loss", "lr", "grad_norm", "step_time_s"):
+            want[(f"train/{key}", row["step"])] = row[key]
+        want[("train/tokens_per_s", row["step"])] = row["tokens"] / row["step_time_s"]
+    for entry in json.loads((run / "comm.json").read_text())["per_step"]:
+        for axis, ops in entry["axes"].items():
+            want[(f"comm_bytes/{axis}", entry["step"])] = sum(v["bytes"] for v in ops.values())
+    assert {("comm_bytes/pp", 3), ("train/loss", 1)} <= set(want)
+    assert got == {k: float(np.float32(v)) for k, v in want.items()}
 
 
 ANY_FLAG = ["--dp", "--tp", "--pp", "--cp", "--ep", "--steps", "--seq-len", "--micro-batch", "--global-batch",
@@ -67,14 +95,69 @@ INVALID = st.one_of(
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(bad=INVALID, model=st.sampled_from(["tiny", "tiny-moe"]), extra=st.sampled_from([[], ["--tp", "2"],
                                                                                         ["--pp", "2"]]))
-def test_invalid_configurations_exit_2_with_one_line(bad, model, extra, capsys):
-    """Random invalid values never start a rank: exit 2 and one line, whatever else is set."""
+def test_invalid_values_exit_2_with_one_line(bad, model, extra, capsys):
+    """One invalid value never starts a rank: exit 2 and one line, whatever else is set."""
     flag, value = bad
     args = ["train", flag, str(value), "--model", model] + [x for x in extra if flag not in extra]
-    if flag != "--steps":
-        args += ["--steps", "1", "--no-progress"]  # should a valid layout slip through, fail fast
-    code = main(args)
+    code = main_without_ranks(args)
     err = capsys.readouterr().err.strip().splitlines()
-    assert main(["train", "--model", "nope"]) == 2 and "unknown model" in capsys.readouterr().err
     assert code == 2, (args, err)
     assert len(err) == 1 and err[0].startswith("shardwise train: error: "), (args, err)
+
+
+# Whole layouts: every flag is drawn from values that are valid on their own (for some model), so only
+# combinations can be invalid. The rule below is written from the README, independently of config.py.
+LAYOUT = st.fixed_dictionaries({
+    "model": st.sampled_from(["tiny", "tiny-moe"]),  # 8 heads, 4 K/V heads, ffn 256, 8 layers; tiny-moe: 8 experts
+    "dp": st.sampled_from([1, 2, 3, 4, 6]), "tp": st.sampled_from([1, 2, 4, 8]),
+    "pp": st.sampled_from([1, 2, 4, 8]), "cp": st.sampled_from([1, 2, 4]), "ep": st.sampled_from([1, 2, 4, 8]),
+    "sequence_parallel": st.booleans(), "seq_len": st.sampled_from([8, 12, 16, 20, 24, 32, 36, 48, 96]),
+    "micro_batch": st.sampled_from([1, 2]), "global_batch": st.sampled_from([None, 2, 4, 6, 8, 12]),
+})
+
+
+def layout_errors(lay: dict) -> list[str]:
+    """What is wrong with a drawn layout, each as a fragment its error line must contain (empty: valid)."""
+    dp, tp, pp, cp, ep, seq = (lay[k] for k in ("dp", "tp", "pp", "cp", "ep", "seq_len"))
+    wrong = []
+    if ep > 1 and lay["model"] != "tiny-moe":
+        wrong.append("--ep")  # experts need an MoE model
+    if ep > 1 and (dp * cp) % ep:
+        wrong.append("--ep")  # ep is carved out of dp × cp
+    if lay["sequence_parallel"] and tp == 1:
+        wrong.append("--sequence-parallel")
+    if cp > 1 and seq % (2 * cp):
+        wrong.append("cp")  # the balanced order splits each sequence into 2·cp chunks
+    if lay["sequence_parallel"] and tp > 1 and (seq // cp) % tp:
+        wrong.append("--seq-len")  # SP shards each rank's tokens over tp
+    gb = lay["global_batch"]
+    if gb is not None and gb % (lay["micro_batch"] * dp):
+        wrong.append("--global-batch")
+    if dp * tp * pp * cp > 64:
+        wrong.append("ranks")  # the local launcher's limit
+    return wrong
+
+
+def _layout_argv(lay: dict) -> list[str]:
+    argv = ["train", "--model", lay["model"], "--steps", "1", "--no-progress"]
+    for k in ("dp", "tp", "pp", "cp", "ep", "seq_len", "micro_batch", "global_batch"):
+        if lay[k] is not None:
+            argv += [f"--{k.replace('_', '-')}", str(lay[k])]
+    return argv + (["--sequence-parallel"] if lay["sequence_parallel"] else [])
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lay=LAYOUT)
+def test_whole_layouts_valid_exactly_when_the_rule_says(lay, capsys):
+    """A valid layout reaches the launcher; an invalid one exits 2 with one line naming a bad value."""
+    argv = _layout_argv(lay)
+    wrong = layout_errors(lay)
+    if not wrong:
+        with pytest.raises(Launched):
+            main_without_ranks(argv)
+        return
+    assert main_without_ranks(argv) == 2, (argv, wrong)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise train: error: "), (argv, err)
+    assert any(w in err[0] for w in wrong), (argv, wrong, err)

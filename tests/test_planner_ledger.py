@@ -4,9 +4,10 @@ Each layout runs one `Trainer.train_step` in forked gloo ranks (several layouts 
 the same ranks: one spawn per world size), and every rank reports
 
 * its comm ledger of the step (`mesh.ledger.steps[-1]["axes"]`, what comm.json's per_step holds);
-* its static memory: parameters (Σ numel·4), gradients (Σ grad numel·4 after a backward), AdamW's
-  exp_avg + exp_avg_sq (Σ numel·4 of the optimizer state) and, under ZeRO-1, GradReducer's flat
-  full-gradient buffers and shard gradients;
+* its static memory: parameters (Σ numel·4), AdamW's exp_avg + exp_avg_sq (Σ numel·4 of the optimizer
+  state) and its gradient memory after a backward: the bytes of the distinct storages behind every
+  .grad and, under ZeRO-1, GradReducer's flat full-gradient buffers and shard gradients (so a .grad that
+  is not a view of its flat buffer — a twin — counts twice);
 * its activation memory of one microbatch: the bytes of every *unique storage* that autograd saves
   for backward during that microbatch's forward (through all of the rank's pipeline chunks), seen by a
   `torch.autograd.graph.saved_tensors_hooks` pack hook — parameters (and the ZeRO flat buffers they
@@ -19,9 +20,10 @@ follow the routing: `all_to_all:combine` and `:dispatch_grad` carry the rows thi
 received, and every routed all-to-all's wire bytes the rows that left for other ranks. For those the
 planner predicts the balanced value; the test checks that the mean over each ep group's ranks equals
 it exactly (every row sent is received), and that each rank's backward mirrors its forward. Static
-bytes match exactly; activations within 10% (in practice to a few tenths of a percent: the token ids
-the loader hands out are views of its whole batch), per rank — for MoE layouts per ep group, since the
-rows each rank's experts receive follow the routing too.
+bytes match exactly; activations within 0.1% (term by term; bf16 MoE within 11%, see ACTIVATION_REL_TOL),
+per rank — for MoE layouts per ep group, since the rows each rank's experts receive follow the routing too.
+The microbatch's token ids are cloned (the loader's are views of its whole batch) and a later stage's
+input has the wire dtype, as in a real run.
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ def _one_microbatch(trainer: Trainer, cfg: TrainConfig) -> tuple[int, int]:
     """(activation bytes saved by one microbatch's forward through this rank's chunks, grad bytes of a backward)."""
     mesh, p = trainer.mesh, cfg.parallel
     x, y = trainer.loader.global_batch_at(0)
-    x, y = x[:cfg.micro_batch], y[:cfg.micro_batch]
+    x, y = x[:cfg.micro_batch].clone(), y[:cfg.micro_batch].clone()  # not views of the loader's whole batch
     if mesh["cp"].active:
         x, y = (shard_sequence(t, mesh["cp"].rank, p.cp, p.cp_order) for t in (x, y))
     params = list(trainer.model.parameters())
@@ -112,7 +114,8 @@ def _one_microbatch(trainer: Trainer, cfg: TrainConfig) -> tuple[int, int]:
         if chunk is None:
             inp, run, last = x, trainer.model, True
         else:
-            inp = x if chunk.first else torch.randn(trainer.executor.act_shape, requires_grad=True)
+            inp = x if chunk.first else torch.randn(trainer.executor.act_shape, dtype=trainer.executor.act_dtype,
+                                                    requires_grad=True)  # what the p2p receive hands over
             run, last = chunk, chunk.last
 
         def forward():
@@ -126,9 +129,16 @@ def _one_microbatch(trainer: Trainer, cfg: TrainConfig) -> tuple[int, int]:
     for out in outs:  # every rank of a tp / ep group runs the same backwards, so their collectives pair up
         out.backward(torch.ones_like(out))
     assert all(q.grad is not None for q in params)
-    grads = sum(q.grad.numel() * q.grad.element_size() for q in params)
+    grads = _distinct_storage_bytes([q.grad for q in params]
+                                    + [t for g in getattr(trainer.reducer, "flat", []) for t in (g["grad_full"],
+                                                                                                  g["shard"].grad)])
     trainer.reducer.zero_grad()
     return total, grads
+
+
+def _distinct_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`: views of one buffer count once, a twin copy twice."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def _run(names: list[str], seed: int) -> dict:
@@ -142,15 +152,12 @@ def _run(names: list[str], seed: int) -> dict:
         axes = mesh.ledger.steps[-1]["axes"]
         params = list(trainer.model.parameters())
         state = trainer.reducer.optimizer.state.values()
-        # ZeRO-1: .grad tensors are views of grad_full, so only its padding and the shard grad are extra
-        buffers = sum(g["grad_full"].numel() - sum(k for *_, k in g["offsets"]) + g["shard"].grad.numel()
-                      for g in getattr(trainer.reducer, "flat", []))
-        act, grads = _one_microbatch(trainer, cfg)
+        act, grad_memory = _one_microbatch(trainer, cfg)
         out[name] = dict(
             rank=mesh.rank, pp=mesh["pp"].rank, ep_ranks=mesh["ep"].ranks, axes=axes,
-            static=dict(weights=sum(q.numel() for q in params) * 4, grads=grads,
+            static=dict(weights=sum(q.numel() for q in params) * 4,
                         optimizer=sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in state) * 4,
-                        grad_buffers=buffers * 4),
+                        grad_memory=grad_memory),
             activation=act)
     return out
 
@@ -229,11 +236,20 @@ def test_static_memory_matches_planner(measured, name):
     for rep in runs[name]:
         st = stages(spec, lay)[rep["pp"]]
         predicted = static_bytes(stage_params(spec, st, lay), lay)
+        # every byte of gradient storage the rank holds, counted by distinct storage: under ZeRO-1 each .grad
+        # is a view of the padded flat buffer, so a twin gradient copy would add its bytes here
+        predicted["grad_memory"] = predicted["grads"] + predicted["grad_buffers"]
         assert {k: predicted[k] for k in rep["static"]} == rep["static"], f"{name} rank {rep['rank']}"
 
 
+# Measured agreement: ≤ 0.012% everywhere but bf16 MoE (measured 9.8% below the planner; fp32 MoE agrees to
+# 0.012%): the planner models CUDA's routed experts — per-expert F.linear under autocast, bf16 weight copies
+# and activations — while CPU runs them as fp32 torch._grouped_mm (no weight copies, fp32 activations).
+ACTIVATION_REL_TOL = {"ep2-dp2-moe-bf16": 0.11}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_activation_memory_within_10_percent(measured, name):
+def test_activation_memory_within_0_1_percent(measured, name):
     seed, runs = measured
     spec, lay, wl, _ = _planner(name, seed)
     groups = defaultdict(list)  # MoE: ranks of one ep group share out the routed rows
@@ -242,5 +258,5 @@ def test_activation_memory_within_10_percent(measured, name):
     for ranks, reps in groups.items():
         predicted = [microbatch_activation_bytes(spec, stages(spec, lay)[r["pp"]], lay, wl)["total"] for r in reps]
         got = sum(r["activation"] for r in reps) / len(reps)
-        assert math.isclose(got, sum(predicted) / len(reps), rel_tol=0.10), \
+        assert math.isclose(got, sum(predicted) / len(reps), rel_tol=ACTIVATION_REL_TOL.get(name, 1e-3)), \
             f"{name} ranks {ranks}: measured {got}, predicted {sum(predicted) / len(reps)} (seed {seed})"

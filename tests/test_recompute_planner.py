@@ -5,8 +5,9 @@ pp2 1f1b, cp2 ring, cp2 Ulysses and dp2×ep2 tiny-moe under each recompute mode.
 
 * Memory: inside a `SavedActivationMeter` (peak bytes of distinct saved storages, parameters
   excluded; max over ranks) against `predicted_activation_bytes` (the planner's per-stage figure for
-  exactly that run): within 3% (in practice < 1% for dense layouts — the loader's token ids are views
-  of its whole batch — and ~2% for MoE, whose routed rows follow the router), and full < selective < none.
+  exactly that run): within 1% for dense layouts (measured: exact to 0.03% without recompute or with
+  selective, ≤ 0.85% under full recompute with TP/CP/PP) and 3% for MoE, whose routed rows follow the
+  router (measured ≤ 2.1%: the meter takes the max over ranks, not an ep-group mean); full < selective < none.
 * Comm: every op of the step's ledger equals the planner's `comm_ops_per_step` (count, bytes, wire
   bytes) — the recomputed forward's TP/SP collectives, ring sends, Ulysses and MoE all-to-alls
   included (routed all-to-alls by count: their payloads follow the routing; tests/test_planner_ledger.py
@@ -64,7 +65,8 @@ def test_recompute_memory_and_comm_match_planner(tmp_path):
     for (name, mode), (got, axes, stage) in measured.items():
         cfg = _cfg(name, mode, seed)
         want = predicted_activation_bytes(cfg)["held"]
-        assert abs(got / want - 1) < 0.03, f"{name} recompute {mode}: measured {got}, predicted {want} (seed {seed})"
+        bound = 0.03 if "moe" in name else 0.01  # MoE: each rank's expert rows follow the router (measured ≤ 2.1%)
+        assert abs(got / want - 1) < bound, f"{name} recompute {mode}: measured {got}, predicted {want} (seed {seed})"
         spec, lay, wl = from_train_config(cfg)
         est = estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl, detail=True)
         predicted = est["stages"][stage]["comm_ops_per_step"]
