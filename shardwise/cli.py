@@ -22,7 +22,8 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     for axis, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
         g.add_argument(f"--{axis}", type=int, default=None, help=f"{what}-parallel degree"
                        + (" (-1: the rest of the world size)" if axis == "dp" else ""))
-    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism in TP regions")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
+                   help="Megatron sequence parallelism in TP regions (default off)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage: 0 or 1 (AdamW state sharded over dp)")
     g.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zb, dualpipev")
     g.add_argument("--vp", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
@@ -39,7 +40,10 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
-    p.add_argument("--model", default="tiny", help="model preset (tiny, small, llama3-8b, ...)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="tiny", help="model preset (tiny, small, llama3-8b, ...)")
+    src.add_argument("--model-config", default=None, metavar="HF_CONFIG.json",
+                     help="a Hugging Face config.json (or model directory): llama, mistral, qwen2 or mixtral shapes")
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch per dp rank")
@@ -129,7 +133,12 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
         if dp == -1:  # under torchrun: the rest of the world (resolve_world reports a bad split)
             dp = max(1, torchrun_world // (degrees["pp"] * degrees["cp"] * degrees["tp"]))
         args.global_batch = args.microbatches * args.micro_batch * dp
-    cfg = TrainConfig(model=args.model, parallel=parallel, steps=args.steps, seq_len=args.seq_len,
+    model = args.model
+    if args.model_config:
+        from .hf_config import config_from_hf
+
+        model = config_from_hf(args.model_config)
+    cfg = TrainConfig(model=model, parallel=parallel, steps=args.steps, seq_len=args.seq_len,
                       micro_batch=args.micro_batch, global_batch=args.global_batch, lr=args.lr, seed=args.seed,
                       dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,
                       attn_dropout=args.attn_dropout, tie_embeddings=args.tie_embeddings,

@@ -282,7 +282,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({"train": {k: v for k, v in vars(cfg).items() if k != "parallel"},
-                       "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg)}, f, indent=1)
+                       "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg)}, f, indent=1,
+                      default=vars)  # --model-config: TrainConfig.model is a ModelConfig
     start = 0
     ckpt_dir = cfg.checkpoint_dir or os.path.join(out, "checkpoints")
     if cfg.resume:
@@ -344,7 +345,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                 "comm_bytes_per_step": {}, "out": out}
     times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     summary = {
-        "layout": layout, "model": cfg.model, "steps": cfg.steps,
+        "layout": layout, "model": trainer.model_cfg.name, "steps": cfg.steps,
         "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
         "tokens_per_s": records[0]["tokens"] / (sum(times) / len(times)),
         "comm_bytes_per_step": {a: sum(v["bytes"] for v in ops.values())
