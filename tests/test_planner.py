@@ -208,7 +208,7 @@ def test_hf_mixtral(tmp_path):
                                                     "num_experts_per_tok": 2}))
     h, L = 256, 2
     attn = h * 256 * 2 + h * 128 * 2
-    assert spec.is_moe and spec.topk == 2
+    assert spec.is_moe and spec.moe_topk == 2
     assert total_params(spec) == L * (attn + 4 * 3 * h * 512 + 4 * h + 2 * h) + h + 2 * 1000 * h
 
 
@@ -436,13 +436,13 @@ def test_mfu_is_consistent():
 def test_tiny_moe_spec_follows_shardwise():
     cfg, spec = MODEL_PRESETS["tiny-moe"], get_model("tiny-moe")
     assert [spec.is_moe_layer(i) for i in range(spec.n_layers)] == [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
-    assert (spec.n_experts, spec.topk, spec.expert_ffn_dim, spec.n_shared_experts, spec.aux_loss) == (8, 2, 128, 1, True)
+    assert (spec.moe_experts, spec.moe_topk, spec.expert_ffn_dim, spec.moe_shared_experts, spec.aux_loss) == (8, 2, 128, 1, True)
     lay = Layout(pp=2, m=2)
     assert [(s.n_dense, s.n_moe, s.kinds) for s in stages(spec, lay)] == [(2, 2, (True, False, True, False))] * 2
     # The MoE block is replicated over tp (only attention and the dense MLPs are sharded), split over ep.
     moe = lambda tp, ep: layer_params(spec, True, tp, ep)  # noqa: E731
     h, f = spec.dim, spec.expert_ffn_dim
-    block = h * spec.n_experts + 3 * h * f  # router + shared expert
+    block = h * spec.moe_experts + 3 * h * f  # router + shared expert
     attention = lambda tp: sum(t.numel for t in attention_tensors(spec, tp))  # noqa: E731
     assert moe(1, 1).total - moe(2, 1).total == attention(1) - attention(2)
     assert moe(1, 2).expert == 3 * 4 * h * f and moe(2, 2).expert == moe(1, 2).expert

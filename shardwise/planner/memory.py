@@ -184,9 +184,9 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
         mlp += _region_input(n, h, 2 if swiglu else 1, e, r)
         mlp += (4 if swiglu else 2) * e * n * (spec.ffn_dim // t)
         return attn + mlp
-    k, E, f_e = spec.topk, spec.n_experts, spec.expert_ffn_dim
+    k, E, f_e = spec.moe_topk, spec.moe_experts, spec.expert_ffn_dim
     rows = n_r * k
-    mlp += _region_input(n_r, h, 1 + (2 if spec.n_shared_experts else 0), e, r)  # router (+ shared w1, w3) input
+    mlp += _region_input(n_r, h, 1 + (2 if spec.moe_shared_experts else 0), e, r)  # router (+ shared w1, w3) input
     mlp += 4 * n_r * (2 * E + 1) + 8 * rows  # router: logits, probs, LSE (fp32), top-k indices
     mlp += 8 * rows * 2 + 4 * rows  # dispatch: send order, token index (int64), assignment weights
     mlp += 4 * rows * h  # received rows as the fp32 grouped-GEMM input (autocast leaves _grouped_mm alone)
@@ -194,7 +194,7 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
         mlp += 2 * 8 * rows  # regroup permutation and its inverse
     mlp += 4 * e * rows * f_e  # w1 out, silu out, w3 out, product
     mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
-    mlp += 4 * e * n_r * spec.n_shared_experts * f_e
+    mlp += 4 * e * n_r * spec.moe_shared_experts * f_e
     return attn + mlp
 
 
@@ -234,10 +234,10 @@ def korthikanti_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, 
     if not moe:
         mlp += inner * e * tokens * (spec.ffn_dim // t)
     else:
-        routed = spec.topk * tokens  # tokens this rank's experts process on average (uniform routing)
-        mlp += 4 * tokens * spec.n_experts  # fp32 router probabilities
+        routed = spec.moe_topk * tokens  # tokens this rank's experts process on average (uniform routing)
+        mlp += 4 * tokens * spec.moe_experts  # fp32 router probabilities
         mlp += 2 * e * routed * h + inner * e * routed * (spec.expert_ffn_dim // t)  # dispatched in, out before combine
-        mlp += inner * e * tokens * spec.n_shared_experts * (spec.expert_ffn_dim // t)
+        mlp += inner * e * tokens * spec.moe_shared_experts * (spec.expert_ffn_dim // t)
     return attn + mlp
 
 

@@ -61,7 +61,7 @@ def candidates(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpa
                 links = axis_links(dp, pp, cp, tp, 1, cluster.domain)
                 if links["tp"] == "network" and not space.allow_tp_cross_domain:
                     continue
-                eps = divisors(gcd(dp * cp, spec.n_experts)) if spec.is_moe else [1]
+                eps = divisors(gcd(dp * cp, spec.moe_experts)) if spec.is_moe else [1]
                 for ep in eps:
                     for mb in space.micro_batches:
                         if wl.global_batch % (dp * mb):
