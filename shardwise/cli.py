@@ -52,7 +52,8 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
-    p.add_argument("--fp32-residual", action="store_true", help="under bf16: keep the residual stream fp32")
+    p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=False,
+                   help="under bf16: keep the residual stream fp32 (default off)")
     p.add_argument("--grad-reduce-dtype", default="fp32", help="DP gradient reduction dtype: fp32 or bf16")
     p.add_argument("--data", default=None, help="text file (default: the embedded pydoc_data corpus)")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")

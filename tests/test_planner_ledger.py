@@ -140,9 +140,10 @@ def _run(names: list[str], seed: int) -> dict:
         axes = mesh.ledger.steps[-1]["axes"]
         params = list(trainer.model.parameters())
         state = trainer.reducer.optimizer.state.values()
-        # ZeRO-1: .grad tensors are views of grad_full, so only its padding and the shard grad are extra
-        buffers = sum(g["grad_full"].numel() - sum(k for *_, k in g["offsets"]) + g["shard"].grad.numel()
-                      for g in getattr(trainer.reducer, "flat", []))
+        # ZeRO-1: params and .grads are views of flat and grad_full, so their padding, the shard grad and
+        # the shard's grad-norm weights are extra
+        buffers = sum(g["flat"].numel() + g["grad_full"].numel() - 2 * sum(k for *_, k in g["offsets"])
+                      + g["shard"].grad.numel() + g["norm_weight"].numel() for g in getattr(trainer.reducer, "flat", []))
         act, grads = _one_microbatch(trainer, cfg)
         out[name] = dict(
             rank=mesh.rank, pp=mesh["pp"].rank, ep_ranks=mesh["ep"].ranks, axes=axes,

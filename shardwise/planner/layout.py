@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from shardwise.partition import balanced_counts
 from shardwise.planner.errors import PlanError
 from shardwise.planner.models import ModelSpec, local_kv_heads
 
@@ -207,11 +208,6 @@ class Stage:
         return self.n_dense + self.n_moe
 
 
-def _chunk_sizes(n_layers: int, chunks: int) -> list[int]:
-    q, r = divmod(n_layers, chunks)
-    return [q + (1 if j < r else 0) for j in range(chunks)]
-
-
 def chunk_owners(lay: Layout) -> list[int]:
     """Stage of each model chunk, in model order (pp×vp chunks; vp counts only when pp > 1)."""
     p, v = lay.pp, lay.vp if lay.pp > 1 else 1
@@ -225,7 +221,7 @@ def stage_layer_ids(spec: ModelSpec, lay: Layout) -> list[list[int]]:
     owner = chunk_owners(lay)
     held: list[list[int]] = [[] for _ in range(lay.pp)]
     start = 0
-    for j, size in enumerate(_chunk_sizes(spec.n_layers, len(owner))):
+    for j, size in enumerate(balanced_counts(spec.n_layers, len(owner))):
         held[owner[j]] += range(start, start + size)
         start += size
     return [sorted(ids) for ids in held]

@@ -6,8 +6,9 @@ gradients and two fp32 Adam moments, 16 bytes per parameter — the same total a
 dp×cp (expert weights: over the expert-data-parallel group), ZeRO-2 also the grads, ZeRO-3 also the
 weights. Shards are exactly shardwise's: `GradReducer` keeps one flat buffer per (expert?, matrix?)
 group — dense matrices, dense 1-D tensors, expert matrices — each padded up to a multiple of its group;
-under ZeRO-1 the .grad tensors are views of each padded flat buffer, and the shard's gradient is kept
-beside them (`grad_buffers`: padding + shard), so ZeRO-1 saves 8·P·(1 − 1/g) − 4·P/g bytes for g > 1.
+under ZeRO-1 the parameters and .grad tensors are views of padded flat buffers, and the shard's gradient
+and grad-norm weights are kept beside them (`grad_buffers`: 2·(padding + shard)), so ZeRO-1 saves
+8·P·(1 − 1/g) − 8·P/g bytes: nothing at g = 2, more from g = 3 on.
 
 Activations have two models (`ACTIVATION_MODELS`):
 
@@ -87,9 +88,11 @@ def zero_shard_numel(local: Params, lay: Layout) -> int:
 def static_bytes(local: Params, lay: Layout) -> dict:
     """Weights, grads and optimizer state of one rank, as ZeRO stage `lay.zero` divides them.
 
-    `grad_buffers`: shardwise's ZeRO-1 (`GradReducer`) makes every .grad a view of its group's
-    padded flat fp32 gradient buffer (the reduce-scatter input) and keeps the fp32 gradient of the
-    rank's shard — 4·(padding + shard) bytes beyond the gradients themselves.
+    `grad_buffers`: shardwise's ZeRO-1 (`GradReducer`) makes every parameter a view of its group's
+    padded flat fp32 buffer and every .grad a view of a padded flat fp32 gradient buffer (the
+    reduce-scatter input), and keeps the fp32 gradient of the rank's shard and its grad-norm weights
+    (1/replicas per element) — 4·(2·padding + 2·shard) bytes beyond the weights and gradients, so the
+    total is what the trainer's storages hold (summary.json `static_bytes_measured`).
     """
     shard = zero_shard_numel(local, lay)
 
@@ -100,7 +103,7 @@ def static_bytes(local: Params, lay: Layout) -> dict:
         "weights": part(BYTES_WEIGHT, lay.zero >= 3),
         "grads": part(BYTES_GRAD, lay.zero >= 2),
         "optimizer": part(BYTES_ADAM, lay.zero >= 1),
-        "grad_buffers": BYTES_GRAD * (sum(_shard(n, g) * g - n for _, n, g in zero_groups(local, lay)) + shard)
+        "grad_buffers": BYTES_GRAD * 2 * (sum(_shard(n, g) * g - n for _, n, g in zero_groups(local, lay)) + shard)
         if lay.zero == 1 else 0,
     }
     out["total"] = sum(out.values())
