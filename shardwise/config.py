@@ -316,9 +316,6 @@ class TrainConfig:
     def _validate_recompute(p: ParallelConfig, m: ModelConfig) -> None:
         if p.recompute not in ("none", "selective", "full"):
             raise ConfigError(f"--recompute {p.recompute!r} is not supported; valid: none, selective, full")
-        if p.recompute == "full" and p.pp > 1 and p.schedule in ("zb", "dualpipev"):
-            raise ConfigError(f"--recompute full with --schedule {p.schedule} is not supported yet (deferred weight "
-                              "gradients of recomputed blocks); valid there: none, selective")
         if p.recompute_layers is None:
             return
         stages = p.pp * (p.vp if p.pp > 1 else 1)
