@@ -105,7 +105,7 @@ def test_commands_spell_out_the_row(capsys, argv, gpus, layers):
         cmd, lay = shlex.split(r["command"]), Layout(**r["layout"])
         head = ["torchrun", "--nnodes", "8", "--nproc-per-node", "8"] if gpus == 64 else ["shardwise", "train"]
         assert cmd[:len(head)] == head
-        parsed, wl = parse_train_flags(r["command"], gpus, None, argv[1])
+        parsed, wl = parse_train_flags(r["command"], gpus, None, argv[1], layers)
         assert parsed == lay, r["command"]
         assert (wl["precision"], wl["seq_len"]) == ("fp32" if "fp32" in argv else "bf16", int(argv[argv.index("--seq-len") + 1]))
         assert ("--pp-layers" in cmd) == bool(layers % (lay.pp * lay.vp))
@@ -121,9 +121,13 @@ def test_explain_takes_train_flags(capsys):
     again = _plan(capsys, base + ["--explain", row["command"]])
     for key in ("layout", "static_bytes_per_rank", "activation_bytes_per_rank", "step_time_s", "command"):
         assert again[key] == row[key], key
-    assert cli.main(base + ["--explain", "--tp 2 --bogus 1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "unrecognized arguments: --bogus 1" in err[0]
+    for flags, why in (("--tp 2 --bogus 1", "unrecognized arguments: --bogus 1"),
+                       ("--pp 2 --pp-scatter-gather", "--pp-scatter-gather is not modelled"),
+                       ("--pp 2 --pp-layers 3,5", "--pp-layers 3,5 is not the planner's balanced split 4,4"),
+                       ("--model small --tp 2", "model 'small' is not the plan's 'tiny'")):
+        assert cli.main(base + ["--explain", flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], err
 
 
 def test_top_plan_rows_run_as_printed(tmp_path, capsys):

@@ -117,7 +117,8 @@ def model_flags(args) -> list[str]:
 def _explain(args, spec, cluster, wl, assume) -> int:
     text = args.explain.strip()
     if text.startswith("-") or text.split(" ", 1)[0] in ("shardwise", "torchrun", "train"):
-        lay, wl_fields = parse_train_flags(text, cluster.gpus, args.global_batch, (args.model_config or args.model))
+        lay, wl_fields = parse_train_flags(text, cluster.gpus, args.global_batch, (args.model_config or args.model),
+                                          spec.n_layers)
         wl = replace(wl, **wl_fields)
         uneven = args.uneven_pp or "--pp-layers" in text
     else:

@@ -19,6 +19,8 @@ from shardwise.planner.layout import Layout, Workload
 from shardwise.planner.models import ModelSpec
 
 TORCHRUN_RDZV = "--rdzv-backend c10d --rdzv-endpoint HEAD_NODE_IP:29500 --rdzv-id shardwise"
+UNMODELLED = ("--pp-scatter-gather", "--recompute-layers", "--dropout", "--attn-dropout", "--tie-embeddings")
+"""Train flags that change what runs in ways a plan row does not describe (refused by --explain)."""
 
 
 def train_flags(model_flags: list[str], spec: ModelSpec, lay: Layout, wl: Workload) -> list[str]:
@@ -85,7 +87,8 @@ def trainer_refusal(flags: list[str]) -> str | None:
     return None
 
 
-def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str | None) -> tuple[Layout, dict]:
+def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str | None,
+                      n_layers: int) -> tuple[Layout, dict]:
     """(Layout, Workload fields) of a train command's flags, e.g. '--dp 2 --tp 2 --pp 2 --schedule 1f1b' or a
     whole printed command. Flags not given take train's defaults; --dp left out fills the rest of the GPUs,
     as under torchrun. Parsed by train's own argument parser, so the names and meanings are train's."""
@@ -96,6 +99,10 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
         args = _train_args(tokens)
     except _Refuse as e:
         raise PlanError(f"--explain {text!r}: {e} (train's flags; see shardwise train --help)") from None
+    unmodelled = [t for t in tokens if t.split("=")[0] in UNMODELLED or t.startswith("--moe-")]
+    if unmodelled:
+        raise PlanError(f"--explain: {unmodelled[0]} is not modelled by the planner (it plans the preset's model, "
+                        "full pipeline sends and balanced stage splits)")
     given_model = args.model_config or (args.model if "--model" in tokens else None)
     if given_model is not None and given_model != model:
         raise PlanError(f"--explain: the command's model {given_model!r} is not the plan's {model!r}")
@@ -117,6 +124,9 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
     pp = deg["pp"]
     schedule = args.schedule if pp > 1 else "1f1b"
     vp = 2 if schedule == "dualpipev" else (args.vp if pp > 1 else 1)
+    if args.pp_layers and args.pp_layers != ",".join(map(str, balanced_counts(n_layers, pp * vp))):
+        raise PlanError(f"--explain: --pp-layers {args.pp_layers} is not the planner's balanced split "
+                        f"{','.join(map(str, balanced_counts(n_layers, pp * vp)))}")
     lay = Layout(dp=dp, **deg, vp=vp, schedule=schedule, mb=args.micro_batch, m=m, zero=args.zero,
                  recompute=args.recompute, sp=bool(args.sequence_parallel), cp_impl=args.cp_impl)
     wl = dict(seq_len=args.seq_len if "--seq-len" in tokens else None, precision=args.dtype,
