@@ -48,7 +48,8 @@ from shardwise.cli import main
 assert main({TINY_PLAN + ["--top", "2"]!r}) == 0
 assert main(["plan", "--model", "tiny", "--gpus", "4", "--seq-len", "128", "--explain", "--tp 2 --pp 2"]) == 0
 loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
-print("TORCH", loaded)
+loaded += sorted(m for m in sys.modules if m.startswith(("shardwise.models", "shardwise.pipeline.stage")))
+print("TORCH", loaded)  # nor the model: config -> pipeline.stage -> model -> config was a circle
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
