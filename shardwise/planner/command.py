@@ -11,6 +11,7 @@ GPT-2) get no command.
 from __future__ import annotations
 
 import shlex
+from functools import lru_cache
 
 from shardwise.partition import balanced_counts
 from shardwise.planner.errors import PlanError
@@ -64,12 +65,17 @@ def _raise(message: str):
     raise _Refuse(message)
 
 
-def _train_args(tokens: list[str]):
+@lru_cache(maxsize=1)
+def _train_parser():
     from shardwise.cli import build_parser  # at call time: cli registers the plan subcommand itself
 
     sub = build_parser()._sw_runs["train"]
     sub.error = _raise
-    args = sub.parse_args(tokens)
+    return sub
+
+
+def _train_args(tokens: list[str]):
+    args = _train_parser().parse_args(tokens)
     args.command = "train"
     return args
 
