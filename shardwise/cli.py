@@ -22,7 +22,8 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     for axis, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
         g.add_argument(f"--{axis}", type=int, default=None, help=f"{what}-parallel degree"
                        + (" (-1: the rest of the world size)" if axis == "dp" else ""))
-    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism in TP regions")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
+                   help="Megatron sequence parallelism in TP regions (default off)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage: 0 or 1 (AdamW state sharded over dp)")
     g.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zb, dualpipev")
     g.add_argument("--vp", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
@@ -39,7 +40,10 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
-    p.add_argument("--model", default=None, help="model preset (tiny, small, llama3-8b, ...; default tiny)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="model preset (tiny, small, llama3-8b, ...; default tiny)")
+    src.add_argument("--model-config", default=None, metavar="HF_CONFIG.json",
+                     help="a Hugging Face config.json (or model directory): llama, mistral, qwen2 or mixtral shapes")
     p.add_argument("--init-from-hf", default=None, metavar="DIR",
                    help="fine-tune a Hugging Face model directory: its config, weights (each rank reads its slices) "
                         "and tokenizer")
@@ -51,7 +55,8 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
-    p.add_argument("--fp32-residual", action="store_true", help="under bf16: keep the residual stream fp32")
+    p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=False,
+                   help="under bf16: keep the residual stream fp32 (default off)")
     p.add_argument("--grad-reduce-dtype", default="fp32", help="DP gradient reduction dtype: fp32 or bf16")
     p.add_argument("--data", default=None, help="text file (default: the embedded pydoc_data corpus)")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
@@ -136,6 +141,10 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
             dp = max(1, torchrun_world // (degrees["pp"] * degrees["cp"] * degrees["tp"]))
         args.global_batch = args.microbatches * args.micro_batch * dp
     model = args.model if args.model is not None or args.init_from_hf else "tiny"
+    if args.model_config:
+        from .hf_config import config_from_hf
+
+        model = config_from_hf(args.model_config)
     cfg = TrainConfig(model=model, init_from_hf=args.init_from_hf, parallel=parallel, steps=args.steps, seq_len=args.seq_len,
                       micro_batch=args.micro_batch, global_batch=args.global_batch, lr=args.lr, seed=args.seed,
                       dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,

@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .partition import ORDERS, check_seq_len, split_layers
+from .pipeline.schedules import SCHEDULE_NAMES, build_schedule
+
 
 class ConfigError(ValueError):
     """An invalid configuration, detected before any rank starts."""
@@ -326,9 +329,6 @@ class TrainConfig:
     def _validate_recompute(p: ParallelConfig, m: ModelConfig) -> None:
         if p.recompute not in ("none", "selective", "full"):
             raise ConfigError(f"--recompute {p.recompute!r} is not supported; valid: none, selective, full")
-        if p.recompute == "full" and p.pp > 1 and p.schedule in ("zb", "dualpipev"):
-            raise ConfigError(f"--recompute full with --schedule {p.schedule} is not supported yet (deferred weight "
-                              "gradients of recomputed blocks); valid there: none, selective")
         if p.recompute_layers is None:
             return
         stages = p.pp * (p.vp if p.pp > 1 else 1)
@@ -414,8 +414,6 @@ class TrainConfig:
             raise ConfigError(f"--ep {p.ep} does not divide moe_experts={m.moe_experts} of model {m.name!r}")
 
     def _validate_context(self, m: ModelConfig) -> None:
-        from .context_parallel.sharding import ORDERS, check_seq_len
-
         p = self.parallel
         if p.cp_order not in ORDERS:
             raise ConfigError(f"--cp-order {p.cp_order!r} is unknown; valid: {', '.join(ORDERS)}")
@@ -434,9 +432,6 @@ class TrainConfig:
                                   f"and the {kv_local} K/V heads per TP rank to divide or be divided by it")
 
     def _validate_pipeline(self, m: ModelConfig) -> None:
-        from .pipeline.schedules import SCHEDULE_NAMES, build_schedule
-        from .pipeline.stage import split_layers
-
         p = self.parallel
         if p.schedule not in SCHEDULE_NAMES:
             raise ConfigError(f"--schedule {p.schedule!r} is unknown; valid: {', '.join(SCHEDULE_NAMES)}")
@@ -452,7 +447,10 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(f"{e} (microbatches = global batch / (micro-batch × dp) = {self.grad_accum}; "
                               f"set --microbatches)") from None
-        split_layers(m.n_layers, p.pp * p.vp, p.pp_layers)
+        try:
+            split_layers(m.n_layers, p.pp * p.vp, p.pp_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def grad_accum(self) -> int:

@@ -35,7 +35,7 @@ def _flatten(data: dict, path: str) -> dict:
 
 def _check(action: argparse.Action, key: str, value, path: str):
     flag = action.option_strings[0]
-    if isinstance(action, argparse._StoreTrueAction):
+    if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: {key} = {value!r} must be true or false (flag {flag})")
         return value

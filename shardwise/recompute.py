@@ -5,8 +5,10 @@
   are not kept; a recomputed ring repeats its sends, as the other ranks' recomputations expect.
 * "full": a whole TransformerBlock is recomputed; only its input is kept (under SP its 1/tp shard).
   The recomputed forward repeats the block's TP/SP collectives and MoE all-to-alls (the ledger
-  counts them). With the split-backward schedules (zb, dualpipev) it is refused for now: the
-  deferred-W store and the recomputed forward do not yet agree on which tensors the W pass uses.
+  counts them). Under the split-backward schedules (zb, dualpipev) the recomputation runs inside B:
+  the recomputed forward builds a throwaway graph, and only the original graph's linear nodes hand
+  their (recomputed) inputs to the deferred-W store, once each, so W sees exactly what it would without
+  recompute and nothing is registered twice; until W runs the store holds those inputs, not the block.
 
 Both use non-reentrant `torch.utils.checkpoint`. Like Megatron's CheckpointFunction, the RNG
 tracker's streams are snapshotted at the forward and restored for the recomputation (then set back),

@@ -289,6 +289,20 @@ def _activation_summary(cfg: TrainConfig, measured: int) -> dict:
             "activation_recompute_transient_bytes_predicted": None if pred is None else pred["recompute_transient"]}
 
 
+def static_storage_bytes(trainer: "Trainer") -> int:
+    """Bytes of the distinct storages behind this rank's parameters, gradients, AdamW moments and the
+    reducer's flat buffers (ZeRO), counted once per storage at its full size (padding included). Taken
+    right after the optimizer step, before gradients are dropped: the static peak. AdamW's per-tensor
+    scalar step counters are left out, as the planner leaves them out."""
+    opt = trainer.reducer.optimizer
+    tensors = list(trainer.model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
+    tensors += [p.grad for p in tensors if p.grad is not None]
+    tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    tensors += [t for g in getattr(trainer.reducer, "flat", []) for t in g.values() if torch.is_tensor(t)]
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for ptr, n in sizes.items() if ptr)
+
+
 def default_out_dir() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
@@ -308,7 +322,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({"train": {k: v for k, v in vars(cfg).items() if k != "parallel"},
                        "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg)}
-                      | ({"init_from_hf": init_record(cfg.init_from_hf)} if cfg.init_from_hf else {}), f, indent=1)
+                      | ({"init_from_hf": init_record(cfg.init_from_hf)} if cfg.init_from_hf else {}), f, indent=1,
+                      default=vars)  # --model-config: TrainConfig.model is a ModelConfig
     start = 0
     ckpt_dir = cfg.checkpoint_dir or os.path.join(out, "checkpoints")
     if cfg.resume:
@@ -327,7 +342,9 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc=f"train {mesh.describe()}", dynamic_ncols=True)
-    records, act_peak = [], 0
+    records, act_peak, static_peak = [], 0, []
+    hook = trainer.reducer.optimizer.register_step_post_hook(
+        lambda *_: static_peak.append(static_storage_bytes(trainer)) if not static_peak else None)
     metrics = RunLog(out, start) if rank0 else None
     try:
         for step in range(start, cfg.steps):
@@ -356,7 +373,9 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     comm_dir = os.path.join(out, "comm")
     if rank0:
         os.makedirs(comm_dir, exist_ok=True)
+    hook.remove()
     act_peak = max(comm.all_gather_object(act_peak, mesh["ckpt"]))
+    static_peak = max(comm.all_gather_object(static_peak[0] if static_peak else 0, mesh["ckpt"]))
     comm.barrier(mesh["world"])
     with open(os.path.join(comm_dir, f"rank{mesh.rank}.json"), "w") as f:
         f.write(mesh.ledger.to_json(mesh.rank, layout))
@@ -376,6 +395,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         "comm_bytes_per_step": {a: sum(v["bytes"] for v in ops.values())
                                 for a, ops in (mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else {}).items()},
         "out": out, "mesh_build_s": mesh.build_s,
+        "static_bytes_measured": static_peak,
     } | _activation_summary(cfg, act_peak)
     if pipeline is not None:
         summary["pipeline"] = pipeline

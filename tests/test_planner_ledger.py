@@ -152,7 +152,11 @@ def _run(names: list[str], seed: int) -> dict:
         axes = mesh.ledger.steps[-1]["axes"]
         params = list(trainer.model.parameters())
         state = trainer.reducer.optimizer.state.values()
+        # ZeRO-1 also holds the flat parameter buffer's padding and the shard's grad-norm weights
+        zero_extra = sum(g["flat"].numel() - sum(k for *_, k in g["offsets"]) + g["norm_weight"].numel()
+                         for g in getattr(trainer.reducer, "flat", []))
         act, grad_memory = _one_microbatch(trainer, cfg)
+        grad_memory += zero_extra * 4
         out[name] = dict(
             rank=mesh.rank, pp=mesh["pp"].rank, ep_ranks=mesh["ep"].ranks, axes=axes,
             static=dict(weights=sum(q.numel() for q in params) * 4,
@@ -236,8 +240,9 @@ def test_static_memory_matches_planner(measured, name):
     for rep in runs[name]:
         st = stages(spec, lay)[rep["pp"]]
         predicted = static_bytes(stage_params(spec, st, lay), lay)
-        # every byte of gradient storage the rank holds, counted by distinct storage: under ZeRO-1 each .grad
-        # is a view of the padded flat buffer, so a twin gradient copy would add its bytes here
+        # every byte of gradient storage the rank holds, counted by distinct storage (under ZeRO-1 each .grad
+        # is a view of the padded flat buffer, so a twin gradient copy would add its bytes here), plus ZeRO-1's
+        # flat-parameter padding and grad-norm weights
         predicted["grad_memory"] = predicted["grads"] + predicted["grad_buffers"]
         assert {k: predicted[k] for k in rep["static"]} == rep["static"], f"{name} rank {rep['rank']}"
 

@@ -14,39 +14,7 @@ from __future__ import annotations
 
 import torch
 
-ORDERS = ("balanced", "contiguous")
-
-
-def _check_order(order: str) -> None:
-    if order not in ORDERS:
-        raise ValueError(f"context-parallel order {order!r}: expected one of {', '.join(ORDERS)}")
-
-
-def num_chunks(cp_size: int, order: str) -> int:
-    """How many equal chunks the sequence is cut into: 2c (balanced), c (contiguous), 1 without CP."""
-    _check_order(order)
-    if cp_size == 1:
-        return 1
-    return 2 * cp_size if order == "balanced" else cp_size
-
-
-def chunk_ids(cp_rank: int, cp_size: int, order: str) -> tuple[int, ...]:
-    """The global chunk indices rank `cp_rank` holds, in local order (always increasing)."""
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp rank {cp_rank} out of range for cp size {cp_size}")
-    if num_chunks(cp_size, order) == cp_size:
-        return (cp_rank,)
-    return (cp_rank, 2 * cp_size - 1 - cp_rank)
-
-
-def check_seq_len(seq_len: int, cp_size: int, order: str) -> int:
-    """Raise ValueError unless `seq_len` splits into equal chunks; return the chunk length."""
-    n = num_chunks(cp_size, order)
-    if seq_len <= 0 or seq_len % n:
-        why = f"2·cp = {n} chunks (load-balanced order)" if order == "balanced" else f"cp = {n} shards"
-        raise ValueError(f"sequence length s={seq_len} cannot be split over cp c={cp_size} in {order!r} order: "
-                         f"s must be a positive multiple of {n} ({why})")
-    return seq_len // n
+from ..partition import ORDERS, check_seq_len, chunk_ids, num_chunks  # noqa: F401  (re-exported)
 
 
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, order: str = "balanced", dim: int = 1) -> torch.Tensor:

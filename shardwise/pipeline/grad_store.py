@@ -52,14 +52,15 @@ class _LinearDeferredW(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, store):
-        ctx.save_for_backward(x, weight)
-        ctx.store = store
-        ctx.bias = bias
+        # The parameter itself rides on ctx, not through save_for_backward: under activation recompute
+        # saved tensors come back as checkpoint's copies, and a deferred dW accumulated into a copy is lost.
+        ctx.save_for_backward(x)
+        ctx.store, ctx.weight, ctx.bias = store, weight, bias
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         dx = g @ weight.to(g.dtype)
         if ctx.store.capturing:
             ctx.store.put(weight, ctx.bias, x, g)

@@ -3,37 +3,16 @@
 There are p·v stages (v chunks per rank). Stage k holds a contiguous run of layers; stage 0 also
 holds the embedding, the last stage the final norm, LM head and loss. A rank keeps only the modules
 of its own chunks and drops the rest, and parameter names stay global (`layers.7.attention.wq`),
-so checkpoints and parity checks need no renaming.
+so checkpoints and parity checks need no renaming. Which layers a stage holds is `partition.split_layers`
+(torch-free, shared with config validation and the planner).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..config import ConfigError
 from ..models.llama import Transformer
-
-
-def split_layers(n_layers: int, n_stages: int, pp_layers: list[int] | None = None) -> list[range]:
-    """Global layer indices of every stage: an even split, or `pp_layers` (one count per stage)."""
-    if pp_layers is not None:
-        if len(pp_layers) != n_stages:
-            raise ConfigError(f"--pp-layers {','.join(map(str, pp_layers))} has {len(pp_layers)} entries; "
-                              f"need one per stage (pp × vp = {n_stages})")
-        if any(c < 0 for c in pp_layers) or sum(pp_layers) != n_layers:
-            raise ConfigError(f"--pp-layers {','.join(map(str, pp_layers))} must be non-negative counts summing to "
-                              f"the model's {n_layers} layers")
-        counts = pp_layers
-    else:
-        if n_layers % n_stages:
-            raise ConfigError(f"{n_layers} layers cannot be split evenly over {n_stages} stages (pp × vp); "
-                              f"pass --pp-layers with {n_stages} counts summing to {n_layers}")
-        counts = [n_layers // n_stages] * n_stages
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
+from ..partition import split_layers  # noqa: F401  (re-exported: parallelize's import)
 
 
 class StageChunk(nn.Module):

@@ -8,13 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from shardwise.planner.errors import PlanError
 from shardwise.planner.estimate import Assumptions, estimate
 from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
 from shardwise.planner.layout import (
-    DEFAULT_GLOBAL_BATCH, PRECISIONS, RECOMPUTE, SCHEDULES, Layout, Workload, layout_problems, parse_layout,
+    CP_IMPLS, DEFAULT_GLOBAL_BATCH, PRECISIONS, RECOMPUTE, SCHEDULES, Layout, Workload, layout_problems, parse_layout,
 )
+from shardwise.planner.command import parse_train_flags, row_command
 from shardwise.planner.memory import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
 from shardwise.planner.search import SearchSpace, candidates, search
@@ -38,14 +40,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--global-batch", type=int, help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH}; with --explain m=..., m·mb·dp)")
     p.add_argument("--micro-batch", type=int, help="sequences per microbatch (default: search 1, 2, 4, 8; explain 1)")
-    p.add_argument("--precision", default="bf16", choices=list(PRECISIONS), help="activation precision (default bf16)")
+    p.add_argument("--dtype", "--precision", dest="precision", default="bf16", choices=list(PRECISIONS),
+                   help="train's --dtype: activation precision (default bf16; weights and AdamW state stay fp32)")
+    p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=False,
+                   help="under bf16, keep the residual stream fp32 (train's flag; default off)")
+    p.add_argument("--grad-reduce-dtype", default="fp32", choices=list(PRECISIONS),
+                   help="dtype of the dp×cp / edp gradient reduction (train's flag; default fp32)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over dp×cp (default 1)")
     p.add_argument("--recompute", default="selective", choices=RECOMPUTE, help="activation recompute (default selective)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="Megatron sequence parallelism on layouts with tp > 1 (default on)")
-    p.add_argument("--schedules", default="1f1b,interleaved",
-                   help=f"pipeline schedules to search, comma-separated from {', '.join(SCHEDULES)}")
+    p.add_argument("--schedule", "--schedules", dest="schedules", default="1f1b,interleaved",
+                   help=f"pipeline schedule(s) to search, comma-separated from {', '.join(SCHEDULES)} "
+                        "(default 1f1b,interleaved)")
+    p.add_argument("--vp", type=int, help="interleaved: model chunks per pipeline rank (default: search 2..--max-vp)")
     p.add_argument("--max-vp", type=int, default=4, help="largest interleaved virtual-stage count to search (default 4)")
+    p.add_argument("--cp-impl", default="ring", choices=CP_IMPLS, help="context-parallel attention (default ring)")
     p.add_argument("--max-cp", type=int, help="largest context-parallel degree to search (default: all)")
     p.add_argument("--allow-tp-cross-node", action="store_true",
                    help="let TP groups span NVLink domains (off: TP stays within one)")
@@ -62,7 +72,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="best layouts to print, as table rows or --json objects (default 10)")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="full breakdown of one layout, e.g. 'dp=8,tp=8,pp=4' (keys: dp tp pp cp ep vp mb m "
-                        "schedule zero recompute sp cp_impl)")
+                        "schedule zero recompute sp cp_impl), or a train command's flags, e.g. "
+                        "'--dp 2 --tp 2 --pp 2 --schedule 1f1b' (train's defaults for the rest)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
     return p
@@ -72,7 +83,7 @@ def _inputs(args):
     spec = load_hf_config(args.model_config) if args.model_config else get_model(args.model)
     gpu = get_gpu(args.gpu)
     cluster = Cluster(gpu, args.gpus, args.gpus_per_node or gpu.gpus_per_node)
-    for name in ("seq_len", "global_batch", "micro_batch", "top", "max_vp", "max_cp"):
+    for name in ("seq_len", "global_batch", "micro_batch", "top", "max_vp", "max_cp", "vp"):
         v = getattr(args, name)
         if v is not None and v <= 0:
             raise PlanError(f"--{name.replace('_', '-')} {v} must be positive")
@@ -81,7 +92,8 @@ def _inputs(args):
             raise PlanError(f"--{name.replace('_', '-')} {getattr(args, name)} must be in (0, 1]")
     if not 0 <= args.dp_overlap <= 1:
         raise PlanError(f"--dp-overlap {args.dp_overlap} must be in [0, 1]")
-    wl = Workload(args.seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, args.precision)
+    wl = Workload(args.seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, args.precision, args.fp32_residual,
+                  args.grad_reduce_dtype)
     assume = Assumptions(args.flops_efficiency, args.link_efficiency, args.dp_overlap, args.usable_memory,
                          args.activation_model)
     return spec, cluster, wl, assume
@@ -98,14 +110,27 @@ def run(args) -> int:
         return 2
 
 
+def model_flags(args) -> list[str]:
+    return ["--model-config", args.model_config] if args.model_config else ["--model", args.model]
+
+
 def _explain(args, spec, cluster, wl, assume) -> int:
-    base = Layout(mb=args.micro_batch or 1, zero=args.zero, recompute=args.recompute, sp=args.sequence_parallel)
-    lay = parse_layout(args.explain, base, cluster.gpus, args.global_batch)
-    bad = layout_problems(spec, lay, cluster.gpus, wl.seq_len, args.uneven_pp)
+    text = args.explain.strip()
+    if text.startswith("-") or text.split(" ", 1)[0] in ("shardwise", "torchrun", "train"):
+        lay, wl_fields = parse_train_flags(text, cluster.gpus, args.global_batch, (args.model_config or args.model),
+                                          spec.n_layers)
+        wl = replace(wl, **wl_fields)
+        uneven = args.uneven_pp or "--pp-layers" in text
+    else:
+        base = Layout(mb=args.micro_batch or 1, zero=args.zero, recompute=args.recompute, sp=args.sequence_parallel,
+                      cp_impl=args.cp_impl)
+        lay, uneven = parse_layout(text, base, cluster.gpus, args.global_batch), args.uneven_pp
+    bad = layout_problems(spec, lay, cluster.gpus, wl.seq_len, uneven)
     if bad:
         raise PlanError(f"--explain {args.explain!r}: " + "; ".join(bad))
-    wl = Workload(wl.seq_len, lay.m * lay.mb * lay.dp, wl.precision)
+    wl = replace(wl, global_batch=lay.m * lay.mb * lay.dp)
     est = estimate(spec, cluster, lay, wl, assume, detail=True)
+    est |= row_command(model_flags(args), spec, cluster, lay, wl)
     print(json.dumps(est, indent=2) if args.json else explain_text(est))
     return 0
 
@@ -119,9 +144,11 @@ def _search(args, spec, cluster, wl, assume) -> int:
         zero=args.zero, recompute=args.recompute, sp=args.sequence_parallel,
         micro_batches=(args.micro_batch,) if args.micro_batch else (1, 2, 4, 8), schedules=schedules,
         max_vp=args.max_vp, max_cp=args.max_cp, allow_tp_cross_domain=args.allow_tp_cross_node,
-        uneven_pp=args.uneven_pp,
+        uneven_pp=args.uneven_pp, vp=args.vp, cp_impl=args.cp_impl,
     )
     results = search(spec, cluster, wl, space, assume)
+    for r in results[: args.top]:
+        r |= row_command(model_flags(args), spec, cluster, Layout(**r["layout"]), wl)
     if args.json:
         print(json.dumps(results[: args.top], indent=2))
     if not results:
@@ -163,8 +190,10 @@ def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchS
                  f"{r['bubble_fraction']:.3f}"]
         cells += [f"{comm[a] / GB:.1f}" if a in comm else "-" for a in axes]
         out.append(line(cells + [f"{r['step_time_s']:.2f}", f"{r['mfu']:.3f}"]))
+        out += command_lines(r, "     ")
     out += ["", f"comm: payload GB per step on the busiest rank of each axis. Assumed {assume.flops_efficiency:.0%} of "
                 f"peak FLOP/s and {assume.link_efficiency:.0%} of link bandwidth.",
+            "Each row's $ line is the command that runs it (torchrun: on every node, HEAD_NODE_IP = node 0's address).",
             f"Details of #1: --explain \"{rows[0]['layout_str']}\""]
     return "\n".join(out)
 
@@ -184,7 +213,7 @@ def explain_text(est: dict) -> str:
         f"  parameters        {est['params_per_rank'] / 1e9:,.3f}B",
         f"  weights (fp32)    {g(br['weights'])}",
         f"  grads (fp32)      {g(br['grads'])}",
-        f"  ZeRO-1 buffers    {g(br.get('grad_buffers', 0))}  (full-gradient copy + shard gradient)",
+        f"  ZeRO-1 buffers    {g(br.get('grad_buffers', 0))}  (flat-buffer padding, shard gradient, grad-norm weights)",
         f"  Adam moments      {g(br['optimizer'])}",
         f"  static            {g(est['static_bytes_per_rank'])}",
         f"  activations       {g(est['activation_bytes_per_rank'])}  (recompute {lay['recompute']}, "
@@ -222,8 +251,19 @@ def explain_text(est: dict) -> str:
         f"step time {est['step_time_s']:.3f} s, MFU {est['mfu']:.3f}, {est['tokens_per_s']:,.0f} tokens/s "
         f"(assumed {a['flops_efficiency']:.0%} of peak FLOP/s, {a['link_efficiency']:.0%} of link bandwidth, "
         f"{a['dp_overlap']:.0%} of grad sync overlapped)",
+        "",
+        "run it:",
+        *command_lines(est, "  "),
     ]
     return "\n".join(out)
+
+
+def command_lines(row: dict, indent: str) -> list[str]:
+    """The row's command ($ line), or why there is none, and the trainer's refusal if it has one."""
+    if row["command"] is None:
+        return [f"{indent}(no command: {row['untrainable']})"]
+    refused = [f"{indent}! shardwise train refuses it today: {row['command_refused']}"] if row["command_refused"] else []
+    return [f"{indent}$ {row['command']}"] + refused
 
 
 def human_bytes(n: float) -> str:

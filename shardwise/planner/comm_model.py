@@ -136,7 +136,7 @@ def tp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
     if lay.sp and local.sp_replicated:
         led.add("tp", "all_reduce", local.sp_replicated * 4, t)
     if not spec.is_mla and spec.n_kv_heads < t and stage.n_layers:
-        per_layer = spec.n_kv_heads * spec.head_dim * (spec.dim + (1 if spec.qkv_bias or spec.linear_bias else 0)) * 2
+        per_layer = spec.n_kv_heads * spec.head_dim * (spec.dim + (1 if spec.attention_bias or spec.linear_bias else 0)) * 2
         led.add("tp", "all_reduce", per_layer * stage.n_layers * 4, t)
 
 
@@ -283,12 +283,12 @@ def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     fwd = 1 + (lay.recompute == "full")  # full recompute repeats the block's forward, router statistics included
     if spec.aux_loss:
         for axis, group in (("dp_cp", lay.dp * lay.cp), ("tp", lay.tp if lay.sp else 1)):
-            led.add(axis, "all_reduce:aux_loss", (spec.n_experts + 1) * 4, group, fwd * stage.n_moe)
+            led.add(axis, "all_reduce:aux_loss", (spec.moe_experts + 1) * 4, group, fwd * stage.n_moe)
     if lay.ep < 2:
         return
-    rows = spec.topk * tokens * spec.dim
+    rows = spec.moe_topk * tokens * spec.dim
     L = stage.n_moe
-    led.add("ep", "all_to_all:counts", spec.n_experts * 8, lay.ep, fwd * L)
+    led.add("ep", "all_to_all:counts", spec.moe_experts * 8, lay.ep, fwd * L)
     led.add("ep", "all_to_all:dispatch", rows * wl.resid_bytes, lay.ep, fwd * L)
     led.add("ep", "all_to_all:combine", rows * wl.act_bytes, lay.ep, fwd * L)
     led.add("ep", "all_to_all:combine_grad", rows * wl.act_bytes, lay.ep, L)
@@ -300,7 +300,7 @@ def moe_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout) -
     the loss-free bias update (`all_reduce:moe_bias`; issued whether or not the bias rate is 0)."""
     if stage.n_moe:
         for axis, group in (("dp_cp", lay.dp * lay.cp), ("tp", lay.tp if lay.sp else 1)):
-            led.add(axis, "all_reduce:moe_bias", spec.n_experts * 4, group, stage.n_moe)
+            led.add(axis, "all_reduce:moe_bias", spec.moe_experts * 4, group, stage.n_moe)
 
 
 def step_comm(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, local: Params) -> tuple[CommLedger, CommLedger, CommLedger]:

@@ -69,7 +69,7 @@ def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1,
     else:
         attn = 2 * h * hq * spec.head_dim + 2 * h * local_kv_heads(spec, tp) * spec.head_dim
     if moe:
-        mlp = h * spec.n_experts + (spec.topk + spec.n_shared_experts) * spec.mlp_mats * h * spec.expert_ffn_dim
+        mlp = h * spec.moe_experts + (spec.moe_topk + spec.moe_shared_experts) * spec.mlp_mats * h * spec.expert_ffn_dim
         mlp /= tp if sp else 1
     else:
         mlp = spec.mlp_mats * h * (spec.ffn_dim // tp)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from shardwise.partition import balanced_counts
 from shardwise.planner.errors import PlanError
-from shardwise.planner.models import ModelSpec, from_model_config, local_kv_heads
+from shardwise.planner.models import ModelSpec, local_kv_heads
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb", "dualpipev")
 CP_IMPLS = ("ring", "ulysses")
@@ -151,8 +152,8 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
     if spec.n_moe_layers < spec.n_layers and spec.ffn_dim % t:  # MoE blocks are not tp-sharded
         bad.append(f"tp={t} does not divide ffn_dim={spec.ffn_dim}")
     if spec.is_moe:
-        if spec.n_experts % lay.ep:
-            bad.append(f"ep={lay.ep} does not divide n_experts={spec.n_experts}")
+        if spec.moe_experts % lay.ep:
+            bad.append(f"ep={lay.ep} does not divide moe_experts={spec.moe_experts}")
     if (lay.dp * lay.cp) % lay.ep:
         bad.append(f"ep={lay.ep} does not divide dp×cp = {lay.dp * lay.cp}")
     if not spec.is_moe and lay.ep > 1:
@@ -207,11 +208,6 @@ class Stage:
         return self.n_dense + self.n_moe
 
 
-def _chunk_sizes(n_layers: int, chunks: int) -> list[int]:
-    q, r = divmod(n_layers, chunks)
-    return [q + (1 if j < r else 0) for j in range(chunks)]
-
-
 def chunk_owners(lay: Layout) -> list[int]:
     """Stage of each model chunk, in model order (pp×vp chunks; vp counts only when pp > 1)."""
     p, v = lay.pp, lay.vp if lay.pp > 1 else 1
@@ -225,7 +221,7 @@ def stage_layer_ids(spec: ModelSpec, lay: Layout) -> list[list[int]]:
     owner = chunk_owners(lay)
     held: list[list[int]] = [[] for _ in range(lay.pp)]
     start = 0
-    for j, size in enumerate(_chunk_sizes(spec.n_layers, len(owner))):
+    for j, size in enumerate(balanced_counts(spec.n_layers, len(owner))):
         held[owner[j]] += range(start, start + size)
         start += size
     return [sorted(ids) for ids in held]
@@ -279,7 +275,7 @@ def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
     Recompute is the run's (--recompute-layers is not modelled: all layers); m is the config's gradient-accumulation count.
     """
     p = cfg.parallel
-    spec = from_model_config(cfg.model_config())
+    spec = ModelSpec.of(cfg.model_config())
     lay = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, vp=p.vp if p.pp > 1 else 1,
                  schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
                  recompute=p.recompute, sp=bool(p.sequence_parallel and p.tp > 1), cp_impl=p.cp_impl)

@@ -6,8 +6,9 @@ gradients and two fp32 Adam moments, 16 bytes per parameter — the same total a
 dp×cp (expert weights: over the expert-data-parallel group), ZeRO-2 also the grads, ZeRO-3 also the
 weights. Shards are exactly shardwise's: `GradReducer` keeps one flat buffer per (expert?, matrix?)
 group — dense matrices, dense 1-D tensors, expert matrices — each padded up to a multiple of its group;
-under ZeRO-1 the .grad tensors are views of each padded flat buffer, and the shard's gradient is kept
-beside them (`grad_buffers`: padding + shard), so ZeRO-1 saves 8·P·(1 − 1/g) − 4·P/g bytes for g > 1.
+under ZeRO-1 the parameters and .grad tensors are views of padded flat buffers, and the shard's gradient
+and grad-norm weights are kept beside them (`grad_buffers`: 2·(padding + shard)), so ZeRO-1 saves
+8·P·(1 − 1/g) − 8·P/g bytes: nothing at g = 2, more from g = 3 on.
 
 Activations have two models (`ACTIVATION_MODELS`):
 
@@ -87,9 +88,11 @@ def zero_shard_numel(local: Params, lay: Layout) -> int:
 def static_bytes(local: Params, lay: Layout) -> dict:
     """Weights, grads and optimizer state of one rank, as ZeRO stage `lay.zero` divides them.
 
-    `grad_buffers`: shardwise's ZeRO-1 (`GradReducer`) makes every .grad a view of its group's
-    padded flat fp32 gradient buffer (the reduce-scatter input) and keeps the fp32 gradient of the
-    rank's shard — 4·(padding + shard) bytes beyond the gradients themselves.
+    `grad_buffers`: shardwise's ZeRO-1 (`GradReducer`) makes every parameter a view of its group's
+    padded flat fp32 buffer and every .grad a view of a padded flat fp32 gradient buffer (the
+    reduce-scatter input), and keeps the fp32 gradient of the rank's shard and its grad-norm weights
+    (1/replicas per element) — 4·(2·padding + 2·shard) bytes beyond the weights and gradients, so the
+    total is what the trainer's storages hold (summary.json `static_bytes_measured`).
     """
     shard = zero_shard_numel(local, lay)
 
@@ -100,7 +103,7 @@ def static_bytes(local: Params, lay: Layout) -> dict:
         "weights": part(BYTES_WEIGHT, lay.zero >= 3),
         "grads": part(BYTES_GRAD, lay.zero >= 2),
         "optimizer": part(BYTES_ADAM, lay.zero >= 1),
-        "grad_buffers": BYTES_GRAD * (sum(_shard(n, g) * g - n for _, n, g in zero_groups(local, lay)) + shard)
+        "grad_buffers": BYTES_GRAD * 2 * (sum(_shard(n, g) * g - n for _, n, g in zero_groups(local, lay)) + shard)
         if lay.zero == 1 else 0,
     }
     out["total"] = sum(out.values())
@@ -184,9 +187,9 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
         mlp += _region_input(n, h, 2 if swiglu else 1, e, r)
         mlp += (4 if swiglu else 2) * e * n * (spec.ffn_dim // t)
         return attn + mlp
-    k, E, f_e = spec.topk, spec.n_experts, spec.expert_ffn_dim
+    k, E, f_e = spec.moe_topk, spec.moe_experts, spec.expert_ffn_dim
     rows = n_r * k
-    mlp += _region_input(n_r, h, 1 + (2 if spec.n_shared_experts else 0), e, r)  # router (+ shared w1, w3) input
+    mlp += _region_input(n_r, h, 1 + (2 if spec.moe_shared_experts else 0), e, r)  # router (+ shared w1, w3) input
     mlp += 4 * n_r * (2 * E + 1) + 8 * rows  # router: logits, probs, LSE (fp32), top-k indices
     mlp += 8 * rows * 2 + 4 * rows  # dispatch: send order, token index (int64), assignment weights
     mlp += 4 * rows * h  # received rows as the fp32 grouped-GEMM input (autocast leaves _grouped_mm alone)
@@ -194,7 +197,7 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
         mlp += 2 * 8 * rows  # regroup permutation and its inverse
     mlp += 4 * e * rows * f_e  # w1 out, silu out, w3 out, product
     mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
-    mlp += 4 * e * n_r * spec.n_shared_experts * f_e
+    mlp += 4 * e * n_r * spec.moe_shared_experts * f_e
     return attn + mlp
 
 
@@ -234,10 +237,10 @@ def korthikanti_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, 
     if not moe:
         mlp += inner * e * tokens * (spec.ffn_dim // t)
     else:
-        routed = spec.topk * tokens  # tokens this rank's experts process on average (uniform routing)
-        mlp += 4 * tokens * spec.n_experts  # fp32 router probabilities
+        routed = spec.moe_topk * tokens  # tokens this rank's experts process on average (uniform routing)
+        mlp += 4 * tokens * spec.moe_experts  # fp32 router probabilities
         mlp += 2 * e * routed * h + inner * e * routed * (spec.expert_ffn_dim // t)  # dispatched in, out before combine
-        mlp += inner * e * tokens * spec.n_shared_experts * (spec.expert_ffn_dim // t)
+        mlp += inner * e * tokens * spec.moe_shared_experts * (spec.expert_ffn_dim // t)
     return attn + mlp
 
 

@@ -1,8 +1,16 @@
 """Model shapes the planner understands, and how many parameters each rank holds of them.
 
-Three sources: shardwise's own presets (`shardwise.config.MODEL_PRESETS`, exact to the trained model),
-two MoE presets (Mixtral-8x7B, DeepSeek-V3) and Hugging Face `config.json` files of the llama, mistral,
-mixtral, qwen2 and gpt2 families. Counting follows shardwise's TP plan: the vocabulary is padded to a
+One preset table: `shardwise.config.MODEL_PRESETS`, the trainer's own. A `ModelSpec` *is* a trainer
+`ModelConfig` (a subclass: every field the trainer knows, under the same name and meaning) plus the
+architecture variants only the planner models — GPT-2's GELU MLP, LayerNorm, linear biases and learned
+positions, DeepSeek-V3's Multi-head Latent Attention and first-k-dense layers, an explicit head_dim —
+so a plan for a trainer preset or a trainer-readable Hugging Face config is a plan of exactly the model
+`shardwise train` builds. DeepSeek-V3 is the one planner-only preset; `untrainable` says why train
+cannot build a spec. Hugging Face `config.json` files of the llama, mistral, mixtral and qwen2 families
+are read by the trainer's reader (`shardwise.hf_config.config_from_hf`); shapes it refuses, and gpt2,
+fall back to a lenient planner-only reading.
+
+Counting follows shardwise's TP plan: the vocabulary is padded to a
 multiple of tp and sharded, wq/wk/wv/w1/w3 are split by output rows, wo/w2 by input columns, norms are
 replicated, and when n_kv_heads < tp every rank keeps one full K/V head. An MoE block is shardwise's
 (`parallelize.apply_expert_parallel`): routed experts are split over ep by expert — each rank holds
@@ -20,55 +28,61 @@ decompressed tensors training materialises. Its multi-token-prediction module is
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
-from functools import lru_cache
+from dataclasses import dataclass, fields, replace
+from functools import cached_property, lru_cache
 from pathlib import Path
 
-from shardwise.config import MODEL_PRESETS, ModelConfig
+from shardwise.config import MODEL_PRESETS, ConfigError, ModelConfig
+from shardwise.hf_config import SUPPORTED as TRAINER_HF_TYPES
+from shardwise.hf_config import config_from_hf
 from shardwise.planner.errors import PlanError
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    """Inner size of the dense MLP (unused when every layer is MoE)."""
-    max_seq_len: int
-    tie_embeddings: bool = False
+class ModelSpec(ModelConfig):
+    """A trainer ModelConfig plus the architecture variants only the planner models (defaults: the trainer's)."""
+
+    head_dim: int = 0
+    """Per-head width; 0 = dim // n_heads (the trainer's, which has no other)."""
     mlp: str = "swiglu"
     """'swiglu' (w1, w3, w2) or 'gelu' (fc1, fc2)."""
     norm: str = "rmsnorm"
     """'rmsnorm' (weight) or 'layernorm' (weight and bias)."""
-    qkv_bias: bool = False
     linear_bias: bool = False
     """Biases on every linear layer (GPT-2)."""
     learned_pos: bool = False
-    dropout: float = 0.0
-    attn_dropout: float = 0.0
-    n_experts: int = 0
-    topk: int = 0
-    expert_ffn_dim: int = 0
-    n_shared_experts: int = 0
     n_dense_layers: int = 0
     """Leading layers with a dense MLP in an MoE model (DeepSeek-V3: 3)."""
-    moe_every: int = 1
-    """Of the remaining layers, those with i % moe_every == 0 are MoE (shardwise's tiny-moe: 2)."""
-    aux_loss: bool = False
-    """Router aux/z loss on: shardwise all-reduces the (E+1) routing counts of every MoE forward."""
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    untrainable: str = ""
+    """Why `shardwise train` cannot build this model; '' = it can (the spec is a trainer ModelConfig)."""
+
+    def __post_init__(self):
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> ModelSpec:
+        """The planner's view of a trainer ModelConfig: the same fields, planner-only ones at their defaults."""
+        if isinstance(cfg, cls):
+            return cfg
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)})
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
+
+    @property
+    def aux_loss(self) -> bool:
+        """Router aux/z loss on: shardwise all-reduces the (E+1) routing counts of every MoE forward."""
+        return bool(self.moe_aux_loss_coef or self.moe_z_loss_coef)
 
     @property
     def is_moe(self) -> bool:
-        return self.n_experts > 0
+        return self.moe_experts > 0
 
     @property
     def is_mla(self) -> bool:
@@ -88,12 +102,20 @@ class ModelSpec:
         """K/V heads attention actually sees (MLA decompresses to one per query head)."""
         return self.n_heads if self.is_mla else self.n_kv_heads
 
-    @property
+    @cached_property
     def n_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.is_moe and i >= self.n_dense_layers and i % self.moe_every == 0
+        """The trainer's rule (every moe_every-th layer) after the first n_dense_layers."""
+        return self.moe_experts > 0 and i >= self.n_dense_layers and i % self.moe_every == 0
+
+    def __hash__(self) -> int:  # specs key the planner's caches: hash the ~40 fields once, not per lookup
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def mlp_mats(self) -> int:
@@ -179,7 +201,7 @@ def attention_tensors(spec: ModelSpec, tp: int) -> list[Tensor]:
                 Tensor(spec.kv_lora_rank * hq * (spec.head_dim + spec.v_dim)), Tensor(hq * spec.v_dim * h)]
         return out
     q, kv = hq * spec.head_dim, local_kv_heads(spec, tp) * spec.head_dim
-    bias = spec.qkv_bias or spec.linear_bias
+    bias = spec.attention_bias or spec.linear_bias
     for rows in (q, kv, kv):
         out += [Tensor(rows * h)] + ([Tensor(rows, matrix=False)] if bias else [])
     out.append(Tensor(q * h))
@@ -203,10 +225,10 @@ def mlp_tensors(spec: ModelSpec, moe: bool, tp: int, ep: int) -> list[Tensor]:
             return out + ([Tensor(h, matrix=False, sp_replicated=True)] if spec.linear_bias else [])
         return out + [Tensor(h * f)] * 3
     rep = dict(sp_replicated=True)
-    routed = [Tensor(spec.n_experts // ep * h * spec.expert_ffn_dim, expert=True, **rep)] * spec.mlp_mats
-    shared = [Tensor(h * spec.n_shared_experts * spec.expert_ffn_dim, **rep)] * spec.mlp_mats \
-        if spec.n_shared_experts else []
-    return out + [Tensor(h * spec.n_experts, **rep)] + routed + shared
+    routed = [Tensor(spec.moe_experts // ep * h * spec.expert_ffn_dim, expert=True, **rep)] * spec.mlp_mats
+    shared = [Tensor(h * spec.moe_shared_experts * spec.expert_ffn_dim, **rep)] * spec.mlp_mats \
+        if spec.moe_shared_experts else []
+    return out + [Tensor(h * spec.moe_experts, **rep)] + routed + shared
 
 
 @lru_cache(maxsize=4096)
@@ -237,31 +259,13 @@ def total_params(spec: ModelSpec) -> int:
     return Params.of(embedding_tensors(spec) + head_tensors(spec)).total + layers
 
 
-def from_model_config(cfg: ModelConfig) -> ModelSpec:
-    """The planner's view of a shardwise ModelConfig (MoE fields included: tiny-moe is exact)."""
-    moe = {}
-    if cfg.moe_experts:
-        moe = dict(n_experts=cfg.moe_experts, topk=cfg.moe_topk, expert_ffn_dim=cfg.moe_ffn_dim or cfg.ffn_dim,
-                   n_shared_experts=cfg.moe_shared_experts, moe_every=cfg.moe_every,
-                   aux_loss=bool(cfg.moe_aux_loss_coef or cfg.moe_z_loss_coef))
-    return ModelSpec(
-        name=cfg.name, vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_dim=cfg.ffn_dim, max_seq_len=cfg.max_seq_len,
-        tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout, attn_dropout=cfg.attn_dropout, **moe,
-    )
-
-
-PRESETS: dict[str, ModelSpec] = {name: from_model_config(cfg) for name, cfg in MODEL_PRESETS.items()}
-# mistralai/Mixtral-8x7B-v0.1 config.json: 46.7B parameters, 12.9B active.
-PRESETS["mixtral-8x7b"] = ModelSpec(
-    name="mixtral-8x7b", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-    ffn_dim=14336, max_seq_len=32768, n_experts=8, topk=2, expert_ffn_dim=14336,
-)
-# deepseek-ai/DeepSeek-V3 config.json: 671B parameters, 37B active; MLA as described above.
+PRESETS: dict[str, ModelSpec] = {name: ModelSpec.of(cfg) for name, cfg in MODEL_PRESETS.items()}
+# deepseek-ai/DeepSeek-V3 config.json: 671B parameters, 37B active; MLA as described above. Planner-only.
 PRESETS["deepseek-v3"] = ModelSpec(
     name="deepseek-v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=128,
-    ffn_dim=18432, max_seq_len=163840, n_experts=256, topk=8, expert_ffn_dim=2048, n_shared_experts=1,
-    n_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
+    ffn_dim=18432, max_seq_len=163840, moe_experts=256, moe_topk=8, moe_ffn_dim=2048, moe_shared_experts=1,
+    moe_score="sigmoid", n_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
+    untrainable="shardwise train has no Multi-head Latent Attention or first-k-dense layers",
 )
 
 
@@ -277,7 +281,11 @@ _HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768
 
 
 def load_hf_config(path: str | Path) -> ModelSpec:
-    """Read a Hugging Face config.json of a supported family; anything else is a `PlanError` naming why."""
+    """Read a Hugging Face config.json of a supported family; anything else is a `PlanError` naming why.
+
+    The trainer's reader comes first, so what it accepts is planned as exactly the model `shardwise train
+    --model-config` builds; what it refuses (and gpt2) is read leniently, marked `untrainable`.
+    """
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
@@ -290,6 +298,12 @@ def load_hf_config(path: str | Path) -> ModelSpec:
     mt = raw.get("model_type")
     if mt not in HF_MODEL_TYPES:
         raise PlanError(f"--model-config {path}: model_type {mt!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
+    refusal = f"shardwise train has no model_type {mt!r}"
+    if mt in TRAINER_HF_TYPES:
+        try:
+            return ModelSpec.of(config_from_hf(str(path)))
+        except ConfigError as e:
+            refusal = f"shardwise train refuses it: {e}"
 
     def need(key: str) -> int:
         v = raw.get(key)
@@ -308,6 +322,7 @@ def load_hf_config(path: str | Path) -> ModelSpec:
             max_seq_len=raw.get("n_positions", 1024), tie_embeddings=raw.get("tie_word_embeddings", True),
             mlp="gelu", norm="layernorm", linear_bias=True, learned_pos=True,
             dropout=float(raw.get("resid_pdrop", 0.1)), attn_dropout=float(raw.get("attn_pdrop", 0.1)),
+            untrainable=refusal,
         )
     h, heads = need("hidden_size"), need("num_attention_heads")
     kv = raw.get("num_key_value_heads") or heads
@@ -320,10 +335,10 @@ def load_hf_config(path: str | Path) -> ModelSpec:
         name=name, vocab_size=need("vocab_size"), dim=h, n_layers=need("num_hidden_layers"), n_heads=heads,
         n_kv_heads=kv, head_dim=head_dim, ffn_dim=need("intermediate_size"),
         max_seq_len=raw.get("max_position_embeddings", _HF_MAX_POS[mt]),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)), qkv_bias=(mt == "qwen2"),
-        attn_dropout=float(raw.get("attention_dropout", 0.0)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=(mt == "qwen2"),
+        attn_dropout=float(raw.get("attention_dropout", 0.0)), untrainable=refusal,
     )
     if mt == "mixtral":
-        spec = replace(spec, n_experts=need("num_local_experts"), topk=need("num_experts_per_tok"),
-                       expert_ffn_dim=spec.ffn_dim)
+        spec = replace(spec, moe_experts=need("num_local_experts"), moe_topk=need("num_experts_per_tok"),
+                       moe_softmax_before_topk=False)
     return spec

@@ -27,6 +27,9 @@ class SearchSpace:
     max_cp: int | None = None
     allow_tp_cross_domain: bool = False
     uneven_pp: bool = False
+    vp: int | None = None
+    """Interleaved: only this many chunks per pipeline rank (train's --vp); None = search 2..max_vp."""
+    cp_impl: str = "ring"
 
 
 def divisors(n: int) -> list[int]:
@@ -39,7 +42,8 @@ def _schedules(space: SearchSpace, spec: ModelSpec, pp: int) -> list[tuple[str, 
     out = []
     for sched in space.schedules:
         if sched == "interleaved":
-            out += [(sched, v) for v in range(2, space.max_vp + 1) if (spec.n_layers // pp) % v == 0 or space.uneven_pp]
+            vps = [space.vp] if space.vp else range(2, space.max_vp + 1)
+            out += [(sched, v) for v in vps if (spec.n_layers // pp) % v == 0 or space.uneven_pp]
         else:
             out.append((sched, 2 if sched == "dualpipev" else 1))
     return out
@@ -61,7 +65,7 @@ def candidates(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpa
                 links = axis_links(dp, pp, cp, tp, 1, cluster.domain)
                 if links["tp"] == "network" and not space.allow_tp_cross_domain:
                     continue
-                eps = divisors(gcd(dp * cp, spec.n_experts)) if spec.is_moe else [1]
+                eps = divisors(gcd(dp * cp, spec.moe_experts)) if spec.is_moe else [1]
                 for ep in eps:
                     for mb in space.micro_batches:
                         if wl.global_batch % (dp * mb):
@@ -69,7 +73,8 @@ def candidates(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpa
                         m = wl.global_batch // (dp * mb)
                         for sched, vp in _schedules(space, spec, pp):
                             lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vp=vp, schedule=sched, mb=mb, m=m,
-                                         zero=space.zero, recompute=space.recompute, sp=space.sp and tp > 1)
+                                         zero=space.zero, recompute=space.recompute, sp=space.sp and tp > 1,
+                                         cp_impl=space.cp_impl)
                             if not layout_problems(spec, lay, n, wl.seq_len, space.uneven_pp):
                                 yield lay
 

@@ -1,0 +1,181 @@
+"""Hugging Face `config.json` <-> ModelConfig, torch-free: the trainer's `--model-config`, the planner and
+`hf.py` (weights in and out of any layout) all read a config through `config_from_hf`.
+
+It refuses, naming the field and its value, anything shardwise's model would silently compute differently.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+
+from .config import ConfigError, ModelConfig
+
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral")
+# Each model class's rope_theta when config.json omits it (HF's class defaults).
+DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6}
+ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+# ModelConfig fields that newer shardwise versions add; a config needing a missing one is refused.
+_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+# ---------------------------------------------------------------- config.json -> ModelConfig
+def config_file(path: str) -> str:
+    """`path` itself when it is a file (`--model-config config.json`), else `path`/config.json (a model directory)."""
+    return str(path) if os.path.isfile(path) else os.path.join(path, "config.json")
+
+
+def read_hf_config(path: str) -> dict:
+    cfg_file = config_file(path)
+    try:
+        with open(cfg_file) as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no config.json (expected a Hugging Face config.json or model directory)") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{cfg_file}: expected a JSON object")
+    return hf
+
+
+def _rope(hf: dict, where: str, mt: str) -> tuple[float, tuple | None]:
+    """(theta, llama3 scaling or None) from either the 4.x keys (rope_theta, rope_scaling) or 5.x rope_parameters."""
+    params = hf.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(f"{where}: per-layer-type rope_parameters={params!r} are not supported")
+    legacy = hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", DEFAULT_THETA[mt])))
+    src = params if params.get("rope_type", "default") != "default" else legacy
+    kind = src.get("rope_type", src.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    field = "rope_parameters" if src is params else "rope_scaling"
+    if kind != "llama3":
+        raise ConfigError(f"{where}: {field}.rope_type={kind!r} is not supported (only 'default' and 'llama3' "
+                          "RoPE are implemented)")
+    if "rope_scaling" not in _FIELDS:
+        raise ConfigError(f"{where}: {field}.rope_type='llama3' needs ModelConfig.rope_scaling, which this "
+                          "shardwise lacks")
+    try:
+        scaling = (float(src["factor"]), float(src["low_freq_factor"]), float(src["high_freq_factor"]),
+                   int(src["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ConfigError(f"{where}: {field} of rope_type 'llama3' lacks {e.args[0]!r}") from None
+    return theta, scaling
+
+
+def _max_positions(hf: dict, where: str, mt: str) -> int:
+    """max_position_embeddings, clamped to a sliding window if one is in effect.
+
+    Within its window a sliding-window layer sees every earlier token, exactly like full causal
+    attention; shardwise has no sliding-window kernel, so sequences are capped at the window instead.
+    """
+    n = int(_req(hf, "max_position_embeddings", where))
+    window = hf.get("sliding_window")
+    if mt == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None
+    if window is not None and int(window) < n:
+        warnings.warn(f"{where}: sliding_window={window} < max_position_embeddings={n}: sequences are limited to "
+                      f"{window} tokens, where full causal attention equals sliding-window attention", stacklevel=3)
+        return int(window)
+    return n
+
+
+def _req(hf: dict, key: str, where: str):
+    if hf.get(key) is None:
+        raise ConfigError(f"{where}: config.json lacks {key!r}")
+    return hf[key]
+
+
+def config_from_hf(path: str) -> ModelConfig:
+    """The ModelConfig of the HF model in directory `path` (or of config.json `path`); ConfigError for anything
+    not supported."""
+    hf = read_hf_config(path)
+    where = config_file(path)
+    mt = hf.get("model_type")
+    if mt not in SUPPORTED:
+        raise ConfigError(f"{where}: model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    arch = hf.get("architectures") or []
+    if arch and not any(a.endswith("ForCausalLM") for a in arch):
+        raise ConfigError(f"{where}: architectures={arch!r}: only *ForCausalLM models are supported")
+
+    def refuse(field, why):
+        raise ConfigError(f"{where}: {field}={hf.get(field)!r} is not supported: {why}")
+
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "shardwise's MLP is SwiGLU with silu")
+    if hf.get("mlp_bias"):
+        refuse("mlp_bias", "shardwise's MLP has no biases")
+    if hf.get("quantization_config"):
+        refuse("quantization_config", "load an unquantized checkpoint")
+    dim, heads = int(_req(hf, "hidden_size", where)), int(_req(hf, "num_attention_heads", where))
+    if hf.get("head_dim") is not None and int(hf["head_dim"]) * heads != dim:
+        refuse("head_dim", f"shardwise needs head_dim = hidden_size / num_attention_heads = {dim // heads}")
+    # Qwen2 always has q/k/v biases; Llama's attention_bias also puts one on o_proj, which shardwise lacks.
+    if mt != "qwen2" and hf.get("attention_bias"):
+        refuse("attention_bias", "only q/k/v biases (model_type qwen2) are supported")
+    theta, scaling = _rope(hf, where, mt)
+    kw = dict(name=f"hf-{mt}", vocab_size=int(_req(hf, "vocab_size", where)), dim=dim,
+              n_layers=int(_req(hf, "num_hidden_layers", where)), n_heads=heads,
+              n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+              ffn_dim=int(_req(hf, "intermediate_size", where)), max_seq_len=_max_positions(hf, where, mt),
+              rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+              tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+              attn_dropout=float(hf.get("attention_dropout", 0.0)))
+    if scaling is not None:
+        kw["rope_scaling"] = scaling
+    if mt == "qwen2":
+        if "attention_bias" not in _FIELDS:
+            raise ConfigError(f"{where}: model_type='qwen2' has q/k/v biases, which need ModelConfig.attention_bias "
+                              "(not in this shardwise)")
+        kw["attention_bias"] = True
+    if mt == "mixtral":
+        # HF Mixtral: softmax over all experts, top-k, renormalise = softmax over the top-k logits; dropless.
+        kw.update(moe_experts=int(_req(hf, "num_local_experts", where)),
+                  moe_topk=int(_req(hf, "num_experts_per_tok", where)), moe_every=1, moe_ffn_dim=kw["ffn_dim"],
+                  moe_shared_experts=0, moe_softmax_before_topk=False, moe_score="softmax",
+                  moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+    cfg = ModelConfig(**kw)
+    cfg.validate()
+    return cfg
+
+
+# ---------------------------------------------------------------- export
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json for `cfg`: llama, qwen2 (q/k/v biases) or mixtral; ConfigError for what HF cannot express."""
+    def refuse(field, why):
+        raise ConfigError(f"export: {field}={getattr(cfg, field)!r} has no Hugging Face equivalent: {why}")
+
+    bias = getattr(cfg, "attention_bias", False)
+    if cfg.moe_experts:
+        if bias:
+            refuse("attention_bias", "Mixtral has no attention biases")
+        for field, want, why in (("moe_every", 1, "every Mixtral block is MoE"),
+                                 ("moe_shared_experts", 0, "Mixtral has no shared experts"),
+                                 ("moe_score", "softmax", "Mixtral's router is a softmax"),
+                                 ("moe_softmax_before_topk", False, "Mixtral renormalises over the top-k")):
+            if getattr(cfg, field) != want:
+                refuse(field, why)
+    mt = "mixtral" if cfg.moe_experts else "qwen2" if bias else "llama"
+    ffn = (cfg.moe_ffn_dim or cfg.ffn_dim) if cfg.moe_experts else cfg.ffn_dim  # Mixtral: the expert size
+    out = {"architectures": [ARCHITECTURE[mt]], "model_type": mt, "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.dim, "intermediate_size": ffn, "num_hidden_layers": cfg.n_layers,
+           "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+           "hidden_act": "silu",
+           "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+           "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": cfg.attn_dropout, "torch_dtype": "float32"}
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    scaling = getattr(cfg, "rope_scaling", None)
+    if scaling is not None:
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        out["rope_scaling"] = {"rope_type": "llama3", **dict(zip(keys, scaling))}
+        rope.update(out["rope_scaling"])
+    out["rope_parameters"] = rope  # transformers >= 5 reads this, 4.x reads rope_theta / rope_scaling
+    if mt == "mixtral":
+        out.update(num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_topk, sliding_window=None,
+                   router_aux_loss_coef=cfg.moe_aux_loss_coef, output_router_logits=False)
+    if mt == "qwen2":
+        out.update(use_sliding_window=False, sliding_window=None)
+    return out

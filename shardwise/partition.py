@@ -1,0 +1,69 @@
+"""How a run is cut up, as pure arithmetic: layers into pipeline stages, tokens into context-parallel chunks.
+
+Torch-free on purpose: config validation, the planner and the executors all use these rules, so what
+`shardwise plan` assumes is what `shardwise train` builds. Errors are ValueErrors whose message names
+the flag; config.py turns them into ConfigError, the planner into PlanError.
+"""
+from __future__ import annotations
+
+ORDERS = ("balanced", "contiguous")
+
+
+def balanced_counts(n_layers: int, n_stages: int) -> list[int]:
+    """Layers per stage for an uneven split: the first n_layers % n_stages stages take one more."""
+    q, r = divmod(n_layers, n_stages)
+    return [q + (1 if j < r else 0) for j in range(n_stages)]
+
+
+def split_layers(n_layers: int, n_stages: int, pp_layers: list[int] | None = None) -> list[range]:
+    """Global layer indices of every stage: an even split, or `pp_layers` (one count per stage)."""
+    if pp_layers is not None:
+        if len(pp_layers) != n_stages:
+            raise ValueError(f"--pp-layers {','.join(map(str, pp_layers))} has {len(pp_layers)} entries; "
+                             f"need one per stage (pp × vp = {n_stages})")
+        if any(c < 0 for c in pp_layers) or sum(pp_layers) != n_layers:
+            raise ValueError(f"--pp-layers {','.join(map(str, pp_layers))} must be non-negative counts summing to "
+                             f"the model's {n_layers} layers")
+        counts = pp_layers
+    else:
+        if n_layers % n_stages:
+            raise ValueError(f"{n_layers} layers cannot be split evenly over {n_stages} stages (pp × vp); "
+                             f"pass --pp-layers with {n_stages} counts summing to {n_layers}")
+        counts = [n_layers // n_stages] * n_stages
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def _check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"context-parallel order {order!r}: expected one of {', '.join(ORDERS)}")
+
+
+def num_chunks(cp_size: int, order: str) -> int:
+    """How many equal chunks the sequence is cut into: 2c (balanced), c (contiguous), 1 without CP."""
+    _check_order(order)
+    if cp_size == 1:
+        return 1
+    return 2 * cp_size if order == "balanced" else cp_size
+
+
+def chunk_ids(cp_rank: int, cp_size: int, order: str) -> tuple[int, ...]:
+    """The global chunk indices rank `cp_rank` holds, in local order (always increasing)."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp rank {cp_rank} out of range for cp size {cp_size}")
+    if num_chunks(cp_size, order) == cp_size:
+        return (cp_rank,)
+    return (cp_rank, 2 * cp_size - 1 - cp_rank)
+
+
+def check_seq_len(seq_len: int, cp_size: int, order: str) -> int:
+    """Raise ValueError unless `seq_len` splits into equal chunks; return the chunk length."""
+    n = num_chunks(cp_size, order)
+    if seq_len <= 0 or seq_len % n:
+        why = f"2·cp = {n} chunks (load-balanced order)" if order == "balanced" else f"cp = {n} shards"
+        raise ValueError(f"sequence length s={seq_len} cannot be split over cp c={cp_size} in {order!r} order: "
+                         f"s must be a positive multiple of {n} ({why})")
+    return seq_len // n

@@ -1,0 +1,140 @@
+"""The `shardwise train` command that runs a planned layout, and a layout read back from train flags.
+
+A plan is worth what the trainer can run, so every row carries the exact command: every knob the
+planner assumed is spelled out as the train flag of the same name (`--zero`, `--recompute`,
+`--[no-]sequence-parallel`, `--dtype`, `--micro-batch`, `--global-batch`, `--schedule`, `--vp`,
+`--cp-impl`, ...), so the command depends on none of train's defaults (train's default is a CPU run,
+plan's a GPU cluster). One node: a plain `shardwise train` (it starts one process per GPU); several:
+the `torchrun` line to run on every node. Models `shardwise train` cannot build (DeepSeek-V3's MLA,
+GPT-2) get no command.
+"""
+from __future__ import annotations
+
+import shlex
+from functools import lru_cache
+
+from shardwise.partition import balanced_counts
+from shardwise.planner.errors import PlanError
+from shardwise.planner.hardware import Cluster
+from shardwise.planner.layout import Layout, Workload
+from shardwise.planner.models import ModelSpec
+
+TORCHRUN_RDZV = "--rdzv-backend c10d --rdzv-endpoint HEAD_NODE_IP:29500 --rdzv-id shardwise"
+UNMODELLED = ("--pp-scatter-gather", "--recompute-layers", "--dropout", "--attn-dropout", "--tie-embeddings")
+"""Train flags that change what runs in ways a plan row does not describe (refused by --explain)."""
+
+
+def train_flags(model_flags: list[str], spec: ModelSpec, lay: Layout, wl: Workload) -> list[str]:
+    """Every flag `shardwise train` needs to run exactly this layout and workload."""
+    out = list(model_flags)
+    out += [x for a in ("dp", "tp", "pp", "cp", "ep") for x in (f"--{a}", str(getattr(lay, a)))]
+    out += ["--sequence-parallel" if lay.sp else "--no-sequence-parallel", "--zero", str(lay.zero),
+            "--recompute", lay.recompute, "--schedule", lay.schedule, "--vp", str(lay.vp), "--cp-impl", lay.cp_impl]
+    chunks = lay.pp * lay.vp
+    if lay.pp > 1 and spec.n_layers % chunks:
+        out += ["--pp-layers", ",".join(map(str, balanced_counts(spec.n_layers, chunks)))]
+    out += ["--seq-len", str(wl.seq_len), "--micro-batch", str(lay.mb), "--global-batch", str(lay.m * lay.mb * lay.dp),
+            "--dtype", wl.precision, "--grad-reduce-dtype", wl.grad_reduce]
+    if wl.precision == "bf16":
+        out.append("--fp32-residual" if wl.fp32_residual else "--no-fp32-residual")
+    return out
+
+
+def train_command(flags: list[str], cluster: Cluster) -> str:
+    """The shell line: `shardwise train` on one node (one process per GPU), else torchrun on every node."""
+    if cluster.gpus <= cluster.gpus_per_node:
+        return f"shardwise train {shlex.join(flags)}"
+    return (f"torchrun --nnodes {cluster.gpus // cluster.gpus_per_node} --nproc-per-node {cluster.gpus_per_node} "
+            f"{TORCHRUN_RDZV} -m shardwise.cli train {shlex.join(flags)}")
+
+
+def row_command(model_flags: list[str], spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload) -> dict:
+    """A plan row's `command` (None when train cannot build the model: `untrainable` says why) and
+    `command_refused` (train's own one-line refusal of these flags, None when it accepts them)."""
+    if spec.untrainable:
+        return {"command": None, "command_refused": None, "untrainable": spec.untrainable}
+    flags = train_flags(model_flags, spec, lay, wl)
+    return {"command": train_command(flags, cluster), "command_refused": trainer_refusal(flags)}
+
+
+class _Refuse(Exception):
+    pass
+
+
+def _raise(message: str):
+    raise _Refuse(message)
+
+
+@lru_cache(maxsize=1)
+def _train_parser():
+    from shardwise.cli import build_parser  # at call time: cli registers the plan subcommand itself
+
+    sub = build_parser()._sw_runs["train"]
+    sub.error = _raise
+    return sub
+
+
+def _train_args(tokens: list[str]):
+    args = _train_parser().parse_args(tokens)
+    args.command = "train"
+    return args
+
+
+def trainer_refusal(flags: list[str]) -> str | None:
+    """What `shardwise train` says about these flags before starting any rank (None: it accepts them), from
+    its own parser and validation — so a plan never silently prints a command the trainer refuses."""
+    from shardwise.cli import config_from_args
+    from shardwise.config import ConfigError
+
+    try:
+        config_from_args(_train_args(flags), None)
+    except (_Refuse, ConfigError) as e:
+        return str(e)
+    return None
+
+
+def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str | None,
+                      n_layers: int) -> tuple[Layout, dict]:
+    """(Layout, Workload fields) of a train command's flags, e.g. '--dp 2 --tp 2 --pp 2 --schedule 1f1b' or a
+    whole printed command. Flags not given take train's defaults; --dp left out fills the rest of the GPUs,
+    as under torchrun. Parsed by train's own argument parser, so the names and meanings are train's."""
+    tokens = shlex.split(text)
+    if "train" in tokens:  # a whole command: `shardwise train ...` or `torchrun ... -m shardwise.cli train ...`
+        tokens = tokens[tokens.index("train") + 1:]
+    try:
+        args = _train_args(tokens)
+    except _Refuse as e:
+        raise PlanError(f"--explain {text!r}: {e} (train's flags; see shardwise train --help)") from None
+    unmodelled = [t for t in tokens if t.split("=")[0] in UNMODELLED or t.startswith("--moe-")]
+    if unmodelled:
+        raise PlanError(f"--explain: {unmodelled[0]} is not modelled by the planner (it plans the preset's model, "
+                        "full pipeline sends and balanced stage splits)")
+    given_model = args.model_config or (args.model if "--model" in tokens else None)
+    if given_model is not None and given_model != model:
+        raise PlanError(f"--explain: the command's model {given_model!r} is not the plan's {model!r}")
+    deg = {a: getattr(args, a) or 1 for a in ("tp", "pp", "cp", "ep")}
+    inner = deg["tp"] * deg["pp"] * deg["cp"]
+    dp = args.dp
+    if dp is None or dp == -1:
+        if gpus % inner:
+            raise PlanError(f"--explain: tp×pp×cp = {inner} does not divide --gpus {gpus}")
+        dp = gpus // inner
+    per_step = args.micro_batch * dp
+    if args.microbatches is not None:
+        m = args.microbatches
+    else:
+        gb = args.global_batch or global_batch or per_step  # train's default: no accumulation
+        if gb % per_step:
+            raise PlanError(f"--explain: global batch {gb} is not divisible by micro-batch {args.micro_batch} × dp {dp}")
+        m = gb // per_step
+    pp = deg["pp"]
+    schedule = args.schedule if pp > 1 else "1f1b"
+    vp = 2 if schedule == "dualpipev" else (args.vp if pp > 1 else 1)
+    if args.pp_layers and args.pp_layers != ",".join(map(str, balanced_counts(n_layers, pp * vp))):
+        raise PlanError(f"--explain: --pp-layers {args.pp_layers} is not the planner's balanced split "
+                        f"{','.join(map(str, balanced_counts(n_layers, pp * vp)))}")
+    lay = Layout(dp=dp, **deg, vp=vp, schedule=schedule, mb=args.micro_batch, m=m, zero=args.zero,
+                 recompute=args.recompute, sp=bool(args.sequence_parallel), cp_impl=args.cp_impl)
+    wl = dict(seq_len=args.seq_len if "--seq-len" in tokens else None, precision=args.dtype,
+              fp32_residual=bool(args.fp32_residual), grad_reduce=args.grad_reduce_dtype)
+    return lay, {k: v for k, v in wl.items() if v is not None}
