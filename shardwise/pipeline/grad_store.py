@@ -52,14 +52,15 @@ class _LinearDeferredW(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, store):
-        ctx.save_for_backward(x, weight)
-        ctx.store = store
-        ctx.bias = bias
+        # The weight rides on ctx, not through save_for_backward: under a saved-tensor hook (the activation
+        # meter, checkpointing) autograd unpacks a new alias of it, and W's .grad would land on that alias.
+        ctx.save_for_backward(x)
+        ctx.store, ctx.weight, ctx.bias = store, weight, bias
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         dx = g @ weight.to(g.dtype)
         if ctx.store.capturing:
             ctx.store.put(weight, ctx.bias, x, g)

@@ -133,13 +133,13 @@ class _ColumnRegionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, store, *params):
         ws, bs = params[0::2], params[1::2]
-        ctx.save_for_backward(x, *ws)
-        ctx.axis, ctx.store, ctx.bs = axis, store, bs
+        ctx.save_for_backward(x)  # weights on ctx: a saved-tensor hook would hand the deferred W an alias (grad_store)
+        ctx.axis, ctx.store, ctx.ws, ctx.bs = axis, store, ws, bs
         return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs))
 
     @staticmethod
     def backward(ctx, *gs):
-        x, *ws = ctx.saved_tensors
+        (x,), ws = ctx.saved_tensors, ctx.ws
         live = [(i, g.reshape(-1, g.shape[-1])) for i, g in enumerate(gs) if g is not None]
         dx = None
         for i, g in live:
