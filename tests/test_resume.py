@@ -18,6 +18,21 @@ def losses(run_dir):
     return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _parse(argv):
+    """The TrainConfig `shardwise <argv>` would run."""
+    from shardwise.cli import build_parser, config_from_args
+
+    return config_from_args(build_parser().parse_args(argv), None)
+
+
+def _train_each(cfgs):
+    """Inside ranks: `train_main` for each config in turn — the CLI's run, in forked ranks."""
+    from shardwise.train import train_main
+
+    for cfg in cfgs:
+        train_main(cfg)
+
+
 def test_crash_then_resume_equals_uninterrupted(tmp_path):
     common = ["train", "--steps", "8", "--seq-len", "64", "--global-batch", "8", "--no-progress"]
     full = tmp_path / "full"
@@ -54,12 +69,6 @@ def test_truncated_checkpoint_falls_back(tmp_path):
     assert "step-2" in r.stderr.split("resuming from")[1]
 
 
-def _parse(argv):
-    from shardwise.cli import build_parser, config_from_args
-
-    return config_from_args(build_parser().parse_args(argv), None)
-
-
 def _load_moe_then_step(path, cfgs):
     """Inside ranks: for each (cfg, drop_bias) load checkpoint `path` (resharding as needed) and run the
     next step. Returns (largest |expert_bias − saved bias| over this rank's routers, whether it holds every
@@ -89,16 +98,18 @@ def test_moe_bias_resume_bitwise_and_reshard(tmp_path):
     bitwise, and the dp2×ep2 checkpoint loaded at dp4×ep4 and dp4×ep1 restores every router's bias
     exactly and continues the run (next loss within layout rounding; with the bias dropped it is not).
     One global microbatch per step in every layout, so the per-microbatch aux loss sees the same tokens."""
+    from shardwise.launch import RankError
+
     common = ["train", "--model", "tiny-moe", "--moe-bias-update-rate", "0.01", "--steps", "6", "--seq-len", "64",
               "--global-batch", "4", "--no-progress", "--no-report"]
-    dp2ep2 = ["--dp", "2", "--ep", "2", "--micro-batch", "2"]
-    assert shardwise(*common, *dp2ep2, "--out", str(tmp_path / "full")).returncode == 0
+    dp2ep2 = [*common, "--dp", "2", "--ep", "2", "--micro-batch", "2"]
+    run_ranks(2, _train_each, [_parse([*dp2ep2, "--out", str(tmp_path / "full")])])
     full = losses(tmp_path / "full")
     run = tmp_path / "run"
-    r = shardwise(*common, *dp2ep2, "--out", str(run), "--save-every", "3", "--fault-inject", "1:4:crash")
-    assert r.returncode != 0 and "rank 1 died" in r.stderr, r.stderr
-    r = shardwise(*common, *dp2ep2, "--out", str(run), "--save-every", "3", "--resume")
-    assert r.returncode == 0, r.stderr
+    saving = [*dp2ep2, "--out", str(run), "--save-every", "3"]
+    with pytest.raises(RankError, match="rank 1 died"):
+        run_ranks(2, _train_each, [_parse([*saving, "--fault-inject", "1:4:crash"])])
+    run_ranks(2, _train_each, [_parse([*saving, "--resume"])])
     assert losses(run) == full
 
     step3 = str(run / "checkpoints" / "step-3")
@@ -115,9 +126,10 @@ def test_moe_bias_resume_bitwise_and_reshard(tmp_path):
 
 # Crash and --resume on each layout with its own state to restore: pipeline schedules (1f1b, and zb's
 # deferred weight gradients), ring attention, ZeRO-1's sharded AdamW state. Residual dropout (and
-# attention dropout on tp×pp) makes every RNG stream count. Layouts of 4 ranks; the uninterrupted
-# references all train in one fork of ranks.
-RESUME_COMMON = ["train", "--steps", "6", "--seq-len", "32", "--micro-batch", "1", "--global-batch", "4",
+# attention dropout on tp×pp) makes every RNG stream count. Ranks are forked from this process (no
+# interpreter start per run): the uninterrupted references of all layouts train in one fork, then per
+# layout one fork crashes at step 3 and one fresh fork resumes from step-2 — what `--resume` runs.
+RESUME_COMMON = ["train", "--steps", "4", "--seq-len", "32", "--micro-batch", "1", "--global-batch", "4",
                  "--dropout", "0.1", "--no-progress", "--no-report"]
 RESUME_LAYOUTS = {
     "tp2_pp2_1f1b": ["--tp", "2", "--pp", "2", "--attn-dropout", "0.1"],
@@ -127,29 +139,23 @@ RESUME_LAYOUTS = {
 }
 
 
-def _train_each(cfgs):
-    from shardwise.train import train_main
-
-    for cfg in cfgs:
-        train_main(cfg)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    cfgs = [_parse([*RESUME_COMMON, *layout, "--out", str(root / name)])
-            for name, layout in RESUME_LAYOUTS.items()]
+    cfgs = [_parse([*RESUME_COMMON, *layout, "--out", str(root / name)]) for name, layout in RESUME_LAYOUTS.items()]
     run_ranks(4, _train_each, cfgs, timeout_s=300)
     return {name: losses(root / name) for name in RESUME_LAYOUTS}
 
 
 @pytest.mark.parametrize("name", list(RESUME_LAYOUTS))
 def test_crash_then_resume_bitwise_per_layout(name, tmp_path, uninterrupted):
-    run = ["--out", str(tmp_path), "--save-every", "2"]
-    r = shardwise(*RESUME_COMMON, *RESUME_LAYOUTS[name], *run, "--fault-inject", "1:5:crash")
-    assert r.returncode != 0 and "rank 1 died" in r.stderr, r.stderr
-    r = shardwise(*RESUME_COMMON, *RESUME_LAYOUTS[name], *run, "--resume")
-    assert r.returncode == 0 and "step-4" in r.stderr.split("resuming from")[1], r.stderr
+    from shardwise.launch import RankError
+
+    argv = [*RESUME_COMMON, *RESUME_LAYOUTS[name], "--out", str(tmp_path), "--save-every", "2"]
+    with pytest.raises(RankError, match="rank 1 died"):
+        run_ranks(4, _train_each, [_parse([*argv, "--fault-inject", "1:3:crash"])])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-2"]
+    run_ranks(4, _train_each, [_parse([*argv, "--resume"])])
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]  # data position: batches 5 and 6 follow step 4
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # data position: batches 3 and 4 follow step 2
     assert [row["loss"] for row in rows] == uninterrupted[name], name
