@@ -3,9 +3,12 @@
 Every rank also builds the single-device model (same seed, same global batch) in-process, with a
 disabled ledger. After each step's gradient finalisation it compares the gradient values it holds
 with the matching slice of the reference gradients, and after the optimizer step its parameter
-shards with the reference parameters. Per-parameter squared norms of (difference, reference) are
-summed over all ranks — replicas inflate both equally, so ratios are exact — and the maximum
-norm-wise relative difference is reported.
+shards and their updates (after − before the step) with the reference's. Per-parameter squared norms
+of (difference, reference) are summed over all ranks — replicas inflate both equally, so ratios are
+exact — and the maximum norm-wise relative difference is reported. Updates, not values, are what
+catch a parameter the layout never trains: a frozen parameter's update differs by exactly 1.0, while
+its value after a few warm-up steps differs by ~1e-3. `coverage` proves every reference element was
+compared at least once.
 """
 from __future__ import annotations
 
@@ -23,8 +26,13 @@ from .train import Trainer, make_mesh
 # first_grad: gradients of step 1, computed from bit-identical weights — pure layout arithmetic.
 # grad / param: every step; later steps start from weights that AdamW's g/sqrt(v) has already pulled
 # apart wherever a gradient is near zero, so they get a drift bound (a real layout bug is O(1)).
-TOLERANCE = {"fp32": dict(loss=1e-5, first_grad=1e-5, grad=1e-3, param=1e-3),
-             "bf16": dict(loss=2e-3, first_grad=2e-2, grad=5e-1, param=1e-1)}
+# first_update / update: ||dp - dp_ref|| / ||dp_ref|| of step 1 and of the later steps. Step 1's AdamW
+# update is lr·sign(g), so rounding that flips the sign of a near-zero gradient moves it most: in bf16
+# two flipped signs of a 96-element norm weight already score 0.28 (measured over the verify layouts:
+# bf16 <0.29, later steps <0.1; fp32 <3.6e-4, later <1.1e-4). A parameter that is not updated scores
+# 1.0 and one TP half of it 0.71 at every step, a quarter 0.5: the later-step bounds are below all three.
+TOLERANCE = {"fp32": dict(loss=1e-5, first_grad=1e-5, grad=1e-3, param=1e-3, first_update=2e-3, update=1e-3),
+             "bf16": dict(loss=2e-3, first_grad=2e-2, grad=5e-1, param=1e-1, first_update=6e-1, update=2.5e-1)}
 
 
 def check_verifiable(cfg: TrainConfig) -> None:
@@ -50,16 +58,59 @@ def _reference(cfg: TrainConfig, device, tokens=None) -> Trainer:
     return ref
 
 
+def _grad_views(trainer):
+    """(name, spec, reduced gradient values this rank holds, lo, hi within its flattened local parameter)."""
+    local = dict(trainer.model.named_parameters())
+    for name, vals, lo, hi in trainer.reducer.grad_views():
+        yield name, get_spec(local[name]), vals, lo, hi
+
+
+def _param_views(trainer):
+    """(name, spec, flattened local parameter, 0, numel) of every parameter this rank holds."""
+    for name, p in trainer.model.named_parameters():
+        yield name, get_spec(p), p.detach().reshape(-1), 0, p.numel()
+
+
+def _against(views, ref: dict[str, torch.Tensor]):
+    """(name, mine, matching slice of the reference) for each view."""
+    return [(n, mine, spec.local_slice(ref[n]).reshape(-1)[lo:hi]) for n, spec, mine, lo, hi in views]
+
+
 def _rel_diffs(pairs, names, world) -> float:
     """max over parameters of ||x - ref|| / ||ref||, with the squared norms summed over all ranks."""
     index = {n: i for i, n in enumerate(names)}
-    acc = torch.zeros(len(names), 2, dtype=torch.float64)
+    acc = torch.zeros(len(names), 2, dtype=torch.float64, device=world.device)  # NCCL: on the mesh device
     for name, mine, ref in pairs:
         acc[index[name], 0] += (mine.double() - ref.double()).pow(2).sum()
         acc[index[name], 1] += ref.double().pow(2).sum()
     comm.all_reduce(acc, world, tag="verify")
     rel = acc[:, 0].sqrt() / acc[:, 1].sqrt().clamp_min(1e-30)
     return float(rel.max())
+
+
+def _coverage(view_lists, ref_params: dict[str, torch.Tensor], world) -> float:
+    """Fraction of reference elements every comparison in `view_lists` reached, min over the comparisons.
+
+    Each rank marks the global elements its views cover (through the same `local_slice` that cut the
+    reference, on an index tensor; padding maps to no element); a max over ranks counts a replicated
+    element once, and an element no rank compared stays 0.
+    """
+    canon = {}  # tied weights: the reference's output.weight IS tok_embeddings.weight; count its elements once
+    for n in sorted(ref_params):
+        canon.setdefault(id(ref_params[n]), n)
+    offset, total = {}, 0
+    for n in sorted(set(canon.values())):
+        offset[n], total = total, total + ref_params[n].numel()
+    offset = {n: offset[canon[id(p)]] for n, p in ref_params.items()}
+    marks = torch.zeros(len(view_lists), total, device=world.device)
+    for row, views in enumerate(view_lists):
+        for n, spec, _, lo, hi in views:
+            ref = ref_params[n]
+            idx = spec.local_slice(torch.arange(1, ref.numel() + 1, device=world.device).view(ref.shape))
+            idx = idx.reshape(-1)[lo:hi]
+            marks[row, offset[n] + idx[idx > 0] - 1] = 1.0
+    comm.all_reduce(marks, world, op="max", tag="verify")
+    return int((marks > 0).sum(1).min()) / total  # an integer count: exact past float32's 2**24
 
 
 def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: torch.Tensor | None = None) -> dict:
@@ -72,7 +123,8 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
     ref_params = dict(ref.model.named_parameters(remove_duplicate=False))  # tied: output.weight too (PP's copy)
     names = sorted(ref_params)
     world = mesh["world"]
-    loss_diff = grad_diff = param_diff = first_grad = 0.0
+    loss_diff = grad_diff = param_diff = first_grad = first_update = later_update = 0.0
+    coverage = None
     losses = []
     for step in range(cfg.steps):
         loss = trainer.forward_backward(step)
@@ -81,26 +133,35 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
         ref.finish_gradients()
         loss_diff = max(loss_diff, abs(loss - ref_loss))
         losses.append(loss)
-        local = dict(trainer.model.named_parameters())
-        grads = []
-        for name, vals, lo, hi in trainer.reducer.grad_views():
-            ref_g = get_spec(local[name]).local_slice(ref_params[name].grad).reshape(-1)[lo:hi]
-            grads.append((name, vals, ref_g))
-        step_grad = _rel_diffs(grads, names, world)
+        grad_views = list(_grad_views(trainer))
+        step_grad = _rel_diffs(_against(grad_views, {n: p.grad for n, p in ref_params.items()}), names, world)
         first_grad = step_grad if step == 0 else first_grad
         grad_diff = max(grad_diff, step_grad)
+        before = [v[2].clone() for v in _param_views(trainer)]
+        ref_before = {n: p.detach().clone() for n, p in ref_params.items()}
         trainer.optimizer_step(step)
         ref.optimizer_step(step)
         if trainer.model_cfg.moe_experts:  # the loss-free bias moves the same way in both, or routing diverges
             trainer.moe_step()
             ref.moe_step()
-        params = [(n, p.detach().reshape(-1), get_spec(p).local_slice(ref_params[n].detach()).reshape(-1))
-                  for n, p in trainer.model.named_parameters()]
-        param_diff = max(param_diff, _rel_diffs(params, names, world))
+        param_views = list(_param_views(trainer))
+        if coverage is None:
+            coverage = _coverage([grad_views, param_views], ref_params, world)
+        param_diff = max(param_diff, _rel_diffs(_against(param_views, {n: p.detach() for n, p in ref_params.items()}),
+                                                 names, world))
+        updates = [(n, spec, p - b, lo, hi) for (n, spec, p, lo, hi), b in zip(param_views, before)]
+        ref_updates = {n: p.detach() - ref_before[n] for n, p in ref_params.items()}
+        step_update = _rel_diffs(_against(updates, ref_updates), names, world)
+        first_update = step_update if step == 0 else first_update
+        later_update = later_update if step == 0 else max(later_update, step_update)
         mesh.ledger.end_step(step + 1)
     tol = TOLERANCE[cfg.dtype]
     passed = (loss_diff <= tol["loss"] * max(1.0, abs(losses[0])) and first_grad <= tol["first_grad"]
-              and grad_diff <= tol["grad"] and param_diff <= tol["param"])
+              and grad_diff <= tol["grad"] and param_diff <= tol["param"] and first_update <= tol["first_update"]
+              and later_update <= tol["update"] and coverage == 1.0)
     return {"layout": cfg.parallel.as_dict(), "steps": cfg.steps, "max_loss_abs_diff": loss_diff,
-            "max_grad_rel_diff": grad_diff, "max_param_rel_diff": param_diff, "passed": bool(passed),
-            "first_step_grad_rel_diff": first_grad, "tolerances": tol, "losses": losses}
+            "max_grad_rel_diff": grad_diff, "max_param_rel_diff": param_diff,
+            "max_update_rel_diff": max(first_update, later_update), "coverage": coverage, "passed": bool(passed),
+            "first_step_grad_rel_diff": first_grad,
+            "first_step_update_rel_diff": first_update, "later_update_rel_diff": later_update, "tolerances": tol,
+            "losses": losses}

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from _dist import run_ranks
+
 
 def shardwise(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
@@ -14,6 +16,35 @@ def shardwise(*args, timeout=300):
 
 def losses(run_dir):
     return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _parse(argv):
+    """The TrainConfig `shardwise <argv>` would run."""
+    from shardwise.cli import build_parser, config_from_args
+
+    return config_from_args(build_parser().parse_args(argv), None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_parent(tmp_path_factory):
+    """One single-device step in this process first: forked ranks inherit torch's lazy first-use setup
+    instead of paying it each (measured ~10 CPU-s per 4-rank fork cold, ~3 warm)."""
+    import torch
+
+    from shardwise.mesh import Mesh
+    from shardwise.train import Trainer
+
+    cfg = _parse(["train", "--model", "tiny-moe", "--steps", "1", "--seq-len", "32", "--micro-batch", "1",
+                  "--no-progress", "--no-report", "--out", str(tmp_path_factory.mktemp("warm"))])
+    Trainer(cfg, Mesh.single(torch.device("cpu"))).train_step(0)
+
+
+def _train_each(cfgs):
+    """Inside ranks: `train_main` for each config in turn — the CLI's run, in forked ranks."""
+    from shardwise.train import train_main
+
+    for cfg in cfgs:
+        train_main(cfg)
 
 
 def test_crash_then_resume_equals_uninterrupted(tmp_path):
@@ -52,13 +83,93 @@ def test_truncated_checkpoint_falls_back(tmp_path):
     assert "step-2" in r.stderr.split("resuming from")[1]
 
 
-def test_moe_bias_resume_bitwise(tmp_path):
-    """The router's expert_bias (a persistent buffer) is checkpointed: dp2×ep2 with bias updates resumes bitwise."""
-    common = ["train", "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--moe-bias-update-rate", "0.01",
-              "--steps", "6", "--no-progress"]
-    assert shardwise(*common, "--out", str(tmp_path / "full")).returncode == 0
+def _load_moe_then_step(path, cfgs):
+    """Inside ranks: for each (cfg, drop_bias) load checkpoint `path` (resharding as needed) and run the
+    next step. Returns (largest |expert_bias − saved bias| over this rank's routers, whether it holds every
+    saved router's bias, the restored step (= data position), next step's loss)."""
+    import torch
+
+    from shardwise.checkpoint import _persistent_buffers, load_checkpoint, load_global_tensors
+    from shardwise.train import Trainer, make_mesh
+
+    saved = load_global_tensors(path, prefix="buffer.")
+    out = []
+    for cfg, drop_bias in cfgs:
+        trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
+        info = load_checkpoint(path, trainer)
+        bias = {n: b for n, _, b in _persistent_buffers(trainer.model) if n.endswith("expert_bias")}
+        diff = max(float((b - saved[n]).abs().max()) for n, b in bias.items())
+        every = set(bias) == {n for n in saved if n.endswith("expert_bias")} and len(bias) > 0
+        if drop_bias:  # the control: what the step would see had the bias not been restored
+            for b in bias.values():
+                b.zero_()
+        out.append((diff, every, info["step"], trainer.train_step(info["step"])["loss"]))
+    return out
+
+
+def test_moe_bias_resume_bitwise_and_reshard(tmp_path):
+    """The router's expert_bias (a persistent buffer) is checkpointed: dp2×ep2 with bias updates resumes
+    bitwise, and the dp2×ep2 checkpoint loaded at dp4×ep4 and dp4×ep1 restores every router's bias
+    exactly and continues the run (next loss within layout rounding; with the bias dropped it is not).
+    One global microbatch per step in every layout, so the per-microbatch aux loss sees the same tokens."""
+    from shardwise.launch import RankError
+
+    common = ["train", "--model", "tiny-moe", "--moe-bias-update-rate", "0.01", "--steps", "6", "--seq-len", "64",
+              "--global-batch", "4", "--no-progress", "--no-report"]
+    dp2ep2 = [*common, "--dp", "2", "--ep", "2", "--micro-batch", "2"]
+    run_ranks(2, _train_each, [_parse([*dp2ep2, "--out", str(tmp_path / "full")])])
+    full = losses(tmp_path / "full")
     run = tmp_path / "run"
-    assert shardwise(*common, "--out", str(run), "--save-every", "3", "--fault-inject", "1:4:crash").returncode != 0
-    r = shardwise(*common, "--out", str(run), "--save-every", "3", "--resume")
-    assert r.returncode == 0, r.stderr
-    assert losses(run) == losses(tmp_path / "full")
+    saving = [*dp2ep2, "--out", str(run), "--save-every", "3"]
+    with pytest.raises(RankError, match="rank 1 died"):
+        run_ranks(2, _train_each, [_parse([*saving, "--fault-inject", "1:4:crash"])])
+    run_ranks(2, _train_each, [_parse([*saving, "--resume"])])
+    assert losses(run) == full
+
+    step3 = str(run / "checkpoints" / "step-3")
+    dp4 = [*common, "--dp", "4", "--micro-batch", "1"]
+    cfgs = [(_parse([*dp4, "--ep", "4"]), False), (_parse(dp4), False), (_parse([*dp4, "--ep", "4"]), True)]
+    results = run_ranks(4, _load_moe_then_step, step3, cfgs)
+    for rank in results:
+        for diff, every, step, _ in rank:
+            assert diff == 0.0 and every and step == 3, rank
+    (_, _, _, ep4), (_, _, _, ep1), (_, _, _, dropped) = results[0]
+    assert ep4 == pytest.approx(full[3], abs=2e-6) and ep1 == pytest.approx(full[3], abs=2e-6), (ep4, ep1, full)
+    assert abs(dropped - full[3]) > 1e-5, (dropped, full)
+
+
+# Crash and --resume on each layout with its own state to restore: pipeline schedules (1f1b, and zb's
+# deferred weight gradients), ring attention, ZeRO-1's sharded AdamW state. Residual dropout (and
+# attention dropout on tp×pp) makes every RNG stream count. Ranks are forked from this process (no
+# interpreter start per run): the uninterrupted references of all layouts train in one fork, then per
+# layout one fork crashes at step 3 and one fresh fork resumes from step-2 — what `--resume` runs.
+RESUME_COMMON = ["train", "--steps", "4", "--seq-len", "32", "--micro-batch", "1", "--global-batch", "4",
+                 "--dropout", "0.1", "--no-progress", "--no-report"]
+RESUME_LAYOUTS = {
+    "tp2_pp2_1f1b": ["--tp", "2", "--pp", "2", "--attn-dropout", "0.1"],
+    "tp2_pp2_zb": ["--tp", "2", "--pp", "2", "--schedule", "zb"],
+    "cp2_ring_dp2": ["--cp", "2", "--dp", "2", "--cp-impl", "ring"],
+    "dp2_tp2_zero1": ["--dp", "2", "--tp", "2", "--zero", "1"],
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    cfgs = [_parse([*RESUME_COMMON, *layout, "--out", str(root / name)]) for name, layout in RESUME_LAYOUTS.items()]
+    run_ranks(4, _train_each, cfgs, timeout_s=300)
+    return {name: losses(root / name) for name in RESUME_LAYOUTS}
+
+
+@pytest.mark.parametrize("name", list(RESUME_LAYOUTS))
+def test_crash_then_resume_bitwise_per_layout(name, tmp_path, uninterrupted):
+    from shardwise.launch import RankError
+
+    argv = [*RESUME_COMMON, *RESUME_LAYOUTS[name], "--out", str(tmp_path), "--save-every", "2"]
+    with pytest.raises(RankError, match="rank 1 died"):
+        run_ranks(4, _train_each, [_parse([*argv, "--fault-inject", "1:3:crash"])])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-2"]
+    run_ranks(4, _train_each, [_parse([*argv, "--resume"])])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # data position: batches 3 and 4 follow step 2
+    assert [row["loss"] for row in rows] == uninterrupted[name], name

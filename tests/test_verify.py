@@ -8,6 +8,8 @@ import dataclasses
 import pytest
 
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
+from shardwise.mesh import Mesh
+from shardwise.parallelize import build_model
 from shardwise.verify import verify_main
 
 from _dist import fresh_seed, run_ranks, verify_all
@@ -70,3 +72,54 @@ def test_label_smoothing_tp2_and_pp2():
     # near-uniform logits at init: ε=0.1 adds ~1e-3 to the loss, 20× verify's loss bound (and exactly 0 if dropped)
     assert abs(smooth["losses"][0] - plain["losses"][0]) > 2e-4, (seed, smooth["losses"], plain["losses"])
     assert abs(piped["losses"][0] - plain["losses"][0]) > 2e-4, (seed, piped["losses"], plain["losses"])
+
+
+def _verify_sabotaged(runs):
+    """Inside ranks: verify each (cfg, freeze, drop). `freeze` = (parameter name, TP rank or None for all):
+    the layout run restores it after every optimizer step, so it never trains; `drop` names a parameter
+    that verify's views leave out of every comparison."""
+    from shardwise import train, verify
+
+    step, grads, params = train.Trainer.optimizer_step, verify._grad_views, verify._param_views
+    out = []
+    for cfg, freeze, drop in runs:
+        def frozen_step(self, s, freeze=freeze):
+            held = dict(self.model.named_parameters()).get(freeze[0]) if freeze and self.mesh["world"].active else None
+            keep = held.detach().clone() if held is not None and freeze[1] in (None, self.mesh["tp"].rank) else None
+            lr = step(self, s)
+            if keep is not None:
+                held.data.copy_(keep)
+            return lr
+
+        train.Trainer.optimizer_step = frozen_step
+        verify._grad_views = lambda t, drop=drop: (v for v in grads(t) if v[0] != drop)
+        verify._param_views = lambda t, drop=drop: (v for v in params(t) if v[0] != drop)
+        cfg.resolve_world()
+        out.append(verify.verify_main(cfg))
+    return out
+
+
+def test_verify_fails_frozen_parameter_and_missing_coverage():
+    """A parameter the layout never updates fails verify through the update difference (fp32 and bf16) —
+    a frozen RMSNorm weight keeps its value within the 1e-3 value bound, so only the update check sees it —
+    and so does half of one (one TP rank's shard). A parameter left out of the comparison lowers
+    `coverage` below 1 and fails verify although every compared number agrees."""
+    seed = fresh_seed()
+    base = TrainConfig(parallel=ParallelConfig(tp=2), steps=2, seq_len=32, micro_batch=2, seed=seed, progress=False)
+    norm, w1 = "layers.0.attention_norm.weight", "layers.1.feed_forward.w1.weight"
+    runs = [(base, (norm, None), None),
+            (dataclasses.replace(base, dtype="bf16"), (norm, None), None),
+            (dataclasses.replace(base, dtype="bf16"), (w1, 1), None),
+            (base, None, w1)]
+    frozen32, frozen16, half16, dropped = run_ranks(2, _verify_sabotaged, runs)[0]
+    for r in (frozen32, frozen16):  # the frozen parameter's update differs by exactly its own norm
+        assert not r["passed"] and r["coverage"] == 1.0, (seed, r)
+        assert r["first_step_update_rel_diff"] == pytest.approx(1.0) == r["later_update_rel_diff"], (seed, r)
+    assert frozen32["max_param_rel_diff"] < frozen32["tolerances"]["param"], (seed, frozen32)  # values: blind
+    assert frozen32["first_step_grad_rel_diff"] < 1e-5, (seed, frozen32)
+    assert not half16["passed"] and half16["max_update_rel_diff"] == pytest.approx(0.5 ** 0.5, abs=0.02), (seed, half16)
+    sizes = {n: p.numel() for n, p in build_model(base.model_config(), Mesh.single("cpu"), 0).named_parameters()}
+    n_w1, total = sizes[w1], sum(sizes.values())
+    assert not dropped["passed"] and dropped["coverage"] == pytest.approx(1 - n_w1 / total, abs=1e-12), (seed, dropped)
+    assert dropped["max_update_rel_diff"] < dropped["tolerances"]["first_update"], (seed, dropped)  # all else agrees
+    assert dropped["first_step_grad_rel_diff"] < 1e-5, (seed, dropped)

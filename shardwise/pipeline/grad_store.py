@@ -52,8 +52,9 @@ class _LinearDeferredW(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, store):
-        # The parameter itself rides on ctx, not through save_for_backward: under activation recompute
-        # saved tensors come back as checkpoint's copies, and a deferred dW accumulated into a copy is lost.
+        # The weight rides on ctx, not through save_for_backward: under a saved-tensor hook (activation
+        # recompute's checkpoint, the activation meter) autograd unpacks a copy or alias of it, and a
+        # deferred dW accumulated there would never reach the parameter's .grad.
         ctx.save_for_backward(x)
         ctx.store, ctx.weight, ctx.bias = store, weight, bias
         return torch.nn.functional.linear(x, weight, bias)

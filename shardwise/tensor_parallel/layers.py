@@ -133,7 +133,7 @@ class _ColumnRegionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, store, *params):
         ws, bs = params[0::2], params[1::2]
-        ctx.save_for_backward(x)  # the weights ride on ctx: recompute must not hand W a copy (grad_store)
+        ctx.save_for_backward(x)  # weights on ctx: a saved-tensor hook would hand the deferred W a copy (grad_store)
         ctx.axis, ctx.store, ctx.ws, ctx.bs = axis, store, ws, bs
         return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs))
 
