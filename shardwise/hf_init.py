@@ -15,7 +15,8 @@ import os
 import torch
 
 from .config import ConfigError, ModelConfig
-from .hf import _FIELDS, _Files, _source, config_from_hf
+from .hf import _Files, _source
+from .hf_config import _FIELDS, config_from_hf
 
 # ModelConfig fields a fine-tune may set freely: they change training, not the checkpoint's shape.
 TRAINING_ONLY = {"name", "dropout", "attn_dropout", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate",
