@@ -50,7 +50,8 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
     p.add_argument("--fp32-residual", action="store_true", help="under bf16: keep the residual stream fp32")
     p.add_argument("--grad-reduce-dtype", default="fp32", help="DP gradient reduction dtype: fp32 or bf16")
-    p.add_argument("--data", default=None, help="text file (default: the embedded pydoc_data corpus)")
+    p.add_argument("--data", default=None, help="text file, prepare-data directory, or a blend DIR:W,DIR:W "
+                   "(default: the embedded pydoc_data corpus)")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
     p.add_argument("--dropout", type=float, default=None, help="residual dropout")
     p.add_argument("--attn-dropout", type=float, default=None, help="attention-probability dropout")
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     parser._sw_runs = {"train": t, "verify": v}
     for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint_cli", "shardwise.report",
-                "shardwise.hf_cli"):
+                "shardwise.hf_cli", "shardwise.data.cli"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ImportError:
@@ -211,10 +212,10 @@ def main(argv=None) -> int:
                                       "or --checkpoint-dir DIR")
             else:
                 cfg.out = default_out_dir()
-        if cfg.data is not None:
-            from .data import load_tokens
+        if cfg.data is not None:  # once, before any rank: manifests, shard checksums (streamed), corpus size
+            from .data import Loader, open_data
 
-            load_tokens(cfg.data)
+            Loader(open_data(cfg.data, verify=True), cfg.seq_len, 1, cfg.seed)
         world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
         import torch
 
