@@ -127,7 +127,9 @@ def _batches(files: list[str], text_key: str) -> Iterator[list]:
 _WORKER = {}
 
 
-def _init_worker(spec: str, no_eos: bool, dtype: str) -> None:
+def _init_worker(spec: str, no_eos: bool, dtype: str, pool: bool = False) -> None:
+    if pool:  # the processes are the parallelism: no tokenizer thread pool inside each
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.update(tok=load_tokenizer(spec, no_eos), no_eos=no_eos, dtype=np.dtype(dtype))
 
 
@@ -199,8 +201,7 @@ def _run(files, text_key, spec, no_eos, dtype, workers, writer: ShardWriter, pro
             return
         import multiprocessing as mp
 
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the processes are the parallelism
-        with mp.get_context("fork").Pool(workers, _init_worker, (spec, no_eos, dtype)) as pool:
+        with mp.get_context("fork").Pool(workers, _init_worker, (spec, no_eos, dtype, True)) as pool:
             for tokens, lengths, mask in pool.imap(encode_documents, _batches(files, text_key)):
                 writer.add(tokens, lengths, mask)
                 bar.update(len(tokens))
