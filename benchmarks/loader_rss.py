@@ -97,7 +97,8 @@ def main() -> None:
             "ratios": {f"{m}_rss_big_over_small": rss[f"{m}_big"] / rss[f"{m}_small"] for m in ("train", "sweep")},
             "rss_mb": rss,
             "rss_difference_mb": {m: rss[f"{m}_big"] - rss[f"{m}_small"] for m in ("train", "sweep")},
-            "config": vars(args) | {"build_s": build_s, "tokens_touched_sweep": args.sweep_steps * 8 * (args.seq_len + 1)},
+            "config": vars(args) | {"build_s": build_s, "tokens_touched_sweep": args.sweep_steps * 8 * (args.seq_len + 1),
+                                    "loadavg_1m": os.getloadavg()[0]},
         }))
     finally:
         shutil.rmtree(work, ignore_errors=True)

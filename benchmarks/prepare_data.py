@@ -124,7 +124,7 @@ def main() -> None:
             "config": {"mb": args.mb, "reps": args.reps, "tokenizer": args.tokenizer or f"bpe-{args.vocab}",
                        "tokens_peer": tokens["tokenizers_encode_batch"], "tokens_shardwise": tokens["shardwise"],
                        "documents_eos": tokens["shardwise"] - tokens["tokenizers_encode_batch"],
-                       "cpus": os.cpu_count()},
+                       "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]},
         }))
     finally:
         shutil.rmtree(work, ignore_errors=True)

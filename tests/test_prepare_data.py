@@ -266,10 +266,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
                          *[a for kv in flags.items() for a in kv])
         assert code == 2 and len(err) == 1 and msg in err[0], (inputs, err)
         assert not out.exists() and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
-    # a failure after shards were written (the bad line is in the second file) leaves nothing behind
-    code, err = _cli(capsys, "prepare-data", str(good), str(tmp_path / "badline.jsonl"), "--out", str(tmp_path / "o"),
-                     "--no-progress", "--shard-tokens", "2")
-    assert code == 2 and not (tmp_path / "o").exists()
+    # a failure after shards were written (the bad line is in the second file) leaves nothing behind,
+    # also when the reading feeds worker processes
+    for workers in ("1", "2"):
+        code, err = _cli(capsys, "prepare-data", str(good), str(tmp_path / "badline.jsonl"), "--out",
+                         str(tmp_path / "o"), "--no-progress", "--shard-tokens", "2", "--workers", workers)
+        assert code == 2 and "badline.jsonl:2" in err[-1] and not (tmp_path / "o").exists()
+        assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
     data = _plain_dir(tmp_path, "d", 6)
     train = ["train", "--dp", "1", "--steps", "1", "--seq-len", "16", "--no-progress", "--no-report",
