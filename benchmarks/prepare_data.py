@@ -12,7 +12,8 @@ the corpus (--vocab ids), or --tokenizer PATH (a tokenizer.json or HF model dire
 
 Repetitions rotate the order; each figure is a median over repetitions: `medians_s` of wall time,
 `cpu_medians_s` of CPU time (this process's threads plus reaped worker processes), which a busy
-shared machine disturbs less. Target: ratio ≤ 1.1.
+shared machine disturbs less; `paired_*` are medians of the per-repetition ratios (a repetition's
+runs see the same background load). Target: ratio ≤ 1.1.
 
     python benchmarks/prepare_data.py --mb 20 --reps 5
 Last stdout line: one JSON object {"medians_s": ..., "ratios": ..., "config": ...}.
@@ -121,6 +122,10 @@ def main() -> None:
             "medians_s": med, "cpu_medians_s": cpu_med,
             "ratios": {k: med[k] / med["tokenizers_encode_batch"] for k in ours},
             "cpu_ratios": {k: cpu_med[k] / cpu_med["tokenizers_encode_batch"] for k in ours},
+            "paired_ratios": {k: statistics.median(a / b for a, b in zip(times[k], times["tokenizers_encode_batch"]))
+                              for k in ours},
+            "paired_cpu_ratios": {k: statistics.median(a / b for a, b in zip(cpu[k], cpu["tokenizers_encode_batch"]))
+                                  for k in ours},
             "config": {"mb": args.mb, "reps": args.reps, "tokenizer": args.tokenizer or f"bpe-{args.vocab}",
                        "tokens_peer": tokens["tokenizers_encode_batch"], "tokens_shardwise": tokens["shardwise"],
                        "documents_eos": tokens["shardwise"] - tokens["tokenizers_encode_batch"],
