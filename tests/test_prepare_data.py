@@ -138,6 +138,7 @@ def test_loader_memmap_equals_in_memory_and_reads_only_its_rows(tmp_path):
     data, toks, _ = _stream(tmp_path / "d")
     mm = Loader(open_data(str(tmp_path / "d")), 16, 6, seed=3)
     mem = Loader(torch.from_numpy(toks), 16, 6, seed=3)
+    assert mm.eos_id == EOS == data.eos_id  # what document masking splits windows at
     for step in (0, 1, 37):  # 37: several epochs later; the loader is a pure function of the step
         x, y = mm.global_batch_at(step)
         assert torch.equal(x, mem.global_batch_at(step)[0]) and torch.equal(y, mem.global_batch_at(step)[1])

@@ -53,7 +53,7 @@ def load_tokens(path: str | None) -> torch.Tensor:
 class TensorSource:
     """An in-memory token stream (text files, the embedded corpus, tests)."""
 
-    masked = False
+    masked, eos_id = False, EOS
 
     def __init__(self, tokens: torch.Tensor):
         self.tokens = tokens.reshape(-1).cpu().numpy()
@@ -150,6 +150,7 @@ class Loader:
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.n_windows_per_source = [(s.n_tokens - 1) // seq_len for s in self.sources]
         self.n_windows = self.n_windows_per_source[0]
+        self.eos_id = self.sources[0].eos_id  # document boundaries (None: prepared with --no-eos)
         self.theta = _splitmix(seed & _M64) / 2.0 ** 64
 
     def _rows(self, step: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
