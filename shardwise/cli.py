@@ -58,7 +58,8 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=False,
                    help="under bf16: keep the residual stream fp32 (default off)")
     p.add_argument("--grad-reduce-dtype", default="fp32", help="DP gradient reduction dtype: fp32 or bf16")
-    p.add_argument("--data", default=None, help="text file (default: the embedded pydoc_data corpus)")
+    p.add_argument("--data", default=None, help="text file, prepare-data directory, or a blend DIR:W,DIR:W "
+                   "(default: the embedded pydoc_data corpus)")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
     p.add_argument("--dropout", type=float, default=None, help="residual dropout")
     p.add_argument("--attn-dropout", type=float, default=None, help="attention-probability dropout")
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     parser._sw_runs = {"train": t, "verify": v}
     for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint_cli", "shardwise.report",
-                "shardwise.hf_cli"):
+                "shardwise.hf_cli", "shardwise.data.cli"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ImportError:
@@ -228,14 +229,20 @@ def main(argv=None) -> int:
                                       "or --checkpoint-dir DIR")
             else:
                 cfg.out = default_out_dir()
-        if cfg.data is not None or cfg.init_from_hf:
-            from .data import load_tokens
+        if cfg.data is not None or cfg.init_from_hf:  # once, before any rank: manifests, shard checksums, size
+            from .data import Loader, open_data
 
-            tokens = load_tokens(cfg.data)
+            sources, weights = open_data(cfg.data, verify=True)
+            Loader((sources, weights), cfg.seq_len, 1, cfg.seed)
             if cfg.init_from_hf:  # weights, tokenizer and data ids against the checkpoint's shapes
                 from .hf_init import check_init_from_hf
 
-                check_init_from_hf(cfg.init_from_hf, cfg.model_config(), int(tokens.max()) + 1)
+                data_vocab = max(int(s.tokens.max()) + 1 if hasattr(s, "tokens") else s.vocab_size for s in sources)
+                check_init_from_hf(cfg.init_from_hf, cfg.model_config(), data_vocab)
+            if (cfg.attention_mask == "document" or cfg.reset_positions) and cfg.eos_id is None \
+                    and sources[0].eos_id is None:
+                raise ConfigError(f"--attention-mask {cfg.attention_mask} / --reset-positions find documents by their "
+                                  f"EOS, but --data {cfg.data!r} was prepared with --no-eos; prepare it with EOS ids")
         world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
         import torch
 

@@ -227,7 +227,8 @@ class TrainConfig:
     grad_reduce_dtype: str = "fp32"
     """Dtype of the DP gradient reduction: fp32, or bf16 (bucket cast for the collective, accumulated in fp32)."""
     data: str | None = None
-    """Text file to train on; default: CPython's pydoc_data.topics (embedded, no download)."""
+    """A text file, a `shardwise prepare-data` directory, or a blend of them `a:0.7,b:0.3`; default:
+    CPython's pydoc_data.topics (embedded, no download)."""
     out: str | None = None
     """Run directory for metrics.jsonl, comm.json, summary.json; default runs/<timestamp>."""
     dropout: float | None = None
@@ -294,6 +295,10 @@ class TrainConfig:
             cfg.validate()
         else:
             cfg = get_model_config(self.model, **overrides)
+        if self.data is not None:  # the vocabulary follows a prepared directory's tokenizer
+            from .data.shards import fit_vocab
+
+            cfg = fit_vocab(cfg, self.data, isinstance(self.model, str))
         stray = sorted(k for k in self.model_overrides if k.startswith("moe_") and k != "moe_experts")
         if stray and not cfg.moe_experts:
             raise ConfigError(f"--{stray[0].replace('_', '-')} given, but model {cfg.name!r} has no experts; "

@@ -21,7 +21,7 @@ from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .comm import Ledger
 from .config import TrainConfig
 from .context_parallel.sharding import shard_sequence
-from .data import EOS, Loader, load_tokens
+from .data import Loader, open_data
 from .data_parallel import GradReducer
 from .expert_parallel.moe import MoE
 from .hf_init import init_record
@@ -63,10 +63,10 @@ class Trainer:
         self.model.train()
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None)
-        tokens = load_tokens(cfg.data) if tokens is None else tokens
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
-        self.loader = Loader(tokens, cfg.seq_len, self.global_batch, cfg.seed)
-        self.eos_id = EOS if cfg.eos_id is None else cfg.eos_id
+        self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
+                             cfg.seed)  # a pure function of the step: the checkpoint's step is the data position
+        self.eos_id = self.loader.eos_id if cfg.eos_id is None else cfg.eos_id  # the data's EOS (bytes: 256)
         self.moe = [m for m in self.model.modules() if isinstance(m, MoE)]
         for m in self.moe:  # every global microbatch's aux loss weighs tokens(microbatch) / tokens(step)
             m.aux_scale = 1.0 / cfg.grad_accum
@@ -92,11 +92,10 @@ class Trainer:
     def forward_backward(self, step: int) -> float:
         """Run every microbatch of this rank's share of the step's global batch; returns the global loss."""
         dp = self.mesh["dp_cp"]
-        x, y = self.loader.global_batch_at(step)
-        n_tokens = int((y != IGNORE_INDEX).sum())
+        n_tokens = self.loader.count_targets(step)  # every rank knows the global count: no collective
         per = self.global_batch // self.mesh.dims.dp
         dp_rank = self.mesh["dp"].rank
-        x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        x, y = self.loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
         if self.group_dp > 1:
             g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
             x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))

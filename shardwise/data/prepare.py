@@ -1,0 +1,209 @@
+"""`shardwise prepare-data`: text, JSON lines or Parquet in; token shards, a document index and a
+manifest out (format in shards.py).
+
+The parent process reads documents in order and hands batches to worker processes, which tokenize
+(`encode_batch`) and return numpy arrays; the parent writes them in input order, so the output does
+not depend on --workers. Each document is followed by the end-of-document id (unless --no-eos).
+Records with `prompt` + `completion` (and no text key) are SFT examples: their loss mask is 0 on the
+prompt and 1 on the completion and its EOS, so training counts only completion tokens.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import shutil
+from collections.abc import Iterator
+
+import numpy as np
+
+from ..config import ConfigError
+from .shards import ShardWriter, dtype_for
+from .tokenizer import load_tokenizer
+
+SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
+BATCH_CHARS = 1 << 20  # text per work item: large enough to amortise the hand-off between processes
+
+
+def resolve_inputs(inputs: list[str]) -> list[str]:
+    """Files, directories (searched recursively) and globs → the sorted list of input files."""
+    files: list[str] = []
+    for spec in inputs:
+        if any(c in spec for c in "*?["):
+            found = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+            if not found:
+                raise ConfigError(f"input {spec!r} matches no file")
+        elif os.path.isdir(spec):
+            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(spec) for f in fs if f.endswith(SUFFIXES))
+            if not found:
+                raise ConfigError(f"input directory {spec!r} holds no {', '.join(SUFFIXES)} file")
+        elif os.path.isfile(spec):
+            found = [spec]
+        else:
+            raise ConfigError(f"input {spec!r}: no such file or directory")
+        for p in found:
+            if not p.endswith(SUFFIXES):
+                raise ConfigError(f"input {p!r} has an unsupported type; valid: {', '.join(SUFFIXES)}")
+            if not os.access(p, os.R_OK):
+                raise ConfigError(f"input {p!r} is not readable (permission denied)")
+        files.extend(found)
+    return files
+
+
+def _record(obj, text_key: str, where: str):
+    """A JSON object or Parquet row → a text (str) or an SFT pair (prompt, completion)."""
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if text_key in obj:
+        val = obj[text_key]
+        if not isinstance(val, str):
+            raise ConfigError(f"{where}: {text_key!r} is {type(val).__name__}, not a string")
+        return val
+    if "prompt" in obj and "completion" in obj:
+        pair = obj["prompt"], obj["completion"]
+        if not all(isinstance(v, str) for v in pair):
+            raise ConfigError(f"{where}: 'prompt' and 'completion' must be strings")
+        return pair
+    raise ConfigError(f"{where}: no {text_key!r} key (nor 'prompt' + 'completion'); keys: "
+                      f"{', '.join(sorted(obj)) or 'none'} (choose one with --text-key)")
+
+
+def read_documents(path: str, text_key: str) -> Iterator[str | tuple[str, str]]:
+    try:
+        if path.endswith(".txt"):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield f.read()
+        elif path.endswith(".parquet"):
+            yield from _read_parquet(path, text_key)
+        else:
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ConfigError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
+                    yield _record(obj, text_key, f"{path}:{lineno}")
+    except (OSError, EOFError) as e:  # unreadable file, truncated or corrupt gzip
+        raise ConfigError(f"input {path!r} cannot be read ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _read_parquet(path: str, text_key: str):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except pa.ArrowException as e:
+        raise ConfigError(f"input {path!r} is not a readable Parquet file ({e})") from None
+    cols = pf.schema_arrow.names
+    want = [text_key] if text_key in cols else ["prompt", "completion"]
+    if not set(want) <= set(cols):
+        raise ConfigError(f"{path}: no {text_key!r} column (nor 'prompt' + 'completion'); columns: "
+                          f"{', '.join(cols)} (choose one with --text-key)")
+    row = 0
+    for batch in pf.iter_batches(columns=want, batch_size=8192):
+        for rec in batch.to_pylist():
+            row += 1
+            yield _record(rec, text_key, f"{path} row {row}")
+
+
+def _batches(files: list[str], text_key: str) -> Iterator[list]:
+    batch, chars = [], 0
+    for path in files:
+        for doc in read_documents(path, text_key):
+            batch.append(doc)
+            chars += len(doc) if isinstance(doc, str) else len(doc[0]) + len(doc[1])
+            if chars >= BATCH_CHARS:
+                yield batch
+                batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+_WORKER = {}
+
+
+def _init_worker(spec: str, no_eos: bool, dtype: str, pool: bool = False) -> None:
+    if pool:  # the processes are the parallelism: no tokenizer thread pool inside each
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(tok=load_tokenizer(spec, no_eos), no_eos=no_eos, dtype=np.dtype(dtype))
+
+
+def encode_documents(docs: list) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """One work item → (concatenated tokens, per-document lengths, loss mask or None when no SFT pair)."""
+    tok, dtype = _WORKER["tok"], _WORKER["dtype"]
+    eos = None if _WORKER["no_eos"] else tok.eos_id
+    sft = [i for i, d in enumerate(docs) if not isinstance(d, str)]
+    texts = [d if isinstance(d, str) else d[0] for d in docs]
+    ids = tok.encode_batch(texts)
+    completions = dict(zip(sft, tok.encode_batch([docs[i][1] for i in sft]))) if sft else {}
+    tail = [] if eos is None else [np.array([eos], dtype)]
+    pieces, lengths, masks = [], np.empty(len(docs), np.int64), []
+    for i, a in enumerate(ids):
+        parts = [np.asarray(a, dtype)] + ([np.asarray(completions[i], dtype)] if i in completions else []) + tail
+        pieces.extend(parts)
+        lengths[i] = sum(len(p) for p in parts)
+        if sft:  # prompt tokens 0; completion and its EOS 1; plain documents all 1
+            masks.append(np.zeros(len(parts[0]), np.uint8) if i in completions else np.ones(len(parts[0]), np.uint8))
+            masks.append(np.ones(int(lengths[i]) - len(parts[0]), np.uint8))
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+    return tokens, lengths, (np.concatenate(masks) if sft else None)
+
+
+def prepare_data(inputs: list[str], tokenizer: str, out: str, text_key: str = "text", workers: int = 1,
+                 no_eos: bool = False, shard_tokens: int = 1 << 27, progress: bool = True) -> dict:
+    """Tokenize `inputs` into `out`; returns the manifest. Errors raise ConfigError and leave nothing at `out`."""
+    files = resolve_inputs(inputs)
+    tok = load_tokenizer(tokenizer, no_eos)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError(f"--out {out!r} already exists and is not empty; choose a new directory")
+    if workers < 1 or shard_tokens < 1:
+        raise ConfigError(f"--workers {workers} / --shard-tokens {shard_tokens} must be positive")
+    dtype = dtype_for(tok.vocab_size)
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        writer = ShardWriter(tmp, dtype, shard_tokens)
+        _run(files, text_key, tokenizer, no_eos, dtype, workers, writer, progress)
+        if writer.tokens == 0:
+            raise ConfigError(f"the corpus is empty: {len(files)} input file(s) hold no document with text")
+        manifest = writer.finish({"tokenizer_kind": tok.kind, "tokenizer": os.path.abspath(tokenizer)
+                                  if tok.kind != "byte" else "byte", "tokenizer_sha256": tok.sha256,
+                                  "vocab_size": tok.vocab_size, "eos_id": None if no_eos else tok.eos_id,
+                                  "inputs": [os.path.abspath(f) for f in files]})
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked above): the rename below needs the name free
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _run(files, text_key, spec, no_eos, dtype, workers, writer: ShardWriter, progress: bool) -> None:
+    from tqdm import tqdm
+
+    bar = tqdm(unit="tok", unit_scale=True, desc="prepare-data", disable=not progress, dynamic_ncols=True)
+    try:
+        if workers == 1:
+            _init_worker(spec, no_eos, dtype)
+            results = map(encode_documents, _batches(files, text_key))
+            for tokens, lengths, mask in results:
+                writer.add(tokens, lengths, mask)
+                bar.update(len(tokens))
+            return
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(workers, _init_worker, (spec, no_eos, dtype, True)) as pool:
+            for tokens, lengths, mask in pool.imap(encode_documents, _batches(files, text_key)):
+                writer.add(tokens, lengths, mask)
+                bar.update(len(tokens))
+    finally:
+        bar.close()
