@@ -23,7 +23,7 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{axis}", type=int, default=None, help=f"{what}-parallel degree"
                        + (" (-1: the rest of the world size)" if axis == "dp" else ""))
     g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism in TP regions")
-    g.add_argument("--zero", type=int, default=0, help="ZeRO stage: 0 or 1 (AdamW state sharded over dp)")
+    g.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp×cp: 0, 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)")
     g.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zb, dualpipev")
     g.add_argument("--vp", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
     g.add_argument("--microbatches", type=int, default=None,
@@ -50,6 +50,8 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
     p.add_argument("--fp32-residual", action="store_true", help="under bf16: keep the residual stream fp32")
     p.add_argument("--grad-reduce-dtype", default="fp32", help="DP gradient reduction dtype: fp32 or bf16")
+    p.add_argument("--no-overlap-grad-reduce", action="store_true",
+                   help="ZeRO 0/1: reduce gradients after backward instead of overlapping with it")
     p.add_argument("--data", default=None, help="text file (default: the embedded pydoc_data corpus)")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
     p.add_argument("--dropout", type=float, default=None, help="residual dropout")
@@ -138,6 +140,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, keep=args.keep,
                       resume=args.resume, fp32_residual=args.fp32_residual,
                       grad_reduce_dtype=args.grad_reduce_dtype, label_smoothing=args.label_smoothing,
+                      overlap_grad_reduce=not args.no_overlap_grad_reduce,
                       report=not args.no_report,
                       model_overrides={k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None})
     if args.warmup_steps is not None:

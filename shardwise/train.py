@@ -55,7 +55,8 @@ class Trainer:
                                  p.cp_order, p.cp_impl, self.act_dtype, p.recompute, p.recompute_layers)
         self.model.train()
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                   reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None)
+                                   reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
+                                   rounds=cfg.grad_accum, overlap=cfg.overlap_grad_reduce)
         tokens = load_tokens(cfg.data) if tokens is None else tokens
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
         self.loader = Loader(tokens, cfg.seq_len, self.global_batch, cfg.seed)
@@ -108,10 +109,8 @@ class Trainer:
                 loss = self.model.loss_fn(logits, ym, IGNORE_INDEX, self.cfg.label_smoothing).sum() / n_tokens
                 loss.backward()
                 loss_sum += loss.detach()
-        if self._poison:  # fault injection: this rank's gradients and loss become NaN
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
+        if self._poison:  # fault injection: this rank's gradients (once reduced) and loss become NaN
+            self.reducer.poisoned = True
             loss_sum.fill_(float("nan"))
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss

@@ -93,8 +93,8 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         if trainer.model_cfg.moe_experts:  # the loss-free bias moves the same way in both, or routing diverges
             trainer.moe_step()
             ref.moe_step()
-        params = [(n, p.detach().reshape(-1), get_spec(p).local_slice(ref_params[n].detach()).reshape(-1))
-                  for n, p in trainer.model.named_parameters()]
+        params = [(n, vals, get_spec(local[n]).local_slice(ref_params[n].detach()).reshape(-1)[lo:hi])
+                  for n, vals, lo, hi in trainer.reducer.param_views()]
         param_diff = max(param_diff, _rel_diffs(params, names, world))
         mesh.ledger.end_step(step + 1)
     tol = TOLERANCE[cfg.dtype]
