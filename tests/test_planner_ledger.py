@@ -35,7 +35,7 @@ from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.context_parallel.sharding import shard_sequence
 from shardwise.planner import Cluster, estimate, get_gpu
 from shardwise.planner.layout import from_train_config, stages
-from shardwise.planner.memory import microbatch_activation_bytes, stage_params, static_bytes
+from shardwise.planner.memory import microbatch_activation_bytes, stage_params, static_bytes, zero_buckets
 from shardwise.train import IGNORE_INDEX, Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
@@ -67,6 +67,14 @@ LAYOUTS = {
                              dict(KW, global_batch=16)),
     "tp4-cp2-ulysses": (8, "tiny", dict(tp=4, cp=2, cp_impl="ulysses"), dict(KW, global_batch=4)),  # K/V replicated
     "tp8": (8, "tiny", dict(tp=8), dict(KW, global_batch=4)),  # 4 K/V heads on 8 ranks: their grads summed over tp
+    "dp2-zero2": (2, "tiny", dict(dp=2, zero=2), dict(KW, global_batch=8)),
+    "dp2-zero3": (2, "tiny", dict(dp=2, zero=3), dict(KW, global_batch=8)),
+    "ep2-dp2-moe-zero3": (2, "tiny-moe", dict(dp=2, ep=2, zero=3), dict(KW, global_batch=8)),
+    "dp2-tp2-sp-zero3": (4, "tiny", dict(dp=2, tp=2, sequence_parallel=True, zero=3), dict(KW, global_batch=8)),
+    "dp2-pp2-zero3": (4, "tiny", dict(dp=2, pp=2, zero=3), dict(KW, global_batch=16)),
+    "dp2-pp2-interleaved-zero2": (4, "tiny", dict(dp=2, pp=2, schedule="interleaved", vp=2, zero=2),
+                                  dict(KW, global_batch=16)),
+    "tp4-dp2-zero2": (8, "tiny", dict(dp=2, tp=4, zero=2), dict(KW, global_batch=8)),  # K/V heads shared over tp
 }
 IGNORED_TAGS = ("metrics", "grad_norm")
 ROUTED = ("all_to_all:dispatch", "all_to_all:combine", "all_to_all:combine_grad", "all_to_all:dispatch_grad")
@@ -83,11 +91,12 @@ def _config(name: str, seed: int) -> TrainConfig:
 def _saved_bytes(fn, params) -> tuple[int, object]:
     """fn()'s result and the bytes of the unique non-parameter storages autograd saved while it ran."""
     skip = {p.untyped_storage().data_ptr() for p in params}
+    skip_storages = {p.untyped_storage()._cdata for p in params}  # ZeRO-3: gathered, so at a new address
     seen: dict[int, int] = {}
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in skip and s.nbytes():
+        if s.data_ptr() not in skip and s._cdata not in skip_storages and s.nbytes():
             seen[s.data_ptr()] = s.nbytes()
         return t
 
@@ -123,8 +132,11 @@ def _one_microbatch(trainer: Trainer, cfg: TrainConfig) -> tuple[int, int]:
         outs.append(out)
     for out in outs:  # every rank of a tp / ep group runs the same backwards, so their collectives pair up
         out.backward(torch.ones_like(out))
-    assert all(q.grad is not None for q in params)
-    grads = sum(q.grad.numel() * q.grad.element_size() for q in params)
+    red = trainer.reducer
+    assert red.zero >= 2 or all(q.grad is not None for q in params)
+    # ZeRO 2/3: only the shards' gradients, and the whole ones of TP-partial buckets (until the TP sum)
+    grads = sum(q.grad.numel() * q.grad.element_size() for q in params if q.grad is not None)
+    grads += sum(b.shard.grad.numel() * 4 for b in red.buckets) if red.zero >= 2 else 0
     trainer.reducer.zero_grad()
     return total, grads
 
@@ -141,12 +153,14 @@ def _run(names: list[str], seed: int) -> dict:
         params = list(trainer.model.parameters())
         state = trainer.reducer.optimizer.state.values()
         # ZeRO-1: .grad tensors are views of grad_full, so only its padding and the shard grad are extra
+        red = trainer.reducer
         buffers = sum(g["grad_full"].numel() - sum(k for *_, k in g["offsets"]) + g["shard"].grad.numel()
-                      for g in getattr(trainer.reducer, "flat", []))
+                      for g in red.flat) if red.zero == 1 else 0
+        weights = sum(b.shard.numel() for b in red.buckets) if red.zero >= 3 else sum(q.numel() for q in params)
         act, grads = _one_microbatch(trainer, cfg)
         out[name] = dict(
             rank=mesh.rank, pp=mesh["pp"].rank, ep_ranks=mesh["ep"].ranks, axes=axes,
-            static=dict(weights=sum(q.numel() for q in params) * 4, grads=grads,
+            static=dict(weights=weights * 4, grads=grads,
                         optimizer=sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in state) * 4,
                         grad_buffers=buffers * 4),
             activation=act)
@@ -226,7 +240,7 @@ def test_static_memory_matches_planner(measured, name):
     spec, lay, _, _ = _planner(name, seed)
     for rep in runs[name]:
         st = stages(spec, lay)[rep["pp"]]
-        predicted = static_bytes(stage_params(spec, st, lay), lay)
+        predicted = static_bytes(stage_params(spec, st, lay), lay, zero_buckets(spec, st, lay) if lay.zero else None)
         assert {k: predicted[k] for k in rep["static"]} == rep["static"], f"{name} rank {rep['rank']}"
 
 
