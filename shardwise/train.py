@@ -97,6 +97,8 @@ class Trainer:
         if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
             x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
             y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
+        if self._poison:  # fault injection: NaN gradients enter this rank's reductions
+            self.reducer.poison()
         xs = [t.to(self.mesh.device) for t in x.split(self.cfg.micro_batch)]
         ys = [t.to(self.mesh.device) for t in y.split(self.cfg.micro_batch)]
         if self.executor is not None:
@@ -109,8 +111,7 @@ class Trainer:
                 loss = self.model.loss_fn(logits, ym, IGNORE_INDEX, self.cfg.label_smoothing).sum() / n_tokens
                 loss.backward()
                 loss_sum += loss.detach()
-        if self._poison:  # fault injection: this rank's gradients (once reduced) and loss become NaN
-            self.reducer.poisoned = True
+        if self._poison:  # fault injection: this rank's loss and gradients become NaN
             loss_sum.fill_(float("nan"))
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss

@@ -89,6 +89,7 @@ class OverlappedReduction:
                 self.order.setdefault(b.chunk, []).append(b)
         self.max_inflight = max_inflight
         self.rounds = 1
+        self.poisoned = False
         self.reset()
 
     def reset(self) -> None:
@@ -127,6 +128,8 @@ class OverlappedReduction:
         full = b.grad_full
         if full is None:
             return
+        if self.poisoned:
+            full.fill_(float("nan"))
         if self.zero < 2:
             for _, p, off, k in b.offsets:  # someone replaced a view: copy its gradient in
                 if p.grad is not None and p.grad.data_ptr() != full[off:off + k].data_ptr():

@@ -89,7 +89,6 @@ class GradReducer:
                     for _, p, _, _ in b.offsets:
                         p.register_post_accumulate_grad_hook(self._on_autograd_grad)
                         p._sw_on_grad = self._on_grad
-        self.poisoned = False
         earlier = [(p, p.grad) for _, p in self.named if p.grad is not None and zero == 0]
         self.zero_grad()
         for p, g in earlier:  # keep gradients computed before the reducer existed
@@ -164,6 +163,11 @@ class GradReducer:
         self.units = ParamUnits(units)
 
     # ------------------------------------------------------------ backward hooks
+    def poison(self) -> None:
+        """Fault injection: this step's gradients of this rank enter their reductions as NaN (so every rank
+        sharing them sees NaN, as after a real overflow)."""
+        self.reduction.poisoned = True
+
     def _on_autograd_grad(self, p: torch.Tensor) -> None:
         if self.store is not None and self.store.capturing and id(p) in self._deferred_w:
             return
@@ -223,9 +227,6 @@ class GradReducer:
             self.units.free_all()
         self._reduce_tp()
         self.reduction.finish()
-        if self.poisoned:  # fault injection: this rank's reduced gradients become NaN
-            for g in self._final_grads():
-                g.fill_(float("nan"))
         norm = float(self._grad_norm_sq().sqrt())
         if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
@@ -251,7 +252,7 @@ class GradReducer:
         outlives its hook (TP-partial ones wait for the end of the step), the shard gradients are zeroed."""
         self.reduction.wait_all()
         self.reduction.reset()
-        self.poisoned = False
+        self.reduction.poisoned = False
         if self.units is not None:
             self.units.free_all()
             for u in self.units.units:
