@@ -102,6 +102,8 @@ class OverlappedReduction:
     def on_grad(self, b: Bucket, p: torch.Tensor, off: int, k: int) -> None:
         """A gradient of `p` was accumulated: ZeRO ≥ 2 moves it into the bucket buffer; launch if complete."""
         if self.zero >= 2:
+            if p.grad is None:  # nothing was accumulated (an unused parameter): nothing to count
+                return
             if b.grad_full is None:
                 b.grad_full = b.new_grad_buffer()
             b.grad_full[off:off + k].add_(p.grad.reshape(-1))
