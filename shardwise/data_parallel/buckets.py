@@ -133,9 +133,10 @@ class OverlappedReduction:
         if self.poisoned:
             full.fill_(float("nan"))
         if self.zero < 2:
-            for _, p, off, k in b.offsets:  # someone replaced a view: copy its gradient in
+            for _, p, off, k in b.offsets:  # someone replaced a view: copy its gradient in, view it again
                 if p.grad is not None and p.grad.data_ptr() != full[off:off + k].data_ptr():
                     full[off:off + k].copy_(p.grad.reshape(-1))
+                    p.grad = full[off:off + k].view_as(p)
         else:
             b.grad_full = None  # in flight now; the next micro-batch gets a fresh buffer
         src = full if self.reduce_dtype is None else full.to(self.reduce_dtype)

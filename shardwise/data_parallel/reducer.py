@@ -209,12 +209,17 @@ class GradReducer:
         expert = torch.zeros(1, device=self.mesh.device)
         if self.zero:  # shards are disjoint over each group's axis: one reduce per axis (dp×cp, edp)
             for b in self.buckets:
-                (expert if b.expert else dense).add_((b.shard.grad.float().pow(2) * b.norm_weight).sum())
+                (expert if b.expert else dense).add_(b.shard.grad.float().pow(2).mul_(b.norm_weight).sum())
             comm.all_reduce(dense, self.mesh["dp_cp"], tag="grad_norm")
             comm.all_reduce(expert, self.mesh["edp"], tag="grad_norm")
-        else:
-            for _, p in self.named:
-                (expert if is_expert(p) else dense).add_(_grad(p).float().pow(2).sum() / get_spec(p).replicas)
+        else:  # .grads are views of the bucket buffers: one norm kernel per bucket (per parameter under TP)
+            for b in self.buckets:
+                reps = {get_spec(p).replicas for _, p, _, _ in b.offsets}
+                if len(reps) == 1:
+                    (expert if b.expert else dense).add_(b.grad_full.float().pow(2).sum() / reps.pop())
+                    continue
+                for _, p, _, _ in b.offsets:
+                    (expert if b.expert else dense).add_(_grad(p).float().pow(2).sum() / get_spec(p).replicas)
         comm.all_reduce(expert, self.mesh["ep"], tag="grad_norm")  # each ep rank holds different experts
         sq = dense + expert
         comm.all_reduce(sq, self.tp, tag="grad_norm")
@@ -237,7 +242,7 @@ class GradReducer:
     def _final_grads(self):
         if self.zero:
             return [b.shard.grad for b in self.buckets]
-        return [_grad(p) for _, p in self.named]
+        return [b.grad_full for b in self.buckets]  # every .grad is a view of one of these
 
     def step(self) -> None:
         self.optimizer.step()
