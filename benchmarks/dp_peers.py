@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ffn", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--bucket-mb", type=int, default=8, help="gradient bucket size for shardwise and DDP")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
