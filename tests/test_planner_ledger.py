@@ -6,7 +6,8 @@ the same ranks: one spawn per world size), and every rank reports
 * its comm ledger of the step (`mesh.ledger.steps[-1]["axes"]`, what comm.json's per_step holds);
 * its static memory: parameters (Σ numel·4), gradients (Σ grad numel·4 after a backward), AdamW's
   exp_avg + exp_avg_sq (Σ numel·4 of the optimizer state) and, under ZeRO-1, GradReducer's flat
-  full-gradient buffers and shard gradients;
+  full-gradient buffers and shard gradients; under ZeRO-2/3 the shard gradients plus the whole
+  gradients of TP-partial buckets, and under ZeRO-3 the parameter shards (the only persistent copy);
 * its activation memory of one microbatch: the bytes of every *unique storage* that autograd saves
   for backward during that microbatch's forward (through all of the rank's pipeline chunks), seen by a
   `torch.autograd.graph.saved_tensors_hooks` pack hook — parameters (and the ZeRO flat buffers they
