@@ -29,7 +29,10 @@ class SavedActivationMeter:
     """Context manager: `peak` = max over time of the bytes of distinct saved storages alive."""
 
     def __init__(self, params):
+        params = list(params)
         self.skip = {p.untyped_storage().data_ptr() for p in params}
+        # ZeRO-3 parameters are views of buffers gathered and freed per layer: known by their storage
+        self.skip_storages = {p.untyped_storage()._cdata for p in params}
         self.refs: dict[int, list[int]] = {}  # storage data_ptr -> [saved tensors holding it, nbytes]
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -44,7 +47,7 @@ class SavedActivationMeter:
     def _pack(self, t: torch.Tensor):
         s = t.untyped_storage()
         key = s.data_ptr()
-        if key in self.skip or not s.nbytes():
+        if key in self.skip or s._cdata in self.skip_storages or not s.nbytes():
             return t
         ref = self.refs.setdefault(key, [0, s.nbytes()])
         if ref[0] == 0:

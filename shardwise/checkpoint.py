@@ -138,7 +138,8 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
         # spread the writes over them.
         dp = trainer.mesh["edp"] if is_expert(p) else trainer.mesh["dp_cp"]
         mine = n in owned and (not save or i % dp.size == dp.rank)
-        tensors = {"model": p} | ({} if red.zero else {k: red.optimizer.state[p][k] for k in STATE_KEYS})
+        tensors = (({} if red.zero >= 3 else {"model": p}) |  # ZeRO-3: parameters exist only as shards (below)
+                   ({} if red.zero else {k: red.optimizer.state[p][k] for k in STATE_KEYS}))
         for kind, t in tensors.items():
             boxes = _place(spec, p.shape, t.detach().view(-1), 0, p.numel()) if mine else []  # a view, never a copy
             add(f"model.{gname[n]}" if kind == "model" else f"optim.{gname[n]}.{kind}", spec, boxes)
@@ -153,12 +154,13 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
         for g in red.flat:
             state = red.optimizer.state[g["shard"]]
             lo_s = g["axis"].rank * g["per"]
+            shard = {"model": g["shard"].detach()} if red.zero >= 3 else {}
             for n, p, off, k in g["offsets"]:
                 lo, hi = max(off, lo_s), min(off + k, lo_s + g["per"])
-                for state_key in STATE_KEYS:
-                    boxes = (_place(get_spec(p), p.shape, state[state_key][lo - lo_s:hi - lo_s], lo - off, hi - off)
+                for key, t in (shard | {key: state[key] for key in STATE_KEYS}).items():
+                    boxes = (_place(get_spec(p), p.shape, t[lo - lo_s:hi - lo_s], lo - off, hi - off)
                              if lo < hi and n in owned else [])
-                    add(f"optim.{gname[n]}.{state_key}", get_spec(p), boxes)
+                    add(f"model.{gname[n]}" if key == "model" else f"optim.{gname[n]}.{key}", get_spec(p), boxes)
     return out
 
 

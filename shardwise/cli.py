@@ -24,7 +24,7 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
                        + (" (-1: the rest of the world size)" if axis == "dp" else ""))
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
                    help="Megatron sequence parallelism in TP regions (default off)")
-    g.add_argument("--zero", type=int, default=0, help="ZeRO stage: 0 or 1 (AdamW state sharded over dp)")
+    g.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp×cp: 0, 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)")
     g.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zb, dualpipev")
     g.add_argument("--vp", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
     g.add_argument("--microbatches", type=int, default=None,
@@ -58,6 +58,8 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=False,
                    help="under bf16: keep the residual stream fp32 (default off)")
     p.add_argument("--grad-reduce-dtype", default="fp32", help="DP gradient reduction dtype: fp32 or bf16")
+    p.add_argument("--no-overlap-grad-reduce", action="store_true",
+                   help="ZeRO 0/1: reduce gradients after backward instead of overlapping with it")
     p.add_argument("--data", default=None, help="text file, prepare-data directory, or a blend DIR:W,DIR:W "
                    "(default: the embedded pydoc_data corpus)")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
@@ -157,6 +159,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       grad_reduce_dtype=args.grad_reduce_dtype, label_smoothing=args.label_smoothing,
                       report=not args.no_report, attention_mask=args.attention_mask,
                       reset_positions=args.reset_positions,
+                      overlap_grad_reduce=not args.no_overlap_grad_reduce,
                       model_overrides={k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None})
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps

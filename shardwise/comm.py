@@ -207,6 +207,27 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis, tag: str | 
     return out
 
 
+def all_gather_into_async(out: torch.Tensor, shard: torch.Tensor, axis, tag: str | None = None):
+    """Start a flat all-gather into `out` (ZeRO-3 parameter prefetch); the work handle for `wait`, None
+    when done already (size-1 axis). Recorded like the blocking op, when it is issued."""
+    if not axis.active:
+        out.copy_(shard)
+        return None
+    _record(axis, "all_gather", _nbytes(shard), (axis.size - 1) * _nbytes(shard), tag)
+    return _guarded(axis, "all_gather", _all_gather_flat, out, shard, group=axis.group, async_op=True)
+
+
+def reduce_scatter_into_async(out: torch.Tensor, full: torch.Tensor, axis, tag: str | None = None):
+    """Start a flat reduce-scatter into `out` (gradient reduction overlapped with backward); the work
+    handle for `wait`, None when done already (size-1 axis). Recorded like the blocking op."""
+    if not axis.active:
+        out.copy_(full)
+        return None
+    n = axis.size
+    _record(axis, "reduce_scatter", _nbytes(full), (n - 1) / n * _nbytes(full), tag)
+    return _guarded(axis, "reduce_scatter", _reduce_scatter_flat, out, full, group=axis.group, async_op=True)
+
+
 def broadcast(t: torch.Tensor, axis, src_rank: int = 0, tag: str | None = None) -> torch.Tensor:
     """Broadcast from axis-rank `src_rank`."""
     if not axis.active:

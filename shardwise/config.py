@@ -169,7 +169,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the TP regions (norms/residuals on s/tp shards)."""
     zero: int = 0
-    """ZeRO stage: 0 (replicated AdamW state) or 1 (AdamW state sharded over dp)."""
+    """ZeRO stage over dp×cp: 0 (replicated), 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb or dualpipev."""
     vp: int = 1
@@ -226,6 +226,8 @@ class TrainConfig:
     """Under bf16: keep the residual stream (and so the SP/PP/EP payloads) fp32; default bf16, as Megatron."""
     grad_reduce_dtype: str = "fp32"
     """Dtype of the DP gradient reduction: fp32, or bf16 (bucket cast for the collective, accumulated in fp32)."""
+    overlap_grad_reduce: bool = True
+    """Start each gradient bucket's dp×cp reduction from backward (ZeRO 0/1; ZeRO 2/3 always do)."""
     data: str | None = None
     """A text file, a `shardwise prepare-data` directory, or a blend of them `a:0.7,b:0.3`; default:
     CPython's pydoc_data.topics (embedded, no download)."""
@@ -345,8 +347,11 @@ class TrainConfig:
     def validate(self, world: int) -> None:
         p = self.parallel
         self._validate_recompute(p, self.model_config())
-        if p.zero not in (0, 1):
-            raise ConfigError(f"--zero {p.zero} is not supported; valid: 0 or 1")
+        if p.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero {p.zero} is not supported; valid: 0, 1, 2 or 3")
+        if p.zero == 3 and p.dp * p.cp == 1:
+            raise ConfigError("--zero 3 shards parameters over dp×cp, which is 1 here: nothing to shard; "
+                              "use --zero 0, or --dp/--cp > 1")
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("--sequence-parallel needs --tp > 1 (it shards the TP regions' sequence)")
         m = self.model_config()

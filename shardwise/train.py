@@ -62,7 +62,8 @@ class Trainer:
             load_hf_into(self.model, cfg.init_from_hf, mesh)
         self.model.train()
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                   reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None)
+                                   reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
+                                   rounds=cfg.grad_accum, overlap=cfg.overlap_grad_reduce)
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
         self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
                              cfg.seed)  # a pure function of the step: the checkpoint's step is the data position
@@ -104,6 +105,8 @@ class Trainer:
         if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
             x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
             y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
+        if self._poison:  # fault injection: NaN gradients enter this rank's reductions
+            self.reducer.poison()
         xs = [t.to(self.mesh.device) for t in x.split(self.cfg.micro_batch)]
         ys = [t.to(self.mesh.device) for t in y.split(self.cfg.micro_batch)]
         if self.executor is not None:
@@ -116,10 +119,7 @@ class Trainer:
                 loss = self.model.loss_fn(logits, ym, IGNORE_INDEX, self.cfg.label_smoothing).sum() / n_tokens
                 loss.backward()
                 loss_sum += loss.detach()
-        if self._poison:  # fault injection: this rank's gradients and loss become NaN
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
+        if self._poison:  # fault injection: this rank's loss and gradients become NaN
             loss_sum.fill_(float("nan"))
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
@@ -297,7 +297,7 @@ def static_storage_bytes(trainer: "Trainer") -> int:
     tensors = list(trainer.model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
     tensors += [p.grad for p in tensors if p.grad is not None]
     tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
-    tensors += [t for g in getattr(trainer.reducer, "flat", []) for t in g.values() if torch.is_tensor(t)]
+    tensors += [t for b in trainer.reducer.flat for t in vars(b).values() if torch.is_tensor(t)]
     sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(n for ptr, n in sizes.items() if ptr)
 

@@ -66,9 +66,10 @@ def _grad_views(trainer):
 
 
 def _param_views(trainer):
-    """(name, spec, flattened local parameter, 0, numel) of every parameter this rank holds."""
-    for name, p in trainer.model.named_parameters():
-        yield name, get_spec(p), p.detach().reshape(-1), 0, p.numel()
+    """(name, spec, parameter values this rank holds, lo, hi): whole parameters, or ZeRO-3 shards."""
+    local = dict(trainer.model.named_parameters())
+    for name, vals, lo, hi in trainer.reducer.param_views():
+        yield name, get_spec(local[name]), vals, lo, hi
 
 
 def _against(views, ref: dict[str, torch.Tensor]):

@@ -4,10 +4,11 @@ Each layout runs one `Trainer.train_step` in forked gloo ranks (several layouts 
 the same ranks: one spawn per world size), and every rank reports
 
 * its comm ledger of the step (`mesh.ledger.steps[-1]["axes"]`, what comm.json's per_step holds);
-* its static memory: parameters (Σ numel·4), AdamW's exp_avg + exp_avg_sq (Σ numel·4 of the optimizer
-  state) and its gradient memory after a backward: the bytes of the distinct storages behind every
-  .grad and, under ZeRO-1, GradReducer's flat full-gradient buffers and shard gradients (so a .grad that
-  is not a view of its flat buffer — a twin — counts twice);
+* its static memory: parameters (Σ numel·4; under ZeRO-3 the shards, the only persistent copy), AdamW's
+  exp_avg + exp_avg_sq (Σ numel·4 of the optimizer state) and its gradient memory after a backward: the
+  bytes of the distinct storages behind every .grad and GradReducer's persistent buffers — under ZeRO-1
+  the flat full-gradient buffers, under every stage the shard gradients and grad-norm weights, and the
+  flat parameter buffers' padding (so a .grad that is not a view of its flat buffer — a twin — counts twice);
 * its activation memory of one microbatch: the bytes of every *unique storage* that autograd saves
   for backward during that microbatch's forward (through all of the rank's pipeline chunks), seen by a
   `torch.autograd.graph.saved_tensors_hooks` pack hook — parameters (and the ZeRO flat buffers they
@@ -37,7 +38,7 @@ from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.context_parallel.sharding import shard_sequence
 from shardwise.planner import Cluster, estimate, get_gpu
 from shardwise.planner.layout import from_train_config, stages
-from shardwise.planner.memory import microbatch_activation_bytes, stage_params, static_bytes
+from shardwise.planner.memory import microbatch_activation_bytes, stage_params, static_bytes, zero_buckets
 from shardwise.train import IGNORE_INDEX, Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
@@ -71,6 +72,14 @@ LAYOUTS = {
                              dict(KW, global_batch=16)),
     "tp4-cp2-ulysses": (8, "tiny", dict(tp=4, cp=2, cp_impl="ulysses"), dict(KW, global_batch=4)),  # K/V replicated
     "tp8": (8, "tiny", dict(tp=8), dict(KW, global_batch=4)),  # 4 K/V heads on 8 ranks: their grads summed over tp
+    "dp2-zero2": (2, "tiny", dict(dp=2, zero=2), dict(KW, global_batch=8)),
+    "dp2-zero3": (2, "tiny", dict(dp=2, zero=3), dict(KW, global_batch=8)),
+    "ep2-dp2-moe-zero3": (2, "tiny-moe", dict(dp=2, ep=2, zero=3), dict(KW, global_batch=8)),
+    "dp2-tp2-sp-zero3": (4, "tiny", dict(dp=2, tp=2, sequence_parallel=True, zero=3), dict(KW, global_batch=8)),
+    "dp2-pp2-zero3": (4, "tiny", dict(dp=2, pp=2, zero=3), dict(KW, global_batch=16)),
+    "dp2-pp2-interleaved-zero2": (4, "tiny", dict(dp=2, pp=2, schedule="interleaved", vp=2, zero=2),
+                                  dict(KW, global_batch=16)),
+    "tp4-dp2-zero2": (8, "tiny", dict(dp=2, tp=4, zero=2), dict(KW, global_batch=8)),  # K/V heads shared over tp
 }
 IGNORED_TAGS = ("metrics", "grad_norm")
 ROUTED = ("all_to_all:dispatch", "all_to_all:combine", "all_to_all:combine_grad", "all_to_all:dispatch_grad")
@@ -87,11 +96,12 @@ def _config(name: str, seed: int) -> TrainConfig:
 def _saved_bytes(fn, params) -> tuple[int, object]:
     """fn()'s result and the bytes of the unique non-parameter storages autograd saved while it ran."""
     skip = {p.untyped_storage().data_ptr() for p in params}
+    skip_storages = {p.untyped_storage()._cdata for p in params}  # ZeRO-3: gathered, so at a new address
     seen: dict[int, int] = {}
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in skip and s.nbytes():
+        if s.data_ptr() not in skip and s._cdata not in skip_storages and s.nbytes():
             seen[s.data_ptr()] = s.nbytes()
         return t
 
@@ -128,10 +138,12 @@ def _one_microbatch(trainer: Trainer, cfg: TrainConfig) -> tuple[int, int]:
         outs.append(out)
     for out in outs:  # every rank of a tp / ep group runs the same backwards, so their collectives pair up
         out.backward(torch.ones_like(out))
-    assert all(q.grad is not None for q in params)
-    grads = _distinct_storage_bytes([q.grad for q in params]
-                                    + [t for g in getattr(trainer.reducer, "flat", []) for t in (g["grad_full"],
-                                                                                                  g["shard"].grad)])
+    red = trainer.reducer
+    assert red.zero >= 2 or all(q.grad is not None for q in params)
+    # ZeRO 2/3: only the shards' gradients, and the whole ones of TP-partial buckets (until the TP sum)
+    grads = _distinct_storage_bytes([q.grad for q in params if q.grad is not None]
+                                    + [t for b in red.flat for t in (b.grad_full if red.zero == 1 else None,
+                                                                     b.shard.grad) if t is not None])
     trainer.reducer.zero_grad()
     return total, grads
 
@@ -152,14 +164,16 @@ def _run(names: list[str], seed: int) -> dict:
         axes = mesh.ledger.steps[-1]["axes"]
         params = list(trainer.model.parameters())
         state = trainer.reducer.optimizer.state.values()
-        # ZeRO-1 also holds the flat parameter buffer's padding and the shard's grad-norm weights
-        zero_extra = sum(g["flat"].numel() - sum(k for *_, k in g["offsets"]) + g["norm_weight"].numel()
-                         for g in getattr(trainer.reducer, "flat", []))
+        red = trainer.reducer
+        # ZeRO ≥ 1 also holds the shard's grad-norm weights and (ZeRO 1/2) the flat parameter buffer's padding
+        zero_extra = sum((g["flat"].numel() - sum(k for *_, k in g["offsets"]) if red.zero < 3 else 0)
+                         + g["norm_weight"].numel() for g in red.flat)
+        weights = sum(b.shard.numel() for b in red.buckets) if red.zero >= 3 else sum(q.numel() for q in params)
         act, grad_memory = _one_microbatch(trainer, cfg)
         grad_memory += zero_extra * 4
         out[name] = dict(
             rank=mesh.rank, pp=mesh["pp"].rank, ep_ranks=mesh["ep"].ranks, axes=axes,
-            static=dict(weights=sum(q.numel() for q in params) * 4,
+            static=dict(weights=weights * 4,
                         optimizer=sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in state) * 4,
                         grad_memory=grad_memory),
             activation=act)
@@ -239,10 +253,10 @@ def test_static_memory_matches_planner(measured, name):
     spec, lay, _, _ = _planner(name, seed)
     for rep in runs[name]:
         st = stages(spec, lay)[rep["pp"]]
-        predicted = static_bytes(stage_params(spec, st, lay), lay)
+        predicted = static_bytes(stage_params(spec, st, lay), lay, zero_buckets(spec, st, lay) if lay.zero else None)
         # every byte of gradient storage the rank holds, counted by distinct storage (under ZeRO-1 each .grad
-        # is a view of the padded flat buffer, so a twin gradient copy would add its bytes here), plus ZeRO-1's
-        # flat-parameter padding and grad-norm weights
+        # is a view of the padded flat buffer, so a twin gradient copy would add its bytes here), plus the
+        # reducer's flat-parameter padding and grad-norm weights
         predicted["grad_memory"] = predicted["grads"] + predicted["grad_buffers"]
         assert {k: predicted[k] for k in rep["static"]} == rep["static"], f"{name} rank {rep['rank']}"
 

@@ -45,6 +45,9 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad = g
     else:
         p.grad += g
+    hook = getattr(p, "_sw_on_grad", None)  # what autograd's post-accumulate-grad hook would do
+    if hook is not None:
+        hook(p)
 
 
 class _LinearDeferredW(torch.autograd.Function):

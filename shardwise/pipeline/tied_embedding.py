@@ -67,6 +67,11 @@ def is_tied_copy(name: str, p: torch.Tensor) -> bool:
     return tied_name(name, p) != name
 
 
+def tied_partial(p: torch.Tensor, mesh) -> bool:
+    """True when `p`'s gradient is partial until summed over the emb group (its dp×cp reduction must wait)."""
+    return getattr(p, "_sw_tied", None) is not None and mesh["emb"].active
+
+
 def reduce_tied_embedding_grads(named, mesh) -> None:
     """Sum the shared matrix's gradient over the emb group (in place; ledger axis "emb"). Call once per
     step, after the last microbatch's backward and before the dp×cp reduction."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
-from shardwise.planner.memory import stage_tensors
+from shardwise.planner.memory import BUCKET_BYTES, stage_tensors, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
 
 
@@ -140,8 +140,6 @@ def tp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
         led.add("tp", "all_reduce", per_layer * stage.n_layers * 4, t)
 
 
-BUCKET_BYTES = 25 * 2**20
-"""shardwise.data_parallel.BUCKET_BYTES: ZeRO-0 closes an all-reduce bucket once it holds this much."""
 
 
 @lru_cache(maxsize=4096)
@@ -159,29 +157,18 @@ def zero0_buckets(spec: ModelSpec, tp: int, ep: int, kinds: tuple[bool, ...], em
     return count + (1 if held else 0)
 
 
-def _reduce_grads(led: CommLedger, axis: str, groups: list[int], group: int, zero: int, m: int,
-                  buckets: int = 1, gb: int = 4) -> None:
-    """Grads of one reduction group (`gb` bytes each: --grad-reduce-dtype); `groups` are the numels of
-    shardwise's flat optimizer buffers. ZeRO's parameter all-gather stays fp32."""
+def _reduce_grads(led: CommLedger, axis: str, groups: list[int], group: int, m: int, buckets: int = 1,
+                  gb: int = 4) -> None:
+    """ZeRO-0's bucketed all-reduce of one reduction group's grads (`gb` bytes each: --grad-reduce-dtype)."""
     if group < 2 or not any(groups):
         return
-    if zero == 0:
-        led.add(axis, "all_reduce", sum(groups) * gb, group, pieces=buckets)
-        return
-    for numel in filter(None, groups):
-        padded = -(-numel // group) * group
-        if zero in (1, 2):
-            led.add(axis, "reduce_scatter", padded * gb, group)
-            led.add(axis, "all_gather", padded // group * 4, group)
-        else:  # ZeRO-3 / FSDP: gather weights for forward and backward, reduce-scatter grads, every microbatch
-            led.add(axis, "all_gather", padded // group * 4, group, 2 * m)
-            led.add(axis, "reduce_scatter", padded * 4, group, m)
+    led.add(axis, "all_reduce", sum(groups) * gb, group, pieces=buckets)
 
 
 def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, local: Params, gb: int = 4) -> None:
     """Dense grads over dp×cp, expert grads over the expert-data-parallel group, as shardwise's GradReducer:
-    ZeRO-0 a bucketed all-reduce; ZeRO-1 a reduce-scatter and, after the update, an all-gather per flat
-    buffer (matrices, then norms/biases), each padded to a multiple of the group size."""
+    ZeRO-0 a bucketed all-reduce; ZeRO ≥ 1 a reduce-scatter per bucket (`zero_buckets`, each padded to a
+    multiple of its group) — ZeRO 2/3 every micro-batch — and the parameter all-gathers of the stage."""
     g, ge = lay.dp * lay.cp, lay.dp * lay.cp // lay.ep
     kinds = stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe
 
@@ -190,9 +177,18 @@ def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
             return 1
         return zero0_buckets(spec, lay.tp, lay.ep, kinds, stage.embedding, stage.head, expert)
 
-    _reduce_grads(led, "dp_cp", [local.dense - local.vectors, local.vectors], g, lay.zero, lay.m, buckets(False, g),
-                  gb)
-    _reduce_grads(led, "edp", [local.expert], ge, lay.zero, lay.m, buckets(True, ge), gb)
+    if lay.zero == 0:
+        _reduce_grads(led, "dp_cp", [local.dense - local.vectors, local.vectors], g, lay.m, buckets(False, g), gb)
+        _reduce_grads(led, "edp", [local.expert], ge, lay.m, buckets(True, ge), gb)
+        return
+    for b in zero_buckets(spec, stage, lay):
+        if not b.numel:
+            continue
+        # ZeRO 2/3 reduce-scatter every micro-batch, except buckets waiting for a TP sum (once per step)
+        led.add(b.axis, "reduce_scatter", b.padded * gb, b.group, 1 if lay.zero == 1 or b.deferred else lay.m)
+        # ZeRO 1/2 gather the updated parameters once; ZeRO-3 gathers every unit that uses a bucket before
+        # its forward and again before its backward, every micro-batch (so a chunk's layers twice per m)
+        led.add(b.axis, "all_gather", b.shard * 4, b.group, 1 if lay.zero < 3 else 2 * lay.m * b.uses)
 
 
 def pp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:

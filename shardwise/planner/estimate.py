@@ -22,7 +22,7 @@ from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
-from shardwise.planner.memory import ACTIVATION_MODELS, stage_activation_bytes, stage_params, static_bytes
+from shardwise.planner.memory import ACTIVATION_MODELS, stage_activation_bytes, stage_params, static_bytes, zero_buckets
 from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab, total_params
 from shardwise.planner.schedule import bubble_fraction
 
@@ -103,10 +103,10 @@ def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload, activation_model
     """Per pipeline stage: its Stage, local Params, static breakdown, activation and total bytes."""
     out, seen = [], {}
     for st in stages(spec, lay):
-        key = (st.n_dense, st.n_moe, st.embedding, st.head)
+        key = (st.n_dense, st.n_moe, st.embedding, st.head) if lay.zero < 2 else st  # ZeRO 2/3: chunks matter
         if key not in seen:
             local = stage_params(spec, st, lay)
-            seen[key] = local, static_bytes(local, lay)
+            seen[key] = local, static_bytes(local, lay, zero_buckets(spec, st, lay) if lay.zero else None)
         local, static = seen[key]
         act = stage_activation_bytes(spec, st, lay, wl, activation_model)
         out.append({"stage": st, "params": local, "static": static, "activation": act, "total": static["total"] + act})

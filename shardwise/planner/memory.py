@@ -36,7 +36,11 @@ A stage holds its per-microbatch figure for every microbatch its schedule keeps 
 """
 from __future__ import annotations
 
-from shardwise.planner.layout import Layout, Stage, Workload
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardwise.partition import balanced_counts
+from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.models import (
     ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, local_kv_heads,
     padded_vocab,
@@ -72,6 +76,105 @@ def _shard(n: int, group: int) -> int:
     return -(-n // group)
 
 
+BUCKET_BYTES = 25 * 2**20
+"""shardwise.data_parallel.reducer.BUCKET_BYTES: a gradient bucket closes once it holds this much."""
+
+
+@dataclass(frozen=True)
+class ZeroBucket:
+    """One of `GradReducer`'s flat buckets on one rank: `numel` elements padded to a multiple of `group`.
+
+    `deferred`: it holds a TP-partial gradient, so it is reduced once, after the TP sum (not per
+    micro-batch under ZeRO 2/3); `uses`: ZeRO-3 units that gather it (2 for an embedding tied to the head)."""
+
+    axis: str
+    numel: int
+    group: int
+    deferred: bool = False
+    uses: int = 1
+
+    @property
+    def padded(self) -> int:
+        return _shard(self.numel, self.group) * self.group
+
+    @property
+    def shard(self) -> int:
+        return _shard(self.numel, self.group)
+
+
+class ZeroBuckets(tuple):
+    """`zero_buckets`' result, with the sums `static_bytes` needs computed once (the search asks often)."""
+
+    def __new__(cls, items):
+        self = super().__new__(cls, items)
+        self.shard = sum(b.shard for b in self if b.numel)
+        self.deferred = sum(b.numel for b in self if b.deferred)
+        self.padding = sum(b.padded - b.numel for b in self)
+        return self
+
+
+def _stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, list[tuple[Tensor, bool]]]]:
+    """(chunk, [(tensor, TP-partial gradient?)]) of every ZeRO-3 unit of a stage in model order: the
+    embedding, each block, the final norm, the LM head — shardwise's `model_units`."""
+    t, sp = lay.tp, lay.sp and lay.tp > 1
+    n_norm = 2 if spec.norm == "layernorm" else 1
+    step = 2 if (spec.qkv_bias or spec.linear_bias) else 1
+    kv = set(range(n_norm + step, n_norm + 3 * step)) if t > spec.n_kv_heads and not spec.is_mla else set()
+    owner = chunk_owners(lay)
+    units, start, chunk = [], 0, 0
+    for j, size in enumerate(balanced_counts(spec.n_layers, len(owner))):
+        ids = range(start, start + size)
+        start += size
+        if owner[j] != stage.index:
+            continue
+        if j == 0:
+            units.append((chunk, [(x, False) for x in embedding_tensors(spec, t)]))
+        for i in ids:
+            layer = layer_tensors(spec, spec.is_moe_layer(i), t, lay.ep)
+            units.append((chunk, [(x, (sp and x.sp_replicated) or k in kv) for k, x in enumerate(layer)]))
+        if j == len(owner) - 1:
+            head = head_tensors(spec, t, separate_copy=not stage.embedding)
+            norm, out = head[:n_norm], head[n_norm:]
+            units += [(chunk, [(x, sp) for x in norm]), (chunk, [(x, False) for x in out])]
+        chunk += 1
+    return units
+
+
+def zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
+    """`GradReducer`'s buckets (ZeRO ≥ 1) of one rank of `stage`: parameters grouped by (expert?, matrix?)
+    — and by pipeline chunk under ZeRO-2, by unit under ZeRO-3 — in parameter order, cut at BUCKET_BYTES
+    (not under ZeRO-3: one bucket per unit and group)."""
+    key = Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
+                 zero=lay.zero, sp=lay.sp)  # only what the buckets depend on: the search shares them
+    return _zero_buckets(spec, stage, key)
+
+
+@lru_cache(maxsize=4096)
+def _zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
+    g = lay.dp
+    groups: dict[tuple, list] = {}
+    tied = spec.tie_embeddings and stage.embedding and stage.head
+    for u, (chunk, tensors) in enumerate(_stage_units(spec, stage, lay)):
+        for x, partial in tensors:
+            key = ((x.expert, x.matrix) if lay.zero <= 1 else (chunk, x.expert, x.matrix) if lay.zero == 2
+                   else (chunk, u, x.expert, x.matrix))
+            groups.setdefault(key, []).append((x, partial, u == 0 and tied))
+    out = []
+    for key, items in sorted(groups.items()):
+        runs, run, size = [], [], 0
+        for item in items:
+            run.append(item)
+            size += 4 * item[0].numel
+            if size >= BUCKET_BYTES and lay.zero < 3:
+                runs, run, size = runs + [run], [], 0
+        for r in runs + ([run] if run else []):
+            expert = r[0][0].expert
+            out.append(ZeroBucket("edp" if expert else "dp_cp", sum(x.numel for x, _, _ in r),
+                                  max(1, g // lay.ep) if expert else g, any(p for _, p, _ in r),
+                                  2 if any(tie for *_, tie in r) else 1))
+    return ZeroBuckets(out)
+
+
 def zero_groups(local: Params, lay: Layout) -> list[tuple[str, int, int]]:
     """shardwise's flat ZeRO buffers of one rank: (axis, numel, group size) for dense matrices, dense 1-D
     tensors (no weight decay) and expert matrices, as `GradReducer` groups them by (expert?, ndim >= 2)."""
@@ -85,26 +188,32 @@ def zero_shard_numel(local: Params, lay: Layout) -> int:
     return sum(_shard(n, g) for _, n, g in zero_groups(local, lay) if n)
 
 
-def static_bytes(local: Params, lay: Layout) -> dict:
+def static_bytes(local: Params, lay: Layout, buckets: ZeroBuckets | None = None) -> dict:
     """Weights, grads and optimizer state of one rank, as ZeRO stage `lay.zero` divides them.
 
-    `grad_buffers`: shardwise's ZeRO-1 (`GradReducer`) makes every parameter a view of its group's
-    padded flat fp32 buffer and every .grad a view of a padded flat fp32 gradient buffer (the
-    reduce-scatter input), and keeps the fp32 gradient of the rank's shard and its grad-norm weights
-    (1/replicas per element) — 4·(2·padding + 2·shard) bytes beyond the weights and gradients, so the
-    total is what the trainer's storages hold (summary.json `static_bytes_measured`).
+    `buckets` (`zero_buckets`) are shardwise's exact flat buffers; without them, one per group.
+    `grad_buffers`: what shardwise's `GradReducer` holds beyond the weights and gradients — every ZeRO
+    stage keeps the grad-norm weights of the rank's shard (1/replicas per element, fp32); ZeRO 1/2 make
+    every parameter a view of its bucket's padded flat fp32 buffer (its padding); ZeRO-1 also makes every
+    .grad a view of a padded flat fp32 gradient buffer (the reduce-scatter input) and keeps the fp32
+    gradient of the rank's shard. ZeRO 2/3 count the shard's gradient (and the whole gradients of
+    TP-partial buckets, held until the step's TP sum) under `grads`; the bucket buffers in flight during
+    backward are transient. The total is what the trainer's storages hold (summary.json
+    `static_bytes_measured`).
     """
-    shard = zero_shard_numel(local, lay)
+    if buckets is None:
+        buckets = ZeroBuckets(ZeroBucket(a, n, g) for a, n, g in zero_groups(local, lay) if n)
+    shard, held = buckets.shard, buckets.shard + buckets.deferred
 
-    def part(bytes_per: int, sharded: bool) -> int:
-        return bytes_per * (shard if sharded else local.total)
+    def part(bytes_per: int, sharded: bool, n: int = shard) -> int:
+        return bytes_per * (n if sharded else local.total)
 
     out = {
         "weights": part(BYTES_WEIGHT, lay.zero >= 3),
-        "grads": part(BYTES_GRAD, lay.zero >= 2),
+        "grads": part(BYTES_GRAD, lay.zero >= 2, held),
         "optimizer": part(BYTES_ADAM, lay.zero >= 1),
-        "grad_buffers": BYTES_GRAD * 2 * (sum(_shard(n, g) * g - n for _, n, g in zero_groups(local, lay)) + shard)
-        if lay.zero == 1 else 0,
+        "grad_buffers": BYTES_GRAD * ({1: 2 * buckets.padding + 2 * shard, 2: buckets.padding + shard,
+                                       3: shard}.get(lay.zero, 0)),
     }
     out["total"] = sum(out.values())
     return out
