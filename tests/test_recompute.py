@@ -27,6 +27,7 @@ def _step(name, mode, seed):
     cfg.resolve_world()
     trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
     loss = trainer.forward_backward(0)
+    trainer.finish_gradients()  # overlapped reduction: buckets may still be in flight after backward
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return loss, grads
 

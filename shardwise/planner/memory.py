@@ -118,7 +118,7 @@ def _stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, 
     embedding, each block, the final norm, the LM head — shardwise's `model_units`."""
     t, sp = lay.tp, lay.sp and lay.tp > 1
     n_norm = 2 if spec.norm == "layernorm" else 1
-    step = 2 if (spec.qkv_bias or spec.linear_bias) else 1
+    step = 2 if (spec.attention_bias or spec.linear_bias) else 1
     kv = set(range(n_norm + step, n_norm + 3 * step)) if t > spec.n_kv_heads and not spec.is_mla else set()
     owner = chunk_owners(lay)
     units, start, chunk = [], 0, 0
