@@ -112,8 +112,10 @@ def _ensure_state(reducer, step: int | None = None) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             st = opt.state[p]
-            if not st:
-                st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            if not st:  # fused/capturable AdamW keeps its step on the parameter's device, the others on the host
+                on_device = group.get("fused") or group.get("capturable")
+                st.update(step=torch.zeros((), device=p.device if on_device else "cpu"),
+                          exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             if step is not None:
                 st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
 

@@ -27,6 +27,7 @@ from .expert_parallel.moe import MoE
 from .mesh import Mesh, ParallelDims
 from .parallelize import build_model
 from .report import RunLog
+from .tensor_parallel.layers import check_token_ids
 
 IGNORE_INDEX = -100
 
@@ -85,6 +86,7 @@ class Trainer:
         """Run every microbatch of this rank's share of the step's global batch; returns the global loss."""
         dp = self.mesh["dp_cp"]
         x, y = self.loader.global_batch_at(step)
+        check_token_ids(x, self.model_cfg.vocab_size)  # once per batch, on the host, before the copy to the device
         n_tokens = int((y != IGNORE_INDEX).sum())
         per = self.global_batch // self.mesh.dims.dp
         dp_rank = self.mesh["dp"].rank

@@ -53,7 +53,7 @@ def _reference(cfg: TrainConfig, device) -> Trainer:
 def _rel_diffs(pairs, names, world) -> float:
     """max over parameters of ||x - ref|| / ||ref||, with the squared norms summed over all ranks."""
     index = {n: i for i, n in enumerate(names)}
-    acc = torch.zeros(len(names), 2, dtype=torch.float64)
+    acc = torch.zeros(len(names), 2, dtype=torch.float64, device=world.device)
     for name, mine, ref in pairs:
         acc[index[name], 0] += (mine.double() - ref.double()).pow(2).sum()
         acc[index[name], 1] += ref.double().pow(2).sum()
