@@ -36,6 +36,8 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", default="none", help="activation recompute: none, selective (attention core), full")
     g.add_argument("--recompute-layers", type=int, default=None,
                    help="full recompute of the first N layers of every stage/chunk (default: all)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (the first step pays the compilation)")
 
 
 def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
@@ -120,7 +122,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                               schedule=args.schedule, vp=args.vp, pp_layers=pp_layers,
                               pp_scatter_gather=args.pp_scatter_gather, cp_order=args.cp_order,
                               cp_impl=args.cp_impl, recompute=args.recompute,
-                              recompute_layers=args.recompute_layers)
+                              recompute_layers=args.recompute_layers, compile=args.compile)
     if args.microbatches is not None:
         if args.microbatches <= 0 or (args.global_batch is not None):
             raise ConfigError(f"--microbatches {args.microbatches} must be positive and not combined with "

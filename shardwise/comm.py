@@ -26,6 +26,14 @@ import torch
 import torch.distributed as dist
 
 
+# Under --compile, every raw op below runs eagerly: Dynamo breaks the graph at the call instead of
+# tracing the ledger's dict updates (a compiled graph would replay no Python side effects, so the
+# ledger would count only the first trace) or torch.distributed's in-place c10d calls. The autograd
+# Functions then run whole, eagerly, exactly as without compile; only the math between collectives
+# is compiled.
+_eager = torch.compiler.disable
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; names this rank, the axis, the op and the group's ranks."""
 
@@ -60,6 +68,7 @@ def _guarded(axis, what: str, fn, *args, **kwargs):
                               f"failed: {first}") from e
 
 
+@_eager
 def wait(work, axis, op: str) -> None:
     """Wait on an async work handle with the same error naming as the blocking ops."""
     if work is not None:
@@ -138,6 +147,7 @@ def _record(axis, op: str, nbytes: int, wire: float, tag: str | None) -> None:
 
 
 # ---------------------------------------------------------------- raw collectives
+@_eager
 def all_reduce(t: torch.Tensor, axis, op: str = "sum", tag: str | None = None) -> torch.Tensor:
     """In-place all-reduce of `t` over `axis` (sum or max)."""
     if not axis.active:
@@ -149,6 +159,7 @@ def all_reduce(t: torch.Tensor, axis, op: str = "sum", tag: str | None = None) -
     return t
 
 
+@_eager
 def all_reduce_async(t: torch.Tensor, axis, tag: str | None = None):
     """Start an in-place sum all-reduce; returns the work handle (None on a size-1 axis) for `wait`."""
     if not axis.active:
@@ -158,6 +169,7 @@ def all_reduce_async(t: torch.Tensor, axis, tag: str | None = None):
     return _guarded(axis, "all_reduce", dist.all_reduce, t, group=axis.group, async_op=True)
 
 
+@_eager
 def reduce_scatter(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> torch.Tensor:
     """Sum over `axis`, keep this rank's 1/n slice of `dim`."""
     if not axis.active:
@@ -172,6 +184,7 @@ def reduce_scatter(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) 
     return out.movedim(0, dim) if dim else out
 
 
+@_eager
 def all_gather(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim`, in axis-rank order."""
     if not axis.active:
@@ -186,6 +199,7 @@ def all_gather(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> t
     return out.movedim(0, dim).contiguous() if dim else out
 
 
+@_eager
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis, tag: str | None = None) -> torch.Tensor:
     """Flat all-gather into a preallocated buffer (ZeRO parameter gather)."""
     if not axis.active:
@@ -196,6 +210,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis, tag: str | Non
     return out
 
 
+@_eager
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis, tag: str | None = None) -> torch.Tensor:
     """Flat reduce-scatter into a preallocated shard (ZeRO gradient reduction)."""
     if not axis.active:
@@ -207,6 +222,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis, tag: str | 
     return out
 
 
+@_eager
 def broadcast(t: torch.Tensor, axis, src_rank: int = 0, tag: str | None = None) -> torch.Tensor:
     """Broadcast from axis-rank `src_rank`."""
     if not axis.active:
@@ -217,6 +233,7 @@ def broadcast(t: torch.Tensor, axis, src_rank: int = 0, tag: str | None = None) 
     return t
 
 
+@_eager
 def all_to_all(inp: torch.Tensor, axis, in_splits: list[int] | None = None, out_splits: list[int] | None = None,
                tag: str | None = None) -> torch.Tensor:
     """`all_to_all_single` along dim 0 with optional variable splits (rows sent to / received from each rank)."""
@@ -264,6 +281,7 @@ def strict_p2p() -> bool:
 _pair_tail: dict[tuple[int, int], _BatchWork] = {}  # (group id, peer global rank) -> last batch (strict mode)
 
 
+@_eager
 def p2p(ops, tag: str | None = None) -> list:
     """One batch of non-blocking point-to-point ops: ("send" | "recv", tensor, axis, peer_axis_rank).
 
@@ -297,6 +315,7 @@ def p2p(ops, tag: str | None = None) -> list:
     return [work]
 
 
+@_eager
 def all_gather_object(obj, axis) -> list:
     """Gather small Python objects (metadata only; recorded as op 'all_gather_object')."""
     if not axis.active:
@@ -307,6 +326,7 @@ def all_gather_object(obj, axis) -> list:
     return out
 
 
+@_eager
 def barrier(axis) -> None:
     if axis.active:
         _guarded(axis, "barrier", dist.barrier, group=axis.group)

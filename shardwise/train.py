@@ -53,7 +53,8 @@ class Trainer:
             self.schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
         self.act_dtype = torch.bfloat16 if cfg.residual_dtype() == "bf16" else torch.float32
         self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel, self.schedule, p.pp_layers,
-                                 p.cp_order, p.cp_impl, self.act_dtype, p.recompute, p.recompute_layers)
+                                 p.cp_order, p.cp_impl, self.act_dtype, p.recompute, p.recompute_layers,
+                                 p.compile)
         self.model.train()
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None)
