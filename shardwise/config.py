@@ -247,6 +247,9 @@ class TrainConfig:
     """Keep only the newest K checkpoints."""
     resume: bool = False
     """Continue from the newest intact checkpoint (any layout: it reshards)."""
+    async_save: bool = False
+    """Write checkpoints with torch.distributed.checkpoint.async_save while training continues; each is
+    published (manifest, rename, `latest`) only once every rank's write completed."""
     fault_inject: str | None = None
     """RANK:STEP:{crash,hang,nan} — make global rank RANK crash, hang or produce a NaN loss at STEP (tests)."""
     bad_step: str = "skip"
@@ -342,6 +345,8 @@ class TrainConfig:
 
     def validate(self, world: int) -> None:
         p = self.parallel
+        if self.async_save and not self.save_every:
+            raise ConfigError("--async-save needs --save-every N (it changes how checkpoints are written)")
         self._validate_recompute(p, self.model_config())
         self._validate_compile(p)
         if p.zero not in (0, 1):

@@ -317,7 +317,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
                 from .checkpoint import save_checkpoint
 
-                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"]}, keep=cfg.keep)
+                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"]}, keep=cfg.keep,
+                                async_save=cfg.async_save)
             if rank0:
                 metrics.write(rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None)
                 if bar is not None:
@@ -328,6 +329,10 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
             bar.close()
         if metrics is not None:
             metrics.close()
+    if cfg.async_save:
+        from .checkpoint import wait_for_save
+
+        wait_for_save(trainer)  # the last checkpoint is published before the run ends
     layout = cfg.parallel.as_dict()
     pipeline = _write_timeline(trainer, out) if trainer.executor is not None else None
     comm_dir = os.path.join(out, "comm")
