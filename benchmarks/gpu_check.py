@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.comm import Ledger
-from shardwise.config import ModelConfig, TrainConfig
+from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.context_parallel import kernels
 from shardwise.context_parallel.ring_attention import _merge, block_backward, block_forward
 from shardwise.mesh import Axis
@@ -71,10 +70,8 @@ def vocab_ce_vs_torch(device) -> float:
 def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype: str, compile_: bool) -> dict:
     from shardwise.train import train_main
 
-    cfg = TrainConfig(model=model, steps=steps, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
-                      out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False)
-    if compile_ and any(f.name == "compile" for f in dataclasses.fields(TrainConfig)):
-        cfg.compile = True
+    cfg = TrainConfig(model=model, parallel=ParallelConfig(compile=compile_), steps=steps, seq_len=seq_len,
+                      micro_batch=micro_batch, dtype=dtype, out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False)
     cfg.resolve_world()
     planned = planner_memory(cfg)
     if device.type == "cuda":
