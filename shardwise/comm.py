@@ -26,12 +26,30 @@ import torch
 import torch.distributed as dist
 
 
-# Under --compile, every raw op below runs eagerly: Dynamo breaks the graph at the call instead of
-# tracing the ledger's dict updates (a compiled graph would replay no Python side effects, so the
-# ledger would count only the first trace) or torch.distributed's in-place c10d calls. The autograd
-# Functions then run whole, eagerly, exactly as without compile; only the math between collectives
-# is compiled.
-_eager = torch.compiler.disable
+_RAW_OPS: list[str] = []  # names of the raw ops below, for compile_barriers
+
+
+def _eager(fn):
+    """Mark a raw op as one that must run eagerly under torch.compile (see compile_barriers)."""
+    _RAW_OPS.append(fn.__name__)
+    return fn
+
+
+def compile_barriers() -> None:
+    """Make every raw op a torch.compiler.disable'd function (idempotent; called under --compile).
+
+    Dynamo then breaks the graph at each collective instead of tracing the ledger's dict updates (a
+    compiled graph replays no Python side effects, so the ledger would count only the first trace)
+    or torch.distributed's in-place c10d calls; the autograd Functions around them run whole and
+    eagerly, exactly as without compile, and only the math between collectives is compiled. Done on
+    demand, not at import, because importing Dynamo costs every process seconds. Callers reach the
+    ops as `comm.<op>` (and comm's own code through its globals), so rebinding the names suffices.
+    """
+    names = globals()
+    for name in _RAW_OPS:
+        if not getattr(names[name], "_sw_eager", False):
+            names[name] = torch.compiler.disable(names[name])
+            names[name]._sw_eager = True
 
 
 class CollectiveError(RuntimeError):

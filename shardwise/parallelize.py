@@ -192,5 +192,8 @@ def apply_compile(model: Transformer) -> None:
     comm's collectives are compiler-disabled, so each block compiles into the graphs between its
     collectives while every collective, its autograd Function and its ledger entry run eagerly.
     """
+    from . import comm
+
+    comm.compile_barriers()
     for block in model.layers.values():
         block.forward = torch.compile(block.forward)

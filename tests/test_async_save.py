@@ -93,3 +93,10 @@ def test_crash_while_async_save_pending_keeps_previous_latest(tmp_path):
     assert (root / "latest").read_text() == "step-1\n"
     assert not (root / "step-2").exists() and (root / "tmp-step-2").exists()
     assert checkpoint.newest_intact(str(root))[0] == str(root / "step-1")
+
+
+def test_async_save_without_save_every_is_a_config_error():
+    from shardwise.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--async-save needs --save-every N"):
+        TrainConfig(async_save=True).resolve_world()
