@@ -10,6 +10,7 @@ def test_gpu_check_dry_run():
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert all(v["passed"] for v in res["verify"]) and len(res["verify"]) == 3
+    assert [v["passed"] for v in res["verify_shared_gpu_gloo"]] == [True]
     assert max(res["ring_blocks_vs_sdpa"]["float32"].values()) < 1e-5
     assert res["attention_kernels"] == ["flash_cpu"] and res["vocab_ce_rel_diff"] < 1e-6
     assert [t["dtype"] for t in res["train"]] == ["fp32", "bf16"] and res["bf16_vs_fp32_first_loss_diff"] < 5e-2
