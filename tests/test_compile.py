@@ -50,9 +50,9 @@ def _rank(seed: int):
     return results, graphs, ledgers
 
 
-def test_verify_compile_tp2_pp2_cp2_in_one_fork(tmp_path_factory):
+def test_verify_compile_tp2_pp2_cp2_in_one_fork(tmp_path_factory, monkeypatch):
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(tmp_path_factory.getbasetemp() / "inductor")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # inherited by the forked ranks: they share compiled kernels
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", cache)  # inherited by the forked ranks: they share kernels
     seed = fresh_seed()
     (results, graphs, ledgers), _ = run_ranks(2, _rank, seed, timeout_s=900)
     for name, r in results.items():
