@@ -53,6 +53,7 @@ def _rank(seed: int):
 def test_verify_compile_tp2_pp2_cp2_in_one_fork(tmp_path_factory, monkeypatch):
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(tmp_path_factory.getbasetemp() / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", cache)  # inherited by the forked ranks: they share kernels
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # two ranks, two cores: no compile worker pools
     seed = fresh_seed()
     (results, graphs, ledgers), _ = run_ranks(2, _rank, seed, timeout_s=900)
     for name, r in results.items():
