@@ -196,4 +196,10 @@ def apply_compile(model: Transformer) -> None:
 
     comm.compile_barriers()
     for block in model.layers.values():
+        attn = block.attention
+        if attn.cp_axis is not None and attn.cp_axis.active:
+            # Ring / Ulysses attention: fused kernels between p2p or all-to-all steps. Traced, Dynamo would
+            # fall back at the first collective and then compile each per-step helper (and recompile it per
+            # block shape), so the whole context-parallel core runs eagerly instead.
+            attn.core = torch.compiler.disable(attn.core)
         block.forward = torch.compile(block.forward)
