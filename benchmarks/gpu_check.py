@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.comm import Ledger
-from shardwise.config import ModelConfig, TrainConfig
+from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.context_parallel import kernels
 from shardwise.context_parallel.ring_attention import _merge, block_backward, block_forward
 from shardwise.mesh import Axis
@@ -92,10 +91,8 @@ def vocab_ce_vs_torch(device) -> float:
 def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype: str, compile_: bool) -> dict:
     from shardwise.train import train_main
 
-    cfg = TrainConfig(model=model, steps=steps, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
-                      out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False)
-    if compile_ and any(f.name == "compile" for f in dataclasses.fields(TrainConfig)):
-        cfg.compile = True
+    cfg = TrainConfig(model=model, parallel=ParallelConfig(compile=compile_), steps=steps, seq_len=seq_len,
+                      micro_batch=micro_batch, dtype=dtype, out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False)
     cfg.resolve_world()
     planned = planner_memory(cfg)
     if device.type == "cuda":
@@ -128,11 +125,13 @@ def planner_memory(cfg: TrainConfig) -> dict:
     return {"planner_peak_gib": stage["total"] / 2**30, "planner_activation_gib": stage["activation"] / 2**30}
 
 
-def verify_layouts(layouts: list[dict]) -> list[dict]:
-    """tp2/pp2/cp2 verify on forked gloo CPU ranks: NCCL refuses two ranks on one GPU, and gloo has no
-    CUDA alltoall / reduce-scatter, so on a one-GPU machine this checks the installed torch on its CPUs."""
+def verify_layouts(layouts: list[dict], device: str | None = None) -> list[dict]:
+    """tp2/pp2/cp2 verify on forked gloo ranks: NCCL refuses two ranks on one GPU, and gloo's p2p and
+    reduce-scatter take only CPU tensors, so on a one-GPU machine this checks the installed torch on its
+    CPUs. `device="cuda"` puts every rank's tensors on the one GPU over gloo (only all-reduce layouts
+    such as tp2 without SP can pass); a failure is reported, not raised."""
     from shardwise.config import ParallelConfig
-    from shardwise.launch import run_local
+    from shardwise.launch import RankError, run_local
     from shardwise.verify import verify_main
 
     res = []
@@ -141,8 +140,15 @@ def verify_layouts(layouts: list[dict]) -> list[dict]:
                           global_batch=4 if "pp" in lay else None)
         cfg.resolve_world()
         world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
-        r = run_local(verify_main, world, cfg, timeout_s=120)[0]
-        res.append({"layout": lay, "passed": r["passed"], "max_grad_rel_diff": r["max_grad_rel_diff"]})
+        try:
+            r = run_local(verify_main, world, cfg, torch.device(device) if device else None, timeout_s=120)[0]
+        except RankError as e:
+            if device is None:
+                raise
+            res.append({"layout": lay, "device": device, "passed": False, "error": str(e)[:300]})
+            continue
+        res.append({"layout": lay, "passed": r["passed"], "max_grad_rel_diff": r["max_grad_rel_diff"]}
+                   | ({"device": device} if device else {}))
     return res
 
 
@@ -157,6 +163,8 @@ def main(argv=None) -> int:
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
     res: dict = {"device": "cpu" if args.dry_run else torch.cuda.get_device_name(device), "dry_run": args.dry_run}
     res["verify"] = verify_layouts([{"tp": 2}, {"pp": 2}, {"cp": 2}])  # fork before any CUDA work
+    # Two ranks sharing the GPU over gloo with CUDA tensors (the dry run takes the same path on the CPU).
+    res["verify_shared_gpu_gloo"] = verify_layouts([{"tp": 2}], None if args.dry_run else "cuda:0")
     dtypes = [torch.float32] if args.dry_run else [torch.bfloat16, torch.float32]
     s, d = (64, 16) if args.dry_run else (4096, 128)
     res["ring_blocks_vs_sdpa"] = {str(dt).split(".")[-1]: ring_blocks_vs_sdpa(device, dt, s, d) for dt in dtypes}

@@ -16,6 +16,7 @@ lets loading skip incomplete or corrupt saves, and nothing is unpickled freely (
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ import os
 import pickle
 import re
 import shutil
+import threading
 import warnings
 
 import torch
@@ -114,8 +116,10 @@ def _ensure_state(reducer, step: int | None = None) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             st = opt.state[p]
-            if not st:
-                st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            if not st:  # fused/capturable AdamW keeps its step on the parameter's device, the others on the host
+                on_device = group.get("fused") or group.get("capturable")
+                st.update(step=torch.zeros((), device=p.device if on_device else "cpu"),
+                          exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             if step is not None:
                 st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
 
@@ -311,12 +315,69 @@ def _unb64(s: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- save
-def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = None, keep: int | None = None) -> str:
+def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = None, keep: int | None = None,
+                    async_save: bool = False) -> str | None:
     """Collective. Save after `step` completed optimizer steps; returns the published directory.
 
     `extra_state` (JSON-serialisable, rank 0's copy) comes back from `load_checkpoint`; `keep`
-    prunes all but the newest `keep` step directories.
+    prunes all but the newest `keep` step directories. A save still pending from `async_save=True`
+    is finished first. With `async_save=True` the tensors are copied to host memory now and written
+    by `torch.distributed.checkpoint.async_save` while training continues; checksums, manifest,
+    publish and `latest` follow in the background once every rank's write completed (None is
+    returned; `wait_for_save` blocks until it is published).
     """
+    wait_for_save(trainer)
+    mesh, ckpt = trainer.mesh, trainer.mesh["ckpt"]
+    tmp, final = _begin_save(root, step, trainer, extra_state)
+    entries = _entries(trainer, True)
+    if not async_save:
+        _dcp(dcp.save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(entries))
+        _publish(root, tmp, final, step, ckpt, mesh.rank, keep)
+        return final
+    # Stage: compact host copies of this rank's boxes, so training may overwrite the live tensors.
+    staged = {k: (size, [(off, t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True))
+                         for off, t in boxes]) for k, (size, boxes) in entries.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        future = dcp.async_save({}, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(staged),
+                                process_group=ckpt.group, no_dist=not mesh["world"].active)
+    # The publish's gathers run on the checkpoint group off the main thread: keep them out of the
+    # ledger, whose per-step counts belong to the training loop.
+    quiet = dataclasses.replace(ckpt, ledger=None)
+    trainer.pending_save = PendingSave(lambda: (future.result(), _publish(root, tmp, final, step, quiet,
+                                                                         mesh.rank, keep)))
+    return None
+
+
+class PendingSave:
+    """A checkpoint being written and published by a background thread; `wait` returns its directory."""
+
+    def __init__(self, work):
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(work,), name="shardwise-async-save", daemon=True)
+        self.thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            self.result = work()[1]
+        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by wait()
+            self.error = e
+
+    def wait(self) -> str:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"asynchronous checkpoint save failed: {self.error}") from self.error
+        return self.result
+
+
+def wait_for_save(trainer) -> str | None:
+    """Block until the trainer's pending asynchronous save is published (before the next save, at the end)."""
+    pending, trainer.pending_save = getattr(trainer, "pending_save", None), None
+    return pending.wait() if pending is not None else None
+
+
+def _begin_save(root: str, step: int, trainer, extra_state: dict | None) -> tuple[str, str]:
+    """Collective. A fresh tmp-step-N holding this rank's RNG states and rank 0's metadata, as of now."""
     mesh, ckpt = trainer.mesh, trainer.mesh["ckpt"]
     rank0 = mesh.rank == 0
     tmp, final = os.path.join(root, f"tmp-step-{step}"), os.path.join(root, f"step-{step}")
@@ -329,7 +390,6 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
     comm.barrier(ckpt)
     _ensure_state(trainer.reducer)
     state = next(iter(trainer.reducer.optimizer.state.values()))
-    _dcp(dcp.save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(_entries(trainer, True)))
     tracker = trainer.model.rng_tracker
     _write_json(os.path.join(tmp, f"rank{mesh.rank}.json"), {
         "rank": mesh.rank, "coords": mesh.coords, "torch_cpu_rng": _b64(torch.get_rng_state()),
@@ -340,10 +400,16 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
             "format": FORMAT_VERSION, "step": step, "optimizer_step": int(state["step"]), "layout": layout,
             "model": vars(trainer.model_cfg), "extra_state": extra_state or {},
             "bad_steps": getattr(trainer, "bad_steps", 0)})
+    return tmp, final
+
+
+def _publish(root: str, tmp: str, final: str, step: int, ckpt, rank: int, keep: int | None) -> str:
+    """Collective over `ckpt`, once every rank's DCP write finished: checksums, manifest, rename, `latest`."""
+    rank0 = rank == 0
     # Each rank hashes what it wrote (DCP names data files __<rank>_<n>.distcp); rank 0 merges the
     # small per-rank dicts, so no rank reads the whole checkpoint while the others wait.
-    mine = [f for f in os.listdir(tmp) if (m := _OWNER.match(f)) and int(m.group(1)) == mesh.rank]
-    mine += [f"rank{mesh.rank}.json"] + ([META, ".metadata"] if rank0 else [])
+    mine = [f for f in os.listdir(tmp) if (m := _OWNER.match(f)) and int(m.group(1)) == rank]
+    mine += [f"rank{rank}.json"] + ([META, ".metadata"] if rank0 else [])
     sums = {f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))} for f in mine}
     merged = comm.all_gather_object(sums, ckpt)
     if rank0:

@@ -37,6 +37,8 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", default="none", help="activation recompute: none, selective (attention core), full")
     g.add_argument("--recompute-layers", type=int, default=None,
                    help="full recompute of the first N layers of every stage/chunk (default: all)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (the first step pays the compilation)")
 
 
 def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
@@ -85,6 +87,8 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     ck.add_argument("--checkpoint-dir", default=None, help="default <out>/checkpoints")
     ck.add_argument("--keep", type=int, default=None, help="keep the newest K checkpoints")
     ck.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
+    ck.add_argument("--async-save", action="store_true",
+                    help="write checkpoints in the background (torch.distributed.checkpoint.async_save)")
     p.add_argument("--fault-inject", default=None, metavar="RANK:STEP:KIND",
                    help="make RANK crash, hang or produce NaN (KIND) at STEP — for testing recovery")
     p.add_argument("--bad-step", default="skip", help="on non-finite loss/grads: skip (logged) or abort")
@@ -134,7 +138,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                               schedule=args.schedule, vp=args.vp, pp_layers=pp_layers,
                               pp_scatter_gather=args.pp_scatter_gather, cp_order=args.cp_order,
                               cp_impl=args.cp_impl, recompute=args.recompute,
-                              recompute_layers=args.recompute_layers)
+                              recompute_layers=args.recompute_layers, compile=args.compile)
     if args.microbatches is not None:
         if args.microbatches <= 0 or (args.global_batch is not None):
             raise ConfigError(f"--microbatches {args.microbatches} must be positive and not combined with "
@@ -155,7 +159,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       timeout_s=args.collective_timeout, progress=not args.no_progress,
                       fault_inject=args.fault_inject, bad_step=args.bad_step, max_bad_steps=args.max_bad_steps,
                       save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, keep=args.keep,
-                      resume=args.resume, fp32_residual=args.fp32_residual,
+                      resume=args.resume, async_save=args.async_save, fp32_residual=args.fp32_residual,
                       grad_reduce_dtype=args.grad_reduce_dtype, label_smoothing=args.label_smoothing,
                       report=not args.no_report, attention_mask=args.attention_mask,
                       reset_positions=args.reset_positions,

@@ -26,6 +26,32 @@ import torch
 import torch.distributed as dist
 
 
+_RAW_OPS: list[str] = []  # names of the raw ops below, for compile_barriers
+
+
+def _eager(fn):
+    """Mark a raw op as one that must run eagerly under torch.compile (see compile_barriers)."""
+    _RAW_OPS.append(fn.__name__)
+    return fn
+
+
+def compile_barriers() -> None:
+    """Make every raw op a torch.compiler.disable'd function (idempotent; called under --compile).
+
+    Dynamo then breaks the graph at each collective instead of tracing the ledger's dict updates (a
+    compiled graph replays no Python side effects, so the ledger would count only the first trace)
+    or torch.distributed's in-place c10d calls; the autograd Functions around them run whole and
+    eagerly, exactly as without compile, and only the math between collectives is compiled. Done on
+    demand, not at import, because importing Dynamo costs every process seconds. Callers reach the
+    ops as `comm.<op>` (and comm's own code through its globals), so rebinding the names suffices.
+    """
+    names = globals()
+    for name in _RAW_OPS:
+        if not getattr(names[name], "_sw_eager", False):
+            names[name] = torch.compiler.disable(names[name])
+            names[name]._sw_eager = True
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; names this rank, the axis, the op and the group's ranks."""
 
@@ -60,6 +86,7 @@ def _guarded(axis, what: str, fn, *args, **kwargs):
                               f"failed: {first}") from e
 
 
+@_eager
 def wait(work, axis, op: str) -> None:
     """Wait on an async work handle with the same error naming as the blocking ops."""
     if work is not None:
@@ -138,6 +165,7 @@ def _record(axis, op: str, nbytes: int, wire: float, tag: str | None) -> None:
 
 
 # ---------------------------------------------------------------- raw collectives
+@_eager
 def all_reduce(t: torch.Tensor, axis, op: str = "sum", tag: str | None = None) -> torch.Tensor:
     """In-place all-reduce of `t` over `axis` (sum or max)."""
     if not axis.active:
@@ -149,6 +177,7 @@ def all_reduce(t: torch.Tensor, axis, op: str = "sum", tag: str | None = None) -
     return t
 
 
+@_eager
 def all_reduce_async(t: torch.Tensor, axis, tag: str | None = None):
     """Start an in-place sum all-reduce; returns the work handle (None on a size-1 axis) for `wait`."""
     if not axis.active:
@@ -158,6 +187,7 @@ def all_reduce_async(t: torch.Tensor, axis, tag: str | None = None):
     return _guarded(axis, "all_reduce", dist.all_reduce, t, group=axis.group, async_op=True)
 
 
+@_eager
 def reduce_scatter(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> torch.Tensor:
     """Sum over `axis`, keep this rank's 1/n slice of `dim`."""
     if not axis.active:
@@ -172,6 +202,7 @@ def reduce_scatter(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) 
     return out.movedim(0, dim) if dim else out
 
 
+@_eager
 def all_gather(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim`, in axis-rank order."""
     if not axis.active:
@@ -186,6 +217,7 @@ def all_gather(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> t
     return out.movedim(0, dim).contiguous() if dim else out
 
 
+@_eager
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis, tag: str | None = None) -> torch.Tensor:
     """Flat all-gather into a preallocated buffer (ZeRO parameter gather)."""
     if not axis.active:
@@ -196,6 +228,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis, tag: str | Non
     return out
 
 
+@_eager
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis, tag: str | None = None) -> torch.Tensor:
     """Flat reduce-scatter into a preallocated shard (ZeRO gradient reduction)."""
     if not axis.active:
@@ -207,6 +240,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis, tag: str | 
     return out
 
 
+@_eager
 def all_gather_into_async(out: torch.Tensor, shard: torch.Tensor, axis, tag: str | None = None):
     """Start a flat all-gather into `out` (ZeRO-3 parameter prefetch); the work handle for `wait`, None
     when done already (size-1 axis). Recorded like the blocking op, when it is issued."""
@@ -217,6 +251,7 @@ def all_gather_into_async(out: torch.Tensor, shard: torch.Tensor, axis, tag: str
     return _guarded(axis, "all_gather", _all_gather_flat, out, shard, group=axis.group, async_op=True)
 
 
+@_eager
 def reduce_scatter_into_async(out: torch.Tensor, full: torch.Tensor, axis, tag: str | None = None):
     """Start a flat reduce-scatter into `out` (gradient reduction overlapped with backward); the work
     handle for `wait`, None when done already (size-1 axis). Recorded like the blocking op."""
@@ -228,6 +263,7 @@ def reduce_scatter_into_async(out: torch.Tensor, full: torch.Tensor, axis, tag: 
     return _guarded(axis, "reduce_scatter", _reduce_scatter_flat, out, full, group=axis.group, async_op=True)
 
 
+@_eager
 def broadcast(t: torch.Tensor, axis, src_rank: int = 0, tag: str | None = None) -> torch.Tensor:
     """Broadcast from axis-rank `src_rank`."""
     if not axis.active:
@@ -238,6 +274,7 @@ def broadcast(t: torch.Tensor, axis, src_rank: int = 0, tag: str | None = None) 
     return t
 
 
+@_eager
 def all_to_all(inp: torch.Tensor, axis, in_splits: list[int] | None = None, out_splits: list[int] | None = None,
                tag: str | None = None) -> torch.Tensor:
     """`all_to_all_single` along dim 0 with optional variable splits (rows sent to / received from each rank)."""
@@ -285,6 +322,7 @@ def strict_p2p() -> bool:
 _pair_tail: dict[tuple[int, int], _BatchWork] = {}  # (group id, peer global rank) -> last batch (strict mode)
 
 
+@_eager
 def p2p(ops, tag: str | None = None) -> list:
     """One batch of non-blocking point-to-point ops: ("send" | "recv", tensor, axis, peer_axis_rank).
 
@@ -318,6 +356,7 @@ def p2p(ops, tag: str | None = None) -> list:
     return [work]
 
 
+@_eager
 def all_gather_object(obj, axis) -> list:
     """Gather small Python objects (metadata only; recorded as op 'all_gather_object')."""
     if not axis.active:
@@ -328,6 +367,7 @@ def all_gather_object(obj, axis) -> list:
     return out
 
 
+@_eager
 def barrier(axis) -> None:
     if axis.active:
         _guarded(axis, "barrier", dist.barrier, group=axis.group)

@@ -186,6 +186,8 @@ class ParallelConfig:
     """Activation recompute: 'none', 'selective' (the attention core) or 'full' (whole blocks)."""
     recompute_layers: int | None = None
     """Full recompute of the first N layers of every stage/chunk; None = all."""
+    compile: bool = False
+    """torch.compile each transformer block (collectives and their ledger stay eager, between graphs)."""
 
     def describe(self) -> str:
         return ", ".join(f"{a}={getattr(self, a)}" for a in AXES)
@@ -194,6 +196,8 @@ class ParallelConfig:
         out = {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
         if self.recompute != "none":
             out |= {"recompute": self.recompute, "recompute_layers": self.recompute_layers}
+        if self.compile:
+            out |= {"compile": True}
         if self.pp > 1:
             out |= {"schedule": self.schedule, "vp": self.vp, "pp_layers": self.pp_layers,
                     "pp_scatter_gather": self.pp_scatter_gather}
@@ -249,6 +253,9 @@ class TrainConfig:
     """Keep only the newest K checkpoints."""
     resume: bool = False
     """Continue from the newest intact checkpoint (any layout: it reshards)."""
+    async_save: bool = False
+    """Write checkpoints with torch.distributed.checkpoint.async_save while training continues; each is
+    published (manifest, rename, `latest`) only once every rank's write completed."""
     fault_inject: str | None = None
     """RANK:STEP:{crash,hang,nan} — make global rank RANK crash, hang or produce a NaN loss at STEP (tests)."""
     bad_step: str = "skip"
@@ -344,9 +351,24 @@ class TrainConfig:
             raise ConfigError(f"--recompute-layers {p.recompute_layers!r} must be in [1, {fewest}] "
                               f"(the layers of the smallest stage/chunk)")
 
+    @staticmethod
+    def _validate_compile(p: ParallelConfig) -> None:
+        if not p.compile:
+            return
+        try:  # torch only when asked: the planner imports this module without torch
+            from torch._dynamo.eval_frame import check_if_dynamo_supported
+
+            check_if_dynamo_supported()
+        except Exception as e:  # noqa: BLE001 - any reason torch.compile cannot run here
+            raise ConfigError(f"--compile: torch.compile is unavailable here ({str(e).strip() or type(e).__name__}); "
+                              "run without --compile") from None
+
     def validate(self, world: int) -> None:
         p = self.parallel
+        if self.async_save and not self.save_every:
+            raise ConfigError("--async-save needs --save-every N (it changes how checkpoints are written)")
         self._validate_recompute(p, self.model_config())
+        self._validate_compile(p)
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {p.zero} is not supported; valid: 0, 1, 2 or 3")
         if p.zero == 3 and p.dp * p.cp == 1:

@@ -146,7 +146,7 @@ def apply_context_parallel(model: Transformer, mesh: Mesh, order: str, impl: str
 def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool = False,
                 schedule=None, pp_layers: list[int] | None = None, cp_order: str = "balanced",
                 cp_impl: str = "ring", residual_dtype: torch.dtype | None = None, recompute: str = "none",
-                recompute_layers: int | None = None) -> Transformer:
+                recompute_layers: int | None = None, compile: bool = False) -> Transformer:
     """The model for this rank of `mesh` (the single-device model when every degree is 1).
 
     With a pipeline `schedule`, only this rank's stages are kept and `model.chunks` lists them in
@@ -180,5 +180,30 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool
         elif hasattr(m, "attn_dropout"):
             m.rng = tracker
     model.rng_tracker = tracker
+    if compile:  # before recompute, so a fully recomputed block checkpoints the compiled forward
+        apply_compile(model)
     apply_recompute(model, recompute, recompute_layers)
+    if compile:  # checkpoint with our RNG-replay context_fn is not traceable: the selective core runs eagerly
+        for block in model.layers.values():
+            if block.attention.recompute_core is not None:
+                block.attention.recompute_core = torch.compiler.disable(block.attention.recompute_core)
     return model
+
+
+def apply_compile(model: Transformer) -> None:
+    """torch.compile the forward of each of this rank's transformer blocks (names and parameters unchanged).
+
+    comm's collectives are compiler-disabled, so each block compiles into the graphs between its
+    collectives while every collective, its autograd Function and its ledger entry run eagerly.
+    """
+    from . import comm
+
+    comm.compile_barriers()
+    for block in model.layers.values():
+        attn = block.attention
+        if attn.cp_axis is not None and attn.cp_axis.active:
+            # Ring / Ulysses attention: fused kernels between p2p or all-to-all steps. Traced, Dynamo would
+            # fall back at the first collective and then compile each per-step helper (and recompile it per
+            # block shape), so the whole context-parallel core runs eagerly instead.
+            attn.core = torch.compiler.disable(attn.core)
+        block.forward = torch.compile(block.forward)

@@ -30,6 +30,7 @@ from .models.documents import document_ids, document_positions
 from .parallelize import build_model
 from .pipeline.tied_embedding import emb_stages
 from .report import RunLog
+from .tensor_parallel.layers import check_token_ids
 
 IGNORE_INDEX = -100
 
@@ -55,7 +56,8 @@ class Trainer:
             self.schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
         self.act_dtype = torch.bfloat16 if cfg.residual_dtype() == "bf16" else torch.float32
         self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel, self.schedule, p.pp_layers,
-                                 p.cp_order, p.cp_impl, self.act_dtype, p.recompute, p.recompute_layers)
+                                 p.cp_order, p.cp_impl, self.act_dtype, p.recompute, p.recompute_layers,
+                                 p.compile)
         if cfg.init_from_hf:  # before the reducer: ZeRO's flat buffers start from the parameters' values
             from .hf import load_hf_into
 
@@ -97,6 +99,7 @@ class Trainer:
         per = self.global_batch // self.mesh.dims.dp
         dp_rank = self.mesh["dp"].rank
         x, y = self.loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
+        check_token_ids(x, self.model_cfg.vocab_size)  # once per batch, on the host, before the copy to the device
         if self.group_dp > 1:
             g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
             x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
@@ -356,7 +359,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
                 from .checkpoint import save_checkpoint
 
-                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"]}, keep=cfg.keep)
+                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"]}, keep=cfg.keep,
+                                async_save=cfg.async_save)
             if rank0:
                 metrics.write(rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None)
                 if bar is not None:
@@ -367,6 +371,10 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
             bar.close()
         if metrics is not None:
             metrics.close()
+    if cfg.async_save:
+        from .checkpoint import wait_for_save
+
+        wait_for_save(trainer)  # the last checkpoint is published before the run ends
     layout = cfg.parallel.as_dict()
     pipeline = _write_timeline(trainer, out) if trainer.executor is not None else None
     comm_dir = os.path.join(out, "comm")

@@ -10,6 +10,7 @@ def test_gpu_check_dry_run():
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert all(v["passed"] for v in res["verify"]) and len(res["verify"]) == 3
+    assert [v["passed"] for v in res["verify_shared_gpu_gloo"]] == [True]
     assert max(res["ring_blocks_vs_sdpa"]["float32"].values()) < 1e-5
     assert max(res["ring_blocks_vs_sdpa_document_mask"]["float32"].values()) < 1e-5
     assert res["attention_kernels"] == ["flash_cpu"] and res["vocab_ce_rel_diff"] < 1e-6

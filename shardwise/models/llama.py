@@ -62,10 +62,15 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device, positions=Non
 
 
 def apply_rope(x, cos, sin):
-    """x [b, s, heads, hd]; rotate interleaved pairs (Meta's Llama convention) as one complex multiply."""
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
-    rot = torch.complex(cos, sin).unsqueeze(-2)  # [s, 1, hd/2] or, per sequence, [b, s, 1, hd/2]
-    return torch.view_as_real(xc * rot).flatten(-2).type_as(x)
+    """x [b, s, heads, hd]; rotate interleaved pairs (Meta's Llama convention) in fp32.
+
+    Written in real arithmetic (the complex multiply spelled out) because inductor has no code
+    generation for complex tensors: under --compile this fuses into the projections' epilogue.
+    """
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [s, 1, hd/2] or, per sequence, [b, s, 1, hd/2]
+    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):

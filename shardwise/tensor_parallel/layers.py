@@ -220,7 +220,8 @@ class VocabParallelEmbedding(nn.Module):
         self.out_dtype = None  # the residual stream's dtype (bf16 activations), cast before the TP reduction
 
     def forward(self, ids):
-        check_token_ids(ids, self.num_embeddings)
+        if ids.device.type == "cpu":  # free on the host; on an accelerator it would sync every microbatch,
+            check_token_ids(ids, self.num_embeddings)  # so the Trainer checks each batch before the copy
         if not self.axis.active:
             return F.embedding(ids, self.weight).to(self.out_dtype or self.weight.dtype)
         local = ids - self.vocab_start
@@ -231,7 +232,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
-    """A token id outside [0, V) would silently embed as a zero row on every shard: refuse it."""
+    """A token id outside [0, V) would silently embed as a zero row on every shard: refuse it.
+
+    Reads two numbers back: call it on host tensors (the Trainer checks each batch before the copy to
+    the device), never per microbatch on an accelerator.
+    """
     lo, hi = (int(v) for v in torch.aminmax(ids))
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
