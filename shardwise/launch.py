@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -107,7 +108,9 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo"):
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                 device_id=device)
         out = fn(*args) if device is None else fn(*args, device=device)
-        results.put((rank, True, out))
+        # Plain pickle copies tensor bytes into the message: torch's queue reducer would pass a shared-memory
+        # fd that the parent can no longer open once this process has exited (connection reset).
+        results.put((rank, True, pickle.dumps(out)))
         dist.destroy_process_group()
     except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -155,7 +158,7 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
                                     f"{wall_timeout_s:.0f} s")
                 continue
             if ok:
-                out[rank] = payload
+                out[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
                 failed_at = failed_at or time.monotonic()

@@ -24,10 +24,11 @@ ALLOWED = {
         "RNG state bytes for torch.set_rng_state / Generator.set_state, which take CPU byte tensors",
     ("checkpoint.py", "load_global_tensors", "empty"):
         "full-shaped tensors read by one process for conversion/export; no process group involved",
-    ("data.py", "load_tokens", "tensor"):
+    ("data/loader.py", "load_tokens", "tensor"):
         "the corpus on the host; Trainer.forward_backward checks ids and copies each microbatch to mesh.device",
-    ("data.py", "Loader._starts", "arange"): "window indices for host-side batch assembly",
-    ("data.py", "Loader._starts", "randperm"): "window permutation for host-side batch assembly (CPU generator)",
+    ("data/loader.py", "Loader._starts", "from_numpy"): "window starts for host-side batch assembly",
+    ("data/loader.py", "Loader.batch_at", "from_numpy"):
+        "the rank's rows read from the memmap on the host; the Trainer copies each microbatch to mesh.device",
     ("hf_cli.py", "compare", "randint"):
         "host token ids handed to every rank, which copies them to its device before the forward",
     ("mesh.py", "Mesh.build", "arange"): "the rank grid: integer bookkeeping that derives the group lists",

@@ -381,7 +381,7 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
                                 model: str = "shardwise", recompute: str | None = None) -> dict:
     """What one microbatch's forward through this stage's chunks saves for backward, by part:
     {layers, head, embedding, rope, weights, total}. The "shardwise" embedding part is its int64 token ids
-    (under tp: the shifted local ids and the out-of-shard mask), rope the complex tables q and k save per layer."""
+    (under tp: the shifted local ids and the out-of-shard mask), rope the fp32 cos/sin tables of each chunk."""
     per = {moe: layer_activation_bytes(spec, moe, lay, wl, recompute, model) for moe in (False, True)}
     n = lay.mb * wl.seq_len // lay.cp
     out = {"layers": stage.n_dense * per[False] + stage.n_moe * per[True],
@@ -389,9 +389,10 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
            "embedding": 0.0, "rope": 0.0, "weights": 0.0}
     if model == "shardwise":
         out["embedding"] = float((9 * n if lay.tp > 1 else 8 * n) if stage.embedding else 0)
-        # apply_rope builds its complex table per call: q and k of every layer not fully recomputed save one
-        tables = 0 if (recompute or lay.recompute) == "full" else 2 * stage.n_layers
-        out["rope"] = float(4 * (wl.seq_len // lay.cp) * spec.k_dim * tables if not spec.learned_pos else 0)
+        # apply_rope's real arithmetic saves views of the fp32 cos/sin tables each chunk builds (one storage
+        # each, shared by all its layers; under full recompute the checkpoints keep the same tables)
+        chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
+        out["rope"] = float(4 * (wl.seq_len // lay.cp) * spec.k_dim * chunks if not spec.learned_pos else 0)
         out["weights"] = autocast_weight_bytes(spec, stage, lay, wl)
     out["total"] = sum(out.values())
     return out
@@ -413,5 +414,4 @@ def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Wo
     if lay.recompute != "full" or not stage.n_layers:
         return 0.0
     kinds = [moe for moe, n in ((False, stage.n_dense), (True, stage.n_moe)) if n]
-    rope = 2 * 4 * (wl.seq_len // lay.cp) * spec.k_dim if model == "shardwise" and not spec.learned_pos else 0
-    return max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds) + rope
+    return max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
