@@ -87,27 +87,26 @@ def test_hung_rank_exits_within_timeout(jobs):
 
 def test_hang_in_pipeline_p2p_names_the_receive(jobs):
     """Stage 1 hangs: stage 0 is stuck in the p2p batch that receives its gradient, and times out naming it."""
-    r = jobs["pp_p2p_hang"]
-    assert r["code"] == 1, r["err"]
-    assert "rank 1 hung" in r["err"]
-    peers = _peers(r["err"])
-    assert len(peers) == 1, r["err"]
-    rank, op, axis, ranks, why = peers[0]
-    assert (rank, axis, ranks) == (0, "pp", [0, 1]) and "Timed out" in why, r["err"]
+    rank, op, axis, ranks = _one_timed_out_peer(jobs["pp_p2p_hang"])
+    assert (rank, axis, ranks) == (0, "pp", [0, 1])
     assert re.fullmatch(r"recv of \w+ for microbatch \d+, stage \d+", op), op
-    assert r["after_fault"] < BOUND_S, r["after_fault"]
 
 
 def test_hang_in_ring_attention_names_the_ring(jobs):
     """cp rank 1 hangs: rank 0 is stuck passing K/V around the ring, and times out naming it."""
-    r = jobs["ring_hang"]
+    assert _one_timed_out_peer(jobs["ring_hang"]) == (0, "ring attention K/V p2p", "cp", [0, 1])
+
+
+def _one_timed_out_peer(r) -> tuple:
+    """Exit 1, rank 1 named as hung within the bound, and exactly one peer line, a timeout: (rank, op, axis, ranks)."""
     assert r["code"] == 1, r["err"]
     assert "rank 1 hung" in r["err"]
+    assert r["after_fault"] < BOUND_S, r["after_fault"]
     peers = _peers(r["err"])
     assert len(peers) == 1, r["err"]
     rank, op, axis, ranks, why = peers[0]
-    assert (rank, op, axis, ranks) == (0, "ring attention K/V p2p", "cp", [0, 1]) and "Timed out" in why, r["err"]
-    assert r["after_fault"] < BOUND_S, r["after_fault"]
+    assert "Timed out" in why, r["err"]
+    return rank, op, axis, ranks
 
 
 def test_nan_step_skipped_or_aborted(jobs):
