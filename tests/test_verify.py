@@ -62,16 +62,19 @@ def test_label_smoothing_tp2_and_pp2():
     """--label-smoothing reaches the loss on both paths (TP's vocab-parallel CE against the reference's fused
     kernel, and the pipeline executor's loss), and changes it."""
     seed = fresh_seed()
-    base = TrainConfig(steps=2, seq_len=32, micro_batch=2, seed=seed, progress=False, label_smoothing=0.1)
+    base = TrainConfig(steps=2, seq_len=32, micro_batch=2, global_batch=4, seed=seed, progress=False,
+                       label_smoothing=0.1)  # one global batch for all three: their losses see the same tokens
     cfgs = [dataclasses.replace(base, parallel=ParallelConfig(tp=2)),
-            dataclasses.replace(base, parallel=ParallelConfig(pp=2), global_batch=4),
+            dataclasses.replace(base, parallel=ParallelConfig(pp=2)),
             dataclasses.replace(base, parallel=ParallelConfig(tp=2), label_smoothing=0.0)]
     smooth, piped, plain = run_ranks(2, verify_all, cfgs)[0]
     for r in (smooth, piped, plain):
         assert r["passed"] and r["first_step_grad_rel_diff"] < 1e-5, (seed, r)
-    # near-uniform logits at init: ε=0.1 adds ~1e-3 to the loss, 20× verify's loss bound (and exactly 0 if dropped)
-    assert abs(smooth["losses"][0] - plain["losses"][0]) > 2e-4, (seed, smooth["losses"], plain["losses"])
-    assert abs(piped["losses"][0] - plain["losses"][0]) > 2e-4, (seed, piped["losses"], plain["losses"])
+    # At init the logits are near uniform, so ε's term ε·(mean_j −log p_j − CE) can be ~1e-5 (seed 3430670700:
+    # 3.8e-5) — no proof. After one step the model has learnt the byte frequencies and the term is positive and
+    # ≥ 2.5e-3 over 40 seeds. The bound 2e-4 is 20× verify's 1e-5 loss bound, which covers every step.
+    for r in (smooth, piped):
+        assert r["losses"][1] - plain["losses"][1] > 2e-4, (seed, r["losses"], plain["losses"])
 
 
 def _verify_sabotaged(runs):
