@@ -10,7 +10,10 @@ backward, gradient reduction, global grad-norm clipping (1.0) and AdamW.
 The model is wide and shallow so that reducing its gradients is a large part of a step (the share
 is measured: one blocking all-reduce of every gradient, bucketed the same way, against the DDP step).
 
-Every repetition runs each implementation once, in a rotated order, after a barrier; a repetition's
+Every repetition runs each implementation once, after a barrier, in the orders of a balanced Latin
+square (each implementation directly follows each other one equally often over 4 repetitions: a plain
+rotation put shardwise ZeRO-0 right after FSDP2, whose freed memory the next step pays for in page
+faults, in 3 of 4 repetitions, and DDP after shardwise in 3 of 4); a repetition's
 time is the slower rank's; ratios are medians of per-repetition ratios (paired, so both sides of a
 ratio see the same machine noise), as benchmarks/tp_peers.py measures. Last stdout line: one JSON
 object with `medians_s` and `ratios` (shardwise / peer).
@@ -67,7 +70,8 @@ class TorchPeer:
 
     def __init__(self, model, params):
         self.model = model
-        self.opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                     fused=True)  # shardwise's AdamW, so the ratios time the rest of the step
 
     def step(self, x, y) -> float:
         loss = _loss(self.model, x, y, y.numel())
@@ -131,7 +135,8 @@ def rank_main(opts):
     names = list(impls)
     for it in range(opts["warmup"] + opts["reps"]):
         x, y = batches[it % 4][:, :-1], batches[it % 4][:, 1:]
-        order = names[it % len(names):] + names[:it % len(names)]
+        i, n = it % len(names), len(names)
+        order = [names[(i + (j + 1) // 2 * (1 if j % 2 else -1)) % n] for j in range(n)]  # Williams design
         for name in order:
             dist.barrier()
             t0 = time.perf_counter()
@@ -151,7 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--bucket-mb", type=int, default=8, help="gradient bucket size for shardwise and DDP")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="timed repetitions (a multiple of 4 balances the orders)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -293,14 +293,14 @@ def _activation_summary(cfg: TrainConfig, measured: int) -> dict:
 
 def static_storage_bytes(trainer: "Trainer") -> int:
     """Bytes of the distinct storages behind this rank's parameters, gradients, AdamW moments and the
-    reducer's flat buffers (ZeRO), counted once per storage at its full size (padding included). Taken
+    reducer.s flat buffers, counted once per storage at its full size (padding included). Taken
     right after the optimizer step, before gradients are dropped: the static peak. AdamW's per-tensor
     scalar step counters are left out, as the planner leaves them out."""
     opt = trainer.reducer.optimizer
     tensors = list(trainer.model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
     tensors += [p.grad for p in tensors if p.grad is not None]
     tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
-    tensors += [t for b in trainer.reducer.flat for t in vars(b).values() if torch.is_tensor(t)]
+    tensors += [t for b in trainer.reducer.buckets for t in vars(b).values() if torch.is_tensor(t)]
     sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(n for ptr, n in sizes.items() if ptr)
 

@@ -12,8 +12,10 @@ bucket's all-reduce (ZeRO-0) or reduce-scatter (ZeRO ≥ 1) starts asynchronousl
 chunk so every rank issues the same collectives in the same order, and `finish` waits only for what is
 still in flight.
 * ZeRO 0/1 reduce once per step: a bucket is complete when each of its parameters has accumulated all
-  `rounds` (micro-batch) gradients. `.grad`s are views of the bucket's persistent buffer, so backward
-  accumulates straight into the collective's input.
+  `rounds` (micro-batch) gradients. A step starts with no `.grad`s (the buffer is not zeroed); the hook
+  copies a parameter's first gradient into the bucket's persistent buffer and makes `.grad` a view of it,
+  so later micro-batches accumulate straight into the collective's input. A parameter that got no
+  gradient has its slice zeroed at launch.
 * ZeRO 2/3 reduce-scatter every micro-batch: the hook adds the fresh gradient into the bucket's buffer
   (allocated on first use) and drops `.grad`; a complete bucket is reduce-scattered and its buffer
   freed, the result added into the rank's fp32 shard gradient — no full-size gradient persists.
@@ -77,6 +79,16 @@ def cut_buckets(named, bucket_bytes: int):
         yield run
 
 
+def adopt_grad(full: torch.Tensor, p: torch.Tensor, off: int, k: int) -> None:
+    """Make p.grad the view [off, off+k) of `full`: the first gradient of a step arrives as autograd's own
+    fresh tensor and is copied in (cheaper than zeroing the buffer every step and adding into it); later
+    micro-batches then accumulate into the view in place."""
+    view = full[off:off + k]
+    if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+        view.copy_(p.grad.reshape(-1))
+        p.grad = view.view_as(p)
+
+
 class OverlappedReduction:
     """Starts each bucket's collective from backward, in order, and finishes them on demand."""
 
@@ -108,6 +120,8 @@ class OverlappedReduction:
                 b.grad_full = b.new_grad_buffer()
             b.grad_full[off:off + k].add_(p.grad.reshape(-1))
             p.grad = None
+        else:
+            adopt_grad(b.grad_full, p, off, k)
         b.fired += 1
         need = len(b.offsets) * (1 if self.zero >= 2 else self.rounds)
         if b.fired >= need:
@@ -133,10 +147,12 @@ class OverlappedReduction:
         if self.poisoned:
             full.fill_(float("nan"))
         if self.zero < 2:
-            for _, p, off, k in b.offsets:  # someone replaced a view: copy its gradient in, view it again
-                if p.grad is not None and p.grad.data_ptr() != full[off:off + k].data_ptr():
-                    full[off:off + k].copy_(p.grad.reshape(-1))
+            for _, p, off, k in b.offsets:  # a gradient set outside the hooks is copied in; a parameter
+                if p.grad is None:          # that got none this step reduces zeros
+                    full[off:off + k].zero_()
                     p.grad = full[off:off + k].view_as(p)
+                else:
+                    adopt_grad(full, p, off, k)
         else:
             b.grad_full = None  # in flight now; the next micro-batch gets a fresh buffer
         src = full if self.reduce_dtype is None else full.to(self.reduce_dtype)

@@ -26,10 +26,11 @@ from .. import comm
 from ..mesh import Mesh
 from ..pipeline.tied_embedding import reduce_tied_embedding_grads, tied_partial
 from ..tensor_parallel.layers import get_spec
-from .buckets import Bucket, OverlappedReduction, cut_buckets, is_expert, tp_partial
+from .buckets import Bucket, OverlappedReduction, adopt_grad, cut_buckets, is_expert, tp_partial
 from .zero3 import ParamUnits, Unit
 
 BUCKET_BYTES = 25 * 2**20
+NORM_ROW = 1024  # grad norm: short fp32 accumulations, summed in fp64 (see GradReducer._sq_sum)
 
 
 def _unique_params(model):
@@ -71,7 +72,7 @@ class GradReducer:
                 groups.setdefault((is_expert(p), p.ndim >= 2), []).append(p)
             self.optimizer = torch.optim.AdamW(
                 [{"params": ps, "weight_decay": weight_decay if decay else 0.0} for (_, decay), ps in sorted(groups.items())],
-                lr=lr, betas=betas, eps=eps, fused=mesh.device.type == "cuda")
+                lr=lr, betas=betas, eps=eps, fused=True)
             for b in self.buckets:
                 b.grad_full = torch.zeros(b.padded, device=mesh.device, dtype=b.dtype)
         else:
@@ -86,16 +87,18 @@ class GradReducer:
         self.store = getattr(model, "grad_store", None)
         self._deferred_w = {id(p) for m in model.modules() if getattr(m, "grad_store", None) is not None
                             for p in m.parameters(recurse=False)}
-        if overlap or zero >= 2:
-            for b in self.buckets:
-                if not b.deferred:
-                    for _, p, _, _ in b.offsets:
-                        p.register_post_accumulate_grad_hook(self._on_autograd_grad)
-                        p._sw_on_grad = self._on_grad
+        for b in self.buckets:
+            for _, p, _, _ in b.offsets:
+                if (overlap or zero >= 2) and not b.deferred:
+                    p.register_post_accumulate_grad_hook(self._on_autograd_grad)
+                    p._sw_on_grad = self._on_grad
+                elif zero < 2:  # no launch from backward, but no twin of the gradient either
+                    p.register_post_accumulate_grad_hook(self._adopt_grad)
+                    p._sw_on_grad = self._adopt_grad
         earlier = [(p, p.grad) for _, p in self.named if p.grad is not None and zero == 0]
         self.zero_grad()
-        for p, g in earlier:  # keep gradients computed before the reducer existed
-            p.grad.copy_(g)
+        for p, g in earlier:  # keep gradients computed before the reducer existed (launch copies them in)
+            p.grad = g
 
     # ------------------------------------------------------------ layout
     def _make_buckets(self, model, weight_decay: float, bucket_bytes: int) -> list[Bucket]:
@@ -146,8 +149,7 @@ class GradReducer:
             if self.zero >= 3:
                 flat.untyped_storage().resize_(0)
             opt_groups.append({"params": [b.shard], "weight_decay": b.wd})
-        self.optimizer = torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps,
-                                           fused=self.mesh.device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps, fused=True)
 
     def _build_units(self, model) -> None:
         by_unit: dict[int, list[Bucket]] = {}
@@ -176,6 +178,10 @@ class GradReducer:
         if self.store is not None and self.store.capturing and id(p) in self._deferred_w:
             return
         self._on_grad(p)
+
+    def _adopt_grad(self, p: torch.Tensor) -> None:
+        b, off, k = self._bucket_of[id(p)]
+        adopt_grad(b.grad_full, p, off, k)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b, off, k = self._bucket_of[id(p)]
@@ -223,7 +229,7 @@ class GradReducer:
                     (expert if b.expert else dense).add_(self._sq_sum(b.grad_full) / reps.pop())
                     continue
                 for _, p, _, _ in b.offsets:
-                    (expert if b.expert else dense).add_(_grad(p).float().pow(2).sum() / get_spec(p).replicas)
+                    (expert if b.expert else dense).add_(self._sq_sum(_grad(p).reshape(-1)) / get_spec(p).replicas)
         comm.all_reduce(expert, self.mesh["ep"], tag="grad_norm")  # each ep rank holds different experts
         self._scratch = None  # transient: not part of the static footprint
         sq = dense + expert
@@ -232,16 +238,20 @@ class GradReducer:
         return sq
 
     def _sq_sum(self, g: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Σ weight·g² of a flat fp32 buffer, in a scratch reused over the step's buckets: a fresh
-        bucket-sized temporary each costs more (page faults) than the arithmetic; torch's vector_norm
-        is faster but loses ~1e-3 relative on large buffers."""
+        """Σ weight·g² of a flat fp32 buffer.
+        Unweighted: the norms of NORM_ROW-element rows (one read, no temporary), squared and summed in
+        fp64 — on 8M elements 3× faster than g·g summed and more exact (2e-9 against 6e-8 relative); one
+        vector_norm of the whole buffer is as fast but loses 3e-3 to its long fp32 accumulation.
+        Weighted (ZeRO shards, 1/replicas per element): in a scratch reused over the step's buckets — a
+        fresh bucket-sized temporary each costs more (page faults) than the arithmetic."""
+        if weight is None:
+            m = g.numel() // NORM_ROW * NORM_ROW
+            rows = torch.linalg.vector_norm(g[:m].view(-1, NORM_ROW), dim=1).double().square().sum()
+            return (rows + g[m:].double().square().sum()).float()
         if self._scratch is None or self._scratch.numel() < g.numel():
             self._scratch = torch.empty(max(b.per if self.zero else b.padded for b in self.buckets),
                                         device=g.device, dtype=torch.float32)
-        s = torch.mul(g, g, out=self._scratch[:g.numel()])
-        if weight is not None:
-            s.mul_(weight)
-        return s.sum()
+        return torch.mul(g, g, out=self._scratch[:g.numel()]).mul_(weight).sum()
 
     def reduce_and_clip(self, max_norm: float) -> float:
         """Finish the gradients of this step; returns the global grad norm (before clipping)."""
@@ -270,9 +280,10 @@ class GradReducer:
         self.zero_grad()
 
     def zero_grad(self) -> None:
-        """Drop gradients. ZeRO 0/1: every .grad is a zeroed view of its bucket's flat gradient buffer, so
-        backward accumulates straight into the collective's input (no copy, no twin). ZeRO 2/3: no .grad
-        outlives its hook (TP-partial ones wait for the end of the step), the shard gradients are zeroed."""
+        """Drop gradients. ZeRO 0/1: .grads become None and the flat buffers keep their storage; each
+        parameter's first gradient of the next step is copied in and its .grad viewed there (buckets.py),
+        so backward accumulates straight into the collective's input. ZeRO 2/3: no .grad outlives its
+        hook (TP-partial ones wait for the end of the step), the shard gradients are zeroed."""
         self.reduction.wait_all()
         self.reduction.reset()
         self.reduction.poisoned = False
@@ -288,9 +299,8 @@ class GradReducer:
                 for _, p, _, _ in b.offsets:
                     p.grad = None
                 continue
-            b.grad_full.zero_()
-            for _, p, off, k in b.offsets:
-                p.grad = b.grad_full[off:off + k].view_as(p)
+            for _, p, _, _ in b.offsets:
+                p.grad = None
 
     def grad_views(self):
         """(name, reduced gradient values this rank holds, start, end within the flattened local param)."""
