@@ -82,19 +82,23 @@ class TorchPeer:
         return float(loss)
 
 
-def _grad_share(model, bucket_bytes, group) -> float:
-    """Seconds of one blocking all-reduce of every gradient in `bucket_bytes` buckets (no compute)."""
+def _grad_share(model, bucket_bytes, group, reps: int = 5) -> float:
+    """Median seconds of one blocking all-reduce of every gradient in `bucket_bytes` buckets (no compute),
+    on buffers allocated and reduced once beforehand (a first reduction pays the pages' first touch)."""
     sizes, cur = [], 0
     for p in model.parameters():
         cur += p.numel()
         if cur * 4 >= bucket_bytes:
             sizes, cur = sizes + [cur], 0
-    bufs = [torch.zeros(n) for n in sizes + ([cur] if cur else [])]
-    dist.barrier()
-    t0 = time.perf_counter()
-    for b in bufs:
-        dist.all_reduce(b, group=group)
-    return time.perf_counter() - t0
+    bufs = [torch.ones(n) for n in sizes + ([cur] if cur else [])]
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for b in bufs:
+            dist.all_reduce(b, group=group)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def rank_main(opts):
@@ -143,7 +147,7 @@ def rank_main(opts):
             impls[name].step(x, y)
             if it >= opts["warmup"]:
                 times[name].append(time.perf_counter() - t0)
-    share = statistics.median(_grad_share(base, bucket, mesh["dp"].group) for _ in range(5))
+    share = _grad_share(base, bucket, mesh["dp"].group)
     n_params = sum(p.numel() for p in base.parameters())
     return {"times": times, "losses": losses, "allreduce_s": share, "params": n_params}
 
