@@ -169,10 +169,10 @@ def test_permutation_and_blend_are_closed_formulas():
     assert np.array_equal(s2, src[500:700]) and np.array_equal(l2, local[500:700])
 
 
-def _plain_dir(tmp_path, name, seed, spec="byte"):
+def _plain_dir(tmp_path, name, seed, spec="byte", no_eos=False):
     (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(30, seed)))
     out = tmp_path / name
-    prepare_data([str(tmp_path / f"{name}.jsonl")], spec, str(out), progress=False)
+    prepare_data([str(tmp_path / f"{name}.jsonl")], spec, str(out), no_eos=no_eos, progress=False)
     return str(out)
 
 
@@ -189,6 +189,9 @@ def test_blend_of_prepared_dirs(tmp_path):
             assert np.array_equal(streams[j][s:s + 16], row.numpy())
     assert abs(seen[0] - 35) <= 1 and seen[0] + seen[1] == 50
     assert torch.equal(loader.global_batch_at(3)[0], Loader(open_data(f"{a}:7,{b}:3"), 16, 10, 1).global_batch_at(3)[0])
+    c = _plain_dir(tmp_path, "c", 6, no_eos=True)  # packed without separators: its documents would merge
+    with pytest.raises(ConfigError, match=r"different end-of-document ids .*c: none \(--no-eos\).*all with --no-eos"):
+        open_data(f"{a}:0.5,{c}:0.5")
 
 
 def _sft_cfg(data, **par):

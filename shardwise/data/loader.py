@@ -78,6 +78,10 @@ def open_data(spec: str | None, verify: bool = False) -> tuple[list, list[float]
     if len({s.tokenizer_sha256 for s in sources}) > 1:
         raise ConfigError(f"--data {spec!r} blends directories prepared with different tokenizers; "
                           "prepare them all with the same --tokenizer")
+    if len({s.eos_id for s in sources}) > 1:  # one stream's documents would run into each other's
+        ids = ", ".join(f"{s.folder}: {'none (--no-eos)' if s.eos_id is None else s.eos_id}" for s in sources)
+        raise ConfigError(f"--data {spec!r} blends directories with different end-of-document ids ({ids}); "
+                          "prepare them all with --no-eos or all without it")
     return sources, weights
 
 
