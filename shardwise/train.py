@@ -293,8 +293,8 @@ def _activation_summary(cfg: TrainConfig, measured: int) -> dict:
 
 def static_storage_bytes(trainer: "Trainer") -> int:
     """Bytes of the distinct storages behind this rank's parameters, gradients, AdamW moments and the
-    reducer.s flat buffers, counted once per storage at its full size (padding included). Taken
-    right after the optimizer step, before gradients are dropped: the static peak. AdamW's per-tensor
+    reducer's flat buffers (the gradients' home under ZeRO 0/1), counted once per storage at its full
+    size (padding included). Taken right after the optimizer step: the static peak. AdamW's per-tensor
     scalar step counters are left out, as the planner leaves them out."""
     opt = trainer.reducer.optimizer
     tensors = list(trainer.model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
