@@ -296,9 +296,6 @@ class GradReducer:
                 b.shard.grad.zero_()
             if self.zero >= 2:
                 b.grad_full = None
-                for _, p, _, _ in b.offsets:
-                    p.grad = None
-                continue
             for _, p, _, _ in b.offsets:
                 p.grad = None
 
