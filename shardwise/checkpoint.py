@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from . import comm
+from .data.shards import sha256_file
 from .data_parallel import is_expert
 from .pipeline.tied_embedding import is_tied_copy, tied_name
 from .tensor_parallel.layers import get_spec
@@ -301,11 +301,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.cpu().contiguous().numpy().tobytes()).decode()
 
@@ -410,7 +405,7 @@ def _publish(root: str, tmp: str, final: str, step: int, ckpt, rank: int, keep: 
     # small per-rank dicts, so no rank reads the whole checkpoint while the others wait.
     mine = [f for f in os.listdir(tmp) if (m := _OWNER.match(f)) and int(m.group(1)) == rank]
     mine += [f"rank{rank}.json"] + ([META, ".metadata"] if rank0 else [])
-    sums = {f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))} for f in mine}
+    sums = {f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": sha256_file(os.path.join(tmp, f))} for f in mine}
     merged = comm.all_gather_object(sums, ckpt)
     if rank0:
         files = {f: v for part in merged for f, v in part.items()}
@@ -457,7 +452,7 @@ def checkpoint_problems(path: str, rank: int = 0, world: int = 1) -> list[str]:
             out.append(f"{name} is missing")
         elif os.path.getsize(full) != files[name]["bytes"]:
             out.append(f"{name} has {os.path.getsize(full)} bytes, manifest says {files[name]['bytes']} (truncated?)")
-        elif _sha256(full) != files[name]["sha256"]:
+        elif sha256_file(full) != files[name]["sha256"]:
             out.append(f"{name} fails its sha256 checksum")
     return out
 

@@ -9,12 +9,12 @@ run started from, tokenizer included, is recorded in the run's config.json.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 
 import torch
 
 from .config import ConfigError, ModelConfig
+from .data.tokenizer import load_tokenizer
 from .hf import _Files, _source
 from .hf_config import _FIELDS, config_from_hf
 
@@ -46,11 +46,6 @@ def init_model_config(path: str, model, overrides: dict) -> ModelConfig:
     return cfg
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def init_record(path: str) -> dict:
     """What a fine-tune started from (config.json's `init_from_hf`): the directory, its weight files and its
     tokenizer (tokenizer.json through the `tokenizers` library: vocabulary size and sha256), if it has one."""
@@ -62,13 +57,11 @@ def init_record(path: str) -> dict:
               "tokenizer": None}
     tok = os.path.join(path, "tokenizer.json")
     if os.path.isfile(tok):
-        from tokenizers import Tokenizer
-
         try:
-            n = Tokenizer.from_file(tok).get_vocab_size(with_added_tokens=True)
-        except Exception as e:  # the tokenizers library raises its own exception types
-            raise ConfigError(f"--init-from-hf {tok}: not a readable tokenizer ({e})") from None
-        record["tokenizer"] = {"file": tok, "vocab_size": n, "sha256": _sha256(tok)}
+            t = load_tokenizer(tok, no_eos=True)
+        except ConfigError as e:
+            raise ConfigError(f"--init-from-hf {path}: {e}") from None
+        record["tokenizer"] = {"file": tok, "vocab_size": t.vocab_size, "sha256": t.sha256}
     return record
 
 

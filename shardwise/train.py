@@ -21,7 +21,7 @@ from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .comm import Ledger
 from .config import TrainConfig
 from .context_parallel.sharding import shard_sequence
-from .data import Loader, open_data
+from .data import IGNORE_INDEX, Loader, open_data
 from .data_parallel import GradReducer
 from .expert_parallel.moe import MoE
 from .hf_init import init_record
@@ -32,7 +32,6 @@ from .pipeline.tied_embedding import emb_stages
 from .report import RunLog
 from .tensor_parallel.layers import check_token_ids
 
-IGNORE_INDEX = -100
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -122,11 +122,17 @@ def test_explain_takes_train_flags(capsys):
     again = _plan(capsys, base + ["--explain", row["command"]])
     for key in ("layout", "static_bytes_per_rank", "activation_bytes_per_rank", "step_time_s", "command"):
         assert again[key] == row[key], key
+    longer = _plan(capsys, base + ["--explain=--dp 2 --tp 2 --pp 2 --seq-len=256"])  # the = form counts too
+    assert longer["activation_bytes_per_rank"] > est["activation_bytes_per_rank"]
     for flags, why in (("--tp 2 --bogus 1", "unrecognized arguments: --bogus 1"),
                        ("--pp 2 --pp-scatter-gather", "--pp-scatter-gather is not modelled"),
                        ("--pp 2 --pp-layers 3,5", "--pp-layers 3,5 is not the planner's balanced split 4,4"),
-                       ("--model small --tp 2", "model 'small' is not the plan's 'tiny'")):
-        assert cli.main(base + ["--explain", flags]) == 2
+                       ("--model small --tp 2", "model 'small' is not the plan's 'tiny'"),
+                       ("--model=small --tp 2", "model 'small' is not the plan's 'tiny'"),
+                       ("--tp 0 --pp 2", "--tp 0 must be a positive integer"),
+                       ("--dp 0", "--dp 0 must be a positive integer (or -1)"),
+                       ("--micro-batch 0", "--micro-batch 0 must be a positive integer")):
+        assert cli.main(base + [f"--explain={flags}"]) == 2  # argparse would read "--model=…" as plan's flag
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0], err
 

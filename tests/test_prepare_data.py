@@ -324,3 +324,21 @@ def test_train_on_prepared_bpe_data_and_resume(tmp_path, capsys):
     full, resumed = ([json.loads(x)["loss"] for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
                      for r in ("full", "resumed"))
     assert len(full) == 4 and full[2:] == resumed
+
+
+def test_all_prompt_batch_and_raw_jsonl_are_refused(tmp_path):
+    """A global batch whose every target is a masked prompt token would divide the loss by 0 (a NaN step
+    blamed on the model); a .jsonl / .parquet file given to --data would train on its raw bytes."""
+    class AllPrompt:  # a prepared source whose loss mask is all zeros
+        n_tokens, masked, eos_id = 1000, True, EOS
+
+        def read(self, starts, length, mask=False):
+            return np.zeros((len(starts), length), dtype=np.uint8 if mask else np.int64)
+
+    loader = Loader(([AllPrompt()], [1.0]), 16, 4, seed=0)
+    with pytest.raises(ConfigError, match=r"step 2: no target of the global batch's 4 windows counts"):
+        loader.count_targets(2)
+    raw = tmp_path / "docs.jsonl"
+    raw.write_text(json.dumps({"text": "hello"}) + "\n")
+    with pytest.raises(ConfigError, match=r"read as plain UTF-8 text; run `shardwise prepare-data"):
+        open_data(str(raw))

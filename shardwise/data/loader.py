@@ -37,6 +37,9 @@ def load_tokens(path: str | None) -> torch.Tensor:
     else:
         if not os.path.isfile(path):
             raise ConfigError(f"--data {path!r}: no such file")
+        if path.endswith((".jsonl", ".jsonl.gz", ".parquet")):  # read raw, their bytes would train as text
+            raise ConfigError(f"--data {path!r}: a file is read as plain UTF-8 text; run `shardwise prepare-data "
+                              f"{path} --out DIR` and train with --data DIR")
         with open(path, "rb") as f:
             raw = f.read()
         if not raw.strip():
@@ -153,7 +156,6 @@ class Loader:
                 raise ConfigError(f"corpus{where} has {s.n_tokens} tokens, fewer than --seq-len {seq_len} + 2")
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.n_windows_per_source = [(s.n_tokens - 1) // seq_len for s in self.sources]
-        self.n_windows = self.n_windows_per_source[0]
         self.eos_id = self.sources[0].eos_id  # document boundaries (None: prepared with --no-eos)
         self.theta = _splitmix(seed & _M64) / 2.0 ** 64
 
@@ -206,4 +208,8 @@ class Loader:
                 n += int(s.read(starts[sel].tolist(), self.seq_len + 1, mask=True)[:, 1:].sum(dtype=np.int64))
             else:
                 n += len(sel) * self.seq_len
+        if n == 0:  # the loss would be 0/0: a NaN step blamed on the model
+            raise ConfigError(f"step {step}: no target of the global batch's {self.global_batch} windows counts "
+                              "toward the loss (every one is a masked prompt token); raise --global-batch or "
+                              "--seq-len, or prepare the data without prompts this long")
         return n

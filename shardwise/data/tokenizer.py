@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from ..config import ConfigError
+from .shards import sha256_file
 
 EOS = 256
 VOCAB_SIZE = 257
@@ -27,11 +28,6 @@ def encode(text: str) -> list[int]:
 
 def decode(ids) -> str:
     return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-def _sha256_file(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class ByteTokenizer:
@@ -58,7 +54,7 @@ class HFTokenizer:
         except Exception as e:  # the Rust side raises plain Exceptions for unparsable files
             raise ConfigError(f"--tokenizer {source!r}: {json_path} is not a readable tokenizer.json "
                               f"({str(e).splitlines()[0][:120]})") from None
-        self.sha256 = _sha256_file(json_path)
+        self.sha256 = sha256_file(json_path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = None if no_eos else self._find_eos(source)
 

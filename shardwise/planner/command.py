@@ -109,10 +109,13 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
     if unmodelled:
         raise PlanError(f"--explain: {unmodelled[0]} is not modelled by the planner (it plans the preset's model, "
                         "full pipeline sends and balanced stage splits)")
-    given_model = args.model_config or (args.model if "--model" in tokens else None)
+    given_model = args.model_config or args.model  # train's --model defaults to None (tiny)
     if given_model is not None and given_model != model:
         raise PlanError(f"--explain: the command's model {given_model!r} is not the plan's {model!r}")
-    deg = {a: getattr(args, a) or 1 for a in ("tp", "pp", "cp", "ep")}
+    deg = {a: 1 if getattr(args, a) is None else getattr(args, a) for a in ("tp", "pp", "cp", "ep")}
+    for name, v in [*deg.items(), ("dp", args.dp), ("micro-batch", args.micro_batch)]:
+        if v is not None and v < 1 and not (name == "dp" and v == -1):
+            raise PlanError(f"--explain: --{name} {v} must be a positive integer" + (" (or -1)" if name == "dp" else ""))
     inner = deg["tp"] * deg["pp"] * deg["cp"]
     dp = args.dp
     if dp is None or dp == -1:
@@ -135,6 +138,7 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
                         f"{','.join(map(str, balanced_counts(n_layers, pp * vp)))}")
     lay = Layout(dp=dp, **deg, vp=vp, schedule=schedule, mb=args.micro_batch, m=m, zero=args.zero,
                  recompute=args.recompute, sp=bool(args.sequence_parallel), cp_impl=args.cp_impl)
-    wl = dict(seq_len=args.seq_len if "--seq-len" in tokens else None, precision=args.dtype,
+    seq_given = any(t == "--seq-len" or t.startswith("--seq-len=") for t in tokens)
+    wl = dict(seq_len=args.seq_len if seq_given else None, precision=args.dtype,
               fp32_residual=bool(args.fp32_residual), grad_reduce=args.grad_reduce_dtype)
     return lay, {k: v for k, v in wl.items() if v is not None}
