@@ -272,11 +272,12 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def _dcp(fn, mesh=None, **kw) -> None:
-    """dcp.save / dcp.load, in one process (no process group) unless the mesh spans several ranks."""
+def _dcp(fn, mesh=None, **kw):
+    """dcp.save / dcp.load / dcp.async_save, in one process (no process group) unless the mesh spans
+    several ranks; returns what `fn` returns (async_save: its future)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn({}, no_dist=mesh is None or not mesh["world"].active, **kw)
+        return fn({}, no_dist=mesh is None or not mesh["world"].active, **kw)
 
 
 # ---------------------------------------------------------------- files
@@ -332,10 +333,8 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
     # Stage: compact host copies of this rank's boxes, so training may overwrite the live tensors.
     staged = {k: (size, [(off, t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True))
                          for off, t in boxes]) for k, (size, boxes) in entries.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        future = dcp.async_save({}, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(staged),
-                                process_group=ckpt.group, no_dist=not mesh["world"].active)
+    future = _dcp(dcp.async_save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(staged),
+                  process_group=ckpt.group)
     # The publish's gathers run on the checkpoint group off the main thread: keep them out of the
     # ledger, whose per-step counts belong to the training loop.
     quiet = dataclasses.replace(ckpt, ledger=None)

@@ -93,6 +93,12 @@ def wait(work, axis, op: str) -> None:
         _guarded(axis, op, work.wait)
 
 
+def wait_all(works, axis, op: str) -> None:
+    """`wait` on each handle of a p2p batch, in order."""
+    for work in works:
+        wait(work, axis, op)
+
+
 class Ledger:
     """Bytes and op counts per (axis, op), per step. Cheap: one dict update per collective."""
 

@@ -365,9 +365,10 @@ class TrainConfig:
 
     def validate(self, world: int) -> None:
         p = self.parallel
+        m = self.model_config()  # reads an HF config.json / the data manifest: once
         if self.async_save and not self.save_every:
             raise ConfigError("--async-save needs --save-every N (it changes how checkpoints are written)")
-        self._validate_recompute(p, self.model_config())
+        self._validate_recompute(p, m)
         self._validate_compile(p)
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {p.zero} is not supported; valid: 0, 1, 2 or 3")
@@ -376,7 +377,6 @@ class TrainConfig:
                               "use --zero 0, or --dp/--cp > 1")
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("--sequence-parallel needs --tp > 1 (it shards the TP regions' sequence)")
-        m = self.model_config()
         if m.n_heads % p.tp:
             raise ConfigError(f"--tp {p.tp} does not divide n_heads={m.n_heads} of model {m.name!r}")
         if m.n_kv_heads >= p.tp and m.n_kv_heads % p.tp:

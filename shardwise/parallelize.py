@@ -162,7 +162,8 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool
     model.chunks = None
     if schedule is not None:
         from .pipeline.grad_store import WeightGradStore
-        from .pipeline.stage import prune_to_stages, split_layers
+        from .partition import split_layers
+        from .pipeline.stage import prune_to_stages
         from .pipeline.tied_embedding import mark_tied_copies
 
         stage_layers = split_layers(cfg.n_layers, schedule.num_stages, pp_layers)

@@ -61,8 +61,8 @@ def _restore_moe_books(m: MoE, books: tuple) -> None:
 
 
 def _checkpointed(fn, replay: _Replay):
-    def run(*args, **kwargs):
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=replay, preserve_rng_state=True, **kwargs)
+    def run(*args):
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=replay, preserve_rng_state=True)
     return run
 
 

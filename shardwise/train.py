@@ -366,22 +366,21 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                     bar.update(1)
                     bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}")
     finally:
+        hook.remove()
         if bar is not None:
             bar.close()
         if metrics is not None:
             metrics.close()
-    if cfg.async_save:
-        from .checkpoint import wait_for_save
+    from .checkpoint import wait_for_save
 
-        wait_for_save(trainer)  # the last checkpoint is published before the run ends
+    wait_for_save(trainer)  # an async save's last checkpoint is published before the run ends
     layout = cfg.parallel.as_dict()
     pipeline = _write_timeline(trainer, out) if trainer.executor is not None else None
     comm_dir = os.path.join(out, "comm")
     if rank0:
         os.makedirs(comm_dir, exist_ok=True)
-    hook.remove()
-    act_peak = max(comm.all_gather_object(act_peak, mesh["ckpt"]))
-    static_peak = max(comm.all_gather_object(static_peak[0] if static_peak else 0, mesh["ckpt"]))
+    peaks = comm.all_gather_object((act_peak, static_peak[0] if static_peak else 0), mesh["ckpt"])
+    act_peak, static_peak = (max(col) for col in zip(*peaks))
     comm.barrier(mesh["world"])
     with open(os.path.join(comm_dir, f"rank{mesh.rank}.json"), "w") as f:
         f.write(mesh.ledger.to_json(mesh.rank, layout))

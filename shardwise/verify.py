@@ -62,18 +62,21 @@ def _reference(cfg: TrainConfig, device, tokens=None) -> Trainer:
     return ref
 
 
-def _grad_views(trainer):
-    """(name, spec, reduced gradient values this rank holds, lo, hi within its flattened local parameter)."""
+def _views(trainer, views):
+    """(name, spec, values, lo, hi within the flattened local parameter) of a reducer's views."""
     local = dict(trainer.model.named_parameters())
-    for name, vals, lo, hi in trainer.reducer.grad_views():
+    for name, vals, lo, hi in views:
         yield name, get_spec(local[name]), vals, lo, hi
+
+
+def _grad_views(trainer):
+    """The reduced gradient values this rank holds."""
+    return _views(trainer, trainer.reducer.grad_views())
 
 
 def _param_views(trainer):
-    """(name, spec, parameter values this rank holds, lo, hi): whole parameters, or ZeRO-3 shards."""
-    local = dict(trainer.model.named_parameters())
-    for name, vals, lo, hi in trainer.reducer.param_views():
-        yield name, get_spec(local[name]), vals, lo, hi
+    """The parameter values this rank holds: whole parameters, or ZeRO-3 shards."""
+    return _views(trainer, trainer.reducer.param_views())
 
 
 def _against(views, ref: dict[str, torch.Tensor]):

@@ -191,12 +191,6 @@ def _pass_on(send: tuple, recv: tuple, axis) -> list:
     return comm.p2p([("send", t, axis, nxt) for t in send] + [("recv", t, axis, prv) for t in recv])
 
 
-def _wait(works: list, axis, what: str) -> None:
-    """Wait as comm.wait does, so a peer that died or hung is reported naming the op, the axis and its ranks."""
-    for w in works:
-        comm.wait(w, axis, what)
-
-
 # ---------------------------------------------------------------- the autograd Function
 class _RingAttention(torch.autograd.Function):
     """forward: K/V ring over cp, LSE-merged block attention /
@@ -219,7 +213,7 @@ class _RingAttention(torch.autograd.Function):
                 o_blk, l_blk = block_forward(_rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks),
                                              is_causal, scale, backend, make_mask and make_mask())
                 _merge(out, lse, qs, o_blk, l_blk)
-            _wait(works, axis, "ring attention K/V p2p")
+            comm.wait_all(works, axis, "ring attention K/V p2p")
             cur = nxt if nxt is not None else cur
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -255,15 +249,15 @@ class _RingAttention(torch.autograd.Function):
             if step == 0:
                 own = (dk, dv)
             else:  # add to the accumulator of this block (from the previous rank) and hand it on
-                _wait(acc_works, axis, "ring attention dK/dV p2p")
+                comm.wait_all(acc_works, axis, "ring attention dK/dV p2p")
                 if acc_in is not None:
                     dk.add_(acc_in[0])
                     dv.add_(acc_in[1])
                 acc_in, acc_out = (torch.empty_like(k), torch.empty_like(v)), (dk.to(k.dtype), dv.to(v.dtype))
                 acc_works = _pass_on(acc_out, acc_in, axis)
-            _wait(kv_works, axis, "ring attention K/V p2p")
+            comm.wait_all(kv_works, axis, "ring attention K/V p2p")
             cur = nxt if nxt is not None else cur
-        _wait(acc_works, axis, "ring attention dK/dV p2p")
+        comm.wait_all(acc_works, axis, "ring attention dK/dV p2p")
         dk, dv = own
         if acc_in is not None:  # after c − 1 hops the accumulator of this rank's own K/V is back
             dk.add_(acc_in[0])

@@ -24,7 +24,7 @@ import torch
 
 from .. import comm
 from ..mesh import Mesh
-from ..pipeline.tied_embedding import reduce_tied_embedding_grads, tied_partial
+from ..pipeline.tied_embedding import tied_partial
 from ..tensor_parallel.layers import get_spec
 from .buckets import Bucket, OverlappedReduction, adopt_grad, cut_buckets, is_expert, tp_partial
 from .zero3 import ParamUnits, Unit
@@ -213,6 +213,14 @@ class GradReducer:
             comm.all_reduce(buf, self.tp)
             _unflatten_into(buf[slot], kv)
 
+    def _reduce_tied(self):
+        """Sum a tied embedding's two pipeline copies' gradients over the emb group (ledger axis "emb")."""
+        axis = self.mesh["emb"]
+        if axis.active:
+            for _, p in self.named:
+                if getattr(p, "_sw_tied", None) is not None:
+                    comm.all_reduce(_grad(p), axis)
+
     # ------------------------------------------------------------ step 3: norm and clip
     def _grad_norm_sq(self) -> torch.Tensor:
         dense = torch.zeros(1, device=self.mesh.device)
@@ -258,7 +266,7 @@ class GradReducer:
         if self.units is not None:
             self.units.free_all()
         self._reduce_tp()
-        reduce_tied_embedding_grads(self.named, self.mesh)  # before dp×cp: ZeRO shards differ per stage
+        self._reduce_tied()  # before dp×cp: ZeRO shards differ per stage
         self.reduction.finish()
         norm = float(self._grad_norm_sq().sqrt())
         if max_norm > 0 and math.isfinite(norm) and norm > max_norm:

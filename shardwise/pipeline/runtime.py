@@ -104,8 +104,7 @@ class PipelineExecutor:
 
     def _wait(self, batch: _Batch, what: str) -> None:
         if not batch.done:
-            for work in batch.works:
-                comm.wait(work, self.pp, what)
+            comm.wait_all(batch.works, self.pp, what)
             batch.done = True
 
     def _take(self, src_in: tuple[int, tuple], received: torch.Tensor | None) -> torch.Tensor:

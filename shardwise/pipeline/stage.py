@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from ..models.llama import Transformer
-from ..partition import split_layers  # noqa: F401  (re-exported: parallelize's import)
 
 
 class StageChunk(nn.Module):

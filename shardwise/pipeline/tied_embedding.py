@@ -3,9 +3,9 @@
 The embedding lives on the first stage and the LM head on the last, usually on different pipeline
 ranks. Each of those ranks holds its own copy of the shared [vocab, dim] matrix (its TP shard):
 * both copies are drawn from the embedding's name, so they start bitwise equal;
-* after the last backward, their gradients are summed over the two-rank "emb" group (first and
-  last stage, same dp/cp/tp coordinates; `mesh._emb_axis`), so both hold the tied gradient and the
-  identical AdamW updates keep them equal. This runs before the dp×cp reduction because ZeRO
+* after the last backward, GradReducer._reduce_tied sums their gradients over the two-rank "emb"
+  group (first and last stage, same dp/cp/tp coordinates; `mesh._emb_axis`), so both hold the tied
+  gradient and the identical AdamW updates keep them equal. This runs before the dp×cp reduction because ZeRO
   shards of the two stages' flat buffers do not line up; sums commute, so the result is the same;
 * each copy counts half in the global grad norm (its ShardSpec's `replicas` doubles), so the
   matrix is counted once;
@@ -19,7 +19,6 @@ import dataclasses
 
 import torch
 
-from .. import comm
 from ..tensor_parallel.layers import get_spec, set_spec
 from .schedules import layout_for
 
@@ -71,15 +70,3 @@ def tied_partial(p: torch.Tensor, mesh) -> bool:
     """True when `p`'s gradient is partial until summed over the emb group (its dp×cp reduction must wait)."""
     return getattr(p, "_sw_tied", None) is not None and mesh["emb"].active
 
-
-def reduce_tied_embedding_grads(named, mesh) -> None:
-    """Sum the shared matrix's gradient over the emb group (in place; ledger axis "emb"). Call once per
-    step, after the last microbatch's backward and before the dp×cp reduction."""
-    axis = mesh["emb"]
-    if not axis.active:
-        return
-    for _, p in named:
-        if getattr(p, "_sw_tied", None) is not None:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, axis)

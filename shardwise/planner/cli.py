@@ -22,7 +22,7 @@ from shardwise.planner.models import PRESETS, get_model, load_hf_config
 from shardwise.planner.search import SearchSpace, candidates, search
 
 GB = 1e9
-TABLE_AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp")
+TABLE_AXES = ("tp", "cp", "pp", "emb", "dp_cp", "ep", "edp")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
