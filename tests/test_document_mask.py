@@ -206,3 +206,25 @@ def test_verify_every_axis_with_document_mask():
     for name, r in zip(LAYOUTS, results):
         assert r["passed"], (name, seed, r)
         assert r["max_loss_abs_diff"] < 1e-5 and r["first_step_grad_rel_diff"] < 1e-5, (name, seed, r)
+
+
+def test_document_plan_is_computed_once_per_doc_ids(monkeypatch):
+    """Every layer's ring call (forward and backward) of one microbatch reuses one plan: the plan costs a
+    host sync. A new doc_ids tensor, even with equal values, gets its own; the cache stays bounded."""
+    import importlib
+
+    ra = importlib.import_module("shardwise.context_parallel.ring_attention")  # the package exports the function
+
+    calls = []
+    real = ra._document_plan
+    monkeypatch.setattr(ra, "_document_plan", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(ra, "_PLANS", {})
+    doc = torch.tensor([[0] * 5 + [1] * 11])
+    first = document_plan(0, 2, "balanced", True, 8, doc)
+    assert document_plan(0, 2, "balanced", True, 8, doc) is first and len(calls) == 1
+    document_plan(1, 2, "balanced", True, 8, doc)  # another rank's layout: its own plan
+    again = document_plan(0, 2, "balanced", True, 8, doc.clone())
+    assert len(calls) == 3 and again is not first
+    for _ in range(100):
+        document_plan(0, 2, "balanced", True, 8, doc.clone())
+    assert len(ra._PLANS) <= ra._MAX_PLANS

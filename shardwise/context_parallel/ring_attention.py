@@ -28,7 +28,8 @@ pair the causal plan keeps gets its own mask (same document, and causal by globa
 pair in which no query sees a key of its own document is skipped like a causally masked one, a
 pair inside one document keeps the plain path, and the rest pass an explicit mask. The decisions
 come from per-row document ranges (documents are contiguous, so two token sets share one iff the
-ranges touch) in one host sync per call; masks are rebuilt in backward rather than kept.
+ranges touch) in one host sync per microbatch: every layer's forward and backward (and a recomputation)
+reuse the plan of the same `doc_ids`; masks are rebuilt per pair when it runs rather than kept.
 
 Attention primitive (`block_forward` / `block_backward`): the fused LSE kernel `kernels.choose_kernel`
 picks (flash on CPU, flash or memory-efficient on CUDA), else fp32 math with an explicit causal
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 
@@ -121,15 +123,38 @@ def block_plan(q_rank: int, kv_rank: int, cp_size: int, order: str, causal: bool
     return [(_span(qi, length), _span(list(seen), length), False) for seen, qi in groups.items()]
 
 
+_PLANS: dict[tuple, tuple] = {}  # (id(doc_ids), its version, layout args) -> (weakref to doc_ids, plan)
+_MAX_PLANS = 64  # more than the microbatches a pipeline rank holds in flight
+
+
 def document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local: int,
                   doc_ids: torch.Tensor | None) -> list[list[tuple]]:
+    """`_document_plan`, computed once per `doc_ids` tensor: every layer of a microbatch (forward,
+    backward, recomputation) attends over the same documents, and the plan costs a host sync."""
+    if doc_ids is None:
+        return _document_plan(q_rank, cp_size, order, causal, s_local, None)
+    key = (id(doc_ids), doc_ids._version, q_rank, cp_size, order, causal, s_local)
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0]() is doc_ids:
+        return hit[1]
+    plan = _document_plan(q_rank, cp_size, order, causal, s_local, doc_ids)
+    for k in [k for k, (ref, _) in _PLANS.items() if ref() is None]:  # microbatches already gone
+        del _PLANS[k]
+    while len(_PLANS) >= _MAX_PLANS:  # the masks' closures hold views of doc_ids, which keep it alive
+        del _PLANS[next(iter(_PLANS))]
+    _PLANS[key] = (weakref.ref(doc_ids), plan)
+    return plan
+
+
+def _document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local: int,
+                   doc_ids: torch.Tensor | None) -> list[list[tuple]]:
     """For every ring step, the block pairs to compute: (q slice, kv slice, is_causal, make_mask or None).
 
     Without `doc_ids` this is `block_plan` with no masks. With them ([b, s] global document ids,
     non-decreasing along the window), a pair is skipped when no query row shares a document with
     the keys, runs unmasked when every row of both sides lies in one document, else gets
     `make_mask()` → `document_mask` (same document, key position ≤ query position), built only when
-    the pair runs: all of a call's masks at once would be b·s_local·s booleans. One host sync per call.
+    the pair runs: all of a call's masks at once would be b·s_local·s booleans. One host sync.
     """
     plans = [block_plan(q_rank, (q_rank - step) % cp_size, cp_size, order, causal, s_local)
              for step in range(cp_size)]
