@@ -245,7 +245,8 @@ def main(argv=None) -> int:
                 from .hf_init import check_init_from_hf
 
                 data_vocab = max(int(s.tokens.max()) + 1 if hasattr(s, "tokens") else s.vocab_size for s in sources)
-                check_init_from_hf(cfg.init_from_hf, cfg.model_config(), data_vocab)
+                check_init_from_hf(cfg.init_from_hf, cfg.model_config(), data_vocab,
+                                   getattr(sources[0], "tokenizer_sha256", None))
             if (cfg.attention_mask == "document" or cfg.reset_positions) and cfg.eos_id is None \
                     and sources[0].eos_id is None:
                 raise ConfigError(f"--attention-mask {cfg.attention_mask} / --reset-positions find documents by their "

@@ -14,7 +14,7 @@ import os
 import torch
 
 from .config import ConfigError, ModelConfig
-from .data.tokenizer import load_tokenizer
+from .data.tokenizer import ByteTokenizer, load_tokenizer
 from .hf import _Files, _source
 from .hf_config import _FIELDS, config_from_hf
 
@@ -65,10 +65,12 @@ def init_record(path: str) -> dict:
     return record
 
 
-def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int) -> dict:
+def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokenizer_sha256: str | None = None) -> dict:
     """Before any rank starts: the weights match config.json (shapes from the safetensors headers only),
-    and the tokenizer's ids and the training data's ids (`data_vocab` = largest id + 1) fit the model's
-    vocabulary. ConfigError otherwise; returns `init_record(path)`."""
+    the tokenizer's ids and the training data's ids (`data_vocab` = largest id + 1) fit the model's
+    vocabulary, and data prepared with a tokenizer.json used the checkpoint's (ids of another tokenizer
+    fit the vocabulary and silently mean other tokens; byte-level data is allowed). ConfigError
+    otherwise; returns `init_record(path)`."""
     from .models.llama import Transformer
 
     record = init_record(path)
@@ -87,6 +89,10 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int) -> dict:
     if tok is not None and tok["vocab_size"] > cfg.vocab_size:
         raise ConfigError(f"--init-from-hf {tok['file']}: the tokenizer has {tok['vocab_size']} ids, more than the "
                           f"model's vocab_size={cfg.vocab_size}")
+    if tok is not None and data_tokenizer_sha256 not in (None, ByteTokenizer.sha256, tok["sha256"]):
+        raise ConfigError(f"--data was prepared with a tokenizer whose sha256 is {data_tokenizer_sha256[:12]}…, not "
+                          f"--init-from-hf {tok['file']} ({tok['sha256'][:12]}…); prepare it with "
+                          f"--tokenizer {path}")
     if data_vocab > cfg.vocab_size:
         raise ConfigError(f"--data: token ids up to {data_vocab - 1} exceed the vocab_size={cfg.vocab_size} of "
                           f"--init-from-hf {path}; tokenize the data with the model's tokenizer")

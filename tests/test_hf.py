@@ -528,3 +528,13 @@ def test_init_from_hf_tokenizer_and_data_vocab_checked(ft_models, models, tmp_pa
     cfg = TrainConfig(model=None, init_from_hf=ft_models["llama"], model_overrides={"n_layers": 3})
     with pytest.raises(ConfigError, match="--n-layers 3 contradicts .* n_layers=4"):
         cfg.model_config()
+    # data tokenized by another tokenizer.json: its 250 ids fit the vocabulary and would mean other tokens
+    from shardwise.data.prepare import prepare_data
+
+    other = _tokenizer(str(tmp_path), 250)
+    (tmp_path / "docs.jsonl").write_text('{"text": "t1"}\n' * 40)  # a WordLevel word per document
+    prepare_data([str(tmp_path / "docs.jsonl")], os.path.join(other, "tokenizer.json"), str(tmp_path / "data"),
+                 no_eos=True, progress=False)
+    assert main(["train", "--init-from-hf", ft_models["llama"], "--data", str(tmp_path / "data"), "--seq-len", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--data was prepared with a tokenizer whose sha256 is" in err and len(err.splitlines()) == 1, err
