@@ -12,6 +12,7 @@ import os
 import sys
 
 from .config import ConfigError, ParallelConfig, TrainConfig
+from .run import assemble, check_sources, read_model_config
 
 DEFAULT_LAYOUT = {"dp": 2, "tp": 2}  # `shardwise train` with no layout flags: a small 4-rank job
 MAX_LOCAL_RANKS = 64
@@ -149,9 +150,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
         args.global_batch = args.microbatches * args.micro_batch * dp
     model = args.model if args.model is not None or args.init_from_hf else "tiny"
     if args.model_config:
-        from .hf_config import config_from_hf
-
-        model = config_from_hf(args.model_config)
+        model = read_model_config(args.model_config)
     cfg = TrainConfig(model=model, init_from_hf=args.init_from_hf, parallel=parallel, steps=args.steps, seq_len=args.seq_len,
                       micro_batch=args.micro_batch, global_batch=args.global_batch, lr=args.lr, seed=args.seed,
                       dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,
@@ -168,8 +167,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps
     cfg.warmup_steps = min(cfg.warmup_steps, max(1, cfg.steps // 10))
-    cfg.resolve_world(torchrun_world)
-    return cfg
+    return assemble(cfg, torchrun_world)
 
 
 def _run(kind: str, cfg: TrainConfig, device=None):
@@ -236,21 +234,7 @@ def main(argv=None) -> int:
                                       "or --checkpoint-dir DIR")
             else:
                 cfg.out = default_out_dir()
-        if cfg.data is not None or cfg.init_from_hf:  # once, before any rank: manifests, shard checksums, size
-            from .data import Loader, open_data
-
-            sources, weights = open_data(cfg.data, verify=True)
-            Loader((sources, weights), cfg.seq_len, 1, cfg.seed)
-            if cfg.init_from_hf:  # weights, tokenizer and data ids against the checkpoint's shapes
-                from .hf_init import check_init_from_hf
-
-                data_vocab = max(int(s.tokens.max()) + 1 if hasattr(s, "tokens") else s.vocab_size for s in sources)
-                check_init_from_hf(cfg.init_from_hf, cfg.model_config(), data_vocab,
-                                   getattr(sources[0], "tokenizer_sha256", None))
-            if (cfg.attention_mask == "document" or cfg.reset_positions) and cfg.eos_id is None \
-                    and sources[0].eos_id is None:
-                raise ConfigError(f"--attention-mask {cfg.attention_mask} / --reset-positions find documents by their "
-                                  f"EOS, but --data {cfg.data!r} was prepared with --no-eos; prepare it with EOS ids")
+        check_sources(cfg)  # once, before any rank: manifests, shard checksums, --init-from-hf
         world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
         import torch
 

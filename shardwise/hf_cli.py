@@ -19,6 +19,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .config import ConfigError, ParallelConfig, TrainConfig
+from .run import assemble
 
 if TYPE_CHECKING:
     import torch
@@ -62,8 +63,7 @@ def layout_config(hf_dir: str, parallel: ParallelConfig, seq_len: int, batch: in
     # Only the schedule's stage layout matters for a forward; 2·pp microbatches satisfy every schedule.
     cfg = TrainConfig(model=model, parallel=parallel, steps=1, seq_len=seq_len, micro_batch=batch // dp,
                       global_batch=batch * 2 * parallel.pp, timeout_s=timeout_s, progress=False)
-    cfg.resolve_world()
-    return cfg
+    return assemble(cfg)
 
 
 def _pipeline_forward(model, mesh, x, schedule, act_shape):

@@ -8,7 +8,6 @@ run started from, tokenizer included, is recorded in the run's config.json.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -16,35 +15,6 @@ import torch
 from .config import ConfigError, ModelConfig
 from .data.tokenizer import ByteTokenizer, load_tokenizer
 from .hf import _Files, _source
-from .hf_config import _FIELDS, config_from_hf
-
-# ModelConfig fields a fine-tune may set freely: they change training, not the checkpoint's shape.
-TRAINING_ONLY = {"name", "dropout", "attn_dropout", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate",
-                 "moe_capacity_factor"}
-
-
-def init_model_config(path: str, model, overrides: dict) -> ModelConfig:
-    """The model of `train --init-from-hf path`: the checkpoint's config.json plus training-only overrides.
-
-    A preset (`--model`) or a shape flag whose value differs from the checkpoint's is a ConfigError:
-    silently training another shape than the weights would fail later, on some rank, with less to go on.
-    """
-    base = config_from_hf(path)
-    if model is not None and not (isinstance(model, ModelConfig) and dataclasses.replace(model, name=base.name) == base):
-        shown = model if isinstance(model, str) else model.name
-        raise ConfigError(f"--model {shown} contradicts --init-from-hf {path}: the model's shape comes from its "
-                          "config.json (drop --model)")
-    for k, v in overrides.items():
-        if v is None or k in TRAINING_ONLY:
-            continue
-        if k not in _FIELDS or getattr(base, k) != v:
-            have = getattr(base, k, "no such field")
-            raise ConfigError(f"--{k.replace('_', '-')} {v} contradicts --init-from-hf {path}: its config.json gives "
-                              f"{k}={have!r} (drop the flag)")
-    cfg = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None and k in TRAINING_ONLY})
-    cfg.validate()
-    return cfg
-
 
 def init_record(path: str) -> dict:
     """What a fine-tune started from (config.json's `init_from_hf`): the directory, its weight files and its

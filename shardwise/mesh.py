@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .comm import Ledger
+from .comm.ledger import Ledger
 from .config import ConfigError
 
 GRID = ("dp", "pp", "cp", "tp")

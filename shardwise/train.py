@@ -20,6 +20,7 @@ from . import comm
 from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .comm import Ledger
 from .config import TrainConfig
+from .run import assembled
 from .context_parallel.sharding import shard_sequence
 from .data import IGNORE_INDEX, Loader, open_data
 from .data_parallel import GradReducer
@@ -310,6 +311,7 @@ def default_out_dir() -> str:
 
 def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     """Train on this rank; rank 0 writes the run directory and returns the summary."""
+    cfg = assembled(cfg)
     device = device or torch.device("cpu")
     if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls (verify keeps full fp32)
         torch.set_float32_matmul_precision("high")
@@ -321,7 +323,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     if rank0:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump({"train": {k: v for k, v in vars(cfg).items() if k != "parallel"},
+            json.dump({"train": {k: v for k, v in vars(cfg).items() if k not in ("parallel", "resolved_model")},
                        "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg)}
                       | ({"init_from_hf": init_record(cfg.init_from_hf)} if cfg.init_from_hf else {}), f, indent=1,
                       default=vars)  # --model-config: TrainConfig.model is a ModelConfig

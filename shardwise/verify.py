@@ -19,6 +19,7 @@ import torch
 from . import comm
 from .comm import Ledger
 from .config import ConfigError, ParallelConfig, TrainConfig
+from .run import assembled
 from .mesh import Mesh
 from .tensor_parallel.layers import get_spec
 from .train import Trainer, make_mesh
@@ -123,6 +124,7 @@ def _coverage(view_lists, ref_params: dict[str, torch.Tensor], world) -> float:
 
 def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: torch.Tensor | None = None) -> dict:
     """`tokens`: a token stream to train on instead of cfg.data (tests build documents of known lengths)."""
+    cfg = assembled(cfg)
     device = device or torch.device("cpu")
     check_verifiable(cfg)
     mesh = make_mesh(cfg, device)

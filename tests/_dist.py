@@ -8,6 +8,7 @@ import torch
 from shardwise.comm import Ledger
 from shardwise.launch import run_local
 from shardwise.mesh import Mesh, ParallelDims
+from shardwise.run import assemble
 
 
 def fresh_seed() -> int:
@@ -34,6 +35,5 @@ def verify_all(cfgs):
 
     out = []
     for cfg in cfgs:
-        cfg.resolve_world()
-        out.append(verify_main(cfg))
+        out.append(verify_main(assemble(cfg)))
     return out

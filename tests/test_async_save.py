@@ -74,13 +74,13 @@ def test_async_save_equals_sync_and_resumes_bitwise(tmp_path):
 def _crash_while_pending(root: str, seed: int):
     from shardwise.train import train_main
 
-    publish = checkpoint._publish
+    publish = checkpoint.save._publish
 
     def slow_publish(*args):  # a slow file system: the save of step 2 is still pending at step 3
         time.sleep(2.0)
         return publish(*args)
 
-    checkpoint._publish = slow_publish
+    checkpoint.save._publish = slow_publish
     cfg = _cfg(root, seed, async_save=True, fault_inject="1:3:crash")
     cfg.save_every = 1
     train_main(cfg)

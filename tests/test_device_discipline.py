@@ -20,9 +20,9 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", 
 
 # (file, enclosing function, factory): why the tensor stays on the host and never reaches a collective.
 ALLOWED = {
-    ("checkpoint.py", "_unb64", "frombuffer"):
+    ("checkpoint/files.py", "_unb64", "frombuffer"):
         "RNG state bytes for torch.set_rng_state / Generator.set_state, which take CPU byte tensors",
-    ("checkpoint.py", "load_global_tensors", "empty"):
+    ("checkpoint/load.py", "load_global_tensors", "empty"):
         "full-shaped tensors read by one process for conversion/export; no process group involved",
     ("data/loader.py", "load_tokens", "tensor"):
         "the corpus on the host; Trainer.forward_backward checks ids and copies each microbatch to mesh.device",

@@ -27,6 +27,7 @@ safetensors = pytest.importorskip("safetensors")
 
 from shardwise import hf  # noqa: E402
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from shardwise.run import assemble, resolve_model  # noqa: E402
 from shardwise.hf_cli import add_parser, compare, hf_logits, run_export  # noqa: E402
 
 SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
@@ -469,7 +470,7 @@ def _finetune(path, ckpt):
 
     cfg = TrainConfig(model=None, init_from_hf=path, parallel=ParallelConfig(dp=2, tp=2, zero=1), steps=5,
                       seq_len=16, micro_batch=2, global_batch=8, lr=3e-3, warmup_steps=1, progress=False)
-    cfg.resolve_world()
+    assemble(cfg)
     trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
     losses = [trainer.train_step(s)["loss"] for s in range(cfg.steps)]
     save_checkpoint(ckpt, cfg.steps, trainer)
@@ -527,7 +528,7 @@ def test_init_from_hf_tokenizer_and_data_vocab_checked(ft_models, models, tmp_pa
         assert message in err and len(err.splitlines()) == 1, err
     cfg = TrainConfig(model=None, init_from_hf=ft_models["llama"], model_overrides={"n_layers": 3})
     with pytest.raises(ConfigError, match="--n-layers 3 contradicts .* n_layers=4"):
-        cfg.model_config()
+        resolve_model(cfg)
     # data tokenized by another tokenizer.json: its 250 ids fit the vocabulary and would mean other tokens
     from shardwise.data.prepare import prepare_data
 

@@ -12,6 +12,7 @@ import torch
 
 from shardwise.cli import main
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from shardwise.run import assemble, resolve_model
 from shardwise.data import EOS, Loader, open_data
 from shardwise.data.loader import blend_assign, permute
 from shardwise.data.prepare import prepare_data
@@ -214,8 +215,7 @@ def test_sft_loss_counts_only_completions_on_every_layout(tmp_path):
     from shardwise.mesh import Mesh
     from shardwise.train import Trainer
 
-    cfg = _sft_cfg(data)
-    cfg.resolve_world(1)
+    cfg = assemble(_sft_cfg(data), 1)
     trainer = Trainer(cfg, Mesh.single(torch.device("cpu")))
     # hand computation: windows from the raw shards, the mask of each target from the mask shard
     d, toks, mask = _stream(data)
@@ -302,9 +302,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
     bpe_dir = _plain_dir(tmp_path, "bpe", 7, spec=str(tmp_path / "model"))
     small = ModelConfig(name="fixed", vocab_size=vocab - 1, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
     with pytest.raises(ConfigError, match=f"tokenizer has {vocab} ids but model 'fixed' has vocab_size={vocab - 1}"):
-        TrainConfig(model=small, data=bpe_dir).resolve_world(1)
-    assert TrainConfig(model="tiny", data=bpe_dir).model_config().vocab_size == vocab
-    assert TrainConfig(model="llama3-8b", data=bpe_dir).model_config().vocab_size == 128256
+        assemble(TrainConfig(model=small, data=bpe_dir), 1)
+    assert resolve_model(TrainConfig(model="tiny", data=bpe_dir)).vocab_size == vocab
+    assert resolve_model(TrainConfig(model="llama3-8b", data=bpe_dir)).vocab_size == 128256
 
 
 def test_train_on_prepared_bpe_data_and_resume(tmp_path, capsys):

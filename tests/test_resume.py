@@ -89,7 +89,8 @@ def _load_moe_then_step(path, cfgs):
     saved router's bias, the restored step (= data position), next step's loss)."""
     import torch
 
-    from shardwise.checkpoint import _persistent_buffers, load_checkpoint, load_global_tensors
+    from shardwise.checkpoint import load_checkpoint, load_global_tensors
+    from shardwise.checkpoint.boxes import _persistent_buffers
     from shardwise.train import Trainer, make_mesh
 
     saved = load_global_tensors(path, prefix="buffer.")

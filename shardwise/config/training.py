@@ -1,155 +1,17 @@
-"""Typed configuration: model shapes (with named presets), parallel degrees and training knobs.
-
-Every field carries a docstring-like comment so `--help` and the planner can explain it. All
-validation that can be done before any process starts lives here and raises `ConfigError`, whose
-message names the bad value and what would be valid; the CLI turns it into exit status 2.
+"""Parallel degrees (`ParallelConfig`) and everything else one run needs (`TrainConfig`), with all the
+validation of their own fields that can be done before any process starts. Pure: reading Hugging Face
+configs, data manifests and tokenizers is run assembly's job (`shardwise.run`), which stores the final
+model in `TrainConfig.resolved_model`.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from .partition import ORDERS, check_seq_len, split_layers
-from .pipeline.schedules import SCHEDULE_NAMES, build_schedule
-
-
-class ConfigError(ValueError):
-    """An invalid configuration, detected before any rank starts."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a Llama-style decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP)."""
-
-    name: str = "tiny"
-    vocab_size: int = 257
-    """Number of real token ids. Byte-level tokenizer: 256 bytes + 1 end-of-document id."""
-    dim: int = 96
-    """Hidden size h."""
-    n_layers: int = 8
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    """Key/value heads (GQA). Must divide n_heads."""
-    ffn_dim: int = 256
-    """SwiGLU inner size (w1/w3 output features)."""
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
-    rope_scaling: tuple[float, float, float, int] | None = None
-    """Llama-3.1 RoPE frequency scaling (factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings), as HF's rope_type "llama3"; None = plain RoPE."""
-    norm_eps: float = 1e-5
-    attention_bias: bool = False
-    """Biases on the q/k/v projections (Qwen2); wo and the MLP stay bias-free."""
-    tie_embeddings: bool = False
-    """Share the token-embedding matrix with the LM head."""
-    dropout: float = 0.0
-    """Residual dropout after attention and MLP outputs (replicated / SP region)."""
-    attn_dropout: float = 0.0
-    """Dropout on attention probabilities (TP-sharded region: per-TP-rank masks)."""
-    moe_experts: int = 0
-    """Routed experts per MoE layer; 0 = dense model."""
-    moe_topk: int = 2
-    moe_every: int = 1
-    """Every N-th block (layer i with i % N == 0, as Megatron's moe_layer_freq) is an MoE block."""
-    moe_ffn_dim: int | None = None
-    """Inner size of each routed expert (default ffn_dim)."""
-    moe_shared_experts: int = 0
-    """Dense experts applied to every token (DeepSeek-V3), as one SwiGLU of S × expert size."""
-    moe_capacity_factor: float | None = None
-    """Tokens per expert per rank capped at ceil(F·N·k/E); None = dropless."""
-    moe_aux_loss_coef: float = 0.0
-    """Switch/GShard load-balancing loss E·Σ fᵢ·Pᵢ, with fᵢ over the global microbatch."""
-    moe_z_loss_coef: float = 0.0
-    moe_bias_update_rate: float = 0.0
-    """DeepSeek auxiliary-loss-free balancing: per-expert selection bias step size (0 = off)."""
-    moe_score: str = "softmax"
-    """Router scores: softmax or sigmoid (DeepSeek-V3)."""
-    moe_softmax_before_topk: bool = True
-
-    def is_moe_layer(self, i: int) -> bool:
-        return self.moe_experts > 0 and i % self.moe_every == 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def validate(self) -> None:
-        for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"model {self.name!r}: {f}={v!r} must be a positive integer")
-        if self.dim % self.n_heads:
-            raise ConfigError(f"model {self.name!r}: dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"model {self.name!r}: head_dim={self.head_dim} must be even for RoPE")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"model {self.name!r}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
-            )
-        for f in ("moe_topk", "moe_every"):  # refused even on a dense model: a typo should not pass silently
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ConfigError(f"--{f.replace('_', '-')} {getattr(self, f)!r} must be a positive integer")
-        if self.moe_experts < 0:
-            raise ConfigError(f"--moe-experts {self.moe_experts} must be >= 0 (0 = dense)")
-        if self.moe_experts:
-            if not 1 <= self.moe_topk <= self.moe_experts:
-                raise ConfigError(f"model {self.name!r}: moe_topk={self.moe_topk} must be in [1, moe_experts="
-                                  f"{self.moe_experts}]")
-            if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
-                raise ConfigError(f"--moe-capacity-factor {self.moe_capacity_factor} must be positive")
-            if self.moe_score not in ("softmax", "sigmoid"):
-                raise ConfigError(f"--moe-score {self.moe_score!r}: valid: softmax, sigmoid")
-        for f in ("dropout", "attn_dropout"):
-            v = getattr(self, f)
-            if not 0.0 <= v < 1.0:
-                raise ConfigError(f"model {self.name!r}: {f}={v} must be in [0, 1)")
-
-    def num_params(self) -> int:
-        """Total parameter count (embedding and LM head counted once each unless tied)."""
-        h, kv = self.dim, self.n_kv_heads * self.head_dim
-        attn = h * h * 2 + h * kv * 2 + ((h + 2 * kv) if self.attention_bias else 0)
-        dense_mlp = 3 * h * self.ffn_dim
-        moe_ffn = self.moe_ffn_dim or self.ffn_dim
-        moe_mlp = 3 * h * moe_ffn * (self.moe_experts + self.moe_shared_experts) + self.moe_experts * h
-        mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.n_layers))
-        emb = self.vocab_size * h
-        return self.n_layers * (attn + 2 * h) + mlps + h + emb * (1 if self.tie_embeddings else 2)
-
-
-MODEL_PRESETS: dict[str, ModelConfig] = {
-    # CPU-sized models for tests and the embedded default run.
-    "tiny": ModelConfig(),
-    "small": ModelConfig(name="small", dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=704, max_seq_len=1024),
-    "tiny-moe": ModelConfig(name="tiny-moe", moe_experts=8, moe_topk=2, moe_every=2, moe_ffn_dim=128,
-                            moe_shared_experts=1, moe_aux_loss_coef=0.01),
-    # Real shapes (Meta Llama-3 model cards / HF config.json) for the planner.
-    "llama3-8b": ModelConfig(
-        name="llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-        ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0,
-    ),
-    "llama3-70b": ModelConfig(
-        name="llama3-70b", vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-        ffn_dim=28672, max_seq_len=8192, rope_theta=500000.0,
-    ),
-    "llama3-405b": ModelConfig(
-        name="llama3-405b", vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
-        ffn_dim=53248, max_seq_len=8192, rope_theta=500000.0,
-    ),
-    # Mistral AI's Mixtral-8x7B config.json: 8 experts, top-2, softmax over the chosen two.
-    "mixtral-8x7b": ModelConfig(
-        name="mixtral-8x7b", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-        max_seq_len=32768, rope_theta=1e6, moe_experts=8, moe_topk=2, moe_every=1, moe_softmax_before_topk=False,
-        moe_aux_loss_coef=0.02,
-    ),
-}
-
-
-def get_model_config(name: str, **overrides) -> ModelConfig:
-    if name not in MODEL_PRESETS:
-        raise ConfigError(f"unknown model {name!r}; valid presets: {', '.join(MODEL_PRESETS)}")
-    cfg = dataclasses.replace(MODEL_PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
-    cfg.validate()
-    return cfg
+from ..partition import ORDERS, check_seq_len, split_layers
+from ..pipeline.schedules import SCHEDULE_NAMES, build_schedule
+from .errors import ConfigError
+from .model import ModelConfig, get_model_config
 
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
@@ -275,6 +137,9 @@ class TrainConfig:
     init_from_hf: str | None = None
     """Hugging Face model directory to fine-tune: its config.json is the model (`model` must be None, shape
     flags must agree), every rank reads its slices of the weights, its tokenizer.json is checked and recorded."""
+    resolved_model: ModelConfig | None = None
+    """The final model, set by run assembly (`shardwise.run.assemble`) once the HF config and the data's
+    vocabulary are applied; None until then."""
 
     def residual_dtype(self) -> str:
         """'bf16' when the residual stream runs in bf16, else 'fp32'."""
@@ -293,26 +158,36 @@ class TrainConfig:
         return int(parts[0]), int(parts[1]), parts[2]
 
     def model_config(self) -> ModelConfig:
-        overrides = dict(dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings,
-                         **self.model_overrides)
-        if self.init_from_hf:
-            from .hf_init import init_model_config  # lazy: hf imports torch
+        """The run's final model. After run assembly (`shardwise.run.assemble`) that is `resolved_model`; a
+        config that names only a preset or a ModelConfig resolves here, purely (no file is read)."""
+        if self.resolved_model is not None:
+            return self.resolved_model
+        if self.init_from_hf or self.data is not None:
+            raise ConfigError("a run with --init-from-hf or --data is assembled by shardwise.run.assemble(cfg), which "
+                              "reads the checkpoint's config.json and the data's tokenizer")
+        cfg = self.preset_model()
+        self.check_model_overrides(cfg)
+        return cfg
 
-            cfg = init_model_config(self.init_from_hf, self.model, overrides)
-        elif isinstance(self.model, ModelConfig):
+    def preset_model(self) -> ModelConfig:
+        """`model` (a preset name or a ModelConfig) with the flags' overrides applied and validated."""
+        overrides = self.model_flag_overrides()
+        if isinstance(self.model, ModelConfig):
             cfg = dataclasses.replace(self.model, **{k: v for k, v in overrides.items() if v is not None})
             cfg.validate()
-        else:
-            cfg = get_model_config(self.model, **overrides)
-        if self.data is not None:  # the vocabulary follows a prepared directory's tokenizer
-            from .data.shards import fit_vocab
+            return cfg
+        return get_model_config(self.model, **overrides)
 
-            cfg = fit_vocab(cfg, self.data, isinstance(self.model, str))
+    def model_flag_overrides(self) -> dict:
+        """ModelConfig fields set by flags (None = not given)."""
+        return dict(dropout=self.dropout, attn_dropout=self.attn_dropout, tie_embeddings=self.tie_embeddings,
+                    **self.model_overrides)
+
+    def check_model_overrides(self, cfg: ModelConfig) -> None:
         stray = sorted(k for k in self.model_overrides if k.startswith("moe_") and k != "moe_experts")
         if stray and not cfg.moe_experts:
             raise ConfigError(f"--{stray[0].replace('_', '-')} given, but model {cfg.name!r} has no experts; "
                               "add --moe-experts E or use an MoE preset such as tiny-moe")
-        return cfg
 
     def resolve_world(self, world_size: int | None = None) -> int:
         """Fill dp=-1 and return the world size; validate everything that needs no process."""
@@ -365,7 +240,7 @@ class TrainConfig:
 
     def validate(self, world: int) -> None:
         p = self.parallel
-        m = self.model_config()  # reads an HF config.json / the data manifest: once
+        m = self.model_config()
         if self.async_save and not self.save_every:
             raise ConfigError("--async-save needs --save-every N (it changes how checkpoints are written)")
         self._validate_recompute(p, m)

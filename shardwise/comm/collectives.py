@@ -1,37 +1,28 @@
-"""Every collective shardwise issues, and the ledger that counts their bytes per axis.
+"""Raw collectives: each calls torch.distributed on an `Axis` and records what it moved in the axis' ledger.
 
-Two layers:
-* raw ops (`all_reduce`, `reduce_scatter`, `all_gather`, `all_to_all`, `send`/`recv`, ...) that call
-  torch.distributed on an `Axis` and record what they moved;
-* one small autograd Function per differentiable pattern (Megatron's f/g operators and the
-  sequence-parallel gathers/scatters), each with a "forward: X / backward: Y" docstring.
+An op on an axis of size 1 is the identity and records nothing, so the single-device model runs the very
+same code.
 
-An op on an axis of size 1 is the identity and records nothing, so the single-device model runs
-the very same code.
-
-Byte convention (shared with the planner): `bytes` is the payload this rank contributes — the
-input tensor of an all-reduce, reduce-scatter or all-to-all, the local shard of an all-gather,
-the tensor of a send. `wire_bytes` is what this rank puts on links under ring algorithms:
-all-reduce 2(t-1)/t·N, reduce-scatter (t-1)/t·N, all-gather (t-1)·N_shard, all-to-all the part
-addressed to other ranks, send N.
+Byte convention (shared with the planner): `bytes` is the payload this rank contributes — the input tensor
+of an all-reduce, reduce-scatter or all-to-all, the local shard of an all-gather, the tensor of a send.
+`wire_bytes` is what this rank puts on links under ring algorithms: all-reduce 2(t-1)/t·N, reduce-scatter
+(t-1)/t·N, all-gather (t-1)·N_shard, all-to-all the part addressed to other ranks, send N.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-from collections import defaultdict
+import sys
 
 import torch
 import torch.distributed as dist
 
 
-_RAW_OPS: list[str] = []  # names of the raw ops below, for compile_barriers
+_RAW_OPS: list[tuple[str, str]] = []  # (module, name) of every raw op, for compile_barriers
 
 
 def _eager(fn):
     """Mark a raw op as one that must run eagerly under torch.compile (see compile_barriers)."""
-    _RAW_OPS.append(fn.__name__)
+    _RAW_OPS.append((fn.__module__, fn.__name__))
     return fn
 
 
@@ -43,13 +34,16 @@ def compile_barriers() -> None:
     or torch.distributed's in-place c10d calls; the autograd Functions around them run whole and
     eagerly, exactly as without compile, and only the math between collectives is compiled. Done on
     demand, not at import, because importing Dynamo costs every process seconds. Callers reach the
-    ops as `comm.<op>` (and comm's own code through its globals), so rebinding the names suffices.
+    ops as `comm.<op>`, and comm's own modules through their defining module's globals, so rebinding
+    the name in both places suffices.
     """
-    names = globals()
-    for name in _RAW_OPS:
+    package = vars(sys.modules[__package__])
+    for module, name in _RAW_OPS:
+        names = vars(sys.modules[module])
         if not getattr(names[name], "_sw_eager", False):
             names[name] = torch.compiler.disable(names[name])
             names[name]._sw_eager = True
+        package[name] = names[name]
 
 
 class CollectiveError(RuntimeError):
@@ -97,63 +91,6 @@ def wait_all(works, axis, op: str) -> None:
     """`wait` on each handle of a p2p batch, in order."""
     for work in works:
         wait(work, axis, op)
-
-
-class Ledger:
-    """Bytes and op counts per (axis, op), per step. Cheap: one dict update per collective."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.current: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0])
-        self.steps: list[dict] = []
-
-    def record(self, axis: str, op: str, nbytes: int, wire_bytes: float) -> None:
-        if self.enabled:
-            entry = self.current[(axis, op)]
-            entry[0] += 1
-            entry[1] += nbytes
-            entry[2] += wire_bytes
-
-    @staticmethod
-    def _nest(flat) -> dict:
-        out: dict = {}
-        for (axis, op), (count, nbytes, wire) in sorted(flat.items()):
-            out.setdefault(axis, {})[op] = {"count": int(count), "bytes": int(nbytes), "wire_bytes": int(round(wire))}
-        return out
-
-    def snapshot(self) -> dict:
-        """The current (unfinished) step, nested as {axis: {op: {count, bytes, wire_bytes}}}."""
-        return self._nest(self.current)
-
-    def end_step(self, step: int) -> dict:
-        entry = {"step": step, "axes": self.snapshot()}
-        self.steps.append(entry)
-        self.current = defaultdict(lambda: [0, 0, 0])
-        return entry
-
-    def reset(self) -> None:
-        self.current = defaultdict(lambda: [0, 0, 0])
-        self.steps = []
-
-    def totals(self) -> dict:
-        flat: dict = defaultdict(lambda: [0, 0, 0])
-        for s in self.steps:
-            for axis, ops in s["axes"].items():
-                for op, v in ops.items():
-                    e = flat[(axis, op)]
-                    e[0] += v["count"]
-                    e[1] += v["bytes"]
-                    e[2] += v["wire_bytes"]
-        return self._nest(flat)
-
-    def to_json(self, rank: int, layout: dict) -> str:
-        return json.dumps({
-            "rank": rank,
-            "layout": layout,
-            "convention": "bytes = payload this rank contributes; wire_bytes = bytes sent on links (ring algorithms)",
-            "per_step": self.steps,
-            "total": self.totals(),
-        }, indent=1)
 
 
 # torch >= 2.13 renames the flat collectives; 2.11 (our floor) has only the old names.
@@ -300,68 +237,6 @@ def all_to_all(inp: torch.Tensor, axis, in_splits: list[int] | None = None, out_
     return out
 
 
-class _BatchWork:
-    """One handle for a whole p2p batch, as NCCL returns (gloo returns one per op).
-
-    Waiting twice is a no-op: a second wait on a finished gloo receive would block for a new message.
-    """
-
-    def __init__(self, works: list):
-        self.works, self.done = works, False
-
-    def wait(self) -> bool:
-        if not self.done:
-            for w in self.works:
-                w.wait()
-            self.done = True
-        return True
-
-    def is_completed(self) -> bool:
-        return self.done or all(w.is_completed() for w in self.works)
-
-
-def strict_p2p() -> bool:
-    """SHARDWISE_STRICT_P2P=1: comm.p2p follows NCCL's p2p rules on gloo (a debugging/test mode)."""
-    return os.environ.get("SHARDWISE_STRICT_P2P", "") not in ("", "0")
-
-
-_pair_tail: dict[tuple[int, int], _BatchWork] = {}  # (group id, peer global rank) -> last batch (strict mode)
-
-
-@_eager
-def p2p(ops, tag: str | None = None) -> list:
-    """One batch of non-blocking point-to-point ops: ("send" | "recv", tensor, axis, peer_axis_rank).
-
-    Returns the batch's work handles; callers must treat the list as one unit and wait on all of it,
-    since NCCL returns ONE handle for the whole batch (gloo one per op). Sends record the tensor's
-    bytes on their axis; receives record only their count (they contribute no payload).
-
-    Under SHARDWISE_STRICT_P2P=1 the batch is issued only after the previous batch with each of its
-    peers completed, and one handle is returned: NCCL's rule that p2p between two ranks runs in
-    posting order on one stream, so code that would deadlock or mis-handle handles on NCCL fails here.
-    """
-    p2p_ops, peers = [], set()
-    for kind, t, axis, peer in ops:
-        if kind not in ("send", "recv"):
-            raise ValueError(f"p2p op {kind!r}: expected 'send' or 'recv'")
-        _check_device(axis, f"p2p {kind}", t)
-        _record(axis, kind, _nbytes(t) if kind == "send" else 0, _nbytes(t) if kind == "send" else 0, tag)
-        p2p_ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, axis.ranks[peer], group=axis.group))
-        peers.add((id(axis.group), axis.ranks[peer]))
-    if not p2p_ops:
-        return []
-    axis = ops[0][2]
-    if not strict_p2p():
-        return _guarded(axis, "p2p", dist.batch_isend_irecv, p2p_ops)
-    for pair in sorted(peers):
-        if pair in _pair_tail:
-            _guarded(axis, "p2p (previous batch on the pair)", _pair_tail.pop(pair).wait)
-    work = _BatchWork(_guarded(axis, "p2p", dist.batch_isend_irecv, p2p_ops))
-    for pair in peers:
-        _pair_tail[pair] = work
-    return [work]
-
-
 @_eager
 def all_gather_object(obj, axis) -> list:
     """Gather small Python objects (metadata only; recorded as op 'all_gather_object')."""
@@ -377,109 +252,3 @@ def all_gather_object(obj, axis) -> list:
 def barrier(axis) -> None:
     if axis.active:
         _guarded(axis, "barrier", dist.barrier, group=axis.group)
-
-
-# ---------------------------------------------------------------- autograd Functions
-class _CopyToRegion(torch.autograd.Function):
-    """f: forward identity / backward all-reduce over the axis (input of a column-parallel region)."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_reduce(g.contiguous(), ctx.axis), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """g: forward all-reduce over the axis / backward identity (output of a row-parallel region)."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        return all_reduce(x.contiguous(), axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """SP entry: forward all-gather along `dim` / backward reduce-scatter along `dim`."""
-
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return all_gather(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter(g, ctx.axis, ctx.dim), None, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """SP exit: forward reduce-scatter along `dim` / backward all-gather along `dim`."""
-
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return reduce_scatter(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather(g, ctx.axis, ctx.dim), None, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """Column-parallel `gather_output`: forward all-gather along the last dim / backward keep own slice."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return all_gather(x, axis, x.dim() - 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.chunk(ctx.axis.size, dim=-1)[ctx.axis.rank].contiguous(), None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    """Row-parallel input that is not yet split: forward keep own last-dim slice / backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return x.chunk(axis.size, dim=-1)[axis.rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather(g, ctx.axis, g.dim() - 1), None
-
-
-def _apply(fn, x, axis, *args):
-    return fn.apply(x, axis, *args) if axis.active else x
-
-
-def copy_to_region(x, axis):
-    return _apply(_CopyToRegion, x, axis)
-
-
-def reduce_from_region(x, axis):
-    return _apply(_ReduceFromRegion, x, axis)
-
-
-def gather_from_sequence(x, axis, dim: int = 1):
-    return _apply(_GatherFromSequence, x, axis, dim)
-
-
-def reduce_scatter_to_sequence(x, axis, dim: int = 1):
-    return _apply(_ReduceScatterToSequence, x, axis, dim)
-
-
-def gather_from_region(x, axis):
-    return _apply(_GatherFromRegion, x, axis)
-
-
-def scatter_to_region(x, axis):
-    return _apply(_ScatterToRegion, x, axis)

@@ -1,0 +1,83 @@
+"""A checkpoint directory's layout and naming (step-N, tmp-step-N, latest, manifest, meta, per-rank RNG
+files), atomic small-file writes, and the integrity check against the manifest's sha256 sums."""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import re
+
+import torch
+
+from ..data.shards import sha256_file
+
+log = logging.getLogger("shardwise.checkpoint")
+
+FORMAT_VERSION = 1
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+MANIFEST, META, LATEST = "manifest.json", "meta.json", "latest"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+_OWNER = re.compile(r"^__(\d+)_\d+\.distcp$")
+RNG_AXES = ("dp", "pp", "cp", "tp", "ep")
+
+
+def _write_text(path: str, text: str) -> None:
+    """Write then rename, so a reader never sees half a file."""
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{path}.tmp", path)
+
+
+def _write_json(path: str, obj) -> None:
+    _write_text(path, json.dumps(obj, indent=1, default=str))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().contiguous().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """Published step directories under `root`, newest first (validity not checked)."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := STEP_DIR.match(d))]
+    return sorted(found, reverse=True)
+
+
+def checkpoint_problems(path: str, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with checkpoint `path`; this rank checks every `world`-th file of the manifest."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return [f"no {MANIFEST} (incomplete save)"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"unreadable {MANIFEST}: {e}"]
+    if META not in files or ".metadata" not in files:
+        return [f"{MANIFEST} lists no {META} or .metadata"]
+    out = []
+    for name in sorted(files)[rank::world]:
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            out.append(f"{name} is missing")
+        elif os.path.getsize(full) != files[name]["bytes"]:
+            out.append(f"{name} has {os.path.getsize(full)} bytes, manifest says {files[name]['bytes']} (truncated?)")
+        elif sha256_file(full) != files[name]["sha256"]:
+            out.append(f"{name} fails its sha256 checksum")
+    return out

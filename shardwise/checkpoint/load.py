@@ -1,0 +1,89 @@
+"""Loading: the newest intact checkpoint (ranks split the checksumming), read into any layout by DCP's
+resharding, with the RNG streams restored where the layout allows."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .. import comm
+from .boxes import _BoxLoadPlanner, _dcp, _ensure_state, _entries, _SafeReader
+from .files import FORMAT_VERSION, META, MANIFEST, RNG_AXES, STEP_DIR, _unb64, checkpoint_problems, list_checkpoints, log
+
+
+def newest_intact(root: str, world_axis=None) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest intact checkpoint under `root` (or `root` itself) and the (path, reason) of each skipped one.
+
+    Collective over `world_axis` when given: ranks split the checksumming and agree on the answer.
+    """
+    size, rank = (world_axis.size, world_axis.rank) if world_axis is not None else (1, 0)
+    single = os.path.isfile(os.path.join(root, MANIFEST)) or STEP_DIR.match(os.path.basename(os.path.normpath(root)))
+    cands = [root] if single else [path for _, path in list_checkpoints(root)]
+    if world_axis is not None:
+        cands = comm.all_gather_object(cands, world_axis)[0]  # one listing for all ranks
+    skipped = []
+    for path in cands:
+        probs = checkpoint_problems(path, rank, size)
+        if world_axis is not None:
+            probs = sorted({p for ps in comm.all_gather_object(probs, world_axis) for p in ps})
+        if not probs:
+            return path, skipped
+        reason = "; ".join(probs)
+        if rank == 0:
+            log.warning("skipping checkpoint %s: %s", path, reason)
+        skipped.append((path, reason))
+    return None, skipped
+
+
+def load_checkpoint(root: str, trainer) -> dict | None:
+    """Collective. Load the newest intact checkpoint under `root` into `trainer`, resharding as needed.
+
+    Restores parameters, AdamW state and step count, `trainer.step`, and — when the layout is the
+    one saved — every rank's RNG streams (another layout cannot replay them, so the tracker streams
+    are reseeded from (seed, step) instead). Returns {"step", "path", "layout", "extra_state",
+    "skipped"}, or None when no intact checkpoint exists.
+    """
+    mesh = trainer.mesh
+    path, skipped = newest_intact(root, mesh["world"] if mesh["world"].active else None)
+    if path is None:
+        if skipped and mesh.rank == 0:
+            log.warning("no intact checkpoint under %s; starting from scratch", root)
+        return None
+    with open(os.path.join(path, META)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path} has format {meta.get('format')}, this shardwise reads {FORMAT_VERSION}")
+    _ensure_state(trainer.reducer, meta["optimizer_step"])
+    _dcp(dcp.load, mesh, storage_reader=_SafeReader(path), planner=_BoxLoadPlanner(_entries(trainer, False), path))
+    step = meta["step"]
+    tracker = trainer.model.rng_tracker
+    same = all(meta["layout"].get(a) == getattr(mesh.dims, a) for a in RNG_AXES)
+    rank_file = os.path.join(path, f"rank{mesh.rank}.json")
+    if same and os.path.isfile(rank_file):
+        with open(rank_file) as f:
+            rng = json.load(f)
+        torch.set_rng_state(_unb64(rng["torch_cpu_rng"]))
+        for k, g in tracker.generators.items():
+            g.set_state(_unb64(rng["tracker_rng"][k]))
+    else:
+        for g in tracker.generators.values():
+            g.manual_seed((g.initial_seed() + 1_000_003 * step) % 2**63)
+        if mesh.rank == 0:
+            log.info("checkpoint %s was saved under %s: RNG streams reseeded from (seed, step)", path, meta["layout"])
+    trainer.step = step
+    trainer.bad_steps = meta.get("bad_steps", 0)
+    return {"step": step, "path": path, "layout": meta["layout"], "extra_state": meta["extra_state"],
+            "skipped": skipped}
+
+
+def load_global_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Full-shaped tensors of every key under `prefix` (prefix stripped), read in this process alone."""
+    reader = _SafeReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    full = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            for k, md in saved.items() if k.startswith(prefix)}
+    entries = {k: (tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in full.items()}
+    _dcp(dcp.load, storage_reader=reader, planner=_BoxLoadPlanner(entries, path))
+    return {k[len(prefix):]: t for k, t in full.items()}

@@ -1,0 +1,130 @@
+"""Saving: DCP writes every rank's boxes into tmp-step-N, then checksums, manifest, the atomic rename and
+`latest` publish it; `async_save` does the same from a background thread."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import threading
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .. import comm
+from ..data.shards import sha256_file
+from .boxes import _BoxSavePlanner, _dcp, _ensure_state, _entries
+from .files import (FORMAT_VERSION, LATEST, MANIFEST, META, _OWNER, _b64, _fsync_dir, _write_json, _write_text,
+                    list_checkpoints)
+
+
+def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = None, keep: int | None = None,
+                    async_save: bool = False) -> str | None:
+    """Collective. Save after `step` completed optimizer steps; returns the published directory.
+
+    `extra_state` (JSON-serialisable, rank 0's copy) comes back from `load_checkpoint`; `keep`
+    prunes all but the newest `keep` step directories. A save still pending from `async_save=True`
+    is finished first. With `async_save=True` the tensors are copied to host memory now and written
+    by `torch.distributed.checkpoint.async_save` while training continues; checksums, manifest,
+    publish and `latest` follow in the background once every rank's write completed (None is
+    returned; `wait_for_save` blocks until it is published).
+    """
+    wait_for_save(trainer)
+    mesh, ckpt = trainer.mesh, trainer.mesh["ckpt"]
+    tmp, final = _begin_save(root, step, trainer, extra_state)
+    entries = _entries(trainer, True)
+    if not async_save:
+        _dcp(dcp.save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(entries))
+        _publish(root, tmp, final, step, ckpt, mesh.rank, keep)
+        return final
+    # Stage: compact host copies of this rank's boxes, so training may overwrite the live tensors.
+    staged = {k: (size, [(off, t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True))
+                         for off, t in boxes]) for k, (size, boxes) in entries.items()}
+    future = _dcp(dcp.async_save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(staged),
+                  process_group=ckpt.group)
+    # The publish's gathers run on the checkpoint group off the main thread: keep them out of the
+    # ledger, whose per-step counts belong to the training loop.
+    quiet = dataclasses.replace(ckpt, ledger=None)
+    trainer.pending_save = PendingSave(lambda: (future.result(), _publish(root, tmp, final, step, quiet,
+                                                                         mesh.rank, keep)))
+    return None
+
+
+class PendingSave:
+    """A checkpoint being written and published by a background thread; `wait` returns its directory."""
+
+    def __init__(self, work):
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(work,), name="shardwise-async-save", daemon=True)
+        self.thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            self.result = work()[1]
+        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by wait()
+            self.error = e
+
+    def wait(self) -> str:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"asynchronous checkpoint save failed: {self.error}") from self.error
+        return self.result
+
+
+def wait_for_save(trainer) -> str | None:
+    """Block until the trainer's pending asynchronous save is published (before the next save, at the end)."""
+    pending, trainer.pending_save = getattr(trainer, "pending_save", None), None
+    return pending.wait() if pending is not None else None
+
+
+def _begin_save(root: str, step: int, trainer, extra_state: dict | None) -> tuple[str, str]:
+    """Collective. A fresh tmp-step-N holding this rank's RNG states and rank 0's metadata, as of now."""
+    mesh, ckpt = trainer.mesh, trainer.mesh["ckpt"]
+    rank0 = mesh.rank == 0
+    tmp, final = os.path.join(root, f"tmp-step-{step}"), os.path.join(root, f"step-{step}")
+    if rank0:
+        os.makedirs(root, exist_ok=True)
+        for d in os.listdir(root):  # saves are collective and sequential: any tmp dir is from a save that died
+            if d.startswith("tmp-step-"):
+                shutil.rmtree(os.path.join(root, d))
+        os.makedirs(tmp)
+    comm.barrier(ckpt)
+    _ensure_state(trainer.reducer)
+    state = next(iter(trainer.reducer.optimizer.state.values()))
+    tracker = trainer.model.rng_tracker
+    _write_json(os.path.join(tmp, f"rank{mesh.rank}.json"), {
+        "rank": mesh.rank, "coords": mesh.coords, "torch_cpu_rng": _b64(torch.get_rng_state()),
+        "tracker_rng": {k: _b64(g.get_state()) for k, g in tracker.generators.items()}})
+    if rank0:
+        layout = trainer.cfg.parallel.as_dict() | {"world": ckpt.size}
+        _write_json(os.path.join(tmp, META), {
+            "format": FORMAT_VERSION, "step": step, "optimizer_step": int(state["step"]), "layout": layout,
+            "model": vars(trainer.model_cfg), "extra_state": extra_state or {},
+            "bad_steps": getattr(trainer, "bad_steps", 0)})
+    return tmp, final
+
+
+def _publish(root: str, tmp: str, final: str, step: int, ckpt, rank: int, keep: int | None) -> str:
+    """Collective over `ckpt`, once every rank's DCP write finished: checksums, manifest, rename, `latest`."""
+    rank0 = rank == 0
+    # Each rank hashes what it wrote (DCP names data files __<rank>_<n>.distcp); rank 0 merges the
+    # small per-rank dicts, so no rank reads the whole checkpoint while the others wait.
+    mine = [f for f in os.listdir(tmp) if (m := _OWNER.match(f)) and int(m.group(1)) == rank]
+    mine += [f"rank{rank}.json"] + ([META, ".metadata"] if rank0 else [])
+    sums = {f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": sha256_file(os.path.join(tmp, f))} for f in mine}
+    merged = comm.all_gather_object(sums, ckpt)
+    if rank0:
+        files = {f: v for part in merged for f, v in part.items()}
+        unowned = sorted(set(os.listdir(tmp)) - set(files) - {f for f in os.listdir(tmp) if f.endswith(".tmp")})
+        if unowned:
+            raise RuntimeError(f"checkpoint {tmp}: files no rank hashed: {unowned}")
+        _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT_VERSION, "step": step, "files": files})
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # saved this step before (a resume): the older steps still stand
+        os.replace(tmp, final)
+        _write_text(os.path.join(root, LATEST), f"step-{step}\n")
+        _fsync_dir(root)
+        if keep:
+            for old_step, path in list_checkpoints(root)[keep:]:
+                shutil.rmtree(path)
+    comm.barrier(ckpt)
+    return final

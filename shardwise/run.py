@@ -1,0 +1,68 @@
+"""Run assembly: the one place that turns flags into the final, validated configuration of a run.
+
+`TrainConfig` holds only what the user asked for and validates its own fields (`shardwise.config`, which
+reads no file). Everything that must look outside it lives here: a Hugging Face config.json
+(`--model-config`, `--init-from-hf`), a prepared data directory's manifest (the vocabulary follows its
+tokenizer), and the check of `--init-from-hf` weights, tokenizer and token ids against each other. The
+CLI, train, verify, hf-compare and the planner's `--explain` all call `assemble`; dependencies run one
+way: CLI → run → {config, data, hf_config} → partition.
+"""
+from __future__ import annotations
+
+from .config import ConfigError, ModelConfig, TrainConfig
+from .data.shards import fit_vocab
+from .hf_config import config_from_hf, init_model_config
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """`--model-config config.json` (or a model directory): the shapes of a Hugging Face config."""
+    return config_from_hf(path)
+
+
+def resolve_model(cfg: TrainConfig) -> ModelConfig:
+    """The run's final model: the preset, the given ModelConfig or `--init-from-hf`'s config.json, with the
+    flags' overrides, and the vocabulary fitted to `--data`'s tokenizer."""
+    if cfg.init_from_hf:
+        model = init_model_config(cfg.init_from_hf, cfg.model, cfg.model_flag_overrides())
+    else:
+        model = cfg.preset_model()
+    if cfg.data is not None:
+        model = fit_vocab(model, cfg.data, isinstance(cfg.model, str))
+    cfg.check_model_overrides(model)
+    return model
+
+
+def assemble(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
+    """Resolve the model (stored in `cfg.resolved_model`), fill `--dp -1`, validate everything that needs no
+    process; returns `cfg`. Idempotent: the model is resolved afresh from the flags each time."""
+    cfg.resolved_model = None
+    cfg.resolved_model = resolve_model(cfg)
+    cfg.resolve_world(world_size)
+    return cfg
+
+
+def assembled(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` itself once assembled (the ranks of a launched run), else `assemble(cfg)` (library callers)."""
+    return cfg if cfg.resolved_model is not None else assemble(cfg)
+
+
+def check_sources(cfg: TrainConfig) -> None:
+    """Once, before any rank starts: the data's manifests, shard checksums and size; under `--init-from-hf`
+    the weights' shapes, the tokenizer and the data's ids against the checkpoint; EOS ids for document masks.
+    ConfigError on anything wrong."""
+    if cfg.data is None and not cfg.init_from_hf:
+        return
+    from .data import Loader, open_data
+
+    sources, weights = open_data(cfg.data, verify=True)
+    Loader((sources, weights), cfg.seq_len, 1, cfg.seed)
+    if cfg.init_from_hf:
+        from .hf_init import check_init_from_hf
+
+        data_vocab = max(int(s.tokens.max()) + 1 if hasattr(s, "tokens") else s.vocab_size for s in sources)
+        check_init_from_hf(cfg.init_from_hf, cfg.model_config(), data_vocab,
+                           getattr(sources[0], "tokenizer_sha256", None))
+    if (cfg.attention_mask == "document" or cfg.reset_positions) and cfg.eos_id is None \
+            and sources[0].eos_id is None:
+        raise ConfigError(f"--attention-mask {cfg.attention_mask} / --reset-positions find documents by their "
+                          f"EOS, but --data {cfg.data!r} was prepared with --no-eos; prepare it with EOS ids")
