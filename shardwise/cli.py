@@ -99,6 +99,15 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--attention-mask", default="causal",
                    help="causal, or document: attend only within each document of a packed window (EOS-delimited)")
     p.add_argument("--reset-positions", action="store_true", help="restart RoPE positions at each document start")
+    ob = p.add_argument_group("evaluation and observability")
+    ob.add_argument("--eval-data", default=None, metavar="SPEC",
+                    help="held-out data like --data (same tokenizer): forward-only eval_loss in metrics.jsonl")
+    ob.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default: at the end)")
+    ob.add_argument("--eval-steps", type=int, default=10, help="global batches per evaluation, taken in order")
+    ob.add_argument("--profile-steps", default=None, metavar="A:B",
+                    help="torch.profiler Chrome traces of steps A..B per rank under <out>/profile/")
+    ob.add_argument("--log-to", default=None, metavar="{wandb,mlflow}",
+                    help="also log metrics to W&B (offline unless configured) or MLflow (optional extras)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     parser._sw_runs = {"train": t, "verify": v}
     for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint_cli", "shardwise.report",
-                "shardwise.hf_cli", "shardwise.data.cli"):
+                "shardwise.hf_cli", "shardwise.data.cli", "shardwise.generate"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ImportError:
@@ -162,7 +171,9 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       grad_reduce_dtype=args.grad_reduce_dtype, label_smoothing=args.label_smoothing,
                       report=not args.no_report, attention_mask=args.attention_mask,
                       reset_positions=args.reset_positions,
-                      overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                      overlap_grad_reduce=not args.no_overlap_grad_reduce, eval_data=args.eval_data,
+                      eval_every=args.eval_every, eval_steps=args.eval_steps, profile_steps=args.profile_steps,
+                      log_to=args.log_to,
                       model_overrides={k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None})
     if args.warmup_steps is not None:
         cfg.warmup_steps = args.warmup_steps

@@ -50,6 +50,14 @@ def check_sources(cfg: TrainConfig) -> None:
     """Once, before any rank starts: the data's manifests, shard checksums and size; under `--init-from-hf`
     the weights' shapes, the tokenizer and the data's ids against the checkpoint; EOS ids for document masks.
     ConfigError on anything wrong."""
+    if cfg.eval_data is not None:  # readable, --data's tokenizer, enough windows
+        from .evaluate import check_eval_data
+
+        check_eval_data(cfg)
+    if cfg.log_to is not None:  # the optional package imports
+        from .observe import check_logger
+
+        check_logger(cfg)
     if cfg.data is None and not cfg.init_from_hf:
         return
     from .data import Loader, open_data

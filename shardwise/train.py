@@ -96,22 +96,9 @@ class Trainer:
         """Run every microbatch of this rank's share of the step's global batch; returns the global loss."""
         dp = self.mesh["dp_cp"]
         n_tokens = self.loader.count_targets(step)  # every rank knows the global count: no collective
-        per = self.global_batch // self.mesh.dims.dp
-        dp_rank = self.mesh["dp"].rank
-        x, y = self.loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
-        check_token_ids(x, self.model_cfg.vocab_size)  # once per batch, on the host, before the copy to the device
-        if self.group_dp > 1:
-            g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
-            x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
-        side = self._document_inputs(x)  # from the global sequences, before any cp cut
-        cp = self.mesh["cp"]
-        if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
-            x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
-            y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
+        xs, ys, side = self.microbatches(self.loader, step)
         if self._poison:  # fault injection: NaN gradients enter this rank's reductions
             self.reducer.poison()
-        xs = [t.to(self.mesh.device) for t in x.split(self.cfg.micro_batch)]
-        ys = [t.to(self.mesh.device) for t in y.split(self.cfg.micro_batch)]
         if self.executor is not None:
             loss_sum = self.executor.run(xs, ys, n_tokens, side)
         else:
@@ -127,6 +114,25 @@ class Trainer:
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
         return float(loss_sum)
+
+    def microbatches(self, loader: Loader, step: int) -> tuple[list, list, list[dict] | None]:
+        """This rank's share of `loader`'s global batch `step`: inputs and targets per microbatch on the
+        device (its dp rows, its cp cut) and the per-microbatch side inputs (training and evaluation)."""
+        per = self.global_batch // self.mesh.dims.dp
+        dp_rank = self.mesh["dp"].rank
+        x, y = loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
+        check_token_ids(x, self.model_cfg.vocab_size)  # once per batch, on the host, before the copy to the device
+        if self.group_dp > 1:
+            g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
+            x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
+        side = self._document_inputs(x)  # from the global sequences, before any cp cut
+        cp = self.mesh["cp"]
+        if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
+            x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
+            y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
+        xs = [t.to(self.mesh.device) for t in x.split(self.cfg.micro_batch)]
+        ys = [t.to(self.mesh.device) for t in y.split(self.cfg.micro_batch)]
+        return xs, ys, side
 
     def _document_inputs(self, x: torch.Tensor) -> list[dict] | None:
         """Per microbatch, the model's side inputs for --attention-mask document / --reset-positions:
@@ -345,18 +351,27 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc=f"train {mesh.describe()}", dynamic_ncols=True)
-    records, act_peak, static_peak = [], 0, []
+    records, evals, act_peak, static_peak = [], [], 0, []
     hook = trainer.reducer.optimizer.register_step_post_hook(
         lambda *_: static_peak.append(static_storage_bytes(trainer)) if not static_peak else None)
     metrics = RunLog(out, start) if rank0 else None
+    from .evaluate import Evaluator
+    from .observe import Observer
+
+    evaluator = Evaluator(trainer) if cfg.eval_data is not None else None
+    observer = Observer(cfg, trainer, out, rank0)
     try:
         for step in range(start, cfg.steps):
             meter = SavedActivationMeter(trainer.model.parameters()) if step == start else None
-            with meter or contextlib.nullcontext():  # activation memory of the first step only: hooks cost time
+            with meter or contextlib.nullcontext(), observer.step(step + 1):  # activation memory: first step only
                 rec = trainer.train_step(step)
             if meter is not None:
                 act_peak = meter.peak
+            observer.add_throughput(rec)
             records.append(rec)
+            ev = None
+            if evaluator is not None and evaluator.due(step + 1, cfg.steps):
+                evals.append(ev := {"step": step + 1, "eval_loss": evaluator.run()})
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
                 from .checkpoint import save_checkpoint
 
@@ -364,11 +379,15 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                                 async_save=cfg.async_save)
             if rank0:
                 metrics.write(rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None)
+                metrics.write_eval(ev)
+                observer.log(rec, ev)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}")
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}",
+                                    **observer.postfix(rec))
     finally:
         hook.remove()
+        observer.close()
         if bar is not None:
             bar.close()
         if metrics is not None:
@@ -406,6 +425,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     } | _activation_summary(cfg, act_peak)
     if pipeline is not None:
         summary["pipeline"] = pipeline
+    if evals:
+        summary["eval_loss"] = evals[-1]["eval_loss"]
     if cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "ring":
         from .context_parallel.kernels import USED
 
