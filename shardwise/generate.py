@@ -243,8 +243,9 @@ def _pick(logits, temperature: float, top_p: float, gen) -> int:
 
 
 def generate_ids(model, prompt: list[int], max_new_tokens: int, eos_id: int | None, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0) -> tuple[list[int], str]:
-    """New token ids (ending with the EOS when it came) and why decoding stopped: eos, max_new_tokens, max_seq_len."""
+                 top_p: float = 1.0, seed: int = 0, scores: list | None = None) -> tuple[list[int], str]:
+    """New token ids (ending with the EOS when it came) and why decoding stopped: eos, max_new_tokens, max_seq_len.
+    `scores`, when given, receives each step's logits [vocab] (tests compare them with transformers')."""
     import torch
 
     if not prompt:
@@ -260,6 +261,8 @@ def generate_ids(model, prompt: list[int], max_new_tokens: int, eos_id: int | No
     with torch.no_grad():
         while True:
             logits = forward_cached(model, x, caches)[0, -1].cpu()
+            if scores is not None:
+                scores.append(logits)
             tok = _pick(logits, temperature, top_p, gen)
             out.append(tok)
             if tok == eos_id:

@@ -7,7 +7,7 @@ import torch
 
 from shardwise.cli import main
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.generate import forward_cached, generate
+from shardwise.generate import forward_cached, generate, generate_ids, load_source
 from shardwise.mesh import Mesh
 from shardwise.parallelize import build_model
 from shardwise.run import assemble
@@ -51,8 +51,13 @@ def test_greedy_equals_transformers_generate(trained):
     ids = torch.tensor([ours["prompt_tokens"]])
     with torch.no_grad():
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                          eos_token_id=256, pad_token_id=256)
-    assert ours["tokens"] == ref[0, ids.shape[1]:].tolist()
+                          eos_token_id=256, pad_token_id=256, output_logits=True, return_dict_in_generate=True)
+    assert ours["tokens"] == ref.sequences[0, ids.shape[1]:].tolist()
+    # every step's logits, not only their argmax: the cache's positions and contents are exact
+    model, *_ = load_source(str(trained / "run"))
+    scores = []
+    generate_ids(model, ours["prompt_tokens"], 24, 256, scores=scores)
+    torch.testing.assert_close(torch.stack(scores), torch.cat(ref.logits).float(), rtol=1e-4, atol=1e-4)
     # the exported directory as SOURCE (byte vocabulary, no tokenizer.json: bytes) decodes the same
     assert generate(str(trained / "hf"), PROMPT, max_new_tokens=24, temperature=0.0)["tokens"] == ours["tokens"]
 
