@@ -9,14 +9,33 @@ way: CLI → run → {config, data, hf_config} → partition.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from .config import ConfigError, ModelConfig, TrainConfig
-from .data.shards import fit_vocab
+from .data.shards import data_vocab
+from .data.tokenizer import VOCAB_SIZE
 from .hf_config import config_from_hf, init_model_config
 
 
 def read_model_config(path: str) -> ModelConfig:
     """`--model-config config.json` (or a model directory): the shapes of a Hugging Face config."""
     return config_from_hf(path)
+
+
+def fit_vocab(model, spec: str | None, follows_tokenizer: bool):
+    """The model's vocabulary follows --data's tokenizer for the byte-sized presets (tiny, small,
+    tiny-moe); a model with its own vocabulary (a preset like llama3-8b, a given config) must cover it."""
+    found = data_vocab(spec)
+    if found is None:
+        return model
+    vocab, what = found
+    if follows_tokenizer and model.vocab_size == VOCAB_SIZE:
+        return dataclasses.replace(model, vocab_size=vocab)
+    if vocab > model.vocab_size:
+        raise ConfigError(f"--data {what}: the tokenizer has {vocab} ids but model {model.name!r} has "
+                          f"vocab_size={model.vocab_size}; use a model whose vocabulary covers it (tiny, small "
+                          "and tiny-moe follow the tokenizer)")
+    return model
 
 
 def resolve_model(cfg: TrainConfig) -> ModelConfig:
