@@ -82,6 +82,9 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
         moe.add_argument(f"--moe-{flag}", type=typ, default=None, help=what)
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--device", default="auto", help="auto (one NCCL rank per GPU when CUDA is present), cpu or cuda")
+    p.add_argument("--gloo-ifname", default=None, metavar="IFACE",
+                   help="network interface for gloo groups (default: GLOO_SOCKET_IFNAME, else the one that "
+                        "reaches MASTER_ADDR)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps and at the end (0: never)")
@@ -242,6 +245,10 @@ def main(argv=None) -> int:
 
         launch = plan_launch(world, args.device, torch.cuda.device_count() if args.device != "cpu" else 0,
                              torchrun_world is not None)
+        if torchrun_world is not None or args.gloo_ifname:
+            from .launch import configure_gloo
+
+            configure_gloo(args.gloo_ifname)
         if torchrun_world is None and world > MAX_LOCAL_RANKS:
             raise ConfigError(f"the layout needs {world} ranks; the local launcher starts at most "
                               f"{MAX_LOCAL_RANKS} (use torchrun for more)")
@@ -254,7 +261,7 @@ def main(argv=None) -> int:
         if torchrun_world is not None:
             from .launch import init_distributed
 
-            result = _run(args.command, cfg, init_distributed(cfg.timeout_s, launch.device))
+            result = _run(args.command, cfg, init_distributed(cfg.timeout_s, launch.device, cfg.out))
             rank0 = int(os.environ["RANK"]) == 0
         elif world == 1:
             import torch
@@ -263,7 +270,7 @@ def main(argv=None) -> int:
             result, rank0 = _run(args.command, cfg, device), True
         else:
             result, rank0 = run_local(_run, world, args.command, cfg, timeout_s=cfg.timeout_s,
-                                      backend=launch.backend)[0], True
+                                      backend=launch.backend, run_dir=cfg.out)[0], True
     except RankError as e:
         print(f"shardwise {args.command}: {e}", file=sys.stderr)
         return 1

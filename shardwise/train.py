@@ -406,10 +406,10 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     } | _activation_summary(cfg, act_peak)
     if pipeline is not None:
         summary["pipeline"] = pipeline
-    if cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "ring":
-        from .context_parallel.kernels import USED
+    if cfg.parallel.cp > 1:
+        from .context_parallel.kernels import used
 
-        summary["attention_kernel"] = ",".join(sorted(USED))
+        summary["attention_kernel"] = used()
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if cfg.report:

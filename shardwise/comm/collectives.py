@@ -63,6 +63,15 @@ def _check_device(axis, what: str, t: torch.Tensor) -> None:
                           f"but the mesh's device is {device}: create it with device=mesh.device")
 
 
+_on_call = None  # fn(op, axis name) run before every torch.distributed call; launch's last-op record
+
+
+def set_call_hook(fn) -> None:
+    """Install `fn(op, axis_name)` (or None): an NCCL hang aborts the process, so the launcher keeps its own trace."""
+    global _on_call
+    _on_call = fn
+
+
 def _guarded(axis, what: str, fn, *args, **kwargs):
     """Run one torch.distributed call; turn backend errors (peer died, timeout) into a CollectiveError.
 
@@ -72,6 +81,8 @@ def _guarded(axis, what: str, fn, *args, **kwargs):
     for a in args:
         if isinstance(a, torch.Tensor):
             _check_device(axis, what, a)
+    if _on_call is not None:
+        _on_call(what, axis.name)
     try:
         return fn(*args, **kwargs)
     except (RuntimeError, dist.DistError) as e:

@@ -67,9 +67,9 @@ def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto", ma
 
     `mask` boolean [b, 1, s_q, s_k] (True = attend): rows that see nothing give out 0, LSE −inf.
     """
-    kernel = kernels.pick(q, backend, mask is not None)
-    if kernel != "math":
-        return kernels.fused_forward(kernel, q, k, v, causal, scale, mask)
+    choice = kernels.pick("ring_attention", q, v, backend, kernels.mask_kind(causal, mask))
+    if choice.kernel != "math":
+        return kernels.fused_forward(choice, q, k, v, causal, scale, mask)
     g = q.shape[1] // k.shape[1]
     s = _math_scores(q, _expand(k, g), causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
@@ -80,9 +80,9 @@ def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto", ma
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str = "auto", mask=None):
     """(dq, dk, dv) of one block pair, given the *global* out and LSE of these query rows."""
-    kernel = kernels.pick(q, backend, mask is not None)
-    if kernel != "math":
-        return kernels.fused_backward(kernel, dout, q, k, v, out, lse, causal, scale, mask)
+    choice = kernels.pick("ring_attention", q, v, backend, kernels.mask_kind(causal, mask))
+    if choice.kernel != "math":
+        return kernels.fused_backward(choice, dout, q, k, v, out, lse, causal, scale, mask)
     g = q.shape[1] // k.shape[1]
     ke, ve = _expand(k, g).float(), _expand(v, g).float()
     p = torch.exp(_math_scores(q, ke, causal, scale, mask) - lse.unsqueeze(-1))
