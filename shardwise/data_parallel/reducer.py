@@ -52,8 +52,14 @@ def model_units(model) -> list[tuple[int, torch.nn.Module]]:
 
 
 class GradReducer:
-    """Steps 1–4 above for zero ∈ {0, 1, 2, 3}. `rounds` is the number of micro-batches per step (each
-    parameter accumulates that many gradients); `overlap=False` reduces every bucket after backward."""
+    """Steps 1–4 above for zero ∈ {0, 1, 2, 3}: data-parallel gradient reduction, clipping and AdamW.
+
+    Per step a caller must: run exactly `rounds` backward passes (one per micro-batch; each parameter
+    accumulates that many gradients — with `overlap` a bucket is reduced as soon as its last one
+    arrives), then `reduce_and_clip(max_norm)` (TP/dp reductions, the global norm), then `step()` (AdamW,
+    ZeRO all-gathers, and `zero_grad()`), or `zero_grad()` alone to drop the step. A gradient arriving
+    for a bucket already reduced — more backward passes than `rounds`, or one after `reduce_and_clip` —
+    raises instead of being lost. `overlap=False` reduces every bucket after backward."""
 
     def __init__(self, model, mesh: Mesh, zero: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
                  betas=(0.9, 0.95), eps: float = 1e-8, reduce_dtype: torch.dtype | None = None,
@@ -181,6 +187,7 @@ class GradReducer:
 
     def _adopt_grad(self, p: torch.Tensor) -> None:
         b, off, k = self._bucket_of[id(p)]
+        self.reduction.refuse_late(b, p)
         adopt_grad(b.grad_full, p, off, k)
 
     def _on_grad(self, p: torch.Tensor) -> None:
