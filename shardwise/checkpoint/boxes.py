@@ -91,7 +91,7 @@ def _ensure_state(reducer, step: int | None = None) -> None:
                 st.update(step=torch.zeros((), device=p.device if on_device else "cpu"),
                           exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             if step is not None:
-                st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
+                st["step"] = torch.full((), step, dtype=st["step"].dtype, device=st["step"].device)
 
 
 def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:

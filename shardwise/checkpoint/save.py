@@ -10,7 +10,7 @@ import threading
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .. import comm
+from .. import comm, host
 from ..data.shards import sha256_file
 from .boxes import _BoxSavePlanner, _dcp, _ensure_state, _entries
 from .files import (FORMAT_VERSION, LATEST, MANIFEST, META, _OWNER, _b64, _fsync_dir, _write_json, _write_text,
@@ -123,7 +123,7 @@ def _begin_save(root: str, step: int, trainer, extra_state: dict | None) -> tupl
     if rank0:
         layout = trainer.cfg.parallel.as_dict() | {"world": ckpt.size, "device": mesh.device.type}
         _write_json(os.path.join(tmp, META), {
-            "format": FORMAT_VERSION, "step": step, "optimizer_step": int(state["step"]), "layout": layout,
+            "format": FORMAT_VERSION, "step": step, "optimizer_step": int(host.read(state["step"], "checkpoint step")), "layout": layout,
             "model": vars(trainer.model_cfg), "extra_state": extra_state or {},
             "bad_steps": getattr(trainer, "bad_steps", 0)})
     return tmp, final

@@ -18,11 +18,9 @@ norm is also summed over ep.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .. import comm
+from .. import comm, host
 from ..mesh import Mesh
 from ..pipeline.tied_embedding import tied_partial
 from ..tensor_parallel.layers import get_spec
@@ -270,14 +268,23 @@ class GradReducer:
 
     def reduce_and_clip(self, max_norm: float) -> float:
         """Finish the gradients of this step; returns the global grad norm (before clipping)."""
+        return host.read(self.reduce_and_clip_queued(max_norm), "grad norm")[0]
+
+    def reduce_and_clip_queued(self, max_norm: float) -> torch.Tensor:
+        """`reduce_and_clip` without reading the norm back: it stays on the device ([1], fp32) and the
+        clipping is queued there — scale max_norm / (norm + 1e-6), in fp64 as a host float would be, where
+        the norm is finite and above max_norm, else 1 (an exact no-op) — so the host can read the norm
+        together with the loss, once per step (`shardwise.host`)."""
         if self.units is not None:
             self.units.free_all()
         self._reduce_tp()
         self._reduce_tied()  # before dp×cp: ZeRO shards differ per stage
         self.reduction.finish()
-        norm = float(self._grad_norm_sq().sqrt())
-        if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
+        norm = self._grad_norm_sq().sqrt()
+        if max_norm > 0:
+            n64 = norm.double()
+            coef = torch.where(torch.isfinite(n64) & (n64 > max_norm), max_norm / (n64 + 1e-6), 1.0)
+            coef = coef.to(torch.float32).reshape(())
             for g in self._final_grads():
                 g.mul_(coef)
         return norm
