@@ -75,3 +75,43 @@ def test_step_timer_reads_device_events_a_step_late(monkeypatch):
     assert log.count("sync") == 1 and recs[0]["step_time_s"] == 0.01  # step 1's end read at step 2's stop
     timer.flush()
     assert recs[1]["step_time_s"] == 0.01 and log.count("sync") == 2
+
+
+def test_grouped_gemm_runs_in_the_autocast_dtype_with_device_offsets(monkeypatch):
+    """Under bf16 autocast the experts' grouped GEMM gets bf16 rows and weights (on sm90 only bf16 runs
+    fused; fp32 falls back to a host copy of the offsets and a per-expert loop) and offsets computed on
+    the device from the dispatcher's counts, never `torch.tensor(list, device=...)`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardwise.expert_parallel.experts import GroupedExperts, grouped_mm_available
+    from shardwise.mesh import Axis
+
+    experts = GroupedExperts(4, 16, 32, Axis("ep"), grouped_mm=True)
+    for w in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(w, std=0.1)
+    seen, real = [], torch._grouped_mm
+
+    def spy(a, b, offs=None, **kw):
+        seen.append((a.dtype, b.dtype, offs.tolist()))
+        return real(a, b, offs=offs, **kw)
+
+    def no_list_copy(*a, **kw):
+        raise AssertionError("offsets copied from a host list")
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    rows, counts = torch.randn(10, 16), [3, 0, 5, 2]
+    device_counts = torch.tensor(counts)
+    with monkeypatch.context() as m, torch.autocast("cpu", dtype=torch.bfloat16):
+        m.setattr(torch, "tensor", no_list_copy)
+        out = experts(rows, counts, device_counts)
+    assert out.dtype == torch.float32 and len(seen) == 3
+    assert all(a == b == torch.bfloat16 and offs == [3, 3, 8, 10] for a, b, offs in seen), seen
+    loop = GroupedExperts(4, 16, 32, Axis("ep"), grouped_mm=False)
+    loop.load_state_dict(experts.state_dict())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = loop(rows, counts)
+    assert torch.allclose(out, want.float(), atol=2e-2, rtol=2e-2)
+    with FakeTensorMode():  # simulation: the fake kernel takes bf16 only
+        x, w = torch.empty(8, 16), torch.empty(4, 32, 16)
+        assert not grouped_mm_available(x, w)
+        assert grouped_mm_available(x.bfloat16(), w.bfloat16())
