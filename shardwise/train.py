@@ -10,13 +10,14 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, host
 from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .comm import Ledger
 from .config import TrainConfig
@@ -74,6 +75,7 @@ class Trainer:
         for m in self.moe:  # every global microbatch's aux loss weighs tokens(microbatch) / tokens(step)
             m.aux_scale = 1.0 / cfg.grad_accum
         self.group_dp = 1  # >1 only for verify's reference: microbatch i = every dp rank's microbatch i
+        self.timer = StepTimer(mesh.device)
         self.step = 0
         self.bad_steps = 0
         self._poison = False
@@ -94,6 +96,10 @@ class Trainer:
 
     def forward_backward(self, step: int) -> float:
         """Run every microbatch of this rank's share of the step's global batch; returns the global loss."""
+        return host.read(self._forward_backward(step), "loss")[0]
+
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        """`forward_backward`, leaving the global loss on the device ([1]): nothing waits for it."""
         dp = self.mesh["dp_cp"]
         n_tokens = self.loader.count_targets(step)  # every rank knows the global count: no collective
         per = self.global_batch // self.mesh.dims.dp
@@ -110,8 +116,7 @@ class Trainer:
             y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
         if self._poison:  # fault injection: NaN gradients enter this rank's reductions
             self.reducer.poison()
-        xs = [t.to(self.mesh.device) for t in x.split(self.cfg.micro_batch)]
-        ys = [t.to(self.mesh.device) for t in y.split(self.cfg.micro_batch)]
+        xs, ys = (to_device(t, self.mesh.device).split(self.cfg.micro_batch) for t in (x, y))
         if self.executor is not None:
             loss_sum = self.executor.run(xs, ys, n_tokens, side)
         else:
@@ -126,14 +131,14 @@ class Trainer:
             loss_sum.fill_(float("nan"))
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
-        return float(loss_sum)
+        return loss_sum
 
     def _document_inputs(self, x: torch.Tensor) -> list[dict] | None:
         """Per microbatch, the model's side inputs for --attention-mask document / --reset-positions:
         document ids and positions of the *global* (uncut) sequences; every cp rank takes its share."""
         if self.cfg.attention_mask == "causal" and not self.cfg.reset_positions:
             return None
-        doc = document_ids(x, self.eos_id).to(self.mesh.device)
+        doc = to_device(document_ids(x, self.eos_id), self.mesh.device)
         side = [{} for _ in range(-(-x.shape[0] // self.cfg.micro_batch))]
         if self.cfg.attention_mask == "document":
             for s, d in zip(side, doc.split(self.cfg.micro_batch)):
@@ -145,6 +150,10 @@ class Trainer:
 
     def finish_gradients(self) -> float:
         return self.reducer.reduce_and_clip(self.cfg.grad_clip)
+
+    def _finish_gradients(self) -> torch.Tensor:
+        """`finish_gradients` with the clipping queued on the device; the norm stays there ([1])."""
+        return self.reducer.reduce_and_clip_queued(self.cfg.grad_clip)
 
     def optimizer_step(self, step: int) -> float:
         lr = lr_at(step, self.cfg)
@@ -170,12 +179,20 @@ class Trainer:
         self._poison = True
 
     def train_step(self, step: int) -> dict:
-        """One optimizer step. Non-finite loss or gradient norm (global, so every rank agrees) skips it."""
-        timer = _StepTimer(self.mesh.device)
+        """One optimizer step. Non-finite loss or gradient norm (global, so every rank agrees) skips it.
+
+        One host read per step (`shardwise.host`): loss, grad norm and the MoE metrics come back together,
+        once the clipped gradients — the optimizer's inputs — are queued; the step time is read a step
+        late (`StepTimer`), so the host never waits for the optimizer before queuing the next step.
+        """
+        self.timer.start()
+        host.reset()
         self._poison = False
         self._inject_fault(step)
-        loss = self.forward_backward(step)
-        norm = self.finish_gradients()
+        queued = [self._forward_backward(step), self._finish_gradients()]
+        moe = self.moe_step(read=False) if self.model_cfg.moe_experts else None  # every stage joins the pp reduce
+        values = host.read(torch.cat(queued + ([moe] if moe is not None else [])), "loss+norm")
+        loss, norm = values[0], values[1]
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if skipped:
             self.bad_steps += 1
@@ -188,20 +205,20 @@ class Trainer:
                        f"{self.bad_steps} bad steps exceed --max-bad-steps {self.cfg.max_bad_steps}"))
         else:
             lr = self.optimizer_step(step)
-        moe = self.moe_step() if self.model_cfg.moe_experts else None  # every stage joins the pp reduce
-        dt = timer.elapsed_s()
         self.mesh.ledger.end_step(step + 1)
         rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
-               "tokens": self.global_batch * self.cfg.seq_len, "step_time_s": dt}
+               "tokens": self.global_batch * self.cfg.seq_len, "host_syncs": host.count()}
+        self.timer.stop(rec)  # sets rec["step_time_s"] now (host clock) or at the next step (device events)
         if skipped:
             rec["skipped"] = True
         if moe is not None:
-            rec.update(moe)
+            rec.update(_moe_metrics(values[2:], self.model_cfg.moe_experts))
         return rec
 
-    def moe_step(self) -> dict:
-        """After the optimizer step: the loss-free bias update and this step's global routing metrics
-        (all dp×cp ranks, all stages). Collective over the token axes and pp."""
+    def moe_step(self, read: bool = True):
+        """The loss-free bias update (the bias is no optimizer input: before or after `optimizer_step`
+        alike) and this step's global routing metrics (all dp×cp ranks, all stages). Collective over the
+        token axes and pp. `read=False` leaves the metrics on the device as one float64 vector."""
         p = self.cfg.parallel
         axes = (self.mesh["dp_cp"], self.mesh["tp"]) if p.sequence_parallel else (self.mesh["dp_cp"],)
         n_exp = self.model_cfg.moe_experts
@@ -218,28 +235,73 @@ class Trainer:
         for ax in axes:
             comm.all_reduce(tail, ax, tag="metrics")
         comm.all_reduce(vec, self.mesh["pp"], tag="metrics")
-        return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp].tolist()],
-                "moe_max_over_mean_load": float(vec[n_exp] / max(1.0, float(vec[n_exp + 1]))),
-                "moe_dropped": int(vec[n_exp + 2]), "moe_aux_loss": float(vec[n_exp + 3])}
+        return _moe_metrics(host.read(vec, "moe metrics"), n_exp) if read else vec
 
 
-class _StepTimer:
-    """Step time: CUDA events on the GPU (host clocks around asynchronous launches would time the
-    launches), the host clock on CPU."""
+def _moe_metrics(vec: list[float], n_exp: int) -> dict:
+    return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp]],
+            "moe_max_over_mean_load": vec[n_exp] / max(1.0, vec[n_exp + 1]),
+            "moe_dropped": int(vec[n_exp + 2]), "moe_aux_loss": vec[n_exp + 3]}
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch onto the device. CUDA: through pinned memory (the caching host allocator reuses its
+    blocks, and records the copy so a block is not reused before the DMA is done), without blocking."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class StepTimer:
+    """Step times without a host sync. On an accelerator a host clock around asynchronous launches times
+    the launches, and waiting for an end event stalls the queue: each step records a start and an end
+    event, and the end is read at the next step's `stop` (complete by then: that step's host read waited
+    for the stream), or at `flush`. On CPU the host clock is the step time, known at once."""
 
     def __init__(self, device: torch.device):
-        self.t0 = time.perf_counter()
-        self.events = None
-        if device.type == "cuda":
-            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self.events[0].record()
+        self.device = device
+        self.timed = device.type != "cpu"
+        self.t0 = 0.0
+        self.open = None
+        self.pending: list[tuple] = []  # (start event, end event, record) not yet read
 
-    def elapsed_s(self) -> float:
-        if self.events is None:
-            return time.perf_counter() - self.t0
-        self.events[1].record()
-        self.events[1].synchronize()
-        return self.events[0].elapsed_time(self.events[1]) / 1000.0
+    def _event(self):
+        return torch.Event(device=self.device, enable_timing=True)
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        if self.timed:
+            self.open = self._event()
+            self.open.record()
+
+    def stop(self, rec: dict) -> None:
+        """Set rec["step_time_s"]: now (host clock), or once its end event is known to be done."""
+        if not self.timed:
+            rec["step_time_s"] = time.perf_counter() - self.t0
+            return
+        end = self._event()
+        end.record()
+        self.flush()  # the previous step: done, this step's host read waited for the stream past it
+        self.pending = [(self.open, end, rec)]
+        rec["step_time_s"] = None
+
+    def flush(self) -> None:
+        """Read the pending step's time (waits for its end event, if not done yet): also after the loop."""
+        for start, end, rec in self.pending:
+            end.synchronize()
+            rec["step_time_s"] = start.elapsed_time(end) / 1000.0
+        self.pending = []
+
+
+def _write_timed(metrics, bar, unwritten: list) -> list:
+    """Write, in order, the records whose step time is known; returns those still waiting for it."""
+    while unwritten and unwritten[0][0]["step_time_s"] is not None:
+        rec, axes = unwritten.pop(0)
+        metrics.write(rec, axes)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}")
+    return unwritten
 
 
 def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
@@ -345,7 +407,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc=f"train {mesh.describe()}", dynamic_ncols=True)
-    records, act_peak, static_peak = [], 0, []
+    records, act_peak, static_peak, unwritten, sites = [], 0, [], [], {}
     hook = trainer.reducer.optimizer.register_step_post_hook(
         lambda *_: static_peak.append(static_storage_bytes(trainer)) if not static_peak else None)
     metrics = RunLog(out, start) if rank0 else None
@@ -354,6 +416,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
             meter = SavedActivationMeter(trainer.model.parameters()) if step == start else None
             with meter or contextlib.nullcontext():  # activation memory of the first step only: hooks cost time
                 rec = trainer.train_step(step)
+            sites = host.counts()  # this step's host reads by call site (the last one lands in the summary)
             if meter is not None:
                 act_peak = meter.peak
             records.append(rec)
@@ -363,10 +426,11 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                 save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"]}, keep=cfg.keep,
                                 async_save=cfg.async_save)
             if rank0:
-                metrics.write(rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}")
+                unwritten.append((rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None))
+                unwritten = _write_timed(metrics, bar, unwritten)
+        trainer.timer.flush()  # the last step's time (device events are read a step late)
+        if rank0:
+            _write_timed(metrics, bar, unwritten)
     finally:
         hook.remove()
         if bar is not None:
@@ -394,7 +458,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         return {"layout": layout, "model": trainer.model_cfg.name,
                 "steps": cfg.steps, "first_loss": float("nan"), "final_loss": float("nan"), "tokens_per_s": 0.0,
                 "comm_bytes_per_step": {}, "out": out}
-    times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
+    steady = records[1:] or records  # the first step builds state (optimizer moments, caches)
+    times = [r["step_time_s"] for r in steady]
     summary = {
         "layout": layout, "model": trainer.model_cfg.name, "steps": cfg.steps,
         "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
@@ -403,6 +468,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                                 for a, ops in (mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else {}).items()},
         "out": out, "mesh_build_s": mesh.build_s,
         "static_bytes_measured": static_peak,
+        "host_syncs_per_step": statistics.median(r["host_syncs"] for r in steady), "host_syncs_by_site": sites,
     } | _activation_summary(cfg, act_peak)
     if pipeline is not None:
         summary["pipeline"] = pipeline

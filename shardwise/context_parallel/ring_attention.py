@@ -43,7 +43,7 @@ import weakref
 
 import torch
 
-from .. import comm
+from .. import comm, host
 from ..models.documents import document_mask
 from . import kernels
 from .kernels import _expand, _fold
@@ -176,7 +176,7 @@ def _document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local:
             # which the mask then handles.
             visible = ((k_hi >= q_lo) & (q_hi >= k_lo)).any()
             flags.append(torch.stack([visible, ((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all()]))
-    flags = torch.stack(flags).tolist() if flags else []  # the one host sync
+    flags = host.read(torch.stack(flags), "cp document plan") if flags else []  # the one host sync
     out, i = [], 0
     for step, plan in enumerate(plans):
         pairs = []

@@ -111,7 +111,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
         rows, handle = self.dispatcher.dispatch(flat, routing.indices, routing.weights)
-        out = self.dispatcher.combine(self.experts(rows, handle.tokens_per_local_expert), handle)
+        out = self.dispatcher.combine(self.experts(rows, handle.tokens_per_local_expert, handle.local_counts), handle)
         if self.shared is not None:
             out = out + self.shared(flat)
         self.aux_loss = routing.loss

@@ -93,7 +93,7 @@ class Router(nn.Module):
                                                               torch.ones(n * k, device=x.device))
         active = [ax for ax in self.token_axes if ax.active]
         if active and (self.aux_loss_coef or self.z_loss_coef):
-            stats = torch.cat([counts, torch.tensor([float(n)], device=x.device)])
+            stats = torch.cat([counts, counts.new_full((1,), n)])
             for ax in active:
                 comm.all_reduce(stats, ax, tag="aux_loss")
             n_global = stats[-1]
