@@ -281,6 +281,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
         return 2
+    p = cfg.parallel
+    if p.pp > 1 and cfg.grad_accum < p.pp and (torchrun_world is None or int(os.environ["RANK"]) == 0):
+        print(f"shardwise {args.command}: warning: {cfg.grad_accum} microbatch(es) per step for {p.pp} pipeline "
+              f"stages: most stages idle most of the step; set --microbatches {p.pp} or more", file=sys.stderr)
     from .launch import RankError, run_local
 
     try:

@@ -305,7 +305,13 @@ def static_storage_bytes(trainer: "Trainer") -> int:
 
 
 def default_out_dir() -> str:
-    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    """runs/<timestamp>, with a suffix when that directory exists (two runs started in one second)."""
+    base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    out, n = base, 1
+    while os.path.exists(out):
+        n += 1
+        out = f"{base}-{n}"
+    return out
 
 
 def _resume(cfg: TrainConfig, trainer: Trainer, ckpt_dir: str, rank0: bool) -> int:
@@ -330,7 +336,7 @@ def _resume(cfg: TrainConfig, trainer: Trainer, ckpt_dir: str, rank0: bool) -> i
         if stored and stored != plan:
             print(f"shardwise: LR schedule changes from step {start + 1}: {describe_plan(stored)} -> "
                   f"{describe_plan(plan)}", file=sys.stderr)
-        if cfg.steps > plan["lr_decay_steps"] > start:
+        if cfg.steps > plan["lr_decay_steps"]:
             print(f"shardwise: steps {plan['lr_decay_steps'] + 1}..{cfg.steps} run past the LR schedule's "
                   f"{plan['lr_decay_steps']} steps at {lr_at_plan(plan['lr_decay_steps'], plan):g} "
                   "(--lr-decay-steps N re-plans it)", file=sys.stderr)

@@ -67,6 +67,19 @@ class ParallelConfig:
         return out
 
 
+def _tp_problem(tp: int, m: ModelConfig) -> str | None:
+    """Why `tp` cannot shard model `m`'s heads and FFN (None: it can)."""
+    if m.n_heads % tp:
+        return f"does not divide n_heads={m.n_heads}"
+    if m.n_kv_heads >= tp and m.n_kv_heads % tp:
+        return f"does not divide n_kv_heads={m.n_kv_heads}"
+    if m.n_kv_heads < tp and tp % m.n_kv_heads:
+        return f"> n_kv_heads={m.n_kv_heads} needs tp to be a multiple of n_kv_heads"
+    if m.ffn_dim % tp:
+        return f"does not divide ffn_dim={m.ffn_dim}"
+    return None
+
+
 @dataclass
 class TrainConfig:
     """Everything one `shardwise train` / `shardwise verify` run needs."""
@@ -269,16 +282,10 @@ class TrainConfig:
                               "use --zero 0, or --dp/--cp > 1")
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("--sequence-parallel needs --tp > 1 (it shards the TP regions' sequence)")
-        if m.n_heads % p.tp:
-            raise ConfigError(f"--tp {p.tp} does not divide n_heads={m.n_heads} of model {m.name!r}")
-        if m.n_kv_heads >= p.tp and m.n_kv_heads % p.tp:
-            raise ConfigError(f"--tp {p.tp} does not divide n_kv_heads={m.n_kv_heads} of model {m.name!r}")
-        if m.n_kv_heads < p.tp and p.tp % m.n_kv_heads:
-            raise ConfigError(
-                f"--tp {p.tp} > n_kv_heads={m.n_kv_heads} needs tp to be a multiple of n_kv_heads (model {m.name!r})"
-            )
-        if m.ffn_dim % p.tp:
-            raise ConfigError(f"--tp {p.tp} does not divide ffn_dim={m.ffn_dim} of model {m.name!r}")
+        problem = _tp_problem(p.tp, m)
+        if problem:
+            valid = ", ".join(str(t) for t in range(1, m.n_heads + 1) if not _tp_problem(t, m))
+            raise ConfigError(f"--tp {p.tp} {problem} of model {m.name!r}; valid: {valid}")
         for name in ("steps", "seq_len", "micro_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -336,7 +343,9 @@ class TrainConfig:
             raise ConfigError(f"--ep {p.ep} must divide dp × cp = {p.dp} × {p.cp} = {p.dp * p.cp} "
                               "(expert parallelism is drawn from the data-parallel ranks)")
         if m.moe_experts % p.ep:
-            raise ConfigError(f"--ep {p.ep} does not divide moe_experts={m.moe_experts} of model {m.name!r}")
+            valid = ", ".join(str(e) for e in range(1, m.moe_experts + 1) if not m.moe_experts % e)
+            raise ConfigError(f"--ep {p.ep} does not divide moe_experts={m.moe_experts} of model {m.name!r}; "
+                              f"valid: {valid}")
 
     def _validate_context(self, m: ModelConfig) -> None:
         p = self.parallel
