@@ -15,7 +15,16 @@ from .config import ConfigError, ParallelConfig, TrainConfig
 from .config.schedule import LR_SCHEDULES, parse_betas
 from .run import assemble, check_sources, read_model_config
 
-HelpFormatter = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default; flags that default to off or to a value derived from others (None)
+    say so in their own help instead."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 DEFAULT_LAYOUT = {"dp": 2, "tp": 2}  # `shardwise train` with no layout flags: a small 4-rank job
 MAX_LOCAL_RANKS = 64
 
@@ -53,13 +62,13 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--init-from-hf", default=None, metavar="DIR",
                    help="fine-tune a Hugging Face model directory: its config, weights (each rank reads its slices) "
                         "and tokenizer")
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps to train to (a resume continues to it)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch per dp rank")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step over all dp ranks")
     _add_optim(p)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
+    p.add_argument("--seed", type=int, default=1234, help="model initialisation, data order and dropout")
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16 (autocast; fp32 master weights)")
     p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=False,
                    help="under bf16: keep the residual stream fp32 (default off)")
     p.add_argument("--grad-reduce-dtype", default="fp32", help="DP gradient reduction dtype: fp32 or bf16")
