@@ -332,7 +332,7 @@ def _prepare_run_dir(args, cfg: TrainConfig) -> str | None:
     """Before any rank: the run directory (newest run for a bare --resume), fresh vs resume, and protection of
     a non-empty --out. Returns the line to print when the checkpoint already reaches --steps."""
     from .run import check_run_dir
-    from .train import default_out_dir, newest_run_with_checkpoints
+    from .run_dir import default_out_dir, newest_run_with_checkpoints
 
     if cfg.out is None:
         if (cfg.resume or args.auto_resume) and cfg.checkpoint_dir is None:

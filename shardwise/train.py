@@ -20,8 +20,9 @@ from . import comm
 from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .comm import Ledger
 from .config import TrainConfig
-from .config.schedule import describe_plan, lr_at_plan, lr_plan, parse_betas
+from .config.schedule import lr_at_plan, lr_plan, parse_betas
 from .run import assembled
+from .run_dir import resume
 from .context_parallel.sharding import shard_sequence
 from .data import IGNORE_INDEX, Loader, open_data
 from .data_parallel import GradReducer
@@ -275,12 +276,6 @@ def _write_timeline(trainer: Trainer, out: str) -> dict | None:
             "mean_action_s": mean}
 
 
-def newest_run_with_checkpoints(root: str = "runs") -> str | None:
-    runs = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else [])
-                  if os.path.exists(os.path.join(root, d, "checkpoints", "latest")))
-    return os.path.join(root, runs[-1]) if runs else None
-
-
 def _activation_summary(cfg: TrainConfig, measured: int) -> dict:
     """Saved-activation peak of the first step (max over ranks) beside the planner's figure for this run
     (None where the planner does not model the run: --recompute-layers)."""
@@ -304,45 +299,6 @@ def static_storage_bytes(trainer: "Trainer") -> int:
     return sum(n for ptr, n in sizes.items() if ptr)
 
 
-def default_out_dir() -> str:
-    """runs/<timestamp>, with a suffix when that directory exists (two runs started in one second)."""
-    base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    out, n = base, 1
-    while os.path.exists(out):
-        n += 1
-        out = f"{base}-{n}"
-    return out
-
-
-def _resume(cfg: TrainConfig, trainer: Trainer, ckpt_dir: str, rank0: bool) -> int:
-    """Load the checkpoint `latest` names (or the newest older intact one); keep its LR schedule's length unless
-    --lr-decay-steps is given, and say in one line when the schedule changes. Returns its step."""
-    from .checkpoint import load_checkpoint
-    from .config.schedule import validate_optim
-
-    info = load_checkpoint(ckpt_dir, trainer)
-    if info is None:
-        raise FileNotFoundError(f"--resume: no intact checkpoint under {ckpt_dir}")
-    start = info["step"]
-    stored = info["extra_state"].get("lr_plan")
-    if stored and cfg.lr_decay_steps is None:
-        cfg.lr_decay_steps = stored["lr_decay_steps"]
-        validate_optim(cfg)
-    if rank0:
-        for path, reason in info["skipped"]:
-            print(f"shardwise: skipped checkpoint {path}: {reason}", file=sys.stderr)
-        print(f"shardwise: resuming from {info['path']} (step {start})", file=sys.stderr)
-        plan = lr_plan(cfg)
-        if stored and stored != plan:
-            print(f"shardwise: LR schedule changes from step {start + 1}: {describe_plan(stored)} -> "
-                  f"{describe_plan(plan)}", file=sys.stderr)
-        if cfg.steps > plan["lr_decay_steps"]:
-            print(f"shardwise: steps {plan['lr_decay_steps'] + 1}..{cfg.steps} run past the LR schedule's "
-                  f"{plan['lr_decay_steps']} steps at {lr_at_plan(plan['lr_decay_steps'], plan):g} "
-                  "(--lr-decay-steps N re-plans it)", file=sys.stderr)
-    return start
-
-
 def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     """Train on this rank; rank 0 writes the run directory and returns the summary."""
     cfg = assembled(cfg)
@@ -357,7 +313,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     start = 0
     ckpt_dir = cfg.checkpoint_dir or os.path.join(out, "checkpoints")
     if cfg.resume:
-        start = _resume(cfg, trainer, ckpt_dir, rank0)
+        start = resume(cfg, trainer, ckpt_dir, rank0)
         if start >= cfg.steps:  # nothing to train: the run directory stays as it is
             if rank0:
                 print(f"shardwise: checkpoint at step {start} already reaches --steps {cfg.steps}", file=sys.stderr)
@@ -378,6 +334,11 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     hook = trainer.reducer.optimizer.register_step_post_hook(
         lambda *_: static_peak.append(static_storage_bytes(trainer)) if not static_peak else None)
     metrics = RunLog(out, start) if rank0 else None
+    tokenizer = None  # what hf-export writes beside the weights (rank 0's extra_state is the one stored)
+    if rank0 and (cfg.save_every or cfg.final_checkpoint):
+        from .hf_export import tokenizer_record
+
+        tokenizer = tokenizer_record(cfg.data, cfg.init_from_hf, trainer.eos_id)
     try:
         for step in range(start, cfg.steps):
             meter = SavedActivationMeter(trainer.model.parameters()) if step == start else None
@@ -390,7 +351,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                     ((cfg.save_every or cfg.final_checkpoint) and step + 1 == cfg.steps):
                 from .checkpoint import save_checkpoint
 
-                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"], "lr_plan": lr_plan(cfg)},
+                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"], "lr_plan": lr_plan(cfg),
+                                                             "tokenizer": tokenizer},
                                 keep=cfg.keep, async_save=cfg.async_save)
             if rank0:
                 metrics.write(rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None)

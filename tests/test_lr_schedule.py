@@ -66,7 +66,7 @@ def test_decay_steps_shorter_than_steps_holds_min_lr():
     (["--adam-betas", "0.9"], "--adam-betas '0.9' must be two numbers"),
     (["--adam-betas", "0.9,1.0"], "--adam-betas 0.9,1.0 must both be in [0, 1)"),
     (["--adam-eps", "0"], "--adam-eps 0.0 must be a positive number"),
-    (["--lr", "-1"], "--lr -1.0 must be a positive number"),
+    (["--lr", "-1"], "--lr -1.0 must be a non-negative number"),
 ])
 def test_bad_optimizer_flags_exit_2_with_one_line(argv, message, capsys):
     assert main_without_ranks(["train", *argv]) == 2

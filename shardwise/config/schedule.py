@@ -83,8 +83,8 @@ def validate_optim(cfg) -> None:
     """Every LR-schedule and AdamW field; one-line ConfigError naming the value and what is valid."""
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"--lr-schedule {cfg.lr_schedule!r} is unknown; valid: {', '.join(LR_SCHEDULES)}")
-    if not isinstance(cfg.lr, (int, float)) or not cfg.lr > 0 or not math.isfinite(cfg.lr):
-        raise ConfigError(f"--lr {cfg.lr!r} must be a positive number")
+    if not isinstance(cfg.lr, (int, float)) or not cfg.lr >= 0 or not math.isfinite(cfg.lr):
+        raise ConfigError(f"--lr {cfg.lr!r} must be a non-negative number (0 freezes the weights)")
     if cfg.min_lr is not None and not 0 <= cfg.min_lr <= cfg.lr:
         raise ConfigError(f"--min-lr {cfg.min_lr!r} must be in [0, --lr {cfg.lr}]")
     n = cfg.lr_decay_steps
