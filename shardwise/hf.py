@@ -191,11 +191,13 @@ def _hf_tensors(name: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch
     return {f"{base}.experts.{e}.{m.group(3)}.weight": t[e] for e in range(t.shape[0])}
 
 
-def export_hf(source, cfg: ModelConfig, out_dir: str) -> str:
+def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = None) -> str:
     """Write `out_dir`/config.json and model.safetensors from a global state (or single-device model).
 
     `source` is an unsharded model (every degree 1) or a dict of global tensors under shardwise's
-    names, such as `checkpoint.load_global_tensors(step_dir)`. Returns `out_dir`.
+    names, such as `checkpoint.load_global_tensors(step_dir)`. With `tokenizer` (a run's
+    `hf_export.tokenizer_record`) also the tokenizer files, bos/eos/pad ids and generation_config.json.
+    Returns `out_dir`.
     """
     from safetensors.torch import save_file
 
@@ -227,6 +229,12 @@ def export_hf(source, cfg: ModelConfig, out_dir: str) -> str:
             raise ValueError(f"export: {n} has shape {tuple(t.shape)}, the config needs {tuple(ref.shape)}")
         tensors.update({k: v.contiguous().clone() for k, v in _hf_tensors(n, t, cfg).items()})
     os.makedirs(out_dir, exist_ok=True)
+    if tokenizer is not None:
+        from .hf_export import write_generation_config, write_tokenizer
+
+        ids = write_tokenizer(out_dir, tokenizer, cfg.max_seq_len, cfg.vocab_size)
+        config.update({k: v for k, v in ids.items() if v is not None})
+        write_generation_config(out_dir, ids)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)

@@ -21,7 +21,9 @@ from . import comm, host
 from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .comm import Ledger
 from .config import TrainConfig
+from .config.schedule import lr_at_plan, lr_plan, parse_betas
 from .run import assembled
+from .run_dir import resume
 from .context_parallel.sharding import shard_sequence
 from .data import IGNORE_INDEX, Loader, open_data
 from .data_parallel import GradReducer
@@ -37,12 +39,9 @@ from .tensor_parallel.layers import check_token_ids
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to cfg.lr, then cosine decay to cfg.min_lr at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    t = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
+    """LR of 0-based `step` under the run's schedule (shardwise.config.schedule): warm-up, then cosine, linear,
+    WSD or constant, reaching --min-lr on the schedule's last step."""
+    return lr_at_plan(step, lr_plan(cfg))
 
 
 class Trainer:
@@ -65,6 +64,7 @@ class Trainer:
             load_hf_into(self.model, cfg.init_from_hf, mesh)
         self.model.train()
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                   betas=parse_betas(cfg.adam_betas), eps=cfg.adam_eps,
                                    reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
                                    rounds=cfg.grad_accum, overlap=cfg.overlap_grad_reduce)
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
@@ -338,12 +338,6 @@ def _write_timeline(trainer: Trainer, out: str) -> dict | None:
             "mean_action_s": mean}
 
 
-def newest_run_with_checkpoints(root: str = "runs") -> str | None:
-    runs = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else [])
-                  if os.path.exists(os.path.join(root, d, "checkpoints", "latest")))
-    return os.path.join(root, runs[-1]) if runs else None
-
-
 def _activation_summary(cfg: TrainConfig, measured: int) -> dict:
     """Saved-activation peak of the first step (max over ranks) beside the planner's figure for this run
     (None where the planner does not model the run: --recompute-layers)."""
@@ -367,10 +361,6 @@ def static_storage_bytes(trainer: "Trainer") -> int:
     return sum(n for ptr, n in sizes.items() if ptr)
 
 
-def default_out_dir() -> str:
-    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-
-
 def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     """Train on this rank; rank 0 writes the run directory and returns the summary."""
     cfg = assembled(cfg)
@@ -382,26 +372,21 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     rank0 = mesh.rank == 0
     # Rank 0 names the run directory: under torchrun every process computed its own from its own clock.
     out = cfg.out = comm.all_gather_object(cfg.out, mesh["ckpt"])[0]
+    start = 0
+    ckpt_dir = cfg.checkpoint_dir or os.path.join(out, "checkpoints")
+    if cfg.resume:
+        start = resume(cfg, trainer, ckpt_dir, rank0)
+        if start >= cfg.steps:  # nothing to train: the run directory stays as it is
+            if rank0:
+                print(f"shardwise: checkpoint at step {start} already reaches --steps {cfg.steps}", file=sys.stderr)
+            return {"out": out, "steps": cfg.steps, "already_done": start} if rank0 else {}
     if rank0:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({"train": {k: v for k, v in vars(cfg).items() if k not in ("parallel", "resolved_model")},
-                       "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg)}
+                       "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg), "lr_plan": lr_plan(cfg)}
                       | ({"init_from_hf": init_record(cfg.init_from_hf)} if cfg.init_from_hf else {}), f, indent=1,
                       default=vars)  # --model-config: TrainConfig.model is a ModelConfig
-    start = 0
-    ckpt_dir = cfg.checkpoint_dir or os.path.join(out, "checkpoints")
-    if cfg.resume:
-        from .checkpoint import load_checkpoint
-
-        info = load_checkpoint(ckpt_dir, trainer)
-        if info is None:
-            raise FileNotFoundError(f"--resume: no intact checkpoint under {ckpt_dir}")
-        start = info["step"]
-        if rank0:
-            for path, reason in info["skipped"]:
-                print(f"shardwise: skipped checkpoint {path}: {reason}", file=sys.stderr)
-            print(f"shardwise: resuming from {info['path']} (step {start})", file=sys.stderr)
     bar = None
     if rank0 and cfg.progress:
         from tqdm import tqdm
@@ -411,6 +396,11 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     hook = trainer.reducer.optimizer.register_step_post_hook(
         lambda *_: static_peak.append(static_storage_bytes(trainer)) if not static_peak else None)
     metrics = RunLog(out, start) if rank0 else None
+    tokenizer = None  # what hf-export writes beside the weights (rank 0's extra_state is the one stored)
+    if rank0 and (cfg.save_every or cfg.final_checkpoint):
+        from .hf_export import tokenizer_record
+
+        tokenizer = tokenizer_record(cfg.data, cfg.init_from_hf, trainer.eos_id)
     try:
         for step in range(start, cfg.steps):
             meter = SavedActivationMeter(trainer.model.parameters()) if step == start else None
@@ -420,11 +410,13 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
             if meter is not None:
                 act_peak = meter.peak
             records.append(rec)
-            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or \
+                    ((cfg.save_every or cfg.final_checkpoint) and step + 1 == cfg.steps):
                 from .checkpoint import save_checkpoint
 
-                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"]}, keep=cfg.keep,
-                                async_save=cfg.async_save)
+                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"], "lr_plan": lr_plan(cfg),
+                                                             "tokenizer": tokenizer},
+                                keep=cfg.keep, async_save=cfg.async_save)
             if rank0:
                 unwritten.append((rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None))
                 unwritten = _write_timed(metrics, bar, unwritten)

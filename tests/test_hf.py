@@ -444,9 +444,11 @@ def test_init_from_hf_lr0_tied_tp2_pp2_export_reproduces_weights(ft_models, tmp_
     from shardwise.cli import main
 
     path, run = ft_models["tied"], str(tmp_path / "run")
+    text = tmp_path / "bytes.txt"  # byte-level data fits the 300-id vocabulary
+    text.write_text("shardwise fine-tunes a Hugging Face model on a few bytes of text. " * 20)
     assert main(["train", "--init-from-hf", path, "--tp", "2", "--pp", "2", "--lr", "0", "--steps", "1",
                  "--seq-len", "16", "--micro-batch", "1", "--microbatches", "2", "--save-every", "1", "--out", run,
-                 "--no-report", "--no-progress"]) == 0
+                 "--no-report", "--no-progress", "--data", str(text)]) == 0
     with open(os.path.join(run, "config.json")) as f:
         rec = json.load(f)["init_from_hf"]
     assert rec["tokenizer"]["vocab_size"] == 280 and len(rec["weight_files"]) > 1, rec
@@ -521,9 +523,14 @@ def test_init_from_hf_tokenizer_and_data_vocab_checked(ft_models, models, tmp_pa
     big = str(tmp_path / "big")
     shutil.copytree(ft_models["llama"], big)
     _tokenizer(big, 400)
+    text = tmp_path / "bytes.txt"
+    text.write_text("byte-level text " * 40)
     for path, message in ((big, "the tokenizer has 400 ids, more than the model's vocab_size=300"),
-                          (models["llama"], "token ids up to 256 exceed the vocab_size=101")):
-        assert main(["train", "--init-from-hf", path, "--seq-len", "16"]) == 2
+                          (models["llama"], "token ids up to 256 exceed the vocab_size=101"),
+                          (big, f"needs --data tokenized with its tokenizer (the built-in corpus is byte-level): "
+                                f"shardwise prepare-data FILES --tokenizer {big} --out DIR")):
+        data = ["--data", str(text)] if "needs --data" not in message else []
+        assert main(["train", "--init-from-hf", path, "--seq-len", "16", *data]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
     cfg = TrainConfig(model=None, init_from_hf=ft_models["llama"], model_overrides={"n_layers": 3})
@@ -539,3 +546,73 @@ def test_init_from_hf_tokenizer_and_data_vocab_checked(ft_models, models, tmp_pa
     assert main(["train", "--init-from-hf", ft_models["llama"], "--data", str(tmp_path / "data"), "--seq-len", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--data was prepared with a tokenizer whose sha256 is" in err and len(err.splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------- hf-export: a complete folder
+def _bpe_dir(folder):
+    """A byte-level BPE with an <|endoftext|> special token, saved as a model folder's tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers, trainers
+
+    tok = Tokenizer(tmodels.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    words = "the quick brown fox jumps over a lazy dog while wizards pack boxes".split()
+    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<unk>", "<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    return folder
+
+
+def _export_loads_and_generates(out, eos, text):
+    """transformers reads the folder: the tokenizer round-trips `text`, the ids agree, and generate runs."""
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    cfg, gen = (json.load(open(os.path.join(out, n))) for n in ("config.json", "generation_config.json"))
+    assert cfg["eos_token_id"] == gen["eos_token_id"] == tok.eos_token_id == eos, (cfg, gen, tok.eos_token_id)
+    assert cfg["pad_token_id"] == gen["pad_token_id"] == eos and cfg["bos_token_id"] == eos
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    assert tok.decode(ids[0]) == text
+    new = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert new.shape == (1, ids.shape[1] + 4)
+    return ids[0].tolist()
+
+
+def test_hf_export_writes_tokenizer_ids_and_refuses_a_used_folder(tmp_path, capsys):
+    """The quickstart's run (byte data, no checkpoint flag) exports a folder transformers loads with a
+    byte-level tokenizer equal to shardwise's (eos 256); a BPE-prepared run exports its tokenizer with the
+    data's end-of-document id; a non-empty folder is refused without --overwrite."""
+    from shardwise.cli import main
+    from shardwise.data.prepare import prepare_data
+
+    one = ["train", "--dp", "1", "--tp", "1", "--steps", "1", "--seq-len", "16", "--micro-batch", "1",
+           "--no-progress", "--no-report"]
+    run = tmp_path / "byte_run"
+    assert main([*one, "--out", str(run)]) == 0  # checkpoints by default: export works right after
+    out = str(tmp_path / "byte_export")
+    assert main(["hf-export", str(run / "checkpoints"), out]) == 0
+    text = "héllo, wörld\n"
+    assert _export_loads_and_generates(out, 256, text) == list(text.encode())
+
+    capsys.readouterr()
+    assert main(["hf-export", str(run / "checkpoints"), out]) == 2  # never over an existing model
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not empty" in err[0] and "--overwrite" in err[0], err
+    (tmp_path / "byte_export" / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    assert main(["hf-export", str(run / "checkpoints"), out, "--overwrite"]) == 0
+    assert not os.path.exists(os.path.join(out, "model-00001-of-00002.safetensors"))
+
+    bpe = _bpe_dir(str(tmp_path / "bpe"))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"the quick fox {i} jumps"}) + "\n"
+                                                 for i in range(60)))
+    m = prepare_data([str(tmp_path / "docs.jsonl")], bpe, str(tmp_path / "data"), progress=False)
+    run = tmp_path / "bpe_run"
+    assert main([*one, "--data", str(tmp_path / "data"), "--out", str(run)]) == 0
+    out = str(tmp_path / "bpe_export")
+    assert main(["hf-export", str(run / "checkpoints"), out]) == 0
+    assert open(os.path.join(out, "tokenizer.json")).read() == open(os.path.join(bpe, "tokenizer.json")).read()
+    from tokenizers import Tokenizer
+
+    text = "the quick brown fox"
+    want = Tokenizer.from_file(os.path.join(bpe, "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert _export_loads_and_generates(out, m["eos_id"], text) == want and m["eos_id"] != 256

@@ -10,18 +10,19 @@ import torch.distributed.checkpoint as dcp
 
 from .. import comm
 from .boxes import _BoxLoadPlanner, _dcp, _ensure_state, _entries, _SafeReader
-from .files import FORMAT_VERSION, META, MANIFEST, RNG_AXES, STEP_DIR, _unb64, checkpoint_problems, list_checkpoints, log
+from .files import FORMAT_VERSION, META, MANIFEST, RNG_AXES, STEP_DIR, _unb64, checkpoint_problems, log, resume_order
 
 
 def newest_intact(root: str, world_axis=None) -> tuple[str | None, list[tuple[str, str]]]:
-    """The newest intact checkpoint under `root` (or `root` itself) and the (path, reason) of each skipped one.
+    """The intact checkpoint `latest` names under `root` (else the newest older intact one; or `root` itself)
+    and the (path, reason) of each skipped one.
 
     Collective over `world_axis` when given (a Mesh's `ckpt` axis: gloo, long timeout): ranks split the
     checksumming and agree on the answer.
     """
     size, rank = (world_axis.size, world_axis.rank) if world_axis is not None else (1, 0)
     single = os.path.isfile(os.path.join(root, MANIFEST)) or STEP_DIR.match(os.path.basename(os.path.normpath(root)))
-    cands = [root] if single else [path for _, path in list_checkpoints(root)]
+    cands = [root] if single else [path for _, path in resume_order(root)]
     if world_axis is not None:
         cands = comm.all_gather_object(cands, world_axis)[0]  # one listing for all ranks
     skipped = []
