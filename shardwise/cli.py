@@ -121,6 +121,15 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--attention-mask", default="causal",
                    help="causal, or document: attend only within each document of a packed window (EOS-delimited)")
     p.add_argument("--reset-positions", action="store_true", help="restart RoPE positions at each document start")
+    ob = p.add_argument_group("evaluation and observability")
+    ob.add_argument("--eval-data", default=None, metavar="SPEC",
+                    help="held-out data like --data (same tokenizer): forward-only eval_loss in metrics.jsonl")
+    ob.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default: at the end)")
+    ob.add_argument("--eval-steps", type=int, default=10, help="global batches per evaluation, taken in order")
+    ob.add_argument("--profile-steps", default=None, metavar="A:B",
+                    help="torch.profiler Chrome traces of steps A..B per rank under <out>/profile/")
+    ob.add_argument("--log-to", default=None, metavar="{wandb,mlflow}",
+                    help="also log metrics to W&B (offline unless configured) or MLflow (optional extras)")
 
 
 def _add_optim(p: argparse.ArgumentParser) -> None:
@@ -156,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     parser._sw_runs = {"train": t, "verify": v}
     for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint_cli", "shardwise.report",
-                "shardwise.hf_cli", "shardwise.data.cli"):
+                "shardwise.hf_cli", "shardwise.data.cli", "shardwise.generate"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ImportError:
@@ -208,6 +217,8 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       lr_decay_steps=args.lr_decay_steps, wsd_decay_fraction=args.wsd_decay_fraction,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip, adam_betas=parse_betas(args.adam_betas),
                       adam_eps=args.adam_eps,
+                      eval_data=args.eval_data, eval_every=args.eval_every, eval_steps=args.eval_steps,
+                      profile_steps=args.profile_steps, log_to=args.log_to,
                       model_overrides={k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None})
     return assemble(cfg, torchrun_world)
 

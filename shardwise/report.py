@@ -1,7 +1,8 @@
 """Run observability: metrics.jsonl + TensorBoard events while training, `shardwise report` after.
 
-`RunLog` is rank 0's writer: one JSON line per step (the contract) and, when the `tensorboard`
-package is installed, the same scalars as TensorBoard events under RUN_DIR/tensorboard.
+`RunLog` is rank 0's writer: one JSON line per step (the contract), one `{"step", "eval_loss"}` line after
+each held-out evaluation, and, when the `tensorboard` package is installed, the same scalars as
+TensorBoard events under RUN_DIR/tensorboard.
 `shardwise report RUN_DIR` renders loss, tokens/s, communication per axis and (with pp) the
 recorded pipeline Gantt chart to PNG files and prints a short text summary.
 """
@@ -36,12 +37,22 @@ class RunLog:
         if self.tb is None:
             return
         step = rec["step"]
-        for key in ("loss", "lr", "grad_norm", "step_time_s", "moe_max_over_mean_load", "moe_aux_loss"):
+        for key in ("loss", "lr", "grad_norm", "step_time_s", "moe_max_over_mean_load", "moe_aux_loss",
+                    "tflops_per_rank", "mfu"):
             if key in rec and rec[key] is not None:
                 self.tb.add_scalar(f"train/{key}", rec[key], step)
         self.tb.add_scalar("train/tokens_per_s", rec["tokens"] / rec["step_time_s"], step)
         for axis, ops in (comm_axes or {}).items():
             self.tb.add_scalar(f"comm_bytes/{axis}", sum(v["bytes"] for v in ops.values()), step)
+
+    def write_eval(self, rec: dict | None) -> None:
+        """One evaluation's `{"step": s, "eval_loss": x}` line (and the TensorBoard scalar eval/loss)."""
+        if rec is None:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            self.tb.add_scalar("eval/loss", rec["eval_loss"], rec["step"])
 
     def close(self) -> None:
         self.file.close()
@@ -66,9 +77,11 @@ def render(run_dir: str) -> list[str]:
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(metrics):
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is it a shardwise run directory?)")
-    rows = _read_jsonl(metrics)
+    every = _read_jsonl(metrics)
+    rows = [r for r in every if "loss" in r]
+    evals = [r for r in every if "eval_loss" in r]
     if not rows:
-        raise ValueError(f"{metrics} is empty")
+        raise ValueError(f"{metrics} has no training step")
     steps = [r["step"] for r in rows]
     written = []
 
@@ -80,8 +93,12 @@ def render(run_dir: str) -> list[str]:
         written.append(path)
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(steps, [r["loss"] for r in rows], lw=1.2)
-    ax.set(xlabel="step", ylabel="loss", title="training loss")
+    ax.plot(steps, [r["loss"] for r in rows], lw=1.2, label="train")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", ms=4, lw=1.2,
+                color="tab:red", label="eval (held out)")
+        ax.legend()
+    ax.set(xlabel="step", ylabel="loss", title="training loss" + (" and eval loss" if evals else ""))
     ax.grid(alpha=0.3)
     save(fig, "loss.png")
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -91,6 +108,14 @@ def render(run_dir: str) -> list[str]:
     save(fig, "tokens_per_s.png")
     lines = [f"run {run_dir}: {len(rows)} steps, loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, "
              f"median {sorted(r['tokens'] / r['step_time_s'] for r in rows)[len(rows) // 2]:.0f} tokens/s"]
+    if evals:
+        lines.append(f"eval loss {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) -> "
+                     f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})")
+    mfu = [r["mfu"] for r in rows if r.get("mfu") is not None]
+    tflops = [r["tflops_per_rank"] for r in rows if r.get("tflops_per_rank") is not None]
+    if tflops:
+        lines.append(f"median model TFLOP/s per rank {sorted(tflops)[len(tflops) // 2]:.3g}"
+                     + (f", MFU {sorted(mfu)[len(mfu) // 2]:.1%}" if mfu else " (MFU: device peak unknown)"))
     comm_path = os.path.join(run_dir, "comm.json")
     if os.path.exists(comm_path):
         with open(comm_path) as f:

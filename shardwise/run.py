@@ -73,6 +73,14 @@ def check_sources(cfg: TrainConfig) -> None:
         raise ConfigError(f"--init-from-hf {cfg.init_from_hf} needs --data tokenized with its tokenizer (the built-in "
                           f"corpus is byte-level): shardwise prepare-data FILES --tokenizer {cfg.init_from_hf} --out DIR, "
                           "then --data DIR")
+    if cfg.eval_data is not None:  # readable, --data's tokenizer, enough windows
+        from .evaluate import check_eval_data
+
+        check_eval_data(cfg)
+    if cfg.log_to is not None:  # the optional package imports
+        from .observe import check_logger
+
+        check_logger(cfg)
     if cfg.data is None:
         return
     from .data import Loader, open_data

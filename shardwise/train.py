@@ -102,21 +102,9 @@ class Trainer:
         """`forward_backward`, leaving the global loss on the device ([1]): nothing waits for it."""
         dp = self.mesh["dp_cp"]
         n_tokens = self.loader.count_targets(step)  # every rank knows the global count: no collective
-        per = self.global_batch // self.mesh.dims.dp
-        dp_rank = self.mesh["dp"].rank
-        x, y = self.loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
-        check_token_ids(x, self.model_cfg.vocab_size)  # once per batch, on the host, before the copy to the device
-        if self.group_dp > 1:
-            g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
-            x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
-        side = self._document_inputs(x)  # from the global sequences, before any cp cut
-        cp = self.mesh["cp"]
-        if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
-            x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
-            y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
+        xs, ys, side = self.microbatches(self.loader, step)
         if self._poison:  # fault injection: NaN gradients enter this rank's reductions
             self.reducer.poison()
-        xs, ys = (to_device(t, self.mesh.device).split(self.cfg.micro_batch) for t in (x, y))
         if self.executor is not None:
             loss_sum = self.executor.run(xs, ys, n_tokens, side)
         else:
@@ -132,6 +120,24 @@ class Trainer:
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
         return loss_sum
+
+    def microbatches(self, loader: Loader, step: int) -> tuple[list, list, list[dict] | None]:
+        """This rank's share of `loader`'s global batch `step`: inputs and targets per microbatch on the
+        device (its dp rows, its cp cut) and the per-microbatch side inputs (training and evaluation)."""
+        per = self.global_batch // self.mesh.dims.dp
+        dp_rank = self.mesh["dp"].rank
+        x, y = loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
+        check_token_ids(x, self.model_cfg.vocab_size)  # once per batch, on the host, before the copy to the device
+        if self.group_dp > 1:
+            g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
+            x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
+        side = self._document_inputs(x)  # from the global sequences, before any cp cut
+        cp = self.mesh["cp"]
+        if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
+            x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
+            y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
+        xs, ys = (to_device(t, self.mesh.device).split(self.cfg.micro_batch) for t in (x, y))
+        return xs, ys, side
 
     def _document_inputs(self, x: torch.Tensor) -> list[dict] | None:
         """Per microbatch, the model's side inputs for --attention-mask document / --reset-positions:
@@ -293,14 +299,19 @@ class StepTimer:
         self.pending = []
 
 
-def _write_timed(metrics, bar, unwritten: list) -> list:
-    """Write, in order, the records whose step time is known; returns those still waiting for it."""
+def _write_timed(metrics, bar, observer, unwritten: list) -> list:
+    """Write, in order, the records whose step time is known (with their throughput and eval loss); returns
+    those still waiting for it."""
     while unwritten and unwritten[0][0]["step_time_s"] is not None:
-        rec, axes = unwritten.pop(0)
+        rec, axes, ev = unwritten.pop(0)
+        observer.add_throughput(rec)
         metrics.write(rec, axes)
+        metrics.write_eval(ev)
+        observer.log(rec, ev)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}")
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}",
+                            **observer.postfix(rec))
     return unwritten
 
 
@@ -392,7 +403,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc=f"train {mesh.describe()}", dynamic_ncols=True)
-    records, act_peak, static_peak, unwritten, sites = [], 0, [], [], {}
+    records, evals, act_peak, static_peak, unwritten, sites = [], [], 0, [], [], {}
     hook = trainer.reducer.optimizer.register_step_post_hook(
         lambda *_: static_peak.append(static_storage_bytes(trainer)) if not static_peak else None)
     metrics = RunLog(out, start) if rank0 else None
@@ -401,15 +412,23 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         from .hf_export import tokenizer_record
 
         tokenizer = tokenizer_record(cfg.data, cfg.init_from_hf, trainer.eos_id)
+    from .evaluate import Evaluator
+    from .observe import Observer
+
+    evaluator = Evaluator(trainer) if cfg.eval_data is not None else None
+    observer = Observer(cfg, trainer, out, rank0)
     try:
         for step in range(start, cfg.steps):
             meter = SavedActivationMeter(trainer.model.parameters()) if step == start else None
-            with meter or contextlib.nullcontext():  # activation memory of the first step only: hooks cost time
+            with meter or contextlib.nullcontext(), observer.step(step + 1):  # activation memory: first step only
                 rec = trainer.train_step(step)
             sites = host.counts()  # this step's host reads by call site (the last one lands in the summary)
             if meter is not None:
                 act_peak = meter.peak
             records.append(rec)
+            ev = None
+            if evaluator is not None and evaluator.due(step + 1, cfg.steps):
+                evals.append(ev := {"step": step + 1, "eval_loss": evaluator.run()})
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or \
                     ((cfg.save_every or cfg.final_checkpoint) and step + 1 == cfg.steps):
                 from .checkpoint import save_checkpoint
@@ -418,13 +437,14 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                                                              "tokenizer": tokenizer},
                                 keep=cfg.keep, async_save=cfg.async_save)
             if rank0:
-                unwritten.append((rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None))
-                unwritten = _write_timed(metrics, bar, unwritten)
+                unwritten.append((rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None, ev))
+                unwritten = _write_timed(metrics, bar, observer, unwritten)
         trainer.timer.flush()  # the last step's time (device events are read a step late)
         if rank0:
-            _write_timed(metrics, bar, unwritten)
+            _write_timed(metrics, bar, observer, unwritten)
     finally:
         hook.remove()
+        observer.close()
         if bar is not None:
             bar.close()
         if metrics is not None:
@@ -464,6 +484,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     } | _activation_summary(cfg, act_peak)
     if pipeline is not None:
         summary["pipeline"] = pipeline
+    if evals:
+        summary["eval_loss"] = evals[-1]["eval_loss"]
     if cfg.parallel.cp > 1:
         from .context_parallel.kernels import used
 

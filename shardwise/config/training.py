@@ -167,6 +167,17 @@ class TrainConfig:
     init_from_hf: str | None = None
     """Hugging Face model directory to fine-tune: its config.json is the model (`model` must be None, shape
     flags must agree), every rank reads its slices of the weights, its tokenizer.json is checked and recorded."""
+    eval_data: str | None = None
+    """Held-out data (same forms as `data`, same tokenizer): evaluated forward-only on `eval_steps` fixed global
+    batches taken in order, so eval_loss depends on the weights alone."""
+    eval_every: int | None = None
+    """Evaluate every N steps (and at the last step); None = only at the last step."""
+    eval_steps: int = 10
+    """Global batches of eval_data per evaluation."""
+    profile_steps: str | None = None
+    """A:B — torch.profiler traces of steps A..B (1-based, inclusive) per rank under <out>/profile/."""
+    log_to: str | None = None
+    """Also log metrics to 'wandb' or 'mlflow' (optional extras; offline/local unless configured)."""
     resolved_model: ModelConfig | None = None
     """The final model, set by run assembly (`shardwise.run.assemble`) once the HF config and the data's
     vocabulary are applied; None until then."""
@@ -186,6 +197,31 @@ class TrainConfig:
             raise ConfigError(f"--fault-inject {self.fault_inject!r} must be RANK:STEP:KIND with KIND in "
                               f"{', '.join(kinds)}, e.g. 1:3:crash")
         return int(parts[0]), int(parts[1]), parts[2]
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """--profile-steps A:B as (A, B), 1-based and inclusive; None when off."""
+        if self.profile_steps is None:
+            return None
+        a, _, b = str(self.profile_steps).partition(":")
+        if not (a.isdigit() and b.isdigit()) or not 1 <= int(a) <= int(b):
+            raise ConfigError(f"--profile-steps {self.profile_steps!r} must be A:B with 1 <= A <= B (steps, "
+                              "inclusive), e.g. 3:5")
+        return int(a), int(b)
+
+    def _validate_observability(self) -> None:
+        if self.eval_every is not None and (not isinstance(self.eval_every, int) or self.eval_every <= 0):
+            raise ConfigError(f"--eval-every {self.eval_every!r} must be a positive integer (steps between "
+                              "evaluations)")
+        if not isinstance(self.eval_steps, int) or self.eval_steps <= 0:
+            raise ConfigError(f"--eval-steps {self.eval_steps!r} must be a positive integer (global batches)")
+        if self.eval_every is not None and self.eval_data is None:
+            raise ConfigError(f"--eval-every {self.eval_every} needs --eval-data (held-out text file or "
+                              "prepare-data directory)")
+        rng = self.profile_range()
+        if rng is not None and rng[1] > self.steps:
+            raise ConfigError(f"--profile-steps {self.profile_steps} ends after the last step {self.steps}")
+        if self.log_to not in (None, "wandb", "mlflow"):
+            raise ConfigError(f"--log-to {self.log_to!r} is unknown; valid: wandb, mlflow")
 
     def model_config(self) -> ModelConfig:
         """The run's final model. After run assembly (`shardwise.run.assemble`) that is `resolved_model`; a
@@ -332,6 +368,7 @@ class TrainConfig:
             raise ConfigError(f"--label-smoothing {self.label_smoothing} must be in [0, 1), e.g. 0.1")
         if self.attention_mask not in ("causal", "document"):
             raise ConfigError(f"--attention-mask {self.attention_mask!r} is unknown; valid: causal, document")
+        self._validate_observability()
         if self.eos_id is not None and (not isinstance(self.eos_id, int) or not 0 <= self.eos_id < m.vocab_size):
             raise ConfigError(f"eos id {self.eos_id!r} must be a token id in [0, {m.vocab_size})")
 

@@ -1,0 +1,298 @@
+"""`shardwise generate SOURCE --prompt TEXT`: text from a shardwise checkpoint or a Hugging Face directory.
+
+SOURCE is a run directory, a checkpoint root (its newest intact step) or one step-N directory — saved
+under any layout: its global tensors are read whole into this one process, as hf-export does — or a
+Hugging Face model directory (config.json + safetensors). The model is `build_model`'s single-device
+model, and decoding runs its own modules (norms, projections, experts, head) with a KV cache: the
+prompt in one forward, then one token per step attending to the cached keys and values. Decoding stops
+at the end-of-document id or after --max-new-tokens (or at the model's max_seq_len).
+
+Tokenizer: `--tokenizer`, else for a checkpoint the run's data (config.json beside checkpoints/: a prepared
+directory's manifest names it; text files and the embedded corpus are bytes) or its --init-from-hf
+folder; for an HF directory its tokenizer.json. A byte-sized vocabulary (257) without any of these is
+shardwise's byte tokenizer. `--temperature 0` is greedy (argmax): token for token what transformers'
+greedy `generate` gives on the hf-export of the same checkpoint. `--json` prints
+`{"text", "tokens", ...}` as the last line (text and tokens: the continuation; tokens include the EOS).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from .config import ConfigError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="generate text from a checkpoint or a Hugging Face directory",
+                              description=__doc__.splitlines()[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("source", metavar="SOURCE", help="run directory, checkpoint root, step-N directory or HF directory")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.7, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling: smallest set of tokens with this mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--tokenizer", default=None, help="byte, a tokenizer.json or a directory holding one "
+                   "(default: the checkpoint's data / the HF directory's)")
+    p.add_argument("--json", action="store_true", help='print {"text", "tokens", ...} as the last line')
+    p.set_defaults(func=run)
+    return p
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} must be a positive integer")
+    if not temperature >= 0:
+        raise ConfigError(f"--temperature {temperature} must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"--top-p {top_p} must be in (0, 1]")
+
+
+# ---------------------------------------------------------------- sources
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _is_hf_dir(path: str) -> bool:
+    from glob import glob
+
+    cfg = os.path.join(path, "config.json")
+    return os.path.isfile(cfg) and "model_type" in _read_json(cfg) and bool(
+        glob(os.path.join(path, "*.safetensors")) or os.path.isfile(os.path.join(path, "model.safetensors.index.json")))
+
+
+def _checkpoint_root(path: str) -> str | None:
+    """The checkpoint root or step directory `path` names (a run directory: its checkpoints/), or None."""
+    from . import checkpoint as ck
+
+    run_cfg = os.path.join(path, "config.json")
+    if os.path.isfile(run_cfg) and "train" in _read_json(run_cfg):
+        path = _read_json(run_cfg)["train"].get("checkpoint_dir") or os.path.join(path, "checkpoints")
+    if os.path.isfile(os.path.join(path, ck.MANIFEST)) or ck.list_checkpoints(path):
+        return path
+    return None
+
+
+def _run_config(step_dir: str) -> dict:
+    """The run's config.json (RUN/checkpoints/step-N → RUN/config.json), or {} when it is elsewhere."""
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
+    path = os.path.join(run_dir, "config.json")
+    return _read_json(path) if os.path.isfile(path) else {}
+
+
+def _tokenizer_of_run(run: dict) -> str | None:
+    """The tokenizer spec of a run's config: its prepared data's, its --init-from-hf folder's, or bytes."""
+    if not run:
+        return None
+    train = run.get("train", {})
+    if train.get("init_from_hf"):
+        return train["init_from_hf"]
+    data = train.get("data")
+    if data is None or os.path.isfile(data):
+        return "byte"
+    from .data.shards import PreparedData, data_sources
+
+    return PreparedData(data_sources(data)[0][0]).manifest.get("tokenizer", "byte")
+
+
+def load_source(source: str, device=None):
+    """(single-device model in eval mode, tokenizer spec or None, 'checkpoint'|'hf', resolved path)."""
+    import torch
+
+    from .mesh import Mesh
+    from .parallelize import build_model
+
+    device = torch.device(device or "cpu")
+    if not os.path.isdir(source):
+        raise ConfigError(f"{source!r} is not a directory; give a run directory, a checkpoint or an HF model directory")
+    root = _checkpoint_root(source)
+    if root is not None:
+        from . import checkpoint as ck
+        from .config import ModelConfig
+
+        path, skipped = ck.newest_intact(root)
+        if path is None:
+            why = "; ".join(f"{p}: {r}" for p, r in skipped) or "no step-N directories"
+            raise ConfigError(f"{source!r}: no intact checkpoint ({why})")
+        saved = _read_json(os.path.join(path, ck.META))["model"]
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in known})
+        model = build_model(cfg, Mesh.single(device), seed=0)
+        _load_global(model, ck.load_global_tensors(path))
+        return model.eval(), _tokenizer_of_run(_run_config(path)), "checkpoint", path
+    if _is_hf_dir(source):
+        from .hf import config_from_hf, load_hf_into
+
+        model = build_model(config_from_hf(source), Mesh.single(device), seed=0)
+        load_hf_into(model, source)
+        has_tok = os.path.isfile(os.path.join(source, "tokenizer.json"))
+        return model.eval(), source if has_tok else None, "hf", source
+    raise ConfigError(f"{source!r} is neither a shardwise checkpoint (run directory, checkpoint root, step-N) nor a "
+                      "Hugging Face model directory (config.json + *.safetensors)")
+
+
+def _load_global(model, state: dict) -> None:
+    """Copy global tensors (shardwise names) into the single-device model: parameters and saved buffers."""
+    import torch
+
+    from .tensor_parallel.layers import get_spec
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in state:
+                raise ConfigError(f"the checkpoint has no tensor {name!r} for its own model config")
+            spec = get_spec(p)
+            dst = p if spec.dim is None else p.narrow(spec.dim, 0, spec.valid)
+            dst.copy_(state[name])
+        for name, b in model.named_buffers():
+            if name in state:
+                b.copy_(state[name])
+
+
+# ---------------------------------------------------------------- tokenizer
+class _Tok:
+    """encode / decode / eos of the byte tokenizer or a tokenizer.json."""
+
+    def __init__(self, spec: str | None, vocab_size: int, add_special: bool):
+        from .data.tokenizer import VOCAB_SIZE, load_tokenizer
+
+        if spec is None:
+            if vocab_size != VOCAB_SIZE:
+                raise ConfigError(f"no tokenizer found for a {vocab_size}-id vocabulary; pass --tokenizer "
+                                  "(a tokenizer.json or a directory holding one)")
+            spec = "byte"
+        try:
+            self.tok = load_tokenizer(spec)
+        except ConfigError:
+            self.tok = load_tokenizer(spec, no_eos=True)  # a tokenizer without an eos: stop at max_new_tokens
+        self.byte, self.add_special, self.eos_id = self.tok.kind == "byte", add_special, self.tok.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        if self.byte:
+            return list(text.encode("utf-8"))
+        return self.tok.tok.encode(text, add_special_tokens=self.add_special).ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.byte:
+            from .data.tokenizer import decode
+
+            return decode(ids)
+        return self.tok.tok.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------- decoding
+def _block(block, x, cos, sin, cache: list):
+    """One transformer block on new tokens x [b, s, dim], attending to the cached keys/values plus its own."""
+    import torch
+    import torch.nn.functional as F
+
+    from .models.llama import apply_rope
+
+    a = block.attention
+    h = block.attention_norm(x)
+    b, s = h.shape[:2]
+    q = apply_rope(a.wq(h).view(b, s, -1, a.head_dim), cos, sin).transpose(1, 2)
+    k = apply_rope(a.wk(h).view(b, s, -1, a.head_dim), cos, sin).transpose(1, 2)
+    v = a.wv(h).view(b, s, -1, a.head_dim).transpose(1, 2)
+    if cache:
+        k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
+    past = k.shape[2] - s
+    if past and s > 1:
+        raise ValueError("the KV-cache forward takes the prompt in one call and then one token per call")
+    cache[:] = [k, v]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and s > 1, enable_gqa=q.shape[1] != k.shape[1])
+    x = x + a.wo(out.transpose(1, 2).reshape(b, s, -1)).to(x.dtype)
+    return x + block.feed_forward(block.ffn_norm(x)).to(x.dtype)
+
+
+def forward_cached(model, tokens, caches: list[list]):
+    """Logits [b, s, vocab] of the new `tokens` [b, s] given `caches` (one list per layer; filled here)."""
+    import torch
+
+    from .models.llama import rope_tables
+
+    cfg = model.cfg
+    past = caches[0][0].shape[2] if caches[0] else 0
+    pos = torch.arange(past, past + tokens.shape[1], device=tokens.device)
+    cos, sin = rope_tables(cfg.head_dim, tokens.shape[1], cfg.rope_theta, tokens.device, positions=pos,
+                           scaling=cfg.rope_scaling)
+    h = model.tok_embeddings(tokens)
+    for block, cache in zip(model.layers.values(), caches):
+        h = _block(block, h, cos, sin, cache)
+    return model.output(model.norm(h))[..., :cfg.vocab_size].float()
+
+
+def _pick(logits, temperature: float, top_p: float, gen) -> int:
+    """Greedy at temperature 0, else a draw from the top-p nucleus of softmax(logits / T)."""
+    import torch
+
+    from . import host
+
+    if temperature == 0:
+        return host.read(logits.argmax(), "generate token")
+    probs = torch.softmax(logits / temperature, dim=-1)
+    sorted_p, order = probs.sort(descending=True)
+    keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest prefix whose mass reaches top_p
+    sorted_p = sorted_p * keep
+    choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)
+    return host.read(order[choice], "generate token")[0]
+
+
+def generate_ids(model, prompt: list[int], max_new_tokens: int, eos_id: int | None, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> tuple[list[int], str]:
+    """New token ids (ending with the EOS when it came) and why decoding stopped: eos, max_new_tokens, max_seq_len."""
+    import torch
+
+    if not prompt:
+        raise ConfigError("--prompt encodes to no tokens; give some text")
+    limit = model.cfg.max_seq_len
+    if len(prompt) >= limit:
+        raise ConfigError(f"--prompt is {len(prompt)} tokens; the model's max_seq_len is {limit}")
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    caches = [[] for _ in model.layers]
+    out: list[int] = []
+    x = torch.tensor([prompt], device=device)
+    with torch.no_grad():
+        while True:
+            logits = forward_cached(model, x, caches)[0, -1].cpu()
+            tok = _pick(logits, temperature, top_p, gen)
+            out.append(tok)
+            if tok == eos_id:
+                return out, "eos"
+            if len(out) == max_new_tokens:
+                return out, "max_new_tokens"
+            if len(prompt) + len(out) >= limit:
+                return out, "max_seq_len"
+            x = torch.tensor([[tok]], device=device)
+
+
+def generate(source: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.7, top_p: float = 0.9,
+             seed: int = 0, tokenizer: str | None = None) -> dict:
+    """Load SOURCE, continue `prompt`; {"text", "tokens", "prompt_tokens", "stopped", "source"}."""
+    check_sampling(max_new_tokens, temperature, top_p)
+    model, tok_spec, kind, path = load_source(source)
+    tok = _Tok(tokenizer or tok_spec, model.cfg.vocab_size, add_special=kind == "hf")
+    ids = tok.encode(prompt)
+    new, stopped = generate_ids(model, ids, max_new_tokens, tok.eos_id, temperature, top_p, seed)
+    text = tok.decode(new[:-1] if stopped == "eos" else new)
+    return {"text": text, "tokens": new, "prompt_tokens": ids, "stopped": stopped, "source": path}
+
+
+def run(args) -> int:
+    try:
+        out = generate(args.source, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                       args.tokenizer)
+    except (ConfigError, FileNotFoundError, KeyError, ValueError) as e:
+        print(f"shardwise generate: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"text": out["text"], "tokens": out["tokens"], "prompt_tokens": out["prompt_tokens"],
+                          "stopped": out["stopped"], "source": out["source"]}))
+    else:
+        print(args.prompt + out["text"])
+    return 0
