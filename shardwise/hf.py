@@ -109,6 +109,7 @@ _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "mo
 _LAYER = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
           "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+          "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
           "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj"}
 
 
@@ -120,7 +121,9 @@ def _hf_name(name: str) -> tuple[str, bool]:
     if m is None or m.group(2) not in _LAYER:
         raise KeyError(f"shardwise parameter {name!r} has no Hugging Face counterpart")
     module = m.group(2)
-    return f"model.layers.{m.group(1)}.{_LAYER[module]}.{m.group(3)}", module in ("attention.wq", "attention.wk")
+    # q/k norm weights are one head's rows in HF's rotate-half order: permuted like each head of wq / wk.
+    heads = module in ("attention.wq", "attention.wk", "attention.q_norm", "attention.k_norm")
+    return f"model.layers.{m.group(1)}.{_LAYER[module]}.{m.group(3)}", heads
 
 
 def _source(name: str, cfg: ModelConfig, files: _Files) -> _Source:

@@ -12,10 +12,12 @@ import warnings
 
 from .config import ConfigError, ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3")
 # Each model class's rope_theta when config.json omits it (HF's class defaults).
-DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6}
-ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0}
+ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
+QWEN3 = ("qwen3",)  # per-head q/k RMSNorm, explicit head_dim (class default 128)
 # ModelConfig fields that newer shardwise versions add; a config needing a missing one is refused.
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
@@ -74,7 +76,7 @@ def _max_positions(hf: dict, where: str, mt: str) -> int:
     """
     n = int(_req(hf, "max_position_embeddings", where))
     window = hf.get("sliding_window")
-    if mt == "qwen2" and not hf.get("use_sliding_window", False):
+    if mt in ("qwen2", *QWEN3) and not hf.get("use_sliding_window", False):
         window = None
     if window is not None and int(window) < n:
         warnings.warn(f"{where}: sliding_window={window} < max_position_embeddings={n}: sequences are limited to "
@@ -111,9 +113,17 @@ def config_from_hf(path: str) -> ModelConfig:
     if hf.get("quantization_config"):
         refuse("quantization_config", "load an unquantized checkpoint")
     dim, heads = int(_req(hf, "hidden_size", where)), int(_req(hf, "num_attention_heads", where))
-    if hf.get("head_dim") is not None and int(hf["head_dim"]) * heads != dim:
+    head_dim = 0
+    if mt in QWEN3:  # Qwen3Attention: getattr(config, "head_dim", ...) and Qwen3Config's default is 128
+        head_dim = int(hf.get("head_dim") or 128)
+        if hf.get("use_sliding_window"):
+            refuse("use_sliding_window", "shardwise has no sliding-window attention")
+        types = hf.get("layer_types")
+        if types and any(t != "full_attention" for t in types):
+            refuse("layer_types", "only full_attention layers are supported")
+    elif hf.get("head_dim") is not None and int(hf["head_dim"]) * heads != dim:
         refuse("head_dim", f"shardwise needs head_dim = hidden_size / num_attention_heads = {dim // heads}")
-    # Qwen2 always has q/k/v biases; Llama's attention_bias also puts one on o_proj, which shardwise lacks.
+    # Qwen2 always has q/k/v biases; Llama's and Qwen3's attention_bias also put one on o_proj, which shardwise lacks.
     if mt != "qwen2" and hf.get("attention_bias"):
         refuse("attention_bias", "only q/k/v biases (model_type qwen2) are supported")
     theta, scaling = _rope(hf, where, mt)
@@ -123,7 +133,9 @@ def config_from_hf(path: str) -> ModelConfig:
               ffn_dim=int(_req(hf, "intermediate_size", where)), max_seq_len=_max_positions(hf, where, mt),
               rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
               tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-              attn_dropout=float(hf.get("attention_dropout", 0.0)))
+              attn_dropout=float(hf.get("attention_dropout", 0.0)), head_dim=head_dim)
+    if mt in QWEN3:
+        kw["qk_norm"] = True
     if scaling is not None:
         kw["rope_scaling"] = scaling
     if mt == "qwen2":
@@ -158,7 +170,11 @@ def hf_config(cfg: ModelConfig) -> dict:
                                  ("moe_softmax_before_topk", False, "Mixtral renormalises over the top-k")):
             if getattr(cfg, field) != want:
                 refuse(field, why)
-    mt = "mixtral" if cfg.moe_experts else "qwen2" if bias else "llama"
+    if cfg.qk_norm and bias:
+        refuse("attention_bias", "Qwen3 (q/k norms) has no q/k/v-only biases")
+    if cfg.qk_norm and cfg.moe_experts:
+        refuse("qk_norm", "q/k norms with experts are Qwen3-MoE, which this export does not write")
+    mt = "qwen3" if cfg.qk_norm else "mixtral" if cfg.moe_experts else "qwen2" if bias else "llama"
     ffn = (cfg.moe_ffn_dim or cfg.ffn_dim) if cfg.moe_experts else cfg.ffn_dim  # Mixtral: the expert size
     out = {"architectures": [ARCHITECTURE[mt]], "model_type": mt, "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.dim, "intermediate_size": ffn, "num_hidden_layers": cfg.n_layers,
@@ -176,8 +192,10 @@ def hf_config(cfg: ModelConfig) -> dict:
     if mt == "mixtral":
         out.update(num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_topk, sliding_window=None,
                    router_aux_loss_coef=cfg.moe_aux_loss_coef, output_router_logits=False)
-    if mt == "qwen2":
+    if mt in ("qwen2", "qwen3"):
         out.update(use_sliding_window=False, sliding_window=None)
+    if mt == "qwen3":
+        out.update(attention_bias=False, max_window_layers=cfg.n_layers)
     return out
 
 

@@ -70,10 +70,12 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.tp_axis, model.vocab_start, model.sequence_parallel = tp, model.tok_embeddings.vocab_start, sp
-    # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens).
+    # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens). The per-head
+    # q/k norms see only this rank's heads, so their gradients are partial under any TP.
     for name, p in model.named_parameters():
         if not hasattr(p, "_sw_shard"):
-            set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if sp else None))
+            partial = sp or (tp.active and name.endswith(("q_norm.weight", "k_norm.weight")))
+            set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if partial else None))
     for m in model.modules():
         if isinstance(m, ReplicatedDropout):
             m.sp_axis = tp if sp else None

@@ -36,15 +36,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
-def _save(factory, name, cls_name, save_kw=None, biases=False, **cfg_kw):
+def _save(factory, name, cls_name, save_kw=None, biases=False, norms=False, **cfg_kw):
     torch.manual_seed(len(name))
     config = getattr(transformers, f"{cls_name}Config")(**(SHAPE | cfg_kw))
     model = getattr(transformers, f"{cls_name}ForCausalLM")(config)
-    if biases:  # HF zero-initialises them; random biases make the permutation of q/k biases matter
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n.endswith("bias"):
-                    p.normal_(0.0, 0.5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if biases and n.endswith("bias"):  # HF zero-initialises them; random ones make their permutation matter
+                p.normal_(0.0, 0.5)
+            if norms and n.endswith("norm.weight"):  # HF's are ones; random q/k norms make their permutation matter
+                p.normal_(1.0, 0.5)
     path = str(factory.mktemp(name))
     model.save_pretrained(path, safe_serialization=True, **(save_kw or {}))
     return path
@@ -62,7 +63,11 @@ def models(tmp_path_factory):
            "mistral_window": _save(f, "mistral", "Mistral", sliding_window=16, num_hidden_layers=2),
            "qwen2": _save(f, "qwen2", "Qwen2", biases=True, num_hidden_layers=2),
            "qwen2_tied": _save(f, "qwen2_tied", "Qwen2", biases=True, tie_word_embeddings=True, num_hidden_layers=2),
-           "llama3": _save(f, "llama3", "Llama", rope_parameters=LLAMA3_ROPE, num_hidden_layers=2)}
+           "llama3": _save(f, "llama3", "Llama", rope_parameters=LLAMA3_ROPE, num_hidden_layers=2),
+           # Qwen3: q/k norms, head_dim 12 (4 heads · 12 = 48 != hidden 32); tied: one K/V head shared over tp
+           "qwen3": _save(f, "qwen3", "Qwen3", norms=True, head_dim=12, num_hidden_layers=2),
+           "qwen3_tied": _save(f, "qwen3_tied", "Qwen3", norms=True, head_dim=12, num_key_value_heads=1,
+                               tie_word_embeddings=True, num_hidden_layers=2)}
     return out
 
 
@@ -123,7 +128,7 @@ def _check_result(r):
     assert r["passed"] and r["max_abs_diff"] < 1e-4 * max(1.0, r["max_ref_abs"]), r
 
 
-@pytest.mark.parametrize("name", ["llama", "tied", "mixtral", "qwen2", "llama3"])
+@pytest.mark.parametrize("name", ["llama", "tied", "mixtral", "qwen2", "llama3", "qwen3"])
 def test_single_device_matches_transformers(models, name):
     if name == "tied":
         assert os.path.isfile(os.path.join(models[name], hf.INDEX))
@@ -139,6 +144,9 @@ LAYOUTS = {
     "mixtral_tp2_pp2": ("mixtral", dict(tp=2, pp=2)),
     "qwen2_tp2": ("qwen2", dict(tp=2)),
     "qwen2_tied_tp2_pp2": ("qwen2_tied", dict(tp=2, pp=2)),  # the LM head's stage reads embed_tokens
+    "qwen3_tp2_sp": ("qwen3", dict(tp=2, sequence_parallel=True)),
+    "qwen3_pp2": ("qwen3", dict(pp=2)),
+    "qwen3_tied_tp2_cp2": ("qwen3_tied", dict(tp=2, cp=2)),  # one K/V head (and its k_norm) on both TP ranks
 }
 
 
@@ -223,7 +231,8 @@ def _single_model(path):
     return cfg, model.eval()
 
 
-@pytest.mark.parametrize("name,as_state", [("llama", False), ("tied", True), ("mixtral", True), ("qwen2", False)])
+@pytest.mark.parametrize("name,as_state", [("llama", False), ("tied", True), ("mixtral", True), ("qwen2", False),
+                                           ("qwen3_tied", True)])
 def test_export_round_trip(models, tmp_path, name, as_state):
     cfg, model = _single_model(models[name])
     out = hf.export_hf(model.state_dict() if as_state else model, cfg, str(tmp_path / "out"))
@@ -304,10 +313,12 @@ def test_export_refuses_what_hf_cannot_express(tmp_path):
 
 
 # ---------------------------------------------------------------- training oracle
-TRAIN_LAYOUTS = {  # one 4-rank spawn runs all three: (model, degrees, global batch)
+TRAIN_LAYOUTS = {  # one 4-rank spawn runs them all: (model, degrees, global batch)
     "llama_tp2_pp2": ("llama", dict(tp=2, pp=2), 8),
     "qwen2_dp2_tp2_sp": ("qwen2", dict(dp=2, tp=2, sequence_parallel=True), 4),
     "mixtral_dp2_ep2_tp2": ("mixtral", dict(dp=2, ep=2, tp=2), 4),
+    "qwen3_dp2_tp2_sp": ("qwen3", dict(dp=2, tp=2, sequence_parallel=True), 4),
+    "qwen3_tp4": ("qwen3", dict(tp=4), 4),  # no SP, yet q/k norm grads are partial; 2 K/V heads over 4 ranks
 }
 TRAIN_TOKENS = torch.randint(0, SHAPE["vocab_size"], (4096,), generator=torch.Generator().manual_seed(1))
 

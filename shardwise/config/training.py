@@ -173,7 +173,7 @@ class TrainConfig:
         """`model` (a preset name or a ModelConfig) with the flags' overrides applied and validated."""
         overrides = self.model_flag_overrides()
         if isinstance(self.model, ModelConfig):
-            cfg = dataclasses.replace(self.model, **{k: v for k, v in overrides.items() if v is not None})
+            cfg = self.model.with_overrides(**{k: v for k, v in overrides.items() if v is not None})
             cfg.validate()
             return cfg
         return get_model_config(self.model, **overrides)

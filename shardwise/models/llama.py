@@ -82,6 +82,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.wv = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.wo = nn.Linear(cfg.n_heads * hd, h, bias=False)
+        # Qwen3's per-head q/k norms: one head_dim weight shared by every head, so under TP each rank applies
+        # it to its own heads with no collective (its gradient is partial per rank: summed over TP).
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.attn_dropout = cfg.attn_dropout
         self.rng = None  # RNGTracker, set by the parallel plan: attention dropout is a TP-sharded region
         self.cp_axis, self.cp_order, self.cp_impl = None, "balanced", "ring"  # set by the plan under cp > 1
@@ -91,8 +95,11 @@ class Attention(nn.Module):
         """`doc_ids` [b, s_global] (document masking) are the window's document ids, never sharded."""
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         b, s = q.shape[:2]
-        q = apply_rope(q.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(k.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
+        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k = apply_rope(k, cos, sin).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.recompute_core is None:
             out = self.core(q, k, v, doc_ids)

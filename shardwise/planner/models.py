@@ -42,8 +42,6 @@ from shardwise.planner.errors import PlanError
 class ModelSpec(ModelConfig):
     """A trainer ModelConfig plus the architecture variants only the planner models (defaults: the trainer's)."""
 
-    head_dim: int = 0
-    """Per-head width; 0 = dim // n_heads (the trainer's, which has no other)."""
     mlp: str = "swiglu"
     """'swiglu' (w1, w3, w2) or 'gelu' (fc1, fc2)."""
     norm: str = "rmsnorm"
@@ -59,10 +57,6 @@ class ModelSpec(ModelConfig):
     v_head_dim: int = 0
     untrainable: str = ""
     """Why `shardwise train` cannot build this model; '' = it can (the spec is a trainer ModelConfig)."""
-
-    def __post_init__(self):
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> ModelSpec:
