@@ -111,6 +111,10 @@ class ModelConfig:
                                   f"{self.moe_experts}]")
             if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
                 raise ConfigError(f"--moe-capacity-factor {self.moe_capacity_factor} must be positive")
+            bad = [i for i in self.moe_dense_layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
+            if bad:
+                raise ConfigError(f"model {self.name!r}: moe_dense_layers entry {bad[0]!r} is not a layer index in "
+                                  f"[0, {self.n_layers})")
             if self.moe_score not in ("softmax", "sigmoid"):
                 raise ConfigError(f"--moe-score {self.moe_score!r}: valid: softmax, sigmoid")
         for f in ("dropout", "attn_dropout"):

@@ -101,8 +101,8 @@ class ModelSpec(ModelConfig):
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def is_moe_layer(self, i: int) -> bool:
-        """The trainer's rule (every moe_every-th layer) after the first n_dense_layers."""
-        return self.moe_experts > 0 and i >= self.n_dense_layers and i % self.moe_every == 0
+        """The trainer's rule (every moe_every-th layer, not in moe_dense_layers) after the first n_dense_layers."""
+        return super().is_moe_layer(i) and i >= self.n_dense_layers
 
     def __hash__(self) -> int:  # specs key the planner's caches: hash the ~40 fields once, not per lookup
         h = self.__dict__.get("_hash")
