@@ -173,7 +173,7 @@ def _qwen3_moe(hf: dict, kw: dict, where: str) -> None:
     kw.update(moe_experts=int(n_experts), moe_topk=int(hf.get("num_experts_per_tok", 8)), moe_every=1,
               moe_dense_layers=dense, moe_ffn_dim=int(hf.get("moe_intermediate_size", 768)), moe_shared_experts=0,
               moe_softmax_before_topk=not hf.get("norm_topk_prob", False), moe_score="softmax",
-              moe_aux_loss_coef=coef)
+              moe_aux_loss_coef=coef, moe_aux_loss_scope="model")
 
 
 # ---------------------------------------------------------------- export
@@ -227,7 +227,7 @@ def hf_config(cfg: ModelConfig) -> dict:
                    mlp_only_layers=[i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)],
                    moe_intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
                    norm_topk_prob=not cfg.moe_softmax_before_topk, router_aux_loss_coef=cfg.moe_aux_loss_coef,
-                   output_router_logits=bool(cfg.moe_aux_loss_coef))
+                   output_router_logits=bool(cfg.moe_aux_loss_coef) and cfg.moe_aux_loss_scope == "model")
     return out
 
 

@@ -55,6 +55,11 @@ class ModelConfig:
     """Tokens per expert per rank capped at ceil(F·N·k/E); None = dropless."""
     moe_aux_loss_coef: float = 0.0
     """Switch/GShard load-balancing loss E·Σ fᵢ·Pᵢ, with fᵢ over the global microbatch."""
+    moe_aux_loss_scope: str = "layer"
+    """"layer": the aux loss above per MoE layer, summed (Switch, Megatron). "model": Hugging Face's
+    load_balancing_loss_func (Mixtral, Qwen3-MoE): assignment shares and mean probabilities pooled over all MoE
+    layers first, aux = E · Σᵢ (Cᵢ / (L·N)) · (Sᵢ / (L·N)) with Cᵢ the top-k picks and Sᵢ the probabilities of
+    expert i summed over L layers and N tokens (k times the per-layer normalisation)."""
     moe_z_loss_coef: float = 0.0
     moe_bias_update_rate: float = 0.0
     """DeepSeek auxiliary-loss-free balancing: per-expert selection bias step size (0 = off)."""
@@ -115,6 +120,9 @@ class ModelConfig:
             if bad:
                 raise ConfigError(f"model {self.name!r}: moe_dense_layers entry {bad[0]!r} is not a layer index in "
                                   f"[0, {self.n_layers})")
+            if self.moe_aux_loss_scope not in ("layer", "model"):
+                raise ConfigError(f"model {self.name!r}: moe_aux_loss_scope={self.moe_aux_loss_scope!r}; valid: layer, "
+                                  "model")
             if self.moe_score not in ("softmax", "sigmoid"):
                 raise ConfigError(f"--moe-score {self.moe_score!r}: valid: softmax, sigmoid")
         for f in ("dropout", "attn_dropout"):

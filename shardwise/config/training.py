@@ -319,6 +319,10 @@ class TrainConfig:
                               "(expert parallelism is drawn from the data-parallel ranks)")
         if m.moe_experts % p.ep:
             raise ConfigError(f"--ep {p.ep} does not divide moe_experts={m.moe_experts} of model {m.name!r}")
+        if m.moe_experts and m.moe_aux_loss_scope == "model" and m.moe_aux_loss_coef and p.pp > 1:
+            raise ConfigError(f"--pp {p.pp} with model {m.name!r}'s aux loss pooled over all layers "
+                              "(moe_aux_loss_scope='model', Hugging Face's): the pool needs every layer on one stage; "
+                              "use --pp 1 or --moe-aux-loss-coef 0")
 
     def _validate_context(self, m: ModelConfig) -> None:
         p = self.parallel

@@ -19,7 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..context_parallel import positions as cp_positions
 from ..context_parallel import ring_attention, shard_sequence, ulysses_attention
-from ..expert_parallel.moe import MoE
+from ..expert_parallel.moe import MoE, share_aux_pool
 from ..mesh import Axis
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import ReplicatedDropout
@@ -141,7 +141,8 @@ def build_moe(cfg: ModelConfig, ep_axis=None, expert_replicas: int = 1, device=N
                shared_experts=cfg.moe_shared_experts, capacity_factor=cfg.moe_capacity_factor,
                score=cfg.moe_score, softmax_before_topk=cfg.moe_softmax_before_topk,
                aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
-               bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device)
+               bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device,
+               aux_scope=cfg.moe_aux_loss_scope)
 
 
 class TransformerBlock(nn.Module):
@@ -170,6 +171,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        share_aux_pool(self)
         self.tp_axis = Axis("tp")  # replaced by the plan; size 1 = single device
         self.vocab_start = 0
         self.sequence_parallel = False
