@@ -142,6 +142,13 @@ class ModelConfig:
         emb = self.vocab_size * h
         return self.n_layers * (attn + 2 * h) + mlps + h + emb * (1 if self.tie_embeddings else 2)
 
+    def num_active_params(self) -> int:
+        """Parameters one token uses: embedding and head, attention, dense MLPs, shared experts, the router and its
+        top-k routed experts (the "active" size MoE model cards quote)."""
+        moe_ffn = self.moe_ffn_dim or self.ffn_dim
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        return self.num_params() - n_moe * 3 * self.dim * moe_ffn * (self.moe_experts - self.moe_topk)
+
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # CPU-sized models for tests and the embedded default run.
@@ -181,6 +188,19 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "qwen3-32b": ModelConfig(
         name="qwen3-32b", vocab_size=151936, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
         ffn_dim=25600, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+    ),
+    # Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json: 128 experts of moe_intermediate_size, top-8, renormalised
+    # (norm_topk_prob), every layer MoE, no shared experts. Aux loss per layer here (works under PP); a config.json
+    # read with output_router_logits gets HF's pooled one.
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+        ffn_dim=6144, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, moe_experts=128, moe_topk=8,
+        moe_ffn_dim=768, moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
+    ),
+    "qwen3-235b-a22b": ModelConfig(
+        name="qwen3-235b-a22b", vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128,
+        ffn_dim=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, moe_experts=128, moe_topk=8,
+        moe_ffn_dim=1536, moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
     ),
 }
 
