@@ -15,7 +15,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .mesh import Mesh
-from .expert_parallel.moe import MoE
+from .expert_parallel.moe import MoE, share_aux_pool
 from .models.llama import Transformer, build_moe
 from .recompute import apply_recompute
 from .tensor_parallel.layers import (ColumnParallelLinear, ColumnRegion, RowParallelLinear, ShardSpec,
@@ -70,10 +70,13 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.tp_axis, model.vocab_start, model.sequence_parallel = tp, model.tok_embeddings.vocab_start, sp
-    # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens).
+    share_aux_pool(model)  # the plan rebuilt the MoE blocks
+    # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens). The per-head
+    # q/k norms see only this rank's heads, so their gradients are partial under any TP.
     for name, p in model.named_parameters():
         if not hasattr(p, "_sw_shard"):
-            set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if sp else None))
+            partial = sp or (tp.active and name.endswith(("q_norm.weight", "k_norm.weight")))
+            set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if partial else None))
     for m in model.modules():
         if isinstance(m, ReplicatedDropout):
             m.sp_axis = tp if sp else None

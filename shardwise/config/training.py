@@ -239,7 +239,7 @@ class TrainConfig:
         """`model` (a preset name or a ModelConfig) with the flags' overrides applied and validated."""
         overrides = self.model_flag_overrides()
         if isinstance(self.model, ModelConfig):
-            cfg = dataclasses.replace(self.model, **{k: v for k, v in overrides.items() if v is not None})
+            cfg = self.model.with_overrides(**{k: v for k, v in overrides.items() if v is not None})
             cfg.validate()
             return cfg
         return get_model_config(self.model, **overrides)
@@ -383,6 +383,10 @@ class TrainConfig:
             valid = ", ".join(str(e) for e in range(1, m.moe_experts + 1) if not m.moe_experts % e)
             raise ConfigError(f"--ep {p.ep} does not divide moe_experts={m.moe_experts} of model {m.name!r}; "
                               f"valid: {valid}")
+        if m.moe_experts and m.moe_aux_loss_scope == "model" and m.moe_aux_loss_coef and p.pp > 1:
+            raise ConfigError(f"--pp {p.pp} with model {m.name!r}'s aux loss pooled over all layers "
+                              "(moe_aux_loss_scope='model', Hugging Face's): the pool needs every layer on one stage; "
+                              "use --pp 1 or --moe-aux-loss-coef 0")
 
     def _validate_context(self, m: ModelConfig) -> None:
         p = self.parallel
