@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, host
 from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .comm import Ledger
 from .config import TrainConfig
@@ -45,8 +45,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None, fake_mode=None):
+        """`fake_mode` (shardwise simulate): the FakeTensorMode the rank runs under; the loader and each
+        batch's host-side preparation stay real, outside it, and the batch crosses in at `_to_device`."""
+        self.cfg, self.mesh, self.fake_mode = cfg, mesh, fake_mode
         self.model_cfg = cfg.model_config()
         p = cfg.parallel
         self.schedule = None
@@ -67,8 +69,9 @@ class Trainer:
                                    reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
                                    rounds=cfg.grad_accum, overlap=cfg.overlap_grad_reduce)
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
-        self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
-                             cfg.seed)  # a pure function of the step: the checkpoint's step is the data position
+        with self._host():  # a pure function of the step: the checkpoint's step is the data position
+            self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
+                                 cfg.seed)
         self.eos_id = self.loader.eos_id if cfg.eos_id is None else cfg.eos_id  # the data's EOS (bytes: 256)
         self.moe = [m for m in self.model.modules() if isinstance(m, MoE)]
         for m in self.moe:  # every global microbatch's aux loss weighs tokens(microbatch) / tokens(step)
@@ -87,6 +90,18 @@ class Trainer:
                                              lambda logits, y: self.model.loss_fn(logits, y, IGNORE_INDEX, cfg.label_smoothing),
                                              self.model.grad_store, self._autocast, p.pp_scatter_gather)
 
+    def _host(self):
+        """The host side of the loop: real tensors even when the rank itself runs on fake ones."""
+        if self.fake_mode is None:
+            return contextlib.nullcontext()
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        return unset_fake_temporarily()
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """The one point where batch data leaves the host: a copy to the device, or a fake tensor."""
+        return t.to(self.mesh.device) if self.fake_mode is None else self.fake_mode.from_tensor(t)
+
     def _autocast(self):
         if self.cfg.dtype == "bf16":
             return torch.autocast(self.mesh.device.type, dtype=torch.bfloat16)
@@ -96,22 +111,13 @@ class Trainer:
         """Run every microbatch of this rank's share of the step's global batch; returns the global loss."""
         dp = self.mesh["dp_cp"]
         n_tokens = self.loader.count_targets(step)  # every rank knows the global count: no collective
-        per = self.global_batch // self.mesh.dims.dp
-        dp_rank = self.mesh["dp"].rank
-        x, y = self.loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
-        check_token_ids(x, self.model_cfg.vocab_size)  # once per batch, on the host, before the copy to the device
-        if self.group_dp > 1:
-            g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
-            x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
-        side = self._document_inputs(x)  # from the global sequences, before any cp cut
-        cp = self.mesh["cp"]
-        if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
-            x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
-            y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
+        with self._host():
+            x, y, side = self._host_batch(step)
+            xs, ys = x.split(self.cfg.micro_batch), y.split(self.cfg.micro_batch)
         if self._poison:  # fault injection: NaN gradients enter this rank's reductions
             self.reducer.poison()
-        xs = [t.to(self.mesh.device) for t in x.split(self.cfg.micro_batch)]
-        ys = [t.to(self.mesh.device) for t in y.split(self.cfg.micro_batch)]
+        xs, ys = [self._to_device(t) for t in xs], [self._to_device(t) for t in ys]
+        side = side and [{k: self._to_device(v) for k, v in s.items()} for s in side]
         if self.executor is not None:
             loss_sum = self.executor.run(xs, ys, n_tokens, side)
         else:
@@ -126,14 +132,30 @@ class Trainer:
             loss_sum.fill_(float("nan"))
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
-        return float(loss_sum)
+        return host.read(loss_sum, "loss")[0]
+
+    def _host_batch(self, step: int):
+        """This rank's inputs, targets and document side inputs of the step, on the host."""
+        per = self.global_batch // self.mesh.dims.dp
+        dp_rank = self.mesh["dp"].rank
+        x, y = self.loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
+        check_token_ids(x, self.model_cfg.vocab_size)  # once per batch, on the host, before the copy to the device
+        if self.group_dp > 1:
+            g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
+            x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
+        side = self._document_inputs(x)  # from the global sequences, before any cp cut
+        cp = self.mesh["cp"]
+        if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
+            x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
+            y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
+        return x, y, side
 
     def _document_inputs(self, x: torch.Tensor) -> list[dict] | None:
         """Per microbatch, the model's side inputs for --attention-mask document / --reset-positions:
         document ids and positions of the *global* (uncut) sequences; every cp rank takes its share."""
         if self.cfg.attention_mask == "causal" and not self.cfg.reset_positions:
             return None
-        doc = document_ids(x, self.eos_id).to(self.mesh.device)
+        doc = document_ids(x, self.eos_id)
         side = [{} for _ in range(-(-x.shape[0] // self.cfg.micro_batch))]
         if self.cfg.attention_mask == "document":
             for s, d in zip(side, doc.split(self.cfg.micro_batch)):

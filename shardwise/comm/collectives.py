@@ -244,6 +244,8 @@ def all_gather_object(obj, axis) -> list:
         return [obj]
     out = [None] * axis.size
     _record(axis, "all_gather_object", 0, 0, None)
+    if dist.get_backend(axis.group) == "fake":  # a simulated world: every peer is taken to hold what this rank holds
+        return [obj] * axis.size
     _guarded(axis, "all_gather_object", dist.all_gather_object, out, obj, group=axis.group)
     return out
 

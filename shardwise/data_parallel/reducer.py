@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .. import comm
+from .. import comm, host
 from ..mesh import Mesh
 from ..pipeline.tied_embedding import tied_partial
 from ..tensor_parallel.layers import get_spec
@@ -268,7 +268,7 @@ class GradReducer:
         self._reduce_tp()
         self._reduce_tied()  # before dp×cp: ZeRO shards differ per stage
         self.reduction.finish()
-        norm = float(self._grad_norm_sq().sqrt())
+        norm = host.read(self._grad_norm_sq().sqrt().reshape(()), "grad norm")
         if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
             for g in self._final_grads():

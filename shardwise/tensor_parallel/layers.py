@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from .. import comm, host
 from ..pipeline.grad_store import linear, weight_grads
 
 
@@ -237,7 +237,7 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
     Reads two numbers back: call it on host tensors (the Trainer checks each batch before the copy to
     the device), never per microbatch on an accelerator.
     """
-    lo, hi = (int(v) for v in torch.aminmax(ids))
+    lo, hi = host.read(torch.stack(torch.aminmax(ids)), "token id range")
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
