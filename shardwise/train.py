@@ -240,9 +240,10 @@ class Trainer:
         for ax in axes:
             comm.all_reduce(tail, ax, tag="metrics")
         comm.all_reduce(vec, self.mesh["pp"], tag="metrics")
-        return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp].tolist()],
-                "moe_max_over_mean_load": float(vec[n_exp] / max(1.0, float(vec[n_exp + 1]))),
-                "moe_dropped": int(vec[n_exp + 2]), "moe_aux_loss": float(vec[n_exp + 3])}
+        vec = host.read(vec, "moe metrics")
+        return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp]],
+                "moe_max_over_mean_load": vec[n_exp] / max(1.0, vec[n_exp + 1]),
+                "moe_dropped": int(vec[n_exp + 2]), "moe_aux_loss": vec[n_exp + 3]}
 
 
 class _StepTimer:
@@ -323,8 +324,8 @@ def static_storage_bytes(trainer: "Trainer") -> int:
     tensors += [p.grad for p in tensors if p.grad is not None]
     tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
     tensors += [t for b in trainer.reducer.buckets for t in vars(b).values() if torch.is_tensor(t)]
-    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(n for ptr, n in sizes.items() if ptr)
+    sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # by storage identity
+    return sum(sizes.values())
 
 
 def default_out_dir() -> str:

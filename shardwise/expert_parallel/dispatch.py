@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
+from .. import comm, host
 
 
 class _AllToAll(torch.autograd.Function):
@@ -120,7 +120,7 @@ class AllToAllDispatcher:
         recv_counts = comm.all_to_all(send_counts, self.axis, tag="counts")  # [ep·E_l]: (src rank, local expert)
         # Host sync: split sizes and per-expert row counts must be Python ints for the all-to-all
         # and for the expert loop; one .tolist() of both count vectors.
-        synced = torch.cat([send_counts, recv_counts]).tolist()
+        synced = host.read(torch.cat([send_counts, recv_counts]), "moe split sizes")
         per_expert, recv = synced[:e], synced[e:]
         kept = sum(per_expert)
         perm = perm[:kept]

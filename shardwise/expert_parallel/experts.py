@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..tensor_parallel.layers import ShardSpec, set_spec
 
@@ -24,6 +25,8 @@ def _expert_param(n_experts, n_local, start, shape, replicas, device, dtype) -> 
 def grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """torch._grouped_mm (torch >= 2.8 on CPU fp32/bf16; CUDA needs bf16 on sm90+) with 16-byte-aligned rows."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if isinstance(x, FakeTensor) and x.dtype != torch.bfloat16:  # fake _grouped_mm has a bf16 kernel only
         return False
     if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
