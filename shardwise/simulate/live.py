@@ -68,14 +68,14 @@ class LiveMemory(TorchDispatchMode):
     def track(self, tensors, group: str) -> None:
         """Count tensors created before the mode was entered (or outside it)."""
         for t in tensors:
-            if isinstance(t, FakeTensor):
+            if isinstance(t, FakeTensor) and t.device.type != "meta":
                 self._add(t, group)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         group = None
         for t in tree_leaves(out):
-            if isinstance(t, FakeTensor):
+            if isinstance(t, FakeTensor) and t.device.type != "meta":  # a model built on meta holds nothing
                 if group is None:
                     group = f"{self._phase()} {func.__name__.split('.')[0]} {str(t.dtype).removeprefix('torch.')}"
                 self._add(t, group)
