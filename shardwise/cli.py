@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     parser._sw_runs = {"train": t, "verify": v}
     for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint_cli", "shardwise.report",
-                "shardwise.hf_cli", "shardwise.data.cli", "shardwise.generate"):
+                "shardwise.hf_cli", "shardwise.data.cli", "shardwise.generate", "shardwise.simulate.cli"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ImportError:

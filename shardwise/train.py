@@ -45,8 +45,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None, fake_mode=None):
+        """`fake_mode` (shardwise simulate): the FakeTensorMode the rank runs under; the loader and each
+        batch's host-side preparation stay real, outside it, and the batch crosses in at `_to_device`."""
+        self.cfg, self.mesh, self.fake_mode = cfg, mesh, fake_mode
         self.model_cfg = cfg.model_config()
         p = cfg.parallel
         self.schedule = None
@@ -68,8 +70,9 @@ class Trainer:
                                    reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
                                    rounds=cfg.grad_accum, overlap=cfg.overlap_grad_reduce)
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
-        self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
-                             cfg.seed)  # a pure function of the step: the checkpoint's step is the data position
+        with self._host():  # a pure function of the step: the checkpoint's step is the data position
+            self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
+                                 cfg.seed)
         self.eos_id = self.loader.eos_id if cfg.eos_id is None else cfg.eos_id  # the data's EOS (bytes: 256)
         self.moe = [m for m in self.model.modules() if isinstance(m, MoE)]
         for m in self.moe:  # every global microbatch's aux loss weighs tokens(microbatch) / tokens(step)
@@ -88,6 +91,18 @@ class Trainer:
                                              (cfg.micro_batch, s_local, self.model_cfg.dim), self.act_dtype,
                                              lambda logits, y: self.model.loss_fn(logits, y, IGNORE_INDEX, cfg.label_smoothing),
                                              self.model.grad_store, self._autocast, p.pp_scatter_gather)
+
+    def _host(self):
+        """The host side of the loop: real tensors even when the rank itself runs on fake ones."""
+        if self.fake_mode is None:
+            return contextlib.nullcontext()
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        return unset_fake_temporarily()
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """The one point where batch data leaves the host: a copy to the device, or a fake tensor."""
+        return to_device(t, self.mesh.device) if self.fake_mode is None else self.fake_mode.from_tensor(t)
 
     def _autocast(self):
         if self.cfg.dtype == "bf16":
@@ -124,6 +139,15 @@ class Trainer:
     def microbatches(self, loader: Loader, step: int) -> tuple[list, list, list[dict] | None]:
         """This rank's share of `loader`'s global batch `step`: inputs and targets per microbatch on the
         device (its dp rows, its cp cut) and the per-microbatch side inputs (training and evaluation)."""
+        with self._host():
+            x, y, side = self._host_batch(loader, step)
+        xs = [self._to_device(t) for t in x.split(self.cfg.micro_batch)]
+        ys = [self._to_device(t) for t in y.split(self.cfg.micro_batch)]
+        side = side and [{k: self._to_device(v) for k, v in s.items()} for s in side]
+        return xs, ys, side
+
+    def _host_batch(self, loader: Loader, step: int):
+        """This rank's inputs, targets and document side inputs of `loader`'s batch `step`, on the host."""
         per = self.global_batch // self.mesh.dims.dp
         dp_rank = self.mesh["dp"].rank
         x, y = loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
@@ -136,15 +160,14 @@ class Trainer:
         if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
             x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
             y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
-        xs, ys = (to_device(t, self.mesh.device).split(self.cfg.micro_batch) for t in (x, y))
-        return xs, ys, side
+        return x, y, side
 
     def _document_inputs(self, x: torch.Tensor) -> list[dict] | None:
         """Per microbatch, the model's side inputs for --attention-mask document / --reset-positions:
         document ids and positions of the *global* (uncut) sequences; every cp rank takes its share."""
         if self.cfg.attention_mask == "causal" and not self.cfg.reset_positions:
             return None
-        doc = to_device(document_ids(x, self.eos_id), self.mesh.device)
+        doc = document_ids(x, self.eos_id)
         side = [{} for _ in range(-(-x.shape[0] // self.cfg.micro_batch))]
         if self.cfg.attention_mask == "document":
             for s, d in zip(side, doc.split(self.cfg.micro_batch)):
@@ -368,8 +391,8 @@ def static_storage_bytes(trainer: "Trainer") -> int:
     tensors += [p.grad for p in tensors if p.grad is not None]
     tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
     tensors += [t for b in trainer.reducer.buckets for t in vars(b).values() if torch.is_tensor(t)]
-    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(n for ptr, n in sizes.items() if ptr)
+    sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # by storage identity
+    return sum(sizes.values())
 
 
 def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:

@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from .collectives import _check_device, _eager, _guarded, _nbytes, _record
+from .collectives import _check_device, completed, _eager, _guarded, _nbytes, _record
 
 
 class _BatchWork:
@@ -26,7 +26,7 @@ class _BatchWork:
         return True
 
     def is_completed(self) -> bool:
-        return self.done or all(w.is_completed() for w in self.works)
+        return self.done or completed(self.works)
 
 
 def strict_p2p() -> bool:

@@ -85,7 +85,8 @@ def adopt_grad(full: torch.Tensor, p: torch.Tensor, off: int, k: int) -> None:
     fresh tensor and is copied in (cheaper than zeroing the buffer every step and adding into it); later
     micro-batches then accumulate into the view in place."""
     view = full[off:off + k]
-    if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+    if p.grad is not None and (p.grad.untyped_storage()._cdata, p.grad.storage_offset()) != \
+            (view.untyped_storage()._cdata, view.storage_offset()):  # storage identity: fake tensors have no address
         view.copy_(p.grad.reshape(-1))
         p.grad = view.view_as(p)
 
