@@ -29,11 +29,11 @@ class SavedActivationMeter:
     """Context manager: `peak` = max over time of the bytes of distinct saved storages alive."""
 
     def __init__(self, params):
-        params = list(params)
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
-        # ZeRO-3 parameters are views of buffers gathered and freed per layer: known by their storage
-        self.skip_storages = {p.untyped_storage()._cdata for p in params}
-        self.refs: dict[int, list[int]] = {}  # storage data_ptr -> [saved tensors holding it, nbytes]
+        # Storages are keyed by identity (a fake tensor's storage has no address). ZeRO-1/2 parameters are
+        # views of flat buffers and ZeRO-3 ones views of buffers gathered and freed per layer: their
+        # storages are skipped, whichever view autograd saves.
+        self.skip = {p.untyped_storage()._cdata for p in params}
+        self.refs: dict[int, list[int]] = {}  # storage identity -> [saved tensors holding it, nbytes]
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -46,8 +46,8 @@ class SavedActivationMeter:
 
     def _pack(self, t: torch.Tensor):
         s = t.untyped_storage()
-        key = s.data_ptr()
-        if key in self.skip or s._cdata in self.skip_storages or not s.nbytes():
+        key = s._cdata
+        if key in self.skip or not s.nbytes():
             return t
         ref = self.refs.setdefault(key, [0, s.nbytes()])
         if ref[0] == 0:

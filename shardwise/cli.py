@@ -12,7 +12,18 @@ import os
 import sys
 
 from .config import ConfigError, ParallelConfig, TrainConfig
+from .config.schedule import LR_SCHEDULES, parse_betas
 from .run import assemble, check_sources, read_model_config
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default; flags that default to off or to a value derived from others (None)
+    say so in their own help instead."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
 
 DEFAULT_LAYOUT = {"dp": 2, "tp": 2}  # `shardwise train` with no layout flags: a small 4-rank job
 MAX_LOCAL_RANKS = 64
@@ -27,7 +38,8 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
                    help="Megatron sequence parallelism in TP regions (default off)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp×cp: 0, 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)")
     g.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zb, dualpipev")
-    g.add_argument("--vp", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    g.add_argument("--vp", type=int, default=None,
+                   help="model chunks per pipeline rank (default 2 under --schedule interleaved, else 1)")
     g.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step per dp rank (sets global batch = M × micro-batch × dp)")
     g.add_argument("--pp-layers", default=None, help="layers per stage, comma-separated (pp × vp counts)")
@@ -50,14 +62,13 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--init-from-hf", default=None, metavar="DIR",
                    help="fine-tune a Hugging Face model directory: its config, weights (each rank reads its slices) "
                         "and tokenizer")
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps to train to (a resume continues to it)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch per dp rank")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step over all dp ranks")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=None)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
+    _add_optim(p)
+    p.add_argument("--seed", type=int, default=1234, help="model initialisation, data order and dropout")
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16 (autocast; fp32 master weights)")
     p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=False,
                    help="under bf16: keep the residual stream fp32 (default off)")
     p.add_argument("--grad-reduce-dtype", default="fp32", help="DP gradient reduction dtype: fp32 or bf16")
@@ -82,12 +93,23 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
         moe.add_argument(f"--moe-{flag}", type=typ, default=None, help=what)
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--device", default="auto", help="auto (one NCCL rank per GPU when CUDA is present), cpu or cuda")
+    p.add_argument("--gloo-ifname", default=None, metavar="IFACE",
+                   help="network interface for gloo groups (default: GLOO_SOCKET_IFNAME, else the one that "
+                        "reaches MASTER_ADDR)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     ck = p.add_argument_group("checkpoints")
-    ck.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps and at the end (0: never)")
+    ck.add_argument("--save-every", type=int, default=0,
+                    help="checkpoint every N steps and at the last step (0: the last step only)")
+    ck.add_argument("--no-checkpoint", action="store_true",
+                    help="train: write no checkpoint at all (by default the last step is saved, for hf-export)")
     ck.add_argument("--checkpoint-dir", default=None, help="default <out>/checkpoints")
     ck.add_argument("--keep", type=int, default=None, help="keep the newest K checkpoints")
-    ck.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
+    ck.add_argument("--resume", action="store_true",
+                    help="continue from the checkpoint `latest` names (an older one only if it is damaged)")
+    ck.add_argument("--auto-resume", action="store_true",
+                    help="resume when the run has a checkpoint, else start fresh (requeued cluster jobs)")
+    ck.add_argument("--overwrite", action="store_true",
+                    help="start fresh in a non-empty --out, removing its old checkpoints")
     ck.add_argument("--async-save", action="store_true",
                     help="write checkpoints in the background (torch.distributed.checkpoint.async_save)")
     p.add_argument("--fault-inject", default=None, metavar="RANK:STEP:KIND",
@@ -110,13 +132,31 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
                     help="also log metrics to W&B (offline unless configured) or MLflow (optional extras)")
 
 
+def _add_optim(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimizer and learning-rate schedule")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--lr-schedule", default="cosine", help=f"{', '.join(LR_SCHEDULES)}. After the warm-up: cosine or linear decay to --min-lr on the schedule's last step; wsd "
+                        "(constant, then a linear decay over the last --wsd-decay-fraction); constant")
+    g.add_argument("--min-lr", type=float, default=None, help="LR at the schedule's end (default --lr / 10)")
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warm-up steps, honoured exactly (default 10%% of the schedule, 1..20)")
+    g.add_argument("--lr-decay-steps", type=int, default=None,
+                   help="the schedule's length (default --steps; on resume, the checkpoint's); later steps stay "
+                        "at --min-lr")
+    g.add_argument("--wsd-decay-fraction", type=float, default=0.2, help="wsd: fraction of the schedule that decays")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not on norms)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
+    g.add_argument("--adam-betas", default="0.9,0.95", metavar="B1,B2", help="AdamW betas")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a model on a parallel layout")
+    t = sub.add_parser("train", help="train a model on a parallel layout", formatter_class=HelpFormatter)
     _add_layout(t)
     _add_run(t, steps=200)
-    v = sub.add_parser("verify", help="check a layout against the single-device model")
+    v = sub.add_parser("verify", help="check a layout against the single-device model", formatter_class=HelpFormatter)
     _add_layout(v)
     _add_run(v, steps=3)
     for p in (t, v):
@@ -125,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     parser._sw_runs = {"train": t, "verify": v}
     for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint_cli", "shardwise.report",
-                "shardwise.hf_cli", "shardwise.data.cli", "shardwise.generate"):
+                "shardwise.hf_cli", "shardwise.data.cli", "shardwise.generate", "shardwise.simulate.cli"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ImportError:
@@ -145,7 +185,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
     except ValueError:
         raise ConfigError(f"--pp-layers {args.pp_layers!r} must be comma-separated integers, e.g. 3,3,2") from None
     parallel = ParallelConfig(**degrees, sequence_parallel=args.sequence_parallel, zero=args.zero,
-                              schedule=args.schedule, vp=args.vp, pp_layers=pp_layers,
+                              schedule=args.schedule, vp=_vp(args), pp_layers=pp_layers,
                               pp_scatter_gather=args.pp_scatter_gather, cp_order=args.cp_order,
                               cp_impl=args.cp_impl, recompute=args.recompute,
                               recompute_layers=args.recompute_layers, compile=args.compile)
@@ -161,7 +201,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
     if args.model_config:
         model = read_model_config(args.model_config)
     cfg = TrainConfig(model=model, init_from_hf=args.init_from_hf, parallel=parallel, steps=args.steps, seq_len=args.seq_len,
-                      micro_batch=args.micro_batch, global_batch=args.global_batch, lr=args.lr, seed=args.seed,
+                      micro_batch=args.micro_batch, global_batch=args.global_batch, seed=args.seed,
                       dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,
                       attn_dropout=args.attn_dropout, tie_embeddings=args.tie_embeddings,
                       timeout_s=args.collective_timeout, progress=not args.no_progress,
@@ -171,14 +211,23 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       grad_reduce_dtype=args.grad_reduce_dtype, label_smoothing=args.label_smoothing,
                       report=not args.no_report, attention_mask=args.attention_mask,
                       reset_positions=args.reset_positions,
-                      overlap_grad_reduce=not args.no_overlap_grad_reduce, eval_data=args.eval_data,
-                      eval_every=args.eval_every, eval_steps=args.eval_steps, profile_steps=args.profile_steps,
-                      log_to=args.log_to,
+                      overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                      final_checkpoint=args.command == "train" and not args.no_checkpoint,
+                      lr=args.lr, lr_schedule=args.lr_schedule, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
+                      lr_decay_steps=args.lr_decay_steps, wsd_decay_fraction=args.wsd_decay_fraction,
+                      weight_decay=args.weight_decay, grad_clip=args.grad_clip, adam_betas=parse_betas(args.adam_betas),
+                      adam_eps=args.adam_eps,
+                      eval_data=args.eval_data, eval_every=args.eval_every, eval_steps=args.eval_steps,
+                      profile_steps=args.profile_steps, log_to=args.log_to,
                       model_overrides={k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None})
-    if args.warmup_steps is not None:
-        cfg.warmup_steps = args.warmup_steps
-    cfg.warmup_steps = min(cfg.warmup_steps, max(1, cfg.steps // 10))
     return assemble(cfg, torchrun_world)
+
+
+def _vp(args) -> int:
+    """--vp, by default 2 chunks per rank under --schedule interleaved (which needs at least 2), else 1."""
+    if args.vp is not None:
+        return args.vp
+    return 2 if args.schedule == "interleaved" and (args.pp or 1) > 1 else 1
 
 
 def _run(kind: str, cfg: TrainConfig, device=None):
@@ -235,16 +284,12 @@ def main(argv=None) -> int:
             from .verify import check_verifiable
 
             check_verifiable(cfg)
-        if args.command == "train" and cfg.out is None:
-            from .train import default_out_dir, newest_run_with_checkpoints
-
-            if cfg.resume and cfg.checkpoint_dir is None:
-                cfg.out = newest_run_with_checkpoints()
-                if cfg.out is None:
-                    raise ConfigError("--resume found no run with checkpoints under runs/; pass --out RUN_DIR "
-                                      "or --checkpoint-dir DIR")
-            else:
-                cfg.out = default_out_dir()
+        if args.command == "train":
+            done = _prepare_run_dir(args, cfg)
+            if done is not None:
+                if torchrun_world is None or int(os.environ["RANK"]) == 0:
+                    print(f"shardwise train: {done}", file=sys.stderr)
+                return 0
         check_sources(cfg)  # once, before any rank: manifests, shard checksums, --init-from-hf
         world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
         import torch
@@ -253,19 +298,27 @@ def main(argv=None) -> int:
 
         launch = plan_launch(world, args.device, torch.cuda.device_count() if args.device != "cpu" else 0,
                              torchrun_world is not None)
+        if torchrun_world is not None or args.gloo_ifname:
+            from .launch import configure_gloo
+
+            configure_gloo(args.gloo_ifname)
         if torchrun_world is None and world > MAX_LOCAL_RANKS:
             raise ConfigError(f"the layout needs {world} ranks; the local launcher starts at most "
                               f"{MAX_LOCAL_RANKS} (use torchrun for more)")
     except ConfigError as e:
         print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
         return 2
+    p = cfg.parallel
+    if p.pp > 1 and cfg.grad_accum < p.pp and (torchrun_world is None or int(os.environ["RANK"]) == 0):
+        print(f"shardwise {args.command}: warning: {cfg.grad_accum} microbatch(es) per step for {p.pp} pipeline "
+              f"stages: most stages idle most of the step; set --microbatches {p.pp} or more", file=sys.stderr)
     from .launch import RankError, run_local
 
     try:
         if torchrun_world is not None:
             from .launch import init_distributed
 
-            result = _run(args.command, cfg, init_distributed(cfg.timeout_s, launch.device))
+            result = _run(args.command, cfg, init_distributed(cfg.timeout_s, launch.device, cfg.out))
             rank0 = int(os.environ["RANK"]) == 0
         elif world == 1:
             import torch
@@ -273,11 +326,15 @@ def main(argv=None) -> int:
             device = torch.device("cuda", 0) if launch.device == "cuda" else None
             result, rank0 = _run(args.command, cfg, device), True
         else:
-            result, rank0 = run_local(_run, world, args.command, cfg, timeout_s=cfg.timeout_s,
-                                      backend=launch.backend)[0], True
+            result, rank0 = run_local(_rank_run, world, args.command, cfg, timeout_s=cfg.timeout_s,
+                                      backend=launch.backend, run_dir=cfg.out)[0], True
     except RankError as e:
         print(f"shardwise {args.command}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if torchrun_world is None or int(os.environ["RANK"]) == 0:
+            print(f"shardwise {args.command}: {_interrupted_line(cfg)}", file=sys.stderr)
+        return 130
     if not rank0:
         return 0
     if args.command == "verify":
@@ -287,6 +344,53 @@ def main(argv=None) -> int:
         return 0 if result["passed"] else 1
     _print_summary(result)
     return 0
+
+
+def _prepare_run_dir(args, cfg: TrainConfig) -> str | None:
+    """Before any rank: the run directory (newest run for a bare --resume), fresh vs resume, and protection of
+    a non-empty --out. Returns the line to print when the checkpoint already reaches --steps."""
+    from .run import check_run_dir
+    from .run_dir import default_out_dir, newest_run_with_checkpoints
+
+    if cfg.out is None:
+        if (cfg.resume or args.auto_resume) and cfg.checkpoint_dir is None:
+            cfg.out = newest_run_with_checkpoints()
+            if cfg.out is None and cfg.resume:
+                raise ConfigError("--resume found no run with checkpoints under runs/; pass --out RUN_DIR "
+                                  "or --checkpoint-dir DIR")
+        cfg.out = cfg.out or default_out_dir()
+    return check_run_dir(cfg, auto_resume=args.auto_resume, overwrite=args.overwrite)
+
+
+def _rank_run(kind: str, cfg: TrainConfig, device=None):
+    """A local rank: Ctrl-C is the parent's to handle (it stops every rank and prints one line), so a rank
+    ignores SIGINT and is terminated by the launcher instead of printing its own traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return _run(kind, cfg, device)
+
+
+def _interrupted_line(cfg: TrainConfig) -> str:
+    """`interrupted at step N; last checkpoint step-M; continue with --resume`, from the run directory."""
+    step = 0
+    try:
+        with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+            for line in f:
+                if line.strip():
+                    step = json.loads(line)["step"]
+    except (OSError, ValueError, KeyError):
+        pass
+    from .run import checkpoint_root
+
+    try:
+        with open(os.path.join(checkpoint_root(cfg), "latest")) as f:
+            last = f.read().strip()
+    except OSError:
+        last = None
+    if last is None:
+        return f"interrupted at step {step}; no checkpoint written (use --save-every N to resume later)"
+    return f"interrupted at step {step}; last checkpoint {last}; continue with --resume"
 
 
 def _print_summary(s: dict) -> None:

@@ -12,6 +12,7 @@ import sys
 import tomllib
 
 from .config import ConfigError
+from .config.schedule import lr_plan
 
 _SKIP = {"help", "config", "print_config", "command"}
 INFORMATIONAL = "resolved_model"
@@ -84,11 +85,21 @@ def render_config(sub: argparse.ArgumentParser, args, cfg) -> str:
     p = cfg.parallel
     resolved = vars(args) | {a: getattr(p, a) for a in ("dp", "pp", "cp", "tp", "ep")}
     resolved["microbatches"] = None  # folded into global-batch
+    resolved["vp"] = p.vp
+    # Flags whose default follows other flags stay defaults (a comment shows the value they take now).
+    derived = {"min_lr": "--lr / 10", "warmup_steps": "10% of the schedule, 1..20",
+               "lr_decay_steps": "--steps; on resume the checkpoint's"}
+    plan = lr_plan(cfg)
     lines = []
     for a in sub._actions:
-        if a.dest in _SKIP or not a.option_strings or resolved.get(a.dest) is None:
+        if a.dest in _SKIP or not a.option_strings:
             continue
-        lines.append(f"{a.option_strings[0][2:]} = {_toml_value(resolved[a.dest])}")
+        key = a.option_strings[0][2:]
+        if resolved.get(a.dest) is None:
+            if a.dest in derived:
+                lines.append(f"# {key} = {_toml_value(plan[a.dest])}  (default: {derived[a.dest]})")
+            continue
+        lines.append(f"{key} = {_toml_value(resolved[a.dest])}")
     lines.append(f"\n[{INFORMATIONAL}]")
     for k, v in vars(cfg.model_config()).items():
         if v is not None:

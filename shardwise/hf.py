@@ -109,7 +109,11 @@ _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "mo
 _LAYER = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
           "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+          "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
           "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj"}
+
+
+_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _hf_name(name: str) -> tuple[str, bool]:
@@ -120,7 +124,9 @@ def _hf_name(name: str) -> tuple[str, bool]:
     if m is None or m.group(2) not in _LAYER:
         raise KeyError(f"shardwise parameter {name!r} has no Hugging Face counterpart")
     module = m.group(2)
-    return f"model.layers.{m.group(1)}.{_LAYER[module]}.{m.group(3)}", module in ("attention.wq", "attention.wk")
+    # q/k norm weights are one head's rows in HF's rotate-half order: permuted like each head of wq / wk.
+    heads = module in ("attention.wq", "attention.wk", "attention.q_norm", "attention.k_norm")
+    return f"model.layers.{m.group(1)}.{_LAYER[module]}.{m.group(3)}", heads
 
 
 def _source(name: str, cfg: ModelConfig, files: _Files) -> _Source:
@@ -136,6 +142,8 @@ def _source(name: str, cfg: ModelConfig, files: _Files) -> _Source:
         hf = f"{legacy}.gate.weight" if f"{legacy}.gate.weight" in files else f"{fused}.gate.weight"
         return _Source([hf], files.shape(hf))
     per_expert = [f"{legacy}.experts.{e}.{which}.weight" for e in range(cfg.moe_experts)]  # same w1/w2/w3 names
+    if per_expert[0] not in files:  # Qwen3-MoE: mlp.experts.{e}.gate_proj / up_proj / down_proj
+        per_expert = [f"{fused}.experts.{e}.{_EXPERT[which]}.weight" for e in range(cfg.moe_experts)]
     if per_expert[0] in files:
         return _Source(per_expert, (cfg.moe_experts, *files.shape(per_expert[0])), "stacked")
     if which == "w2":
@@ -185,17 +193,21 @@ def _hf_tensors(name: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch
     if m is None:
         hf, heads = _hf_name(name)
         return {hf: to_rotate_half(t, cfg.head_dim) if heads else t}
-    base = f"model.layers.{m.group(1)}.block_sparse_moe"
+    qwen = cfg.qk_norm  # Qwen3-MoE's names (mlp.gate, mlp.experts.{e}.gate_proj), else Mixtral's
+    base = f"model.layers.{m.group(1)}.{'mlp' if qwen else 'block_sparse_moe'}"
     if m.group(3) is None:
         return {f"{base}.gate.weight": t}
-    return {f"{base}.experts.{e}.{m.group(3)}.weight": t[e] for e in range(t.shape[0])}
+    which = _EXPERT[m.group(3)] if qwen else m.group(3)
+    return {f"{base}.experts.{e}.{which}.weight": t[e] for e in range(t.shape[0])}
 
 
-def export_hf(source, cfg: ModelConfig, out_dir: str) -> str:
+def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = None) -> str:
     """Write `out_dir`/config.json and model.safetensors from a global state (or single-device model).
 
     `source` is an unsharded model (every degree 1) or a dict of global tensors under shardwise's
-    names, such as `checkpoint.load_global_tensors(step_dir)`. Returns `out_dir`.
+    names, such as `checkpoint.load_global_tensors(step_dir)`. With `tokenizer` (a run's
+    `hf_export.tokenizer_record`) also the tokenizer files, bos/eos/pad ids and generation_config.json.
+    Returns `out_dir`.
     """
     from safetensors.torch import save_file
 
@@ -212,7 +224,8 @@ def export_hf(source, cfg: ModelConfig, out_dir: str) -> str:
         state = dict(source)
     for n, t in state.items():
         if n.endswith("router.expert_bias") and bool(t.any()):
-            raise ValueError(f"export: {n} is non-zero; Mixtral has no selection bias (moe_bias_update_rate)")
+            raise ValueError(f"export: {n} is non-zero; Mixtral and Qwen3-MoE have no selection bias "
+                             "(moe_bias_update_rate)")
     with torch.device("meta"):
         expected = dict(Transformer(cfg).named_parameters())  # tied output.weight appears once, as the embedding
     missing = [n for n in expected if n not in state]
@@ -227,6 +240,12 @@ def export_hf(source, cfg: ModelConfig, out_dir: str) -> str:
             raise ValueError(f"export: {n} has shape {tuple(t.shape)}, the config needs {tuple(ref.shape)}")
         tensors.update({k: v.contiguous().clone() for k, v in _hf_tensors(n, t, cfg).items()})
     os.makedirs(out_dir, exist_ok=True)
+    if tokenizer is not None:
+        from .hf_export import write_generation_config, write_tokenizer
+
+        ids = write_tokenizer(out_dir, tokenizer, cfg.max_seq_len, cfg.vocab_size)
+        config.update({k: v for k, v in ids.items() if v is not None})
+        write_generation_config(out_dir, ids)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -47,7 +48,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=run)
     e = subparsers.add_parser("hf-export", help="write a shardwise checkpoint as a Hugging Face directory")
     e.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a checkpoint root (newest intact step) or one step-N dir")
-    e.add_argument("out_dir", metavar="OUT", help="directory for config.json + model.safetensors")
+    e.add_argument("out_dir", metavar="OUT", help="new or empty folder for the model, its tokenizer and "
+                   "generation_config.json")
+    e.add_argument("--tokenizer", default=None, metavar="SPEC",
+                   help="byte, a tokenizer.json or a folder holding one (default: the one the run trained with)")
+    e.add_argument("--overwrite", action="store_true", help="replace the model in a non-empty OUT")
     e.set_defaults(func=run_export)
     return p
 
@@ -204,23 +209,36 @@ def run(args) -> int:
 
 
 def run_export(args) -> int:
+    """hf-export: weights, config.json, tokenizer files and generation_config.json; exit 2 on bad input."""
     from . import checkpoint as ck
     from .config import ModelConfig
     from .hf import export_hf
+    from .hf_export import prepare_out_dir, record_from_flag, record_from_run_dir
 
+    try:
+        prepare_out_dir(args.out_dir, getattr(args, "overwrite", False))
+    except ConfigError as e:
+        print(f"shardwise hf-export: error: {e}", file=sys.stderr)
+        return 2
     path, skipped = ck.newest_intact(args.ckpt_dir)
     if path is None:
         why = "; ".join(f"{p}: {r}" for p, r in skipped) or "no step-N directories"
         print(f"shardwise hf-export: error: no intact checkpoint under {args.ckpt_dir} ({why})", file=sys.stderr)
         return 2
     with open(f"{path}/{ck.META}") as f:
-        saved = json.load(f)["model"]
+        meta = json.load(f)
+    saved = meta["model"]
     known = {fl.name for fl in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in known})
     try:
-        export_hf(ck.load_global_tensors(path), cfg, args.out_dir)
+        spec = getattr(args, "tokenizer", None)
+        tokenizer = record_from_flag(spec) if spec else meta.get("extra_state", {}).get("tokenizer") \
+            or record_from_run_dir(os.path.dirname(path))
+        export_hf(ck.load_global_tensors(path), cfg, args.out_dir, tokenizer)
     except (ConfigError, ValueError, KeyError) as e:
         print(f"shardwise hf-export: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out_dir} (config.json, model.safetensors) from {path}")
+    what = "config.json, model.safetensors" + (", tokenizer, generation_config.json" if tokenizer else
+                                               "; no tokenizer recorded: pass --tokenizer SPEC to add one")
+    print(f"wrote {args.out_dir} ({what}) from {path}")
     return 0

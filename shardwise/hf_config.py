@@ -12,10 +12,13 @@ import warnings
 
 from .config import ConfigError, ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe")
 # Each model class's rope_theta when config.json omits it (HF's class defaults).
-DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6}
-ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
+                 "qwen3_moe": 10000.0}
+ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+QWEN3 = ("qwen3", "qwen3_moe")  # per-head q/k RMSNorm, explicit head_dim
 # ModelConfig fields that newer shardwise versions add; a config needing a missing one is refused.
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
@@ -74,7 +77,7 @@ def _max_positions(hf: dict, where: str, mt: str) -> int:
     """
     n = int(_req(hf, "max_position_embeddings", where))
     window = hf.get("sliding_window")
-    if mt == "qwen2" and not hf.get("use_sliding_window", False):
+    if mt in ("qwen2", *QWEN3) and not hf.get("use_sliding_window", False):
         window = None
     if window is not None and int(window) < n:
         warnings.warn(f"{where}: sliding_window={window} < max_position_embeddings={n}: sequences are limited to "
@@ -111,9 +114,17 @@ def config_from_hf(path: str) -> ModelConfig:
     if hf.get("quantization_config"):
         refuse("quantization_config", "load an unquantized checkpoint")
     dim, heads = int(_req(hf, "hidden_size", where)), int(_req(hf, "num_attention_heads", where))
-    if hf.get("head_dim") is not None and int(hf["head_dim"]) * heads != dim:
+    head_dim = 0
+    if mt in QWEN3:  # Qwen3Attention: getattr(config, "head_dim", ...); Qwen3Config's default is 128, Qwen3-MoE's
+        head_dim = int(hf.get("head_dim") or (128 if mt == "qwen3" else dim // heads))
+        if hf.get("use_sliding_window"):
+            refuse("use_sliding_window", "shardwise has no sliding-window attention")
+        types = hf.get("layer_types")
+        if types and any(t != "full_attention" for t in types):
+            refuse("layer_types", "only full_attention layers are supported")
+    elif hf.get("head_dim") is not None and int(hf["head_dim"]) * heads != dim:
         refuse("head_dim", f"shardwise needs head_dim = hidden_size / num_attention_heads = {dim // heads}")
-    # Qwen2 always has q/k/v biases; Llama's attention_bias also puts one on o_proj, which shardwise lacks.
+    # Qwen2 always has q/k/v biases; Llama's and Qwen3's attention_bias also put one on o_proj, which shardwise lacks.
     if mt != "qwen2" and hf.get("attention_bias"):
         refuse("attention_bias", "only q/k/v biases (model_type qwen2) are supported")
     theta, scaling = _rope(hf, where, mt)
@@ -123,7 +134,9 @@ def config_from_hf(path: str) -> ModelConfig:
               ffn_dim=int(_req(hf, "intermediate_size", where)), max_seq_len=_max_positions(hf, where, mt),
               rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
               tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-              attn_dropout=float(hf.get("attention_dropout", 0.0)))
+              attn_dropout=float(hf.get("attention_dropout", 0.0)), head_dim=head_dim)
+    if mt in QWEN3:
+        kw["qk_norm"] = True
     if scaling is not None:
         kw["rope_scaling"] = scaling
     if mt == "qwen2":
@@ -131,6 +144,8 @@ def config_from_hf(path: str) -> ModelConfig:
             raise ConfigError(f"{where}: model_type='qwen2' has q/k/v biases, which need ModelConfig.attention_bias "
                               "(not in this shardwise)")
         kw["attention_bias"] = True
+    if mt == "qwen3_moe":
+        _qwen3_moe(hf, kw, where)
     if mt == "mixtral":
         # HF Mixtral: softmax over all experts, top-k, renormalise = softmax over the top-k logits; dropless.
         kw.update(moe_experts=int(_req(hf, "num_local_experts", where)),
@@ -142,24 +157,51 @@ def config_from_hf(path: str) -> ModelConfig:
     return cfg
 
 
+def _qwen3_moe(hf: dict, kw: dict, where: str) -> None:
+    """Qwen3-MoE's experts: softmax over all experts, top-k, renormalised when norm_topk_prob (= a softmax over
+    the chosen k logits, shardwise's softmax-after-top-k), unscaled otherwise; layer i is MoE unless it is in
+    mlp_only_layers or (i + 1) % decoder_sparse_step != 0; dropless; no shared experts."""
+    n_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if n_experts is None:
+        raise ConfigError(f"{where}: config.json lacks 'num_experts'")
+    step = int(hf.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ConfigError(f"{where}: decoder_sparse_step={step} must be >= 1")
+    only = {int(i) for i in hf.get("mlp_only_layers") or []}
+    dense = tuple(i for i in range(kw["n_layers"]) if i in only or (i + 1) % step)
+    coef = float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
+    kw.update(moe_experts=int(n_experts), moe_topk=int(hf.get("num_experts_per_tok", 8)), moe_every=1,
+              moe_dense_layers=dense, moe_ffn_dim=int(hf.get("moe_intermediate_size", 768)), moe_shared_experts=0,
+              moe_softmax_before_topk=not hf.get("norm_topk_prob", False), moe_score="softmax",
+              moe_aux_loss_coef=coef, moe_aux_loss_scope="model")
+
+
 # ---------------------------------------------------------------- export
 def hf_config(cfg: ModelConfig) -> dict:
-    """config.json for `cfg`: llama, qwen2 (q/k/v biases) or mixtral; ConfigError for what HF cannot express."""
+    """config.json for `cfg`: llama, qwen2 (q/k/v biases), mixtral, qwen3 or qwen3_moe (q/k norms); ConfigError for
+    what HF cannot express."""
     def refuse(field, why):
         raise ConfigError(f"export: {field}={getattr(cfg, field)!r} has no Hugging Face equivalent: {why}")
 
     bias = getattr(cfg, "attention_bias", False)
+    if cfg.qk_norm and bias:
+        refuse("attention_bias", "Qwen3 (q/k norms) has no q/k/v-only biases")
+    mt = ("qwen3_moe" if cfg.moe_experts else "qwen3") if cfg.qk_norm else \
+        "mixtral" if cfg.moe_experts else "qwen2" if bias else "llama"
     if cfg.moe_experts:
+        fam = "Qwen3-MoE" if mt == "qwen3_moe" else "Mixtral"
         if bias:
             refuse("attention_bias", "Mixtral has no attention biases")
-        for field, want, why in (("moe_every", 1, "every Mixtral block is MoE"),
-                                 ("moe_shared_experts", 0, "Mixtral has no shared experts"),
-                                 ("moe_score", "softmax", "Mixtral's router is a softmax"),
-                                 ("moe_softmax_before_topk", False, "Mixtral renormalises over the top-k")):
+        checks = [("moe_shared_experts", 0, f"{fam} has no shared experts"),
+                  ("moe_score", "softmax", f"{fam}'s router is a softmax")]
+        if mt == "mixtral":
+            checks += [("moe_every", 1, "every Mixtral block is MoE"),
+                       ("moe_dense_layers", (), "every Mixtral block is MoE"),
+                       ("moe_softmax_before_topk", False, "Mixtral renormalises over the top-k")]
+        for field, want, why in checks:
             if getattr(cfg, field) != want:
                 refuse(field, why)
-    mt = "mixtral" if cfg.moe_experts else "qwen2" if bias else "llama"
-    ffn = (cfg.moe_ffn_dim or cfg.ffn_dim) if cfg.moe_experts else cfg.ffn_dim  # Mixtral: the expert size
+    ffn = (cfg.moe_ffn_dim or cfg.ffn_dim) if mt == "mixtral" else cfg.ffn_dim  # Mixtral: the expert size
     out = {"architectures": [ARCHITECTURE[mt]], "model_type": mt, "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.dim, "intermediate_size": ffn, "num_hidden_layers": cfg.n_layers,
            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
@@ -176,8 +218,16 @@ def hf_config(cfg: ModelConfig) -> dict:
     if mt == "mixtral":
         out.update(num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_topk, sliding_window=None,
                    router_aux_loss_coef=cfg.moe_aux_loss_coef, output_router_logits=False)
-    if mt == "qwen2":
+    if mt in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False, sliding_window=None)
+    if mt in ("qwen3", "qwen3_moe"):
+        out.update(attention_bias=False, max_window_layers=cfg.n_layers)
+    if mt == "qwen3_moe":  # every layer's kind spelled out: decoder_sparse_step 1 plus the dense ones
+        out.update(num_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_topk, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)],
+                   moe_intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
+                   norm_topk_prob=not cfg.moe_softmax_before_topk, router_aux_loss_coef=cfg.moe_aux_loss_coef,
+                   output_router_logits=bool(cfg.moe_aux_loss_coef) and cfg.moe_aux_loss_scope == "model")
     return out
 
 

@@ -2,16 +2,25 @@
 
 The local launcher forks (30–50× cheaper than spawn on CPU), gives each rank one thread, a
 loopback rendezvous on a free port and a collective timeout, and tears every rank down as soon as
-one fails, so a failure surfaces as an error naming the rank rather than a hang.
+one fails, so a failure surfaces as an error naming the rank rather than a hang. On NCCL a hang ends
+in the watchdog's abort, not an exception, so every local rank keeps a tiny host-side record of its
+last collective call (`LastOp`) that the launcher reads to say which rank stopped where; the flight
+recorder's dumps go to the run directory. On clusters: each process takes the GPU it can see
+(one visible GPU → cuda:0), and gloo groups bind the interface that reaches the rendezvous host.
 """
 from __future__ import annotations
 
+import fcntl
+import mmap
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import socket
+import struct
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -61,32 +70,173 @@ def plan_launch(world: int, device: str, cuda_count: int, torchrun: bool) -> Lau
     return LaunchPlan("cuda", "nccl", None if torchrun or world == 1 else "spawn")
 
 
-def nccl_env_defaults(environ) -> dict[str, str]:
-    """The flight-recorder settings to add (never overriding the user's): a hang then leaves a trace on timeout."""
-    want = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-    return {k: v for k, v in want.items() if k not in environ}
+def nccl_env_defaults(environ, run_dir: str | None = None) -> dict[str, str]:
+    """Flight-recorder settings to add (never overriding the user's, under the current or the pre-2.9 name).
+
+    A collective stuck past the timeout then leaves a trace per rank in <run_dir>/flight_recorder/rank_<r>
+    (torch appends the rank) instead of node-local /tmp.
+    """
+    want = {("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",
+            ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1"}
+    if run_dir is not None:
+        want[("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")] = os.path.join(
+            os.path.abspath(run_dir), "flight_recorder", "rank_")
+    return {names[0]: v for names, v in want.items() if not any(n in environ for n in names)}
+
+
+def _apply_nccl_env(run_dir: str | None) -> None:
+    add = nccl_env_defaults(os.environ, run_dir)
+    if "TORCH_FR_DUMP_TEMP_FILE" in add:
+        os.makedirs(os.path.dirname(add["TORCH_FR_DUMP_TEMP_FILE"]), exist_ok=True)
+    os.environ.update(add)
+
+
+def local_cuda_index(local_rank: int, visible: int, visible_devices: str | None = None) -> int:
+    """Pure: the CUDA index this process uses, given LOCAL_RANK and how many GPUs it sees.
+
+    One visible GPU (SLURM's --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per process) is cuda:0
+    whatever the local rank; with the node's GPUs all visible, local rank r takes cuda:r.
+    """
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    from .config import ConfigError
+
+    raise ConfigError(f"LOCAL_RANK {local_rank} but this process sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                      f"{visible_devices!r}): give each process one GPU or all of the node's")
 
 
 def pick_device(device: str = "auto") -> torch.device:
-    if device != "cpu" and torch.cuda.is_available() and under_torchrun():
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
+    if device != "cpu" and torch.cuda.device_count() > 0 and under_torchrun():
+        index = local_cuda_index(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count(),
+                                 os.environ.get("CUDA_VISIBLE_DEVICES"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
-def init_distributed(timeout_s: float, device: str = "auto") -> torch.device:
+def init_distributed(timeout_s: float, device: str = "auto", run_dir: str | None = None) -> torch.device:
     """Join the process group described by the environment (torchrun or our launcher)."""
     dev = pick_device(device)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    if backend == "gloo" and os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    configure_gloo(None)  # gloo groups exist on NCCL runs too (checkpoint I/O)
     if backend == "nccl":
-        os.environ.update(nccl_env_defaults(os.environ))
+        _apply_nccl_env(run_dir)
     # The timeout drives NCCL's watchdog too: a collective stuck past it aborts the communicator.
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                             device_id=dev if dev.type == "cuda" else None)
     return dev
+
+
+# ---------------------------------------------------------------- gloo's network interface
+def interfaces() -> list[str]:
+    return [name for _, name in socket.if_nameindex()]
+
+
+def _address_of(name: str) -> str | None:
+    """IPv4 address of an interface (Linux SIOCGIFADDR), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        return None
+
+
+def interface_towards(host: str) -> tuple[str, str] | None:
+    """(interface, local address) the kernel routes to `host` through; None if it cannot tell.
+
+    A UDP connect sends nothing: it only asks the routing table.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    name = next((n for n in interfaces() if _address_of(n) == local), None)
+    return None if name is None else (name, local)
+
+
+def choose_gloo_ifname(flag: str | None, environ, available: list[str], towards) -> str | None:
+    """Pure: the interface gloo binds (None: leave it to gloo's hostname lookup).
+
+    --gloo-ifname, else GLOO_SOCKET_IFNAME, else the interface that reaches MASTER_ADDR. On the
+    rendezvous host itself that route is loopback, which other nodes cannot reach: a multi-node job
+    then takes the interface of the default route instead. Raises ConfigError for a name that is no
+    interface here (gloo would fail later, in every rank, with a less clear message).
+    """
+    from .config import ConfigError
+
+    for source, value in (("--gloo-ifname", flag), ("GLOO_SOCKET_IFNAME", environ.get("GLOO_SOCKET_IFNAME"))):
+        if value:
+            missing = [n for n in value.split(",") if n not in available]
+            if missing:
+                raise ConfigError(f"{source} {value!r} names no network interface on this host "
+                                  f"({missing[0]!r}); available: {', '.join(available)}")
+            return value
+    host = environ.get("MASTER_ADDR")
+    route = towards(host) if host else None
+    multi_node = environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE")) != environ.get("WORLD_SIZE")
+    if route is not None and route[1].startswith("127.") and multi_node:
+        route = towards("192.0.2.1")  # TEST-NET-1: whatever the default route uses
+    return None if route is None else route[0]
+
+
+def configure_gloo(flag: str | None, environ=None) -> str | None:
+    """Validate and export GLOO_SOCKET_IFNAME (read by every gloo group this process creates)."""
+    environ = os.environ if environ is None else environ
+    name = choose_gloo_ifname(flag, environ, interfaces(), interface_towards)
+    if name is not None:
+        environ["GLOO_SOCKET_IFNAME"] = name
+    return name
+
+
+# ---------------------------------------------------------------- last collective per rank
+class LastOp:
+    """A rank's latest collective call, kept in a 128-byte memory-mapped file the launcher can read.
+
+    An NCCL hang ends in the watchdog's SIGABRT, which no Python handler survives; a page the kernel
+    owns does. Writing it costs a memcpy per collective. Format: "<count> <op> <axis>".
+    """
+
+    SIZE = 128
+
+    def __init__(self, directory: str, rank: int):
+        self.path = os.path.join(directory, f"rank{rank}.lastop")
+        with open(self.path, "wb") as f:
+            f.write(b" " * self.SIZE)
+        self._f = open(self.path, "r+b")
+        self._mm = mmap.mmap(self._f.fileno(), self.SIZE)
+        self.count = 0
+
+    def note(self, op: str, axis: str) -> None:
+        self.count += 1
+        self._mm[:] = f"{self.count} {op} {axis}".encode()[:self.SIZE].ljust(self.SIZE)
+
+    @staticmethod
+    def read(directory: str, rank: int) -> tuple[int, str, str] | None:
+        try:
+            with open(os.path.join(directory, f"rank{rank}.lastop"), "rb") as f:
+                parts = f.read().decode(errors="replace").split()
+        except OSError:
+            return None
+        return (int(parts[0]), parts[1], " ".join(parts[2:])) if len(parts) >= 3 else None
+
+
+def _last_ops_report(records: dict[int, tuple[int, str, str]]) -> str:
+    """One clause naming the rank(s) that posted the fewest collective calls: the likely place of a hang."""
+    if not records:
+        return ""
+    counts = {r: rec[0] for r, rec in records.items()}
+    low, high = min(counts.values()), max(counts.values())
+    if low == high:
+        return ""
+    behind = sorted(r for r, n in counts.items() if n == low)
+    n, op, axis = records[behind[0]]
+    return (f"; rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} stopped earliest, at "
+            f"collective call #{n} ({op} on axis '{axis}'), while others reached #{high}")
 
 
 def free_port() -> int:
@@ -95,14 +245,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo"):
+class ForkAfterCudaError(RuntimeError):
+    """run_local would fork ranks from a process that already initialised CUDA (the children could not use it)."""
+
+
+def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", lastop_dir=None, run_dir=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     try:
+        if lastop_dir is not None:
+            from .comm.collectives import set_call_hook
+
+            set_call_hook(LastOp(lastop_dir, rank).note)
         device = None
         if backend == "nccl":  # one GPU per rank; fn receives its device as a keyword
-            os.environ.update(nccl_env_defaults(os.environ))
+            _apply_nccl_env(run_dir)
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
@@ -121,19 +279,29 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo"):
 
 
 def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
-              grace_s: float = 5.0, backend: str = "gloo"):
+              grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None):
     """Run `fn(*args)` on `world` local ranks; return the per-rank results in rank order.
 
-    gloo: forked CPU ranks. nccl: spawned ranks, rank r on cuda:r, `fn(*args, device=cuda:r)`.
+    gloo: forked CPU ranks. nccl: spawned ranks, rank r on cuda:r, `fn(*args, device=cuda:r)`, flight
+    recorder dumps under `run_dir`. Forking after this process initialised CUDA is refused
+    (ForkAfterCudaError): every forked rank would fail at its first CUDA call.
 
     On the first failure the other ranks get `grace_s` to report theirs, then all are torn down and
     a RankError names the culprit: a rank that died (its exit code), or a rank still alive that
-    reported nothing while its peers failed (hung), and what each failing rank was doing.
+    reported nothing while its peers failed (hung), what each failing rank was doing, and each
+    rank's last collective call (which rank stopped earliest, on which op and axis).
     """
-    ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
+    fork = backend == "gloo"
+    if fork and torch.cuda.is_initialized():
+        raise ForkAfterCudaError("run_local: this process has already initialised CUDA, so forked ranks cannot "
+                                 "use it (\"Cannot re-initialize CUDA in forked subprocess\"); start the ranks "
+                                 "before any CUDA call, or use backend='nccl' (spawned ranks)")
+    ctx = mp.get_context("fork" if fork else "spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, fn, args, results, backend), daemon=False)
+    lastops = tempfile.mkdtemp(prefix="shardwise-lastop-")
+    procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, fn, args, results, backend, lastops,
+                                               run_dir), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -163,7 +331,7 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
                 errors[rank] = payload
                 failed_at = failed_at or time.monotonic()
         if errors or len(out) < world:
-            raise RankError(_failure_report(procs, out, errors))
+            raise RankError(_failure_report(procs, out, errors, lastops))
         for p in procs:
             p.join(timeout=30)
     finally:
@@ -174,18 +342,25 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(lastops, ignore_errors=True)
     return [out[r] for r in range(world)]
 
 
-def _failure_report(procs, out, errors) -> str:
+def _failure_report(procs, out, errors, lastops: str | None = None) -> str:
+    records = {r: rec for r in range(len(procs)) if lastops and (rec := LastOp.read(lastops, r)) is not None}
+
+    def last(r: int) -> str:
+        return f" (last collective call #{records[r][0]}: {records[r][1]} on axis '{records[r][2]}')" if r in records else ""
+
     dead = [r for r, p in enumerate(procs) if r not in out and r not in errors and p.exitcode not in (None, 0)]
     hung = [r for r, p in enumerate(procs) if r not in out and r not in errors and p.exitcode is None]
     lines = []
     for r in dead:
-        lines.append(f"rank {r} died with exit code {procs[r].exitcode}")
+        lines.append(f"rank {r} died with exit code {procs[r].exitcode}{last(r)}")
     for r in hung:
-        lines.append(f"rank {r} hung: alive but reported nothing while its peers failed")
+        lines.append(f"rank {r} hung: alive but reported nothing while its peers failed{last(r)}")
     for r, msg in sorted(errors.items()):
         lines.append(f"rank {r} failed: {msg.splitlines()[0]}")
     first_tb = next(iter(sorted(errors.items())), (None, ""))[1]
-    return "; ".join(lines) + ("\n" + first_tb if first_tb and not dead and not hung else "")
+    return ("; ".join(lines) + _last_ops_report(records)
+            + ("\n" + first_tb if first_tb and not dead and not hung else ""))

@@ -8,6 +8,7 @@ an `Axis` by name.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,6 +49,35 @@ def _emb_axis(pp_lines: list[list[int]], pp: "Axis", rank: int, stages: tuple[in
     group = _subgroups(lines, timeout, "emb")
     line = next((ln for ln in lines if rank in ln), None)
     return Axis("emb") if line is None else Axis("emb", 2, line.index(rank), group, tuple(line))
+
+
+def axis_lines(dims: "ParallelDims") -> dict[str, list[list[int]]]:
+    """Every group of every axis as lists of global ranks, computed in plain Python (no tensor, so no
+    tensor mode — fake or meta — can touch the layout). Rank = ((d·pp + p)·cp + c)·tp + t.
+
+    dp×cp (dense gradient reduction) lines share (pp, tp) with cp fastest; ep takes consecutive blocks
+    of ep ranks of each dp×cp line and edp the strided rest.
+    """
+    sizes = dict(zip(GRID, (dims.dp, dims.pp, dims.cp, dims.tp)))
+
+    def rank(c: dict) -> int:
+        return ((c["dp"] * dims.pp + c["pp"]) * dims.cp + c["cp"]) * dims.tp + c["tp"]
+
+    families = {}
+    for name in GRID:
+        others = [a for a in GRID if a != name]
+        lines = []
+        for fixed in itertools.product(*(range(sizes[a]) for a in others)):
+            c = dict(zip(others, fixed))
+            lines.append([rank(c | {name: i}) for i in range(sizes[name])])
+        families[name] = lines
+    dpcp = [[rank({"dp": d, "pp": p, "cp": c, "tp": t}) for d in range(dims.dp) for c in range(dims.cp)]
+            for p in range(dims.pp) for t in range(dims.tp)]
+    ep, edp = dims.ep, dims.edp
+    families["dp_cp"] = dpcp
+    families["ep"] = [line[b * ep:(b + 1) * ep] for line in dpcp for b in range(edp)]
+    families["edp"] = [line[k::ep] for line in dpcp for k in range(ep)]
+    return families
 
 
 @dataclass(frozen=True)
@@ -150,14 +180,7 @@ class Mesh:
         if world != dims.world_size:
             raise ConfigError(f"mesh {dataclasses.asdict(dims)} needs {dims.world_size} ranks, got {world}")
         timeout = timedelta(seconds=timeout_s)
-        grid = torch.arange(world).view(dims.dp, dims.pp, dims.cp, dims.tp)
-        # dp×cp (dense gradient reduction) and ep / edp carved out of it: groups of ranks that share
-        # (pp, tp) coordinates; consecutive dp×cp ranks form an ep group.
-        dpcp = grid.permute(1, 3, 0, 2).reshape(dims.pp * dims.tp, dims.dp * dims.cp)
-        ep_blocks = dpcp.reshape(-1, dims.edp, dims.ep)
-        families = {name: grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist() for i, name in enumerate(GRID)}
-        families |= {"dp_cp": dpcp.tolist(), "ep": [row.tolist() for blk in ep_blocks for row in blk],
-                     "edp": [row.tolist() for blk in ep_blocks for row in blk.T]}
+        families = axis_lines(dims)
         axes: dict[str, Axis] = {}
         for name, lines in families.items():
             line = next(ln for ln in lines if rank in ln)
@@ -166,15 +189,18 @@ class Mesh:
         axes["emb"] = _emb_axis(families["pp"], axes["pp"], rank, emb_stages, timeout)
         axes["world"] = Axis("world", world, rank, dist.group.WORLD, tuple(range(world)))
         # Checkpoint barriers and metadata gathers: gloo (CPU objects), with a long timeout, since
-        # writing a large checkpoint legitimately outlasts the collective timeout.
-        axes["ckpt"] = Axis("ckpt", world, rank, dist.new_group(backend="gloo", timeout=timedelta(
-            seconds=max(timeout_s, CHECKPOINT_TIMEOUT_S))), tuple(range(world)))
+        # writing a large checkpoint legitimately outlasts the collective timeout. The fake backend of a
+        # simulation moves nothing and can host no other backend's group: its world group serves.
+        fake = dist.get_backend() == "fake"
+        ckpt = dist.group.WORLD if fake else dist.new_group(backend="gloo", timeout=timedelta(
+            seconds=max(timeout_s, CHECKPOINT_TIMEOUT_S)))
+        axes["ckpt"] = Axis("ckpt", world, rank, ckpt, tuple(range(world)))
         active = [n for n in GRID if axes[n].active]
         device_mesh = None
-        if active:  # a DeviceMesh over the axes that have groups (peers such as DTensor use it)
+        if active and not fake:  # a DeviceMesh over the axes that have groups (peers such as DTensor use it)
             groups = [axes[n].group for n in active]
             device_mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device.type,
-                                                mesh=grid.view(*[axes[n].size for n in active]),
+                                                mesh=torch.arange(world).view(*[axes[n].size for n in active]),
                                                 mesh_dim_names=tuple(active))
         mesh = cls(dims, rank, axes, device, device_mesh, ledger)
         mesh.build_s = time.perf_counter() - t0

@@ -15,7 +15,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .mesh import Mesh
-from .expert_parallel.moe import MoE
+from .expert_parallel.moe import MoE, share_aux_pool
 from .models.llama import Transformer, build_moe
 from .recompute import apply_recompute
 from .tensor_parallel.layers import (ColumnParallelLinear, ColumnRegion, RowParallelLinear, ShardSpec,
@@ -70,10 +70,13 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.tp_axis, model.vocab_start, model.sequence_parallel = tp, model.tok_embeddings.vocab_start, sp
-    # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens).
+    share_aux_pool(model)  # the plan rebuilt the MoE blocks
+    # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens). The per-head
+    # q/k norms see only this rank's heads, so their gradients are partial under any TP.
     for name, p in model.named_parameters():
         if not hasattr(p, "_sw_shard"):
-            set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if sp else None))
+            partial = sp or (tp.active and name.endswith(("q_norm.weight", "k_norm.weight")))
+            set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if partial else None))
     for m in model.modules():
         if isinstance(m, ReplicatedDropout):
             m.sp_axis = tp if sp else None
@@ -97,33 +100,36 @@ def apply_expert_parallel(cfg: ModelConfig, mesh: Mesh, sp: bool) -> MoE:
 
 
 def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> None:
-    """Allocate and fill every parameter with its slice of the seeded global initialisation."""
-    # to_empty makes new Parameter objects: keep the shardwise annotations (_sw_shard, _sw_expert, ...)
-    specs = {n: get_spec(p) for n, p in model.named_parameters()}
-    marks = {n: {k: v for k, v in vars(p).items() if k.startswith("_sw_") and k != "_sw_shard"}
-             for n, p in model.named_parameters()}
-    first_name = {}
-    aliases = []  # (module, attribute, canonical name): tied parameters that to_empty would untie
-    for mod_name, mod in model.named_modules():
-        for attr, p in mod.named_parameters(recurse=False):
-            full = f"{mod_name}.{attr}" if mod_name else attr
-            if id(p) in first_name and first_name[id(p)] != full:
-                aliases.append((mod, attr, first_name[id(p)]))
-            first_name.setdefault(id(p), full)
-    model.to_empty(device=device)
+    """Allocate and fill every parameter with its slice of the seeded global initialisation.
+
+    Each meta parameter is replaced by a new Parameter created directly on `device` (under a fake
+    tensor mode: a fake one), carrying the same shardwise annotations; tied parameters stay one object.
+    `Module.to_empty` is not used: torch >= 2.13 swaps tensors in place there and refuses parameters with
+    weak references, which fake parameters have.
+    """
+    made: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                for k, v in vars(p).items():
+                    if k.startswith("_sw_"):
+                        setattr(new, k, v)
+                made[id(p)] = new
+            mod._parameters[attr] = made[id(p)]
+        for attr, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[attr] = torch.empty(b.shape, dtype=b.dtype, device=device)
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()
-    for mod, attr, canonical in aliases:
-        setattr(mod, attr, model.get_parameter(canonical))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            spec = specs[name]
-            set_spec(p, spec)
-            for k, v in marks[name].items():
-                setattr(p, k, v)
+            spec = get_spec(p)
             # the LM head's copy of a tied matrix (PP) draws from the embedding's name: equal at init
-            init_name = marks[name].get("_sw_tied", name)
+            init_name = getattr(p, "_sw_tied", name)
             p.copy_(spec.local_slice(global_init(init_name, spec.global_shape, cfg, seed)).to(device))
 
 

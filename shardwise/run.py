@@ -9,14 +9,33 @@ way: CLI → run → {config, data, hf_config} → partition.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from .config import ConfigError, ModelConfig, TrainConfig
-from .data.shards import fit_vocab
+from .data.shards import data_vocab
+from .data.tokenizer import VOCAB_SIZE
 from .hf_config import config_from_hf, init_model_config
 
 
 def read_model_config(path: str) -> ModelConfig:
     """`--model-config config.json` (or a model directory): the shapes of a Hugging Face config."""
     return config_from_hf(path)
+
+
+def fit_vocab(model, spec: str | None, follows_tokenizer: bool):
+    """The model's vocabulary follows --data's tokenizer for the byte-sized presets (tiny, small,
+    tiny-moe); a model with its own vocabulary (a preset like llama3-8b, a given config) must cover it."""
+    found = data_vocab(spec)
+    if found is None:
+        return model
+    vocab, what = found
+    if follows_tokenizer and model.vocab_size == VOCAB_SIZE:
+        return dataclasses.replace(model, vocab_size=vocab)
+    if vocab > model.vocab_size:
+        raise ConfigError(f"--data {what}: the tokenizer has {vocab} ids but model {model.name!r} has "
+                          f"vocab_size={model.vocab_size}; use a model whose vocabulary covers it (tiny, small "
+                          "and tiny-moe follow the tokenizer)")
+    return model
 
 
 def resolve_model(cfg: TrainConfig) -> ModelConfig:
@@ -50,6 +69,10 @@ def check_sources(cfg: TrainConfig) -> None:
     """Once, before any rank starts: the data's manifests, shard checksums and size; under `--init-from-hf`
     the weights' shapes, the tokenizer and the data's ids against the checkpoint; EOS ids for document masks.
     ConfigError on anything wrong."""
+    if cfg.init_from_hf and cfg.data is None:
+        raise ConfigError(f"--init-from-hf {cfg.init_from_hf} needs --data tokenized with its tokenizer (the built-in "
+                          f"corpus is byte-level): shardwise prepare-data FILES --tokenizer {cfg.init_from_hf} --out DIR, "
+                          "then --data DIR")
     if cfg.eval_data is not None:  # readable, --data's tokenizer, enough windows
         from .evaluate import check_eval_data
 
@@ -58,7 +81,7 @@ def check_sources(cfg: TrainConfig) -> None:
         from .observe import check_logger
 
         check_logger(cfg)
-    if cfg.data is None and not cfg.init_from_hf:
+    if cfg.data is None:
         return
     from .data import Loader, open_data
 
@@ -74,3 +97,62 @@ def check_sources(cfg: TrainConfig) -> None:
             and sources[0].eos_id is None:
         raise ConfigError(f"--attention-mask {cfg.attention_mask} / --reset-positions find documents by their "
                           f"EOS, but --data {cfg.data!r} was prepared with --no-eos; prepare it with EOS ids")
+
+
+def checkpoint_root(cfg: TrainConfig) -> str:
+    """Where the run's checkpoints live: --checkpoint-dir, else <out>/checkpoints."""
+    import os
+
+    return cfg.checkpoint_dir or os.path.join(cfg.out, "checkpoints")
+
+
+def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool = False) -> str | None:
+    """Once, before any rank: decide fresh vs resume and protect what the user already has.
+
+    `--auto-resume` becomes `--resume` when a checkpoint exists. `--resume` without one, and a fresh run into a
+    non-empty `--out` (or a checkpoint directory holding checkpoints) without `--overwrite`, are ConfigErrors;
+    `--overwrite` removes the old checkpoints, so they never mix with the new run's. On resume the schedule's
+    length defaults to the one stored in the checkpoint. Returns a line to print (and exit 0) when the
+    checkpoint is already at --steps: nothing is touched."""
+    import json
+    import os
+    import shutil
+
+    from .checkpoint.files import LATEST, MANIFEST, META, resume_order
+    from .config.schedule import validate_optim
+
+    root = checkpoint_root(cfg)
+    found = [path for _, path in resume_order(root)]
+    if auto_resume:
+        cfg.resume = bool(found)
+    if cfg.resume:
+        if not found:
+            raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh "
+                              "(or --auto-resume: resume when one exists)")
+        for path in found:  # the one `latest` names, unless it is unreadable
+            try:
+                with open(os.path.join(path, META)) as f:
+                    meta = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if not os.path.isfile(os.path.join(path, MANIFEST)):
+                continue
+            stored = meta.get("extra_state", {}).get("lr_plan")
+            if cfg.lr_decay_steps is None and stored:
+                cfg.lr_decay_steps = stored["lr_decay_steps"]
+                validate_optim(cfg)
+            if meta["step"] >= cfg.steps:
+                return (f"{path} is already at step {meta['step']} (--steps {cfg.steps}): nothing to train; "
+                        "raise --steps to continue")
+            return None
+        return None
+    busy = [d for d in dict.fromkeys((cfg.out, root)) if os.path.isdir(d) and os.listdir(d)]
+    if busy and not overwrite:
+        raise ConfigError(f"--out {busy[0]} is not empty (an earlier run?); continue it with --resume or "
+                          "--auto-resume, choose another --out, or pass --overwrite to replace it")
+    if overwrite and os.path.isdir(root):
+        for name in os.listdir(root):
+            if name == LATEST or name.startswith(("step-", "tmp-step-")):
+                full = os.path.join(root, name)
+                shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
+    return None

@@ -10,17 +10,20 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, host
 from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .comm import Ledger
 from .config import TrainConfig
+from .config.schedule import lr_at_plan, lr_plan, parse_betas
 from .run import assembled
+from .run_dir import resume
 from .context_parallel.sharding import shard_sequence
 from .data import IGNORE_INDEX, Loader, open_data
 from .data_parallel import GradReducer
@@ -36,17 +39,16 @@ from .tensor_parallel.layers import check_token_ids
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to cfg.lr, then cosine decay to cfg.min_lr at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    t = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
+    """LR of 0-based `step` under the run's schedule (shardwise.config.schedule): warm-up, then cosine, linear,
+    WSD or constant, reaching --min-lr on the schedule's last step."""
+    return lr_at_plan(step, lr_plan(cfg))
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None, fake_mode=None):
+        """`fake_mode` (shardwise simulate): the FakeTensorMode the rank runs under; the loader and each
+        batch's host-side preparation stay real, outside it, and the batch crosses in at `_to_device`."""
+        self.cfg, self.mesh, self.fake_mode = cfg, mesh, fake_mode
         self.model_cfg = cfg.model_config()
         p = cfg.parallel
         self.schedule = None
@@ -64,16 +66,19 @@ class Trainer:
             load_hf_into(self.model, cfg.init_from_hf, mesh)
         self.model.train()
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                   betas=parse_betas(cfg.adam_betas), eps=cfg.adam_eps,
                                    reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
                                    rounds=cfg.grad_accum, overlap=cfg.overlap_grad_reduce)
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
-        self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
-                             cfg.seed)  # a pure function of the step: the checkpoint's step is the data position
+        with self._host():  # a pure function of the step: the checkpoint's step is the data position
+            self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
+                                 cfg.seed)
         self.eos_id = self.loader.eos_id if cfg.eos_id is None else cfg.eos_id  # the data's EOS (bytes: 256)
         self.moe = [m for m in self.model.modules() if isinstance(m, MoE)]
         for m in self.moe:  # every global microbatch's aux loss weighs tokens(microbatch) / tokens(step)
             m.aux_scale = 1.0 / cfg.grad_accum
         self.group_dp = 1  # >1 only for verify's reference: microbatch i = every dp rank's microbatch i
+        self.timer = StepTimer(mesh.device)
         self.step = 0
         self.bad_steps = 0
         self._poison = False
@@ -87,6 +92,18 @@ class Trainer:
                                              lambda logits, y: self.model.loss_fn(logits, y, IGNORE_INDEX, cfg.label_smoothing),
                                              self.model.grad_store, self._autocast, p.pp_scatter_gather)
 
+    def _host(self):
+        """The host side of the loop: real tensors even when the rank itself runs on fake ones."""
+        if self.fake_mode is None:
+            return contextlib.nullcontext()
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        return unset_fake_temporarily()
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """The one point where batch data leaves the host: a copy to the device, or a fake tensor."""
+        return to_device(t, self.mesh.device) if self.fake_mode is None else self.fake_mode.from_tensor(t)
+
     def _autocast(self):
         if self.cfg.dtype == "bf16":
             return torch.autocast(self.mesh.device.type, dtype=torch.bfloat16)
@@ -94,6 +111,10 @@ class Trainer:
 
     def forward_backward(self, step: int) -> float:
         """Run every microbatch of this rank's share of the step's global batch; returns the global loss."""
+        return host.read(self._forward_backward(step), "loss")[0]
+
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        """`forward_backward`, leaving the global loss on the device ([1]): nothing waits for it."""
         dp = self.mesh["dp_cp"]
         n_tokens = self.loader.count_targets(step)  # every rank knows the global count: no collective
         xs, ys, side = self.microbatches(self.loader, step)
@@ -113,11 +134,20 @@ class Trainer:
             loss_sum.fill_(float("nan"))
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
-        return float(loss_sum)
+        return loss_sum
 
     def microbatches(self, loader: Loader, step: int) -> tuple[list, list, list[dict] | None]:
         """This rank's share of `loader`'s global batch `step`: inputs and targets per microbatch on the
         device (its dp rows, its cp cut) and the per-microbatch side inputs (training and evaluation)."""
+        with self._host():
+            x, y, side = self._host_batch(loader, step)
+        xs = [self._to_device(t) for t in x.split(self.cfg.micro_batch)]
+        ys = [self._to_device(t) for t in y.split(self.cfg.micro_batch)]
+        side = side and [{k: self._to_device(v) for k, v in s.items()} for s in side]
+        return xs, ys, side
+
+    def _host_batch(self, loader: Loader, step: int):
+        """This rank's inputs, targets and document side inputs of `loader`'s batch `step`, on the host."""
         per = self.global_batch // self.mesh.dims.dp
         dp_rank = self.mesh["dp"].rank
         x, y = loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
@@ -130,16 +160,14 @@ class Trainer:
         if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
             x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
             y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
-        xs = [t.to(self.mesh.device) for t in x.split(self.cfg.micro_batch)]
-        ys = [t.to(self.mesh.device) for t in y.split(self.cfg.micro_batch)]
-        return xs, ys, side
+        return x, y, side
 
     def _document_inputs(self, x: torch.Tensor) -> list[dict] | None:
         """Per microbatch, the model's side inputs for --attention-mask document / --reset-positions:
         document ids and positions of the *global* (uncut) sequences; every cp rank takes its share."""
         if self.cfg.attention_mask == "causal" and not self.cfg.reset_positions:
             return None
-        doc = document_ids(x, self.eos_id).to(self.mesh.device)
+        doc = document_ids(x, self.eos_id)
         side = [{} for _ in range(-(-x.shape[0] // self.cfg.micro_batch))]
         if self.cfg.attention_mask == "document":
             for s, d in zip(side, doc.split(self.cfg.micro_batch)):
@@ -151,6 +179,10 @@ class Trainer:
 
     def finish_gradients(self) -> float:
         return self.reducer.reduce_and_clip(self.cfg.grad_clip)
+
+    def _finish_gradients(self) -> torch.Tensor:
+        """`finish_gradients` with the clipping queued on the device; the norm stays there ([1])."""
+        return self.reducer.reduce_and_clip_queued(self.cfg.grad_clip)
 
     def optimizer_step(self, step: int) -> float:
         lr = lr_at(step, self.cfg)
@@ -176,12 +208,20 @@ class Trainer:
         self._poison = True
 
     def train_step(self, step: int) -> dict:
-        """One optimizer step. Non-finite loss or gradient norm (global, so every rank agrees) skips it."""
-        timer = _StepTimer(self.mesh.device)
+        """One optimizer step. Non-finite loss or gradient norm (global, so every rank agrees) skips it.
+
+        One host read per step (`shardwise.host`): loss, grad norm and the MoE metrics come back together,
+        once the clipped gradients — the optimizer's inputs — are queued; the step time is read a step
+        late (`StepTimer`), so the host never waits for the optimizer before queuing the next step.
+        """
+        self.timer.start()
+        host.reset()
         self._poison = False
         self._inject_fault(step)
-        loss = self.forward_backward(step)
-        norm = self.finish_gradients()
+        queued = [self._forward_backward(step), self._finish_gradients()]
+        moe = self.moe_step(read=False) if self.model_cfg.moe_experts else None  # every stage joins the pp reduce
+        values = host.read(torch.cat(queued + ([moe] if moe is not None else [])), "loss+norm")
+        loss, norm = values[0], values[1]
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if skipped:
             self.bad_steps += 1
@@ -194,20 +234,20 @@ class Trainer:
                        f"{self.bad_steps} bad steps exceed --max-bad-steps {self.cfg.max_bad_steps}"))
         else:
             lr = self.optimizer_step(step)
-        moe = self.moe_step() if self.model_cfg.moe_experts else None  # every stage joins the pp reduce
-        dt = timer.elapsed_s()
         self.mesh.ledger.end_step(step + 1)
         rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
-               "tokens": self.global_batch * self.cfg.seq_len, "step_time_s": dt}
+               "tokens": self.global_batch * self.cfg.seq_len, "host_syncs": host.count()}
+        self.timer.stop(rec)  # sets rec["step_time_s"] now (host clock) or at the next step (device events)
         if skipped:
             rec["skipped"] = True
         if moe is not None:
-            rec.update(moe)
+            rec.update(_moe_metrics(values[2:], self.model_cfg.moe_experts))
         return rec
 
-    def moe_step(self) -> dict:
-        """After the optimizer step: the loss-free bias update and this step's global routing metrics
-        (all dp×cp ranks, all stages). Collective over the token axes and pp."""
+    def moe_step(self, read: bool = True):
+        """The loss-free bias update (the bias is no optimizer input: before or after `optimizer_step`
+        alike) and this step's global routing metrics (all dp×cp ranks, all stages). Collective over the
+        token axes and pp. `read=False` leaves the metrics on the device as one float64 vector."""
         p = self.cfg.parallel
         axes = (self.mesh["dp_cp"], self.mesh["tp"]) if p.sequence_parallel else (self.mesh["dp_cp"],)
         n_exp = self.model_cfg.moe_experts
@@ -224,28 +264,78 @@ class Trainer:
         for ax in axes:
             comm.all_reduce(tail, ax, tag="metrics")
         comm.all_reduce(vec, self.mesh["pp"], tag="metrics")
-        return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp].tolist()],
-                "moe_max_over_mean_load": float(vec[n_exp] / max(1.0, float(vec[n_exp + 1]))),
-                "moe_dropped": int(vec[n_exp + 2]), "moe_aux_loss": float(vec[n_exp + 3])}
+        return _moe_metrics(host.read(vec, "moe metrics"), n_exp) if read else vec
 
 
-class _StepTimer:
-    """Step time: CUDA events on the GPU (host clocks around asynchronous launches would time the
-    launches), the host clock on CPU."""
+def _moe_metrics(vec: list[float], n_exp: int) -> dict:
+    return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp]],
+            "moe_max_over_mean_load": vec[n_exp] / max(1.0, vec[n_exp + 1]),
+            "moe_dropped": int(vec[n_exp + 2]), "moe_aux_loss": vec[n_exp + 3]}
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch onto the device. CUDA: through pinned memory (the caching host allocator reuses its
+    blocks, and records the copy so a block is not reused before the DMA is done), without blocking."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class StepTimer:
+    """Step times without a host sync. On an accelerator a host clock around asynchronous launches times
+    the launches, and waiting for an end event stalls the queue: each step records a start and an end
+    event, and the end is read at the next step's `stop` (complete by then: that step's host read waited
+    for the stream), or at `flush`. On CPU the host clock is the step time, known at once."""
 
     def __init__(self, device: torch.device):
-        self.t0 = time.perf_counter()
-        self.events = None
-        if device.type == "cuda":
-            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self.events[0].record()
+        self.device = device
+        self.timed = device.type != "cpu"
+        self.t0 = 0.0
+        self.open = None
+        self.pending: list[tuple] = []  # (start event, end event, record) not yet read
 
-    def elapsed_s(self) -> float:
-        if self.events is None:
-            return time.perf_counter() - self.t0
-        self.events[1].record()
-        self.events[1].synchronize()
-        return self.events[0].elapsed_time(self.events[1]) / 1000.0
+    def _event(self):
+        return torch.Event(device=self.device, enable_timing=True)
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        if self.timed:
+            self.open = self._event()
+            self.open.record()
+
+    def stop(self, rec: dict) -> None:
+        """Set rec["step_time_s"]: now (host clock), or once its end event is known to be done."""
+        if not self.timed:
+            rec["step_time_s"] = time.perf_counter() - self.t0
+            return
+        end = self._event()
+        end.record()
+        self.flush()  # the previous step: done, this step's host read waited for the stream past it
+        self.pending = [(self.open, end, rec)]
+        rec["step_time_s"] = None
+
+    def flush(self) -> None:
+        """Read the pending step's time (waits for its end event, if not done yet): also after the loop."""
+        for start, end, rec in self.pending:
+            end.synchronize()
+            rec["step_time_s"] = start.elapsed_time(end) / 1000.0
+        self.pending = []
+
+
+def _write_timed(metrics, bar, observer, unwritten: list) -> list:
+    """Write, in order, the records whose step time is known (with their throughput and eval loss); returns
+    those still waiting for it."""
+    while unwritten and unwritten[0][0]["step_time_s"] is not None:
+        rec, axes, ev = unwritten.pop(0)
+        observer.add_throughput(rec)
+        metrics.write(rec, axes)
+        metrics.write_eval(ev)
+        observer.log(rec, ev)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}",
+                            **observer.postfix(rec))
+    return unwritten
 
 
 def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
@@ -282,12 +372,6 @@ def _write_timeline(trainer: Trainer, out: str) -> dict | None:
             "mean_action_s": mean}
 
 
-def newest_run_with_checkpoints(root: str = "runs") -> str | None:
-    runs = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else [])
-                  if os.path.exists(os.path.join(root, d, "checkpoints", "latest")))
-    return os.path.join(root, runs[-1]) if runs else None
-
-
 def _activation_summary(cfg: TrainConfig, measured: int) -> dict:
     """Saved-activation peak of the first step (max over ranks) beside the planner's figure for this run
     (None where the planner does not model the run: --recompute-layers)."""
@@ -307,12 +391,8 @@ def static_storage_bytes(trainer: "Trainer") -> int:
     tensors += [p.grad for p in tensors if p.grad is not None]
     tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
     tensors += [t for b in trainer.reducer.buckets for t in vars(b).values() if torch.is_tensor(t)]
-    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(n for ptr, n in sizes.items() if ptr)
-
-
-def default_out_dir() -> str:
-    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # by storage identity
+    return sum(sizes.values())
 
 
 def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
@@ -326,35 +406,35 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     rank0 = mesh.rank == 0
     # Rank 0 names the run directory: under torchrun every process computed its own from its own clock.
     out = cfg.out = comm.all_gather_object(cfg.out, mesh["ckpt"])[0]
+    start = 0
+    ckpt_dir = cfg.checkpoint_dir or os.path.join(out, "checkpoints")
+    if cfg.resume:
+        start = resume(cfg, trainer, ckpt_dir, rank0)
+        if start >= cfg.steps:  # nothing to train: the run directory stays as it is
+            if rank0:
+                print(f"shardwise: checkpoint at step {start} already reaches --steps {cfg.steps}", file=sys.stderr)
+            return {"out": out, "steps": cfg.steps, "already_done": start} if rank0 else {}
     if rank0:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({"train": {k: v for k, v in vars(cfg).items() if k not in ("parallel", "resolved_model")},
-                       "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg)}
+                       "parallel": cfg.parallel.as_dict(), "model": vars(trainer.model_cfg), "lr_plan": lr_plan(cfg)}
                       | ({"init_from_hf": init_record(cfg.init_from_hf)} if cfg.init_from_hf else {}), f, indent=1,
                       default=vars)  # --model-config: TrainConfig.model is a ModelConfig
-    start = 0
-    ckpt_dir = cfg.checkpoint_dir or os.path.join(out, "checkpoints")
-    if cfg.resume:
-        from .checkpoint import load_checkpoint
-
-        info = load_checkpoint(ckpt_dir, trainer)
-        if info is None:
-            raise FileNotFoundError(f"--resume: no intact checkpoint under {ckpt_dir}")
-        start = info["step"]
-        if rank0:
-            for path, reason in info["skipped"]:
-                print(f"shardwise: skipped checkpoint {path}: {reason}", file=sys.stderr)
-            print(f"shardwise: resuming from {info['path']} (step {start})", file=sys.stderr)
     bar = None
     if rank0 and cfg.progress:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc=f"train {mesh.describe()}", dynamic_ncols=True)
-    records, evals, act_peak, static_peak = [], [], 0, []
+    records, evals, act_peak, static_peak, unwritten, sites = [], [], 0, [], [], {}
     hook = trainer.reducer.optimizer.register_step_post_hook(
         lambda *_: static_peak.append(static_storage_bytes(trainer)) if not static_peak else None)
     metrics = RunLog(out, start) if rank0 else None
+    tokenizer = None  # what hf-export writes beside the weights (rank 0's extra_state is the one stored)
+    if rank0 and (cfg.save_every or cfg.final_checkpoint):
+        from .hf_export import tokenizer_record
+
+        tokenizer = tokenizer_record(cfg.data, cfg.init_from_hf, trainer.eos_id)
     from .evaluate import Evaluator
     from .observe import Observer
 
@@ -365,26 +445,26 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
             meter = SavedActivationMeter(trainer.model.parameters()) if step == start else None
             with meter or contextlib.nullcontext(), observer.step(step + 1):  # activation memory: first step only
                 rec = trainer.train_step(step)
+            sites = host.counts()  # this step's host reads by call site (the last one lands in the summary)
             if meter is not None:
                 act_peak = meter.peak
-            observer.add_throughput(rec)
             records.append(rec)
             ev = None
             if evaluator is not None and evaluator.due(step + 1, cfg.steps):
                 evals.append(ev := {"step": step + 1, "eval_loss": evaluator.run()})
-            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or \
+                    ((cfg.save_every or cfg.final_checkpoint) and step + 1 == cfg.steps):
                 from .checkpoint import save_checkpoint
 
-                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"]}, keep=cfg.keep,
-                                async_save=cfg.async_save)
+                save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"], "lr_plan": lr_plan(cfg),
+                                                             "tokenizer": tokenizer},
+                                keep=cfg.keep, async_save=cfg.async_save)
             if rank0:
-                metrics.write(rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None)
-                metrics.write_eval(ev)
-                observer.log(rec, ev)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}",
-                                    **observer.postfix(rec))
+                unwritten.append((rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None, ev))
+                unwritten = _write_timed(metrics, bar, observer, unwritten)
+        trainer.timer.flush()  # the last step's time (device events are read a step late)
+        if rank0:
+            _write_timed(metrics, bar, observer, unwritten)
     finally:
         hook.remove()
         observer.close()
@@ -413,7 +493,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         return {"layout": layout, "model": trainer.model_cfg.name,
                 "steps": cfg.steps, "first_loss": float("nan"), "final_loss": float("nan"), "tokens_per_s": 0.0,
                 "comm_bytes_per_step": {}, "out": out}
-    times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
+    steady = records[1:] or records  # the first step builds state (optimizer moments, caches)
+    times = [r["step_time_s"] for r in steady]
     summary = {
         "layout": layout, "model": trainer.model_cfg.name, "steps": cfg.steps,
         "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
@@ -422,15 +503,16 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                                 for a, ops in (mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else {}).items()},
         "out": out, "mesh_build_s": mesh.build_s,
         "static_bytes_measured": static_peak,
+        "host_syncs_per_step": statistics.median(r["host_syncs"] for r in steady), "host_syncs_by_site": sites,
     } | _activation_summary(cfg, act_peak)
     if pipeline is not None:
         summary["pipeline"] = pipeline
     if evals:
         summary["eval_loss"] = evals[-1]["eval_loss"]
-    if cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "ring":
-        from .context_parallel.kernels import USED
+    if cfg.parallel.cp > 1:
+        from .context_parallel.kernels import used
 
-        summary["attention_kernel"] = ",".join(sorted(USED))
+        summary["attention_kernel"] = used()
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if cfg.report:

@@ -58,7 +58,7 @@ def test_bad_input_from_the_shell_exits_2_before_any_rank():
     t0 = time.monotonic()
     r = shardwise("train", "--tp", "3")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "shardwise train: error: --tp 3 does not divide n_heads=8 of model 'tiny'"], r.stderr
+        "shardwise train: error: --tp 3 does not divide n_heads=8 of model 'tiny'; valid: 1, 2, 4, 8"], r.stderr
     assert time.monotonic() - t0 < 30
 
 

@@ -211,19 +211,3 @@ def test_ring_and_ulysses_match_sdpa(cp):
     except Exception as e:
         raise AssertionError(f"seed {seed}: {e}") from e
     _check_ledgers(per_rank, cp)
-
-
-def test_kernel_choice_per_device_and_dtype():
-    from shardwise.context_parallel.kernels import KERNELS, choose_kernel
-
-    every = set(KERNELS) - {"math"}
-    assert choose_kernel("cpu", torch.float32, 64, every) == "flash_cpu"
-    assert choose_kernel("cuda", torch.bfloat16, 128, every) == "flash_cuda"
-    assert choose_kernel("cuda", torch.float16, 128, every) == "flash_cuda"
-    assert choose_kernel("cuda", torch.float32, 128, every) == "efficient_cuda"
-    assert choose_kernel("cuda", torch.bfloat16, 512, every) == "efficient_cuda"  # flash caps head dim at 256
-    assert choose_kernel("cuda", torch.bfloat16, 128, {"flash_cpu"}) == "math"
-    assert choose_kernel("mps", torch.float32, 64, every) == "math"
-    assert choose_kernel("cpu", torch.float32, 64, every, backend="math") == "math"
-    with pytest.raises(ValueError, match="expected 'auto' or 'math'"):
-        choose_kernel("cpu", torch.float32, 64, every, backend="nope")

@@ -36,15 +36,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
-def _save(factory, name, cls_name, save_kw=None, biases=False, **cfg_kw):
+def _save(factory, name, cls_name, save_kw=None, biases=False, norms=False, **cfg_kw):
     torch.manual_seed(len(name))
     config = getattr(transformers, f"{cls_name}Config")(**(SHAPE | cfg_kw))
     model = getattr(transformers, f"{cls_name}ForCausalLM")(config)
-    if biases:  # HF zero-initialises them; random biases make the permutation of q/k biases matter
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n.endswith("bias"):
-                    p.normal_(0.0, 0.5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if biases and n.endswith("bias"):  # HF zero-initialises them; random ones make their permutation matter
+                p.normal_(0.0, 0.5)
+            if norms and n.endswith("norm.weight"):  # HF's are ones; random q/k norms make their permutation matter
+                p.normal_(1.0, 0.5)
     path = str(factory.mktemp(name))
     model.save_pretrained(path, safe_serialization=True, **(save_kw or {}))
     return path
@@ -62,7 +63,18 @@ def models(tmp_path_factory):
            "mistral_window": _save(f, "mistral", "Mistral", sliding_window=16, num_hidden_layers=2),
            "qwen2": _save(f, "qwen2", "Qwen2", biases=True, num_hidden_layers=2),
            "qwen2_tied": _save(f, "qwen2_tied", "Qwen2", biases=True, tie_word_embeddings=True, num_hidden_layers=2),
-           "llama3": _save(f, "llama3", "Llama", rope_parameters=LLAMA3_ROPE, num_hidden_layers=2)}
+           "llama3": _save(f, "llama3", "Llama", rope_parameters=LLAMA3_ROPE, num_hidden_layers=2),
+           # Qwen3: q/k norms, head_dim 12 (4 heads · 12 = 48 != hidden 32); tied: one K/V head shared over tp
+           "qwen3": _save(f, "qwen3", "Qwen3", norms=True, head_dim=12, num_hidden_layers=2),
+           "qwen3_tied": _save(f, "qwen3_tied", "Qwen3", norms=True, head_dim=12, num_key_value_heads=1,
+                               tie_word_embeddings=True, num_hidden_layers=2),
+           # Qwen3-MoE: layer 1 dense (mlp_only_layers), experts renormalised, HF's pooled aux loss on (large coef);
+           # step2: MoE only where (i + 1) % 2 == 0, top-k probabilities unnormalised
+           "qwen3_moe": _save(f, "qwen3_moe", "Qwen3Moe", norms=True, head_dim=12, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1],
+                              norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.5),
+           "qwen3_moe_step2": _save(f, "qwen3_moe_step2", "Qwen3Moe", norms=True, head_dim=12, num_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2)}
     return out
 
 
@@ -123,7 +135,8 @@ def _check_result(r):
     assert r["passed"] and r["max_abs_diff"] < 1e-4 * max(1.0, r["max_ref_abs"]), r
 
 
-@pytest.mark.parametrize("name", ["llama", "tied", "mixtral", "qwen2", "llama3"])
+@pytest.mark.parametrize("name", ["llama", "tied", "mixtral", "qwen2", "llama3", "qwen3", "qwen3_moe",
+                                  "qwen3_moe_step2"])
 def test_single_device_matches_transformers(models, name):
     if name == "tied":
         assert os.path.isfile(os.path.join(models[name], hf.INDEX))
@@ -139,6 +152,11 @@ LAYOUTS = {
     "mixtral_tp2_pp2": ("mixtral", dict(tp=2, pp=2)),
     "qwen2_tp2": ("qwen2", dict(tp=2)),
     "qwen2_tied_tp2_pp2": ("qwen2_tied", dict(tp=2, pp=2)),  # the LM head's stage reads embed_tokens
+    "qwen3_tp2_sp": ("qwen3", dict(tp=2, sequence_parallel=True)),
+    "qwen3_pp2": ("qwen3", dict(pp=2)),
+    "qwen3_tied_tp2_cp2": ("qwen3_tied", dict(tp=2, cp=2)),  # one K/V head (and its k_norm) on both TP ranks
+    "qwen3_moe_dp2_ep2_tp2_sp": ("qwen3_moe", dict(dp=2, ep=2, tp=2, sequence_parallel=True)),
+    "qwen3_moe_step2_pp2_tp2": ("qwen3_moe_step2", dict(pp=2, tp=2)),
 }
 
 
@@ -223,7 +241,8 @@ def _single_model(path):
     return cfg, model.eval()
 
 
-@pytest.mark.parametrize("name,as_state", [("llama", False), ("tied", True), ("mixtral", True), ("qwen2", False)])
+@pytest.mark.parametrize("name,as_state", [("llama", False), ("tied", True), ("mixtral", True), ("qwen2", False),
+                                           ("qwen3_tied", True), ("qwen3_moe", False), ("qwen3_moe_step2", True)])
 def test_export_round_trip(models, tmp_path, name, as_state):
     cfg, model = _single_model(models[name])
     out = hf.export_hf(model.state_dict() if as_state else model, cfg, str(tmp_path / "out"))
@@ -304,17 +323,24 @@ def test_export_refuses_what_hf_cannot_express(tmp_path):
 
 
 # ---------------------------------------------------------------- training oracle
-TRAIN_LAYOUTS = {  # one 4-rank spawn runs all three: (model, degrees, global batch)
+TRAIN_LAYOUTS = {  # one 4-rank spawn runs them all: (model, degrees, global batch)
     "llama_tp2_pp2": ("llama", dict(tp=2, pp=2), 8),
     "qwen2_dp2_tp2_sp": ("qwen2", dict(dp=2, tp=2, sequence_parallel=True), 4),
     "mixtral_dp2_ep2_tp2": ("mixtral", dict(dp=2, ep=2, tp=2), 4),
+    "qwen3_dp2_tp2_sp": ("qwen3", dict(dp=2, tp=2, sequence_parallel=True), 4),
+    "qwen3_tp4": ("qwen3", dict(tp=4), 4),  # no SP, yet q/k norm grads are partial; 2 K/V heads over 4 ranks
+    # HF's pooled aux loss (coef 0.5) over layers 0, 2, 3 and both dp ranks' tokens: one global microbatch
+    "qwen3_moe_dp2_ep2_tp2_sp": ("qwen3_moe", dict(dp=2, ep=2, tp=2, sequence_parallel=True), 4),
 }
 TRAIN_TOKENS = torch.randint(0, SHAPE["vocab_size"], (4096,), generator=torch.Generator().manual_seed(1))
 
 
 def _train_config(path, degrees, global_batch):
-    """One fp32 step, no clipping, no aux loss (transformers adds Mixtral's only with output_router_logits)."""
-    model = dataclasses.replace(hf.config_from_hf(path), moe_aux_loss_coef=0.0)
+    """One fp32 step, no clipping. Mixtral: no aux loss (shardwise's per-layer one is not HF's pooled one);
+    Qwen3-MoE: HF's pooled aux loss, as its config.json asks (output_router_logits)."""
+    model = hf.config_from_hf(path)
+    if model.moe_aux_loss_scope != "model":
+        model = dataclasses.replace(model, moe_aux_loss_coef=0.0)
     return TrainConfig(model=model, parallel=ParallelConfig(**degrees), steps=1, seq_len=16, micro_batch=2,
                        global_batch=global_batch, grad_clip=1e30, progress=False)
 
@@ -340,7 +366,8 @@ def _rank_grads(jobs):
             assert (lo, hi) == (0, params[name].numel())  # no ZeRO here: every rank holds whole local grads
             grads.append((name, spec.dim, spec.start, spec.valid,
                           spec.valid_part(vals.reshape(params[name].shape)).numpy().copy()))
-        out.append((loss, grads))  # numpy: pickled by value, not as shared memory the exiting rank owns
+        aux = sum(float(m.step_aux) for m in trainer.moe)  # this rank's tokens' share of the pooled aux loss
+        out.append((loss, grads, aux))  # numpy: pickled by value, not as shared memory the exiting rank owns
     return out
 
 
@@ -371,14 +398,20 @@ def _hf_loss_and_grads(path, global_batch, out_dir):
     x, y = Loader(TRAIN_TOKENS, 16, global_batch, TrainConfig().seed).global_batch_at(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
-    logits = model(x).logits
+    out = model(x)
+    logits = out.logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    loss.backward()
+    aux = 0.0
+    if getattr(out, "aux_loss", None) is not None:  # output_router_logits: transformers adds coef · aux
+        aux = float(out.aux_loss)
+        (loss + model.config.router_aux_loss_coef * out.aux_loss).backward()
+    else:
+        loss.backward()
     os.makedirs(out_dir)
     save_file({n: p.grad.contiguous() for n, p in model.named_parameters()},
               os.path.join(out_dir, "model.safetensors"))
     shutil.copy(os.path.join(path, "config.json"), out_dir)
-    return float(loss)
+    return float(loss), aux
 
 
 @pytest.fixture(scope="module")
@@ -395,10 +428,14 @@ def test_training_step_matches_transformers(models, trained, tmp_path, i, layout
     loss.backward(), its gradients read through the same HF → shardwise name and row mapping."""
     name, degrees, global_batch = TRAIN_LAYOUTS[layout]
     path = models[name]
-    ref_loss = _hf_loss_and_grads(path, global_batch, str(tmp_path / "hf_grads"))
+    ref_loss, ref_aux = _hf_loss_and_grads(path, global_batch, str(tmp_path / "hf_grads"))
     losses = {round(r[i][0], 12) for r in trained}
-    assert len(losses) == 1  # every rank reports the same global loss
+    assert len(losses) == 1  # every rank reports the same global loss (the cross-entropy)
     assert abs(trained[0][i][0] - ref_loss) <= 1e-6 * abs(ref_loss), (trained[0][i][0], ref_loss)
+    if layout.startswith("qwen3_moe"):  # HF's pooled aux loss: each rank holds its tokens' share (dp × SP: all differ)
+        assert ref_aux > 1.0
+        ours = sum(r[i][2] for r in trained)
+        assert abs(ours - ref_aux) <= 1e-6 * ref_aux, ([r[i][2] for r in trained], ref_aux)
     cfg = hf.config_from_hf(path)
     files = hf._Files(str(tmp_path / "hf_grads"))
     from shardwise.mesh import Mesh
@@ -444,9 +481,11 @@ def test_init_from_hf_lr0_tied_tp2_pp2_export_reproduces_weights(ft_models, tmp_
     from shardwise.cli import main
 
     path, run = ft_models["tied"], str(tmp_path / "run")
+    text = tmp_path / "bytes.txt"  # byte-level data fits the 300-id vocabulary
+    text.write_text("shardwise fine-tunes a Hugging Face model on a few bytes of text. " * 20)
     assert main(["train", "--init-from-hf", path, "--tp", "2", "--pp", "2", "--lr", "0", "--steps", "1",
                  "--seq-len", "16", "--micro-batch", "1", "--microbatches", "2", "--save-every", "1", "--out", run,
-                 "--no-report", "--no-progress"]) == 0
+                 "--no-report", "--no-progress", "--data", str(text)]) == 0
     with open(os.path.join(run, "config.json")) as f:
         rec = json.load(f)["init_from_hf"]
     assert rec["tokenizer"]["vocab_size"] == 280 and len(rec["weight_files"]) > 1, rec
@@ -521,9 +560,14 @@ def test_init_from_hf_tokenizer_and_data_vocab_checked(ft_models, models, tmp_pa
     big = str(tmp_path / "big")
     shutil.copytree(ft_models["llama"], big)
     _tokenizer(big, 400)
+    text = tmp_path / "bytes.txt"
+    text.write_text("byte-level text " * 40)
     for path, message in ((big, "the tokenizer has 400 ids, more than the model's vocab_size=300"),
-                          (models["llama"], "token ids up to 256 exceed the vocab_size=101")):
-        assert main(["train", "--init-from-hf", path, "--seq-len", "16"]) == 2
+                          (models["llama"], "token ids up to 256 exceed the vocab_size=101"),
+                          (big, f"needs --data tokenized with its tokenizer (the built-in corpus is byte-level): "
+                                f"shardwise prepare-data FILES --tokenizer {big} --out DIR")):
+        data = ["--data", str(text)] if "needs --data" not in message else []
+        assert main(["train", "--init-from-hf", path, "--seq-len", "16", *data]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
     cfg = TrainConfig(model=None, init_from_hf=ft_models["llama"], model_overrides={"n_layers": 3})
@@ -539,3 +583,73 @@ def test_init_from_hf_tokenizer_and_data_vocab_checked(ft_models, models, tmp_pa
     assert main(["train", "--init-from-hf", ft_models["llama"], "--data", str(tmp_path / "data"), "--seq-len", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--data was prepared with a tokenizer whose sha256 is" in err and len(err.splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------- hf-export: a complete folder
+def _bpe_dir(folder):
+    """A byte-level BPE with an <|endoftext|> special token, saved as a model folder's tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers, trainers
+
+    tok = Tokenizer(tmodels.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    words = "the quick brown fox jumps over a lazy dog while wizards pack boxes".split()
+    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<unk>", "<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    return folder
+
+
+def _export_loads_and_generates(out, eos, text):
+    """transformers reads the folder: the tokenizer round-trips `text`, the ids agree, and generate runs."""
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    cfg, gen = (json.load(open(os.path.join(out, n))) for n in ("config.json", "generation_config.json"))
+    assert cfg["eos_token_id"] == gen["eos_token_id"] == tok.eos_token_id == eos, (cfg, gen, tok.eos_token_id)
+    assert cfg["pad_token_id"] == gen["pad_token_id"] == eos and cfg["bos_token_id"] == eos
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    assert tok.decode(ids[0]) == text
+    new = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert new.shape == (1, ids.shape[1] + 4)
+    return ids[0].tolist()
+
+
+def test_hf_export_writes_tokenizer_ids_and_refuses_a_used_folder(tmp_path, capsys):
+    """The quickstart's run (byte data, no checkpoint flag) exports a folder transformers loads with a
+    byte-level tokenizer equal to shardwise's (eos 256); a BPE-prepared run exports its tokenizer with the
+    data's end-of-document id; a non-empty folder is refused without --overwrite."""
+    from shardwise.cli import main
+    from shardwise.data.prepare import prepare_data
+
+    one = ["train", "--dp", "1", "--tp", "1", "--steps", "1", "--seq-len", "16", "--micro-batch", "1",
+           "--no-progress", "--no-report"]
+    run = tmp_path / "byte_run"
+    assert main([*one, "--out", str(run)]) == 0  # checkpoints by default: export works right after
+    out = str(tmp_path / "byte_export")
+    assert main(["hf-export", str(run / "checkpoints"), out]) == 0
+    text = "héllo, wörld\n"
+    assert _export_loads_and_generates(out, 256, text) == list(text.encode())
+
+    capsys.readouterr()
+    assert main(["hf-export", str(run / "checkpoints"), out]) == 2  # never over an existing model
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not empty" in err[0] and "--overwrite" in err[0], err
+    (tmp_path / "byte_export" / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    assert main(["hf-export", str(run / "checkpoints"), out, "--overwrite"]) == 0
+    assert not os.path.exists(os.path.join(out, "model-00001-of-00002.safetensors"))
+
+    bpe = _bpe_dir(str(tmp_path / "bpe"))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"the quick fox {i} jumps"}) + "\n"
+                                                 for i in range(60)))
+    m = prepare_data([str(tmp_path / "docs.jsonl")], bpe, str(tmp_path / "data"), progress=False)
+    run = tmp_path / "bpe_run"
+    assert main([*one, "--data", str(tmp_path / "data"), "--out", str(run)]) == 0
+    out = str(tmp_path / "bpe_export")
+    assert main(["hf-export", str(run / "checkpoints"), out]) == 0
+    assert open(os.path.join(out, "tokenizer.json")).read() == open(os.path.join(bpe, "tokenizer.json")).read()
+    from tokenizers import Tokenizer
+
+    text = "the quick brown fox"
+    want = Tokenizer.from_file(os.path.join(bpe, "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert _export_loads_and_generates(out, m["eos_id"], text) == want and m["eos_id"] != 256

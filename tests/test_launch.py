@@ -30,5 +30,9 @@ def test_plan_launch_refuses(world, device, gpus, message):
 
 
 def test_nccl_flight_recorder_defaults_never_override_the_user():
-    assert nccl_env_defaults({}) == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-    assert nccl_env_defaults({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}) == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+    assert nccl_env_defaults({}) == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert nccl_env_defaults({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}) == {"TORCH_FR_BUFFER_SIZE": "2000"}
+    # the pre-2.9 names still count as the user's choice
+    assert nccl_env_defaults({"TORCH_NCCL_TRACE_BUFFER_SIZE": "10", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/"},
+                             "/runs/a") == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert nccl_env_defaults({}, "/runs/a")["TORCH_FR_DUMP_TEMP_FILE"] == "/runs/a/flight_recorder/rank_"

@@ -33,7 +33,7 @@ def test_every_schedule_completes_under_nccl_rules():
     for s in _grid():
         programs = build_programs(s)
         assert check_programs(programs) is None, (s.name, s.p, s.m, s.v)
-        assert check_programs(programs, streams_per="rank") is None, (s.name, s.p, s.m, s.v)
+        assert check_programs(programs, streams_per="pair") is None, (s.name, s.p, s.m, s.v)
         checked[s.name] += 1
     assert all(n > 0 for n in checked.values()), checked
     assert sum(checked.values()) >= 130
@@ -91,8 +91,8 @@ def test_per_peer_batches_deadlock_on_one_stream_per_rank():
         for b in prog:
             b.batches = [tuple(op for op in b.batches[0] if op.peer == peer)
                          for peer in sorted({op.peer for op in b.batches[0]})] if b.batches else []
-    assert check_programs(programs) is None
-    assert "deadlock" in check_programs(programs, streams_per="rank")
+    assert check_programs(programs, streams_per="pair") is None
+    assert "deadlock" in check_programs(programs)
 
 
 def _cfg(seed, microbatches, **parallel):

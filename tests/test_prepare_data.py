@@ -342,3 +342,26 @@ def test_all_prompt_batch_and_raw_jsonl_are_refused(tmp_path):
     raw.write_text(json.dumps({"text": "hello"}) + "\n")
     with pytest.raises(ConfigError, match=r"read as plain UTF-8 text; run `shardwise prepare-data"):
         open_data(str(raw))
+
+
+def test_glob_reads_any_text_file_as_one_document(tmp_path, capsys):
+    """`--glob '*.py'`: a code corpus — every matching file (directories searched recursively) is one plain-text
+    document; other files in the directory are left out; without --glob such a file is refused."""
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    bodies = {"a.py": "def f():\n    return 1\n", "pkg/b.py": "x = 'é'\n", "pkg/c.pyi": "y: int\n"}
+    for name, text in bodies.items():
+        (src / name).write_text(text)
+    (src / "notes.md").write_text("not code")
+    code, err = _cli(capsys, "prepare-data", str(src / "a.py"), "--out", str(tmp_path / "no"), "--no-progress")
+    assert code == 2 and len(err) == 1 and "--glob PATTERN" in err[0], err
+    for inputs, globs, names in (([str(src)], ["*.py"], ["a.py", "pkg/b.py"]),
+                                 ([str(src)], ["*.py", "*.pyi"], ["a.py", "pkg/b.py", "pkg/c.pyi"]),
+                                 ([str(src / "**" / "*.py*")], ["*.py*"], ["a.py", "pkg/b.py", "pkg/c.pyi"])):
+        out = tmp_path / f"out{len(globs)}{len(inputs[0])}"
+        argv = ["prepare-data", *inputs, "--out", str(out), "--no-progress"]
+        assert main(argv + [a for g in globs for a in ("--glob", g)]) == 0
+        m = json.loads((out / "manifest.json").read_text())
+        want = [t for n in names for t in [*bodies[n].encode(), EOS]]
+        tokens = np.fromfile(out / m["shards"][0]["file"], dtype=m["dtype"]).tolist()
+        assert m["documents"] == len(names) and tokens == want, (names, m, tokens)

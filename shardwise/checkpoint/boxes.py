@@ -91,7 +91,7 @@ def _ensure_state(reducer, step: int | None = None) -> None:
                 st.update(step=torch.zeros((), device=p.device if on_device else "cpu"),
                           exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             if step is not None:
-                st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
+                st["step"] = torch.full((), step, dtype=st["step"].dtype, device=st["step"].device)
 
 
 def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
@@ -171,6 +171,8 @@ class _BoxSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         for off, t in self.entries[write_item.index.fqn][1]:
             if torch.Size(off) == write_item.index.offset:
+                if t.device.type == "cpu" and t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes:
+                    return t.detach()  # already compact on the host (an async save's staging buffer)
                 # A compact copy: torch.save of a view would write its whole storage.
                 return t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
         raise KeyError(write_item.index)
@@ -244,7 +246,12 @@ class _SafeReader(dcp.FileSystemReader):
 
 def _dcp(fn, mesh=None, **kw):
     """dcp.save / dcp.load / dcp.async_save, in one process (no process group) unless the mesh spans
-    several ranks; returns what `fn` returns (async_save: its future)."""
+    several ranks — then on the mesh's `ckpt` group (gloo, long timeout: a slow filesystem must not trip
+    the training group's watchdog, and DCP's plan exchange never touches the accelerator's
+    communicator); returns what `fn` returns (async_save: its future)."""
+    alone = mesh is None or not mesh["world"].active
+    if not alone:
+        kw["process_group"] = mesh["ckpt"].group
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return fn({}, no_dist=mesh is None or not mesh["world"].active, **kw)
+        return fn({}, no_dist=alone, **kw)

@@ -60,6 +60,21 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
+def resume_order(root: str) -> list[tuple[int, str]]:
+    """The checkpoints a resume tries, in order: the one `latest` names, then older ones (a fallback past a
+    damaged one); steps newer than `latest` are not this run's published state and are left out."""
+    found = list_checkpoints(root)
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            name = f.read().strip()
+    except OSError:
+        return found
+    for i, (_, path) in enumerate(found):
+        if os.path.basename(path) == name:
+            return found[i:]
+    return found
+
+
 def checkpoint_problems(path: str, rank: int = 0, world: int = 1) -> list[str]:
     """What is wrong with checkpoint `path`; this rank checks every `world`-th file of the manifest."""
     try:

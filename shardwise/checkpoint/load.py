@@ -10,17 +10,19 @@ import torch.distributed.checkpoint as dcp
 
 from .. import comm
 from .boxes import _BoxLoadPlanner, _dcp, _ensure_state, _entries, _SafeReader
-from .files import FORMAT_VERSION, META, MANIFEST, RNG_AXES, STEP_DIR, _unb64, checkpoint_problems, list_checkpoints, log
+from .files import FORMAT_VERSION, META, MANIFEST, RNG_AXES, STEP_DIR, _unb64, checkpoint_problems, log, resume_order
 
 
 def newest_intact(root: str, world_axis=None) -> tuple[str | None, list[tuple[str, str]]]:
-    """The newest intact checkpoint under `root` (or `root` itself) and the (path, reason) of each skipped one.
+    """The intact checkpoint `latest` names under `root` (else the newest older intact one; or `root` itself)
+    and the (path, reason) of each skipped one.
 
-    Collective over `world_axis` when given: ranks split the checksumming and agree on the answer.
+    Collective over `world_axis` when given (a Mesh's `ckpt` axis: gloo, long timeout): ranks split the
+    checksumming and agree on the answer.
     """
     size, rank = (world_axis.size, world_axis.rank) if world_axis is not None else (1, 0)
     single = os.path.isfile(os.path.join(root, MANIFEST)) or STEP_DIR.match(os.path.basename(os.path.normpath(root)))
-    cands = [root] if single else [path for _, path in list_checkpoints(root)]
+    cands = [root] if single else [path for _, path in resume_order(root)]
     if world_axis is not None:
         cands = comm.all_gather_object(cands, world_axis)[0]  # one listing for all ranks
     skipped = []
@@ -42,11 +44,12 @@ def load_checkpoint(root: str, trainer) -> dict | None:
 
     Restores parameters, AdamW state and step count, `trainer.step`, and — when the layout is the
     one saved — every rank's RNG streams (another layout cannot replay them, so the tracker streams
-    are reseeded from (seed, step) instead). Returns {"step", "path", "layout", "extra_state",
+    are reseeded from (seed, step) instead; so are they when the device type differs, e.g. a CPU
+    checkpoint resumed on CUDA). Returns {"step", "path", "layout", "extra_state",
     "skipped"}, or None when no intact checkpoint exists.
     """
     mesh = trainer.mesh
-    path, skipped = newest_intact(root, mesh["world"] if mesh["world"].active else None)
+    path, skipped = newest_intact(root, mesh["ckpt"] if mesh["world"].active else None)
     if path is None:
         if skipped and mesh.rank == 0:
             log.warning("no intact checkpoint under %s; starting from scratch", root)
@@ -58,24 +61,37 @@ def load_checkpoint(root: str, trainer) -> dict | None:
     _ensure_state(trainer.reducer, meta["optimizer_step"])
     _dcp(dcp.load, mesh, storage_reader=_SafeReader(path), planner=_BoxLoadPlanner(_entries(trainer, False), path))
     step = meta["step"]
-    tracker = trainer.model.rng_tracker
-    same = all(meta["layout"].get(a) == getattr(mesh.dims, a) for a in RNG_AXES)
-    rank_file = os.path.join(path, f"rank{mesh.rank}.json")
-    if same and os.path.isfile(rank_file):
-        with open(rank_file) as f:
-            rng = json.load(f)
-        torch.set_rng_state(_unb64(rng["torch_cpu_rng"]))
-        for k, g in tracker.generators.items():
-            g.set_state(_unb64(rng["tracker_rng"][k]))
-    else:
-        for g in tracker.generators.values():
-            g.manual_seed((g.initial_seed() + 1_000_003 * step) % 2**63)
-        if mesh.rank == 0:
-            log.info("checkpoint %s was saved under %s: RNG streams reseeded from (seed, step)", path, meta["layout"])
+    _restore_rng(trainer, path, meta, step)
     trainer.step = step
     trainer.bad_steps = meta.get("bad_steps", 0)
     return {"step": step, "path": path, "layout": meta["layout"], "extra_state": meta["extra_state"],
             "skipped": skipped}
+
+
+def _restore_rng(trainer, path: str, meta: dict, step: int) -> None:
+    """Every rank's RNG streams as saved when the layout (parallel degrees) is the saved one: the host
+    generator on any device, the tracker's device generators only on the device type that saved them.
+    Whatever cannot be replayed is re-seeded from (seed, step), the same on every rerun, and said once."""
+    mesh, tracker = trainer.mesh, trainer.model.rng_tracker
+    here = mesh.device.type
+    rng = None
+    rank_file = os.path.join(path, f"rank{mesh.rank}.json")
+    if all(meta["layout"].get(a) == getattr(mesh.dims, a) for a in RNG_AXES) and os.path.isfile(rank_file):
+        with open(rank_file) as f:
+            rng = json.load(f)
+        torch.set_rng_state(_unb64(rng["torch_cpu_rng"]))
+    saved_on = (rng or {}).get("device", meta["layout"].get("device", "cpu"))  # older checkpoints: CPU runs
+    if rng is not None and saved_on == here:
+        for k, g in tracker.generators.items():
+            g.set_state(_unb64(rng["tracker_rng"][k]))
+        return
+    for g in tracker.generators.values():
+        g.manual_seed((g.initial_seed() + 1_000_003 * step) % 2**63)
+    if mesh.rank == 0 and rng is None:
+        log.info("checkpoint %s was saved under %s: RNG streams reseeded from (seed, step)", path, meta["layout"])
+    elif mesh.rank == 0:
+        log.warning("checkpoint %s was saved on %s and resumes on %s: everything is restored but the %s RNG "
+                    "streams, re-seeded from (seed, step %d)", path, saved_on, here, here, step)
 
 
 def load_global_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:

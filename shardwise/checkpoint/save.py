@@ -10,7 +10,7 @@ import threading
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .. import comm
+from .. import comm, host
 from ..data.shards import sha256_file
 from .boxes import _BoxSavePlanner, _dcp, _ensure_state, _entries
 from .files import (FORMAT_VERSION, LATEST, MANIFEST, META, _OWNER, _b64, _fsync_dir, _write_json, _write_text,
@@ -36,17 +36,40 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
         _dcp(dcp.save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(entries))
         _publish(root, tmp, final, step, ckpt, mesh.rank, keep)
         return final
-    # Stage: compact host copies of this rank's boxes, so training may overwrite the live tensors.
-    staged = {k: (size, [(off, t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True))
-                         for off, t in boxes]) for k, (size, boxes) in entries.items()}
-    future = _dcp(dcp.async_save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(staged),
-                  process_group=ckpt.group)
+    staged = _stage(trainer, entries)
+    future = _dcp(dcp.async_save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(staged))
     # The publish's gathers run on the checkpoint group off the main thread: keep them out of the
     # ledger, whose per-step counts belong to the training loop.
     quiet = dataclasses.replace(ckpt, ledger=None)
     trainer.pending_save = PendingSave(lambda: (future.result(), _publish(root, tmp, final, step, quiet,
                                                                          mesh.rank, keep)))
     return None
+
+
+def _stage(trainer, entries: dict) -> dict:
+    """Compact host copies of this rank's boxes, so training may overwrite the live tensors while the
+    background thread writes. The host buffers are kept on the trainer and reused by the next save (the
+    previous one has finished by then: `save_checkpoint` waits for it first); on CUDA they are pinned,
+    so the copies are asynchronous DMA, waited for once."""
+    pin = trainer.mesh.device.type == "cuda" and torch.cuda.is_available()
+    old = getattr(trainer, "_ckpt_staging", {})
+    staged, reuse = {}, 0
+    for k, (size, boxes) in entries.items():
+        bufs = old.get(k, (None, []))[1]
+        out = []
+        for i, (off, t) in enumerate(boxes):
+            buf = bufs[i][1] if i < len(bufs) else None
+            if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
+                reuse += 1
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            buf.copy_(t.detach(), non_blocking=pin)
+            out.append((off, buf))
+        staged[k] = (size, out)
+    if pin:
+        torch.cuda.current_stream(trainer.mesh.device).synchronize()  # the copies have landed before DCP reads
+    trainer._ckpt_staging, trainer._ckpt_staging_reused = staged, reuse
+    return staged
 
 
 class PendingSave:
@@ -91,13 +114,16 @@ def _begin_save(root: str, step: int, trainer, extra_state: dict | None) -> tupl
     _ensure_state(trainer.reducer)
     state = next(iter(trainer.reducer.optimizer.state.values()))
     tracker = trainer.model.rng_tracker
+    # RNG streams by device type: the host generator applies on any device; the tracker's generators
+    # live on the training device (a CUDA state is 16 bytes, a CPU one 5,056) and apply only there.
     _write_json(os.path.join(tmp, f"rank{mesh.rank}.json"), {
-        "rank": mesh.rank, "coords": mesh.coords, "torch_cpu_rng": _b64(torch.get_rng_state()),
+        "rank": mesh.rank, "coords": mesh.coords, "device": mesh.device.type,
+        "torch_cpu_rng": _b64(torch.get_rng_state()),
         "tracker_rng": {k: _b64(g.get_state()) for k, g in tracker.generators.items()}})
     if rank0:
-        layout = trainer.cfg.parallel.as_dict() | {"world": ckpt.size}
+        layout = trainer.cfg.parallel.as_dict() | {"world": ckpt.size, "device": mesh.device.type}
         _write_json(os.path.join(tmp, META), {
-            "format": FORMAT_VERSION, "step": step, "optimizer_step": int(state["step"]), "layout": layout,
+            "format": FORMAT_VERSION, "step": step, "optimizer_step": int(host.read(state["step"], "checkpoint step")), "layout": layout,
             "model": vars(trainer.model_cfg), "extra_state": extra_state or {},
             "bad_steps": getattr(trainer, "bad_steps", 0)})
     return tmp, final

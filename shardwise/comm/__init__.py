@@ -22,6 +22,7 @@ from .collectives import (
     barrier,
     broadcast,
     compile_barriers,
+    completed,
     reduce_scatter,
     reduce_scatter_into,
     reduce_scatter_into_async,
@@ -42,7 +43,7 @@ from .p2p import p2p, strict_p2p
 __all__ = [
     "CollectiveError", "DeviceError", "Ledger", "all_gather", "all_gather_into", "all_gather_into_async",
     "all_gather_object", "all_reduce", "all_reduce_async", "all_to_all", "barrier", "broadcast",
-    "compile_barriers", "copy_to_region", "gather_from_region", "gather_from_sequence", "p2p",
+    "compile_barriers", "completed", "copy_to_region", "gather_from_region", "gather_from_sequence", "p2p",
     "reduce_from_region", "reduce_scatter", "reduce_scatter_into", "reduce_scatter_into_async",
     "reduce_scatter_to_sequence", "scatter_to_region", "strict_p2p", "wait", "wait_all",
 ]

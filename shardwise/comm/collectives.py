@@ -63,6 +63,15 @@ def _check_device(axis, what: str, t: torch.Tensor) -> None:
                           f"but the mesh's device is {device}: create it with device=mesh.device")
 
 
+_on_call = None  # fn(op, axis name) run before every torch.distributed call; launch's last-op record
+
+
+def set_call_hook(fn) -> None:
+    """Install `fn(op, axis_name)` (or None): an NCCL hang aborts the process, so the launcher keeps its own trace."""
+    global _on_call
+    _on_call = fn
+
+
 def _guarded(axis, what: str, fn, *args, **kwargs):
     """Run one torch.distributed call; turn backend errors (peer died, timeout) into a CollectiveError.
 
@@ -72,6 +81,8 @@ def _guarded(axis, what: str, fn, *args, **kwargs):
     for a in args:
         if isinstance(a, torch.Tensor):
             _check_device(axis, what, a)
+    if _on_call is not None:
+        _on_call(what, axis.name)
     try:
         return fn(*args, **kwargs)
     except (RuntimeError, dist.DistError) as e:
@@ -85,6 +96,16 @@ def wait(work, axis, op: str) -> None:
     """Wait on an async work handle with the same error naming as the blocking ops."""
     if work is not None:
         _guarded(axis, op, work.wait)
+
+
+_FakeWork = getattr(torch._C._distributed_c10d, "FakeWork", None)
+
+
+def completed(works) -> bool:
+    """Whether every handle has finished, without blocking. A fake backend's handle (simulation) did
+    nothing and is done at once, though its `is_completed()` always answers False."""
+    return all(w is None or (_FakeWork is not None and isinstance(w, _FakeWork)) or w.is_completed()
+               for w in works)
 
 
 def wait_all(works, axis, op: str) -> None:
@@ -244,6 +265,8 @@ def all_gather_object(obj, axis) -> list:
         return [obj]
     out = [None] * axis.size
     _record(axis, "all_gather_object", 0, 0, None)
+    if dist.get_backend(axis.group) == "fake":  # a simulated world: every peer is taken to hold what this rank holds
+        return [obj] * axis.size
     _guarded(axis, "all_gather_object", dist.all_gather_object, out, obj, group=axis.group)
     return out
 

@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from .collectives import _check_device, _eager, _guarded, _nbytes, _record
+from .collectives import _check_device, completed, _eager, _guarded, _nbytes, _record
 
 
 class _BatchWork:
@@ -26,7 +26,7 @@ class _BatchWork:
         return True
 
     def is_completed(self) -> bool:
-        return self.done or all(w.is_completed() for w in self.works)
+        return self.done or completed(self.works)
 
 
 def strict_p2p() -> bool:
@@ -34,7 +34,7 @@ def strict_p2p() -> bool:
     return os.environ.get("SHARDWISE_STRICT_P2P", "") not in ("", "0")
 
 
-_pair_tail: dict[tuple[int, int], _BatchWork] = {}  # (group id, peer global rank) -> last batch (strict mode)
+_comm_tail: dict[tuple[int, int], _BatchWork] = {}  # (rank, id of the group) -> its last batch (strict mode)
 
 
 @_eager
@@ -45,27 +45,30 @@ def p2p(ops, tag: str | None = None) -> list:
     since NCCL returns ONE handle for the whole batch (gloo one per op). Sends record the tensor's
     bytes on their axis; receives record only their count (they contribute no payload).
 
-    Under SHARDWISE_STRICT_P2P=1 the batch is issued only after the previous batch with each of its
-    peers completed, and one handle is returned: NCCL's rule that p2p between two ranks runs in
-    posting order on one stream, so code that would deadlock or mis-handle handles on NCCL fails here.
+    Under SHARDWISE_STRICT_P2P=1 the batch is issued only after this rank's previous batch on the same
+    communicator (the axis' group) completed, and one handle is returned. That is how NCCL serialises:
+    a batch runs as one coalesced group on the group's communicator and stream, so it waits for every
+    earlier batch of this rank on that communicator, whichever peers they involve (posting per-peer
+    batches does not make them independent). Code that would deadlock or mis-handle handles on NCCL
+    fails here; `pipeline.p2p_check` models the same rule.
     """
-    p2p_ops, peers = [], set()
+    p2p_ops = []
     for kind, t, axis, peer in ops:
         if kind not in ("send", "recv"):
             raise ValueError(f"p2p op {kind!r}: expected 'send' or 'recv'")
+        if axis.group is not ops[0][2].group:
+            raise ValueError(f"p2p batch mixes axes '{ops[0][2].name}' and '{axis.name}': one group per batch")
         _check_device(axis, f"p2p {kind}", t)
         _record(axis, kind, _nbytes(t) if kind == "send" else 0, _nbytes(t) if kind == "send" else 0, tag)
         p2p_ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, axis.ranks[peer], group=axis.group))
-        peers.add((id(axis.group), axis.ranks[peer]))
     if not p2p_ops:
         return []
     axis = ops[0][2]
     if not strict_p2p():
         return _guarded(axis, "p2p", dist.batch_isend_irecv, p2p_ops)
-    for pair in sorted(peers):
-        if pair in _pair_tail:
-            _guarded(axis, "p2p (previous batch on the pair)", _pair_tail.pop(pair).wait)
+    key = (dist.get_rank(), id(axis.group))
+    if key in _comm_tail:
+        _guarded(axis, "p2p (previous batch on the communicator)", _comm_tail.pop(key).wait)
     work = _BatchWork(_guarded(axis, "p2p", dist.batch_isend_irecv, p2p_ops))
-    for pair in peers:
-        _pair_tail[pair] = work
+    _comm_tail[key] = work
     return [work]

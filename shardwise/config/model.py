@@ -21,6 +21,9 @@ class ModelConfig:
     n_heads: int = 8
     n_kv_heads: int = 4
     """Key/value heads (GQA). Must divide n_heads."""
+    head_dim: int = 0
+    """Per-head width of q, k and v; 0 = dim // n_heads. Qwen3 sets it explicitly (n_heads·head_dim may differ from
+    dim). Kept as 0-means-derived through `with_overrides`, so --dim on a preset re-derives it."""
     ffn_dim: int = 256
     """SwiGLU inner size (w1/w3 output features)."""
     max_seq_len: int = 512
@@ -31,6 +34,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     attention_bias: bool = False
     """Biases on the q/k/v projections (Qwen2); wo and the MLP stay bias-free."""
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over each head's head_dim on q and on k (weights shared by all heads), before RoPE."""
     tie_embeddings: bool = False
     """Share the token-embedding matrix with the LM head."""
     dropout: float = 0.0
@@ -50,27 +55,50 @@ class ModelConfig:
     """Tokens per expert per rank capped at ceil(F·N·k/E); None = dropless."""
     moe_aux_loss_coef: float = 0.0
     """Switch/GShard load-balancing loss E·Σ fᵢ·Pᵢ, with fᵢ over the global microbatch."""
+    moe_aux_loss_scope: str = "layer"
+    """"layer": the aux loss above per MoE layer, summed (Switch, Megatron). "model": Hugging Face's
+    load_balancing_loss_func (Mixtral, Qwen3-MoE): assignment shares and mean probabilities pooled over all MoE
+    layers first, aux = E · Σᵢ (Cᵢ / (L·N)) · (Sᵢ / (L·N)) with Cᵢ the top-k picks and Sᵢ the probabilities of
+    expert i summed over L layers and N tokens (k times the per-layer normalisation)."""
     moe_z_loss_coef: float = 0.0
     moe_bias_update_rate: float = 0.0
     """DeepSeek auxiliary-loss-free balancing: per-expert selection bias step size (0 = off)."""
     moe_score: str = "softmax"
     """Router scores: softmax or sigmoid (DeepSeek-V3)."""
     moe_softmax_before_topk: bool = True
+    moe_dense_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP of ffn_dim although `moe_every` makes them MoE (Qwen3-MoE's mlp_only_layers
+    and decoder_sparse_step, DeepSeek's first_k_dense_replace)."""
+
+    def __post_init__(self):
+        # head_dim 0 means "derived": resolve it, and remember so overrides of dim / n_heads re-derive it.
+        derived = not self.head_dim
+        object.__setattr__(self, "_head_dim_derived", derived)
+        if derived and isinstance(self.dim, int) and isinstance(self.n_heads, int) and self.n_heads > 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if isinstance(self.moe_dense_layers, list):
+            object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))
+
+    def with_overrides(self, **changes) -> ModelConfig:
+        """dataclasses.replace that re-derives a derived head_dim (so `--dim` on a preset keeps dim // n_heads)."""
+        if self.__dict__.get("_head_dim_derived", False) and "head_dim" not in changes:
+            changes["head_dim"] = 0
+        return dataclasses.replace(self, **changes)
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.moe_experts > 0 and i % self.moe_every == 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.moe_experts > 0 and i % self.moe_every == 0 and i not in self.moe_dense_layers
 
     def validate(self) -> None:
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"model {self.name!r}: {f}={v!r} must be a positive integer")
-        if self.dim % self.n_heads:
-            raise ConfigError(f"model {self.name!r}: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if not isinstance(self.head_dim, int) or self.head_dim < 0:
+            raise ConfigError(f"model {self.name!r}: head_dim={self.head_dim!r} must be a positive integer (or 0 = "
+                              "dim // n_heads)")
+        if self.__dict__.get("_head_dim_derived", False) and self.dim % self.n_heads:
+            raise ConfigError(f"model {self.name!r}: dim={self.dim} is not divisible by n_heads={self.n_heads} "
+                              "(or give head_dim explicitly)")
         if self.head_dim % 2:
             raise ConfigError(f"model {self.name!r}: head_dim={self.head_dim} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
@@ -88,6 +116,13 @@ class ModelConfig:
                                   f"{self.moe_experts}]")
             if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
                 raise ConfigError(f"--moe-capacity-factor {self.moe_capacity_factor} must be positive")
+            bad = [i for i in self.moe_dense_layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
+            if bad:
+                raise ConfigError(f"model {self.name!r}: moe_dense_layers entry {bad[0]!r} is not a layer index in "
+                                  f"[0, {self.n_layers})")
+            if self.moe_aux_loss_scope not in ("layer", "model"):
+                raise ConfigError(f"model {self.name!r}: moe_aux_loss_scope={self.moe_aux_loss_scope!r}; valid: layer, "
+                                  "model")
             if self.moe_score not in ("softmax", "sigmoid"):
                 raise ConfigError(f"--moe-score {self.moe_score!r}: valid: softmax, sigmoid")
         for f in ("dropout", "attn_dropout"):
@@ -97,14 +132,22 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Total parameter count (embedding and LM head counted once each unless tied)."""
-        h, kv = self.dim, self.n_kv_heads * self.head_dim
-        attn = h * h * 2 + h * kv * 2 + ((h + 2 * kv) if self.attention_bias else 0)
+        h, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.attention_bias else 0)
+        attn += 2 * self.head_dim if self.qk_norm else 0
         dense_mlp = 3 * h * self.ffn_dim
         moe_ffn = self.moe_ffn_dim or self.ffn_dim
         moe_mlp = 3 * h * moe_ffn * (self.moe_experts + self.moe_shared_experts) + self.moe_experts * h
         mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.n_layers))
         emb = self.vocab_size * h
         return self.n_layers * (attn + 2 * h) + mlps + h + emb * (1 if self.tie_embeddings else 2)
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: embedding and head, attention, dense MLPs, shared experts, the router and its
+        top-k routed experts (the "active" size MoE model cards quote)."""
+        moe_ffn = self.moe_ffn_dim or self.ffn_dim
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        return self.num_params() - n_moe * 3 * self.dim * moe_ffn * (self.moe_experts - self.moe_topk)
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
@@ -132,12 +175,39 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         max_seq_len=32768, rope_theta=1e6, moe_experts=8, moe_topk=2, moe_every=1, moe_softmax_before_topk=False,
         moe_aux_loss_coef=0.02,
     ),
+    # Qwen/Qwen3-*/config.json: explicit head_dim 128 (Qwen3-0.6B: 16·128 = 2048 > hidden 1024), q/k norms, no
+    # biases, rope_theta 1e6; 0.6B ties its embeddings.
+    "qwen3-0.6b": ModelConfig(
+        name="qwen3-0.6b", vocab_size=151936, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+        ffn_dim=3072, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, tie_embeddings=True,
+    ),
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+        ffn_dim=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+    ),
+    "qwen3-32b": ModelConfig(
+        name="qwen3-32b", vocab_size=151936, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
+        ffn_dim=25600, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+    ),
+    # Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json: 128 experts of moe_intermediate_size, top-8, renormalised
+    # (norm_topk_prob), every layer MoE, no shared experts. Aux loss per layer here (works under PP); a config.json
+    # read with output_router_logits gets HF's pooled one.
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+        ffn_dim=6144, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, moe_experts=128, moe_topk=8,
+        moe_ffn_dim=768, moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
+    ),
+    "qwen3-235b-a22b": ModelConfig(
+        name="qwen3-235b-a22b", vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128,
+        ffn_dim=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, moe_experts=128, moe_topk=8,
+        moe_ffn_dim=1536, moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
+    ),
 }
 
 
 def get_model_config(name: str, **overrides) -> ModelConfig:
     if name not in MODEL_PRESETS:
         raise ConfigError(f"unknown model {name!r}; valid presets: {', '.join(MODEL_PRESETS)}")
-    cfg = dataclasses.replace(MODEL_PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+    cfg = MODEL_PRESETS[name].with_overrides(**{k: v for k, v in overrides.items() if v is not None})
     cfg.validate()
     return cfg

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ..partition import ORDERS, check_seq_len, split_layers
 from ..pipeline.schedules import SCHEDULE_NAMES, build_schedule
 from .errors import ConfigError
+from .schedule import validate_optim
 from .model import ModelConfig, get_model_config
 
 
@@ -66,6 +67,19 @@ class ParallelConfig:
         return out
 
 
+def _tp_problem(tp: int, m: ModelConfig) -> str | None:
+    """Why `tp` cannot shard model `m`'s heads and FFN (None: it can)."""
+    if m.n_heads % tp:
+        return f"does not divide n_heads={m.n_heads}"
+    if m.n_kv_heads >= tp and m.n_kv_heads % tp:
+        return f"does not divide n_kv_heads={m.n_kv_heads}"
+    if m.n_kv_heads < tp and tp % m.n_kv_heads:
+        return f"> n_kv_heads={m.n_kv_heads} needs tp to be a multiple of n_kv_heads"
+    if m.ffn_dim % tp:
+        return f"does not divide ffn_dim={m.ffn_dim}"
+    return None
+
+
 @dataclass
 class TrainConfig:
     """Everything one `shardwise train` / `shardwise verify` run needs."""
@@ -80,11 +94,25 @@ class TrainConfig:
     global_batch: int | None = None
     """Sequences per optimizer step over all dp ranks; default micro_batch × dp (no accumulation)."""
     lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
+    """Peak learning rate (reached at the end of the warm-up)."""
+    lr_schedule: str = "cosine"
+    """After the warm-up: cosine, linear (both decay to min_lr on the schedule's last step), wsd (constant, then a
+    linear decay over the last wsd_decay_fraction of the schedule) or constant."""
+    min_lr: float | None = None
+    """LR at the end of the schedule; None = lr/10. Never above lr."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps, honoured exactly; None = 10% of the schedule's length, between 1 and 20."""
+    lr_decay_steps: int | None = None
+    """The schedule's length; None = steps (on resume: the length stored in the checkpoint, so extending a run
+    with a larger --steps does not move the LR). Steps past it run at min_lr."""
+    wsd_decay_fraction: float = 0.2
+    """wsd: the fraction of the schedule's length spent decaying to min_lr."""
     weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
     grad_clip: float = 1.0
     """Global grad-norm clip (0 disables)."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
     seed: int = 1234
     dtype: str = "fp32"
     """fp32 or bf16 (bf16 autocast for matmuls; master weights and optimizer state stay fp32)."""
@@ -108,7 +136,9 @@ class TrainConfig:
     """Collective timeout: a rank stuck longer than this in a collective fails instead of hanging."""
     progress: bool = True
     save_every: int = 0
-    """Write a checkpoint every N steps (and at the last step); 0 = never."""
+    """Write a checkpoint every N steps and at the last step; 0 = only the last step when final_checkpoint."""
+    final_checkpoint: bool = False
+    """Checkpoint the last step even without save_every (the CLI's default; --no-checkpoint turns it off)."""
     checkpoint_dir: str | None = None
     """Where checkpoints go; default <out>/checkpoints."""
     keep: int | None = None
@@ -209,7 +239,7 @@ class TrainConfig:
         """`model` (a preset name or a ModelConfig) with the flags' overrides applied and validated."""
         overrides = self.model_flag_overrides()
         if isinstance(self.model, ModelConfig):
-            cfg = dataclasses.replace(self.model, **{k: v for k, v in overrides.items() if v is not None})
+            cfg = self.model.with_overrides(**{k: v for k, v in overrides.items() if v is not None})
             cfg.validate()
             return cfg
         return get_model_config(self.model, **overrides)
@@ -277,8 +307,8 @@ class TrainConfig:
     def validate(self, world: int) -> None:
         p = self.parallel
         m = self.model_config()
-        if self.async_save and not self.save_every:
-            raise ConfigError("--async-save needs --save-every N (it changes how checkpoints are written)")
+        if self.async_save and not (self.save_every or self.final_checkpoint):
+            raise ConfigError("--async-save needs --save-every N or the final checkpoint (drop --no-checkpoint)")
         self._validate_recompute(p, m)
         self._validate_compile(p)
         if p.zero not in (0, 1, 2, 3):
@@ -288,20 +318,15 @@ class TrainConfig:
                               "use --zero 0, or --dp/--cp > 1")
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("--sequence-parallel needs --tp > 1 (it shards the TP regions' sequence)")
-        if m.n_heads % p.tp:
-            raise ConfigError(f"--tp {p.tp} does not divide n_heads={m.n_heads} of model {m.name!r}")
-        if m.n_kv_heads >= p.tp and m.n_kv_heads % p.tp:
-            raise ConfigError(f"--tp {p.tp} does not divide n_kv_heads={m.n_kv_heads} of model {m.name!r}")
-        if m.n_kv_heads < p.tp and p.tp % m.n_kv_heads:
-            raise ConfigError(
-                f"--tp {p.tp} > n_kv_heads={m.n_kv_heads} needs tp to be a multiple of n_kv_heads (model {m.name!r})"
-            )
-        if m.ffn_dim % p.tp:
-            raise ConfigError(f"--tp {p.tp} does not divide ffn_dim={m.ffn_dim} of model {m.name!r}")
+        problem = _tp_problem(p.tp, m)
+        if problem:
+            valid = ", ".join(str(t) for t in range(1, m.n_heads + 1) if not _tp_problem(t, m))
+            raise ConfigError(f"--tp {p.tp} {problem} of model {m.name!r}; valid: {valid}")
         for name in ("steps", "seq_len", "micro_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
+        validate_optim(self)
         if self.seq_len > m.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} exceeds max_seq_len={m.max_seq_len} of model {m.name!r}")
         if p.cp > 1:
@@ -355,7 +380,13 @@ class TrainConfig:
             raise ConfigError(f"--ep {p.ep} must divide dp × cp = {p.dp} × {p.cp} = {p.dp * p.cp} "
                               "(expert parallelism is drawn from the data-parallel ranks)")
         if m.moe_experts % p.ep:
-            raise ConfigError(f"--ep {p.ep} does not divide moe_experts={m.moe_experts} of model {m.name!r}")
+            valid = ", ".join(str(e) for e in range(1, m.moe_experts + 1) if not m.moe_experts % e)
+            raise ConfigError(f"--ep {p.ep} does not divide moe_experts={m.moe_experts} of model {m.name!r}; "
+                              f"valid: {valid}")
+        if m.moe_experts and m.moe_aux_loss_scope == "model" and m.moe_aux_loss_coef and p.pp > 1:
+            raise ConfigError(f"--pp {p.pp} with model {m.name!r}'s aux loss pooled over all layers "
+                              "(moe_aux_loss_scope='model', Hugging Face's): the pool needs every layer on one stage; "
+                              "use --pp 1 or --moe-aux-loss-coef 0")
 
     def _validate_context(self, m: ModelConfig) -> None:
         p = self.parallel

@@ -43,7 +43,7 @@ import weakref
 
 import torch
 
-from .. import comm
+from .. import comm, host
 from ..models.documents import document_mask
 from . import kernels
 from .kernels import _expand, _fold
@@ -67,9 +67,9 @@ def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto", ma
 
     `mask` boolean [b, 1, s_q, s_k] (True = attend): rows that see nothing give out 0, LSE −inf.
     """
-    kernel = kernels.pick(q, backend, mask is not None)
-    if kernel != "math":
-        return kernels.fused_forward(kernel, q, k, v, causal, scale, mask)
+    choice = kernels.pick("ring_attention", q, v, backend, kernels.mask_kind(causal, mask))
+    if choice.kernel != "math":
+        return kernels.fused_forward(choice, q, k, v, causal, scale, mask)
     g = q.shape[1] // k.shape[1]
     s = _math_scores(q, _expand(k, g), causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
@@ -80,9 +80,9 @@ def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto", ma
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str = "auto", mask=None):
     """(dq, dk, dv) of one block pair, given the *global* out and LSE of these query rows."""
-    kernel = kernels.pick(q, backend, mask is not None)
-    if kernel != "math":
-        return kernels.fused_backward(kernel, dout, q, k, v, out, lse, causal, scale, mask)
+    choice = kernels.pick("ring_attention", q, v, backend, kernels.mask_kind(causal, mask))
+    if choice.kernel != "math":
+        return kernels.fused_backward(choice, dout, q, k, v, out, lse, causal, scale, mask)
     g = q.shape[1] // k.shape[1]
     ke, ve = _expand(k, g).float(), _expand(v, g).float()
     p = torch.exp(_math_scores(q, ke, causal, scale, mask) - lse.unsqueeze(-1))
@@ -176,7 +176,7 @@ def _document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local:
             # which the mask then handles.
             visible = ((k_hi >= q_lo) & (q_hi >= k_lo)).any()
             flags.append(torch.stack([visible, ((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all()]))
-    flags = torch.stack(flags).tolist() if flags else []  # the one host sync
+    flags = host.read(torch.stack(flags), "cp document plan") if flags else []  # the one host sync
     out, i = [], 0
     for step, plan in enumerate(plans):
         pairs = []

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from .. import comm
+from . import kernels
 from ..models.documents import document_mask
 from .sharding import check_seq_len, layout_positions
 
@@ -93,8 +95,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
                          f"[{q.shape[0]}, {seq_len}]")
     mask = None if doc_ids is None else document_mask(doc_ids, doc_ids, causal=causal)
     if not axis.active:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        with sdpa_kernel(kernels.sdpa_backends(kernels.pick("ulysses", q, v, mask=kernels.mask_kind(causal, mask),
+                                                            entry="sdpa"))):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                                  scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     rep = _kv_replication(q.shape[1], k.shape[1], c)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -104,6 +108,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
     scatter_index = layout_positions(seq_len, c, order, q.device) if reorder else None
     gather_index = torch.argsort(scatter_index) if reorder else None
     qh, kh, vh = (_seq_to_heads(t, axis, gather_index) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
-                                         enable_gqa=qh.shape[1] != kh.shape[1])
+    choice = kernels.pick("ulysses", qh, vh, mask=kernels.mask_kind(causal, mask), entry="sdpa")
+    with sdpa_kernel(kernels.sdpa_backends(choice)):
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None,
+                                             scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
     return _heads_to_seq(out, axis, scatter_index)

@@ -22,6 +22,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-eos", action="store_true", help="do not append the end-of-document id to each document")
     p.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--glob", action="append", default=None, metavar="PATTERN",
+                   help="read every file whose name matches PATTERN (e.g. '*.py', repeatable) as plain text, one "
+                        "document per file; in directories only matching files are taken")
     p.set_defaults(func=run)
     return p
 
@@ -31,7 +34,7 @@ def run(args) -> int:
 
     try:
         m = prepare_data(args.inputs, args.tokenizer, args.out, args.text_key, args.workers, args.no_eos,
-                         args.shard_tokens, progress=not args.no_progress)
+                         args.shard_tokens, progress=not args.no_progress, globs=args.glob)
     except ConfigError as e:
         print(f"shardwise prepare-data: error: {e}", file=sys.stderr)
         return 2

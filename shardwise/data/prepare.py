@@ -9,6 +9,7 @@ prompt and 1 on the completion and its EOS, so training counts only completion t
 """
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
 import json
@@ -26,8 +27,16 @@ SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 BATCH_CHARS = 1 << 20  # text per work item: large enough to amortise the hand-off between processes
 
 
-def resolve_inputs(inputs: list[str]) -> list[str]:
-    """Files, directories (searched recursively) and globs → the sorted list of input files."""
+def resolve_inputs(inputs: list[str], globs: list[str] | None = None) -> list[str]:
+    """Files, directories (searched recursively) and globs → the sorted list of input files.
+
+    `globs` (`--glob '*.py'`): file-name patterns that select a directory's files and make any matching file
+    plain text, one document per file (code corpora); without them only .txt / .jsonl / .parquet are read."""
+    globs = list(globs or [])
+
+    def text_by_glob(path: str) -> bool:
+        return any(fnmatch.fnmatch(os.path.basename(path), g) or fnmatch.fnmatch(path, g) for g in globs)
+
     files: list[str] = []
     for spec in inputs:
         if any(c in spec for c in "*?["):
@@ -35,20 +44,23 @@ def resolve_inputs(inputs: list[str]) -> list[str]:
             if not found:
                 raise ConfigError(f"input {spec!r} matches no file")
         elif os.path.isdir(spec):
-            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(spec) for f in fs if f.endswith(SUFFIXES))
+            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(spec) for f in fs
+                           if (text_by_glob(f) if globs else f.endswith(SUFFIXES)))
             if not found:
-                raise ConfigError(f"input directory {spec!r} holds no {', '.join(SUFFIXES)} file")
+                raise ConfigError(f"input directory {spec!r} holds no "
+                                  f"{' / '.join(globs) if globs else ', '.join(SUFFIXES)} file")
         elif os.path.isfile(spec):
             found = [spec]
         else:
             raise ConfigError(f"input {spec!r}: no such file or directory")
         for p in found:
-            if not p.endswith(SUFFIXES):
-                raise ConfigError(f"input {p!r} has an unsupported type; valid: {', '.join(SUFFIXES)}")
+            if not p.endswith(SUFFIXES) and not text_by_glob(p):
+                raise ConfigError(f"input {p!r} has an unsupported type; valid: {', '.join(SUFFIXES)}, or any text "
+                                  "file selected with --glob PATTERN (e.g. --glob '*.py')")
             if not os.access(p, os.R_OK):
                 raise ConfigError(f"input {p!r} is not readable (permission denied)")
         files.extend(found)
-    return files
+    return list(dict.fromkeys(files))
 
 
 def _record(obj, text_key: str, where: str):
@@ -71,12 +83,9 @@ def _record(obj, text_key: str, where: str):
 
 def read_documents(path: str, text_key: str) -> Iterator[str | tuple[str, str]]:
     try:
-        if path.endswith(".txt"):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
-        elif path.endswith(".parquet"):
+        if path.endswith(".parquet"):
             yield from _read_parquet(path, text_key)
-        else:
+        elif path.endswith((".jsonl", ".jsonl.gz")):
             opener = gzip.open if path.endswith(".gz") else open
             with opener(path, "rt", encoding="utf-8", errors="replace") as f:
                 for lineno, line in enumerate(f, 1):
@@ -87,6 +96,9 @@ def read_documents(path: str, text_key: str) -> Iterator[str | tuple[str, str]]:
                     except json.JSONDecodeError as e:
                         raise ConfigError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
                     yield _record(obj, text_key, f"{path}:{lineno}")
+        else:  # .txt, or any file a --glob pattern selected: the whole file is one document
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield f.read()
     except (OSError, EOFError) as e:  # unreadable file, truncated or corrupt gzip
         raise ConfigError(f"input {path!r} cannot be read ({getattr(e, 'strerror', None) or e})") from None
 
@@ -155,9 +167,10 @@ def encode_documents(docs: list) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
 
 
 def prepare_data(inputs: list[str], tokenizer: str, out: str, text_key: str = "text", workers: int = 1,
-                 no_eos: bool = False, shard_tokens: int = 1 << 27, progress: bool = True) -> dict:
+                 no_eos: bool = False, shard_tokens: int = 1 << 27, progress: bool = True,
+                 globs: list[str] | None = None) -> dict:
     """Tokenize `inputs` into `out`; returns the manifest. Errors raise ConfigError and leave nothing at `out`."""
-    files = resolve_inputs(inputs)
+    files = resolve_inputs(inputs, globs)
     tok = load_tokenizer(tokenizer, no_eos)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"--out {out!r} already exists and is not empty; choose a new directory")

@@ -220,23 +220,3 @@ def data_vocab(spec: str | None) -> tuple[int, str] | None:
     sets = [PreparedData(path) for path, _ in data_sources(spec)]
     best = max(sets, key=lambda d: d.vocab_size)
     return best.vocab_size, f"{best.folder} ({best.manifest.get('tokenizer', '?')})"
-
-
-def fit_vocab(model, spec: str | None, follows_tokenizer: bool):
-    """The model's vocabulary follows --data's tokenizer for the byte-sized presets (tiny, small,
-    tiny-moe); a model with its own vocabulary (a preset like llama3-8b, a given config) must cover it."""
-    import dataclasses
-
-    from .tokenizer import VOCAB_SIZE
-
-    found = data_vocab(spec)
-    if found is None:
-        return model
-    vocab, what = found
-    if follows_tokenizer and model.vocab_size == VOCAB_SIZE:
-        return dataclasses.replace(model, vocab_size=vocab)
-    if vocab > model.vocab_size:
-        raise ConfigError(f"--data {what}: the tokenizer has {vocab} ids but model {model.name!r} has "
-                          f"vocab_size={model.vocab_size}; use a model whose vocabulary covers it (tiny, small "
-                          "and tiny-moe follow the tokenizer)")
-    return model

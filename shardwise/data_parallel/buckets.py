@@ -57,6 +57,7 @@ class Bucket:
         self.grad_full = None  # the reduction's input: persistent (ZeRO 0/1), per micro-batch (ZeRO 2/3)
         self.fired = 0  # gradients accumulated since the last launch
         self.ready = False
+        self.launched = False  # reduced this step (ZeRO 0/1): a later gradient would be lost
         self.unit = None  # ZeRO-3: the layer whose parameters this bucket holds
 
     def __getitem__(self, key):  # checkpoint.py and tests read buckets like the dicts they replaced
@@ -84,7 +85,8 @@ def adopt_grad(full: torch.Tensor, p: torch.Tensor, off: int, k: int) -> None:
     fresh tensor and is copied in (cheaper than zeroing the buffer every step and adding into it); later
     micro-batches then accumulate into the view in place."""
     view = full[off:off + k]
-    if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+    if p.grad is not None and (p.grad.untyped_storage()._cdata, p.grad.storage_offset()) != \
+            (view.untyped_storage()._cdata, view.storage_offset()):  # storage identity: fake tensors have no address
         view.copy_(p.grad.reshape(-1))
         p.grad = view.view_as(p)
 
@@ -107,12 +109,26 @@ class OverlappedReduction:
     def reset(self) -> None:
         self.ptr = {c: 0 for c in self.order}
         self.inflight: list[tuple] = []  # (work, axis, what, finalize)
+        self.finished = False  # `finish` ran: every bucket is reduced until the next `reset`
         for b in self.buckets:
-            b.fired, b.ready, b.received = 0, False, 0
+            b.fired, b.ready, b.received, b.launched = 0, False, 0, False
+
+    def refuse_late(self, b: Bucket, p: torch.Tensor) -> None:
+        """A gradient for a bucket already reduced this step would be silently lost (or reduce a partial
+        sum): raise, naming the parameter and `rounds`."""
+        if not (self.finished or (b.launched and self.zero < 2)):
+            return
+        name = next((n for n, q, _, _ in b.offsets if q is p), "?")
+        when = "after reduce_and_clip()" if self.finished else f"after its bucket was reduced (rounds={self.rounds})"
+        raise RuntimeError(
+            f"GradReducer: a gradient for {name!r} arrived {when}; each step must run exactly rounds={self.rounds} "
+            f"backward passes between zero_grad()/step() and reduce_and_clip() (build the reducer with rounds = "
+            f"the micro-batches per step)")
 
     # ------------------------------------------------------------ from backward
     def on_grad(self, b: Bucket, p: torch.Tensor, off: int, k: int) -> None:
         """A gradient of `p` was accumulated: ZeRO ≥ 2 moves it into the bucket buffer; launch if complete."""
+        self.refuse_late(b, p)
         if self.zero >= 2:
             if p.grad is None:  # nothing was accumulated (an unused parameter): nothing to count
                 return
@@ -141,6 +157,7 @@ class OverlappedReduction:
 
     # ------------------------------------------------------------ the collectives
     def launch(self, b: Bucket) -> None:
+        b.launched = True
         full = b.grad_full
         if full is None:
             return
@@ -207,6 +224,7 @@ class OverlappedReduction:
                             p.grad = None
                 self.launch(b)
         self.wait_all()
+        self.finished = True
 
     def wait_all(self) -> None:
         while self.inflight:

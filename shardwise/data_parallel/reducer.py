@@ -18,11 +18,9 @@ norm is also summed over ep.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .. import comm
+from .. import comm, host
 from ..mesh import Mesh
 from ..pipeline.tied_embedding import tied_partial
 from ..tensor_parallel.layers import get_spec
@@ -52,8 +50,14 @@ def model_units(model) -> list[tuple[int, torch.nn.Module]]:
 
 
 class GradReducer:
-    """Steps 1–4 above for zero ∈ {0, 1, 2, 3}. `rounds` is the number of micro-batches per step (each
-    parameter accumulates that many gradients); `overlap=False` reduces every bucket after backward."""
+    """Steps 1–4 above for zero ∈ {0, 1, 2, 3}: data-parallel gradient reduction, clipping and AdamW.
+
+    Per step a caller must: run exactly `rounds` backward passes (one per micro-batch; each parameter
+    accumulates that many gradients — with `overlap` a bucket is reduced as soon as its last one
+    arrives), then `reduce_and_clip(max_norm)` (TP/dp reductions, the global norm), then `step()` (AdamW,
+    ZeRO all-gathers, and `zero_grad()`), or `zero_grad()` alone to drop the step. A gradient arriving
+    for a bucket already reduced — more backward passes than `rounds`, or one after `reduce_and_clip` —
+    raises instead of being lost. `overlap=False` reduces every bucket after backward."""
 
     def __init__(self, model, mesh: Mesh, zero: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
                  betas=(0.9, 0.95), eps: float = 1e-8, reduce_dtype: torch.dtype | None = None,
@@ -181,6 +185,7 @@ class GradReducer:
 
     def _adopt_grad(self, p: torch.Tensor) -> None:
         b, off, k = self._bucket_of[id(p)]
+        self.reduction.refuse_late(b, p)
         adopt_grad(b.grad_full, p, off, k)
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -263,14 +268,23 @@ class GradReducer:
 
     def reduce_and_clip(self, max_norm: float) -> float:
         """Finish the gradients of this step; returns the global grad norm (before clipping)."""
+        return host.read(self.reduce_and_clip_queued(max_norm), "grad norm")[0]
+
+    def reduce_and_clip_queued(self, max_norm: float) -> torch.Tensor:
+        """`reduce_and_clip` without reading the norm back: it stays on the device ([1], fp32) and the
+        clipping is queued there — scale max_norm / (norm + 1e-6), in fp64 as a host float would be, where
+        the norm is finite and above max_norm, else 1 (an exact no-op) — so the host can read the norm
+        together with the loss, once per step (`shardwise.host`)."""
         if self.units is not None:
             self.units.free_all()
         self._reduce_tp()
         self._reduce_tied()  # before dp×cp: ZeRO shards differ per stage
         self.reduction.finish()
-        norm = float(self._grad_norm_sq().sqrt())
-        if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
+        norm = self._grad_norm_sq().sqrt()
+        if max_norm > 0:
+            n64 = norm.double()
+            coef = torch.where(torch.isfinite(n64) & (n64 > max_norm), max_norm / (n64 + 1e-6), 1.0)
+            coef = coef.to(torch.float32).reshape(())
             for g in self._final_grads():
                 g.mul_(coef)
         return norm

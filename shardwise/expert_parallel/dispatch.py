@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
+from .. import comm, host
 
 
 class _AllToAll(torch.autograd.Function):
@@ -91,6 +91,7 @@ class DispatchHandle:
     tokens_per_local_expert: list[int]
     tokens_per_expert: list[int]     # this rank's kept assignments per global expert
     dropped: int                     # this rank's assignments dropped by capacity
+    local_counts: torch.Tensor | None = None  # tokens_per_local_expert on the device (grouped GEMM offsets)
 
 
 class AllToAllDispatcher:
@@ -118,9 +119,9 @@ class AllToAllDispatcher:
         perm = torch.argsort(sort_key, stable=True)
         send_counts = expert_counts(flat_e, e, keep)
         recv_counts = comm.all_to_all(send_counts, self.axis, tag="counts")  # [ep·E_l]: (src rank, local expert)
-        # Host sync: split sizes and per-expert row counts must be Python ints for the all-to-all
-        # and for the expert loop; one .tolist() of both count vectors.
-        synced = torch.cat([send_counts, recv_counts]).tolist()
+        # The one host sync per MoE layer and microbatch (Megatron's too): split sizes must be Python
+        # ints for the all-to-all; one read of both count vectors.
+        synced = host.read(torch.cat([send_counts, recv_counts]), "moe split sizes")
         per_expert, recv = synced[:e], synced[e:]
         kept = sum(per_expert)
         perm = perm[:kept]
@@ -136,7 +137,7 @@ class AllToAllDispatcher:
             rows = rows.index_select(0, regroup)
         per_local = [sum(recv[r * e_l + j] for r in range(ep)) for j in range(e_l)]
         handle = DispatchHandle(token_idx, flat_w[perm], n, in_splits, out_splits, regroup, per_local,
-                                per_expert, n * k - kept)
+                                per_expert, n * k - kept, recv_counts.view(ep, e_l).sum(0))
         return rows, handle
 
     # ------------------------------------------------------------ combine

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..tensor_parallel.layers import ShardSpec, set_spec
 
@@ -22,16 +23,30 @@ def _expert_param(n_experts, n_local, start, shape, replicas, device, dtype) -> 
 
 
 def grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """torch._grouped_mm (torch >= 2.8 on CPU fp32/bf16; CUDA needs bf16 on sm90+) with 16-byte-aligned rows."""
+    """torch._grouped_mm runs fused here for rows `x` and `weights` in the dtype they are passed: torch >= 2.8
+    on CPU (fp32/bf16); CUDA only in bf16 on sm90+ (in fp32 it falls back to a host copy of the offsets and
+    a per-expert loop); fake tensors (simulation) only in bf16. Rows and weights 16-byte aligned."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if x.device.type == "cuda":
+    if any(w.dtype != x.dtype for w in weights):
+        return False
+    if is_fake(x):
+        if x.dtype != torch.bfloat16:
+            return False
+    elif x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
             return False
     elif x.device.type != "cpu":
         return False
     return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0
                for w in weights)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The expert GEMMs' dtype: autocast's where it is on (as for every other linear), else the rows'."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 class GroupedExperts(nn.Module):
@@ -56,19 +71,29 @@ class GroupedExperts(nn.Module):
         self.w3 = _expert_param(*args, (ffn_dim, dim), replicas, device, dtype)
         self.w2 = _expert_param(*args, (dim, ffn_dim), replicas, device, dtype)
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows [M, dim], contiguous per local expert with `counts` rows each → [M, dim]."""
+    def forward(self, rows: torch.Tensor, counts: list[int], device_counts: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [M, dim], contiguous per local expert with `counts` rows each → [M, dim].
+
+        The grouped GEMM runs in the compute dtype (bf16 under autocast: the weights are cast per forward,
+        as autocast casts every other linear's), so on sm90 the fused kernel runs. Its offsets are built on
+        the device from `device_counts` (the same counts as a device tensor; the dispatcher has them), never
+        copied from a host list — that copy would block."""
         if len(counts) != self.n_local or sum(counts) != rows.shape[0]:
             raise ValueError(f"counts {counts} do not describe {rows.shape[0]} rows over {self.n_local} experts")
+        dtype = compute_dtype(rows)
+        w1, w3, w2 = (w if w.dtype == dtype else w.to(dtype) for w in (self.w1, self.w3, self.w2))
         use = self.grouped_mm
         if use is None:
-            use = grouped_mm_available(rows, self.w1, self.w2)
+            use = grouped_mm_available(rows.to(dtype), w1, w2)
         if use:
-            offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)  # host → device, no sync
-            x = rows.to(self.w1.dtype)  # autocast leaves _grouped_mm alone: it runs in the weights' dtype
-            h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs).to(rows.dtype)
+            if device_counts is None:  # a caller without device counts: fill them in kernels, no host copy
+                device_counts = torch.stack([torch.full((), c, device=rows.device) for c in counts])
+            offs = device_counts.cumsum(0).to(torch.int32)
+            x = rows.to(dtype)
+            with torch.autocast(rows.device.type, enabled=False):  # already in the compute dtype
+                h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+                h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+                return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs).to(rows.dtype)
         outs = []
         for e, part in enumerate(rows.split(counts)):
             h = F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e])

@@ -80,6 +80,50 @@ class _AttachAuxLoss(torch.autograd.Function):
         return g, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
+class AuxPool:
+    """Hugging Face's cross-layer aux loss (moe_aux_loss_scope "model"): the selections of every MoE layer in this
+    microbatch, keyed by layer, for the gradient of the pooled loss. The loss E·Σᵢ Cᵢ·Sᵢ / (L·N)² is bilinear with
+    C detached, so layer l's probability sums S_l get E·C / (L·N)² — C complete once every layer ran forward
+    (hence one pipeline stage holds all layers)."""
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self.counts: dict[str, torch.Tensor] = {}
+        self.n_tokens: torch.Tensor | float = 0.0
+
+
+class _AttachPooledAux(torch.autograd.Function):
+    """forward: identity on the block output / backward: the pooled aux loss's gradient into this layer's
+    probability sums, and this layer's share of the loss's value into the block's `step_aux`."""
+
+    @staticmethod
+    def forward(ctx, out, prob_sum, moe):
+        ctx.moe = moe
+        ctx.prob_sum = prob_sum.detach()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        moe = ctx.moe
+        pool, router = moe.pool, moe.router
+        total = sum(pool.counts.values())
+        norm = (pool.n_tokens * pool.n_layers) ** 2
+        d_sum = router.n_experts * total / norm  # d aux / d S_l
+        moe.step_aux = moe.step_aux + torch.dot(d_sum, ctx.prob_sum) * moe.aux_scale
+        return g, d_sum * (router.aux_loss_coef * moe.aux_scale), None
+
+
+def share_aux_pool(model: nn.Module) -> None:
+    """Give every MoE block of `model.layers` one AuxPool when the model's aux loss is pooled over layers."""
+    cfg = model.cfg
+    if cfg.moe_aux_loss_scope != "model":
+        return
+    pool = AuxPool(sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)))
+    for name, block in model.layers.items():
+        if isinstance(block.feed_forward, MoE):
+            block.feed_forward.pool, block.feed_forward.pool_key = pool, name
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts, E/ep per ep rank, plus `shared_experts` dense ones (DeepSeek-V3).
 
@@ -91,11 +135,11 @@ class MoE(nn.Module):
                  shared_experts: int = 0, capacity_factor: float | None = None, drop_policy: str = "probs",
                  score: str = "softmax", softmax_before_topk: bool = True, aux_loss_coef: float = 0.0,
                  z_loss_coef: float = 0.0, bias_update_rate: float = 0.0, expert_replicas: int = 1,
-                 grouped_mm: bool | None = None, device=None, dtype=None):
+                 grouped_mm: bool | None = None, device=None, dtype=None, aux_scope: str = "layer"):
         super().__init__()
         ep_axis = ep_axis if ep_axis is not None else Axis("ep")
         self.router = Router(dim, n_experts, topk, score, softmax_before_topk, aux_loss_coef, z_loss_coef,
-                             bias_update_rate, device=device, dtype=dtype)
+                             bias_update_rate, device=device, dtype=dtype, aux_scope=aux_scope)
         self.dispatcher = AllToAllDispatcher(n_experts, ep_axis, capacity_factor, drop_policy)
         self.experts = GroupedExperts(n_experts, dim, ffn_dim, ep_axis, expert_replicas, grouped_mm,
                                       device=device, dtype=dtype)
@@ -105,13 +149,15 @@ class MoE(nn.Module):
         self.aux_scale = 1.0  # weight of this microbatch's aux loss in the step's loss (set by the loop)
         self.step_dropped = 0  # rows dropped by capacity since the loop last read it
         self.step_aux = 0.0  # scale-weighted aux loss since the loop last read it
+        self.pool: AuxPool | None = None  # aux_scope "model": shared by the model's MoE blocks (share_aux_pool)
+        self.pool_key = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
         rows, handle = self.dispatcher.dispatch(flat, routing.indices, routing.weights)
-        out = self.dispatcher.combine(self.experts(rows, handle.tokens_per_local_expert), handle)
+        out = self.dispatcher.combine(self.experts(rows, handle.tokens_per_local_expert, handle.local_counts), handle)
         if self.shared is not None:
             out = out + self.shared(flat)
         self.aux_loss = routing.loss
@@ -119,9 +165,14 @@ class MoE(nn.Module):
                               routing.z_loss.detach())
         out = out.view(shape)
         self.step_dropped += handle.dropped
-        self.step_aux = self.step_aux + routing.aux_loss.detach() * self.aux_scale  # no host sync
+        if self.pool is None:
+            self.step_aux = self.step_aux + routing.aux_loss.detach() * self.aux_scale  # no host sync
         if self.training and routing.loss.requires_grad:
             out = _AttachAuxLoss.apply(out, routing.loss, self.aux_scale)
+        if self.training and self.pool is not None and self.router.aux_loss_coef and routing.prob_sum.requires_grad:
+            self.pool.counts[self.pool_key] = routing.global_counts.detach()
+            self.pool.n_tokens = routing.n_global
+            out = _AttachPooledAux.apply(out, routing.prob_sum, self)
         return out
 
     def update_bias(self, axis: Axis | None = None) -> torch.Tensor:

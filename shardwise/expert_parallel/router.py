@@ -34,7 +34,9 @@ from .. import comm
 class Routing:
     """One forward's routing: indices/weights [N, k], counts [E] (selected, pre-drop), scalar losses.
 
-    `loss` = aux_loss_coef·aux_loss + z_loss_coef·z_loss, the term to add to the training loss.
+    `loss` = aux_loss_coef·aux_loss + z_loss_coef·z_loss, the term to add to the training loss (the z term only
+    under aux_scope "model", whose aux term the MoE block pools over layers from `global_counts`, `n_global`
+    and `prob_sum`).
     """
 
     indices: torch.Tensor
@@ -43,6 +45,11 @@ class Routing:
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     loss: torch.Tensor
+    global_counts: torch.Tensor | None = None
+    """Selections per expert over the whole microbatch (the token axes), detached."""
+    n_global: torch.Tensor | float = 0.0
+    prob_sum: torch.Tensor | None = None
+    """Σ over this rank's tokens of the full probability distribution [E] (with grad)."""
 
 
 class Router(nn.Module):
@@ -56,13 +63,13 @@ class Router(nn.Module):
 
     def __init__(self, dim: int, n_experts: int, topk: int, score: str = "softmax", softmax_before_topk: bool = True,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
-                 device=None, dtype=None):
+                 device=None, dtype=None, aux_scope: str = "layer"):
         super().__init__()
         if not 1 <= topk <= n_experts:
             raise ValueError(f"topk={topk} must be in [1, n_experts={n_experts}]")
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"score={score!r}: expected 'softmax' or 'sigmoid'")
-        self.n_experts, self.topk, self.score = n_experts, topk, score
+        self.n_experts, self.topk, self.score, self.aux_scope = n_experts, topk, score, aux_scope
         self.softmax_before_topk = softmax_before_topk
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.weight = nn.Parameter(torch.empty(n_experts, dim, device=device, dtype=dtype))
@@ -93,20 +100,24 @@ class Router(nn.Module):
                                                               torch.ones(n * k, device=x.device))
         active = [ax for ax in self.token_axes if ax.active]
         if active and (self.aux_loss_coef or self.z_loss_coef):
-            stats = torch.cat([counts, torch.tensor([float(n)], device=x.device)])
+            stats = torch.cat([counts, counts.new_full((1,), n)])
             for ax in active:
                 comm.all_reduce(stats, ax, tag="aux_loss")
-            n_global = stats[-1]
+            n_global, global_counts = stats[-1], stats[:-1]
             aux = e * torch.dot(stats[:-1] / (n_global * k), probs.sum(0) / n_global)
             z = logits.logsumexp(-1).pow(2).sum() / n_global
         elif n:
+            n_global, global_counts = float(n), counts
             aux = e * torch.dot(counts / (n * k), probs.mean(0))
             z = logits.logsumexp(-1).pow(2).mean()
         else:
+            n_global, global_counts = 0.0, counts
             aux = z = logits.sum() * 0.0
         if self.training:
             self.pending_counts += counts
-        return Routing(indices, weights, counts, aux, z, self.aux_loss_coef * aux + self.z_loss_coef * z)
+        aux_term = 0.0 if self.aux_scope == "model" else self.aux_loss_coef * aux
+        return Routing(indices, weights, counts, aux, z, aux_term + self.z_loss_coef * z, global_counts, n_global,
+                       probs.sum(0))
 
     @torch.no_grad()
     def update_bias(self, axis=None, counts: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..context_parallel import positions as cp_positions
 from ..context_parallel import ring_attention, shard_sequence, ulysses_attention
-from ..expert_parallel.moe import MoE
+from ..expert_parallel.moe import MoE, share_aux_pool
 from ..mesh import Axis
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import ReplicatedDropout
@@ -82,6 +82,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.wv = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.wo = nn.Linear(cfg.n_heads * hd, h, bias=False)
+        # Qwen3's per-head q/k norms: one head_dim weight shared by every head, so under TP each rank applies
+        # it to its own heads with no collective (its gradient is partial per rank: summed over TP).
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.attn_dropout = cfg.attn_dropout
         self.rng = None  # RNGTracker, set by the parallel plan: attention dropout is a TP-sharded region
         self.cp_axis, self.cp_order, self.cp_impl = None, "balanced", "ring"  # set by the plan under cp > 1
@@ -91,8 +95,11 @@ class Attention(nn.Module):
         """`doc_ids` [b, s_global] (document masking) are the window's document ids, never sharded."""
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         b, s = q.shape[:2]
-        q = apply_rope(q.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(k.view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
+        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k = apply_rope(k, cos, sin).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.recompute_core is None:
             out = self.core(q, k, v, doc_ids)
@@ -134,7 +141,8 @@ def build_moe(cfg: ModelConfig, ep_axis=None, expert_replicas: int = 1, device=N
                shared_experts=cfg.moe_shared_experts, capacity_factor=cfg.moe_capacity_factor,
                score=cfg.moe_score, softmax_before_topk=cfg.moe_softmax_before_topk,
                aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
-               bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device)
+               bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device,
+               aux_scope=cfg.moe_aux_loss_scope)
 
 
 class TransformerBlock(nn.Module):
@@ -163,6 +171,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        share_aux_pool(self)
         self.tp_axis = Axis("tp")  # replaced by the plan; size 1 = single device
         self.vocab_start = 0
         self.sequence_parallel = False

@@ -1,8 +1,11 @@
 """Replay every rank's posted p2p program under NCCL's rules, without processes or GPUs.
 
 The rules (what gloo hides and NCCL enforces):
-* per pair of ranks one FIFO stream: a rank's batches that involve a peer are issued on that pair's
-  stream in posting order, and a batch is issued only when it heads every stream it is on;
+* per rank and communicator one FIFO stream: batched p2p runs as one coalesced group on the group's
+  communicator, so a rank's batches are issued in posting order whatever peers they involve, and a
+  batch is issued only when it heads its stream (`comm.p2p`'s strict mode waits the same way);
+  `streams_per="pair"` is the weaker model of one stream per pair of ranks (unbatched p2p, each pair
+  on its own communicator), kept to show what per-peer ordering alone would let through;
 * a batch completes only when every one of its ops is matched: the n-th send from a to b with the
   n-th receive on b from a, both in issued batches (their message keys must agree, else the data
   would land in the wrong buffer);
@@ -23,12 +26,14 @@ class P2PMismatch(AssertionError):
     """Two matched ops name different messages: on hardware the data would land in the wrong buffer."""
 
 
-def check_programs(programs: list[list[Boundary]], streams_per: str = "pair") -> str | None:
+def check_programs(programs: list[list[Boundary]], streams_per: str = "rank") -> str | None:
     """None if the programs complete under NCCL's rules; otherwise which ranks are stuck, on what.
 
-    streams_per="pair": one FIFO stream per rank pair; "rank": one per rank (what ProcessGroupNCCL's
-    batched p2p does, since a batch runs on the group's communicator): the stricter model.
+    streams_per="rank": one FIFO stream per rank (all programs are on one group, the pp axis: what
+    ProcessGroupNCCL's batched p2p does); "pair": one per rank pair, the weaker model.
     """
+    if streams_per not in ("rank", "pair"):
+        raise ValueError(f"streams_per {streams_per!r}: expected 'rank' or 'pair'")
     p = len(programs)
     pos = [0] * p                       # next boundary to run per rank
     posted = [False] * p                # whether boundary pos[r] has been posted

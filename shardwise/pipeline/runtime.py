@@ -35,7 +35,7 @@ class _Batch:
         self.works, self.frees, self.done = works, frees, False
 
     def completed(self) -> bool:
-        return self.done or all(w.is_completed() for w in self.works)
+        return self.done or comm.completed(self.works)
 
 
 class PipelineExecutor:

@@ -415,3 +415,15 @@ def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Wo
         return 0.0
     kinds = [moe for moe, n in ((False, stage.n_dense), (True, stage.n_moe)) if n]
     return max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
+
+
+def peak_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, mem: dict | None = None) -> float:
+    """Live peak of one rank of `stage` during a step: static state, the activations held at the worst
+    moment, and the transient buffers the trace shows beside them."""
+    if mem is None:
+        local = stage_params(spec, stage, lay)
+        static = static_bytes(local, lay, zero_buckets(spec, stage, lay) if lay.zero else None)["total"]
+        act = stage_activation_bytes(spec, stage, lay, wl)
+    else:
+        static, act = mem["static"]["total"], mem["activation"]
+    return static + act

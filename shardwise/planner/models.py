@@ -42,8 +42,6 @@ from shardwise.planner.errors import PlanError
 class ModelSpec(ModelConfig):
     """A trainer ModelConfig plus the architecture variants only the planner models (defaults: the trainer's)."""
 
-    head_dim: int = 0
-    """Per-head width; 0 = dim // n_heads (the trainer's, which has no other)."""
     mlp: str = "swiglu"
     """'swiglu' (w1, w3, w2) or 'gelu' (fc1, fc2)."""
     norm: str = "rmsnorm"
@@ -59,10 +57,6 @@ class ModelSpec(ModelConfig):
     v_head_dim: int = 0
     untrainable: str = ""
     """Why `shardwise train` cannot build this model; '' = it can (the spec is a trainer ModelConfig)."""
-
-    def __post_init__(self):
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> ModelSpec:
@@ -107,8 +101,8 @@ class ModelSpec(ModelConfig):
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def is_moe_layer(self, i: int) -> bool:
-        """The trainer's rule (every moe_every-th layer) after the first n_dense_layers."""
-        return self.moe_experts > 0 and i >= self.n_dense_layers and i % self.moe_every == 0
+        """The trainer's rule (every moe_every-th layer, not in moe_dense_layers) after the first n_dense_layers."""
+        return super().is_moe_layer(i) and i >= self.n_dense_layers
 
     def __hash__(self) -> int:  # specs key the planner's caches: hash the ~40 fields once, not per lookup
         h = self.__dict__.get("_hash")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from .. import comm, host
 from ..pipeline.grad_store import linear, weight_grads
 
 
@@ -234,10 +234,16 @@ class VocabParallelEmbedding(nn.Module):
 def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
     """A token id outside [0, V) would silently embed as a zero row on every shard: refuse it.
 
-    Reads two numbers back: call it on host tensors (the Trainer checks each batch before the copy to
-    the device), never per microbatch on an accelerator.
+    Call it on host tensors (the Trainer checks each batch before the copy to the device): their values
+    are in host memory, read without any device sync. Anywhere else (a device or fake tensor) it is a
+    device→host read through `shardwise.host` — never per microbatch on an accelerator.
     """
-    lo, hi = (int(v) for v in torch.aminmax(ids))
+    if not ids.numel():
+        return
+    if ids.device.type == "cpu" and type(ids) is torch.Tensor:
+        lo, hi = (int(v) for v in (ids.numpy().min(), ids.numpy().max()))
+    else:
+        lo, hi = host.read(torch.stack(torch.aminmax(ids)), "token ids")
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")

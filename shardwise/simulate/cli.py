@@ -1,0 +1,148 @@
+"""`shardwise simulate TRAIN-FLAGS [--ranks stages|all|R,R,...] [--steps N] [--json]`.
+
+Runs chosen ranks of the layout's whole world, one after another in this process, on fake tensors
+(`world.simulate_rank`), and sets each beside the planner's prediction for its pipeline stage. Exit 0
+when every rank is within the bounds below, 1 otherwise, 2 on bad input (one line, before any rank runs).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+BOUNDS = {"static_bytes": 0.01, "activation_bytes": 0.02, "peak_bytes": 0.03}
+"""Largest relative difference |measured − planned| / planned accepted per figure; comm bytes must be equal."""
+
+
+def add_parser(sub) -> None:
+    from ..cli import _add_layout, _add_run
+
+    p = sub.add_parser("simulate", help="run ranks of a full-size layout on fake tensors, against the planner")
+    _add_layout(p)
+    _add_run(p, steps=2)
+    p.add_argument("--ranks", default="stages",
+                   help="stages (first rank of every pipeline stage; default), all, or global ranks R,R,...")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=main)
+
+
+def choose_ranks(text: str, world: int, pp: int, cp: int, tp: int) -> list[int]:
+    """Global ranks to simulate. `stages`: (dp, cp, tp) = 0 on every pipeline stage — with balanced routing
+    and the balanced cp order every other rank of a stage holds the same shapes."""
+    from ..config import ConfigError
+
+    if text == "stages":
+        return [s * cp * tp for s in range(pp)]
+    if text == "all":
+        return list(range(world))
+    try:
+        ranks = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ConfigError(f"--ranks {text!r}: expected stages, all or comma-separated global ranks") from None
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad or not ranks:
+        raise ConfigError(f"--ranks {text!r}: rank {bad[0] if bad else '(none)'} is outside the world of "
+                          f"{world} ranks (0..{world - 1})")
+    return ranks
+
+
+def _close(measured: float, planned: float, tol: float) -> bool:
+    return math.isclose(measured, planned, rel_tol=tol, abs_tol=0)
+
+
+def compare(measured: dict, planned: dict) -> dict:
+    """One rank's report: each figure as {measured, planned}, and whether all are within bounds."""
+    row = {"rank": measured["rank"], "stage": measured["stage"]}
+    ok = True
+    for key, tol in BOUNDS.items():
+        row[key] = {"measured": measured[key], "planned": planned[key]}
+        ok &= _close(measured[key], planned[key], tol)
+    axes = sorted(set(measured["comm_bytes"]) | set(planned["comm_bytes"]))
+    row["comm_bytes"] = {a: {"measured": measured["comm_bytes"].get(a, 0), "planned": planned["comm_bytes"].get(a, 0)}
+                         for a in axes}
+    ok &= all(v["measured"] == v["planned"] for v in row["comm_bytes"].values())
+    row["peak_phase"] = measured["peak_phase"]
+    row["top_live"] = measured["top_live"]
+    row["wall_s"] = round(measured["wall_s"], 2)
+    row["passed"] = bool(ok)
+    return row
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3f}"
+
+
+def render(report: dict) -> str:
+    lines = [f"simulated {report['model']} on {report['layout']} (world {report['world']}), "
+             f"{report['steps']} steps per rank on fake tensors; {report['routing']}" if report["routing"] else
+             f"simulated {report['model']} on {report['layout']} (world {report['world']}), "
+             f"{report['steps']} steps per rank on fake tensors",
+             f"{'rank':>6} {'stage':>5}  {'static GiB':>21}  {'activations GiB':>21}  {'peak GiB':>21}  ok"]
+    for r in report["ranks"]:
+        cells = []
+        for key in BOUNDS:
+            m, p = r[key]["measured"], r[key]["planned"]
+            cells.append(f"{_gib(m):>8}/{_gib(p):<8} {m / p if p else float('nan'):5.3f}")
+        lines.append(f"{r['rank']:>6} {r['stage']:>5}  " + "  ".join(cells) + f"  {'yes' if r['passed'] else 'NO'}")
+        comm = ", ".join(f"{a} {v['measured'] / 2**20:.2f}" + ("" if v["measured"] == v["planned"] else
+                                                                f" (planned {v['planned'] / 2**20:.2f})")
+                         for a, v in r["comm_bytes"].items())
+        lines.append(f"{'':13}comm MiB/step: {comm or 'none'}")
+        top = "; ".join(f"{t['group']} {_gib(t['bytes'])}" for t in r["top_live"])
+        lines.append(f"{'':13}peak during {r['peak_phase']}: {top}")
+    lines.append(f"{'passed' if report['passed'] else 'FAILED'} (bounds: static 1%, activations 2%, peak 3%, "
+                 f"comm bytes equal) in {report['wall_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def run(cfg, ranks: list[int], steps: int) -> dict:
+    """Simulate `ranks` of `cfg`'s world; the report `--json` prints."""
+    from .predict import planned
+    from .world import ROUTING, simulate_rank, world_size
+
+    t0 = time.perf_counter()
+    p = cfg.parallel
+    rows = []
+    for r in ranks:
+        m = simulate_rank(cfg, r, steps)
+        rows.append(compare(m, planned(cfg, m["stage"])))
+    lay = ",".join(f"{k}={v}" for k, v in p.as_dict().items() if v not in (None, False))
+    return {"world": world_size(cfg), "layout": lay, "model": cfg.model_config().name, "steps": steps,
+            "routing": ROUTING if cfg.model_config().moe_experts else None, "ranks": rows,
+            "passed": all(r["passed"] for r in rows), "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def check_simulable(cfg) -> None:
+    from ..config import ConfigError
+
+    if cfg.init_from_hf:
+        raise ConfigError("--init-from-hf: simulate holds no weights (fake tensors); drop it to simulate the shapes")
+    if cfg.parallel.compile:
+        raise ConfigError("--compile: simulate runs the eager model; drop --compile")
+    if cfg.steps < 1:
+        raise ConfigError(f"--steps {cfg.steps}: simulate at least 1 step (2: the optimizer state exists from the second)")
+
+
+def main(args) -> int:
+    from ..cli import config_from_args
+    from ..config import ConfigError
+
+    try:
+        cfg = config_from_args(args, None)
+        check_simulable(cfg)
+        p = cfg.parallel
+        world = p.dp * p.pp * p.cp * p.tp
+        ranks = choose_ranks(args.ranks, world, p.pp, p.cp, p.tp)
+    except ConfigError as e:
+        print(f"shardwise simulate: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        report = run(cfg, ranks, cfg.steps)
+    except ConfigError as e:
+        print(f"shardwise simulate: error: {e}", file=sys.stderr)
+        return 2
+    print(render(report))
+    if args.json:
+        print(json.dumps({k: report[k] for k in ("world", "layout", "ranks", "passed", "wall_s")}))
+    return 0 if report["passed"] else 1

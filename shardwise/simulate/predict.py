@@ -1,0 +1,20 @@
+"""The planner's figures for one simulated rank: static, saved-activation and peak bytes of its pipeline
+stage, and its per-axis communication bytes of one step."""
+from __future__ import annotations
+
+from ..planner import Cluster, estimate, get_gpu
+from ..planner.layout import from_train_config
+from ..planner.memory import peak_bytes, recompute_transient_bytes
+
+
+def planned(cfg, stage: int) -> dict:
+    """{static_bytes, activation_bytes, peak_bytes, comm_bytes: {axis: bytes}} of pipeline stage `stage`."""
+    from ..planner.estimate import memory_by_stage
+
+    spec, lay, wl = from_train_config(cfg)
+    est = estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl, detail=True)
+    mem = memory_by_stage(spec, lay, wl)[stage]
+    held = mem["activation"] - recompute_transient_bytes(spec, mem["stage"], lay, wl)
+    return {"static_bytes": mem["static"]["total"], "activation_bytes": round(held),
+            "peak_bytes": round(peak_bytes(spec, mem["stage"], lay, wl, mem)),
+            "comm_bytes": {a: b for a, b in est["stages"][stage]["comm_bytes_per_step"].items() if b}}

@@ -1,0 +1,83 @@
+"""Qwen3 (per-head q/k norms, explicit head_dim) and Qwen3-MoE-shaped models on every axis: `verify` proves each
+layout equal to the single-device model (loss, every reduced gradient, parameters after AdamW). The HF-oracle
+side (logits, one step's loss and gradients against transformers) is in test_hf.py."""
+import dataclasses
+
+import pytest
+
+from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, get_model_config
+
+from _dist import fresh_seed, run_ranks, verify_all
+
+# head_dim 24: n_heads·head_dim = 96 != dim 64, so a dim // n_heads anywhere breaks shapes; tied like Qwen3-0.6B.
+QWEN3 = ModelConfig(name="qwen3-tiny", vocab_size=257, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=24,
+                    ffn_dim=96, max_seq_len=64, norm_eps=1e-6, qk_norm=True, tie_embeddings=True)
+
+
+# Qwen3-MoE-shaped: layer 1 dense, top-2 of 4 renormalised, Hugging Face's aux loss pooled over layers 0, 2, 3.
+QWEN3_MOE = dataclasses.replace(QWEN3, name="qwen3-moe-tiny", tie_embeddings=False, moe_experts=4, moe_topk=2,
+                                moe_ffn_dim=32, moe_dense_layers=(1,), moe_softmax_before_topk=False,
+                                moe_aux_loss_coef=0.1, moe_aux_loss_scope="model")
+# Under PP the pool would span stages: the per-layer aux loss instead.
+QWEN3_MOE_LAYER = dataclasses.replace(QWEN3_MOE, moe_aux_loss_scope="layer")
+
+
+def _cfg(seed, model, global_batch=4, **parallel):
+    return TrainConfig(model=model, parallel=ParallelConfig(**parallel), steps=2, seq_len=32, micro_batch=2,
+                       global_batch=global_batch, seed=seed, progress=False)
+
+
+def _check(cfgs, world, seed):
+    for cfg, result in zip(cfgs, run_ranks(world, verify_all, cfgs, timeout_s=300)[0]):
+        assert result["passed"] and result["first_step_grad_rel_diff"] < 1e-5, (seed, cfg.parallel, result)
+
+
+def test_qwen3_two_rank_layouts():
+    """TP+SP (q/k norm grads partial per rank), every PP schedule, CP ring and Ulysses."""
+    seed = fresh_seed()
+    cfgs = [_cfg(seed, QWEN3, tp=2, sequence_parallel=True), _cfg(seed, QWEN3, tp=2),
+            _cfg(seed, QWEN3, global_batch=8, pp=2, schedule="1f1b"),
+            _cfg(seed, QWEN3, global_batch=8, pp=2, schedule="interleaved", vp=2),
+            _cfg(seed, QWEN3, global_batch=8, pp=2, schedule="zb"),
+            _cfg(seed, QWEN3, global_batch=8, pp=2, schedule="dualpipev"),
+            _cfg(seed, QWEN3, cp=2), _cfg(seed, QWEN3, cp=2, cp_impl="ulysses"),
+            _cfg(seed, QWEN3_MOE, dp=2, ep=2), _cfg(seed, QWEN3_MOE, global_batch=8, dp=2, ep=2),
+            _cfg(seed, QWEN3_MOE, cp=2, ep=2), _cfg(seed, QWEN3_MOE, tp=2, sequence_parallel=True),
+            _cfg(seed, QWEN3_MOE_LAYER, global_batch=8, pp=2, schedule="1f1b")]
+    _check(cfgs, 2, seed)
+
+
+def test_qwen3_four_rank_compositions():
+    """tp=4 (2 K/V heads: each k_norm sees a head shared by two ranks), dp×tp×SP with ZeRO-3, pp×tp."""
+    seed = fresh_seed()
+    cfgs = [_cfg(seed, QWEN3, tp=4), _cfg(seed, QWEN3, global_batch=8, dp=2, tp=2, sequence_parallel=True, zero=3),
+            _cfg(seed, QWEN3, global_batch=8, pp=2, tp=2, sequence_parallel=True),
+            _cfg(seed, QWEN3_MOE, global_batch=8, dp=2, ep=2, tp=2, sequence_parallel=True),
+            _cfg(seed, QWEN3_MOE, global_batch=8, dp=4, ep=4, zero=3),
+            _cfg(seed, QWEN3_MOE_LAYER, global_batch=8, dp=2, ep=2, pp=2, schedule="zb")]
+    _check(cfgs, 4, seed)
+
+
+def test_pooled_aux_loss_refuses_pipeline():
+    cfg = _cfg(0, QWEN3_MOE, global_batch=8, pp=2)
+    with pytest.raises(ConfigError, match="--pp 2 with model 'qwen3-moe-tiny'.s aux loss pooled over all layers"):
+        cfg.resolve_world(2)
+
+
+def test_head_dim_is_derived_unless_given():
+    assert get_model_config("tiny").head_dim == 12 and get_model_config("tiny", dim=128).head_dim == 16
+    assert get_model_config("qwen3-8b", n_heads=16).head_dim == 128  # explicit: kept
+    assert dataclasses.replace(QWEN3, head_dim=0).head_dim == 16
+    with pytest.raises(ConfigError, match="dim=65 is not divisible by n_heads=4"):
+        get_model_config("tiny", dim=65, n_heads=4, n_kv_heads=2)
+    get_model_config("qwen3-0.6b").validate()
+
+
+@pytest.mark.parametrize("name,total,active", [("qwen3-0.6b", 0.596, 0.596), ("qwen3-8b", 8.19, 8.19),
+                                               ("qwen3-32b", 32.76, 32.76), ("qwen3-30b-a3b", 30.53, 3.35),
+                                               ("qwen3-235b-a22b", 235.09, 22.19), ("mixtral-8x7b", 46.70, 12.88)])
+def test_preset_sizes(name, total, active):
+    """Parameter counts, total and per token, are the published sizes (Qwen3: 0.6B, 8.2B, 32.8B, 30.5B / 3.3B
+    active, 235B / 22B; Mixtral-8x7B: 46.7B / 12.9B)."""
+    cfg = get_model_config(name)
+    assert abs(cfg.num_params() / 1e9 - total) < 0.01 and abs(cfg.num_active_params() / 1e9 - active) < 0.01
