@@ -75,7 +75,9 @@ def test_cli_json_last_line(trained, capsys):
     assert main(["generate", str(trained / "run" / "checkpoints"), "--prompt", PROMPT, "--max-new-tokens", "5",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(out["tokens"]) == 5 and out["stopped"] == "max_new_tokens" and isinstance(out["text"], str)
+    assert isinstance(out["text"], str) and out["source"].endswith("step-2")
+    assert (out["stopped"], len(out["tokens"])) == ("max_new_tokens", 5) or \
+        (out["stopped"], out["tokens"][-1]) == ("eos", 256), out
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -96,3 +98,33 @@ def test_neither_checkpoint_nor_hf_exits_2(tmp_path, capsys):
         assert main(["generate", str(source), "--prompt", "x"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and "shardwise generate: error: " in lines[0], lines
+
+
+def test_checkpoint_on_prepared_data_uses_its_tokenizer_and_eos(tmp_path):
+    """A run on data prepared with a tokenizer.json: generate encodes and decodes with that tokenizer and stops
+    at the data's end-of-document id (the record the checkpoint carries)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from shardwise.data.prepare import prepare_data
+    from shardwise.train import train_main
+
+    tok = Tokenizer(WordLevel({"<unk>": 0, "<|endoftext|>": 1, **{f"w{i}": i + 2 for i in range(40)}},
+                              unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": " ".join(f"w{(d + i) % 40}" for i in range(60))})
+                                                 + "\n" for d in range(40)))
+    prepare_data([str(tmp_path / "docs.jsonl")], str(tmp_path / "tokenizer.json"), str(tmp_path / "data"),
+                 progress=False)
+    cfg = assemble(TrainConfig(data=str(tmp_path / "data"), steps=2, seq_len=32, micro_batch=2, save_every=2,
+                               out=str(tmp_path / "run"), progress=False, report=False, seed=fresh_seed()))
+    train_main(cfg)
+    out = generate(str(tmp_path / "run"), "w3 w4 w5", max_new_tokens=200, temperature=0.0)
+    assert out["prompt_tokens"] == [5, 6, 7]
+    assert out["text"] == tok.decode(out["tokens"][:-1] if out["stopped"] == "eos" else out["tokens"])
+    assert out["stopped"] in ("eos", "max_new_tokens") and 1 not in out["tokens"][:-1]
+    if out["stopped"] == "eos":
+        assert out["tokens"][-1] == 1
