@@ -25,10 +25,17 @@ import sys
 from .config import ConfigError
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except for flags that are off or derived (None/False): their help says so."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate text from a checkpoint or a Hugging Face directory",
                               description=__doc__.splitlines()[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=_Help)
     p.add_argument("source", metavar="SOURCE", help="run directory, checkpoint root, step-N directory or HF directory")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
