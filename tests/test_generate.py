@@ -128,3 +128,13 @@ def test_checkpoint_on_prepared_data_uses_its_tokenizer_and_eos(tmp_path):
     assert out["stopped"] in ("eos", "max_new_tokens") and 1 not in out["tokens"][:-1]
     if out["stopped"] == "eos":
         assert out["tokens"][-1] == 1
+
+
+def test_help_shows_zero_defaults(capsys):
+    """Defaults that are 0 are shown too (0 == False must not hide them): generate's --seed, train's --zero."""
+    from shardwise.cli import build_parser
+
+    for cmd, flag in (("generate", "--seed SEED sampling seed (default: 0)"), ("train", "(+ parameters) (default: 0)")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([cmd, "--help"])
+        assert flag in " ".join(capsys.readouterr().out.split())
