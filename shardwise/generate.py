@@ -44,6 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--tokenizer", default=None, help="byte, a tokenizer.json or a directory holding one "
                    "(default: the checkpoint's data / the HF directory's)")
+    p.add_argument("--device", default="auto", help="auto (the GPU when CUDA is present), cpu or cuda")
     p.add_argument("--json", action="store_true", help='print {"text", "tokens", ...} as the last line')
     p.set_defaults(func=run)
     return p
@@ -264,11 +265,22 @@ def generate_ids(model, prompt: list[int], max_new_tokens: int, eos_id: int | No
             x = torch.tensor([[tok]], device=device)
 
 
+def pick_device(spec: str):
+    """--device auto|cpu|cuda → a torch.device (cuda:0 for auto when CUDA is present)."""
+    import torch
+
+    if spec not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {spec!r} is unknown; valid: auto, cpu, cuda")
+    if spec == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
+    return torch.device("cuda", 0) if spec != "cpu" and torch.cuda.is_available() else torch.device("cpu")
+
+
 def generate(source: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.7, top_p: float = 0.9,
-             seed: int = 0, tokenizer: str | None = None) -> dict:
+             seed: int = 0, tokenizer: str | None = None, device: str = "cpu") -> dict:
     """Load SOURCE, continue `prompt`; {"text", "tokens", "prompt_tokens", "stopped", "source"}."""
     check_sampling(max_new_tokens, temperature, top_p)
-    model, tok_spec, eos_id, kind, path = load_source(source)
+    model, tok_spec, eos_id, kind, path = load_source(source, pick_device(device))
     tok = _Tok(tokenizer or tok_spec, model.cfg.vocab_size, add_special=kind == "hf", eos_id=None if tokenizer else eos_id)
     ids = tok.encode(prompt)
     new, stopped = generate_ids(model, ids, max_new_tokens, tok.eos_id, temperature, top_p, seed)
@@ -279,7 +291,7 @@ def generate(source: str, prompt: str, max_new_tokens: int = 64, temperature: fl
 def run(args) -> int:
     try:
         out = generate(args.source, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                       args.tokenizer)
+                       args.tokenizer, args.device)
     except (ConfigError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"shardwise generate: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

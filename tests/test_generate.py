@@ -85,6 +85,7 @@ def test_cli_json_last_line(trained, capsys):
     (["--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
     (["--temperature", "-0.1"], "--temperature -0.1 must be >= 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0 must be a positive integer"),
+    (["--device", "tpu"], "--device 'tpu' is unknown; valid: auto, cpu, cuda"),
 ])
 def test_bad_sampling_flags_exit_2(flags, message, tmp_path, capsys):
     assert main(["generate", str(tmp_path), "--prompt", "x", *flags]) == 2
