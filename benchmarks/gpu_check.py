@@ -105,7 +105,8 @@ def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype:
     from shardwise.train import train_main
 
     cfg = TrainConfig(model=model, parallel=ParallelConfig(compile=compile_), steps=steps, seq_len=seq_len,
-                      micro_batch=micro_batch, dtype=dtype, out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False)
+                      micro_batch=micro_batch, dtype=dtype, out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False,
+                      report=False)
     cfg.resolve_world()
     planned = planner_memory(cfg)
     if device.type == "cuda":
@@ -201,10 +202,13 @@ def main(argv=None) -> int:
     if not args.dry_run and gpus == 0:
         print("gpu_check: no CUDA device; use --dry-run on CPU", file=sys.stderr)
         return 2
+    if args.dry_run:
+        torch.set_num_threads(1)  # tiny shapes: a second thread only contends with the forked ranks
     t0 = time.perf_counter()
     res: dict = {"dry_run": args.dry_run, "gpus": gpus, "seconds": {}}
     # 1. every multi-rank run, before this process touches CUDA
-    res["verify"] = verify_layouts("gloo" if args.dry_run else "nccl" if gpus >= 2 else "gloo-cuda")
+    res["verify"] = verify_layouts("gloo" if args.dry_run else "nccl" if gpus >= 2 else "gloo-cuda",
+                                   32 if args.dry_run else 64)
     res["seconds"]["verify"] = round(time.perf_counter() - t0, 1)
     # 2. this process: CUDA from here on
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
