@@ -48,7 +48,7 @@ def test_no_cuda_call_before_the_ranks_start(monkeypatch, gpus, mode):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)  # NVML: allowed before forking
     monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: events.append("cuda init"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: events.append("cuda init") or "H200")
-    monkeypatch.setattr(gc, "verify_layouts", lambda m: events.append(f"verify {m}") or [])
+    monkeypatch.setattr(gc, "verify_layouts", lambda m, seq_len: events.append(f"verify {m}") or [])
 
     def parity(*a):
         raise _Stop
