@@ -91,7 +91,7 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
     import os
     import shutil
 
-    from .checkpoint.files import LATEST, MANIFEST, META, resume_order
+    from .checkpoint.files import LATEST, MANIFEST, META, checkpoint_problems, resume_order
     from .config.schedule import validate_optim
 
     root = checkpoint_root(cfg)
@@ -110,15 +110,17 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
                 continue
             if not os.path.isfile(os.path.join(path, MANIFEST)):
                 continue
+            if meta["step"] >= cfg.steps:
+                if checkpoint_problems(path):  # damaged: the ranks will fall back past it
+                    continue
+                return (f"{path} is already at step {meta['step']} (--steps {cfg.steps}): nothing to train; "
+                        "raise --steps to continue")
             stored = meta.get("extra_state", {}).get("lr_plan")
             if cfg.lr_decay_steps is None and stored:
                 cfg.lr_decay_steps = stored["lr_decay_steps"]
                 validate_optim(cfg)
-            if meta["step"] >= cfg.steps:
-                return (f"{path} is already at step {meta['step']} (--steps {cfg.steps}): nothing to train; "
-                        "raise --steps to continue")
             return None
-        return None
+        raise ConfigError(f"--resume: no intact checkpoint under {root} (every one is unreadable or damaged)")
     busy = [d for d in dict.fromkeys((cfg.out, root)) if os.path.isdir(d) and os.listdir(d)]
     if busy and not overwrite:
         raise ConfigError(f"--out {busy[0]} is not empty (an earlier run?); continue it with --resume or "
