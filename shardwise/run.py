@@ -87,6 +87,7 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
     `--overwrite` removes the old checkpoints, so they never mix with the new run's. On resume the schedule's
     length defaults to the one stored in the checkpoint. Returns a line to print (and exit 0) when the
     checkpoint is already at --steps: nothing is touched."""
+    import contextlib
     import json
     import os
     import shutil
@@ -128,6 +129,10 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
     if overwrite and os.path.isdir(root):
         for name in os.listdir(root):
             if name == LATEST or name.startswith(("step-", "tmp-step-")):
-                full = os.path.join(root, name)
-                shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
+                full = os.path.join(root, name)  # under torchrun every process does this: tolerate the others
+                if os.path.isdir(full):
+                    shutil.rmtree(full, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(full)
     return None
