@@ -20,7 +20,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     say so in their own help instead."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
             return action.help
         return super()._get_help_string(action)
 
@@ -405,6 +405,8 @@ def _print_summary(s: dict) -> None:
         print(f"pipeline {pl['schedule']}: bubble analytic {ana}, simulated {pl['simulated_bubble']:.3f}, "
               f"measured {pl['measured_bubble']:.3f}; peak in-flight microbatches per stage "
               f"{pl['peak_inflight_per_stage']} (timeline.json)")
+    if "eval_loss" in s:
+        print(f"eval loss (held out): {s['eval_loss']:.4f}")
     print(f"run directory: {s['out']} (metrics.jsonl, comm.json, summary.json)")
     if "report" in s:
         print(s["report"])

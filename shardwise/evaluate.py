@@ -10,6 +10,8 @@ out of the comm ledger, so a step's communication stays the training step's.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -17,6 +19,7 @@ from . import comm, host
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, Loader, open_data
 from .data.loader import blend_assign
+from .data.shards import PreparedData, data_sources
 from .data.tokenizer import ByteTokenizer
 
 
@@ -44,11 +47,14 @@ def check_eval_data(cfg: TrainConfig) -> None:
     if cfg.eval_data is None:
         return
     sources, _ = open_data(cfg.eval_data, verify=True)
-    train, _ = open_data(cfg.data)
-    if _tokenizer_sha(sources) != _tokenizer_sha(train):
+    if cfg.data is None or os.path.isfile(cfg.data):  # bytes: no need to read the corpus
+        train_sha = ByteTokenizer.sha256
+    else:
+        train_sha = _tokenizer_sha([PreparedData(data_sources(cfg.data)[0][0])])
+    if _tokenizer_sha(sources) != train_sha:
         raise ConfigError(f"--eval-data {cfg.eval_data!r} was encoded with another tokenizer (sha256 "
                           f"{_tokenizer_sha(sources)[:12]}…) than --data {cfg.data or '(embedded corpus, bytes)'!r} "
-                          f"({_tokenizer_sha(train)[:12]}…); prepare it with the same --tokenizer")
+                          f"({train_sha[:12]}…); prepare it with the same --tokenizer")
     gb = cfg.global_batch or cfg.micro_batch * cfg.parallel.dp
     loader = EvalLoader((sources, [1.0] * len(sources)), cfg.seq_len, gb, cfg.seed)
     windows = sum(loader.n_windows_per_source)

@@ -7,9 +7,9 @@ model, and decoding runs its own modules (norms, projections, experts, head) wit
 prompt in one forward, then one token per step attending to the cached keys and values. Decoding stops
 at the end-of-document id or after --max-new-tokens (or at the model's max_seq_len).
 
-Tokenizer: `--tokenizer`, else for a checkpoint the run's data (config.json beside checkpoints/: a prepared
-directory's manifest names it; text files and the embedded corpus are bytes) or its --init-from-hf
-folder; for an HF directory its tokenizer.json. A byte-sized vocabulary (257) without any of these is
+Tokenizer: `--tokenizer`, else for a checkpoint the one its run recorded (the data's tokenizer and
+end-of-document id, as hf-export writes them; older checkpoints: the run's config.json beside
+checkpoints/), for an HF directory its tokenizer.json. A byte-sized vocabulary (257) without any of these is
 shardwise's byte tokenizer. `--temperature 0` is greedy (argmax): token for token what transformers'
 greedy `generate` gives on the hf-export of the same checkpoint. `--json` prints
 `{"text", "tokens", ...}` as the last line (text and tokens: the continuation; tokens include the EOS).
@@ -25,10 +25,17 @@ import sys
 from .config import ConfigError
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except for flags that are off or derived (None/False): their help says so."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate text from a checkpoint or a Hugging Face directory",
                               description=__doc__.splitlines()[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=_Help)
     p.add_argument("source", metavar="SOURCE", help="run directory, checkpoint root, step-N directory or HF directory")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
@@ -77,30 +84,9 @@ def _checkpoint_root(path: str) -> str | None:
     return None
 
 
-def _run_config(step_dir: str) -> dict:
-    """The run's config.json (RUN/checkpoints/step-N → RUN/config.json), or {} when it is elsewhere."""
-    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
-    path = os.path.join(run_dir, "config.json")
-    return _read_json(path) if os.path.isfile(path) else {}
-
-
-def _tokenizer_of_run(run: dict) -> str | None:
-    """The tokenizer spec of a run's config: its prepared data's, its --init-from-hf folder's, or bytes."""
-    if not run:
-        return None
-    train = run.get("train", {})
-    if train.get("init_from_hf"):
-        return train["init_from_hf"]
-    data = train.get("data")
-    if data is None or os.path.isfile(data):
-        return "byte"
-    from .data.shards import PreparedData, data_sources
-
-    return PreparedData(data_sources(data)[0][0]).manifest.get("tokenizer", "byte")
-
-
 def load_source(source: str, device=None):
-    """(single-device model in eval mode, tokenizer spec or None, 'checkpoint'|'hf', resolved path)."""
+    """(single-device model in eval mode, tokenizer spec or None, end-of-document id or None (the tokenizer's),
+    'checkpoint'|'hf', resolved path). A checkpoint's tokenizer is the one its run recorded (hf-export's record)."""
     import torch
 
     from .mesh import Mesh
@@ -113,24 +99,27 @@ def load_source(source: str, device=None):
     if root is not None:
         from . import checkpoint as ck
         from .config import ModelConfig
+        from .hf_export import record_from_run_dir
 
         path, skipped = ck.newest_intact(root)
         if path is None:
             why = "; ".join(f"{p}: {r}" for p, r in skipped) or "no step-N directories"
             raise ConfigError(f"{source!r}: no intact checkpoint ({why})")
-        saved = _read_json(os.path.join(path, ck.META))["model"]
+        meta = _read_json(os.path.join(path, ck.META))
+        saved = meta["model"]
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in known})
         model = build_model(cfg, Mesh.single(device), seed=0)
         _load_global(model, ck.load_global_tensors(path))
-        return model.eval(), _tokenizer_of_run(_run_config(path)), "checkpoint", path
+        record = meta.get("extra_state", {}).get("tokenizer") or record_from_run_dir(os.path.dirname(path)) or {}
+        return model.eval(), record.get("source"), record.get("eos_id"), "checkpoint", path
     if _is_hf_dir(source):
         from .hf import config_from_hf, load_hf_into
 
         model = build_model(config_from_hf(source), Mesh.single(device), seed=0)
         load_hf_into(model, source)
         has_tok = os.path.isfile(os.path.join(source, "tokenizer.json"))
-        return model.eval(), source if has_tok else None, "hf", source
+        return model.eval(), source if has_tok else None, None, "hf", source
     raise ConfigError(f"{source!r} is neither a shardwise checkpoint (run directory, checkpoint root, step-N) nor a "
                       "Hugging Face model directory (config.json + *.safetensors)")
 
@@ -157,7 +146,7 @@ def _load_global(model, state: dict) -> None:
 class _Tok:
     """encode / decode / eos of the byte tokenizer or a tokenizer.json."""
 
-    def __init__(self, spec: str | None, vocab_size: int, add_special: bool):
+    def __init__(self, spec: str | None, vocab_size: int, add_special: bool, eos_id: int | None = None):
         from .data.tokenizer import VOCAB_SIZE, load_tokenizer
 
         if spec is None:
@@ -169,7 +158,8 @@ class _Tok:
             self.tok = load_tokenizer(spec)
         except ConfigError:
             self.tok = load_tokenizer(spec, no_eos=True)  # a tokenizer without an eos: stop at max_new_tokens
-        self.byte, self.add_special, self.eos_id = self.tok.kind == "byte", add_special, self.tok.eos_id
+        self.byte, self.add_special = self.tok.kind == "byte", add_special
+        self.eos_id = self.tok.eos_id if eos_id is None else eos_id  # the data's end of document, when recorded
 
     def encode(self, text: str) -> list[int]:
         if self.byte:
@@ -243,8 +233,9 @@ def _pick(logits, temperature: float, top_p: float, gen) -> int:
 
 
 def generate_ids(model, prompt: list[int], max_new_tokens: int, eos_id: int | None, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0) -> tuple[list[int], str]:
-    """New token ids (ending with the EOS when it came) and why decoding stopped: eos, max_new_tokens, max_seq_len."""
+                 top_p: float = 1.0, seed: int = 0, scores: list | None = None) -> tuple[list[int], str]:
+    """New token ids (ending with the EOS when it came) and why decoding stopped: eos, max_new_tokens, max_seq_len.
+    `scores`, when given, receives each step's logits [vocab] (tests compare them with transformers')."""
     import torch
 
     if not prompt:
@@ -260,6 +251,8 @@ def generate_ids(model, prompt: list[int], max_new_tokens: int, eos_id: int | No
     with torch.no_grad():
         while True:
             logits = forward_cached(model, x, caches)[0, -1].cpu()
+            if scores is not None:
+                scores.append(logits)
             tok = _pick(logits, temperature, top_p, gen)
             out.append(tok)
             if tok == eos_id:
@@ -275,8 +268,8 @@ def generate(source: str, prompt: str, max_new_tokens: int = 64, temperature: fl
              seed: int = 0, tokenizer: str | None = None) -> dict:
     """Load SOURCE, continue `prompt`; {"text", "tokens", "prompt_tokens", "stopped", "source"}."""
     check_sampling(max_new_tokens, temperature, top_p)
-    model, tok_spec, kind, path = load_source(source)
-    tok = _Tok(tokenizer or tok_spec, model.cfg.vocab_size, add_special=kind == "hf")
+    model, tok_spec, eos_id, kind, path = load_source(source)
+    tok = _Tok(tokenizer or tok_spec, model.cfg.vocab_size, add_special=kind == "hf", eos_id=None if tokenizer else eos_id)
     ids = tok.encode(prompt)
     new, stopped = generate_ids(model, ids, max_new_tokens, tok.eos_id, temperature, top_p, seed)
     text = tok.decode(new[:-1] if stopped == "eos" else new)

@@ -165,6 +165,21 @@ class Observer:
             out["mfu"] = f"{rec['mfu']:.1%}"
         return out
 
+    def write_ready(self, metrics, bar, unwritten: list) -> list:
+        """Rank 0: write, in order, the (record, comm axes, eval) entries whose step time is known — with their
+        throughput, to metrics.jsonl, the external logger and the progress bar; returns those still waiting."""
+        while unwritten and unwritten[0][0]["step_time_s"] is not None:
+            rec, axes, ev = unwritten.pop(0)
+            self.add_throughput(rec)
+            metrics.write(rec, axes)
+            metrics.write_eval(ev)
+            self.log(rec, ev)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}",
+                                **self.postfix(rec))
+        return unwritten
+
     def log(self, rec: dict, ev: dict | None) -> None:
         if self.logger is not None:
             self.logger.log(_scalars(rec, ev), rec["step"])

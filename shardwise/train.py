@@ -323,22 +323,6 @@ class StepTimer:
         self.pending = []
 
 
-def _write_timed(metrics, bar, observer, unwritten: list) -> list:
-    """Write, in order, the records whose step time is known (with their throughput and eval loss); returns
-    those still waiting for it."""
-    while unwritten and unwritten[0][0]["step_time_s"] is not None:
-        rec, axes, ev = unwritten.pop(0)
-        observer.add_throughput(rec)
-        metrics.write(rec, axes)
-        metrics.write_eval(ev)
-        observer.log(rec, ev)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}",
-                            **observer.postfix(rec))
-    return unwritten
-
-
 def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     p = cfg.parallel
     if not dist.is_initialized():
@@ -462,10 +446,10 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                                 keep=cfg.keep, async_save=cfg.async_save)
             if rank0:
                 unwritten.append((rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None, ev))
-                unwritten = _write_timed(metrics, bar, observer, unwritten)
+                unwritten = observer.write_ready(metrics, bar, unwritten)
         trainer.timer.flush()  # the last step's time (device events are read a step late)
         if rank0:
-            _write_timed(metrics, bar, observer, unwritten)
+            observer.write_ready(metrics, bar, unwritten)
     finally:
         hook.remove()
         observer.close()

@@ -70,8 +70,9 @@ def _tensorboard_equals_metrics_and_ledger(run):
             got[(v.tag, event.step)] = v.simple_value if v.HasField("simple_value") else float(v.tensor.float_val[0])
     want = {}
     for row in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()):
-        for key in ("loss", "lr", "grad_norm", "step_time_s"):
-            want[(f"train/{key}", row["step"])] = row[key]
+        for key in ("loss", "lr", "grad_norm", "step_time_s", "tflops_per_rank", "mfu"):
+            if row.get(key) is not None:  # mfu: null where the device's peak is unknown (CPU)
+                want[(f"train/{key}", row["step"])] = row[key]
         want[("train/tokens_per_s", row["step"])] = row["tokens"] / row["step_time_s"]
     for entry in json.loads((run / "comm.json").read_text())["per_step"]:
         for axis, ops in entry["axes"].items():

@@ -7,7 +7,7 @@ import torch
 
 from shardwise.cli import main
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.generate import forward_cached, generate
+from shardwise.generate import forward_cached, generate, generate_ids, load_source
 from shardwise.mesh import Mesh
 from shardwise.parallelize import build_model
 from shardwise.run import assemble
@@ -51,8 +51,13 @@ def test_greedy_equals_transformers_generate(trained):
     ids = torch.tensor([ours["prompt_tokens"]])
     with torch.no_grad():
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                          eos_token_id=256, pad_token_id=256)
-    assert ours["tokens"] == ref[0, ids.shape[1]:].tolist()
+                          eos_token_id=256, pad_token_id=256, output_logits=True, return_dict_in_generate=True)
+    assert ours["tokens"] == ref.sequences[0, ids.shape[1]:].tolist()
+    # every step's logits, not only their argmax: the cache's positions and contents are exact
+    model, *_ = load_source(str(trained / "run"))
+    scores = []
+    generate_ids(model, ours["prompt_tokens"], 24, 256, scores=scores)
+    torch.testing.assert_close(torch.stack(scores), torch.cat(ref.logits).float(), rtol=1e-4, atol=1e-4)
     # the exported directory as SOURCE (byte vocabulary, no tokenizer.json: bytes) decodes the same
     assert generate(str(trained / "hf"), PROMPT, max_new_tokens=24, temperature=0.0)["tokens"] == ours["tokens"]
 
@@ -70,7 +75,9 @@ def test_cli_json_last_line(trained, capsys):
     assert main(["generate", str(trained / "run" / "checkpoints"), "--prompt", PROMPT, "--max-new-tokens", "5",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(out["tokens"]) == 5 and out["stopped"] == "max_new_tokens" and isinstance(out["text"], str)
+    assert isinstance(out["text"], str) and out["source"].endswith("step-2")
+    assert (out["stopped"], len(out["tokens"])) == ("max_new_tokens", 5) or \
+        (out["stopped"], out["tokens"][-1]) == ("eos", 256), out
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -91,3 +98,43 @@ def test_neither_checkpoint_nor_hf_exits_2(tmp_path, capsys):
         assert main(["generate", str(source), "--prompt", "x"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and "shardwise generate: error: " in lines[0], lines
+
+
+def test_checkpoint_on_prepared_data_uses_its_tokenizer_and_eos(tmp_path):
+    """A run on data prepared with a tokenizer.json: generate encodes and decodes with that tokenizer and stops
+    at the data's end-of-document id (the record the checkpoint carries)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from shardwise.data.prepare import prepare_data
+    from shardwise.train import train_main
+
+    tok = Tokenizer(WordLevel({"<unk>": 0, "<|endoftext|>": 1, **{f"w{i}": i + 2 for i in range(40)}},
+                              unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": " ".join(f"w{(d + i) % 40}" for i in range(60))})
+                                                 + "\n" for d in range(40)))
+    prepare_data([str(tmp_path / "docs.jsonl")], str(tmp_path / "tokenizer.json"), str(tmp_path / "data"),
+                 progress=False)
+    cfg = assemble(TrainConfig(data=str(tmp_path / "data"), steps=2, seq_len=32, micro_batch=2, save_every=2,
+                               out=str(tmp_path / "run"), progress=False, report=False, seed=fresh_seed()))
+    train_main(cfg)
+    out = generate(str(tmp_path / "run"), "w3 w4 w5", max_new_tokens=200, temperature=0.0)
+    assert out["prompt_tokens"] == [5, 6, 7]
+    assert out["text"] == tok.decode(out["tokens"][:-1] if out["stopped"] == "eos" else out["tokens"])
+    assert out["stopped"] in ("eos", "max_new_tokens") and 1 not in out["tokens"][:-1]
+    if out["stopped"] == "eos":
+        assert out["tokens"][-1] == 1
+
+
+def test_help_shows_zero_defaults(capsys):
+    """Defaults that are 0 are shown too (0 == False must not hide them): generate's --seed, train's --zero."""
+    from shardwise.cli import build_parser
+
+    for cmd, flag in (("generate", "--seed SEED sampling seed (default: 0)"), ("train", "(+ parameters) (default: 0)")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([cmd, "--help"])
+        assert flag in " ".join(capsys.readouterr().out.split())
