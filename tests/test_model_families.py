@@ -81,3 +81,31 @@ def test_preset_sizes(name, total, active):
     active, 235B / 22B; Mixtral-8x7B: 46.7B / 12.9B)."""
     cfg = get_model_config(name)
     assert abs(cfg.num_params() / 1e9 - total) < 0.01 and abs(cfg.num_active_params() / 1e9 - active) < 0.01
+
+
+@pytest.mark.parametrize("name,total,active", [("qwen3-8b", 8.2, 8.2), ("qwen3-30b-a3b", 30.5, 3.3),
+                                               ("qwen3-235b-a22b", 235, 22), ("deepseek-v3", 671, 37)])
+def test_planner_published_sizes(name, total, active):
+    """The planner's exact counts are the published sizes to within the figure's last digit (model cards round
+    or cut: Qwen3-8B's 8.19B is "8.2B", Qwen3-30B-A3B's 3.353B active "3.3B", DeepSeek-V3's 37.55B "37B"); the
+    trainer's presets count the same."""
+    from shardwise.planner.models import PRESETS, active_params, total_params
+
+    spec = PRESETS[name]
+    unit = 0.1 if total < 100 else 1.0  # the published figure's last digit
+    counts = [total_params(spec) / 1e9, active_params(spec) / 1e9]
+    assert abs(counts[0] - total) < unit and abs(counts[1] - active) < unit, counts
+    if not spec.untrainable:
+        cfg = get_model_config(name)
+        assert (cfg.num_params(), cfg.num_active_params()) == (total_params(spec), active_params(spec))
+
+
+def test_explain_json_reports_active_parameters(capsys):
+    import json
+
+    from shardwise.cli import main
+
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--explain", "dp=1,pp=2,cp=8,ep=8",
+                 "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert (est["params_total"], est["params_active"]) == (30532122624, 3353032704)

@@ -6,8 +6,8 @@ architecture variants only the planner models — GPT-2's GELU MLP, LayerNorm, l
 positions, DeepSeek-V3's Multi-head Latent Attention and first-k-dense layers, an explicit head_dim —
 so a plan for a trainer preset or a trainer-readable Hugging Face config is a plan of exactly the model
 `shardwise train` builds. DeepSeek-V3 is the one planner-only preset; `untrainable` says why train
-cannot build a spec. Hugging Face `config.json` files of the llama, mistral, mixtral and qwen2 families
-are read by the trainer's reader (`shardwise.hf_config.config_from_hf`); shapes it refuses, and gpt2,
+cannot build a spec. Hugging Face `config.json` files of the llama, mistral, mixtral, qwen2, qwen3 and qwen3_moe
+families are read by the trainer's reader (`shardwise.hf_config.config_from_hf`); shapes it refuses, and gpt2,
 fall back to a lenient planner-only reading.
 
 Counting follows shardwise's TP plan: the vocabulary is padded to a
@@ -201,6 +201,8 @@ def attention_tensors(spec: ModelSpec, tp: int) -> list[Tensor]:
     out.append(Tensor(q * h))
     if spec.linear_bias:
         out.append(Tensor(h, matrix=False, sp_replicated=True))
+    if spec.qk_norm:  # Qwen3's per-head q/k norms (after wo, as in shardwise's module): partial grads under any tp
+        out += [Tensor(spec.head_dim, matrix=False, sp_replicated=True)] * 2
     return out
 
 
@@ -253,6 +255,13 @@ def total_params(spec: ModelSpec) -> int:
     return Params.of(embedding_tensors(spec) + head_tensors(spec)).total + layers
 
 
+@lru_cache(maxsize=256)
+def active_params(spec: ModelSpec) -> int:
+    """Parameters one token uses: `total_params` less the routed experts it is not sent to (E − k per MoE layer)."""
+    idle = spec.n_moe_layers * spec.mlp_mats * spec.dim * spec.expert_ffn_dim * (spec.moe_experts - spec.moe_topk)
+    return total_params(spec) - idle
+
+
 PRESETS: dict[str, ModelSpec] = {name: ModelSpec.of(cfg) for name, cfg in MODEL_PRESETS.items()}
 # deepseek-ai/DeepSeek-V3 config.json: 671B parameters, 37B active; MLA as described above. Planner-only.
 PRESETS["deepseek-v3"] = ModelSpec(
@@ -269,9 +278,9 @@ def get_model(name: str) -> ModelSpec:
     return PRESETS[name]
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gpt2")
 # Hugging Face's defaults for max_position_embeddings where a config.json leaves it out.
-_HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768}
+_HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768, "qwen3": 32768}
 
 
 def load_hf_config(path: str | Path) -> ModelSpec:
@@ -297,6 +306,8 @@ def load_hf_config(path: str | Path) -> ModelSpec:
         try:
             return ModelSpec.of(config_from_hf(str(path)))
         except ConfigError as e:
+            if mt == "qwen3_moe":  # no lenient reading of its expert layout
+                raise PlanError(f"--model-config {path}: {e}") from None
             refusal = f"shardwise train refuses it: {e}"
 
     def need(key: str) -> int:
@@ -320,7 +331,7 @@ def load_hf_config(path: str | Path) -> ModelSpec:
         )
     h, heads = need("hidden_size"), need("num_attention_heads")
     kv = raw.get("num_key_value_heads") or heads
-    head_dim = raw.get("head_dim") or h // heads
+    head_dim = raw.get("head_dim") or (128 if mt == "qwen3" else h // heads)
     if not raw.get("head_dim") and h % heads:
         raise PlanError(f"--model-config {path}: hidden_size={h} is not divisible by num_attention_heads={heads}")
     if heads % kv:
@@ -330,7 +341,7 @@ def load_hf_config(path: str | Path) -> ModelSpec:
         n_kv_heads=kv, head_dim=head_dim, ffn_dim=need("intermediate_size"),
         max_seq_len=raw.get("max_position_embeddings", _HF_MAX_POS[mt]),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=(mt == "qwen2"),
-        attn_dropout=float(raw.get("attention_dropout", 0.0)), untrainable=refusal,
+        attn_dropout=float(raw.get("attention_dropout", 0.0)), qk_norm=(mt == "qwen3"), untrainable=refusal,
     )
     if mt == "mixtral":
         spec = replace(spec, moe_experts=need("num_local_experts"), moe_topk=need("num_experts_per_tok"),
