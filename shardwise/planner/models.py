@@ -51,10 +51,6 @@ class ModelSpec(ModelConfig):
     learned_pos: bool = False
     n_dense_layers: int = 0
     """Leading layers with a dense MLP in an MoE model (DeepSeek-V3: 3)."""
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_rope_dim: int = 0
-    v_head_dim: int = 0
     untrainable: str = ""
     """Why `shardwise train` cannot build this model; '' = it can (the spec is a trainer ModelConfig)."""
 
@@ -77,10 +73,6 @@ class ModelSpec(ModelConfig):
     @property
     def is_moe(self) -> bool:
         return self.moe_experts > 0
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
 
     @property
     def k_dim(self) -> int:
