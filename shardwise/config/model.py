@@ -240,6 +240,21 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         ffn_dim=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, moe_experts=128, moe_topk=8,
         moe_ffn_dim=1536, moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
     ),
+    # deepseek-ai/DeepSeek-V3 and DeepSeek-V2-Lite config.json, without their YaRN context extension (shardwise
+    # refuses rope_scaling yarn), so at their original 4096-token context: MLA, first-k dense layers, shared
+    # experts. V3: sigmoid scores, 8 groups (top-4), renormalised top-8 × 2.5, loss-free bias step 0.001.
+    # V2-Lite: no query latent, softmax top-6 probabilities unnormalised.
+    "deepseek-v3": ModelConfig(
+        name="deepseek-v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=128,
+        ffn_dim=18432, max_seq_len=4096, norm_eps=1e-6, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64,
+        v_head_dim=128, moe_experts=256, moe_topk=8, moe_ffn_dim=2048, moe_shared_experts=1, moe_dense_layers=(0, 1, 2),
+        moe_score="sigmoid", moe_n_group=8, moe_topk_group=4, moe_routed_scaling=2.5, moe_bias_update_rate=0.001,
+    ),
+    "deepseek-v2-lite": ModelConfig(
+        name="deepseek-v2-lite", vocab_size=102400, dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, head_dim=128,
+        ffn_dim=10944, max_seq_len=4096, norm_eps=1e-6, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
+        moe_experts=64, moe_topk=6, moe_ffn_dim=1408, moe_shared_experts=2, moe_dense_layers=(0,),
+    ),
 }
 
 

@@ -1,14 +1,14 @@
 """Model shapes the planner understands, and how many parameters each rank holds of them.
 
 One preset table: `shardwise.config.MODEL_PRESETS`, the trainer's own. A `ModelSpec` *is* a trainer
-`ModelConfig` (a subclass: every field the trainer knows, under the same name and meaning) plus the
+`ModelConfig` (a subclass: every field the trainer knows, under the same name and meaning — Qwen3's q/k norms
+and explicit head_dim, DeepSeek's Multi-head Latent Attention, dense layers among MoE ones) plus the
 architecture variants only the planner models — GPT-2's GELU MLP, LayerNorm, linear biases and learned
-positions, DeepSeek-V3's Multi-head Latent Attention and first-k-dense layers, an explicit head_dim —
-so a plan for a trainer preset or a trainer-readable Hugging Face config is a plan of exactly the model
-`shardwise train` builds. DeepSeek-V3 is the one planner-only preset; `untrainable` says why train
-cannot build a spec. Hugging Face `config.json` files of the llama, mistral, mixtral, qwen2, qwen3 and qwen3_moe
-families are read by the trainer's reader (`shardwise.hf_config.config_from_hf`); shapes it refuses, and gpt2,
-fall back to a lenient planner-only reading.
+positions — so a plan for a trainer preset or a trainer-readable Hugging Face config is a plan of exactly the
+model `shardwise train` builds; `untrainable` says why train cannot build a spec. Hugging Face `config.json`
+files of the llama, mistral, mixtral, qwen2, qwen3, qwen3_moe and deepseek_v3 families are read by the trainer's
+reader (`shardwise.hf_config.config_from_hf`); shapes it refuses, and gpt2, fall back to a lenient planner-only
+reading.
 
 Counting follows shardwise's TP plan: the vocabulary is padded to a
 multiple of tp and sharded, wq/wk/wv/w1/w3 are split by output rows, wo/w2 by input columns, norms are
@@ -20,8 +20,8 @@ experts) is replicated over tp, not tensor-sharded; routers and shared experts a
 (shardwise's `moe_every`, Megatron's moe_layer_freq; DeepSeek-V3's first-k-dense).
 
 DeepSeek-V3's Multi-head Latent Attention is modelled by its real projection shapes (q_a, q_b, kv_a,
-kv_b, o), with the down-projections and their norms replicated over tp (as Megatron does) and the
-up-projections and o sharded by heads. For activations, FLOPs and context-parallel traffic it is treated
+kv_b, o), with the down-projections and their norms replicated over tp (as shardwise's plan and Megatron do) and
+the up-projections and o sharded by heads. For activations, FLOPs and context-parallel traffic it is treated
 as multi-head attention with n_heads K/V heads of qk_nope+qk_rope (K) and v_head_dim (V) — the
 decompressed tensors training materialises. Its multi-token-prediction module is not counted.
 """
@@ -255,13 +255,6 @@ def active_params(spec: ModelSpec) -> int:
 
 
 PRESETS: dict[str, ModelSpec] = {name: ModelSpec.of(cfg) for name, cfg in MODEL_PRESETS.items()}
-# deepseek-ai/DeepSeek-V3 config.json: 671B parameters, 37B active; MLA as described above. Planner-only.
-PRESETS["deepseek-v3"] = ModelSpec(
-    name="deepseek-v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=128,
-    ffn_dim=18432, max_seq_len=163840, moe_experts=256, moe_topk=8, moe_ffn_dim=2048, moe_shared_experts=1,
-    moe_score="sigmoid", n_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
-    untrainable="shardwise train has no Multi-head Latent Attention or first-k-dense layers",
-)
 
 
 def get_model(name: str) -> ModelSpec:
@@ -270,7 +263,7 @@ def get_model(name: str) -> ModelSpec:
     return PRESETS[name]
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gpt2")
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt2")
 # Hugging Face's defaults for max_position_embeddings where a config.json leaves it out.
 _HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768, "qwen3": 32768}
 
@@ -298,7 +291,7 @@ def load_hf_config(path: str | Path) -> ModelSpec:
         try:
             return ModelSpec.of(config_from_hf(str(path)))
         except ConfigError as e:
-            if mt == "qwen3_moe":  # no lenient reading of its expert layout
+            if mt in ("qwen3_moe", "deepseek_v3"):  # no lenient reading of their expert / attention layout
                 raise PlanError(f"--model-config {path}: {e}") from None
             refusal = f"shardwise train refuses it: {e}"
 
