@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=f"model preset: {', '.join(PRESETS)}")
     src.add_argument("--model-config", metavar="PATH",
-                     help="Hugging Face config.json (model_type llama, mistral, mixtral, qwen2 or gpt2)")
+                     help="Hugging Face config.json (model_type llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, deepseek_v3 or gpt2)")
     p.add_argument("--gpus", type=int, default=8, help="total GPUs (default 8)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the GPU preset's)")
     p.add_argument("--gpu", default="h100-80gb", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default h100-80gb)")

@@ -23,7 +23,7 @@ from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
 from shardwise.planner.memory import ACTIVATION_MODELS, stage_activation_bytes, stage_params, static_bytes, zero_buckets
-from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab, total_params
+from shardwise.planner.models import ModelSpec, active_params, local_kv_heads, padded_vocab, total_params
 from shardwise.planner.schedule import bubble_fraction
 
 AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp")
@@ -182,6 +182,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         "layout": lay.as_dict(),
         "layout_str": ",".join(f"{k}={str(v).lower()}" for k, v in lay.as_dict().items()),
         "params_total": total_params(spec),
+        "params_active": active_params(spec),
         "params_per_rank": max(p["params"].total for p in per_stage),
         "static_bytes_per_rank": max(p["static"]["total"] for p in per_stage),
         "static_breakdown_per_rank": max((p["static"] for p in per_stage), key=lambda d: d["total"]),

@@ -275,6 +275,8 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     mask = e * n * h if spec.dropout > 0 else 0  # under SP each rank keeps its slice of the full mask
     lse = 4 * n * hq if recompute == "none" else 0  # selective recompute of the attention core drops it
     attn = _norm_saved(n_r, h) + _region_input(n, h, 3, e, r) + mask
+    if spec.qk_norm:  # Qwen3's fp32 per-head norms of this rank's q and k heads, on every token of its sequence
+        attn += 8 * n * (hq + hkv) * dk + 4 * n * (hq + hkv)
     if spec.is_mla:  # compressed latents and their norms (replicated over tp, like the down-projections)
         attn += 2 * e * n * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_dim)
     if c > 1 and recompute == "selective":  # checkpoint keeps the core's inputs q, k, v; wo keeps its input
