@@ -417,13 +417,44 @@ def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Wo
     return max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
 
 
+def head_transient_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
+    """Beyond what the head saves, the worst moment of the LM head's loss on one rank (n tokens, V_l
+    local vocabulary columns, x = n·V_l): the logits (activation dtype e), and
+    * fused cross-entropy (tp = 1): forward an fp32 copy under bf16; backward the fp32 gradients of
+      nll_loss and of log-softmax (8·x);
+    * vocabulary-parallel (tp > 1): forward the fp32 copy under bf16, the shifted logits (4·x) and, on the
+      rank whose shard runs past the vocabulary, a masked clone (4·x); backward the fp32 gradient (4·x)
+      and its cast back to bf16.
+    Without a pipeline the training loop still holds the logits through backward; a pipeline stage
+    replaces them by the loss."""
+    n = lay.mb * wl.seq_len // lay.cp
+    x = n * (padded_vocab(spec, lay.tp) // lay.tp)
+    e = wl.act_bytes
+    cast = 4 * x if e != 4 else 0
+    logits = e * x
+    held = logits if lay.pp == 1 else 0
+    if lay.tp == 1:
+        return float(max(logits + cast, 8 * x + held))
+    clone = 4 * x if spec.vocab_size % lay.tp else 0
+    return float(max(logits + cast + 4 * x + clone, 4 * x + (e * x if e != 4 else 0) + held))
+
+
+def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static: float, activation: float) -> dict:
+    """The live peak of one rank of `stage`, by part: static state, the activations held at the worst moment
+    (`stage_activation_bytes`), and the transient buffers the trace of a real step shows beside them
+    (`shardwise simulate` measures the sum): the head's loss on the last stage."""
+    out = {"static": float(static), "activations": float(activation),
+           "head": head_transient_bytes(spec, lay, wl) if stage.head else 0.0}
+    out["total"] = sum(out.values())
+    return out
+
+
 def peak_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, mem: dict | None = None) -> float:
-    """Live peak of one rank of `stage` during a step: static state, the activations held at the worst
-    moment, and the transient buffers the trace shows beside them."""
+    """Live peak of one rank of `stage` during a step (`peak_terms`' total)."""
     if mem is None:
         local = stage_params(spec, stage, lay)
         static = static_bytes(local, lay, zero_buckets(spec, stage, lay) if lay.zero else None)["total"]
         act = stage_activation_bytes(spec, stage, lay, wl)
     else:
         static, act = mem["static"]["total"], mem["activation"]
-    return static + act
+    return peak_terms(spec, stage, lay, wl, static, act)["total"]
