@@ -401,9 +401,12 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
 def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
                            model: str = "shardwise") -> float:
     """Peak activation bytes on one rank of `stage`: its microbatch figure (head excluded) for every
-    microbatch in flight, the head's for one, and under full recompute one layer's full activations."""
+    microbatch in flight, the head's for one (GPipe: for every microbatch, since all forwards run before the
+    first backward), and under full recompute one layer's full activations."""
     mb = microbatch_activation_bytes(spec, stage, lay, wl, model)
-    held = (mb["total"] - mb["head"]) * in_flight(lay, stage.index) + mb["head"]
+    flight = in_flight(lay, stage.index)
+    heads = flight if lay.schedule == "gpipe" and lay.pp > 1 else 1
+    held = (mb["total"] - mb["head"]) * flight + mb["head"] * heads
     return held + recompute_transient_bytes(spec, stage, lay, wl, model)
 
 
@@ -439,12 +442,87 @@ def head_transient_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
     return float(max(logits + cast + 4 * x + clone, 4 * x + (e * x if e != 4 else 0) + held))
 
 
+def layer_backward_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """While a layer's MLP runs backward, beyond what it saved: the gradients of its inner tensors (three
+    [rows, ffn] in the activation dtype: the down-projection's input, silu's and the up-projection's
+    outputs) less the saved product autograd has already freed, i.e. two, and two [n, h] gradients of the
+    residual stream. Dense: n = mb·s/cp rows and ffn/tp; MoE: the n_r·k routed rows and the expert size."""
+    if not stage.n_layers:
+        return 0.0
+    e, r = wl.act_bytes, wl.resid_bytes
+    n = lay.mb * wl.seq_len // lay.cp
+    out = 0.0
+    if stage.n_dense:
+        out = 2 * e * n * (spec.ffn_dim // lay.tp)
+    if stage.n_moe:
+        n_r = n // lay.tp if lay.sp else n
+        out = max(out, 2 * e * n_r * spec.moe_topk * spec.expert_ffn_dim)
+    return out + 2 * r * n * spec.dim
+
+
+def pipeline_buffer_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
+    """A pipeline rank's p2p buffers beside its activations: the receive buffer of the next input and an
+    output whose send has not completed (each mb·s/cp tokens of the residual dtype; 1/tp under SP)."""
+    if lay.pp == 1:
+        return 0.0
+    n = lay.mb * wl.seq_len // lay.cp
+    return 2.0 * wl.resid_bytes * (n // lay.tp if lay.sp else n) * spec.dim
+
+
+def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """Under bf16 autocast with full recompute: autocast caches its low-precision copy of every weight it
+    casts until the autocast region ends, and each chunk's forward is one region — so at the end of a
+    chunk's forward the copies of all its linears are alive together, though checkpoint saves none.
+    (Without full recompute the same copies are saved for backward and counted as activations.)"""
+    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.n_layers:
+        return 0.0
+    chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
+    p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
+    head = padded_vocab(spec, lay.tp) // lay.tp * spec.dim if stage.head else 0
+    return float(wl.act_bytes * ((p.total - p.vectors) / chunks + head))
+
+
+def zero3_gathered_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
+    """ZeRO-3: the unit running and the one prefetched beside it are gathered in full (fp32), the largest
+    adjacent pair of the stage's units."""
+    if lay.zero < 3:
+        return 0.0
+    units = _stage_units(spec, stage, lay)
+    sizes = [(c, sum(x.numel for x, _ in ts)) for c, ts in units]
+    pairs = [a[1] + b[1] for a, b in zip(sizes, sizes[1:]) if a[0] == b[0]]
+    return 4.0 * max(pairs + [n for _, n in sizes] + [0])
+
+
+def inflight_bucket_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
+    """ZeRO 2/3: the full fp32 gradient buffers of the reduce-scatters still in flight — GradReducer lets two
+    run at once, and they outlive the backward that filled them (the largest two of the stage's buckets)."""
+    if lay.zero < 2:
+        return 0.0
+    sizes = sorted((b.padded for b in zero_buckets(spec, stage, lay) if not b.deferred), reverse=True)
+    return 4.0 * sum(sizes[:2])
+
+
 def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static: float, activation: float) -> dict:
     """The live peak of one rank of `stage`, by part: static state, the activations held at the worst moment
     (`stage_activation_bytes`), and the transient buffers the trace of a real step shows beside them
-    (`shardwise simulate` measures the sum): the head's loss on the last stage."""
+    (`shardwise simulate` measures the sum): the worst of the head's loss (last stage) and a layer's
+    backward (on the last stage the layers' backward starts once the head's saved tensors are freed), and
+    the pipeline's send and receive buffers."""
+    head = layer = 0.0
+    if lay.recompute != "full":  # under full recompute the rebuilt layer (in the activations) outweighs them
+        layer = layer_backward_transient_bytes(spec, stage, lay, wl)
+    if stage.head:
+        head = head_transient_bytes(spec, lay, wl)
+        layer -= head_activation_bytes(spec, lay, wl)
+    # `activation` includes the layer full recompute rebuilds during backward: the head's and autocast's
+    # moments come before it
+    rebuilt = recompute_transient_bytes(spec, stage, lay, wl)
+    cache = autocast_cache_bytes(spec, stage, lay, wl)
     out = {"static": float(static), "activations": float(activation),
-           "head": head_transient_bytes(spec, lay, wl) if stage.head else 0.0}
+           "transient": max(head - rebuilt, layer, cache - rebuilt, 0.0),
+           "zero3_gathered": zero3_gathered_bytes(spec, stage, lay),
+           "reduce_scatter_buckets": inflight_bucket_bytes(spec, stage, lay),
+           "pipeline_buffers": pipeline_buffer_bytes(spec, lay, wl)}
     out["total"] = sum(out.values())
     return out
 
