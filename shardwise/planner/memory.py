@@ -502,6 +502,55 @@ def inflight_bucket_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
     return 4.0 * sum(sizes[:2])
 
 
+def deferred_w_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """What a split-backward schedule's weight-gradient store keeps per microbatch through one rank's
+    layers between its B and its W: every linear's input (kept past B, when autograd would free it) and
+    its output gradient (activation dtype). Dense layers and the LM head; routed experts compute dW in B."""
+    e, r, t, h = wl.act_bytes, wl.resid_bytes, lay.tp, spec.dim
+    n = lay.mb * wl.seq_len // lay.cp
+    hq, hkv, dk, dv = spec.n_heads // t, local_kv_heads(spec, t), spec.k_dim, spec.v_dim
+    ffn = spec.ffn_dim // t
+    mats = 3 if spec.mlp == "swiglu" else 2
+    layer = (_region_input(n, h, 3, e, r) + e * n * hq * dv + _region_input(n, h, mats - 1, e, r) + e * n * ffn
+             + e * n * (hq * dk + hkv * (dk + dv)) + 2 * e * n * h + (mats - 1) * e * n * ffn)
+    head = _region_input(n, h, 1, e, r) + e * n * (padded_vocab(spec, t) // t) if stage.head else 0
+    return float(layer * stage.n_dense + head)
+
+
+@lru_cache(maxsize=1024)
+def _split_schedule_peak(schedule: str, p: int, m: int, v: int, k: int, act: float, w: float) -> float:
+    """Largest act·(chunks with F done, B not) + w·(chunks with B done, W not) over rank k's actions."""
+    from shardwise.pipeline.schedules import build_schedule
+
+    sched = build_schedule(schedule, p, m, v)
+    if not sched.split_bw:
+        return 0.0
+    held = pending = peak = 0
+    for a in sched.actions[k]:
+        held += a.kind == "F"
+        if a.kind == "B":
+            held, pending = held - 1, pending + 1
+        pending -= a.kind == "W"
+        peak = max(peak, act * held + w * pending)
+    return peak
+
+
+def weight_store_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """Split-backward schedules (zb, dualpipev): what the weight-gradient store holds at the worst moment,
+    beyond the activations of the microbatches in flight (`deferred_w_bytes` per pending microbatch)."""
+    if lay.pp == 1 or lay.schedule not in ("zb", "dualpipev"):
+        return 0.0
+    chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
+    mb = microbatch_activation_bytes(spec, stage, lay, wl)
+    act = (mb["total"] - mb["head"]) / chunks
+    w = deferred_w_bytes(spec, stage, lay, wl) / chunks
+    try:
+        peak = _split_schedule_peak(lay.schedule, lay.pp, lay.m, lay.vp, stage.index, act, w)
+    except (ImportError, ValueError):
+        return 0.0
+    return max(0.0, peak - act * chunks * in_flight(lay, stage.index))
+
+
 def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static: float, activation: float) -> dict:
     """The live peak of one rank of `stage`, by part: static state, the activations held at the worst moment
     (`stage_activation_bytes`), and the transient buffers the trace of a real step shows beside them
@@ -522,6 +571,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
            "transient": max(head - rebuilt, layer, cache - rebuilt, 0.0),
            "zero3_gathered": zero3_gathered_bytes(spec, stage, lay),
            "reduce_scatter_buckets": inflight_bucket_bytes(spec, stage, lay),
+           "weight_gradient_store": weight_store_bytes(spec, stage, lay, wl),
            "pipeline_buffers": pipeline_buffer_bytes(spec, lay, wl)}
     out["total"] = sum(out.values())
     return out
