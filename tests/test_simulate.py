@@ -10,7 +10,7 @@ import json
 import pytest
 
 from shardwise.cli import main
-from shardwise.planner import memory
+from shardwise.planner import peak
 
 
 def _simulate(capsys, argv: list[str]) -> tuple[int, dict]:
@@ -71,7 +71,7 @@ def test_a_broken_planner_term_fails(capsys, monkeypatch):
     argv = TINY + ["--dp", "2", "--micro-batch", "4", "--seq-len", "128"]
     rc, report = _simulate(capsys, argv)
     assert rc == 0
-    monkeypatch.setattr(memory, "head_transient_bytes", lambda *a: 0.0)
+    monkeypatch.setattr(peak, "head_transient_bytes", lambda *a: 0.0)
     rc, report = _simulate(capsys, argv)
     assert rc == 1 and not report["passed"]
     r = report["ranks"][0]
