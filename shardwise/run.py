@@ -122,6 +122,9 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
     from .checkpoint.files import LATEST, MANIFEST, META, checkpoint_problems, resume_order
     from .config.schedule import validate_optim
 
+    if overwrite and (cfg.resume or auto_resume):
+        raise ConfigError(f"--overwrite replaces the run in {cfg.out}; --{'resume' if cfg.resume else 'auto-resume'} "
+                          "continues it: choose one")
     root = checkpoint_root(cfg)
     found = [path for _, path in resume_order(root)]
     if auto_resume:
