@@ -1,6 +1,16 @@
-"""One-GPU device check: CUDA kernel parity, single-rank training throughput/MFU/memory, multi-rank verify.
+"""Device check: multi-rank verify, CUDA kernel parity, single-GPU training throughput/MFU/memory.
 
-`--dry-run` runs the same code on CPU with tiny shapes (CI runs it). Last line: one JSON object.
+Order matters: every multi-rank run starts before this process makes any CUDA call (forked ranks cannot
+use a CUDA context inherited from their parent; `run_local` refuses to fork after one). GPUs are counted
+through NVML (`torch.cuda.device_count`), which initialises nothing. With ≥ 2 GPUs the layouts (tp2, pp2 ×
+every schedule, cp2 ring and Ulysses, ep2, ZeRO-3) verify over NCCL, one spawned rank per GPU; with one GPU
+the same layouts run as two forked gloo ranks sharing it with CUDA tensors (gloo moves CUDA tensors only
+for some collectives: what fails is reported, not raised). Then, in this process: ring-attention kernel
+parity against SDPA for head dims 12, 128 and MLA's 192/128 (q/k 192, v 128), fp32 and bf16, with and
+without document masks, and training throughput of `small` and a ~1B Llama.
+
+`--dry-run` runs the same code on CPU with tiny shapes and forked gloo ranks (CI runs it).
+Last line: one JSON object.
 """
 from __future__ import annotations
 
@@ -8,6 +18,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +41,16 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def ring_blocks_vs_sdpa(device, dtype, s: int, d: int, blocks: int = 2, documents: bool = False) -> dict:
+def ring_blocks_vs_sdpa(device, dtype, s: int, d: int, blocks: int = 2, documents: bool = False,
+                        dv: int | None = None) -> dict:
     """Causal attention from `blocks` contiguous K/V blocks merged by LSE (and the block backward with the
     global out/LSE) against SDPA on the whole sequence, forward and backward.
 
     `documents`: packed documents of s/8 tokens, one starting mid-block, so some block pairs carry an explicit
     mask with fully masked rows (the memory-efficient kernel with a bias on CUDA) and some are skipped."""
+    dv = d if dv is None else dv
     g = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v, dout = (torch.randn(1, h, s, d, generator=g).to(device, dtype) for h in (8, 4, 4, 8))
+    q, k, v, dout = (torch.randn(1, h, s, e, generator=g).to(device, dtype) for h, e in ((8, d), (4, d), (4, dv), (8, dv)))
     n = s // blocks
     doc = (torch.arange(s, device=device) + s // 16).div(s // 8, rounding_mode="floor").view(1, s) if documents else None
     pos = torch.arange(s, device=device)
@@ -49,7 +62,7 @@ def ring_blocks_vs_sdpa(device, dtype, s: int, d: int, blocks: int = 2, document
         m = document_mask(doc[:, qs], doc[:, ks], pos[qs], pos[ks])
         return m if m.any() else False
 
-    out = torch.zeros(q.shape, dtype=torch.float32, device=device)
+    out = torch.zeros(dout.shape, dtype=torch.float32, device=device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=device)
     for i in range(blocks):
         for j in range(i + 1):
@@ -92,7 +105,8 @@ def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype:
     from shardwise.train import train_main
 
     cfg = TrainConfig(model=model, parallel=ParallelConfig(compile=compile_), steps=steps, seq_len=seq_len,
-                      micro_batch=micro_batch, dtype=dtype, out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False)
+                      micro_batch=micro_batch, dtype=dtype, out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False,
+                      report=False)
     cfg.resolve_world()
     planned = planner_memory(cfg)
     if device.type == "cuda":
@@ -125,54 +139,92 @@ def planner_memory(cfg: TrainConfig) -> dict:
     return {"planner_peak_gib": stage["total"] / 2**30, "planner_activation_gib": stage["activation"] / 2**30}
 
 
-def verify_layouts(layouts: list[dict], device: str | None = None) -> list[dict]:
-    """tp2/pp2/cp2 verify on forked gloo ranks: NCCL refuses two ranks on one GPU, and gloo's p2p and
-    reduce-scatter take only CPU tensors, so on a one-GPU machine this checks the installed torch on its
-    CPUs. `device="cuda"` puts every rank's tensors on the one GPU over gloo (only all-reduce layouts
-    such as tp2 without SP can pass); a failure is reported, not raised."""
-    from shardwise.config import ParallelConfig
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
+
+
+def layouts() -> list[tuple[str, str, dict]]:
+    """(name, model, parallel) of every two-rank layout the check verifies."""
+    out = [("tp2", "tiny", {"tp": 2})]
+    out += [(f"pp2-{s}", "tiny", {"pp": 2, "schedule": s, "vp": 2 if s == "interleaved" else 1}) for s in PP_SCHEDULES]
+    out += [("cp2-ring", "tiny", {"cp": 2}), ("cp2-ulysses", "tiny", {"cp": 2, "cp_impl": "ulysses"}),
+            ("ep2", "tiny-moe", {"dp": 2, "ep": 2}), ("zero3", "tiny", {"dp": 2, "zero": 3})]
+    return out
+
+
+def verify_layouts(mode: str, seq_len: int = 64) -> list[dict]:
+    """Verify every layout on two ranks. mode "nccl": spawned ranks, one GPU each; "gloo-cuda": forked gloo
+    ranks sharing cuda:0 (what gloo cannot do with CUDA tensors is reported, not raised); "gloo": forked
+    CPU ranks (the dry run; failures raise)."""
     from shardwise.launch import RankError, run_local
     from shardwise.verify import verify_main
 
     res = []
-    for lay in layouts:
-        cfg = TrainConfig(parallel=ParallelConfig(**lay), steps=2, seq_len=64, micro_batch=2, progress=False,
-                          global_batch=4 if "pp" in lay else None)
+    for name, model, par in layouts():
+        pp = par.get("pp", 1)
+        cfg = TrainConfig(model=model, parallel=ParallelConfig(**par), steps=2, seq_len=seq_len, micro_batch=2,
+                          progress=False, global_batch=8 if pp > 1 else None)
         cfg.resolve_world()
         world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
+        args = (cfg, torch.device("cuda", 0)) if mode == "gloo-cuda" else (cfg,)
+        t0 = time.perf_counter()
         try:
-            r = run_local(verify_main, world, cfg, torch.device(device) if device else None, timeout_s=120)[0]
+            r = run_local(verify_main, world, *args, timeout_s=120, backend="nccl" if mode == "nccl" else "gloo")[0]
         except RankError as e:
-            if device is None:
+            if mode == "gloo":
                 raise
-            res.append({"layout": lay, "device": device, "passed": False, "error": str(e)[:300]})
+            res.append({"layout": name, "mode": mode, "passed": False, "error": str(e)[:300]})
             continue
-        res.append({"layout": lay, "passed": r["passed"], "max_grad_rel_diff": r["max_grad_rel_diff"]}
-                   | ({"device": device} if device else {}))
+        res.append({"layout": name, "mode": mode, "passed": r["passed"], "max_grad_rel_diff": r["max_grad_rel_diff"],
+                    "seconds": round(time.perf_counter() - t0, 2)})
     return res
+
+
+def kernel_parity(device, dtypes, s: int, dims) -> list[dict]:
+    """Ring blocks vs SDPA per (dtype, q/k head dim, v head dim, document mask), with the kernel each chose."""
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    out = []
+    for dt in dtypes:
+        for d, dv in dims:
+            for documents in (False, True):
+                choice = kernels.choose_kernel(device.type, cap, dt, d, dv, "document" if documents else "causal")
+                err = ring_blocks_vs_sdpa(device, dt, s, d, 4 if documents else 2, documents, dv)
+                out.append({"dtype": str(dt).split(".")[-1], "qk_dim": d, "v_dim": dv, "document_mask": documents,
+                            "kernel": choice.kernel, "padded_to": [choice.qk_dim, choice.v_dim]} | err)
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (what CI runs)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, forked gloo ranks (what CI runs)")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
+    gpus = 0 if args.dry_run else torch.cuda.device_count()  # NVML: no CUDA context yet
+    if not args.dry_run and gpus == 0:
         print("gpu_check: no CUDA device; use --dry-run on CPU", file=sys.stderr)
         return 2
+    if args.dry_run:
+        torch.set_num_threads(1)  # tiny shapes: a second thread only contends with the forked ranks
+    t0 = time.perf_counter()
+    res: dict = {"dry_run": args.dry_run, "gpus": gpus, "seconds": {}}
+    # 1. every multi-rank run, before this process touches CUDA
+    res["verify"] = verify_layouts("gloo" if args.dry_run else "nccl" if gpus >= 2 else "gloo-cuda",
+                                   32 if args.dry_run else 64)
+    res["seconds"]["verify"] = round(time.perf_counter() - t0, 1)
+    # 2. this process: CUDA from here on
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
-    res: dict = {"device": "cpu" if args.dry_run else torch.cuda.get_device_name(device), "dry_run": args.dry_run}
-    res["verify"] = verify_layouts([{"tp": 2}, {"pp": 2}, {"cp": 2}])  # fork before any CUDA work
-    # Two ranks sharing the GPU over gloo with CUDA tensors (the dry run takes the same path on the CPU).
-    res["verify_shared_gpu_gloo"] = verify_layouts([{"tp": 2}], None if args.dry_run else "cuda:0")
-    dtypes = [torch.float32] if args.dry_run else [torch.bfloat16, torch.float32]
-    s, d = (64, 16) if args.dry_run else (4096, 128)
-    res["ring_blocks_vs_sdpa"] = {str(dt).split(".")[-1]: ring_blocks_vs_sdpa(device, dt, s, d) for dt in dtypes}
-    res["ring_blocks_vs_sdpa_document_mask"] = {str(dt).split(".")[-1]: ring_blocks_vs_sdpa(device, dt, s, d, 4, True)
-                                                for dt in dtypes}
-    res["attention_kernels"] = sorted(kernels.USED)
+    res["device"] = "cpu" if args.dry_run else torch.cuda.get_device_name(device)
+    t1 = time.perf_counter()
+    kernels.USED.clear()
+    if args.dry_run:
+        res["kernel_parity"] = kernel_parity(device, [torch.float32], 64, [(12, 12), (16, 16), (24, 16)])
+    else:
+        res["kernel_parity"] = kernel_parity(device, [torch.bfloat16, torch.float32], 2048,
+                                             [(12, 12), (128, 128), (192, 128)])
+    res["attention_kernels"] = kernels.used()
     res["vocab_ce_rel_diff"] = vocab_ce_vs_torch(device)
-    steps = 3 if args.dry_run else args.steps
+    res["seconds"]["kernel_parity"] = round(time.perf_counter() - t1, 1)
+    t2 = time.perf_counter()
+    steps = 2 if args.dry_run else args.steps
     # tiny fp32 then bf16 (residual stream and payloads bf16): the same seed and data, so their first
     # losses differ only by bf16 rounding — the bf16-vs-fp32 model parity check, on either device.
     runs = [("tiny", 64, 2, "fp32", False), ("tiny", 64, 2, "bf16", False)]
@@ -180,6 +232,8 @@ def main(argv=None) -> int:
         runs += [("small", 1024, 8, "bf16", True), (LLAMA_1B, 2048, 4, "bf16", True)]
     res["train"] = [train_once(m, device, steps, sl, mb, dt, compile_=c) for m, sl, mb, dt, c in runs]
     res["bf16_vs_fp32_first_loss_diff"] = abs(res["train"][1]["first_loss"] - res["train"][0]["first_loss"])
+    res["seconds"]["train"] = round(time.perf_counter() - t2, 1)
+    res["seconds"]["total"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(res))
     return 0
 

@@ -1,4 +1,5 @@
-"""Single-device forward+backward: shardwise's `tiny`/`small` against transformers' LlamaForCausalLM.
+"""Single-device forward+backward: shardwise's `tiny`/`small` against transformers' LlamaForCausalLM, and CPU-sized
+Qwen3-MoE and DeepSeek-V3 shapes against transformers' own Qwen3MoeForCausalLM and DeepseekV3ForCausalLM.
 
 One microbatch per step: logits → mean cross-entropy over precomputed targets → backward, in
 fp32 on CPU in a single process. Both models get the same weights (shardwise's seeded init, copied
@@ -25,6 +26,12 @@ background load of a shared machine.
     python benchmarks/single_device.py              # torch's default thread count
     python benchmarks/single_device.py --profile    # + a torch.profiler table per implementation
 
+The MoE families (`--models ...,qwen3-moe,deepseek-v3`) start from transformers: a random model of the
+family's class (sdpa, fp32) is saved with `save_pretrained`, and shardwise reads it as `--init-from-hf` does
+(`config_from_hf` + `load_hf_into`), so both hold the same weights by construction; their logits and loss are
+compared before timing (their gradients are compared by tests/test_hf.py). Neither computes an auxiliary
+loss (transformers' `output_router_logits=False`, shardwise's coefficient 0), so both do the same work.
+
 Last stdout line: one JSON object (medians_s, ratios, ratio_of_medians, max_abs_diff, threads, config).
 """
 from __future__ import annotations
@@ -34,6 +41,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 
@@ -112,6 +120,54 @@ def copy_weights(sw, hf, cfg) -> dict:
     return mapping
 
 
+# ---------------------------------------------------------------- MoE families, from transformers' classes
+FAMILIES = {
+    # Qwen3-MoE: q/k norms, head_dim 32, 16 experts top-4 renormalised, no shared expert, every layer MoE
+    "qwen3-moe": ("Qwen3Moe", dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                    num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=16,
+                                    num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True,
+                                    output_router_logits=False, max_position_embeddings=1024)),
+    # DeepSeek-V3: MLA (q latent 96, kv latent 64, nope 32 + rope 16, v 32), layer 0 dense, 16 experts in 4
+    # groups (top-2 groups, top-4 experts), one shared expert, routed weights x 2.5
+    "deepseek-v3": ("DeepseekV3", dict(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                        moe_intermediate_size=128, num_hidden_layers=4, first_k_dense_replace=1,
+                                        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=96,
+                                        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                                        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                        max_position_embeddings=1024)),
+}
+
+
+def family_models(name: str, seed: int, folder: str):
+    """(shardwise model, transformers model, shardwise config) holding the same weights: transformers' random
+    init, saved and read back by shardwise's --init-from-hf path."""
+    import dataclasses
+
+    import transformers
+
+    from shardwise.hf import load_hf_into
+    from shardwise.hf_config import config_from_hf
+
+    cls, kw = FAMILIES[name]
+    torch.manual_seed(seed)
+    hcfg = getattr(transformers, f"{cls}Config")(**kw)
+    hcfg._attn_implementation = "sdpa"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = getattr(transformers, f"{cls}ForCausalLM")(hcfg).to(torch.float32)
+    with torch.no_grad():
+        for n, b in hf.named_buffers():  # DeepSeek's selection bias: random, so group-limited routing matters
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    hf.config._attn_implementation = "sdpa"
+    hf.save_pretrained(folder, safe_serialization=True)
+    cfg = dataclasses.replace(config_from_hf(folder), moe_aux_loss_coef=0.0)
+    sw = build_model(cfg, Mesh.single(), seed=seed)
+    load_hf_into(sw, folder)
+    return sw, hf, cfg
+
+
 # ---------------------------------------------------------------- steps
 def sw_step(model, tokens, targets):
     loss = model.loss_fn(model(tokens), targets).mean()
@@ -127,12 +183,17 @@ def hf_step(model, tokens, targets):
 
 
 def check(sw, hf, cfg, mapping, tokens, targets) -> dict:
-    """Max abs differences of logits (eval, no grad), loss and parameter gradients (one training step)."""
+    """Max abs differences of logits (eval, no grad), loss and parameter gradients (one training step; not
+    for the MoE families, whose gradients tests/test_hf.py compares)."""
     with torch.no_grad():
         logits_diff = (sw(tokens) - hf(input_ids=tokens, use_cache=False).logits).abs().max().item()
     for m in (sw, hf):
         m.zero_grad(set_to_none=True)
     loss_diff = (sw_step(sw, tokens, targets) - hf_step(hf, tokens, targets)).abs().item()
+    if mapping is None:
+        for m in (sw, hf):
+            m.zero_grad(set_to_none=True)
+        return {"logits": logits_diff, "loss": loss_diff, "grads": None}
     hf_params = dict(hf.named_parameters())
     grad_diff = 0.0
     for name, p in sw.named_parameters():
@@ -166,11 +227,11 @@ def profile(name, fn, model, tokens, targets, steps: int = 3) -> None:
 # ---------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,small")
+    ap.add_argument("--models", default="tiny,small,qwen3-moe,deepseek-v3")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-tiny", type=int, default=128)
-    ap.add_argument("--seq-small", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=0, help="timed repetitions per model (default: tiny 40, small 16)")
+    ap.add_argument("--seq-small", type=int, default=256, help="small and the MoE families")
+    ap.add_argument("--reps", type=int, default=0, help="timed repetitions per model (default: tiny 40, others 16)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=90.0,
                     help="wall-time budget for all models; warm-up (after 1) and repetitions (after 3) stop "
@@ -192,13 +253,17 @@ def main() -> None:
     names = args.models.split(",")
     t_start = time.perf_counter()
     for i, name in enumerate(names):
-        deadline = t_start + args.budget_s * (i + 1) / len(names)  # time tiny leaves unused goes to small
-        cfg = get_model_config(name)
+        deadline = t_start + args.budget_s * (i + 1) / len(names)  # time a model leaves unused goes to the next
         seq = args.seq_tiny if name == "tiny" else args.seq_small
         reps = args.reps or (40 if name == "tiny" else 16)
-        sw = build_model(cfg, Mesh.single(), seed=args.seed)
-        hf = hf_model(cfg)
-        mapping = copy_weights(sw, hf, cfg)
+        if name in FAMILIES:
+            sw, hf, cfg = family_models(name, args.seed, tempfile.mkdtemp(prefix=f"sw-bench-{name}-"))
+            mapping = None
+        else:
+            cfg = get_model_config(name)
+            sw = build_model(cfg, Mesh.single(), seed=args.seed)
+            hf = hf_model(cfg)
+            mapping = copy_weights(sw, hf, cfg)
         gen = torch.Generator().manual_seed(args.seed + 1)
         data = torch.randint(0, cfg.vocab_size, (args.batch, seq + 1), generator=gen)
         tokens, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -209,6 +274,7 @@ def main() -> None:
         for m in (sw, hf):
             m.train()
         print(f"[{name}] dim {cfg.dim} layers {cfg.n_layers} heads {cfg.n_heads}/{cfg.n_kv_heads} ffn {cfg.ffn_dim} "
+              f"experts {cfg.moe_experts} top-{cfg.moe_topk} "
               f"vocab {cfg.vocab_size}, batch {args.batch} seq {seq}; max abs diff {diffs[name]}", file=sys.stderr)
 
         impls = {"shardwise": (sw_step, sw), "transformers": (hf_step, hf)}

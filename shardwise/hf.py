@@ -110,22 +110,29 @@ _LAYER = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layer
           "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
           "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
           "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
-          "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj"}
+          "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+          # DeepSeek-V3: MLA's projections and latent norms, the shared experts
+          "attention.wq_a": "self_attn.q_a_proj", "attention.q_a_norm": "self_attn.q_a_layernorm",
+          "attention.wq_b": "self_attn.q_b_proj", "attention.wkv_a": "self_attn.kv_a_proj_with_mqa",
+          "attention.kv_a_norm": "self_attn.kv_a_layernorm", "attention.wkv_b": "self_attn.kv_b_proj",
+          "feed_forward.shared.w1": "mlp.shared_experts.gate_proj", "feed_forward.shared.w3": "mlp.shared_experts.up_proj",
+          "feed_forward.shared.w2": "mlp.shared_experts.down_proj"}
 
 
 _EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def _hf_name(name: str) -> tuple[str, bool]:
-    """shardwise name → (HF name, whether its rows are q/k heads to permute), for the non-MoE tensors."""
+def _hf_name(name: str, cfg: ModelConfig) -> tuple[str, bool]:
+    """shardwise name → (HF name, whether its rows are q/k heads to permute), for the non-MoE tensors. MLA's
+    rotary rows are already interleaved in HF (rope_interleave): nothing to permute."""
     if name in _TOP:
         return _TOP[name], False
-    m = re.fullmatch(r"layers\.(\d+)\.(\w+(?:\.\w+)?)\.(weight|bias)", name)
+    m = re.fullmatch(r"layers\.(\d+)\.(\w+(?:\.\w+)*)\.(weight|bias)", name)
     if m is None or m.group(2) not in _LAYER:
         raise KeyError(f"shardwise parameter {name!r} has no Hugging Face counterpart")
     module = m.group(2)
     # q/k norm weights are one head's rows in HF's rotate-half order: permuted like each head of wq / wk.
-    heads = module in ("attention.wq", "attention.wk", "attention.q_norm", "attention.k_norm")
+    heads = module in ("attention.wq", "attention.wk", "attention.q_norm", "attention.k_norm") and not cfg.is_mla
     return f"model.layers.{m.group(1)}.{_LAYER[module]}.{m.group(3)}", heads
 
 
@@ -133,7 +140,7 @@ def _source(name: str, cfg: ModelConfig, files: _Files) -> _Source:
     """How to read shardwise's global tensor `name` from this checkpoint (legacy or fused Mixtral experts)."""
     m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))", name)
     if m is None:
-        hf, heads = _hf_name(name)
+        hf, heads = _hf_name(name, cfg)
         return _Source([hf], files.shape(hf), "heads" if heads else "direct", head_dim=cfg.head_dim)
     i, which = m.group(1), m.group(3)
     legacy = f"model.layers.{i}.block_sparse_moe"
@@ -184,6 +191,12 @@ def load_hf_into(model: nn.Module, path: str, mesh=None) -> dict:
             dst.copy_(t)
             nbytes += t.numel() * t.element_size()
         n += 1
+    for name, buf in model.named_buffers():  # DeepSeek-V3's selection bias (replicated; absent elsewhere)
+        m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", name)
+        hf = m and f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
+        if hf and hf in files:
+            buf.copy_(files.read(hf, (slice(0, buf.shape[0]),)))
+            n, nbytes = n + 1, nbytes + buf.numel() * 4
     return {"tensors": n, "bytes_read": nbytes}
 
 
@@ -191,9 +204,9 @@ def load_hf_into(model: nn.Module, path: str, mesh=None) -> dict:
 def _hf_tensors(name: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))", name)
     if m is None:
-        hf, heads = _hf_name(name)
+        hf, heads = _hf_name(name, cfg)
         return {hf: to_rotate_half(t, cfg.head_dim) if heads else t}
-    qwen = cfg.qk_norm  # Qwen3-MoE's names (mlp.gate, mlp.experts.{e}.gate_proj), else Mixtral's
+    qwen = cfg.qk_norm or cfg.is_mla  # Qwen3-MoE's / DeepSeek's names (mlp.gate, mlp.experts.{e}.gate_proj)
     base = f"model.layers.{m.group(1)}.{'mlp' if qwen else 'block_sparse_moe'}"
     if m.group(3) is None:
         return {f"{base}.gate.weight": t}
@@ -223,7 +236,7 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
     else:
         state = dict(source)
     for n, t in state.items():
-        if n.endswith("router.expert_bias") and bool(t.any()):
+        if n.endswith("router.expert_bias") and not cfg.is_mla and bool(t.any()):
             raise ValueError(f"export: {n} is non-zero; Mixtral and Qwen3-MoE have no selection bias "
                              "(moe_bias_update_rate)")
     with torch.device("meta"):
@@ -239,6 +252,11 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         if tuple(t.shape) != tuple(ref.shape):
             raise ValueError(f"export: {n} has shape {tuple(t.shape)}, the config needs {tuple(ref.shape)}")
         tensors.update({k: v.contiguous().clone() for k, v in _hf_tensors(n, t, cfg).items()})
+    if cfg.is_mla:  # DeepSeek-V3 keeps the selection bias as e_score_correction_bias
+        for n, t in state.items():
+            m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", n)
+            if m:
+                tensors[f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"] = t.detach().float().cpu().clone()
     os.makedirs(out_dir, exist_ok=True)
     if tokenizer is not None:
         from .hf_export import write_generation_config, write_tokenizer

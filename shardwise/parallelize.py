@@ -33,6 +33,29 @@ def _kv_rows(cfg: ModelConfig, tp) -> tuple[tuple[int, int], int, str | None]:
     return (tp.rank // ranks_per_kv * hd, hd), ranks_per_kv, "tp_kv"
 
 
+# Replicated weights that each TP rank back-propagates through its own heads only: Qwen3's q/k norms, MLA's
+# down-projections and latent norms. Their gradients are partial sums over TP even without SP.
+PER_HEAD_PARTIAL = ("q_norm.weight", "k_norm.weight", "wq_a.weight", "q_a_norm.weight", "wkv_a.weight",
+                    "kv_a_norm.weight")
+
+
+def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool) -> None:
+    """MLA's plan: heads split (wq / wq_b and wkv_b column-parallel by head, wo row-parallel), down-projections
+    and norms replicated; the block input enters the region once (SP all-gather, else Megatron's f, whose
+    backward sums the per-rank partial input gradients)."""
+    kw = dict(device="meta")
+    qk, h = cfg.head_dim + cfg.qk_rope_dim, cfg.dim
+    if cfg.q_lora_rank:
+        attn.wq_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * qk, tp, enter=False, **kw)
+    else:
+        attn.wq = ColumnParallelLinear(h, cfg.n_heads * qk, tp, enter=False, **kw)
+    attn.wkv_b = ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim), tp,
+                                      enter=False, **kw)
+    attn.wo = RowParallelLinear(cfg.n_heads * cfg.v_head_dim, h, tp, sequence_parallel=sp, **kw)
+    if tp.active:
+        attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+
+
 def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False) -> Transformer:
     """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head."""
     cfg, tp = model.cfg, mesh["tp"]
@@ -45,21 +68,27 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
         if isinstance(ffn, MoE):
             block.feed_forward = apply_expert_parallel(cfg, mesh, sp)
             ffn = None
-        kv_rows, kv_replicas, kv_reduce = _kv_rows(cfg, tp)
+        if cfg.is_mla:
+            _mla_tensor_parallel(attn, cfg, tp, sp)
+            attn = None
+        else:
+            kv_rows, kv_replicas, kv_reduce = _kv_rows(cfg, tp)
         bias = cfg.attention_bias
-        attn.wq = ColumnParallelLinear(h, cfg.n_heads * hd, tp, bias=bias, enter=False, **kw)
-        attn.wk = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
-                                       replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
-        attn.wv = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
-                                       replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
-        attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sequence_parallel=sp, **kw)
+        if attn is not None:
+            attn.wq = ColumnParallelLinear(h, cfg.n_heads * hd, tp, bias=bias, enter=False, **kw)
+            attn.wk = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
+                                           replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
+            attn.wv = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
+                                           replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
+            attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sequence_parallel=sp, **kw)
         if ffn is not None:
             ffn.w1 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
             ffn.w3 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
             ffn.w2 = RowParallelLinear(cfg.ffn_dim, h, tp, sequence_parallel=sp, **kw)
         # One region entry per sub-block, shared by its column-parallel projections: under SP one
         # all-gather; otherwise a ColumnRegion (one f, its backward all-reduce overlapped with dW).
-        for region, layers in ((attn, [attn.wq, attn.wk, attn.wv]), (ffn, [ffn.w1, ffn.w3] if ffn else [])):
+        for region, layers in ((attn, [attn.wq, attn.wk, attn.wv] if attn else []),
+                               (ffn, [ffn.w1, ffn.w3] if ffn else [])):
             if region is None or not tp.active:
                 continue
             if sp:
@@ -75,7 +104,7 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     # q/k norms see only this rank's heads, so their gradients are partial under any TP.
     for name, p in model.named_parameters():
         if not hasattr(p, "_sw_shard"):
-            partial = sp or (tp.active and name.endswith(("q_norm.weight", "k_norm.weight")))
+            partial = sp or (tp.active and name.endswith(PER_HEAD_PARTIAL))
             set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if partial else None))
     for m in model.modules():
         if isinstance(m, ReplicatedDropout):

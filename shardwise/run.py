@@ -114,13 +114,17 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
     `--overwrite` removes the old checkpoints, so they never mix with the new run's. On resume the schedule's
     length defaults to the one stored in the checkpoint. Returns a line to print (and exit 0) when the
     checkpoint is already at --steps: nothing is touched."""
+    import contextlib
     import json
     import os
     import shutil
 
-    from .checkpoint.files import LATEST, MANIFEST, META, resume_order
+    from .checkpoint.files import LATEST, MANIFEST, META, checkpoint_problems, resume_order
     from .config.schedule import validate_optim
 
+    if overwrite and (cfg.resume or auto_resume):
+        raise ConfigError(f"--overwrite replaces the run in {cfg.out}; --{'resume' if cfg.resume else 'auto-resume'} "
+                          "continues it: choose one")
     root = checkpoint_root(cfg)
     found = [path for _, path in resume_order(root)]
     if auto_resume:
@@ -137,15 +141,17 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
                 continue
             if not os.path.isfile(os.path.join(path, MANIFEST)):
                 continue
+            if meta["step"] >= cfg.steps:
+                if checkpoint_problems(path):  # damaged: the ranks will fall back past it
+                    continue
+                return (f"{path} is already at step {meta['step']} (--steps {cfg.steps}): nothing to train; "
+                        "raise --steps to continue")
             stored = meta.get("extra_state", {}).get("lr_plan")
             if cfg.lr_decay_steps is None and stored:
                 cfg.lr_decay_steps = stored["lr_decay_steps"]
                 validate_optim(cfg)
-            if meta["step"] >= cfg.steps:
-                return (f"{path} is already at step {meta['step']} (--steps {cfg.steps}): nothing to train; "
-                        "raise --steps to continue")
             return None
-        return None
+        raise ConfigError(f"--resume: no intact checkpoint under {root} (every one is unreadable or damaged)")
     busy = [d for d in dict.fromkeys((cfg.out, root)) if os.path.isdir(d) and os.listdir(d)]
     if busy and not overwrite:
         raise ConfigError(f"--out {busy[0]} is not empty (an earlier run?); continue it with --resume or "
@@ -153,6 +159,10 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
     if overwrite and os.path.isdir(root):
         for name in os.listdir(root):
             if name == LATEST or name.startswith(("step-", "tmp-step-")):
-                full = os.path.join(root, name)
-                shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
+                full = os.path.join(root, name)  # under torchrun every process does this: tolerate the others
+                if os.path.isdir(full):
+                    shutil.rmtree(full, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(full)
     return None

@@ -65,11 +65,12 @@ class Trainer:
 
             load_hf_into(self.model, cfg.init_from_hf, mesh)
         self.model.train()
+        self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
+        rounds = self.global_batch // mesh.dims.dp // cfg.micro_batch  # the microbatches forward_backward runs
         self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                    betas=parse_betas(cfg.adam_betas), eps=cfg.adam_eps,
                                    reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
-                                   rounds=cfg.grad_accum, overlap=cfg.overlap_grad_reduce)
-        self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
+                                   rounds=rounds, overlap=cfg.overlap_grad_reduce)
         with self._host():  # a pure function of the step: the checkpoint's step is the data position
             self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
                                  cfg.seed)

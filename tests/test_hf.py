@@ -32,13 +32,16 @@ from shardwise.hf_cli import add_parser, compare, hf_logits, run_export  # noqa:
 
 SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+DEEPSEEK = SHAPE | dict(num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                       n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                       kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
-def _save(factory, name, cls_name, save_kw=None, biases=False, norms=False, **cfg_kw):
+def _save(factory, name, cls_name, save_kw=None, biases=False, norms=False, shape=SHAPE, **cfg_kw):
     torch.manual_seed(len(name))
-    config = getattr(transformers, f"{cls_name}Config")(**(SHAPE | cfg_kw))
+    config = getattr(transformers, f"{cls_name}Config")(**(shape | cfg_kw))
     model = getattr(transformers, f"{cls_name}ForCausalLM")(config)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -46,6 +49,9 @@ def _save(factory, name, cls_name, save_kw=None, biases=False, norms=False, **cf
                 p.normal_(0.0, 0.5)
             if norms and n.endswith("norm.weight"):  # HF's are ones; random q/k norms make their permutation matter
                 p.normal_(1.0, 0.5)
+        for n, b in model.named_buffers():  # DeepSeek's selection bias: HF zeros; random ones change the routing
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
     path = str(factory.mktemp(name))
     model.save_pretrained(path, safe_serialization=True, **(save_kw or {}))
     return path
@@ -74,7 +80,12 @@ def models(tmp_path_factory):
                               num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1],
                               norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.5),
            "qwen3_moe_step2": _save(f, "qwen3_moe_step2", "Qwen3Moe", norms=True, head_dim=12, num_experts=4,
-                                    num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2)}
+                                    num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2),
+           # DeepSeek-V3: MLA (q/k head 12 + 8 rotary, v head 10), layer 0 dense, 8 experts in 4 groups (top-2
+           # groups, top-2 experts, biased selection), one shared expert, routed weights × 2.5; "ds_noq": no q latent
+           "deepseek": _save(f, "deepseek", "DeepseekV3", norms=True, shape=DEEPSEEK),
+           "deepseek_noq": _save(f, "deepseek_noq", "DeepseekV3", norms=True, shape=DEEPSEEK, q_lora_rank=None,
+                                 norm_topk_prob=False, num_hidden_layers=2)}
     return out
 
 
@@ -136,7 +147,7 @@ def _check_result(r):
 
 
 @pytest.mark.parametrize("name", ["llama", "tied", "mixtral", "qwen2", "llama3", "qwen3", "qwen3_moe",
-                                  "qwen3_moe_step2"])
+                                  "qwen3_moe_step2", "deepseek", "deepseek_noq"])
 def test_single_device_matches_transformers(models, name):
     if name == "tied":
         assert os.path.isfile(os.path.join(models[name], hf.INDEX))
@@ -157,6 +168,9 @@ LAYOUTS = {
     "qwen3_tied_tp2_cp2": ("qwen3_tied", dict(tp=2, cp=2)),  # one K/V head (and its k_norm) on both TP ranks
     "qwen3_moe_dp2_ep2_tp2_sp": ("qwen3_moe", dict(dp=2, ep=2, tp=2, sequence_parallel=True)),
     "qwen3_moe_step2_pp2_tp2": ("qwen3_moe_step2", dict(pp=2, tp=2)),
+    "deepseek_tp2_sp": ("deepseek", dict(tp=2, sequence_parallel=True)),
+    "deepseek_dp2_ep2_pp2": ("deepseek", dict(dp=2, ep=2, pp=2)),
+    "deepseek_noq_tp2": ("deepseek_noq", dict(tp=2)),
 }
 
 
@@ -242,7 +256,8 @@ def _single_model(path):
 
 
 @pytest.mark.parametrize("name,as_state", [("llama", False), ("tied", True), ("mixtral", True), ("qwen2", False),
-                                           ("qwen3_tied", True), ("qwen3_moe", False), ("qwen3_moe_step2", True)])
+                                           ("qwen3_tied", True), ("qwen3_moe", False), ("qwen3_moe_step2", True),
+                                           ("deepseek", False), ("deepseek_noq", True)])
 def test_export_round_trip(models, tmp_path, name, as_state):
     cfg, model = _single_model(models[name])
     out = hf.export_hf(model.state_dict() if as_state else model, cfg, str(tmp_path / "out"))
@@ -331,6 +346,8 @@ TRAIN_LAYOUTS = {  # one 4-rank spawn runs them all: (model, degrees, global bat
     "qwen3_tp4": ("qwen3", dict(tp=4), 4),  # no SP, yet q/k norm grads are partial; 2 K/V heads over 4 ranks
     # HF's pooled aux loss (coef 0.5) over layers 0, 2, 3 and both dp ranks' tokens: one global microbatch
     "qwen3_moe_dp2_ep2_tp2_sp": ("qwen3_moe", dict(dp=2, ep=2, tp=2, sequence_parallel=True), 4),
+    # MLA heads over tp (replicated down-projections: partial grads), experts over ep
+    "deepseek_dp2_ep2_tp2": ("deepseek", dict(dp=2, ep=2, tp=2), 4),
 }
 TRAIN_TOKENS = torch.randint(0, SHAPE["vocab_size"], (4096,), generator=torch.Generator().manual_seed(1))
 

@@ -134,7 +134,7 @@ def test_pp_with_fewer_microbatches_than_stages_warns(capsys):
 
 def test_library_defaults_resolve():
     cfg = TrainConfig(steps=3)
-    assert lr_plan(cfg) == {"lr_schedule": "cosine", "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1,
+    assert lr_plan(cfg) == {"lr_schedule": "cosine", "lr": 3e-3, "min_lr": 3e-3 / 10, "warmup_steps": 1,
                             "lr_decay_steps": 3, "wsd_decay_fraction": 0.2}
     with pytest.raises(ConfigError, match="--warmup-steps 3 must be below"):
         TrainConfig(steps=3, warmup_steps=3).resolve_world()

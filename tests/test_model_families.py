@@ -22,6 +22,16 @@ QWEN3_MOE = dataclasses.replace(QWEN3, name="qwen3-moe-tiny", tie_embeddings=Fal
 QWEN3_MOE_LAYER = dataclasses.replace(QWEN3_MOE, moe_aux_loss_scope="layer")
 
 
+# DeepSeek-V3-shaped: MLA with a query latent (q/k head 16 + 8 rotary, v head 12), layer 0 dense, 8 experts in 4
+# groups (top-2 groups), sigmoid top-2 renormalised × 2.5, one shared expert, loss-free bias updates on.
+DEEPSEEK = ModelConfig(name="deepseek-tiny", vocab_size=257, dim=64, n_layers=4, n_heads=4, n_kv_heads=4,
+                       head_dim=16, ffn_dim=96, max_seq_len=64, norm_eps=1e-6, q_lora_rank=32, kv_lora_rank=24,
+                       qk_rope_dim=8, v_head_dim=12, moe_experts=8, moe_topk=2, moe_ffn_dim=32, moe_shared_experts=1,
+                       moe_dense_layers=(0,), moe_score="sigmoid", moe_n_group=4, moe_topk_group=2,
+                       moe_routed_scaling=2.5, moe_bias_update_rate=0.01)
+DEEPSEEK_NOQ = dataclasses.replace(DEEPSEEK, name="deepseek-noq", q_lora_rank=0, moe_norm_topk=False)
+
+
 def _cfg(seed, model, global_batch=4, **parallel):
     return TrainConfig(model=model, parallel=ParallelConfig(**parallel), steps=2, seq_len=32, micro_batch=2,
                        global_batch=global_batch, seed=seed, progress=False)
@@ -45,6 +55,26 @@ def test_qwen3_two_rank_layouts():
             _cfg(seed, QWEN3_MOE, cp=2, ep=2), _cfg(seed, QWEN3_MOE, tp=2, sequence_parallel=True),
             _cfg(seed, QWEN3_MOE_LAYER, global_batch=8, pp=2, schedule="1f1b")]
     _check(cfgs, 2, seed)
+
+
+def test_deepseek_layouts():
+    """MLA heads over TP (with and without SP: the replicated down-projections' grads are partial either way),
+    PP schedules, EP with group-limited sigmoid routing and loss-free bias updates, ZeRO-3, 4-rank compositions."""
+    seed = fresh_seed()
+    two = [_cfg(seed, DEEPSEEK, tp=2), _cfg(seed, DEEPSEEK, tp=2, sequence_parallel=True),
+           _cfg(seed, DEEPSEEK_NOQ, tp=2), _cfg(seed, DEEPSEEK, global_batch=8, pp=2, schedule="interleaved", vp=2),
+           _cfg(seed, DEEPSEEK, global_batch=8, pp=2, schedule="dualpipev"), _cfg(seed, DEEPSEEK, dp=2, ep=2),
+           _cfg(seed, DEEPSEEK, global_batch=8, dp=2, ep=2, zero=3)]
+    _check(two, 2, seed)
+    four = [_cfg(seed, DEEPSEEK, global_batch=8, dp=2, ep=2, tp=2, sequence_parallel=True),
+            _cfg(seed, DEEPSEEK, global_batch=8, pp=2, tp=2, schedule="zb"),
+            _cfg(seed, DEEPSEEK_NOQ, global_batch=8, dp=4, ep=4, zero=1)]
+    _check(four, 4, seed)
+
+
+def test_mla_refuses_context_parallel():
+    with pytest.raises(ConfigError, match="--cp 2 with model 'deepseek-tiny': context parallelism does not yet run"):
+        _cfg(0, DEEPSEEK, cp=2).resolve_world(2)
 
 
 def test_qwen3_four_rank_compositions():
@@ -81,3 +111,84 @@ def test_preset_sizes(name, total, active):
     active, 235B / 22B; Mixtral-8x7B: 46.7B / 12.9B)."""
     cfg = get_model_config(name)
     assert abs(cfg.num_params() / 1e9 - total) < 0.01 and abs(cfg.num_active_params() / 1e9 - active) < 0.01
+
+
+@pytest.mark.parametrize("name,total,active", [("qwen3-8b", 8.2, 8.2), ("qwen3-30b-a3b", 30.5, 3.3),
+                                               ("qwen3-235b-a22b", 235, 22), ("deepseek-v3", 671, 37)])
+def test_planner_published_sizes(name, total, active):
+    """The planner's exact counts are the published sizes to within the figure's last digit (model cards round
+    or cut: Qwen3-8B's 8.19B is "8.2B", Qwen3-30B-A3B's 3.353B active "3.3B", DeepSeek-V3's 37.55B "37B"); the
+    trainer's presets count the same."""
+    from shardwise.planner.models import PRESETS, active_params, total_params
+
+    spec = PRESETS[name]
+    unit = 0.1 if total < 100 else 1.0  # the published figure's last digit
+    counts = [total_params(spec) / 1e9, active_params(spec) / 1e9]
+    assert abs(counts[0] - total) < unit and abs(counts[1] - active) < unit, counts
+    if not spec.untrainable:
+        cfg = get_model_config(name)
+        assert (cfg.num_params(), cfg.num_active_params()) == (total_params(spec), active_params(spec))
+
+
+def test_explain_json_reports_active_parameters(capsys):
+    import json
+
+    from shardwise.cli import main
+
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--explain", "dp=1,pp=2,cp=8,ep=8",
+                 "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert (est["params_total"], est["params_active"]) == (30532122624, 3353032704)
+
+
+DS_JSON = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 101,
+           "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64, "n_routed_experts": 8,
+           "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+           "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10,
+           "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_interleave": True}
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(topk_method="group_limited_greedy"), "topk_method='group_limited_greedy' is not supported: valid: noaux_tc"),
+    (dict(scoring_func="softmax"), "scoring_func='softmax' is not supported"),
+    (dict(rope_interleave=False), "rope_interleave=False is not supported"),
+    (dict(rope_scaling={"type": "yarn", "factor": 40, "mscale_all_dim": 1.0}), "rope_scaling.rope_type='yarn'"),
+    (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
+    (dict(attention_bias=True), "attention_bias=True is not supported"),
+])
+def test_deepseek_config_refusals(tmp_path, changes, message):
+    import json
+
+    from shardwise.hf_config import config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(DS_JSON | changes))
+    with pytest.raises(ConfigError, match=message):
+        config_from_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("model_type,changes,message", [
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=True is not supported"),
+    ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types=.* is not supported"),
+    ("qwen3", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("qwen3_moe", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), "rope_type='dynamic'"),
+])
+def test_qwen3_config_refusals(tmp_path, model_type, changes, message):
+    import json
+
+    from shardwise.hf_config import config_from_hf
+
+    base = {"model_type": model_type, "vocab_size": 101, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12,
+            "max_position_embeddings": 64, "num_experts": 4, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(base | changes))
+    with pytest.raises(ConfigError, match=message):
+        config_from_hf(str(tmp_path))
+
+
+def test_tp_not_dividing_heads_exits_2(capsys):
+    from shardwise.cli import main
+
+    assert main(["train", "--model", "qwen3-0.6b", "--tp", "3", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--tp 3 does not divide n_heads=16" in err and len(err.splitlines()) == 1, err

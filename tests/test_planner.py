@@ -218,7 +218,7 @@ def test_hf_gpt2_small_is_124m(tmp_path):
 
 
 def test_hf_errors(tmp_path):
-    with pytest.raises(PlanError, match="'bert' is not supported; supported: llama, mistral, mixtral, qwen2, gpt2"):
+    with pytest.raises(PlanError, match="'bert' is not supported; supported: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, deepseek_v3, gpt2"):
         load_hf_config(_write(tmp_path, {"model_type": "bert", "hidden_size": 768}))
     with pytest.raises(PlanError, match="'num_hidden_layers' must be a positive integer"):
         load_hf_config(_write(tmp_path, {k: v for k, v in LLAMA.items() if k != "num_hidden_layers"}))

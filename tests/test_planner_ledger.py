@@ -42,10 +42,16 @@ from shardwise.planner.memory import microbatch_activation_bytes, stage_params, 
 from shardwise.train import IGNORE_INDEX, Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
+from test_model_families import QWEN3, QWEN3_MOE
 
 KW = dict(seq_len=32, micro_batch=2)
 # name: (world, model, ParallelConfig kwargs, TrainConfig kwargs); m = global_batch / (micro_batch·dp)
 LAYOUTS = {
+    # Qwen3 (q/k norms, head_dim 24 with dim 64 and 4 heads) and a Qwen3-MoE shape with HF's pooled aux loss
+    "tp2-qwen3": (2, QWEN3, dict(tp=2), dict(KW, global_batch=4)),
+    "tp2-sp-bf16-qwen3": (2, QWEN3, dict(tp=2, sequence_parallel=True), dict(KW, global_batch=4, dtype="bf16")),
+    "cp2-bf16-qwen3": (2, QWEN3, dict(cp=2), dict(KW, global_batch=4, dtype="bf16")),
+    "ep2-dp2-qwen3-moe": (2, QWEN3_MOE, dict(dp=2, ep=2), dict(KW, global_batch=8)),
     "tp2": (2, "tiny", dict(tp=2), dict(KW, global_batch=4)),
     "tp2-sp": (2, "tiny", dict(tp=2, sequence_parallel=True), dict(KW, global_batch=4)),
     "tp2-sp-bf16": (2, "tiny", dict(tp=2, sequence_parallel=True), dict(KW, global_batch=4, dtype="bf16")),

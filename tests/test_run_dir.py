@@ -70,7 +70,10 @@ def test_resume_without_checkpoint_and_auto_resume(tmp_path, capsys):
     assert main_without_ranks(["train", *ONE, "--out", str(fresh), "--resume"]) == 2  # before any rank
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--resume: no checkpoint under" in err[0] and "--auto-resume" in err[0], err
-    assert not fresh.exists() and time.monotonic() - t0 < 5
+    assert not fresh.exists() and time.monotonic() - t0 < 30  # no rank started (main_without_ranks)
+    assert main_without_ranks(["train", *ONE, "--out", str(fresh), "--resume", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--overwrite replaces the run" in err[0] and "choose one" in err[0], err
     assert main(["train", *ONE, "--steps", "2", "--out", str(fresh), "--auto-resume"]) == 0  # fresh start
     assert "resuming" not in capsys.readouterr().err
     assert main(["train", *ONE, "--steps", "3", "--out", str(fresh), "--auto-resume"]) == 0  # the requeued job

@@ -36,6 +36,16 @@ class ModelConfig:
     """Biases on the q/k/v projections (Qwen2); wo and the MLP stay bias-free."""
     qk_norm: bool = False
     """Qwen3: an RMSNorm over each head's head_dim on q and on k (weights shared by all heads), before RoPE."""
+    q_lora_rank: int = 0
+    """Multi-head Latent Attention (DeepSeek-V2/V3, on when kv_lora_rank > 0): rank of the query down-projection
+    (0 = a full q projection, V2-Lite). Under MLA head_dim is the non-rotary part of q/k (qk_nope_head_dim)."""
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    """MLA: rotary part of each q/k head (one shared rotary key for all heads)."""
+    v_head_dim: int = 0
+    """MLA: value head size (may differ from the q/k head size head_dim + qk_rope_dim)."""
+    mla_norm_eps: float = 1e-6
+    """MLA's latent norms (HF's DeepseekV3RMSNorm keeps its default eps there, not rms_norm_eps)."""
     tie_embeddings: bool = False
     """Share the token-embedding matrix with the LM head."""
     dropout: float = 0.0
@@ -66,6 +76,14 @@ class ModelConfig:
     moe_score: str = "softmax"
     """Router scores: softmax or sigmoid (DeepSeek-V3)."""
     moe_softmax_before_topk: bool = True
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    """DeepSeek-V3 group-limited routing: experts in n_group groups, a group scored by its top-2 selection scores,
+    tokens pick their top-k among the experts of their topk_group best groups (1, 1 = no grouping)."""
+    moe_norm_topk: bool = True
+    """sigmoid scores: renormalise the chosen k weights to sum 1 (HF norm_topk_prob)."""
+    moe_routed_scaling: float = 1.0
+    """Routed experts' weights times this (DeepSeek-V3's routed_scaling_factor 2.5)."""
     moe_dense_layers: tuple[int, ...] = ()
     """Layers that keep a dense MLP of ffn_dim although `moe_every` makes them MoE (Qwen3-MoE's mlp_only_layers
     and decoder_sparse_step, DeepSeek's first_k_dense_replace)."""
@@ -88,6 +106,15 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return self.moe_experts > 0 and i % self.moe_every == 0 and i not in self.moe_dense_layers
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions RoPE rotates per head: MLA's rotary part, else the whole head."""
+        return self.qk_rope_dim if self.is_mla else self.head_dim
+
     def validate(self) -> None:
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             v = getattr(self, f)
@@ -99,8 +126,11 @@ class ModelConfig:
         if self.__dict__.get("_head_dim_derived", False) and self.dim % self.n_heads:
             raise ConfigError(f"model {self.name!r}: dim={self.dim} is not divisible by n_heads={self.n_heads} "
                               "(or give head_dim explicitly)")
-        if self.head_dim % 2:
-            raise ConfigError(f"model {self.name!r}: head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_dim % 2:
+            raise ConfigError(f"model {self.name!r}: the RoPE dimension {self.rope_dim} must be even")
+        if self.is_mla and (self.qk_rope_dim <= 0 or self.v_head_dim <= 0 or self.q_lora_rank < 0):
+            raise ConfigError(f"model {self.name!r}: MLA (kv_lora_rank={self.kv_lora_rank}) needs qk_rope_dim > 0 and "
+                              f"v_head_dim > 0, got {self.qk_rope_dim}, {self.v_head_dim}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"model {self.name!r}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
@@ -123,6 +153,9 @@ class ModelConfig:
             if self.moe_aux_loss_scope not in ("layer", "model"):
                 raise ConfigError(f"model {self.name!r}: moe_aux_loss_scope={self.moe_aux_loss_scope!r}; valid: layer, "
                                   "model")
+            if self.moe_n_group < 1 or self.moe_experts % self.moe_n_group or not 1 <= self.moe_topk_group <= self.moe_n_group:
+                raise ConfigError(f"model {self.name!r}: moe_n_group={self.moe_n_group} must divide moe_experts="
+                                  f"{self.moe_experts} and moe_topk_group={self.moe_topk_group} be in [1, n_group]")
             if self.moe_score not in ("softmax", "sigmoid"):
                 raise ConfigError(f"--moe-score {self.moe_score!r}: valid: softmax, sigmoid")
         for f in ("dropout", "attn_dropout"):
@@ -135,6 +168,11 @@ class ModelConfig:
         h, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.attention_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
+        if self.is_mla:
+            qk, r = self.head_dim + self.qk_rope_dim, self.q_lora_rank
+            q_proj = (h * r + r + r * self.n_heads * qk) if r else h * self.n_heads * qk
+            attn = q_proj + h * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank
+            attn += self.kv_lora_rank * self.n_heads * (self.head_dim + self.v_head_dim) + self.n_heads * self.v_head_dim * h
         dense_mlp = 3 * h * self.ffn_dim
         moe_ffn = self.moe_ffn_dim or self.ffn_dim
         moe_mlp = 3 * h * moe_ffn * (self.moe_experts + self.moe_shared_experts) + self.moe_experts * h
@@ -201,6 +239,21 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         name="qwen3-235b-a22b", vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128,
         ffn_dim=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, moe_experts=128, moe_topk=8,
         moe_ffn_dim=1536, moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
+    ),
+    # deepseek-ai/DeepSeek-V3 and DeepSeek-V2-Lite config.json, without their YaRN context extension (shardwise
+    # refuses rope_scaling yarn), so at their original 4096-token context: MLA, first-k dense layers, shared
+    # experts. V3: sigmoid scores, 8 groups (top-4), renormalised top-8 × 2.5, loss-free bias step 0.001.
+    # V2-Lite: no query latent, softmax top-6 probabilities unnormalised.
+    "deepseek-v3": ModelConfig(
+        name="deepseek-v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=128,
+        ffn_dim=18432, max_seq_len=4096, norm_eps=1e-6, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64,
+        v_head_dim=128, moe_experts=256, moe_topk=8, moe_ffn_dim=2048, moe_shared_experts=1, moe_dense_layers=(0, 1, 2),
+        moe_score="sigmoid", moe_n_group=8, moe_topk_group=4, moe_routed_scaling=2.5, moe_bias_update_rate=0.001,
+    ),
+    "deepseek-v2-lite": ModelConfig(
+        name="deepseek-v2-lite", vocab_size=102400, dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, head_dim=128,
+        ffn_dim=10944, max_seq_len=4096, norm_eps=1e-6, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
+        moe_experts=64, moe_topk=6, moe_ffn_dim=1408, moe_shared_experts=2, moe_dense_layers=(0,),
     ),
 }
 

@@ -63,13 +63,15 @@ class Router(nn.Module):
 
     def __init__(self, dim: int, n_experts: int, topk: int, score: str = "softmax", softmax_before_topk: bool = True,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
-                 device=None, dtype=None, aux_scope: str = "layer"):
+                 device=None, dtype=None, aux_scope: str = "layer", n_group: int = 1, topk_group: int = 1,
+                 norm_topk: bool = True, scaling: float = 1.0):
         super().__init__()
         if not 1 <= topk <= n_experts:
             raise ValueError(f"topk={topk} must be in [1, n_experts={n_experts}]")
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"score={score!r}: expected 'softmax' or 'sigmoid'")
         self.n_experts, self.topk, self.score, self.aux_scope = n_experts, topk, score, aux_scope
+        self.n_group, self.topk_group, self.norm_topk, self.scaling = n_group, topk_group, norm_topk, scaling
         self.softmax_before_topk = softmax_before_topk
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.weight = nn.Parameter(torch.empty(n_experts, dim, device=device, dtype=dtype))
@@ -92,10 +94,15 @@ class Router(nn.Module):
         else:
             scores = logits.sigmoid()
             probs = scores / scores.sum(-1, keepdim=True)
-        _, indices = torch.topk((logits if after else scores).detach() + self.expert_bias, k, dim=-1)
+        choice = (logits if after else scores).detach() + self.expert_bias
+        if self.n_group > 1:
+            choice = self._limit_groups(choice)
+        _, indices = torch.topk(choice, k, dim=-1)
         weights = logits.gather(1, indices).softmax(-1) if after else scores.gather(1, indices)
-        if self.score == "sigmoid":
-            weights = weights / weights.sum(-1, keepdim=True)
+        if self.score == "sigmoid" and self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # HF DeepseekV3TopkRouter's epsilon
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         counts = torch.zeros(e, device=x.device).scatter_add_(0, indices.reshape(-1),
                                                               torch.ones(n * k, device=x.device))
         active = [ax for ax in self.token_axes if ax.active]
@@ -118,6 +125,15 @@ class Router(nn.Module):
         aux_term = 0.0 if self.aux_scope == "model" else self.aux_loss_coef * aux
         return Routing(indices, weights, counts, aux, z, aux_term + self.z_loss_coef * z, global_counts, n_global,
                        probs.sum(0))
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's group-limited routing: each group scored by the sum of its top-2 selection scores; experts
+        outside a token's topk_group best groups are masked out of its choice."""
+        n, g = choice.shape[0], self.n_group
+        grouped = choice.view(n, g, self.n_experts // g)
+        best = torch.topk(grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1), self.topk_group, dim=-1)[1]
+        keep = torch.zeros(n, g, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, self.n_experts)
 
     @torch.no_grad()
     def update_bias(self, axis=None, counts: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,6 +24,8 @@ from ..mesh import Axis
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import ReplicatedDropout
 from .documents import document_mask
+from .mla import MLA
+from .rope import apply_rope, llama3_inv_freq, rope_tables  # noqa: F401  (re-exported: the model's RoPE)
 
 
 class RMSNorm(nn.Module):
@@ -37,40 +39,6 @@ class RMSNorm(nn.Module):
         # Statistics in fp32; the output keeps the residual stream's dtype (bf16 under bf16 activations),
         # so what enters a TP/SP region or the MoE dispatch moves in that dtype.
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).type_as(x)
-
-
-def llama3_inv_freq(inv: torch.Tensor, factor: float, low: float, high: float, old_len: int) -> torch.Tensor:
-    """Llama-3.1 long-context RoPE: divide low frequencies by `factor`, keep high ones, blend between."""
-    wavelen = 2 * math.pi / inv
-    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    return (1 - smooth) * inv / factor + smooth * inv
-
-
-def rope_tables(head_dim: int, seq_len: int, theta: float, device, positions=None, scaling=None):
-    """cos/sin tables [s, head_dim/2]; `positions` lets a sequence shard use its global positions.
-
-    Per-sequence positions [b, s] (--reset-positions: each document counts from 0) give [b, s, head_dim/2].
-
-    `scaling` is ModelConfig.rope_scaling (Llama-3.1 frequency scaling) or None.
-    """
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    if scaling is not None:
-        inv = llama3_inv_freq(inv, *scaling)
-    pos = torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None else positions.float()
-    ang = pos.unsqueeze(-1) * inv
-    return ang.cos(), ang.sin()
-
-
-def apply_rope(x, cos, sin):
-    """x [b, s, heads, hd]; rotate interleaved pairs (Meta's Llama convention) in fp32.
-
-    Written in real arithmetic (the complex multiply spelled out) because inductor has no code
-    generation for complex tensors: under --compile this fuses into the projections' epilogue.
-    """
-    xf = x.float().unflatten(-1, (-1, 2))
-    a, b = xf[..., 0], xf[..., 1]
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [s, 1, hd/2] or, per sequence, [b, s, 1, hd/2]
-    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
@@ -142,14 +110,15 @@ def build_moe(cfg: ModelConfig, ep_axis=None, expert_replicas: int = 1, device=N
                score=cfg.moe_score, softmax_before_topk=cfg.moe_softmax_before_topk,
                aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
                bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device,
-               aux_scope=cfg.moe_aux_loss_scope)
+               aux_scope=cfg.moe_aux_loss_scope, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
+               norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling)
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = MLA(cfg, RMSNorm) if cfg.is_mla else Attention(cfg)
         self.attn_resid_dropout = ReplicatedDropout(cfg.dropout)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = build_moe(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
@@ -192,7 +161,7 @@ class Transformer(nn.Module):
             pos = shard_sequence(positions, cp.rank, cp.size, self.cp_order) if cp_active else positions
         else:
             pos = cp_positions(seq_len, cp.rank, cp.size, self.cp_order, device) if cp_active else None
-        return rope_tables(self.cfg.head_dim, local_len, self.cfg.rope_theta, device, positions=pos,
+        return rope_tables(self.cfg.rope_dim, local_len, self.cfg.rope_theta, device, positions=pos,
                            scaling=self.cfg.rope_scaling)
 
     def forward(self, tokens, doc_ids=None, positions=None):

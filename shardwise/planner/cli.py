@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=f"model preset: {', '.join(PRESETS)}")
     src.add_argument("--model-config", metavar="PATH",
-                     help="Hugging Face config.json (model_type llama, mistral, mixtral, qwen2 or gpt2)")
+                     help="Hugging Face config.json (model_type llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, deepseek_v3 or gpt2)")
     p.add_argument("--gpus", type=int, default=8, help="total GPUs (default 8)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the GPU preset's)")
     p.add_argument("--gpu", default="h100-80gb", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default h100-80gb)")
@@ -173,7 +173,7 @@ def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchS
     names = [Layout(**r["layout"]).short() for r in rows]
     axes = [a for a in TABLE_AXES if any(r["comm_bytes_per_step_max"].get(a) for r in rows)]
     cols = [("#", 3), ("layout", max(map(len, names))), ("params/rank", 11), ("static GB", 9), ("act GB", 7),
-            ("total GB", 8), ("bubble", 6)]
+            ("total GB", 8), ("peak GB", 7), ("bubble", 6)]
     cols += [(f"{a} GB", max(8, len(a) + 3)) for a in axes] + [("step s", 7), ("MFU", 5)]
 
     def line(cells: list[str]) -> str:
@@ -187,7 +187,7 @@ def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchS
         comm = r["comm_bytes_per_step_max"]
         cells = [str(i), name, f"{r['params_per_rank'] / 1e9:.2f}B", f"{r['static_bytes_per_rank'] / GB:.1f}",
                  f"{r['activation_bytes_per_rank'] / GB:.1f}", f"{r['total_bytes_per_rank'] / GB:.1f}",
-                 f"{r['bubble_fraction']:.3f}"]
+                 f"{r['peak_bytes_per_rank'] / GB:.1f}", f"{r['bubble_fraction']:.3f}"]
         cells += [f"{comm[a] / GB:.1f}" if a in comm else "-" for a in axes]
         out.append(line(cells + [f"{r['step_time_s']:.2f}", f"{r['mfu']:.3f}"]))
         out += command_lines(r, "     ")
@@ -218,8 +218,9 @@ def explain_text(est: dict) -> str:
         f"  static            {g(est['static_bytes_per_rank'])}",
         f"  activations       {g(est['activation_bytes_per_rank'])}  (recompute {lay['recompute']}, "
         f"SP {'on' if lay['sp'] else 'off'})",
-        f"  total             {g(est['total_bytes_per_rank'])} of {g(est['usable_bytes_per_rank'])} usable: "
-        f"{'fits' if est['fits'] else 'DOES NOT FIT'}",
+        f"  total             {g(est['total_bytes_per_rank'])}  (static + activations)",
+        f"  live peak         {g(est['peak_bytes_per_rank'])} of {g(est['usable_bytes_per_rank'])} usable: "
+        f"{'fits' if est['fits'] else 'DOES NOT FIT'}  (+ the step's transient buffers)",
         "",
         "per stage (each rank of it)",
     ]
@@ -227,7 +228,8 @@ def explain_text(est: dict) -> str:
         extra = (" +embedding" if st["embedding"] else "") + (" +head" if st["head"] else "")
         out.append(f"  stage {st['stage']:>3}: {st['layers']:>3} layers{extra:17} params {st['params'] / 1e9:7.3f}B  "
                    f"static {g(st['static_bytes'])}  activations {g(st['activation_bytes'])}  "
-                   f"total {g(st['total_bytes'])}  {st['microbatch_time_s'] * 1e3:8.2f} ms/microbatch")
+                   f"total {g(st['total_bytes'])}  peak {g(st['peak_bytes'])}  "
+                   f"{st['microbatch_time_s'] * 1e3:8.2f} ms/microbatch")
     out += [
         "",
         f"compute: model {est['model_flops_per_step']:.3e} FLOP/step, hardware {est['hardware_flops_per_step']:.3e}"

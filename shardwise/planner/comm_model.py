@@ -135,6 +135,13 @@ def tp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
     t = lay.tp
     if lay.sp and local.sp_replicated:
         led.add("tp", "all_reduce", local.sp_replicated * 4, t)
+    elif t > 1 and stage.n_layers and (spec.qk_norm or spec.is_mla):
+        # replicated weights that see this rank's heads only (Qwen3's q/k norms, MLA's down-projections and
+        # latent norms): partial gradients even without SP
+        r = spec.q_lora_rank
+        per_layer = 2 * spec.head_dim if spec.qk_norm else \
+            (spec.dim * r + r) + (spec.dim + 1) * spec.kv_lora_rank + spec.dim * spec.qk_rope_dim
+        led.add("tp", "all_reduce", per_layer * stage.n_layers * 4, t)
     if not spec.is_mla and spec.n_kv_heads < t and stage.n_layers:
         per_layer = spec.n_kv_heads * spec.head_dim * (spec.dim + (1 if spec.attention_bias or spec.linear_bias else 0)) * 2
         led.add("tp", "all_reduce", per_layer * stage.n_layers * 4, t)

@@ -132,7 +132,7 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
         m = gb // per_step
     pp = deg["pp"]
     schedule = args.schedule if pp > 1 else "1f1b"
-    vp = 2 if schedule == "dualpipev" else (args.vp if pp > 1 else 1)
+    vp = 2 if schedule == "dualpipev" else (args.vp or (2 if schedule == "interleaved" else 1) if pp > 1 else 1)
     if args.pp_layers and args.pp_layers != ",".join(map(str, balanced_counts(n_layers, pp * vp))):
         raise PlanError(f"--explain: --pp-layers {args.pp_layers} is not the planner's balanced split "
                         f"{','.join(map(str, balanced_counts(n_layers, pp * vp)))}")

@@ -23,7 +23,8 @@ from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
 from shardwise.planner.memory import ACTIVATION_MODELS, stage_activation_bytes, stage_params, static_bytes, zero_buckets
-from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab, total_params
+from shardwise.planner.models import ModelSpec, active_params, local_kv_heads, padded_vocab, total_params
+from shardwise.planner.peak import peak_terms
 from shardwise.planner.schedule import bubble_fraction
 
 AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp")
@@ -109,12 +110,15 @@ def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload, activation_model
             seen[key] = local, static_bytes(local, lay, zero_buckets(spec, st, lay) if lay.zero else None)
         local, static = seen[key]
         act = stage_activation_bytes(spec, st, lay, wl, activation_model)
-        out.append({"stage": st, "params": local, "static": static, "activation": act, "total": static["total"] + act})
+        peak = peak_terms(spec, st, lay, wl, static["total"], act)
+        out.append({"stage": st, "params": local, "static": static, "activation": act, "total": static["total"] + act,
+                    "peak": peak["total"], "peak_terms": peak})
     return out
 
 
 def fits(mem: list[dict], cluster: Cluster, assume: Assumptions) -> bool:
-    return max(s["total"] for s in mem) <= cluster.gpu.memory_bytes * assume.usable_memory
+    """The live peak (static + activations + the step's transient buffers) within the usable memory."""
+    return max(s["peak"] for s in mem) <= cluster.gpu.memory_bytes * assume.usable_memory
 
 
 def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float, float]:
@@ -182,11 +186,13 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         "layout": lay.as_dict(),
         "layout_str": ",".join(f"{k}={str(v).lower()}" for k, v in lay.as_dict().items()),
         "params_total": total_params(spec),
+        "params_active": active_params(spec),
         "params_per_rank": max(p["params"].total for p in per_stage),
         "static_bytes_per_rank": max(p["static"]["total"] for p in per_stage),
         "static_breakdown_per_rank": max((p["static"] for p in per_stage), key=lambda d: d["total"]),
         "activation_bytes_per_rank": round(max(p["activation"] for p in per_stage)),
         "total_bytes_per_rank": round(max(p["total"] for p in per_stage)),
+        "peak_bytes_per_rank": round(max(p["peak"] for p in per_stage)),
         "usable_bytes_per_rank": cluster.gpu.memory_bytes * assume.usable_memory,
         "fits": fits(mem, cluster, assume),
         "layers_per_stage": max(p["stage"].n_layers for p in per_stage),
@@ -212,7 +218,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         out["stages"] = [{
             "stage": p["stage"].index, "layers": p["stage"].n_layers, "embedding": p["stage"].embedding,
             "head": p["stage"].head, "params": p["params"].total, "static_bytes": p["static"]["total"],
-            "activation_bytes": round(p["activation"]), "total_bytes": round(p["total"]), "microbatch_time_s": p["mb"],
+            "activation_bytes": round(p["activation"]), "total_bytes": round(p["total"]),
+            "peak_bytes": round(p["peak"]), "microbatch_time_s": p["mb"],
             "comm_bytes_per_step": led.per_axis("bytes"), "comm_ops_per_step": led.as_dict(),
         } for p, led in ((p, whole_step(*p["ledgers"], lay.m)) for p in per_stage)]
     return out

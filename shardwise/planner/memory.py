@@ -275,6 +275,8 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     mask = e * n * h if spec.dropout > 0 else 0  # under SP each rank keeps its slice of the full mask
     lse = 4 * n * hq if recompute == "none" else 0  # selective recompute of the attention core drops it
     attn = _norm_saved(n_r, h) + _region_input(n, h, 3, e, r) + mask
+    if spec.qk_norm:  # Qwen3's fp32 per-head norms of this rank's q and k heads, on every token of its sequence
+        attn += 8 * n * (hq + hkv) * dk + 4 * n * (hq + hkv)
     if spec.is_mla:  # compressed latents and their norms (replicated over tp, like the down-projections)
         attn += 2 * e * n * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_dim)
     if c > 1 and recompute == "selective":  # checkpoint keeps the core's inputs q, k, v; wo keeps its input
@@ -401,9 +403,12 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
 def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
                            model: str = "shardwise") -> float:
     """Peak activation bytes on one rank of `stage`: its microbatch figure (head excluded) for every
-    microbatch in flight, the head's for one, and under full recompute one layer's full activations."""
+    microbatch in flight, the head's for one (GPipe: for every microbatch, since all forwards run before the
+    first backward), and under full recompute one layer's full activations."""
     mb = microbatch_activation_bytes(spec, stage, lay, wl, model)
-    held = (mb["total"] - mb["head"]) * in_flight(lay, stage.index) + mb["head"]
+    flight = in_flight(lay, stage.index)
+    heads = flight if lay.schedule == "gpipe" and lay.pp > 1 else 1
+    held = (mb["total"] - mb["head"]) * flight + mb["head"] * heads
     return held + recompute_transient_bytes(spec, stage, lay, wl, model)
 
 
@@ -415,15 +420,3 @@ def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Wo
         return 0.0
     kinds = [moe for moe, n in ((False, stage.n_dense), (True, stage.n_moe)) if n]
     return max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
-
-
-def peak_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, mem: dict | None = None) -> float:
-    """Live peak of one rank of `stage` during a step: static state, the activations held at the worst
-    moment, and the transient buffers the trace shows beside them."""
-    if mem is None:
-        local = stage_params(spec, stage, lay)
-        static = static_bytes(local, lay, zero_buckets(spec, stage, lay) if lay.zero else None)["total"]
-        act = stage_activation_bytes(spec, stage, lay, wl)
-    else:
-        static, act = mem["static"]["total"], mem["activation"]
-    return static + act

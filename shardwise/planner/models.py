@@ -1,14 +1,14 @@
 """Model shapes the planner understands, and how many parameters each rank holds of them.
 
 One preset table: `shardwise.config.MODEL_PRESETS`, the trainer's own. A `ModelSpec` *is* a trainer
-`ModelConfig` (a subclass: every field the trainer knows, under the same name and meaning) plus the
+`ModelConfig` (a subclass: every field the trainer knows, under the same name and meaning — Qwen3's q/k norms
+and explicit head_dim, DeepSeek's Multi-head Latent Attention, dense layers among MoE ones) plus the
 architecture variants only the planner models — GPT-2's GELU MLP, LayerNorm, linear biases and learned
-positions, DeepSeek-V3's Multi-head Latent Attention and first-k-dense layers, an explicit head_dim —
-so a plan for a trainer preset or a trainer-readable Hugging Face config is a plan of exactly the model
-`shardwise train` builds. DeepSeek-V3 is the one planner-only preset; `untrainable` says why train
-cannot build a spec. Hugging Face `config.json` files of the llama, mistral, mixtral and qwen2 families
-are read by the trainer's reader (`shardwise.hf_config.config_from_hf`); shapes it refuses, and gpt2,
-fall back to a lenient planner-only reading.
+positions — so a plan for a trainer preset or a trainer-readable Hugging Face config is a plan of exactly the
+model `shardwise train` builds; `untrainable` says why train cannot build a spec. Hugging Face `config.json`
+files of the llama, mistral, mixtral, qwen2, qwen3, qwen3_moe and deepseek_v3 families are read by the trainer's
+reader (`shardwise.hf_config.config_from_hf`); shapes it refuses, and gpt2, fall back to a lenient planner-only
+reading.
 
 Counting follows shardwise's TP plan: the vocabulary is padded to a
 multiple of tp and sharded, wq/wk/wv/w1/w3 are split by output rows, wo/w2 by input columns, norms are
@@ -20,8 +20,8 @@ experts) is replicated over tp, not tensor-sharded; routers and shared experts a
 (shardwise's `moe_every`, Megatron's moe_layer_freq; DeepSeek-V3's first-k-dense).
 
 DeepSeek-V3's Multi-head Latent Attention is modelled by its real projection shapes (q_a, q_b, kv_a,
-kv_b, o), with the down-projections and their norms replicated over tp (as Megatron does) and the
-up-projections and o sharded by heads. For activations, FLOPs and context-parallel traffic it is treated
+kv_b, o), with the down-projections and their norms replicated over tp (as shardwise's plan and Megatron do) and
+the up-projections and o sharded by heads. For activations, FLOPs and context-parallel traffic it is treated
 as multi-head attention with n_heads K/V heads of qk_nope+qk_rope (K) and v_head_dim (V) — the
 decompressed tensors training materialises. Its multi-token-prediction module is not counted.
 """
@@ -51,10 +51,6 @@ class ModelSpec(ModelConfig):
     learned_pos: bool = False
     n_dense_layers: int = 0
     """Leading layers with a dense MLP in an MoE model (DeepSeek-V3: 3)."""
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_rope_dim: int = 0
-    v_head_dim: int = 0
     untrainable: str = ""
     """Why `shardwise train` cannot build this model; '' = it can (the spec is a trainer ModelConfig)."""
 
@@ -77,10 +73,6 @@ class ModelSpec(ModelConfig):
     @property
     def is_moe(self) -> bool:
         return self.moe_experts > 0
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
 
     @property
     def k_dim(self) -> int:
@@ -201,6 +193,8 @@ def attention_tensors(spec: ModelSpec, tp: int) -> list[Tensor]:
     out.append(Tensor(q * h))
     if spec.linear_bias:
         out.append(Tensor(h, matrix=False, sp_replicated=True))
+    if spec.qk_norm:  # Qwen3's per-head q/k norms (after wo, as in shardwise's module): partial grads under any tp
+        out += [Tensor(spec.head_dim, matrix=False, sp_replicated=True)] * 2
     return out
 
 
@@ -253,14 +247,14 @@ def total_params(spec: ModelSpec) -> int:
     return Params.of(embedding_tensors(spec) + head_tensors(spec)).total + layers
 
 
+@lru_cache(maxsize=256)
+def active_params(spec: ModelSpec) -> int:
+    """Parameters one token uses: `total_params` less the routed experts it is not sent to (E − k per MoE layer)."""
+    idle = spec.n_moe_layers * spec.mlp_mats * spec.dim * spec.expert_ffn_dim * (spec.moe_experts - spec.moe_topk)
+    return total_params(spec) - idle
+
+
 PRESETS: dict[str, ModelSpec] = {name: ModelSpec.of(cfg) for name, cfg in MODEL_PRESETS.items()}
-# deepseek-ai/DeepSeek-V3 config.json: 671B parameters, 37B active; MLA as described above. Planner-only.
-PRESETS["deepseek-v3"] = ModelSpec(
-    name="deepseek-v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=128,
-    ffn_dim=18432, max_seq_len=163840, moe_experts=256, moe_topk=8, moe_ffn_dim=2048, moe_shared_experts=1,
-    moe_score="sigmoid", n_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
-    untrainable="shardwise train has no Multi-head Latent Attention or first-k-dense layers",
-)
 
 
 def get_model(name: str) -> ModelSpec:
@@ -269,9 +263,9 @@ def get_model(name: str) -> ModelSpec:
     return PRESETS[name]
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt2")
 # Hugging Face's defaults for max_position_embeddings where a config.json leaves it out.
-_HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768}
+_HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768, "qwen3": 32768}
 
 
 def load_hf_config(path: str | Path) -> ModelSpec:
@@ -297,6 +291,8 @@ def load_hf_config(path: str | Path) -> ModelSpec:
         try:
             return ModelSpec.of(config_from_hf(str(path)))
         except ConfigError as e:
+            if mt in ("qwen3_moe", "deepseek_v3"):  # no lenient reading of their expert / attention layout
+                raise PlanError(f"--model-config {path}: {e}") from None
             refusal = f"shardwise train refuses it: {e}"
 
     def need(key: str) -> int:
@@ -320,7 +316,7 @@ def load_hf_config(path: str | Path) -> ModelSpec:
         )
     h, heads = need("hidden_size"), need("num_attention_heads")
     kv = raw.get("num_key_value_heads") or heads
-    head_dim = raw.get("head_dim") or h // heads
+    head_dim = raw.get("head_dim") or (128 if mt == "qwen3" else h // heads)
     if not raw.get("head_dim") and h % heads:
         raise PlanError(f"--model-config {path}: hidden_size={h} is not divisible by num_attention_heads={heads}")
     if heads % kv:
@@ -330,7 +326,7 @@ def load_hf_config(path: str | Path) -> ModelSpec:
         n_kv_heads=kv, head_dim=head_dim, ffn_dim=need("intermediate_size"),
         max_seq_len=raw.get("max_position_embeddings", _HF_MAX_POS[mt]),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=(mt == "qwen2"),
-        attn_dropout=float(raw.get("attention_dropout", 0.0)), untrainable=refusal,
+        attn_dropout=float(raw.get("attention_dropout", 0.0)), qk_norm=(mt == "qwen3"), untrainable=refusal,
     )
     if mt == "mixtral":
         spec = replace(spec, moe_experts=need("num_local_experts"), moe_topk=need("num_experts_per_tok"),

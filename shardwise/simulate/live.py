@@ -28,6 +28,7 @@ class LiveMemory(TorchDispatchMode):
         self.peak_phase, self.peak_groups = "", {}
         self.phase = "forward"
         self.labels: dict[int, str] = {}  # storage key -> static label (parameters, gradients, ...)
+        self.watched: set[int] = set()  # storages resized in place (ZeRO-3 buffers): no op reports that
 
     def label(self, tensors, name: str) -> None:
         """Name the storages behind `tensors` (statics) so the report groups them by what they are."""
@@ -40,6 +41,32 @@ class LiveMemory(TorchDispatchMode):
                     self.groups[old] -= n
                     self.groups[name] += n
                     self.storages[key] = (n, name, ref)
+
+    def watch(self, tensors) -> None:
+        """Follow the size of the storages behind `tensors`: `UntypedStorage.resize_` (how ZeRO-3 gathers
+        and frees a unit's buffer) dispatches no op, so their size is re-read before every op."""
+        self.track(tensors, "ZeRO flat buffers")
+        self.watched |= {t.untyped_storage()._cdata for t in tensors if isinstance(t, FakeTensor)}
+        self._sync()
+
+    def _sync(self) -> None:
+        for key in list(self.watched):
+            entry = self.storages.get(key)
+            s = entry[2]() if entry is not None else None
+            if s is None:
+                self.watched.discard(key)
+                continue
+            n = s.nbytes()
+            if n != entry[0]:
+                self.storages[key] = (n, entry[1], entry[2])
+                self.groups[entry[1]] += n - entry[0]
+                self.live += n - entry[0]
+                self._check_peak()
+
+    def _check_peak(self) -> None:
+        if self.live > self.peak:
+            self.peak, self.peak_phase = self.live, self._phase()
+            self.peak_groups = dict(self.groups)
 
     def _phase(self) -> str:
         return "backward" if torch._C._current_graph_task_id() != -1 else self.phase
@@ -54,9 +81,7 @@ class LiveMemory(TorchDispatchMode):
         self.storages[key] = (n, group, weakref.ref(s, lambda _, k=key: self._free(k)))
         self.groups[group] += n
         self.live += n
-        if self.live > self.peak:
-            self.peak, self.peak_phase = self.live, self._phase()
-            self.peak_groups = dict(self.groups)
+        self._check_peak()
 
     def _free(self, key: int) -> None:
         entry = self.storages.pop(key, None)
@@ -72,6 +97,8 @@ class LiveMemory(TorchDispatchMode):
                 self._add(t, group)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.watched:
+            self._sync()
         out = func(*args, **(kwargs or {}))
         group = None
         for t in tree_leaves(out):

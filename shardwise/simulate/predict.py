@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..planner import Cluster, estimate, get_gpu
 from ..planner.layout import from_train_config
-from ..planner.memory import peak_bytes, recompute_transient_bytes
+from ..planner.memory import recompute_transient_bytes
 
 
 def planned(cfg, stage: int) -> dict:
@@ -16,5 +16,5 @@ def planned(cfg, stage: int) -> dict:
     mem = memory_by_stage(spec, lay, wl)[stage]
     held = mem["activation"] - recompute_transient_bytes(spec, mem["stage"], lay, wl)
     return {"static_bytes": mem["static"]["total"], "activation_bytes": round(held),
-            "peak_bytes": round(peak_bytes(spec, mem["stage"], lay, wl, mem)),
+            "peak_bytes": round(mem["peak"]), "peak_terms": mem["peak_terms"],
             "comm_bytes": {a: b for a, b in est["stages"][stage]["comm_bytes_per_step"].items() if b}}

@@ -120,6 +120,8 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
             answers.ep_rank = mesh["ep"].rank
             trainer = Trainer(cfg, mesh, fake_mode=fake)
             _label_statics(trainer, live)
+            if trainer.reducer.units is not None:  # ZeRO-3: unit buffers gathered and freed by resizing
+                live.watch([b.flat for b in trainer.reducer.buckets])
             static = activation = None
             for step in range(steps):
                 meter = SavedActivationMeter(trainer.model.parameters()) if step == 0 else None

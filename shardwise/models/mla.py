@@ -1,0 +1,73 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3), as transformers' DeepseekV3Attention computes it.
+
+q = wq_b(norm(wq_a x)) (or wq x without a query latent), per head [nope | rope]; one latent
+c = wkv_a x = [c_kv | k_rope] with k_rope a single rotary key shared by all heads; wkv_b(norm(c_kv)) gives
+each head's [k_nope | v]. RoPE rotates only the rope parts (interleaved pairs: HF's rope_interleave layout,
+so its weights load unpermuted). Softmax scale (head_dim + qk_rope_dim)^-0.5; the value head size v_head_dim
+may differ from the q/k size.
+
+Under TP the heads split: wq / wq_b and wkv_b column-parallel by head, wo row-parallel; the down-projections
+and their norms are replicated, and since each rank back-propagates only its heads into them, their gradients
+(and the block input's) are partial sums over TP (`parallelize`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .documents import document_mask
+from .rope import apply_rope
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, norm_cls):
+        super().__init__()
+        h, nh = cfg.dim, cfg.n_heads
+        self.nope, self.rope, self.v_dim, self.kv_rank = cfg.head_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        qk = self.nope + self.rope
+        self.scale = qk ** -0.5
+        if cfg.q_lora_rank:
+            self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_norm = norm_cls(cfg.q_lora_rank, cfg.mla_norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, nh * qk, bias=False)
+        else:
+            self.wq = nn.Linear(h, nh * qk, bias=False)
+        self.wkv_a = nn.Linear(h, self.kv_rank + self.rope, bias=False)
+        self.kv_a_norm = norm_cls(self.kv_rank, cfg.mla_norm_eps)
+        self.wkv_b = nn.Linear(self.kv_rank, nh * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(nh * self.v_dim, h, bias=False)
+        self.attn_dropout = cfg.attn_dropout
+        self.rng = None
+        self.cp_axis, self.cp_order, self.cp_impl = None, "balanced", "ring"  # cp > 1 is refused for MLA
+        self.recompute_core = None
+
+    def forward(self, x, cos, sin, doc_ids=None):
+        b, s = x.shape[:2]
+        q = self.wq_b(self.q_a_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
+        q = q.view(b, s, -1, self.nope + self.rope)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)
+        kv = self.wkv_b(self.kv_a_norm(c_kv)).view(b, s, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
+        q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)
+        k = torch.cat((k_nope, k_rope), dim=-1).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if self.recompute_core is None:
+            out = self.core(q, k, v, doc_ids)
+        else:
+            out = self.recompute_core(self.core, q, k, v, doc_ids)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    def core(self, q, k, v, doc_ids=None):
+        """SDPA with MLA's scale; q/k head size differs from v's (what selective recompute replays)."""
+        p = self.attn_dropout if self.training else 0.0
+        mask = None if doc_ids is None else document_mask(doc_ids, doc_ids)
+        with self.rng.fork("tp") if p > 0 and self.rng is not None else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+                                                  scale=self.scale)
