@@ -3,8 +3,8 @@
 SOURCE is a run directory, a checkpoint root (its newest intact step) or one step-N directory — saved
 under any layout: its global tensors are read whole into this one process, as hf-export does — or a
 Hugging Face model directory (config.json + safetensors). The model is `build_model`'s single-device
-model, and decoding runs its own modules (norms, projections, experts, head) with a KV cache: the
-prompt in one forward, then one token per step attending to the cached keys and values. Decoding stops
+model, and decoding runs its own forward with a KV cache (each attention's core sees the cached keys and
+values): the prompt in one forward, then one token per step. Decoding stops
 at the end-of-document id or after --max-new-tokens (or at the model's max_seq_len).
 
 Tokenizer: `--tokenizer`, else for a checkpoint the one its run recorded (the data's tokenizer and
@@ -176,45 +176,53 @@ class _Tok:
 
 
 # ---------------------------------------------------------------- decoding
-def _block(block, x, cos, sin, cache: list):
-    """One transformer block on new tokens x [b, s, dim], attending to the cached keys/values plus its own."""
-    import torch
-    import torch.nn.functional as F
+class _CachedCore:
+    """Stands in for one attention module's `core` while decoding: prepends the cached keys and values. The
+    prompt (nothing cached yet) runs the module's own causal core; each later single token attends to every
+    cached key, so no mask is needed (SDPA at the module's scale: MLA's, else 1/sqrt(d))."""
 
-    from .models.llama import apply_rope
+    def __init__(self, attn):
+        self.attn, self.k, self.v = attn, None, None
 
-    a = block.attention
-    h = block.attention_norm(x)
-    b, s = h.shape[:2]
-    q = apply_rope(a.wq(h).view(b, s, -1, a.head_dim), cos, sin).transpose(1, 2)
-    k = apply_rope(a.wk(h).view(b, s, -1, a.head_dim), cos, sin).transpose(1, 2)
-    v = a.wv(h).view(b, s, -1, a.head_dim).transpose(1, 2)
-    if cache:
-        k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
-    past = k.shape[2] - s
-    if past and s > 1:
-        raise ValueError("the KV-cache forward takes the prompt in one call and then one token per call")
-    cache[:] = [k, v]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and s > 1, enable_gqa=q.shape[1] != k.shape[1])
-    x = x + a.wo(out.transpose(1, 2).reshape(b, s, -1)).to(x.dtype)
-    return x + block.feed_forward(block.ffn_norm(x)).to(x.dtype)
+    def __call__(self, q, k, v, doc_ids=None):
+        import torch
+        import torch.nn.functional as F
+
+        if self.k is None:
+            self.k, self.v = k, v
+            return type(self.attn).core(self.attn, q, k, v, doc_ids)
+        if q.shape[2] != 1:
+            raise ValueError("the KV cache takes the prompt in one call and then one token per call")
+        self.k, self.v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        return F.scaled_dot_product_attention(q, self.k, self.v, scale=getattr(self.attn, "scale", None),
+                                              enable_gqa=q.shape[1] != self.k.shape[1])
 
 
-def forward_cached(model, tokens, caches: list[list]):
-    """Logits [b, s, vocab] of the new `tokens` [b, s] given `caches` (one list per layer; filled here)."""
-    import torch
+class KVCache:
+    """Decoding state of one sequence: `forward(tokens)` runs the model's own forward (embedding, every block
+    with its norms, q/k norms or MLA, dense or MoE feed-forward, head) on the new tokens at their positions,
+    with each attention's core swapped for its `_CachedCore` for the duration of the call."""
 
-    from .models.llama import rope_tables
+    def __init__(self, model):
+        self.model, self.length = model, 0
+        self.cores = [_CachedCore(block.attention) for block in model.layers.values()]
 
-    cfg = model.cfg
-    past = caches[0][0].shape[2] if caches[0] else 0
-    pos = torch.arange(past, past + tokens.shape[1], device=tokens.device)
-    cos, sin = rope_tables(cfg.head_dim, tokens.shape[1], cfg.rope_theta, tokens.device, positions=pos,
-                           scaling=cfg.rope_scaling)
-    h = model.tok_embeddings(tokens)
-    for block, cache in zip(model.layers.values(), caches):
-        h = _block(block, h, cos, sin, cache)
-    return model.output(model.norm(h))[..., :cfg.vocab_size].float()
+    def forward(self, tokens):
+        """Logits [b, s, vocab] (fp32) of the new `tokens` [b, s]."""
+        import torch
+
+        s = tokens.shape[1]
+        positions = torch.arange(self.length, self.length + s, device=tokens.device).expand(tokens.shape[0], s)
+        blocks = list(self.model.layers.values())
+        for block, core in zip(blocks, self.cores):
+            block.attention.core = core  # an instance attribute shadows the method
+        try:
+            logits = self.model(tokens, positions=positions)
+        finally:
+            for block in blocks:
+                del block.attention.core
+        self.length += s
+        return logits[..., :self.model.cfg.vocab_size].float()
 
 
 def _pick(logits, temperature: float, top_p: float, gen) -> int:
@@ -246,12 +254,12 @@ def generate_ids(model, prompt: list[int], max_new_tokens: int, eos_id: int | No
         raise ConfigError(f"--prompt is {len(prompt)} tokens; the model's max_seq_len is {limit}")
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    caches = [[] for _ in model.layers]
+    cache = KVCache(model)
     out: list[int] = []
     x = torch.tensor([prompt], device=device)
     with torch.no_grad():
         while True:
-            logits = forward_cached(model, x, caches)[0, -1].cpu()
+            logits = cache.forward(x)[0, -1].cpu()
             if scores is not None:
                 scores.append(logits)
             tok = _pick(logits, temperature, top_p, gen)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from shardwise.cli import main
-from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.generate import forward_cached, generate, generate_ids, load_source
+from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
+from shardwise.generate import KVCache, generate, generate_ids, load_source
 from shardwise.mesh import Mesh
 from shardwise.parallelize import build_model
 from shardwise.run import assemble
@@ -17,17 +17,28 @@ from _dist import fresh_seed, run_ranks
 PROMPT = "The tokenizer "
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+# Qwen3-shaped (q/k norms, head_dim != dim / n_heads) and DeepSeek-V3-shaped (MLA, grouped sigmoid routing).
+QWEN3 = ModelConfig(name="qwen3-tiny", vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24,
+                    ffn_dim=96, max_seq_len=64, norm_eps=1e-6, qk_norm=True, tie_embeddings=True)
+DEEPSEEK = ModelConfig(name="deepseek-tiny", vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                       head_dim=16, ffn_dim=96, max_seq_len=64, norm_eps=1e-6, q_lora_rank=32, kv_lora_rank=24,
+                       qk_rope_dim=8, v_head_dim=12, moe_experts=8, moe_topk=2, moe_ffn_dim=32, moe_shared_experts=1,
+                       moe_dense_layers=(0,), moe_score="sigmoid", moe_n_group=4, moe_topk_group=2,
+                       moe_routed_scaling=2.5)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe", QWEN3, DEEPSEEK], ids=["tiny", "tiny-moe", "qwen3", "mla"])
 def test_kv_cache_forward_equals_full_forward(model):
-    cfg = assemble(TrainConfig(model=model, seed=fresh_seed())).model_config()
+    cfg = assemble(TrainConfig(model=model, seq_len=32, seed=fresh_seed())).model_config()
     m = build_model(cfg, Mesh.single(), seed=fresh_seed()).eval()
     tokens = torch.randint(0, cfg.vocab_size, (1, 12))
     with torch.no_grad():
         full = m(tokens)[..., :cfg.vocab_size]
-        caches = [[] for _ in m.layers]
-        steps = [forward_cached(m, tokens[:, :5], caches)]  # a prompt, then one token per call
-        steps += [forward_cached(m, tokens[:, i:i + 1], caches) for i in range(5, 12)]
+        cache = KVCache(m)
+        steps = [cache.forward(tokens[:, :5])]  # a prompt, then one token per call
+        steps += [cache.forward(tokens[:, i:i + 1]) for i in range(5, 12)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert all("core" not in vars(b.attention) for b in m.layers.values()), "the module's own core is back"
 
 
 @pytest.fixture(scope="module")
