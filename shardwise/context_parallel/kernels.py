@@ -146,9 +146,14 @@ def pick(site: str, q: torch.Tensor, v: torch.Tensor, backend: str = "auto", mas
     return choice
 
 
-def used() -> dict[str, str]:
-    """What ran per call site, for summary.json: {"ring_attention": "efficient_cuda,flash_cuda", ...}."""
-    return {site: ",".join(sorted(k)) for site, k in sorted(USED.items())}
+def used(clear: bool = False) -> dict[str, str]:
+    """What ran per call site, for summary.json: {"ring_attention": "efficient_cuda,flash_cuda", ...}.
+
+    `clear`: start afresh (a run's summary takes what ran since the previous one in this process)."""
+    out = {site: ",".join(sorted(k)) for site, k in sorted(USED.items())}
+    if clear:
+        USED.clear()
+    return out
 
 
 def sdpa_backends(choice: Choice) -> list:
