@@ -126,7 +126,10 @@ def _flash_cuda_refusal(cap, dtype, d: int, dv: int, mask: str) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int] | None:
-    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+    """The device's compute capability; None off CUDA or with no CUDA runtime (fake CUDA tensors on a CPU build)."""
+    if device.type != "cuda" or torch.cuda.device_count() == 0:
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 def mask_kind(causal: bool, mask) -> str:
