@@ -91,7 +91,7 @@ def test_cpu_rows_agree_with_torchs_own_dispatcher(d, dv, dtype):
     """On this build torch's SDPA chooser is callable: our "sdpa" entry on CPU must pick what it picks."""
     from torch.nn.attention import SDPBackend
 
-    q, k, v = torch.randn(1, 2, 8, d, dtype=dtype), torch.randn(1, 2, 8, d, dtype=dtype), torch.randn(1, 2, 8, dv, dtype=dtype)
+    q, k, v = (torch.randn(1, 2, 8, e, dtype=dtype) for e in (d, d, dv))
     torch_pick = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, True))
     ours = choose_kernel("cpu", None, dtype, d, dv, "causal", entry="sdpa").kernel
     assert (ours == "flash_cpu") == (torch_pick == SDPBackend.FLASH_ATTENTION), (ours, torch_pick)

@@ -90,7 +90,8 @@ def choose_kernel(device_type: str, capability: tuple[int, int] | None, dtype: t
             return Choice("math", d, dv, f"CPU flash takes no {dtype}")
         if d != dv and entry == "sdpa":
             return Choice("math", d, dv, "CPU flash needs one head dim for q, k, v; SDPA pads nothing")
-        return Choice("flash_cpu", max(d, dv), max(d, dv), "CPU flash" + (" (head dims padded to one)" if d != dv else ""))
+        one = max(d, dv)
+        return Choice("flash_cpu", one, one, "CPU flash" + (" (head dims padded to one)" if d != dv else ""))
     if device_type != "cuda" or capability is None:
         return Choice("math", d, dv, f"no fused LSE kernel for {device_type}")
     cap = tuple(capability)
@@ -124,7 +125,7 @@ def _flash_cuda_refusal(cap, dtype, d: int, dv: int, mask: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int] | None:
     """The device's compute capability; None off CUDA or with no CUDA runtime (fake CUDA tensors on a CPU build)."""
     if device.type != "cuda" or torch.cuda.device_count() == 0:
