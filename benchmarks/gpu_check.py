@@ -50,7 +50,8 @@ def ring_blocks_vs_sdpa(device, dtype, s: int, d: int, blocks: int = 2, document
     mask with fully masked rows (the memory-efficient kernel with a bias on CUDA) and some are skipped."""
     dv = d if dv is None else dv
     g = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v, dout = (torch.randn(1, h, s, e, generator=g).to(device, dtype) for h, e in ((8, d), (4, d), (4, dv), (8, dv)))
+    shapes = ((8, d), (4, d), (4, dv), (8, dv))  # q, k, v, dout: [1, heads, s, head dim]
+    q, k, v, dout = (torch.randn(1, h, s, e, generator=g).to(device, dtype) for h, e in shapes)
     n = s // blocks
     doc = (torch.arange(s, device=device) + s // 16).div(s // 8, rounding_mode="floor").view(1, s) if documents else None
     pos = torch.arange(s, device=device)

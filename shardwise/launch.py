@@ -355,7 +355,10 @@ def _failure_report(procs, out, errors, lastops: str | None = None) -> str:
     records = {r: rec for r in range(len(procs)) if lastops and (rec := LastOp.read(lastops, r)) is not None}
 
     def last(r: int) -> str:
-        return f" (last collective call #{records[r][0]}: {records[r][1]} on axis '{records[r][2]}')" if r in records else ""
+        if r not in records:
+            return ""
+        n, op, axis = records[r]
+        return f" (last collective call #{n}: {op} on axis '{axis}')"
 
     dead = [r for r, p in enumerate(procs) if r not in out and r not in errors and p.exitcode not in (None, 0)]
     hung = [r for r, p in enumerate(procs) if r not in out and r not in errors and p.exitcode is None]

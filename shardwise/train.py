@@ -497,7 +497,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     if cfg.parallel.cp > 1:
         from .context_parallel.kernels import used
 
-        summary["attention_kernel"] = used()
+        summary["attention_kernel"] = used(clear=True)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if cfg.report:

@@ -91,7 +91,7 @@ def test_cpu_rows_agree_with_torchs_own_dispatcher(d, dv, dtype):
     """On this build torch's SDPA chooser is callable: our "sdpa" entry on CPU must pick what it picks."""
     from torch.nn.attention import SDPBackend
 
-    q, k, v = torch.randn(1, 2, 8, d, dtype=dtype), torch.randn(1, 2, 8, d, dtype=dtype), torch.randn(1, 2, 8, dv, dtype=dtype)
+    q, k, v = (torch.randn(1, 2, 8, e, dtype=dtype) for e in (d, d, dv))
     torch_pick = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, True))
     ours = choose_kernel("cpu", None, dtype, d, dv, "causal", entry="sdpa").kernel
     assert (ours == "flash_cpu") == (torch_pick == SDPBackend.FLASH_ATTENTION), (ours, torch_pick)
@@ -166,3 +166,26 @@ def test_call_sites_record_their_kernel_and_ulysses_pins_the_backend(monkeypatch
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     assert enabled == [(True, False, True)]  # flash first, math the safety net, nothing else
     assert kernels.used() == {"ring_attention": "flash_cpu,math", "ulysses": "flash_cpu"}
+
+
+def _train_both(tmp):
+    import dataclasses
+
+    from shardwise.config import ParallelConfig, TrainConfig
+    from shardwise.run import assemble
+    from shardwise.train import train_main
+
+    out = []
+    for impl in ("ring", "ulysses"):
+        cfg = TrainConfig(parallel=ParallelConfig(cp=2, cp_impl=impl), steps=1, seq_len=32, micro_batch=2,
+                          progress=False, report=False, out=f"{tmp}/{impl}")
+        out.append(train_main(assemble(dataclasses.replace(cfg))).get("attention_kernel"))  # rank 0 writes it
+    return out
+
+
+def test_summary_records_the_kernel_per_call_site(tmp_path):
+    from _dist import run_ranks
+
+    kernels.USED.clear()  # forked ranks inherit this process's record
+    ring, uly = run_ranks(2, _train_both, str(tmp_path))[0]
+    assert ring == {"ring_attention": "flash_cpu"} and uly == {"ulysses": "flash_cpu"}

@@ -114,3 +114,15 @@ def test_run_local_refuses_to_fork_after_cuda_init(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(ForkAfterCudaError, match="already initialised CUDA.*before any CUDA call"):
         run_local(os.getpid, 2)
+
+
+def test_flight_recorder_dumps_go_to_the_run_directory(monkeypatch, tmp_path):
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
+             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT")
+    for k in names:  # registered with monkeypatch, so whatever the call sets is undone afterwards
+        monkeypatch.setenv(k, "x")
+        monkeypatch.delenv(k)
+    launch._apply_nccl_env(str(tmp_path / "run"))
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "flight_recorder" / "rank_")
+    assert (tmp_path / "run" / "flight_recorder").is_dir()
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"

@@ -70,15 +70,15 @@ def strict_p2p(monkeypatch):
 
 
 def test_split_that_the_checker_accepts_runs_under_strict_mode(strict_p2p):
-    programs, _ = _split_one_boundary(deadlock=False)
-    assert check_programs(programs) is None
+    programs, (rank, boundary) = _split_one_boundary(deadlock=False)
+    assert check_programs(programs) is None, (rank, boundary)
     for received in run_ranks(3, _replay, programs, timeout_s=30):
         assert received and all(v == _value(k) for k, v in received.items())
 
 
 def test_split_that_deadlocks_on_one_communicator_fails_under_strict_mode(strict_p2p):
-    programs, (r, i) = _split_one_boundary(deadlock=True)
-    assert "deadlock" in check_programs(programs)
+    programs, (rank, boundary) = _split_one_boundary(deadlock=True)
+    assert "deadlock" in check_programs(programs), (rank, boundary)
     with pytest.raises(RankError, match="p2p") as e:
         run_ranks(3, _replay, programs, timeout_s=4)
     assert "rank" in str(e.value)

@@ -90,7 +90,8 @@ def choose_kernel(device_type: str, capability: tuple[int, int] | None, dtype: t
             return Choice("math", d, dv, f"CPU flash takes no {dtype}")
         if d != dv and entry == "sdpa":
             return Choice("math", d, dv, "CPU flash needs one head dim for q, k, v; SDPA pads nothing")
-        return Choice("flash_cpu", max(d, dv), max(d, dv), "CPU flash" + (" (head dims padded to one)" if d != dv else ""))
+        one = max(d, dv)
+        return Choice("flash_cpu", one, one, "CPU flash" + (" (head dims padded to one)" if d != dv else ""))
     if device_type != "cuda" or capability is None:
         return Choice("math", d, dv, f"no fused LSE kernel for {device_type}")
     cap = tuple(capability)
@@ -124,9 +125,12 @@ def _flash_cuda_refusal(cap, dtype, d: int, dv: int, mask: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int] | None:
-    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+    """The device's compute capability; None off CUDA or with no CUDA runtime (fake CUDA tensors on a CPU build)."""
+    if device.type != "cuda" or torch.cuda.device_count() == 0:
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 def mask_kind(causal: bool, mask) -> str:
@@ -146,9 +150,14 @@ def pick(site: str, q: torch.Tensor, v: torch.Tensor, backend: str = "auto", mas
     return choice
 
 
-def used() -> dict[str, str]:
-    """What ran per call site, for summary.json: {"ring_attention": "efficient_cuda,flash_cuda", ...}."""
-    return {site: ",".join(sorted(k)) for site, k in sorted(USED.items())}
+def used(clear: bool = False) -> dict[str, str]:
+    """What ran per call site, for summary.json: {"ring_attention": "efficient_cuda,flash_cuda", ...}.
+
+    `clear`: start afresh (a run's summary takes what ran since the previous one in this process)."""
+    out = {site: ",".join(sorted(k)) for site, k in sorted(USED.items())}
+    if clear:
+        USED.clear()
+    return out
 
 
 def sdpa_backends(choice: Choice) -> list:
