@@ -32,6 +32,7 @@ from .models.documents import document_ids, document_positions
 from .parallelize import build_model
 from .pipeline.tied_embedding import emb_stages
 from .report import RunLog
+from .step_timer import StepTimer, write_timed
 from .tensor_parallel.layers import check_token_ids
 
 
@@ -253,58 +254,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-class StepTimer:
-    """Step times without a host sync. On an accelerator a host clock around asynchronous launches times
-    the launches, and waiting for an end event stalls the queue: each step records a start and an end
-    event, and the end is read at the next step's `stop` (complete by then: that step's host read waited
-    for the stream), or at `flush`. On CPU the host clock is the step time, known at once."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.timed = device.type != "cpu"
-        self.t0 = 0.0
-        self.open = None
-        self.pending: list[tuple] = []  # (start event, end event, record) not yet read
-
-    def _event(self):
-        return torch.Event(device=self.device, enable_timing=True)
-
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-        if self.timed:
-            self.open = self._event()
-            self.open.record()
-
-    def stop(self, rec: dict) -> None:
-        """Set rec["step_time_s"]: now (host clock), or once its end event is known to be done."""
-        if not self.timed:
-            rec["step_time_s"] = time.perf_counter() - self.t0
-            return
-        end = self._event()
-        end.record()
-        self.flush()  # the previous step: done, this step's host read waited for the stream past it
-        self.pending = [(self.open, end, rec)]
-        rec["step_time_s"] = None
-
-    def flush(self) -> None:
-        """Read the pending step's time (waits for its end event, if not done yet): also after the loop."""
-        for start, end, rec in self.pending:
-            end.synchronize()
-            rec["step_time_s"] = start.elapsed_time(end) / 1000.0
-        self.pending = []
-
-
-def _write_timed(metrics, bar, unwritten: list) -> list:
-    """Write, in order, the records whose step time is known; returns those still waiting for it."""
-    while unwritten and unwritten[0][0]["step_time_s"] is not None:
-        rec, axes = unwritten.pop(0)
-        metrics.write(rec, axes)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}")
-    return unwritten
-
-
 def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     p = cfg.parallel
     if not dist.is_initialized():
@@ -428,10 +377,10 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
                                 async_save=cfg.async_save)
             if rank0:
                 unwritten.append((rec, mesh.ledger.steps[-1]["axes"] if mesh.ledger.steps else None))
-                unwritten = _write_timed(metrics, bar, unwritten)
+                unwritten = write_timed(metrics, bar, unwritten)
         trainer.timer.flush()  # the last step's time (device events are read a step late)
         if rank0:
-            _write_timed(metrics, bar, unwritten)
+            write_timed(metrics, bar, unwritten)
     finally:
         hook.remove()
         if bar is not None:
