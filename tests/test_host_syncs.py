@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.train import StepTimer
+from shardwise.step_timer import StepTimer
 
 from _dist import fresh_seed, run_ranks
 
