@@ -171,6 +171,8 @@ LAYOUTS = {
     "deepseek_tp2_sp": ("deepseek", dict(tp=2, sequence_parallel=True)),
     "deepseek_dp2_ep2_pp2": ("deepseek", dict(dp=2, ep=2, pp=2)),
     "deepseek_noq_tp2": ("deepseek_noq", dict(tp=2)),
+    "deepseek_tp2_cp2_ulysses": ("deepseek", dict(tp=2, cp=2, cp_impl="ulysses")),
+    "deepseek_noq_cp2": ("deepseek_noq", dict(cp=2)),
 }
 
 
