@@ -85,7 +85,11 @@ def models(tmp_path_factory):
            # groups, top-2 experts, biased selection), one shared expert, routed weights × 2.5; "ds_noq": no q latent
            "deepseek": _save(f, "deepseek", "DeepseekV3", norms=True, shape=DEEPSEEK),
            "deepseek_noq": _save(f, "deepseek_noq", "DeepseekV3", norms=True, shape=DEEPSEEK, q_lora_rank=None,
-                                 norm_topk_prob=False, num_hidden_layers=2)}
+                                 norm_topk_prob=False, num_hidden_layers=2),
+           # DeepSeek-V2 (V2-Lite's class): softmax top-3 unnormalised, groups scored by their max, 2 shared experts
+           "deepseek_v2": _save(f, "deepseek_v2", "DeepseekV2", norms=True, shape=DEEPSEEK, q_lora_rank=None,
+                                topk_method="group_limited_greedy", num_experts_per_tok=3, n_shared_experts=2,
+                                routed_scaling_factor=1.5)}
     return out
 
 
@@ -147,7 +151,7 @@ def _check_result(r):
 
 
 @pytest.mark.parametrize("name", ["llama", "tied", "mixtral", "qwen2", "llama3", "qwen3", "qwen3_moe",
-                                  "qwen3_moe_step2", "deepseek", "deepseek_noq"])
+                                  "qwen3_moe_step2", "deepseek", "deepseek_noq", "deepseek_v2"])
 def test_single_device_matches_transformers(models, name):
     if name == "tied":
         assert os.path.isfile(os.path.join(models[name], hf.INDEX))
@@ -173,6 +177,7 @@ LAYOUTS = {
     "deepseek_noq_tp2": ("deepseek_noq", dict(tp=2)),
     "deepseek_tp2_cp2_ulysses": ("deepseek", dict(tp=2, cp=2, cp_impl="ulysses")),
     "deepseek_noq_cp2": ("deepseek_noq", dict(cp=2)),
+    "deepseek_v2_dp2_ep2_tp2_sp": ("deepseek_v2", dict(dp=2, ep=2, tp=2, sequence_parallel=True)),
 }
 
 
@@ -259,7 +264,7 @@ def _single_model(path):
 
 @pytest.mark.parametrize("name,as_state", [("llama", False), ("tied", True), ("mixtral", True), ("qwen2", False),
                                            ("qwen3_tied", True), ("qwen3_moe", False), ("qwen3_moe_step2", True),
-                                           ("deepseek", False), ("deepseek_noq", True)])
+                                           ("deepseek", False), ("deepseek_noq", True), ("deepseek_v2", True)])
 def test_export_round_trip(models, tmp_path, name, as_state):
     cfg, model = _single_model(models[name])
     out = hf.export_hf(model.state_dict() if as_state else model, cfg, str(tmp_path / "out"))

@@ -91,6 +91,8 @@ DS_JSON = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM
     (dict(rope_scaling={"type": "yarn", "factor": 40, "mscale_all_dim": 1.0}), "rope_scaling.rope_type='yarn'"),
     (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(model_type="deepseek_v2", topk_method="noaux_tc"), "topk_method='noaux_tc' is not supported: valid: greedy"),
+    (dict(model_type="deepseek_v2", topk_method="greedy", scoring_func="sigmoid"), "scoring_func=.sigmoid. is not supported"),
 ])
 def test_deepseek_config_refusals(tmp_path, changes, message):
     import json
