@@ -218,7 +218,9 @@ def run_export(args) -> int:
     known = {fl.name for fl in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in known})
     try:
-        export_hf(ck.load_global_tensors(path), cfg, args.out_dir)
+        state = ck.load_global_tensors(path)
+        state.update(ck.load_global_tensors(path, prefix="buffer."))  # DeepSeek-V3's selection bias rides along
+        export_hf(state, cfg, args.out_dir)
     except (ConfigError, ValueError, KeyError) as e:
         print(f"shardwise hf-export: error: {e}", file=sys.stderr)
         return 2

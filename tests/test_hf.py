@@ -600,3 +600,41 @@ def test_init_from_hf_tokenizer_and_data_vocab_checked(ft_models, models, tmp_pa
     assert main(["train", "--init-from-hf", ft_models["llama"], "--data", str(tmp_path / "data"), "--seq-len", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--data was prepared with a tokenizer whose sha256 is" in err and len(err.splitlines()) == 1, err
+
+
+def test_deepseek_init_from_hf_tp2_ep2_lr0_exports_the_checkpoint(tmp_path):
+    """`train --init-from-hf` of a DeepSeek-V3 checkpoint on dp2×ep2×tp2 at lr 0, then `hf-export`: every tensor
+    comes back, e_score_correction_bias included (a buffer shardwise checkpoints), and transformers' logits match."""
+    from safetensors.torch import load_file
+
+    from shardwise.cli import main
+
+    path = _tokenizer(_save(tmp_path_factory_shim(tmp_path), "ft_deepseek", "DeepseekV3", norms=True,
+                            shape=DEEPSEEK | dict(vocab_size=300)), 280)
+    run = str(tmp_path / "run")
+    assert main(["train", "--init-from-hf", path, "--dp", "2", "--ep", "2", "--tp", "2", "--lr", "0", "--steps", "1",
+                 "--seq-len", "16", "--micro-batch", "1", "--save-every", "1", "--out", run, "--no-report",
+                 "--no-progress"]) == 0
+    out = str(tmp_path / "exported")
+    assert run_export(argparse.Namespace(ckpt_dir=os.path.join(run, "checkpoints"), out_dir=out)) == 0
+    files = hf._Files(path)
+    original = {n: files.read(n, tuple(slice(0, s) for s in files.shape(n))) for n in files.where}
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert any(n.endswith("e_score_correction_bias") for n in exported)
+    for n, t in original.items():
+        torch.testing.assert_close(exported[n], t, atol=1e-6, rtol=0, msg=lambda m: f"{n}: {m}")
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(hf_logits(out, tokens), hf_logits(path, tokens), atol=1e-5, rtol=0)
+
+
+class tmp_path_factory_shim:
+    """`_save` takes a pytest tmp_path_factory; one directory under tmp_path serves here."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def mktemp(self, name):
+        d = self.root / name
+        d.mkdir()
+        return d
