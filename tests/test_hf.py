@@ -1,7 +1,8 @@
 """Hugging Face interop: HF checkpoints load into every layout with transformers' logits; one training
 step's loss and every parameter gradient equal transformers' loss.backward() (Llama tp2×pp2, Qwen2 with
-q/k/v biases dp2×tp2×SP, Mixtral dp2×ep2×tp2; measured: loss within 1e-7, gradients within 3e-7
-absolute); export round-trips.
+q/k/v biases dp2×tp2×SP, Mixtral dp2×ep2×tp2, Qwen3 dp2×tp2×SP and tp4, Qwen3-MoE with HF's pooled aux loss
+dp2×ep2×tp2×SP, DeepSeek-V3 dp2×ep2×tp2; measured: loss within 1e-7, gradients within 3e-7 absolute); export
+round-trips. Qwen3, Qwen3-MoE, DeepSeek-V3 and DeepSeek-V2 are described in docs/models.md.
 
 Tiny random models are built with transformers itself (weights drawn with initializer_range 0.2,
 so attention is far from uniform and a wrong q/k permutation is visible: it changes logits by ~5,
@@ -435,7 +436,7 @@ def _hf_loss_and_grads(path, global_batch, out_dir):
     save_file({n: p.grad.contiguous() for n, p in model.named_parameters()},
               os.path.join(out_dir, "model.safetensors"))
     shutil.copy(os.path.join(path, "config.json"), out_dir)
-    return float(loss), aux
+    return float(loss.detach()), aux
 
 
 @pytest.fixture(scope="module")
