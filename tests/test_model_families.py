@@ -68,7 +68,10 @@ def test_deepseek_layouts():
            _cfg(seed, DEEPSEEK, global_batch=8, dp=2, ep=2, zero=3),
            # CP: ring and Ulysses move one K/V shape, so MLA pads v (12) to q/k's 24, or q/k to a wider v (32)
            _cfg(seed, DEEPSEEK, cp=2), _cfg(seed, DEEPSEEK, cp=2, cp_impl="ulysses"),
-           _cfg(seed, dataclasses.replace(DEEPSEEK, v_head_dim=32), cp=2)]
+           _cfg(seed, dataclasses.replace(DEEPSEEK, v_head_dim=32), cp=2),
+           # selective recompute replays MLA's core (SDPA, and the padded ring under cp); full: whole blocks
+           _cfg(seed, DEEPSEEK, tp=2, sequence_parallel=True, recompute="selective"),
+           _cfg(seed, DEEPSEEK, cp=2, recompute="selective"), _cfg(seed, QWEN3_MOE, dp=2, ep=2, recompute="full")]
     _check(two, 2, seed)
     four = [_cfg(seed, DEEPSEEK, global_batch=8, dp=2, ep=2, tp=2, sequence_parallel=True),
             _cfg(seed, DEEPSEEK, global_batch=8, pp=2, tp=2, schedule="zb"),
