@@ -1,6 +1,7 @@
-"""Qwen3 (per-head q/k norms, explicit head_dim) and Qwen3-MoE-shaped models on every axis: `verify` proves each
-layout equal to the single-device model (loss, every reduced gradient, parameters after AdamW). The HF-oracle
-side (logits, one step's loss and gradients against transformers) is in test_hf.py."""
+"""Qwen3 (per-head q/k norms, explicit head_dim), Qwen3-MoE- and DeepSeek-shaped models on every axis: `verify`
+proves each layout equal to the single-device model (loss, every reduced gradient, parameters after AdamW); preset
+and planner sizes against the published ones; config refusals. The HF-oracle side (logits, one step's loss and
+gradients against transformers) is in test_hf.py."""
 import dataclasses
 
 import pytest
@@ -77,6 +78,72 @@ def test_deepseek_layouts():
             _cfg(seed, DEEPSEEK, global_batch=8, pp=2, tp=2, schedule="zb"),
             _cfg(seed, DEEPSEEK_NOQ, global_batch=8, dp=4, ep=4, zero=1)]
     _check(four, 4, seed)
+
+
+def test_qwen3_four_rank_compositions():
+    """tp=4 (2 K/V heads: each k_norm sees a head shared by two ranks), dp×tp×SP with ZeRO-3, pp×tp."""
+    seed = fresh_seed()
+    cfgs = [_cfg(seed, QWEN3, tp=4), _cfg(seed, QWEN3, global_batch=8, dp=2, tp=2, sequence_parallel=True, zero=3),
+            _cfg(seed, QWEN3, global_batch=8, pp=2, tp=2, sequence_parallel=True),
+            _cfg(seed, QWEN3_MOE, global_batch=8, dp=2, ep=2, tp=2, sequence_parallel=True),
+            _cfg(seed, QWEN3_MOE, global_batch=8, dp=4, ep=4, zero=3),
+            _cfg(seed, QWEN3_MOE_LAYER, global_batch=8, dp=2, ep=2, pp=2, schedule="zb")]
+    _check(cfgs, 4, seed)
+
+
+def test_pooled_aux_loss_refuses_pipeline():
+    cfg = _cfg(0, QWEN3_MOE, global_batch=8, pp=2)
+    with pytest.raises(ConfigError, match="--pp 2 with model 'qwen3-moe-tiny'.s aux loss pooled over all layers"):
+        cfg.resolve_world(2)
+
+
+def test_head_dim_is_derived_unless_given():
+    assert get_model_config("tiny").head_dim == 12 and get_model_config("tiny", dim=128).head_dim == 16
+    assert get_model_config("qwen3-8b", n_heads=16).head_dim == 128  # explicit: kept
+    assert dataclasses.replace(QWEN3, head_dim=0).head_dim == 16
+    with pytest.raises(ConfigError, match="dim=65 is not divisible by n_heads=4"):
+        get_model_config("tiny", dim=65, n_heads=4, n_kv_heads=2)
+    get_model_config("qwen3-0.6b").validate()
+
+
+@pytest.mark.parametrize("name,total,active", [("qwen3-0.6b", 0.596, 0.596), ("qwen3-8b", 8.19, 8.19),
+                                               ("qwen3-32b", 32.76, 32.76), ("qwen3-30b-a3b", 30.53, 3.35),
+                                               ("qwen3-235b-a22b", 235.09, 22.19), ("mixtral-8x7b", 46.70, 12.88),
+                                               ("deepseek-v3", 671.03, 37.55), ("deepseek-v2-lite", 15.71, 2.66)])
+def test_preset_sizes(name, total, active):
+    """Parameter counts, total and per token, are the published sizes (Qwen3: 0.6B, 8.2B, 32.8B, 30.5B / 3.3B
+    active, 235B / 22B; Mixtral-8x7B: 46.7B / 12.9B; DeepSeek-V3 671B / 37B; V2-Lite 15.7B, whose published 2.4B
+    active leaves out the 0.21B embedding)."""
+    cfg = get_model_config(name)
+    assert abs(cfg.num_params() / 1e9 - total) < 0.01 and abs(cfg.num_active_params() / 1e9 - active) < 0.01
+
+
+@pytest.mark.parametrize("name,total,active", [("qwen3-8b", 8.2, 8.2), ("qwen3-30b-a3b", 30.5, 3.3),
+                                               ("qwen3-235b-a22b", 235, 22), ("deepseek-v3", 671, 37)])
+def test_planner_published_sizes(name, total, active):
+    """The planner's exact counts are the published sizes to within the figure's last digit (model cards round
+    or cut: Qwen3-8B's 8.19B is "8.2B", Qwen3-30B-A3B's 3.353B active "3.3B", DeepSeek-V3's 37.55B "37B"); the
+    trainer's presets count the same."""
+    from shardwise.planner.models import PRESETS, active_params, total_params
+
+    spec = PRESETS[name]
+    unit = 0.1 if total < 100 else 1.0  # the published figure's last digit
+    counts = [total_params(spec) / 1e9, active_params(spec) / 1e9]
+    assert abs(counts[0] - total) < unit and abs(counts[1] - active) < unit, counts
+    if not spec.untrainable:
+        cfg = get_model_config(name)
+        assert (cfg.num_params(), cfg.num_active_params()) == (total_params(spec), active_params(spec))
+
+
+def test_explain_json_reports_active_parameters(capsys):
+    import json
+
+    from shardwise.cli import main
+
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--explain", "dp=1,pp=2,cp=8,ep=8",
+                 "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert (est["params_total"], est["params_active"]) == (30532122624, 3353032704)
 
 
 DS_JSON = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 101,
