@@ -236,9 +236,8 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
     else:
         state = dict(source)
     for n, t in state.items():
-        if n.endswith("router.expert_bias") and not cfg.is_mla and bool(t.any()):
-            raise ValueError(f"export: {n} is non-zero; Mixtral and Qwen3-MoE have no selection bias "
-                             "(moe_bias_update_rate)")
+        if n.endswith("router.expert_bias") and cfg.moe_score != "sigmoid" and bool(t.any()):
+            raise ValueError(f"export: {n} is non-zero; only DeepSeek-V3 has a selection bias (moe_bias_update_rate)")
     with torch.device("meta"):
         expected = dict(Transformer(cfg).named_parameters())  # tied output.weight appears once, as the embedding
     missing = [n for n in expected if n not in state]
@@ -252,7 +251,7 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         if tuple(t.shape) != tuple(ref.shape):
             raise ValueError(f"export: {n} has shape {tuple(t.shape)}, the config needs {tuple(ref.shape)}")
         tensors.update({k: v.contiguous().clone() for k, v in _hf_tensors(n, t, cfg).items()})
-    if cfg.is_mla:  # DeepSeek-V3 keeps the selection bias as e_score_correction_bias
+    if cfg.is_mla and cfg.moe_score == "sigmoid":  # DeepSeek-V3 keeps the selection bias as e_score_correction_bias
         for n, t in state.items():
             m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", n)
             if m:

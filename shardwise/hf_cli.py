@@ -234,7 +234,9 @@ def run_export(args) -> int:
         spec = getattr(args, "tokenizer", None)
         tokenizer = record_from_flag(spec) if spec else meta.get("extra_state", {}).get("tokenizer") \
             or record_from_run_dir(os.path.dirname(path))
-        export_hf(ck.load_global_tensors(path), cfg, args.out_dir, tokenizer)
+        state = ck.load_global_tensors(path)
+        state.update(ck.load_global_tensors(path, prefix="buffer."))  # DeepSeek-V3's selection bias rides along
+        export_hf(state, cfg, args.out_dir, tokenizer)
     except (ConfigError, ValueError, KeyError) as e:
         print(f"shardwise hf-export: error: {e}", file=sys.stderr)
         return 2

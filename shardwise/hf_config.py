@@ -12,12 +12,13 @@ import warnings
 
 from .config import ConfigError, ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 # Each model class's rope_theta when config.json omits it (HF's class defaults).
 DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
-                 "qwen3_moe": 10000.0, "deepseek_v3": 10000.0}
+                 "qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "deepseek_v3": 10000.0}
 ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                "deepseek_v2": "DeepseekV2ForCausalLM"}
 QWEN3 = ("qwen3", "qwen3_moe")  # per-head q/k RMSNorm, explicit head_dim
 # ModelConfig fields that newer shardwise versions add; a config needing a missing one is refused.
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -122,7 +123,7 @@ def config_from_hf(path: str) -> ModelConfig:
         types = hf.get("layer_types")
         if types and any(t != "full_attention" for t in types):
             refuse("layer_types", "only full_attention layers are supported")
-    elif mt == "deepseek_v3":
+    elif mt in ("deepseek_v2", "deepseek_v3"):
         head_dim = int(_req(hf, "qk_nope_head_dim", where))  # its head_dim key is the rotary size
     elif hf.get("head_dim") is not None and int(hf["head_dim"]) * heads != dim:
         refuse("head_dim", f"shardwise needs head_dim = hidden_size / num_attention_heads = {dim // heads}")
@@ -148,8 +149,8 @@ def config_from_hf(path: str) -> ModelConfig:
         kw["attention_bias"] = True
     if mt == "qwen3_moe":
         _qwen3_moe(hf, kw, where)
-    if mt == "deepseek_v3":
-        _deepseek_v3(hf, kw, where, refuse)
+    if mt in ("deepseek_v2", "deepseek_v3"):
+        _deepseek(mt, hf, kw, where, refuse)
     if mt == "mixtral":
         # HF Mixtral: softmax over all experts, top-k, renormalise = softmax over the top-k logits; dropless.
         kw.update(moe_experts=int(_req(hf, "num_local_experts", where)),
@@ -180,32 +181,38 @@ def _qwen3_moe(hf: dict, kw: dict, where: str) -> None:
               moe_aux_loss_coef=coef, moe_aux_loss_scope="model")
 
 
-def _deepseek_v3(hf: dict, kw: dict, where: str, refuse) -> None:
-    """DeepseekV3ForCausalLM: MLA, first_k_dense_replace dense layers, then MoE layers with n_shared_experts
-    (one SwiGLU of n_shared · moe_intermediate_size), sigmoid scores plus e_score_correction_bias for selection,
-    group-limited top-k, optional renormalisation and routed_scaling_factor. transformers computes noaux_tc-style
-    routing whatever topk_method says, so DeepSeek's two methods (noaux_tc, greedy) both load as that."""
-    if hf.get("topk_method", "noaux_tc") not in ("noaux_tc", "greedy"):
-        refuse("topk_method", "valid: noaux_tc, greedy")
-    if hf.get("scoring_func", "sigmoid") != "sigmoid":
-        refuse("scoring_func", "DeepseekV3 routes with sigmoid scores")
+def _deepseek(mt: str, hf: dict, kw: dict, where: str, refuse) -> None:
+    """DeepseekV3ForCausalLM / DeepseekV2ForCausalLM: MLA, first_k_dense_replace dense layers, then MoE layers
+    with n_shared_experts (one SwiGLU of n_shared · moe_intermediate_size) and routed_scaling_factor.
+    V3: sigmoid scores plus e_score_correction_bias for selection, groups scored by their top-2, optional
+    renormalisation; transformers computes this whatever topk_method says, so noaux_tc and greedy both load.
+    V2: softmax probabilities, top-k unnormalised (transformers ignores norm_topk_prob), "greedy" or
+    "group_limited_greedy" (groups scored by their max); its complex RoPE rotates interleaved pairs."""
+    v3 = mt == "deepseek_v3"
+    methods = ("noaux_tc", "greedy") if v3 else ("greedy", "group_limited_greedy")
+    if hf.get("topk_method", methods[0]) not in methods:
+        refuse("topk_method", f"valid: {', '.join(methods)}")
+    if hf.get("scoring_func", "sigmoid" if v3 else "softmax") != ("sigmoid" if v3 else "softmax"):
+        refuse("scoring_func", f"{ARCHITECTURE[mt]} routes with {'sigmoid' if v3 else 'softmax'} scores")
     if int(hf.get("moe_layer_freq", 1)) != 1:
         refuse("moe_layer_freq", "every layer after first_k_dense_replace is MoE")
-    if hf.get("rope_interleave", True) is not True:
+    if v3 and hf.get("rope_interleave", True) is not True:
         refuse("rope_interleave", "shardwise's MLA rotates interleaved pairs (rope_interleave true)")
     if hf.get("num_key_value_heads") not in (None, kw["n_heads"]):
         refuse("num_key_value_heads", "MLA has one K/V head per query head")
     n_layers, first = kw["n_layers"], int(hf.get("first_k_dense_replace") or 0)
-    n_group = int(hf.get("n_group") or 1)
+    grouped = v3 or hf.get("topk_method") == "group_limited_greedy"
+    n_group = int(hf.get("n_group") or 1) if grouped else 1
     kw.update(n_kv_heads=kw["n_heads"], q_lora_rank=int(hf.get("q_lora_rank") or 0),
               kv_lora_rank=int(_req(hf, "kv_lora_rank", where)), qk_rope_dim=int(_req(hf, "qk_rope_head_dim", where)),
               v_head_dim=int(_req(hf, "v_head_dim", where)),
               moe_experts=int(_req(hf, "n_routed_experts", where)), moe_topk=int(_req(hf, "num_experts_per_tok", where)),
               moe_every=1, moe_dense_layers=tuple(range(min(first, n_layers))),
               moe_ffn_dim=int(_req(hf, "moe_intermediate_size", where)),
-              moe_shared_experts=int(hf.get("n_shared_experts") or 0), moe_score="sigmoid",
-              moe_n_group=n_group, moe_topk_group=int(hf.get("topk_group") or n_group),
-              moe_norm_topk=bool(hf.get("norm_topk_prob", True)),
+              moe_shared_experts=int(hf.get("n_shared_experts") or 0), moe_score="sigmoid" if v3 else "softmax",
+              moe_softmax_before_topk=True, moe_n_group=n_group,
+              moe_topk_group=int(hf.get("topk_group") or n_group) if grouped else 1, moe_group_topk=2 if v3 else 1,
+              moe_norm_topk=bool(hf.get("norm_topk_prob", True)) if v3 else False,
               moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)), moe_aux_loss_coef=0.0)
 
 
@@ -220,7 +227,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     if cfg.qk_norm and bias:
         refuse("attention_bias", "Qwen3 (q/k norms) has no q/k/v-only biases")
     if cfg.is_mla:
-        return _deepseek_v3_config(cfg, refuse)
+        return _deepseek_config(cfg, refuse)
     mt = ("qwen3_moe" if cfg.moe_experts else "qwen3") if cfg.qk_norm else \
         "mixtral" if cfg.moe_experts else "qwen2" if bias else "llama"
     if cfg.moe_experts:
@@ -266,31 +273,42 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
-def _deepseek_v3_config(cfg: ModelConfig, refuse) -> dict:
-    """config.json of a DeepseekV3ForCausalLM: MLA, dense layers first, then sigmoid-routed MoE layers."""
+def _deepseek_config(cfg: ModelConfig, refuse) -> dict:
+    """config.json of a DeepseekV3ForCausalLM (sigmoid routing) or DeepseekV2ForCausalLM (softmax): MLA, dense
+    layers first, then MoE layers."""
     if cfg.qk_norm or cfg.attention_bias or cfg.rope_scaling is not None:
         refuse("qk_norm" if cfg.qk_norm else "attention_bias" if cfg.attention_bias else "rope_scaling",
-               "DeepseekV3 has no q/k norms, attention biases or llama3 RoPE scaling")
+               "DeepSeek has no q/k norms, attention biases or llama3 RoPE scaling")
     first = next((i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)), cfg.n_layers)
     if any(cfg.is_moe_layer(i) != (i >= first) for i in range(cfg.n_layers)):
-        refuse("moe_dense_layers", "DeepseekV3's dense layers are the first first_k_dense_replace ones")
-    if cfg.moe_experts and (cfg.moe_score != "sigmoid"):
-        refuse("moe_score", "DeepseekV3 routes with sigmoid scores")
-    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_heads,
-            "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
-            "qk_nope_head_dim": cfg.head_dim, "qk_rope_head_dim": cfg.qk_rope_dim, "v_head_dim": cfg.v_head_dim,
-            "rope_interleave": True, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "attention_dropout": cfg.attn_dropout,
-            "n_routed_experts": cfg.moe_experts or None, "num_experts_per_tok": cfg.moe_topk,
-            "moe_intermediate_size": cfg.moe_ffn_dim or cfg.ffn_dim, "n_shared_experts": cfg.moe_shared_experts,
-            "first_k_dense_replace": first, "n_group": cfg.moe_n_group, "topk_group": cfg.moe_topk_group,
-            "norm_topk_prob": cfg.moe_norm_topk, "routed_scaling_factor": cfg.moe_routed_scaling,
-            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0,
-            "torch_dtype": "float32"}
+        refuse("moe_dense_layers", "DeepSeek's dense layers are the first first_k_dense_replace ones")
+    v3 = cfg.moe_score == "sigmoid"
+    grouped = cfg.moe_n_group > 1
+    if cfg.moe_experts and grouped and cfg.moe_group_topk != (2 if v3 else 1):
+        refuse("moe_group_topk", "DeepSeek-V3 scores a group by its top 2, V2 by its max")
+    if cfg.moe_experts and not v3 and not cfg.moe_softmax_before_topk:
+        refuse("moe_softmax_before_topk", "DeepSeek-V2 weights experts by their unnormalised probabilities")
+    mt = "deepseek_v3" if v3 else "deepseek_v2"
+    out = {"architectures": [ARCHITECTURE[mt]], "model_type": mt, "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+           "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_heads,
+           "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+           "qk_nope_head_dim": cfg.head_dim, "qk_rope_head_dim": cfg.qk_rope_dim, "v_head_dim": cfg.v_head_dim,
+           "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
+           "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+           "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+           "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "attention_dropout": cfg.attn_dropout,
+           "n_routed_experts": cfg.moe_experts or None, "num_experts_per_tok": cfg.moe_topk,
+           "moe_intermediate_size": cfg.moe_ffn_dim or cfg.ffn_dim, "n_shared_experts": cfg.moe_shared_experts,
+           "first_k_dense_replace": first, "n_group": cfg.moe_n_group, "topk_group": cfg.moe_topk_group,
+           "routed_scaling_factor": cfg.moe_routed_scaling, "torch_dtype": "float32"}
+    if v3:
+        out.update(rope_interleave=True, norm_topk_prob=cfg.moe_norm_topk, topk_method="noaux_tc",
+                   scoring_func="sigmoid", num_nextn_predict_layers=0)
+    else:
+        out.update(norm_topk_prob=False, topk_method="group_limited_greedy" if grouped else "greedy",
+                   scoring_func="softmax")
+    return out
 
 
 # ---------------------------------------------------------------- train --init-from-hf

@@ -1,7 +1,8 @@
 """Hugging Face interop: HF checkpoints load into every layout with transformers' logits; one training
 step's loss and every parameter gradient equal transformers' loss.backward() (Llama tp2×pp2, Qwen2 with
-q/k/v biases dp2×tp2×SP, Mixtral dp2×ep2×tp2; measured: loss within 1e-7, gradients within 3e-7
-absolute); export round-trips.
+q/k/v biases dp2×tp2×SP, Mixtral dp2×ep2×tp2, Qwen3 dp2×tp2×SP and tp4, Qwen3-MoE with HF's pooled aux loss
+dp2×ep2×tp2×SP, DeepSeek-V3 dp2×ep2×tp2; measured: loss within 1e-7, gradients within 3e-7 absolute); export
+round-trips. Qwen3, Qwen3-MoE, DeepSeek-V3 and DeepSeek-V2 are described in docs/models.md.
 
 Tiny random models are built with transformers itself (weights drawn with initializer_range 0.2,
 so attention is far from uniform and a wrong q/k permutation is visible: it changes logits by ~5,
@@ -85,7 +86,11 @@ def models(tmp_path_factory):
            # groups, top-2 experts, biased selection), one shared expert, routed weights × 2.5; "ds_noq": no q latent
            "deepseek": _save(f, "deepseek", "DeepseekV3", norms=True, shape=DEEPSEEK),
            "deepseek_noq": _save(f, "deepseek_noq", "DeepseekV3", norms=True, shape=DEEPSEEK, q_lora_rank=None,
-                                 norm_topk_prob=False, num_hidden_layers=2)}
+                                 norm_topk_prob=False, num_hidden_layers=2),
+           # DeepSeek-V2 (V2-Lite's class): softmax top-3 unnormalised, groups scored by their max, 2 shared experts
+           "deepseek_v2": _save(f, "deepseek_v2", "DeepseekV2", norms=True, shape=DEEPSEEK, q_lora_rank=None,
+                                topk_method="group_limited_greedy", num_experts_per_tok=3, n_shared_experts=2,
+                                routed_scaling_factor=1.5)}
     return out
 
 
@@ -147,7 +152,7 @@ def _check_result(r):
 
 
 @pytest.mark.parametrize("name", ["llama", "tied", "mixtral", "qwen2", "llama3", "qwen3", "qwen3_moe",
-                                  "qwen3_moe_step2", "deepseek", "deepseek_noq"])
+                                  "qwen3_moe_step2", "deepseek", "deepseek_noq", "deepseek_v2"])
 def test_single_device_matches_transformers(models, name):
     if name == "tied":
         assert os.path.isfile(os.path.join(models[name], hf.INDEX))
@@ -171,6 +176,9 @@ LAYOUTS = {
     "deepseek_tp2_sp": ("deepseek", dict(tp=2, sequence_parallel=True)),
     "deepseek_dp2_ep2_pp2": ("deepseek", dict(dp=2, ep=2, pp=2)),
     "deepseek_noq_tp2": ("deepseek_noq", dict(tp=2)),
+    "deepseek_tp2_cp2_ulysses": ("deepseek", dict(tp=2, cp=2, cp_impl="ulysses")),
+    "deepseek_noq_cp2": ("deepseek_noq", dict(cp=2)),
+    "deepseek_v2_dp2_ep2_tp2_sp": ("deepseek_v2", dict(dp=2, ep=2, tp=2, sequence_parallel=True)),
 }
 
 
@@ -257,7 +265,7 @@ def _single_model(path):
 
 @pytest.mark.parametrize("name,as_state", [("llama", False), ("tied", True), ("mixtral", True), ("qwen2", False),
                                            ("qwen3_tied", True), ("qwen3_moe", False), ("qwen3_moe_step2", True),
-                                           ("deepseek", False), ("deepseek_noq", True)])
+                                           ("deepseek", False), ("deepseek_noq", True), ("deepseek_v2", True)])
 def test_export_round_trip(models, tmp_path, name, as_state):
     cfg, model = _single_model(models[name])
     out = hf.export_hf(model.state_dict() if as_state else model, cfg, str(tmp_path / "out"))
@@ -428,7 +436,7 @@ def _hf_loss_and_grads(path, global_batch, out_dir):
     save_file({n: p.grad.contiguous() for n, p in model.named_parameters()},
               os.path.join(out_dir, "model.safetensors"))
     shutil.copy(os.path.join(path, "config.json"), out_dir)
-    return float(loss), aux
+    return float(loss.detach()), aux
 
 
 @pytest.fixture(scope="module")
@@ -670,3 +678,43 @@ def test_hf_export_writes_tokenizer_ids_and_refuses_a_used_folder(tmp_path, caps
     text = "the quick brown fox"
     want = Tokenizer.from_file(os.path.join(bpe, "tokenizer.json")).encode(text, add_special_tokens=False).ids
     assert _export_loads_and_generates(out, m["eos_id"], text) == want and m["eos_id"] != 256
+
+
+def test_deepseek_init_from_hf_tp2_ep2_lr0_exports_the_checkpoint(tmp_path):
+    """`train --init-from-hf` of a DeepSeek-V3 checkpoint on dp2×ep2×tp2 at lr 0, then `hf-export`: every tensor
+    comes back, e_score_correction_bias included (a buffer shardwise checkpoints), and transformers' logits match."""
+    from safetensors.torch import load_file
+
+    from shardwise.cli import main
+
+    path = _tokenizer(_save(tmp_path_factory_shim(tmp_path), "ft_deepseek", "DeepseekV3", norms=True,
+                            shape=DEEPSEEK | dict(vocab_size=300)), 280)
+    run = str(tmp_path / "run")
+    text = tmp_path / "bytes.txt"  # byte-level data fits the 300-id vocabulary
+    text.write_text("shardwise fine-tunes a DeepSeek model on a few bytes of text. " * 20)
+    assert main(["train", "--init-from-hf", path, "--dp", "2", "--ep", "2", "--tp", "2", "--lr", "0", "--steps", "1",
+                 "--seq-len", "16", "--micro-batch", "1", "--save-every", "1", "--out", run, "--no-report",
+                 "--no-progress", "--data", str(text)]) == 0
+    out = str(tmp_path / "exported")
+    assert run_export(argparse.Namespace(ckpt_dir=os.path.join(run, "checkpoints"), out_dir=out)) == 0
+    files = hf._Files(path)
+    original = {n: files.read(n, tuple(slice(0, s) for s in files.shape(n))) for n in files.where}
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert any(n.endswith("e_score_correction_bias") for n in exported)
+    for n, t in original.items():
+        torch.testing.assert_close(exported[n], t, atol=1e-6, rtol=0, msg=lambda m: f"{n}: {m}")
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(hf_logits(out, tokens), hf_logits(path, tokens), atol=1e-5, rtol=0)
+
+
+class tmp_path_factory_shim:
+    """`_save` takes a pytest tmp_path_factory; one directory under tmp_path serves here."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def mktemp(self, name):
+        d = self.root / name
+        d.mkdir()
+        return d

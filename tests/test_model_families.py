@@ -1,6 +1,7 @@
-"""Qwen3 (per-head q/k norms, explicit head_dim) and Qwen3-MoE-shaped models on every axis: `verify` proves each
-layout equal to the single-device model (loss, every reduced gradient, parameters after AdamW). The HF-oracle
-side (logits, one step's loss and gradients against transformers) is in test_hf.py."""
+"""Qwen3 (per-head q/k norms, explicit head_dim), Qwen3-MoE- and DeepSeek-shaped models on every axis: `verify`
+proves each layout equal to the single-device model (loss, every reduced gradient, parameters after AdamW); preset
+and planner sizes against the published ones; config refusals. The HF-oracle side (logits, one step's loss and
+gradients against transformers) is in test_hf.py."""
 import dataclasses
 
 import pytest
@@ -59,22 +60,24 @@ def test_qwen3_two_rank_layouts():
 
 def test_deepseek_layouts():
     """MLA heads over TP (with and without SP: the replicated down-projections' grads are partial either way),
-    PP schedules, EP with group-limited sigmoid routing and loss-free bias updates, ZeRO-3, 4-rank compositions."""
+    PP schedules, EP with group-limited sigmoid routing and loss-free bias updates, ZeRO-3, CP ring and Ulysses
+    with v's head size below and above q/k's, 4-rank compositions."""
     seed = fresh_seed()
     two = [_cfg(seed, DEEPSEEK, tp=2), _cfg(seed, DEEPSEEK, tp=2, sequence_parallel=True),
            _cfg(seed, DEEPSEEK_NOQ, tp=2), _cfg(seed, DEEPSEEK, global_batch=8, pp=2, schedule="interleaved", vp=2),
            _cfg(seed, DEEPSEEK, global_batch=8, pp=2, schedule="dualpipev"), _cfg(seed, DEEPSEEK, dp=2, ep=2),
-           _cfg(seed, DEEPSEEK, global_batch=8, dp=2, ep=2, zero=3)]
+           _cfg(seed, DEEPSEEK, global_batch=8, dp=2, ep=2, zero=3),
+           # CP: ring and Ulysses move one K/V shape, so MLA pads v (12) to q/k's 24, or q/k to a wider v (32)
+           _cfg(seed, DEEPSEEK, cp=2), _cfg(seed, DEEPSEEK, cp=2, cp_impl="ulysses"),
+           _cfg(seed, dataclasses.replace(DEEPSEEK, v_head_dim=32), cp=2),
+           # selective recompute replays MLA's core (SDPA, and the padded ring under cp); full: whole blocks
+           _cfg(seed, DEEPSEEK, tp=2, sequence_parallel=True, recompute="selective"),
+           _cfg(seed, DEEPSEEK, cp=2, recompute="selective"), _cfg(seed, QWEN3_MOE, dp=2, ep=2, recompute="full")]
     _check(two, 2, seed)
     four = [_cfg(seed, DEEPSEEK, global_batch=8, dp=2, ep=2, tp=2, sequence_parallel=True),
             _cfg(seed, DEEPSEEK, global_batch=8, pp=2, tp=2, schedule="zb"),
             _cfg(seed, DEEPSEEK_NOQ, global_batch=8, dp=4, ep=4, zero=1)]
     _check(four, 4, seed)
-
-
-def test_mla_refuses_context_parallel():
-    with pytest.raises(ConfigError, match="--cp 2 with model 'deepseek-tiny': context parallelism does not yet run"):
-        _cfg(0, DEEPSEEK, cp=2).resolve_world(2)
 
 
 def test_qwen3_four_rank_compositions():
@@ -105,10 +108,12 @@ def test_head_dim_is_derived_unless_given():
 
 @pytest.mark.parametrize("name,total,active", [("qwen3-0.6b", 0.596, 0.596), ("qwen3-8b", 8.19, 8.19),
                                                ("qwen3-32b", 32.76, 32.76), ("qwen3-30b-a3b", 30.53, 3.35),
-                                               ("qwen3-235b-a22b", 235.09, 22.19), ("mixtral-8x7b", 46.70, 12.88)])
+                                               ("qwen3-235b-a22b", 235.09, 22.19), ("mixtral-8x7b", 46.70, 12.88),
+                                               ("deepseek-v3", 671.03, 37.55), ("deepseek-v2-lite", 15.71, 2.66)])
 def test_preset_sizes(name, total, active):
     """Parameter counts, total and per token, are the published sizes (Qwen3: 0.6B, 8.2B, 32.8B, 30.5B / 3.3B
-    active, 235B / 22B; Mixtral-8x7B: 46.7B / 12.9B)."""
+    active, 235B / 22B; Mixtral-8x7B: 46.7B / 12.9B; DeepSeek-V3 671B / 37B; V2-Lite 15.7B, whose published 2.4B
+    active leaves out the 0.21B embedding)."""
     cfg = get_model_config(name)
     assert abs(cfg.num_params() / 1e9 - total) < 0.01 and abs(cfg.num_active_params() / 1e9 - active) < 0.01
 
@@ -156,6 +161,8 @@ DS_JSON = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM
     (dict(rope_scaling={"type": "yarn", "factor": 40, "mscale_all_dim": 1.0}), "rope_scaling.rope_type='yarn'"),
     (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(model_type="deepseek_v2", topk_method="noaux_tc"), "topk_method='noaux_tc' is not supported: valid: greedy"),
+    (dict(model_type="deepseek_v2", topk_method="greedy", scoring_func="sigmoid"), "scoring_func=.sigmoid. is not supported"),
 ])
 def test_deepseek_config_refusals(tmp_path, changes, message):
     import json

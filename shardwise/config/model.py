@@ -80,6 +80,8 @@ class ModelConfig:
     moe_topk_group: int = 1
     """DeepSeek-V3 group-limited routing: experts in n_group groups, a group scored by its top-2 selection scores,
     tokens pick their top-k among the experts of their topk_group best groups (1, 1 = no grouping)."""
+    moe_group_topk: int = 2
+    """A group's score is the sum of its top-n selection scores (DeepSeek-V3: 2; V2's group_limited_greedy: 1)."""
     moe_norm_topk: bool = True
     """sigmoid scores: renormalise the chosen k weights to sum 1 (HF norm_topk_prob)."""
     moe_routed_scaling: float = 1.0

@@ -394,9 +394,6 @@ class TrainConfig:
             raise ConfigError(f"--cp-order {p.cp_order!r} is unknown; valid: {', '.join(ORDERS)}")
         if p.cp_impl not in ("ring", "ulysses"):
             raise ConfigError(f"--cp-impl {p.cp_impl!r} is unknown; valid: ring, ulysses")
-        if p.cp > 1 and m.is_mla:
-            raise ConfigError(f"--cp {p.cp} with model {m.name!r}: context parallelism does not yet run Multi-head "
-                              "Latent Attention (value head size differs from q/k's); use --cp 1")
         try:
             check_seq_len(self.seq_len, p.cp, p.cp_order)
         except ValueError as e:

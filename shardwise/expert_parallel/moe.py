@@ -136,12 +136,13 @@ class MoE(nn.Module):
                  score: str = "softmax", softmax_before_topk: bool = True, aux_loss_coef: float = 0.0,
                  z_loss_coef: float = 0.0, bias_update_rate: float = 0.0, expert_replicas: int = 1,
                  grouped_mm: bool | None = None, device=None, dtype=None, aux_scope: str = "layer",
-                 n_group: int = 1, topk_group: int = 1, norm_topk: bool = True, routed_scaling: float = 1.0):
+                 n_group: int = 1, topk_group: int = 1, norm_topk: bool = True, routed_scaling: float = 1.0,
+                 group_topk: int = 2):
         super().__init__()
         ep_axis = ep_axis if ep_axis is not None else Axis("ep")
         self.router = Router(dim, n_experts, topk, score, softmax_before_topk, aux_loss_coef, z_loss_coef,
                              bias_update_rate, device=device, dtype=dtype, aux_scope=aux_scope, n_group=n_group,
-                             topk_group=topk_group, norm_topk=norm_topk, scaling=routed_scaling)
+                             topk_group=topk_group, norm_topk=norm_topk, scaling=routed_scaling, group_topk=group_topk)
         self.dispatcher = AllToAllDispatcher(n_experts, ep_axis, capacity_factor, drop_policy)
         self.experts = GroupedExperts(n_experts, dim, ffn_dim, ep_axis, expert_replicas, grouped_mm,
                                       device=device, dtype=dtype)

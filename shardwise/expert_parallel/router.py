@@ -64,7 +64,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, topk: int, score: str = "softmax", softmax_before_topk: bool = True,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
                  device=None, dtype=None, aux_scope: str = "layer", n_group: int = 1, topk_group: int = 1,
-                 norm_topk: bool = True, scaling: float = 1.0):
+                 norm_topk: bool = True, scaling: float = 1.0, group_topk: int = 2):
         super().__init__()
         if not 1 <= topk <= n_experts:
             raise ValueError(f"topk={topk} must be in [1, n_experts={n_experts}]")
@@ -72,6 +72,7 @@ class Router(nn.Module):
             raise ValueError(f"score={score!r}: expected 'softmax' or 'sigmoid'")
         self.n_experts, self.topk, self.score, self.aux_scope = n_experts, topk, score, aux_scope
         self.n_group, self.topk_group, self.norm_topk, self.scaling = n_group, topk_group, norm_topk, scaling
+        self.group_topk = group_topk
         self.softmax_before_topk = softmax_before_topk
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.weight = nn.Parameter(torch.empty(n_experts, dim, device=device, dtype=dtype))
@@ -127,11 +128,12 @@ class Router(nn.Module):
                        probs.sum(0))
 
     def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """DeepSeek-V3's group-limited routing: each group scored by the sum of its top-2 selection scores; experts
-        outside a token's topk_group best groups are masked out of its choice."""
+        """DeepSeek's group-limited routing: each group scored by the sum of its top-`group_topk` selection scores
+        (V3: 2, V2: 1 = the max); experts outside a token's topk_group best groups are masked out of its choice."""
         n, g = choice.shape[0], self.n_group
         grouped = choice.view(n, g, self.n_experts // g)
-        best = torch.topk(grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1), self.topk_group, dim=-1)[1]
+        top = grouped.topk(min(self.group_topk, grouped.shape[-1]), dim=-1)[0].sum(-1)
+        best = torch.topk(top, self.topk_group, dim=-1)[1]
         keep = torch.zeros(n, g, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, self.n_experts)
 

@@ -111,7 +111,7 @@ def build_moe(cfg: ModelConfig, ep_axis=None, expert_replicas: int = 1, device=N
                aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
                bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device,
                aux_scope=cfg.moe_aux_loss_scope, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
-               norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling)
+               norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling, group_topk=cfg.moe_group_topk)
 
 
 class TransformerBlock(nn.Module):

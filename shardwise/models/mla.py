@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel import ring_attention, ulysses_attention
 from .documents import document_mask
 from .rope import apply_rope
 
@@ -42,7 +43,7 @@ class MLA(nn.Module):
         self.wo = nn.Linear(nh * self.v_dim, h, bias=False)
         self.attn_dropout = cfg.attn_dropout
         self.rng = None
-        self.cp_axis, self.cp_order, self.cp_impl = None, "balanced", "ring"  # cp > 1 is refused for MLA
+        self.cp_axis, self.cp_order, self.cp_impl = None, "balanced", "ring"  # set by the plan under cp > 1
         self.recompute_core = None
 
     def forward(self, x, cos, sin, doc_ids=None):
@@ -65,7 +66,20 @@ class MLA(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def core(self, q, k, v, doc_ids=None):
-        """SDPA with MLA's scale; q/k head size differs from v's (what selective recompute replays)."""
+        """SDPA (ring or Ulysses under cp) with MLA's scale (nope + rope)^-0.5, which is 1/√(q's head size), the
+        kernels' default; q/k head size differs from v's. What selective recompute replays."""
+        if self.cp_axis is not None and self.cp_axis.active:
+            # ring and Ulysses move K and V as one shape: pad the narrower of q/k and v with zero columns (exact:
+            # zero q/k columns add nothing to the scores, zero v columns give zero outputs, sliced off) and pass
+            # MLA's scale explicitly.
+            dk, dv = q.shape[-1], v.shape[-1]
+            if dv < dk:
+                v = F.pad(v, (0, dk - dv))
+            elif dk < dv:
+                q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
+            attend = ring_attention if self.cp_impl == "ring" else ulysses_attention
+            out = attend(q, k, v, self.cp_axis, causal=True, order=self.cp_order, scale=self.scale, doc_ids=doc_ids)
+            return out[..., :dv]
         p = self.attn_dropout if self.training else 0.0
         mask = None if doc_ids is None else document_mask(doc_ids, doc_ids)
         with self.rng.fork("tp") if p > 0 and self.rng is not None else contextlib.nullcontext():

@@ -230,6 +230,14 @@ def pp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout) ->
         led.add("emb", "all_reduce", padded_vocab(spec, lay.tp) // lay.tp * spec.dim * 4, 2)
 
 
+def _cp_head_dims(spec: ModelSpec) -> tuple[int, int]:
+    """K and V head sizes context parallelism moves: MLA pads the narrower of q/k and v to the other's size."""
+    if spec.is_mla:
+        d = max(spec.k_dim, spec.v_dim)
+        return d, d
+    return spec.k_dim, spec.v_dim
+
+
 def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
     """Ring attention, per layer: forward passes cp−1 K and cp−1 V blocks on; backward passes the K/V
     blocks round again plus cp−1 dK and cp−1 dV accumulators (e bytes each, this rank's tp shard of the
@@ -243,7 +251,8 @@ def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
         ulysses_microbatch(led, spec, stage, lay, wl)
         return
     blocks = _tokens(lay, wl) * local_kv_heads(spec, lay.tp) * wl.act_bytes
-    k_blk, v_blk = blocks * spec.k_dim, blocks * spec.v_dim
+    dk, dv = _cp_head_dims(spec)
+    k_blk, v_blk = blocks * dk, blocks * dv
     rings = 3 + (lay.recompute != "none")  # fwd K/V, bwd K/V, bwd dK/dV (+ recomputed fwd)
     n = rings * (c - 1) * stage.n_layers
     led.add("cp", "send", k_blk, c, n)
@@ -264,10 +273,11 @@ def ulysses_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layo
     rep = c // hkv if hkv % c else 1
     qkv = 2 + (lay.recompute != "none")  # fwd, bwd (+ recomputed fwd)
     L = stage.n_layers
-    led.add("cp", "all_to_all", n * hq * spec.k_dim * e, c, qkv * L)  # q, dq
-    led.add("cp", "all_to_all", n * hkv * rep * spec.k_dim * e, c, qkv * L)  # k, dk
-    led.add("cp", "all_to_all", n * hkv * rep * spec.v_dim * e, c, qkv * L)  # v, dv
-    led.add("cp", "all_to_all", n * hq * spec.v_dim * e, c, (2 + (lay.recompute == "full")) * L)  # out, d_out
+    dk, dv = _cp_head_dims(spec)
+    led.add("cp", "all_to_all", n * hq * dk * e, c, qkv * L)  # q, dq
+    led.add("cp", "all_to_all", n * hkv * rep * dk * e, c, qkv * L)  # k, dk
+    led.add("cp", "all_to_all", n * hkv * rep * dv * e, c, qkv * L)  # v, dv
+    led.add("cp", "all_to_all", n * hq * dv * e, c, (2 + (lay.recompute == "full")) * L)  # out, d_out
 
 
 def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
