@@ -67,15 +67,16 @@ def test_moe_with_expert_parallelism(capsys):
 
 
 def test_a_broken_planner_term_fails(capsys, monkeypatch):
-    """Leave the LM head's loss buffers out of the planned peak: simulate sees the difference, exit 1."""
-    argv = TINY + ["--dp", "2", "--micro-batch", "4", "--seq-len", "128"]
+    """Leave the zero-bubble weight-gradient store out of the planned peak: simulate sees the difference, exit 1."""
+    argv = TINY + ["--pp", "2", "--schedule", "zb", "--microbatches", "2", "--ranks", "1"]
     rc, report = _simulate(capsys, argv)
     assert rc == 0
-    monkeypatch.setattr(peak, "head_transient_bytes", lambda *a: 0.0)
+    monkeypatch.setattr(peak, "weight_store_bytes", lambda *a: 0.0)
     rc, report = _simulate(capsys, argv)
     assert rc == 1 and not report["passed"]
     r = report["ranks"][0]
     assert r["peak_bytes"]["measured"] > 1.03 * r["peak_bytes"]["planned"]
+    assert r["static_bytes"]["measured"] == r["static_bytes"]["planned"]
 
 
 @pytest.mark.parametrize("argv, says", [
