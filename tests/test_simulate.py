@@ -59,9 +59,10 @@ def test_llama3_70b_on_1024_gpus(capsys):
 
 
 def test_moe_with_expert_parallelism(capsys):
-    """tiny-moe on dp4·ep2·tp2 with SP: the planner's balanced routing answers the split sizes."""
+    """tiny-moe on dp4·ep2·tp2 with SP, bf16: the planner's balanced routing answers the split sizes, and the
+    fake experts take the per-expert loop (fake _grouped_mm would refuse the fp32 weights)."""
     rc, report = _simulate(capsys, TINY + ["--model", "tiny-moe", "--dp", "4", "--ep", "2", "--tp", "2",
-                                           "--sequence-parallel"])
+                                           "--sequence-parallel", "--dtype", "bf16"])
     _within(report)
     assert rc == 0 and "ep" in report["ranks"][0]["comm_bytes"]
 

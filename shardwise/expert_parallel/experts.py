@@ -26,8 +26,8 @@ def grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """torch._grouped_mm (torch >= 2.8 on CPU fp32/bf16; CUDA needs bf16 on sm90+) with 16-byte-aligned rows."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if isinstance(x, FakeTensor) and x.dtype != torch.bfloat16:  # fake _grouped_mm has a bf16 kernel only
-        return False
+    if isinstance(x, FakeTensor) and any(w.dtype != torch.bfloat16 for w in weights):
+        return False  # fake _grouped_mm has a bf16 kernel only, and runs in the weights' dtype
     if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
             return False
