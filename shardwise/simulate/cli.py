@@ -74,10 +74,9 @@ def _gib(n: float) -> str:
 
 
 def render(report: dict) -> str:
-    lines = [f"simulated {report['model']} on {report['layout']} (world {report['world']}), "
-             f"{report['steps']} steps per rank on fake tensors; {report['routing']}" if report["routing"] else
-             f"simulated {report['model']} on {report['layout']} (world {report['world']}), "
-             f"{report['steps']} steps per rank on fake tensors",
+    head = (f"simulated {report['model']} on {report['layout']} (world {report['world']}), "
+            f"{report['steps']} steps per rank on fake tensors")
+    lines = [head + (f"; {report['routing']}" if report["routing"] else ""),
              f"{'rank':>6} {'stage':>5}  {'static GiB':>21}  {'activations GiB':>21}  {'peak GiB':>21}  ok"]
     for r in report["ranks"]:
         cells = []

@@ -4,7 +4,7 @@ torch's "fake" process group (every collective returns at once, nothing moves) g
 mesh, and FakeTensorMode gives every tensor its real shape, dtype and storage without memory or compute.
 The rank then runs shardwise's own Trainer — model build, ZeRO reducer, pipeline executor, comm layer and
 ledger — for a few steps, while `LiveMemory` follows every storage and the saved-activation meter the
-tensors autograd keeps. Host reads get stated stand-ins (`answer`): zeros for loss, norm and token-id
+tensors autograd keeps. Host reads get stated stand-ins (`Answers`): zeros for loss, norm and token-id
 range, and the planner's balanced MoE routing — every expert receives n·k/E rows of every ep rank.
 """
 from __future__ import annotations
