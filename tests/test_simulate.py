@@ -6,6 +6,10 @@ command's own bounds: static 1%, saved activations 2%, live peak 3%, comm bytes 
 from __future__ import annotations
 
 import json
+import os
+import resource
+import subprocess
+import sys
 
 import pytest
 
@@ -56,6 +60,23 @@ def test_llama3_70b_on_1024_gpus(capsys):
     _within(report)
     assert [r["stage"] for r in report["ranks"]] == [0, 3]
     assert report["ranks"][0]["static_bytes"]["measured"] > 15 * 2**30  # real shapes: ~18 GB of static state
+
+
+def test_llama3_405b_on_18432_gpus_in_under_2_gb():
+    """Fake tensors hold no data: one 405B stage of a world of 18,432 ranks runs in a child under 2 GB RSS."""
+    argv = ["--model", "llama3-405b", "--tp", "8", "--pp", "18", "--dp", "128", "--sequence-parallel", "--zero", "1",
+            "--recompute", "full", "--dtype", "bf16", "--seq-len", "8192", "--micro-batch", "1",
+            "--microbatches", "18", "--ranks", "0", "--json"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-m", "shardwise.cli", "simulate", *argv], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    _within(report)
+    assert report["world"] == 18432
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
+    assert rss < 2 * 2**30, rss
 
 
 def test_moe_with_expert_parallelism(capsys):
