@@ -79,13 +79,15 @@ def test_llama3_405b_on_18432_gpus_in_under_2_gb():
     assert rss < 2 * 2**30, rss
 
 
-def test_moe_with_expert_parallelism(capsys):
-    """tiny-moe on dp4·ep2·tp2 with SP, bf16: the planner's balanced routing answers the split sizes, and the
-    fake experts take the per-expert loop (fake _grouped_mm would refuse the fp32 weights)."""
-    rc, report = _simulate(capsys, TINY + ["--model", "tiny-moe", "--dp", "4", "--ep", "2", "--tp", "2",
-                                           "--sequence-parallel", "--dtype", "bf16"])
+def test_mixtral_with_expert_parallelism(capsys):
+    """mixtral-8x7b on dp16·ep8·tp4·pp2 (world 128), SP, bf16: the planner's balanced routing answers the
+    split sizes, and the fake experts take the per-expert loop (fake _grouped_mm would refuse fp32 weights)."""
+    rc, report = _simulate(capsys, ["--model", "mixtral-8x7b", "--dp", "16", "--ep", "8", "--tp", "4", "--pp", "2",
+                                    "--sequence-parallel", "--zero", "1", "--recompute", "selective", "--dtype", "bf16",
+                                    "--seq-len", "4096", "--micro-batch", "1", "--microbatches", "4"])
     _within(report)
-    assert rc == 0 and "ep" in report["ranks"][0]["comm_bytes"]
+    assert rc == 0 and report["world"] == 128
+    assert all(r["comm_bytes"]["ep"]["measured"] > 0 for r in report["ranks"])
 
 
 def test_a_broken_planner_term_fails(capsys, monkeypatch):
