@@ -371,7 +371,8 @@ def autocast_weight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     """bf16 autocast: every linear saves a bf16 copy of its (fp32 master) weight for backward, once per
     microbatch, since each microbatch's forward runs in its own autocast region. Norms and the embedding
     table are not cast; routed experts are (CUDA's per-expert F.linear path; CPU's grouped GEMM would stay
-    fp32). 0 for fp32 runs, and under full recompute (the copies would be recomputed with the layer)."""
+    fp32). 0 for fp32 runs, and under full recompute (the copies would be recomputed with the layer; the LM
+    head, outside every checkpoint, still saves its copy: `microbatch_activation_bytes` counts it with the head)."""
     if wl.act_bytes == 4 or lay.recompute == "full":
         return 0.0
     p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
@@ -396,6 +397,8 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
         chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
         out["rope"] = float(4 * (wl.seq_len // lay.cp) * spec.k_dim * chunks if not spec.learned_pos else 0)
         out["weights"] = autocast_weight_bytes(spec, stage, lay, wl)
+        if stage.head and lay.recompute == "full" and wl.act_bytes != 4:  # the head is never recomputed
+            out["head"] += wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim
     out["total"] = sum(out.values())
     return out
 

@@ -73,13 +73,13 @@ def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workloa
     """Under bf16 autocast with full recompute: autocast caches its low-precision copy of every weight it
     casts until the autocast region ends, and each chunk's forward is one region — so at the end of a
     chunk's forward the copies of all its linears are alive together, though checkpoint saves none.
-    (Without full recompute the same copies are saved for backward and counted as activations.)"""
+    (Without full recompute the same copies are saved for backward and counted as activations, as the LM
+    head's always is: it is never recomputed.)"""
     if wl.act_bytes == 4 or lay.recompute != "full" or not stage.n_layers:
         return 0.0
     chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
     p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
-    head = padded_vocab(spec, lay.tp) // lay.tp * spec.dim if stage.head else 0
-    return float(wl.act_bytes * ((p.total - p.vectors) / chunks + head))
+    return float(wl.act_bytes * (p.total - p.vectors) / chunks)
 
 
 def zero3_gathered_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
@@ -159,18 +159,22 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     (`shardwise simulate` measures the sum): the worst of the head's loss (last stage) and a layer's
     backward (on the last stage the layers' backward starts once the head's saved tensors are freed), and
     the pipeline's send and receive buffers."""
-    head = layer = 0.0
-    if lay.recompute != "full":  # under full recompute the rebuilt layer (in the activations) outweighs them
-        layer = layer_backward_transient_bytes(spec, stage, lay, wl)
-    if stage.head:
-        head = head_transient_bytes(spec, lay, wl)
-        layer -= head_activation_bytes(spec, lay, wl)
-    # `activation` includes the layer full recompute rebuilds during backward: the head's and autocast's
-    # moments come before it
+    # Relative to static + `activation` (which includes the layer full recompute rebuilds in backward), the
+    # worst of three moments: the head's loss and the end of a chunk's forward (autocast's cache) come
+    # before anything is rebuilt; a layer's backward comes after the head's saved tensors were freed (the
+    # non-pipelined loop still holds the logits).
     rebuilt = recompute_transient_bytes(spec, stage, lay, wl)
-    cache = autocast_cache_bytes(spec, stage, lay, wl)
-    out = {"static": float(static), "activations": float(activation),
-           "transient": max(head - rebuilt, layer, cache - rebuilt, 0.0),
+    moments = [autocast_cache_bytes(spec, stage, lay, wl) - rebuilt]
+    if stage.n_layers:
+        layer = layer_backward_transient_bytes(spec, stage, lay, wl)
+        if stage.head:
+            n = lay.mb * wl.seq_len // lay.cp
+            logits = wl.act_bytes * n * (padded_vocab(spec, lay.tp) // lay.tp) if lay.pp == 1 else 0
+            layer -= head_activation_bytes(spec, lay, wl) - logits
+        moments.append(layer)
+    if stage.head:
+        moments.append(head_transient_bytes(spec, lay, wl) - rebuilt)
+    out = {"static": float(static), "activations": float(activation), "transient": max(moments),
            "zero3_gathered": zero3_gathered_bytes(spec, stage, lay),
            "reduce_scatter_buckets": inflight_bucket_bytes(spec, stage, lay),
            "weight_gradient_store": weight_store_bytes(spec, stage, lay, wl),

@@ -63,6 +63,7 @@ def compare(measured: dict, planned: dict) -> dict:
                          for a in axes}
     ok &= all(v["measured"] == v["planned"] for v in row["comm_bytes"].values())
     row["peak_phase"] = measured["peak_phase"]
+    row["build_peak_bytes"] = measured["build_peak_bytes"]
     row["top_live"] = measured["top_live"]
     row["wall_s"] = round(measured["wall_s"], 2)
     row["passed"] = bool(ok)
@@ -74,10 +75,9 @@ def _gib(n: float) -> str:
 
 
 def render(report: dict) -> str:
-    lines = [f"simulated {report['model']} on {report['layout']} (world {report['world']}), "
-             f"{report['steps']} steps per rank on fake tensors; {report['routing']}" if report["routing"] else
-             f"simulated {report['model']} on {report['layout']} (world {report['world']}), "
-             f"{report['steps']} steps per rank on fake tensors",
+    head = (f"simulated {report['model']} on {report['layout']} (world {report['world']}), "
+            f"{report['steps']} steps per rank on fake tensors")
+    lines = [head + (f"; {report['routing']}" if report["routing"] else ""),
              f"{'rank':>6} {'stage':>5}  {'static GiB':>21}  {'activations GiB':>21}  {'peak GiB':>21}  ok"]
     for r in report["ranks"]:
         cells = []
@@ -91,6 +91,7 @@ def render(report: dict) -> str:
         lines.append(f"{'':13}comm MiB/step: {comm or 'none'}")
         top = "; ".join(f"{t['group']} {_gib(t['bytes'])}" for t in r["top_live"])
         lines.append(f"{'':13}peak during {r['peak_phase']}: {top}")
+        lines.append(f"{'':13}model build peak {_gib(r['build_peak_bytes'])} GiB (before the first step)")
     lines.append(f"{'passed' if report['passed'] else 'FAILED'} (bounds: static 1%, activations 2%, peak 3%, "
                  f"comm bytes equal) in {report['wall_s']:.1f} s")
     return "\n".join(lines)

@@ -68,6 +68,12 @@ class LiveMemory(TorchDispatchMode):
             self.peak, self.peak_phase = self.live, self._phase()
             self.peak_groups = dict(self.groups)
 
+    def reset_peak(self) -> int:
+        """Start a new peak from what is live now; returns the old peak (e.g. the model build's)."""
+        old = self.peak
+        self.peak, self.peak_phase, self.peak_groups = self.live, self._phase(), dict(self.groups)
+        return old
+
     def _phase(self) -> str:
         return "backward" if torch._C._current_graph_task_id() != -1 else self.phase
 

@@ -4,7 +4,7 @@ torch's "fake" process group (every collective returns at once, nothing moves) g
 mesh, and FakeTensorMode gives every tensor its real shape, dtype and storage without memory or compute.
 The rank then runs shardwise's own Trainer — model build, ZeRO reducer, pipeline executor, comm layer and
 ledger — for a few steps, while `LiveMemory` follows every storage and the saved-activation meter the
-tensors autograd keeps. Host reads get stated stand-ins (`answer`): zeros for loss, norm and token-id
+tensors autograd keeps. Host reads get stated stand-ins (`Answers`): zeros for loss, norm and token-id
 range, and the planner's balanced MoE routing — every expert receives n·k/E rows of every ep rank.
 """
 from __future__ import annotations
@@ -101,7 +101,8 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
 
     Static bytes are taken after the first optimizer step (as `shardwise train` does), saved activations
     over the first step, the live peak over all steps (AdamW's moments exist from the first step's end),
-    and the comm ledger of the last step.
+    and the comm ledger of the last step. The model build's own peak (ZeRO-3 builds every unit's full flat
+    buffer before sharding it) is reported apart, as `build_peak_bytes`.
     """
     from torch._subclasses import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -122,6 +123,7 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
             _label_statics(trainer, live)
             if trainer.reducer.units is not None:  # ZeRO-3: unit buffers gathered and freed by resizing
                 live.watch([b.flat for b in trainer.reducer.buckets])
+            build_peak = live.reset_peak()  # the planner's peak is the training step's
             static = activation = None
             for step in range(steps):
                 meter = SavedActivationMeter(trainer.model.parameters()) if step == 0 else None
@@ -138,5 +140,5 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
     finally:
         dist.destroy_process_group()
     return {"rank": rank, "stage": stage, "static_bytes": static, "activation_bytes": activation,
-            "peak_bytes": live.peak, "peak_phase": live.peak_phase, "top_live": live.top(5),
+            "peak_bytes": live.peak, "peak_phase": live.peak_phase, "build_peak_bytes": build_peak, "top_live": live.top(5),
             "comm_bytes": comm_bytes(axes), "wall_s": time.perf_counter() - t0}
