@@ -28,7 +28,7 @@ import re
 import torch
 from torch import nn
 
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
 from .hf_config import ARCHITECTURE, SUPPORTED, config_from_hf, hf_config, read_hf_config  # noqa: F401
 from .pipeline.tied_embedding import tied_name
 from .tensor_parallel.layers import get_spec

@@ -103,7 +103,7 @@ def rank_forward(cfg: TrainConfig, hf_dir: str, tokens: torch.Tensor) -> dict:
     from .context_parallel.sharding import shard_sequence, unshard_sequence
     from .hf import load_hf_into
     from .parallelize import build_model
-    from .train import make_mesh
+    from .trainer import make_mesh
 
     p, model_cfg = cfg.parallel, cfg.model_config()
     mesh = make_mesh(cfg, torch.device("cpu"))

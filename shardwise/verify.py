@@ -22,7 +22,7 @@ from .config import ConfigError, ParallelConfig, TrainConfig
 from .run import assembled
 from .mesh import Mesh
 from .tensor_parallel.layers import get_spec
-from .train import Trainer, make_mesh
+from .trainer import Trainer, make_mesh
 
 # first_grad: gradients of step 1, computed from bit-identical weights — pure layout arithmetic.
 # grad / param: every step; later steps start from weights that AdamW's g/sqrt(v) has already pulled

@@ -5,7 +5,6 @@ model in `TrainConfig.resolved_model`.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from ..partition import ORDERS, check_seq_len, split_layers

@@ -107,7 +107,8 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
     from torch._subclasses import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..train import Trainer, make_mesh, static_storage_bytes
+    from ..train import static_storage_bytes
+    from ..trainer import Trainer, make_mesh
 
     world = world_size(cfg)
     if not 0 <= rank < world:
