@@ -113,3 +113,21 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, says):
     assert main(["simulate", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+def test_plan_shows_the_peak_and_fits_by_it(capsys):
+    """`shardwise plan`: a peak column, and "fits" is the live peak within the usable memory."""
+    base = ["plan", "--model", "llama3-70b", "--gpus", "1024", "--seq-len", "4096", "--zero", "3",
+            "--recompute", "full"]
+    assert main(base) == 0
+    table = capsys.readouterr().out
+    assert "peak GB" in table
+    assert main(base + ["--explain", "dp=16,tp=8,pp=4,cp=2,schedule=interleaved,vp=2", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["peak_bytes_per_rank"] > est["total_bytes_per_rank"]  # gathered units, buckets, weight copies
+    assert est["fits"] == (est["peak_bytes_per_rank"] <= est["usable_bytes_per_rank"])
+    assert all(s["peak_bytes"] >= s["static_bytes"] for s in est["stages"])
+    assert main(base + ["--usable-memory", str(est["total_bytes_per_rank"] * 1.001 / 80e9), "--explain",
+                        "dp=16,tp=8,pp=4,cp=2,schedule=interleaved,vp=2", "--json"]) in (0, 1)
+    tight = json.loads(capsys.readouterr().out)
+    assert not tight["fits"]  # static + activations would fit; the peak does not
