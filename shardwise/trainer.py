@@ -135,8 +135,8 @@ class Trainer:
         device (its dp rows, its cp cut) and the per-microbatch side inputs (training and evaluation)."""
         with self._host():
             x, y, side = self._host_batch(loader, step)
-        xs = [self._to_device(t) for t in x.split(self.cfg.micro_batch)]
-        ys = [self._to_device(t) for t in y.split(self.cfg.micro_batch)]
+            xs, ys = x.split(self.cfg.micro_batch), y.split(self.cfg.micro_batch)
+        xs, ys = [self._to_device(t) for t in xs], [self._to_device(t) for t in ys]
         side = side and [{k: self._to_device(v) for k, v in s.items()} for s in side]
         return xs, ys, side
 

@@ -204,6 +204,7 @@ def test_corrupt_or_incomplete_checkpoints_fall_back(saved, tmp_path, caplog):
     shutil.copytree(os.path.join(root, "step-2"), os.path.join(root, "step-7"))  # as if it died before the manifest
     os.remove(os.path.join(root, "step-7", "manifest.json"))
     os.makedirs(os.path.join(root, "tmp-step-9"))  # an unpublished save is never a candidate
+    os.rename(os.path.join(root, "latest"), os.path.join(root, "latest.kept"))  # no `latest`: every step-N, newest first
     t = _trainer(_cfg(saved["seed"]))
     with caplog.at_level("WARNING", logger="shardwise.checkpoint"):
         info = load_checkpoint(root, t)
@@ -214,4 +215,7 @@ def test_corrupt_or_incomplete_checkpoints_fall_back(saved, tmp_path, caplog):
     assert data in reasons[os.path.join(root, "step-3")] and "truncated" in reasons[os.path.join(root, "step-3")]
     assert "step-3" in caplog.text and "step-7" in caplog.text
     torch.testing.assert_close(_logits(t), saved["logits"][2], **LOGIT_TOL)
+    os.rename(os.path.join(root, "latest.kept"), os.path.join(root, "latest"))  # names step-3: step-7 is no candidate
+    info = load_checkpoint(root, _trainer(_cfg(saved["seed"])))
+    assert info["step"] == 2 and [p for p, _ in info["skipped"]] == [os.path.join(root, "step-3")]
     assert load_checkpoint(str(tmp_path / "empty"), _trainer(_cfg(saved["seed"]))) is None
