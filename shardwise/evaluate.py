@@ -18,7 +18,6 @@ import torch
 from . import comm, host
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, Loader, open_data
-from .data.loader import blend_assign
 from .data.shards import PreparedData, data_sources
 from .data.tokenizer import ByteTokenizer
 
@@ -26,14 +25,8 @@ from .data.tokenizer import ByteTokenizer
 class EvalLoader(Loader):
     """A Loader whose windows are taken in order instead of through the keyed permutation."""
 
-    def _rows(self, step: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        idx = np.arange(step * self.global_batch + lo, step * self.global_batch + hi, dtype=np.int64)
-        src, local = blend_assign(idx, self.weights, self.theta)
-        starts = np.empty(len(idx), dtype=np.int64)
-        for j, n in enumerate(self.n_windows_per_source):
-            sel = src == j
-            starts[sel] = local[sel] % n * self.seq_len
-        return src, starts
+    def _windows(self, j: int, local: np.ndarray, n: int) -> np.ndarray:
+        return local % n
 
 
 def _tokenizer_sha(sources) -> str:

@@ -166,11 +166,16 @@ class Loader:
         starts = np.empty(len(idx), dtype=np.int64)
         for j, n in enumerate(self.n_windows_per_source):
             sel = src == j
-            for epoch in np.unique(local[sel] // n).tolist():
-                e = sel & (local // n == epoch)
-                key = (self.seed * 7919 + epoch) * 31 + j
-                starts[e] = permute(local[e] % n, n, key) * self.seq_len
+            starts[sel] = self._windows(j, local[sel], n) * self.seq_len
         return src, starts
+
+    def _windows(self, j: int, local: np.ndarray, n: int) -> np.ndarray:
+        """Window index of source j's samples number `local` (of its n windows): a keyed permutation per epoch."""
+        out = np.empty_like(local)
+        for epoch in np.unique(local // n).tolist():
+            e = local // n == epoch
+            out[e] = permute(local[e] % n, n, (self.seed * 7919 + epoch) * 31 + j)
+        return out
 
     def _starts(self, step: int) -> torch.Tensor:
         return torch.from_numpy(self._rows(step, 0, self.global_batch)[1])
