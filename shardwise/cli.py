@@ -37,6 +37,9 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
                    help="Megatron sequence parallelism in TP regions (default off)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage over dp×cp: 0, 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)")
+    g.add_argument("--dp-shard", type=int, default=None, metavar="S",
+                   help="hybrid sharded DP: ZeRO 2/3 shard over groups of S consecutive dp ranks and all-reduce "
+                        "over the dp/S replicas (default S = dp)")
     g.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zb, dualpipev")
     g.add_argument("--vp", type=int, default=None,
                    help="model chunks per pipeline rank (default 2 under --schedule interleaved, else 1)")
@@ -185,7 +188,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
     except ValueError:
         raise ConfigError(f"--pp-layers {args.pp_layers!r} must be comma-separated integers, e.g. 3,3,2") from None
     parallel = ParallelConfig(**degrees, sequence_parallel=args.sequence_parallel, zero=args.zero,
-                              schedule=args.schedule, vp=_vp(args), pp_layers=pp_layers,
+                              dp_shard=args.dp_shard, schedule=args.schedule, vp=_vp(args), pp_layers=pp_layers,
                               pp_scatter_gather=args.pp_scatter_gather, cp_order=args.cp_order,
                               cp_impl=args.cp_impl, recompute=args.recompute,
                               recompute_layers=args.recompute_layers, compile=args.compile)

@@ -56,7 +56,9 @@ def axis_lines(dims: "ParallelDims") -> dict[str, list[list[int]]]:
     tensor mode — fake or meta — can touch the layout). Rank = ((d·pp + p)·cp + c)·tp + t.
 
     dp×cp (dense gradient reduction) lines share (pp, tp) with cp fastest; ep takes consecutive blocks
-    of ep ranks of each dp×cp line and edp the strided rest.
+    of ep ranks of each dp×cp line and edp the strided rest. Under hybrid sharding (dp_shard S < dp),
+    dp_shard takes consecutive blocks of S·cp ranks (S dp ranks × all of cp: inside a node when
+    S·cp·tp·pp fits one) and dp_replicate the strided rest (one rank per block at the same offset).
     """
     sizes = dict(zip(GRID, (dims.dp, dims.pp, dims.cp, dims.tp)))
 
@@ -75,6 +77,10 @@ def axis_lines(dims: "ParallelDims") -> dict[str, list[list[int]]]:
             for p in range(dims.pp) for t in range(dims.tp)]
     ep, edp = dims.ep, dims.edp
     families["dp_cp"] = dpcp
+    if dims.replicas > 1:  # hybrid sharding: S·cp consecutive entries of each dp×cp line shard, the rest replicate
+        block = dims.shard * dims.cp
+        families["dp_shard"] = [line[b * block:(b + 1) * block] for line in dpcp for b in range(dims.replicas)]
+        families["dp_replicate"] = [line[k::block] for line in dpcp for k in range(block)]
     families["ep"] = [line[b * ep:(b + 1) * ep] for line in dpcp for b in range(edp)]
     families["edp"] = [line[k::ep] for line in dpcp for k in range(ep)]
     return families
@@ -89,9 +95,11 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    dp_shard: int = 0  # hybrid sharding's ZeRO group over dp (× cp); 0 = all of dp
 
     @classmethod
-    def build(cls, world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> "ParallelDims":
+    def build(cls, world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
+              dp_shard: int | None = None) -> "ParallelDims":
         named = f"dp={dp}, pp={pp}, cp={cp}, tp={tp}, ep={ep}, world size={world_size}"
         for name, v in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
             if v < 1:
@@ -104,11 +112,23 @@ class ParallelDims:
             raise ConfigError(f"dp×pp×cp×tp = {dp * pp * cp * tp} must equal the world size ({named})")
         if (dp * cp) % ep:
             raise ConfigError(f"ep={ep} must divide dp×cp={dp * cp} ({named})")
-        return cls(dp, pp, cp, tp, ep)
+        if dp_shard is not None and (dp_shard < 1 or dp % dp_shard):
+            raise ConfigError(f"dp_shard={dp_shard} must divide dp={dp} ({named})")
+        return cls(dp, pp, cp, tp, ep, 0 if dp_shard in (None, dp) else dp_shard)
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def shard(self) -> int:
+        """dp ranks per ZeRO shard group (dp itself unless hybrid sharding)."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each ZeRO shard across dp (1 unless hybrid sharding)."""
+        return self.dp // self.shard
 
     @property
     def edp(self) -> int:
@@ -160,7 +180,7 @@ class Mesh:
     @classmethod
     def single(cls, device: torch.device | str = "cpu", ledger: "Ledger | None" = None) -> "Mesh":
         dims = ParallelDims()
-        axes = {n: Axis(n) for n in (*GRID, "dp_cp", "ep", "edp", "emb", "world", "ckpt")}
+        axes = {n: Axis(n) for n in (*GRID, "dp_cp", "dp_shard", "dp_replicate", "ep", "edp", "emb", "world", "ckpt")}
         return cls(dims, 0, axes, torch.device(device), ledger=ledger)
 
     @classmethod
@@ -186,6 +206,8 @@ class Mesh:
             line = next(ln for ln in lines if rank in ln)
             group = _subgroups(lines, timeout, name) if len(line) > 1 else None  # no group for size-1 lines
             axes[name] = Axis(name, len(line), line.index(rank), group, tuple(line))
+        if "dp_shard" not in axes:  # no hybrid sharding: ZeRO shards over all of dp×cp, nothing replicates
+            axes["dp_shard"], axes["dp_replicate"] = Axis("dp_shard"), Axis("dp_replicate")
         axes["emb"] = _emb_axis(families["pp"], axes["pp"], rank, emb_stages, timeout)
         axes["world"] = Axis("world", world, rank, dist.group.WORLD, tuple(range(world)))
         # Checkpoint barriers and metadata gathers: gloo (CPU objects), with a long timeout, since

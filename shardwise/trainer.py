@@ -279,6 +279,6 @@ def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     p = cfg.parallel
     if not dist.is_initialized():
         return Mesh.single(device)
-    dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep)
+    dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep, p.dp_shard)
     tied = emb_stages(p) if cfg.model_config().tie_embeddings else None
     return Mesh.build(dims, device, Ledger(), cfg.timeout_s, emb_stages=tied)

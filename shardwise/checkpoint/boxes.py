@@ -128,12 +128,14 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
         for g in red.flat:
             state = red.optimizer.state[g["shard"]]
             lo_s = g["axis"].rank * g["per"]
+            # hybrid sharding: the dp/S replicas of a dense shard hold equal copies; the first writes it
+            copy = save and not g["expert"] and trainer.mesh["dp_replicate"].rank > 0
             shard = {"model": g["shard"].detach()} if red.zero >= 3 else {}
             for n, p, off, k in g["offsets"]:
                 lo, hi = max(off, lo_s), min(off + k, lo_s + g["per"])
                 for key, t in (shard | {key: state[key] for key in STATE_KEYS}).items():
                     boxes = (_place(get_spec(p), p.shape, t[lo - lo_s:hi - lo_s], lo - off, hi - off)
-                             if lo < hi and n in owned else [])
+                             if lo < hi and n in owned and not copy else [])
                     add(f"model.{gname[n]}" if key == "model" else f"optim.{gname[n]}.{key}", get_spec(p), boxes)
     return out
 

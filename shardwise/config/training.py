@@ -32,6 +32,9 @@ class ParallelConfig:
     """Megatron sequence parallelism in the TP regions (norms/residuals on s/tp shards)."""
     zero: int = 0
     """ZeRO stage over dp×cp: 0 (replicated), 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)."""
+    dp_shard: int | None = None
+    """Hybrid sharded DP: ZeRO 2/3 shard over groups of this many consecutive dp ranks (× cp) and all-reduce
+    the reduced shards over the dp/dp_shard replicas; None = dp (shard over all of dp×cp)."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb or dualpipev."""
     vp: int = 1
@@ -54,10 +57,17 @@ class ParallelConfig:
     def describe(self) -> str:
         return ", ".join(f"{a}={getattr(self, a)}" for a in AXES)
 
+    @property
+    def hsdp(self) -> bool:
+        """Hybrid sharding is on: ZeRO shards over dp_shard < dp ranks and replicates over the rest."""
+        return self.dp_shard is not None and self.dp_shard != self.dp
+
     def as_dict(self) -> dict:
         out = {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
         if self.recompute != "none":
             out |= {"recompute": self.recompute, "recompute_layers": self.recompute_layers}
+        if self.hsdp:
+            out |= {"dp_shard": self.dp_shard}
         if self.compile:
             out |= {"compile": True}
         if self.pp > 1:
@@ -303,6 +313,17 @@ class TrainConfig:
             raise ConfigError(f"--compile: torch.compile is unavailable here ({str(e).strip() or type(e).__name__}); "
                               "run without --compile") from None
 
+    @staticmethod
+    def _validate_dp_shard(p: ParallelConfig) -> None:
+        if p.dp_shard is None:
+            return
+        valid = ", ".join(str(s) for s in range(1, p.dp + 1) if p.dp % s == 0)
+        if not isinstance(p.dp_shard, int) or p.dp_shard < 1 or p.dp % p.dp_shard:
+            raise ConfigError(f"--dp-shard {p.dp_shard!r} must be a divisor of dp={p.dp}; valid: {valid}")
+        if p.hsdp and p.zero < 2:
+            raise ConfigError(f"--dp-shard {p.dp_shard} shards nothing at --zero {p.zero} (ZeRO 0/1 keep gradients "
+                              "and parameters whole); use --zero 2 or 3, or drop --dp-shard")
+
     def validate(self, world: int) -> None:
         p = self.parallel
         m = self.model_config()
@@ -315,6 +336,7 @@ class TrainConfig:
         if p.zero == 3 and p.dp * p.cp == 1:
             raise ConfigError("--zero 3 shards parameters over dp×cp, which is 1 here: nothing to shard; "
                               "use --zero 0, or --dp/--cp > 1")
+        self._validate_dp_shard(p)
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("--sequence-parallel needs --tp > 1 (it shards the TP regions' sequence)")
         problem = _tp_problem(p.tp, m)

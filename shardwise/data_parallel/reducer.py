@@ -15,6 +15,10 @@ Order of a step's gradient work:
 Expert parameters (`_sw_expert`) are split over ep and replicated over its complement edp: their
 gradients are summed over edp instead of dp×cp, their shards live on edp, and their share of the
 norm is also summed over ep.
+Hybrid sharding (`--dp-shard S`, ZeRO 2/3): dense buckets shard over dp_shard (S·cp ranks) instead of
+dp×cp; after the step's last reduce-scatter each shard gradient is all-reduced once over dp_replicate
+(the dp/S ranks holding the same shard), and the norm is summed over dp_shard only (replicas hold
+equal shards: summing over them would count each dp/S times). Experts keep edp.
 """
 from __future__ import annotations
 
@@ -66,6 +70,8 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype  # --grad-reduce-dtype bf16: halve the dp×cp / edp gradient bytes
         self.named = _unique_params(model)
         self.tp = mesh["tp"]
+        self.replicate = mesh["dp_replicate"]  # active only under hybrid sharding (ZeRO 2/3)
+        self.dense_axis = mesh["dp_shard"] if self.replicate.active else mesh["dp_cp"]
         self.buckets = self._make_buckets(model, weight_decay, bucket_bytes or BUCKET_BYTES)
         self.flat = self.buckets if zero else []
         self.units = None
@@ -121,7 +127,7 @@ class GradReducer:
         out = []
         for key, named in sorted(groups.items()):
             expert, decay = is_expert(named[0][1]), named[0][1].ndim >= 2
-            axis = self.mesh["edp"] if expert else self.mesh["dp_cp"]
+            axis = self.mesh["edp"] if expert else self.dense_axis
             runs = [named] if self.zero == 3 else cut_buckets(named, bucket_bytes)
             for run in runs:
                 b = Bucket(run, axis, expert, weight_decay if decay else 0.0, key[0] if self.zero >= 2 else 0,
@@ -226,6 +232,16 @@ class GradReducer:
                 if getattr(p, "_sw_tied", None) is not None:
                     comm.all_reduce(_grad(p), axis)
 
+    def _reduce_replicas(self):
+        """Hybrid sharding: sum each dense shard gradient over the dp/S replicas holding the same shard —
+        once per step, after the micro-batches' reduce-scatters have accumulated into it (all launched,
+        then waited, so NCCL can pipeline them)."""
+        if not self.replicate.active:
+            return
+        works = [(comm.all_reduce_async(b.shard.grad, self.replicate), b) for b in self.buckets if not b.expert]
+        for w, _ in works:
+            comm.wait(w, self.replicate, "all_reduce of a sharded gradient over the replicas")
+
     # ------------------------------------------------------------ step 3: norm and clip
     def _grad_norm_sq(self) -> torch.Tensor:
         dense = torch.zeros(1, device=self.mesh.device)
@@ -233,7 +249,7 @@ class GradReducer:
         if self.zero:  # shards are disjoint over each group's axis: one reduce per axis (dp×cp, edp)
             for b in self.buckets:
                 (expert if b.expert else dense).add_(self._sq_sum(b.shard.grad, b.norm_weight))
-            comm.all_reduce(dense, self.mesh["dp_cp"], tag="grad_norm")
+            comm.all_reduce(dense, self.dense_axis, tag="grad_norm")
             comm.all_reduce(expert, self.mesh["edp"], tag="grad_norm")
         else:  # .grads are views of the bucket buffers: one norm kernel per bucket (per parameter under TP)
             for b in self.buckets:
@@ -280,6 +296,7 @@ class GradReducer:
         self._reduce_tp()
         self._reduce_tied()  # before dp×cp: ZeRO shards differ per stage
         self.reduction.finish()
+        self._reduce_replicas()
         norm = self._grad_norm_sq().sqrt()
         if max_norm > 0:
             n64 = norm.double()
