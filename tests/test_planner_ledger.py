@@ -86,6 +86,12 @@ LAYOUTS = {
     "dp2-pp2-interleaved-zero2": (4, "tiny", dict(dp=2, pp=2, schedule="interleaved", vp=2, zero=2),
                                   dict(KW, global_batch=16)),
     "tp4-dp2-zero2": (8, "tiny", dict(dp=2, tp=4, zero=2), dict(KW, global_batch=8)),  # K/V heads shared over tp
+    # hybrid sharding: ZeRO over dp_shard (S·cp ranks), the shard gradients all-reduced over dp_replicate
+    "dp4-hs2-zero2": (4, "tiny", dict(dp=4, dp_shard=2, zero=2), dict(KW, global_batch=16)),
+    "dp4-hs2-zero3": (4, "tiny", dict(dp=4, dp_shard=2, zero=3), dict(KW, global_batch=16)),
+    "dp2-cp2-hs1-zero3": (4, "tiny", dict(dp=2, cp=2, dp_shard=1, zero=3), dict(KW, global_batch=8)),
+    "dp2-hs1-pp2-tp2-sp-zero2": (8, "tiny", dict(dp=2, pp=2, tp=2, dp_shard=1, sequence_parallel=True, zero=2),
+                                 dict(KW, global_batch=16)),
 }
 IGNORED_TAGS = ("metrics", "grad_norm")
 ROUTED = ("all_to_all:dispatch", "all_to_all:combine", "all_to_all:combine_grad", "all_to_all:dispatch_grad")

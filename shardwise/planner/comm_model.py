@@ -5,7 +5,8 @@ the full input; all_gather: the local shard; all_to_all: the whole input includi
 send: the tensor; recv: 0, only counted) and `wire_bytes` what it puts on links under ring algorithms
 (all_reduce 2(n−1)/n·N, reduce_scatter (n−1)/n·N_in, all_gather (n−1)·N_shard, all_to_all (n−1)/n·N
 under uniform routing, send N). Wire bytes are accumulated unrounded and rounded once on output, as the
-ledger does. Axes: tp, pp, cp, dp_cp (dense grads and ZeRO over dp×cp), ep, edp (expert grads).
+ledger does. Axes: tp, pp, cp, dp_cp (dense grads and ZeRO over dp×cp), ep, edp (expert grads); under
+hybrid sharding dp_shard (ZeRO 2/3 over S·cp) and dp_replicate (the shard gradients' all-reduce).
 
 Every function mirrors what shardwise's training step issues, op name and tag included, and
 tests/test_planner_ledger.py checks the prediction against the ledger of real CPU runs (tp, SP, dp with
@@ -196,6 +197,8 @@ def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
         # ZeRO 1/2 gather the updated parameters once; ZeRO-3 gathers every unit that uses a bucket before
         # its forward and again before its backward, every micro-batch (so a chunk's layers twice per m)
         led.add(b.axis, "all_gather", b.shard * 4, b.group, 1 if lay.zero < 3 else 2 * lay.m * b.uses)
+        if b.axis == "dp_shard":  # hybrid sharding: the fp32 shard gradient summed over the replicas, once
+            led.add("dp_replicate", "all_reduce", b.shard * 4, lay.replicas)
 
 
 def pp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:

@@ -27,7 +27,7 @@ from shardwise.planner.models import ModelSpec, active_params, local_kv_heads, p
 from shardwise.planner.peak import peak_terms
 from shardwise.planner.schedule import bubble_fraction
 
-AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp")
+AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp", "dp_shard", "dp_replicate")
 ADAM_STEP_BYTES = 28
 """Read param, grad, two moments (4 bytes each), write param and moments."""
 
@@ -92,9 +92,9 @@ def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none") -> float
 
 
 @lru_cache(maxsize=8192)
-def axis_links(dp: int, pp: int, cp: int, tp: int, ep: int, domain: int) -> dict:
+def axis_links(dp: int, pp: int, cp: int, tp: int, ep: int, domain: int, dp_shard: int = 0) -> dict:
     """Link each axis rides: a group crossing any scale-up domain boundary is limited by the network."""
-    lay = Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
+    lay = Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, dp_shard=dp_shard)
     if domain >= lay.world:
         return {a: "nvlink" if group_size(lay, a) > 1 else None for a in AXES}
     return {a: spans_link(group_spans(lay, a), group_size(lay, a), domain) for a in AXES}
@@ -146,7 +146,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     if lay.m * lay.mb * lay.dp != wl.global_batch:
         raise PlanError(f"m={lay.m} × mb={lay.mb} × dp={lay.dp} != global batch {wl.global_batch}")
     mem = mem or memory_by_stage(spec, lay, wl, assume.activation_model)
-    links = axis_links(lay.dp, lay.pp, lay.cp, lay.tp, lay.ep, cluster.domain)
+    links = axis_links(lay.dp, lay.pp, lay.cp, lay.tp, lay.ep, cluster.domain, lay.dp_shard)
     rate = {a: cluster.bandwidth(links[a]) * assume.link_efficiency for a in AXES}
     rate["emb"] = rate["pp"]  # tied embeddings' group: the first and last stage, across the pp links
     peak = peak_flops(cluster, wl)
@@ -167,7 +167,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
             t_cp = max(0.0, seconds(mb, "cp") - core / (peak * assume.flops_efficiency))
             t_mb = t_comp + t_cp + sum(seconds(mb, a) for a in ("tp", "pp", "ep"))
             t_sync = seconds(sync, "tp") + seconds(sync, "emb")
-            t_sync += (1 - assume.dp_overlap) * (seconds(sync, "dp_cp") + seconds(sync, "edp"))
+            t_sync += (1 - assume.dp_overlap) * sum(seconds(sync, a) for a in ("dp_cp", "edp", "dp_shard", "dp_replicate"))
             updated = s["static"]["optimizer"] / 8  # parameters this rank's Adam step touches (its ZeRO shard)
             t_opt = updated * ADAM_STEP_BYTES / cluster.gpu.hbm_bytes_per_s
             seen[key] = {"mb": t_mb, "tail": t_sync + t_opt, "comp": t_comp, "ledgers": (mb, sync)}
@@ -204,7 +204,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         "comm_wire_bytes_per_step": rank0.per_axis("wire_bytes"),
         "comm_bytes_per_step_max": busiest,
         "comm_ops_per_step": rank0.as_dict(),
-        "comm_links": {a: links[a] for a in AXES if links[a] and (spec.is_moe or a not in ("ep", "edp"))},
+        "comm_links": {a: links[a] for a in AXES if links[a] and (spec.is_moe or a not in ("ep", "edp"))
+                       and (lay.hsdp or a not in ("dp_shard", "dp_replicate"))},
         "comm_time_s": {a: rank0.sent_bytes(a) / rate[a] for a in rank0.ops},
         "model_flops_per_step": model_f,
         "hardware_flops_per_step": hw_f,

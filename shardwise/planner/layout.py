@@ -67,6 +67,22 @@ class Layout:
     sp: bool = True
     cp_impl: str = "ring"
     """Context-parallel attention: 'ring' (p2p K/V ring) or 'ulysses' (all-to-all to head shards)."""
+    dp_shard: int = 0
+    """Hybrid sharded DP (shardwise's --dp-shard): ZeRO 2/3 shard over this many dp ranks (× cp) and
+    all-reduce over the dp/dp_shard replicas; 0 (or dp) = shard over all of dp×cp."""
+
+    @property
+    def hsdp(self) -> bool:
+        return 0 < self.dp_shard < self.dp
+
+    @property
+    def shard(self) -> int:
+        """dp ranks per ZeRO shard group."""
+        return self.dp_shard if self.hsdp else self.dp
+
+    @property
+    def replicas(self) -> int:
+        return self.dp // self.shard
 
     @property
     def world(self) -> int:
@@ -83,11 +99,13 @@ class Layout:
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.vp}" if self.vp > 1 and self.schedule == "interleaved" else ""))
         parts += [f"mb{self.mb}", f"m{self.m}"]
+        if self.hsdp:
+            parts.append(f"hs{self.dp_shard}")
         return " ".join(parts) + (" sp" if self.sp else "")
 
 
 _FIELDS = tuple(f.name for f in fields(Layout))
-_INT_KEYS = ("dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "zero")
+_INT_KEYS = ("dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "zero", "dp_shard")
 _ALIASES = {"v": "vp", "micro_batch": "mb", "microbatches": "m"}
 
 
@@ -186,6 +204,10 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
         bad.append(f"zero={lay.zero} unknown; valid: 0, 1, 2, 3")
     if lay.sp and t == 1:
         bad.append("sp needs tp > 1")
+    if lay.dp_shard and lay.dp % lay.dp_shard:
+        bad.append(f"dp_shard={lay.dp_shard} does not divide dp={lay.dp}")
+    elif lay.hsdp and lay.zero < 2:
+        bad.append(f"dp_shard={lay.dp_shard} shards nothing at zero={lay.zero} (needs zero 2 or 3)")
     if seq_len > spec.max_seq_len:
         bad.append(f"seq_len={seq_len} exceeds max_seq_len={spec.max_seq_len} of {spec.name}")
     return bad
@@ -258,6 +280,10 @@ def group_spans(lay: Layout, axis: str):
         ends = [(g, g + ep - 1) for g in range(0, n, ep)]
     elif axis == "edp":
         ends = [(k, k + n - ep) for k in range(ep)]
+    elif axis in ("dp_shard", "dp_replicate"):  # hybrid sharding: blocks of S·cp, and the strided rest
+        block = lay.shard * cp
+        ends = ([(g, g + block - 1) for g in range(0, n, block)] if axis == "dp_shard" else
+                [(k, k + n - block) for k in range(block)])
     else:
         raise ValueError(axis)
     flat = lambda f, p, t: rank(f // cp, p, f % cp, t)  # noqa: E731
@@ -266,7 +292,8 @@ def group_spans(lay: Layout, axis: str):
 
 def group_size(lay: Layout, axis: str) -> int:
     return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp_cp": lay.dp * lay.cp, "ep": lay.ep,
-            "edp": lay.dp * lay.cp // lay.ep}[axis]
+            "edp": lay.dp * lay.cp // lay.ep, "dp_shard": lay.shard * lay.cp if lay.hsdp else 1,
+            "dp_replicate": lay.replicas}[axis]
 
 
 def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
@@ -278,7 +305,8 @@ def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
     spec = ModelSpec.of(cfg.model_config())
     lay = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, vp=p.vp if p.pp > 1 else 1,
                  schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
-                 recompute=p.recompute, sp=bool(p.sequence_parallel and p.tp > 1), cp_impl=p.cp_impl)
+                 recompute=p.recompute, sp=bool(p.sequence_parallel and p.tp > 1), cp_impl=p.cp_impl,
+                 dp_shard=p.dp_shard if p.hsdp else 0)
     gb = cfg.global_batch or cfg.micro_batch * p.dp
     return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,
                                fp32_residual=cfg.fp32_residual, grad_reduce=cfg.grad_reduce_dtype)

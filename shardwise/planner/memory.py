@@ -145,13 +145,15 @@ def zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
     — and by pipeline chunk under ZeRO-2, by unit under ZeRO-3 — in parameter order, cut at BUCKET_BYTES
     (not under ZeRO-3: one bucket per unit and group)."""
     key = Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
-                 zero=lay.zero, sp=lay.sp)  # only what the buckets depend on: the search shares them
+                 zero=lay.zero, sp=lay.sp,  # only what the buckets depend on: the search shares them
+                 dp_shard=lay.shard * lay.cp if lay.hsdp else 0)
     return _zero_buckets(spec, stage, key)
 
 
 @lru_cache(maxsize=4096)
 def _zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
     g = lay.dp
+    dense, gd = ("dp_shard", lay.dp_shard) if lay.hsdp else ("dp_cp", g)  # hybrid sharding: dense over S·cp
     groups: dict[tuple, list] = {}
     tied = spec.tie_embeddings and stage.embedding and stage.head
     for u, (chunk, tensors) in enumerate(_stage_units(spec, stage, lay)):
@@ -169,8 +171,8 @@ def _zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
                 runs, run, size = runs + [run], [], 0
         for r in runs + ([run] if run else []):
             expert = r[0][0].expert
-            out.append(ZeroBucket("edp" if expert else "dp_cp", sum(x.numel for x, _, _ in r),
-                                  max(1, g // lay.ep) if expert else g, any(p for _, p, _ in r),
+            out.append(ZeroBucket("edp" if expert else dense, sum(x.numel for x, _, _ in r),
+                                  max(1, g // lay.ep) if expert else gd, any(p for _, p, _ in r),
                                   2 if any(tie for *_, tie in r) else 1))
     return ZeroBuckets(out)
 
@@ -179,7 +181,8 @@ def zero_groups(local: Params, lay: Layout) -> list[tuple[str, int, int]]:
     """shardwise's flat ZeRO buffers of one rank: (axis, numel, group size) for dense matrices, dense 1-D
     tensors (no weight decay) and expert matrices, as `GradReducer` groups them by (expert?, ndim >= 2)."""
     g = lay.dp * lay.cp
-    return [("dp_cp", local.dense - local.vectors, g), ("dp_cp", local.vectors, g),
+    dense, gd = ("dp_shard", lay.shard * lay.cp) if lay.hsdp else ("dp_cp", g)
+    return [(dense, local.dense - local.vectors, gd), (dense, local.vectors, gd),
             ("edp", local.expert, max(1, g // lay.ep))]
 
 
