@@ -22,7 +22,7 @@ from shardwise.planner.models import PRESETS, get_model, load_hf_config
 from shardwise.planner.search import SearchSpace, candidates, search
 
 GB = 1e9
-TABLE_AXES = ("tp", "cp", "pp", "emb", "dp_cp", "ep", "edp")
+TABLE_AXES = ("tp", "cp", "pp", "emb", "dp_cp", "dp_shard", "dp_replicate", "ep", "edp")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -47,6 +47,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grad-reduce-dtype", default="fp32", choices=list(PRECISIONS),
                    help="dtype of the dp×cp / edp gradient reduction (train's flag; default fp32)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over dp×cp (default 1)")
+    p.add_argument("--dp-shard", type=int, default=None, metavar="S",
+                   help="ZeRO 2/3 hybrid sharding over S dp ranks (default: search dp and the largest S inside a node)")
     p.add_argument("--recompute", default="selective", choices=RECOMPUTE, help="activation recompute (default selective)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="Megatron sequence parallelism on layouts with tp > 1 (default on)")
@@ -144,7 +146,7 @@ def _search(args, spec, cluster, wl, assume) -> int:
         zero=args.zero, recompute=args.recompute, sp=args.sequence_parallel,
         micro_batches=(args.micro_batch,) if args.micro_batch else (1, 2, 4, 8), schedules=schedules,
         max_vp=args.max_vp, max_cp=args.max_cp, allow_tp_cross_domain=args.allow_tp_cross_node,
-        uneven_pp=args.uneven_pp, vp=args.vp, cp_impl=args.cp_impl,
+        uneven_pp=args.uneven_pp, vp=args.vp, cp_impl=args.cp_impl, dp_shard=args.dp_shard,
     )
     results = search(spec, cluster, wl, space, assume)
     for r in results[: args.top]:

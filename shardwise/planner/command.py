@@ -30,6 +30,8 @@ def train_flags(model_flags: list[str], spec: ModelSpec, lay: Layout, wl: Worklo
     out += [x for a in ("dp", "tp", "pp", "cp", "ep") for x in (f"--{a}", str(getattr(lay, a)))]
     out += ["--sequence-parallel" if lay.sp else "--no-sequence-parallel", "--zero", str(lay.zero),
             "--recompute", lay.recompute, "--schedule", lay.schedule, "--vp", str(lay.vp), "--cp-impl", lay.cp_impl]
+    if lay.hsdp:
+        out += ["--dp-shard", str(lay.dp_shard)]
     chunks = lay.pp * lay.vp
     if lay.pp > 1 and spec.n_layers % chunks:
         out += ["--pp-layers", ",".join(map(str, balanced_counts(spec.n_layers, chunks)))]
@@ -137,7 +139,8 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
         raise PlanError(f"--explain: --pp-layers {args.pp_layers} is not the planner's balanced split "
                         f"{','.join(map(str, balanced_counts(n_layers, pp * vp)))}")
     lay = Layout(dp=dp, **deg, vp=vp, schedule=schedule, mb=args.micro_batch, m=m, zero=args.zero,
-                 recompute=args.recompute, sp=bool(args.sequence_parallel), cp_impl=args.cp_impl)
+                 recompute=args.recompute, sp=bool(args.sequence_parallel), cp_impl=args.cp_impl,
+                 dp_shard=args.dp_shard if args.dp_shard not in (None, dp) else 0)
     seq_given = any(t == "--seq-len" or t.startswith("--seq-len=") for t in tokens)
     wl = dict(seq_len=args.seq_len if seq_given else None, precision=args.dtype,
               fp32_residual=bool(args.fp32_residual), grad_reduce=args.grad_reduce_dtype)

@@ -2,11 +2,12 @@
 
 The degrees come from the divisors of the GPU count; each candidate must pass `layout_problems`
 (heads, KV heads, FFN, experts, layers, sequence, schedule rules) and, unless allowed, keep every TP
-group inside one NVLink domain. Memory is checked before the (costlier) time model runs.
+group inside one NVLink domain. Under ZeRO 2/3 it also tries hybrid sharding (`_dp_shards`). Memory is checked before the (costlier) time model runs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from math import gcd
 
 from shardwise.planner.estimate import Assumptions, axis_links, estimate, fits, memory_by_stage
@@ -30,6 +31,10 @@ class SearchSpace:
     vp: int | None = None
     """Interleaved: only this many chunks per pipeline rank (train's --vp); None = search 2..max_vp."""
     cp_impl: str = "ring"
+    dp_shard: int | None = None
+    """ZeRO 2/3 hybrid sharding: None = try dp (full sharding) and the largest S < dp whose shard group stays
+    in one scale-up domain (a smaller in-domain S only adds memory); an int: only that S (dp where it does
+    not divide dp)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -49,6 +54,16 @@ def _schedules(space: SearchSpace, spec: ModelSpec, pp: int) -> list[tuple[str, 
     return out
 
 
+def _dp_shards(space: SearchSpace, dp: int, pp: int, cp: int, tp: int, domain: int) -> list[int]:
+    """The dp_shard values (0 = all of dp) worth estimating for one (dp, pp, cp, tp)."""
+    if space.zero < 2 or dp == 1:
+        return [0]
+    if space.dp_shard is not None:
+        return [space.dp_shard if 0 < space.dp_shard < dp and dp % space.dp_shard == 0 else 0]
+    inside = [s for s in divisors(dp)[:-1] if axis_links(dp, pp, cp, tp, 1, domain, s)["dp_shard"] != "network"]
+    return [0] + inside[-1:]
+
+
 def candidates(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpace):
     """Every layout that can run (memory not yet checked)."""
     n = cluster.gpus
@@ -65,16 +80,17 @@ def candidates(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpa
                 links = axis_links(dp, pp, cp, tp, 1, cluster.domain)
                 if links["tp"] == "network" and not space.allow_tp_cross_domain:
                     continue
+                shards = _dp_shards(space, dp, pp, cp, tp, cluster.domain)
                 eps = divisors(gcd(dp * cp, spec.moe_experts)) if spec.is_moe else [1]
                 for ep in eps:
                     for mb in space.micro_batches:
                         if wl.global_batch % (dp * mb):
                             continue
                         m = wl.global_batch // (dp * mb)
-                        for sched, vp in _schedules(space, spec, pp):
+                        for (sched, vp), hs in product(_schedules(space, spec, pp), shards):
                             lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vp=vp, schedule=sched, mb=mb, m=m,
                                          zero=space.zero, recompute=space.recompute, sp=space.sp and tp > 1,
-                                         cp_impl=space.cp_impl)
+                                         cp_impl=space.cp_impl, dp_shard=hs)
                             if not layout_problems(spec, lay, n, wl.seq_len, space.uneven_pp):
                                 yield lay
 
