@@ -152,3 +152,38 @@ def test_config_records_dp_shard_only_when_hybrid():
     assert ParallelConfig(dp=4, dp_shard=2, zero=3).as_dict()["dp_shard"] == 2
     assert "dp_shard" not in ParallelConfig(dp=4, dp_shard=4, zero=3).as_dict()
     assert not ParallelConfig(dp=4).hsdp
+
+
+def test_planner_searches_dp_shard_and_prints_it():
+    """llama3-70b on 1,024 H100s at ZeRO-3: the search tries hybrid sharding (shard group inside a node),
+    its memory divides by S (not dp), the dp_replicate bytes are the shard's fp32 gradient, and the
+    printed command carries --dp-shard, which reads back to the same layout."""
+    from shardwise.planner import Cluster, Layout, SearchSpace, Workload, estimate, get_gpu, get_model, search
+    from shardwise.planner.command import parse_train_flags, row_command
+
+    spec, cluster = get_model("llama3-70b"), Cluster(get_gpu("h100-80gb"), 1024, 8)
+    wl = Workload(seq_len=4096, global_batch=1024)
+    rows = search(spec, cluster, wl, SearchSpace(zero=3))
+    hybrid = [r for r in rows if r["layout"].get("dp_shard")]
+    assert hybrid and rows[0] in hybrid  # replicas across nodes beat gathering every layer over the network
+    for r in hybrid:  # every shard group's ranks in one node (a group of one rank rides no link), replicas across
+        assert r["comm_links"].get("dp_shard") in (None, "nvlink") and r["comm_links"]["dp_replicate"] == "network"
+    # the S tried beside dp: the largest whose shard group (S dp ranks × cp, stride pp·cp·tp) fits a node
+    from shardwise.planner.search import _dp_shards
+    assert _dp_shards(SearchSpace(zero=2), 16, 1, 1, 2, 8) == [0, 4]
+    assert _dp_shards(SearchSpace(zero=3), 16, 1, 2, 1, 8) == [0, 4]
+    assert _dp_shards(SearchSpace(zero=3), 16, 1, 1, 8, 8) == [0, 1]
+    assert _dp_shards(SearchSpace(zero=1), 16, 1, 1, 2, 8) == [0]
+    assert _dp_shards(SearchSpace(zero=3, dp_shard=2), 16, 1, 1, 8, 8) == [2]
+    full = Layout(dp=64, tp=8, pp=2, mb=1, m=16, zero=3)
+    hs = Layout(dp=64, tp=8, pp=2, mb=1, m=16, zero=3, dp_shard=1)
+    a, b = (estimate(spec, cluster, lay, wl, detail=True) for lay in (full, hs))
+    per_dp = a["static_breakdown_per_rank"]
+    assert b["static_breakdown_per_rank"]["optimizer"] == pytest.approx(per_dp["optimizer"] * 64, rel=1e-3)
+    for st in b["stages"]:  # S = 1: the shard is the whole stage, its fp32 gradient all-reduced once per step
+        assert st["comm_bytes_per_step"]["dp_replicate"] == st["params"] * 4
+    cmd = row_command(["--model", "llama3-70b"], spec, cluster, hs, wl)["command"]
+    assert "--dp-shard 1" in cmd
+    lay, _ = parse_train_flags(cmd, 1024, None, "llama3-70b", spec.n_layers)
+    assert lay == hs
+    assert "--dp-shard" not in row_command(["--model", "llama3-70b"], spec, cluster, full, wl)["command"]

@@ -33,8 +33,7 @@ class ParallelConfig:
     zero: int = 0
     """ZeRO stage over dp×cp: 0 (replicated), 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)."""
     dp_shard: int | None = None
-    """Hybrid sharded DP: ZeRO 2/3 shard over groups of this many consecutive dp ranks (× cp) and all-reduce
-    the reduced shards over the dp/dp_shard replicas; None = dp (shard over all of dp×cp)."""
+    """Hybrid sharded DP: ZeRO 2/3 shard over this many consecutive dp ranks (× cp), replicate over dp/S; None = dp."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb or dualpipev."""
     vp: int = 1
@@ -66,8 +65,7 @@ class ParallelConfig:
         out = {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
         if self.recompute != "none":
             out |= {"recompute": self.recompute, "recompute_layers": self.recompute_layers}
-        if self.hsdp:
-            out |= {"dp_shard": self.dp_shard}
+        out |= {"dp_shard": self.dp_shard} if self.hsdp else {}
         if self.compile:
             out |= {"compile": True}
         if self.pp > 1:
@@ -315,10 +313,8 @@ class TrainConfig:
 
     @staticmethod
     def _validate_dp_shard(p: ParallelConfig) -> None:
-        if p.dp_shard is None:
-            return
         valid = ", ".join(str(s) for s in range(1, p.dp + 1) if p.dp % s == 0)
-        if not isinstance(p.dp_shard, int) or p.dp_shard < 1 or p.dp % p.dp_shard:
+        if p.dp_shard is not None and (not isinstance(p.dp_shard, int) or p.dp_shard < 1 or p.dp % p.dp_shard):
             raise ConfigError(f"--dp-shard {p.dp_shard!r} must be a divisor of dp={p.dp}; valid: {valid}")
         if p.hsdp and p.zero < 2:
             raise ConfigError(f"--dp-shard {p.dp_shard} shards nothing at --zero {p.zero} (ZeRO 0/1 keep gradients "

@@ -89,7 +89,8 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
     def as_dict(self) -> dict:
-        return {f: getattr(self, f) for f in _FIELDS}
+        """Every field; dp_shard only under hybrid sharding (it changes nothing otherwise)."""
+        return {f: getattr(self, f) for f in _FIELDS if f != "dp_shard" or self.hsdp}
 
     def short(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
