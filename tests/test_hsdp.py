@@ -13,7 +13,7 @@ Two spawns (4 and 8 ranks):
   sharding continues identically under S = 2.
 Skipping the dp_replicate all-reduce makes every verify here fail (gradient error ~2, checked once).
 """
-import dataclasses
+import json
 import subprocess
 import sys
 
@@ -187,3 +187,17 @@ def test_planner_searches_dp_shard_and_prints_it():
     lay, _ = parse_train_flags(cmd, 1024, None, "llama3-70b", spec.n_layers)
     assert lay == hs
     assert "--dp-shard" not in row_command(["--model", "llama3-70b"], spec, cluster, full, wl)["command"]
+
+
+def test_simulate_takes_dp_shard():
+    """`simulate` shares train's flags: a dp4 × dp-shard 2 ZeRO-3 rank on fake tensors, its dp_shard and
+    dp_replicate bytes equal to the planner's."""
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "simulate", "--dp", "4", "--dp-shard", "2", "--zero", "3",
+                        "--seq-len", "32", "--micro-batch", "2", "--global-batch", "16", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["passed"] and "dp_shard=2" in out["layout"], out
+    comm = out["ranks"][0]["comm_bytes"]
+    for axis in ("dp_shard", "dp_replicate"):
+        assert comm[axis]["measured"] == comm[axis]["planned"] > 0, comm
