@@ -48,7 +48,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="dtype of the dp×cp / edp gradient reduction (train's flag; default fp32)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over dp×cp (default 1)")
     p.add_argument("--dp-shard", type=int, default=None, metavar="S",
-                   help="ZeRO 2/3 hybrid sharding over S dp ranks (default: search dp and the largest S inside a node)")
+                   help="ZeRO 2/3 hybrid sharding over S dp ranks only (0: none; default: try dp and the largest S "
+                        "whose shard group stays inside a node)")
     p.add_argument("--recompute", default="selective", choices=RECOMPUTE, help="activation recompute (default selective)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="Megatron sequence parallelism on layouts with tp > 1 (default on)")

@@ -33,8 +33,8 @@ class SearchSpace:
     cp_impl: str = "ring"
     dp_shard: int | None = None
     """ZeRO 2/3 hybrid sharding: None = try dp (full sharding) and the largest S < dp whose shard group stays
-    in one scale-up domain (a smaller in-domain S only adds memory); an int: only that S (dp where it does
-    not divide dp)."""
+    in one scale-up domain (a smaller in-domain S only adds memory); an int: only that S (0, or one that does
+    not divide dp: no hybrid sharding)."""
 
 
 def divisors(n: int) -> list[int]:
