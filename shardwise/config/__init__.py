@@ -7,6 +7,7 @@ nothing of shardwise but the pure `partition` and `pipeline.schedules` (a test e
 """
 from .errors import ConfigError
 from .model import MODEL_PRESETS, ModelConfig, get_model_config
-from .training import AXES, ParallelConfig, TrainConfig
+from .parallel import AXES, ParallelConfig
+from .training import TrainConfig
 
 __all__ = ["AXES", "ConfigError", "MODEL_PRESETS", "ModelConfig", "ParallelConfig", "TrainConfig", "get_model_config"]

@@ -1,0 +1,65 @@
+"""The degrees of every parallel axis and the per-axis options (`ParallelConfig`): plain data, validated
+together with the model and world size by `TrainConfig.validate`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+AXES = ("dp", "pp", "cp", "tp", "ep")
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of every parallel axis. Their product (ep excluded: it is drawn from dp×cp) is the world size."""
+
+    dp: int = 1
+    """Data-parallel degree; -1 means "whatever is left of the world size"."""
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    """Expert-parallel degree, drawn from the dp×cp ranks."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism in the TP regions (norms/residuals on s/tp shards)."""
+    zero: int = 0
+    """ZeRO stage over dp×cp: 0 (replicated), 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)."""
+    dp_shard: int | None = None
+    """Hybrid sharded DP: ZeRO 2/3 shard over this many consecutive dp ranks (× cp), replicate over dp/S; None = dp."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb or dualpipev."""
+    vp: int = 1
+    """Model chunks (virtual stages) per pipeline rank: >1 for interleaved; dualpipev uses 2."""
+    pp_layers: list[int] | None = None
+    """Layers per stage (pp × vp counts), for uneven splits; default an even split."""
+    pp_scatter_gather: bool = False
+    """Under TP without SP, send 1/tp of each stage activation and all-gather it over TP on arrival."""
+    cp_order: str = "balanced"
+    """Context-parallel token order: 'balanced' (rank r holds chunks r and 2c-1-r) or 'contiguous'."""
+    cp_impl: str = "ring"
+    """Context-parallel attention: 'ring' (p2p K/V ring) or 'ulysses' (all-to-all to head shards)."""
+    recompute: str = "none"
+    """Activation recompute: 'none', 'selective' (the attention core) or 'full' (whole blocks)."""
+    recompute_layers: int | None = None
+    """Full recompute of the first N layers of every stage/chunk; None = all."""
+    compile: bool = False
+    """torch.compile each transformer block (collectives and their ledger stay eager, between graphs)."""
+
+    def describe(self) -> str:
+        return ", ".join(f"{a}={getattr(self, a)}" for a in AXES)
+
+    @property
+    def hsdp(self) -> bool:
+        """Hybrid sharding is on: ZeRO shards over dp_shard < dp ranks and replicates over the rest."""
+        return self.dp_shard is not None and self.dp_shard != self.dp
+
+    def as_dict(self) -> dict:
+        out = {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
+        if self.recompute != "none":
+            out |= {"recompute": self.recompute, "recompute_layers": self.recompute_layers}
+        out |= {"dp_shard": self.dp_shard} if self.hsdp else {}
+        if self.compile:
+            out |= {"compile": True}
+        if self.pp > 1:
+            out |= {"schedule": self.schedule, "vp": self.vp, "pp_layers": self.pp_layers,
+                    "pp_scatter_gather": self.pp_scatter_gather}
+        return out
