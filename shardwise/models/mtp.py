@@ -35,9 +35,12 @@ class MTPLayer(nn.Module):
         self.head_norm = norm(dim, eps)
 
     def forward(self, h, emb, cos, sin, doc_ids=None):
-        """h^{k-1} [b, s, d] and Emb(t_{i+k}) [b, s, d] → h^k (the residual stream keeps h's dtype)."""
+        """h^{k-1} [b, s, d] and Emb(t_{i+k}) [b, s, d] → [h^k, shared_head.norm(h^k)] stacked [2, b, s, d]: every
+        weight of the module is used inside its forward, and its one output tensor carries both (ZeRO-3 gathers a
+        unit around its forward and hooks its single output to gather it again for backward)."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)).to(h.dtype)
-        return self.block(x, cos, sin, doc_ids)
+        x = self.block(x, cos, sin, doc_ids)
+        return torch.stack([x, self.head_norm(x)])
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -62,8 +65,8 @@ def mtp_forward(model, h, logits, cos, sin, doc_ids, ids, labels, scale) -> torc
     embed = model.mtp_embedding()
     total = None
     for k, layer in enumerate(model.mtp.values()):
-        h = layer(h, embed(ids[k]), cos, sin, doc_ids)
-        out = model.output(layer.head_norm(h))
+        h, normed = layer(h, embed(ids[k]), cos, sin, doc_ids).unbind(0)
+        out = model.output(normed)
         part = model.loss_fn(out, labels[k], IGNORE).sum() * scale[k]
         total = part if total is None else total + part
     value = total.detach().reshape(1).float()
