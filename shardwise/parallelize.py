@@ -204,11 +204,12 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool
         from .pipeline.grad_store import WeightGradStore
         from .partition import split_layers
         from .pipeline.stage import prune_to_stages
-        from .pipeline.tied_embedding import mark_tied_copies
+        from .pipeline.tied_embedding import mark_mtp_embedding, mark_tied_copies
 
         stage_layers = split_layers(cfg.n_layers, schedule.num_stages, pp_layers)
         model.chunks = prune_to_stages(model, mesh["pp"].rank, schedule.layout, stage_layers)
         mark_tied_copies(model, mesh)
+        mark_mtp_embedding(model, mesh, residual_dtype)
         model.grad_store = WeightGradStore() if schedule.split_bw else None
         for m in model.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):

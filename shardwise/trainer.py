@@ -305,5 +305,6 @@ def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     if not dist.is_initialized():
         return Mesh.single(device)
     dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep)
-    tied = emb_stages(p) if cfg.model_config().tie_embeddings else None
+    m = cfg.model_config()
+    tied = emb_stages(p) if m.tie_embeddings or m.mtp_layers else None  # MTP reads the embedding on the last stage
     return Mesh.build(dims, device, Ledger(), cfg.timeout_s, emb_stages=tied)

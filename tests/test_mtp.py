@@ -124,14 +124,31 @@ def _check(cfgs, world, seed):
         assert result["passed"] and result["first_step_grad_rel_diff"] < 1e-5, (seed, cfg.parallel, result)
 
 
-def test_verify_two_rank_layouts_without_pp():
+def test_verify_two_rank_layouts():
     """TP+SP and TP (eh_proj replicated: its gradient is TP-partial under SP), CP ring and Ulysses (shifted on
-    the host before the cut: no extra communication), EP with the MTP block's experts, ZeRO-3."""
+    the host before the cut: no extra communication), EP with the MTP block's experts, ZeRO-3; PP 1f1b, zb and
+    interleaved (the MTP modules on the last stage with a copy of the embedding, summed over emb), dualpipev (both
+    ends on rank 0: one matrix used by two chunks), tied embeddings under PP (MTP reads the head's copy)."""
     seed = fresh_seed()
+    tied = dataclasses.replace(DEEPSEEK_MTP, tie_embeddings=True)
     cfgs = [_cfg(seed, tp=2, sequence_parallel=True), _cfg(seed, tp=2), _cfg(seed, cp=2),
             _cfg(seed, cp=2, cp_impl="ulysses"), _cfg(seed, dp=2, ep=2),
-            _cfg(seed, global_batch=8, dp=2, ep=2, zero=3)]
+            _cfg(seed, global_batch=8, dp=2, ep=2, zero=3),
+            _cfg(seed, global_batch=8, pp=2, schedule="1f1b"), _cfg(seed, global_batch=8, pp=2, schedule="zb"),
+            _cfg(seed, global_batch=8, pp=2, schedule="interleaved", vp=2),
+            _cfg(seed, global_batch=8, pp=2, schedule="dualpipev"),
+            _cfg(seed, tied, global_batch=8, pp=2, schedule="1f1b")]
     _check(cfgs, 2, seed)
+
+
+def test_verify_four_rank_compositions():
+    """pp×tp×SP zb, dp×ep×tp×SP, dp×pp ZeRO-3 (the embedding copy is a ZeRO-3 unit), pp4 (middle stages hold
+    neither end)."""
+    seed = fresh_seed()
+    cfgs = [_cfg(seed, global_batch=8, pp=2, tp=2, sequence_parallel=True, schedule="zb"),
+            _cfg(seed, global_batch=8, dp=2, ep=2, tp=2, sequence_parallel=True),
+            _cfg(seed, global_batch=8, dp=2, pp=2, zero=3), _cfg(seed, global_batch=8, pp=4, schedule="1f1b")]
+    _check(cfgs, 4, seed)
 
 
 def test_refusals():

@@ -127,7 +127,8 @@ class GradReducer:
             runs = [named] if self.zero == 3 else cut_buckets(named, bucket_bytes)
             for run in runs:
                 b = Bucket(run, axis, expert, weight_decay if decay else 0.0, key[0] if self.zero >= 2 else 0,
-                           any(tp_partial(p, self.tp) or tied_partial(p, self.mesh) for _, p in run), self.zero > 0,
+                           any(tp_partial(p, self.tp) or tied_partial(p, self.mesh)
+                               or getattr(p, "_sw_multi_use", False) for _, p in run), self.zero > 0,
                            self.mesh.device)
                 b.unit = key[1] if self.zero == 3 else None
                 out.append(b)
