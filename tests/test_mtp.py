@@ -160,3 +160,116 @@ def test_refusals():
         dataclasses.replace(dense, mtp_layers=-1).validate()
     with pytest.raises(ConfigError, match=r"--mtp-loss-weight -0.1 must be a finite number >= 0"):
         assemble(_cfg(0, lam=-0.1))
+
+
+def _export(tmp_path, seed=3):
+    from shardwise import hf
+
+    model = build_model(DEEPSEEK_MTP, Mesh.single(torch.device("cpu")), seed)
+    with torch.no_grad():
+        for n, b in model.named_buffers():  # a random selection bias: the MTP block's must travel too
+            if n.endswith("expert_bias"):
+                b.normal_(0.0, 0.3)
+    return model, hf.export_hf(model, DEEPSEEK_MTP, str(tmp_path / "export"))
+
+
+def _loaded_slices_equal(path):
+    """Inside ranks (pp2): every tensor this rank holds, the last stage's MTP embedding copy included, equals the
+    single-device model's slice after --init-from-hf's loader read only this rank's slices."""
+    from shardwise import hf
+    from shardwise.config import ParallelConfig as PC
+    from shardwise.pipeline.schedules import build_schedule
+    from shardwise.pipeline.tied_embedding import tied_name
+    from shardwise.tensor_parallel.layers import get_spec
+    from shardwise.trainer import make_mesh
+
+    cfg = assemble(TrainConfig(model=DEEPSEEK_MTP, parallel=PC(pp=2, tp=1), global_batch=4, micro_batch=2, seq_len=32))
+    mesh = make_mesh(cfg, torch.device("cpu"))
+    sched = build_schedule("1f1b", 2, 2, 1)
+    model = build_model(DEEPSEEK_MTP, mesh, 99, schedule=sched)
+    hf.load_hf_into(model, path, mesh)
+    ref = build_model(DEEPSEEK_MTP, Mesh.single(torch.device("cpu")), 99)
+    hf.load_hf_into(ref, path)
+    ref_params = dict(ref.named_parameters())
+    names = []
+    for n, p in model.named_parameters():
+        assert torch.equal(p, get_spec(p).local_slice(ref_params[tied_name(n, p)])), n
+        names.append(n)
+    ref_bufs = dict(ref.named_buffers())
+    for n, b in model.named_buffers():
+        if n.endswith("expert_bias"):
+            assert torch.equal(b, ref_bufs[n]), n
+    return names
+
+
+def test_hf_export_loads_in_transformers_and_round_trips(tmp_path):
+    """hf-export writes DeepSeek's layout (model.layers.{L+k}: enorm, hnorm, eh_proj, shared_head.norm, the
+    block's usual names, embed_tokens and shared_head.head copies; num_nextn_predict_layers = D);
+    DeepseekV3ForCausalLM loads it (the extra layers ignored) with equal logits; transformers' own decoder layer
+    run on layer L's tensors with the report's combination reproduces shardwise's depth-1 MTP logits; the import
+    reads every MTP tensor back exactly, per rank, under pp2 (the MTP embedding copy reads embed_tokens)."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    model, path = _export(tmp_path)
+    with open(f"{path}/config.json") as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 2
+    tensors = load_file(f"{path}/model.safetensors")
+    layer4 = {k[len("model.layers.4."):]: v for k, v in tensors.items() if k.startswith("model.layers.4.")}
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
+                 "shared_head.head.weight", "self_attn.kv_b_proj.weight", "mlp.gate.e_score_correction_bias"):
+        assert name in layer4, name
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    x = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(fresh_seed()))
+    y = torch.roll(x, -1, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(x).logits, model(x), rtol=1e-5, atol=1e-5)
+        # depth 1 as a transformers-layout consumer (vLLM's deepseek_mtp.py) computes it from these tensors
+        # transformers' own loading of layer 4's block (its per-expert tensors fused as it fuses every layer's)
+        block = transformers.AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=5).model.layers[4].eval()
+        assert isinstance(block, DeepseekV3DecoderLayer)
+        eps = hf_model.config.rms_norm_eps
+        h0 = hf_model.model(x).last_hidden_state  # after the final norm
+        emb = F.embedding(x[:, 1:], layer4["embed_tokens.weight"])
+        cat = torch.cat([_rms(emb, layer4["enorm.weight"], eps), _rms(h0[:, :-1], layer4["hnorm.weight"], eps)], -1)
+        pos = torch.arange(15).unsqueeze(0)
+        h1 = block(cat @ layer4["eh_proj.weight"].T, position_ids=pos,
+                   position_embeddings=hf_model.model.rotary_emb(cat, pos))
+        want = _rms(h1, layer4["shared_head.norm.weight"], eps) @ layer4["shared_head.head.weight"].T
+        ids, _ = shift_inputs(x, y, 2)
+        cos, sin = model.rope(16, x.device)
+        h = model.norm(_main_hidden(model, x))
+        normed = model.mtp["0"](h, model.tok_embeddings(ids[0]), cos, sin).unbind(0)[1]
+        torch.testing.assert_close(model.output(normed)[:, :-1], want, rtol=1e-4, atol=1e-5)
+    names = run_ranks(2, _loaded_slices_equal, path)
+    assert "mtp_embed.weight" in names[1] and "mtp.1.eh_proj.weight" in names[1] and "mtp.0.enorm.weight" not in names[0]
+
+
+def _main_hidden(model, x):
+    cos, sin = model.rope(x.shape[1], x.device)
+    h = model.tok_embeddings(x)
+    for block in model.layers.values():
+        h = block(h, cos, sin)
+    return h
+
+
+def test_init_from_hf_refuses_more_mtp_layers_than_the_checkpoint(tmp_path, capsys):
+    from shardwise.cli import main
+    from shardwise.hf_config import init_model_config
+
+    _, path = _export(tmp_path)
+    assert init_model_config(path, None, {"mtp_layers": 1}).mtp_layers == 1
+    assert init_model_config(path, None, {}).mtp_layers == 0  # read, but off unless asked
+    with pytest.raises(ConfigError, match=r"--mtp-layers 3 exceeds the MTP modules of --init-from-hf .*"
+                                          r"num_nextn_predict_layers=2; valid: 0..2"):
+        init_model_config(path, None, {"mtp_layers": 3})
+    for argv, message in ((["--model", "tiny", "--mtp-layers", "1"], "--mtp-layers 1: model 'tiny' has no multi-token"),
+                          (["--model", "deepseek-v3", "--mtp-layers", "-1"], "--mtp-layers -1 must be an integer >= 0"),
+                          (["--model", "deepseek-v3", "--mtp-layers", "1", "--mtp-loss-weight", "-1"],
+                           "--mtp-loss-weight -1.0 must be a finite number >= 0")):
+        assert main(["train", *argv, "--steps", "1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
