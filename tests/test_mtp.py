@@ -273,3 +273,64 @@ def test_init_from_hf_refuses_more_mtp_layers_than_the_checkpoint(tmp_path, caps
         assert main(["train", *argv, "--steps", "1"]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+# (world, ParallelConfig kwargs, global batch): the embedding copy (pp2, untied), tp-sharded MTP blocks with
+# SP-partial eh_proj and norms, EP experts in the MTP blocks, ZeRO-1 and ZeRO-3 units (with the copy as a unit).
+PLANNER_LAYOUTS = [(2, dict(pp=2), 4), (2, dict(tp=2, sequence_parallel=True), 4), (2, dict(dp=2, ep=2, zero=1), 8),
+                   (4, dict(dp=2, pp=2, zero=3), 16), (4, dict(dp=2, pp=2, tp=1, schedule="dualpipev", zero=1), 16)]
+
+
+def _measure(layouts, seed):
+    """Inside ranks: per layout, this rank's pp stage, parameters by kind, static bytes and the emb ledger."""
+    out = []
+    for world, par, gb in layouts:
+        if world != torch.distributed.get_world_size():
+            continue
+        cfg = assemble(_cfg(seed, global_batch=gb, **par))
+        from shardwise.trainer import make_mesh
+
+        mesh = make_mesh(cfg, torch.device("cpu"))
+        t = Trainer(cfg, mesh)
+        mesh.ledger.reset()
+        t.train_step(0)
+        params = list(t.model.parameters())
+        red = t.reducer
+        weights = sum(b.shard.numel() for b in red.buckets) if red.zero >= 3 else sum(q.numel() for q in params)
+        state = red.optimizer.state.values()
+        out.append(dict(pp=mesh["pp"].rank, weights=weights * 4, axes=mesh.ledger.steps[-1]["axes"],
+                        optimizer=sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in state) * 4,
+                        numel=sum(q.numel() for q in params)))
+    return out
+
+
+def test_planner_counts_mtp_exactly():
+    """Parameters per rank, static weight and AdamW bytes (ZeRO-3: the shards) and the emb all-reduce of the
+    embedding copy equal the planner's; total and active counts equal ModelConfig's (DeepSeek-V3 with one MTP
+    module: 682.6B, 671B + 11.6B; DeepSeek counts 14B with the module's embedding and head copies)."""
+    from shardwise.config import get_model_config
+    from shardwise.planner.layout import from_train_config, stages
+    from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
+    from shardwise.planner.models import ModelSpec, active_params, padded_vocab, total_params
+
+    for m in (DEEPSEEK_MTP, get_model_config("deepseek-v3", mtp_layers=1)):
+        spec = ModelSpec.of(m)
+        assert (total_params(spec), active_params(spec)) == (m.num_params(), m.num_active_params())
+    assert round(get_model_config("deepseek-v3", mtp_layers=1).num_params() / 1e9, 2) == 682.64
+    seed = fresh_seed()
+    for world in (2, 4):
+        ranks = run_ranks(world, _measure, PLANNER_LAYOUTS, seed)
+        mine = [lay for lay in PLANNER_LAYOUTS if lay[0] == world]
+        for i, (_, par, gb) in enumerate(mine):
+            cfg = assemble(_cfg(seed, global_batch=gb, **par))
+            cfg.resolve_world(world)
+            spec, lay, _ = from_train_config(cfg)
+            for rep in (r[i] for r in ranks):
+                st = stages(spec, lay)[rep["pp"]]
+                local = stage_params(spec, st, lay)
+                static = static_bytes(local, lay, zero_buckets(spec, st, lay) if lay.zero else None)
+                assert (local.total, static["weights"], static["optimizer"]) == \
+                    (rep["numel"], rep["weights"], rep["optimizer"]), (par, rep["pp"])
+                emb = rep["axes"].get("emb", {}).get("all_reduce", {}).get("bytes", 0)
+                split = par.get("pp", 1) > 1 and par.get("schedule") != "dualpipev"
+                assert emb == (padded_vocab(spec, lay.tp) // lay.tp * spec.dim * 4 if split else 0), (par, rep)

@@ -222,11 +222,11 @@ def stage_edges(owner: list[int], pp: int) -> list[tuple[int, int]]:
 
 
 def pp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout) -> None:
-    """Tied embeddings on different ranks: the first and last stage all-reduce the shared matrix's fp32
+    """Tied embeddings (or MTP's embedding copy) on different ranks: the first and last stage all-reduce the shared matrix's fp32
     grad (this rank's vocab shard) over their two-rank "emb" group, once per step; none when one rank
     holds both ends (dualpipev)."""
     owner = chunk_owners(lay)
-    if spec.tie_embeddings and owner[0] != owner[-1] and (stage.embedding or stage.head):
+    if (spec.tie_embeddings or spec.mtp_layers) and owner[0] != owner[-1] and (stage.embedding or stage.head):
         led.add("emb", "all_reduce", padded_vocab(spec, lay.tp) // lay.tp * spec.dim * 4, 2)
 
 
