@@ -334,3 +334,33 @@ def test_planner_counts_mtp_exactly():
                 emb = rep["axes"].get("emb", {}).get("all_reduce", {}).get("bytes", 0)
                 split = par.get("pp", 1) > 1 and par.get("schedule") != "dualpipev"
                 assert emb == (padded_vocab(spec, lay.tp) // lay.tp * spec.dim * 4 if split else 0), (par, rep)
+
+
+def test_init_from_hf_pp2_lr0_checkpoint_exports_every_mtp_tensor(tmp_path):
+    """`train --init-from-hf DIR --mtp-layers 2` on pp2 (the MTP modules and the embedding copy on stage 1) at
+    lr 0, checkpoint, `hf-export`: every tensor of DeepSeek's layout comes back exactly (the copy is not
+    checkpointed; the export writes DeepSeek's embed_tokens / shared_head.head copies from the model's)."""
+    import argparse
+    import os
+
+    from safetensors.torch import load_file
+
+    from shardwise.cli import main
+    from shardwise.hf_cli import run_export
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    _, path = _export(tmp_path)
+    Tokenizer(WordLevel({f"t{i}": i for i in range(250)}, unk_token="t0")).save(os.path.join(path, "tokenizer.json"))
+    text = tmp_path / "bytes.txt"
+    text.write_text("multi-token prediction on the last pipeline stage. " * 20)
+    run = str(tmp_path / "run")
+    assert main(["train", "--init-from-hf", path, "--mtp-layers", "2", "--pp", "2", "--lr", "0", "--steps", "1",
+                 "--seq-len", "16", "--micro-batch", "1", "--global-batch", "2", "--save-every", "1", "--out", run,
+                 "--no-report", "--no-progress", "--data", str(text)]) == 0
+    out = str(tmp_path / "exported")
+    assert run_export(argparse.Namespace(ckpt_dir=os.path.join(run, "checkpoints"), out_dir=out)) == 0
+    original, exported = load_file(os.path.join(path, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(exported) == sorted(original) and "model.layers.5.shared_head.head.weight" in exported
+    for n, t in original.items():
+        torch.testing.assert_close(exported[n], t, atol=0, rtol=0, msg=lambda m: f"{n}: {m}")
