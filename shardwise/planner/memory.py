@@ -129,8 +129,8 @@ def _stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, 
         start += size
         if owner[j] != stage.index:
             continue
-        if j == 0:  # with MTP on this stage too (dualpipev), its gradient is reduced at the end (two chunks use it)
-            multi = bool(spec.mtp_layers) and stage.head and lay.pp > 1
+        if j == 0:  # with MTP under PP its gradient is reduced at the end: summed over emb with the last stage's
+            multi = bool(spec.mtp_layers) and lay.pp > 1  # copy, or (dualpipev) accumulated by two chunks
             units.append((chunk, [(x, multi) for x in embedding_tensors(spec, t)]))
         for i in ids:
             layer = layer_tensors(spec, spec.is_moe_layer(i), t, lay.ep)
