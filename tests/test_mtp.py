@@ -276,8 +276,10 @@ def test_init_from_hf_refuses_more_mtp_layers_than_the_checkpoint(tmp_path, caps
 
 
 # (world, ParallelConfig kwargs, global batch): the embedding copy (pp2, untied), tp-sharded MTP blocks with
-# SP-partial eh_proj and norms, EP experts in the MTP blocks, ZeRO-1 and ZeRO-3 units (with the copy as a unit).
+# SP-partial eh_proj and norms (and without SP: MLA's per-head partial grads), EP experts in the MTP blocks, ring
+# attention in them, ZeRO-1 and ZeRO-3 units (with the copy as a unit).
 PLANNER_LAYOUTS = [(2, dict(pp=2), 4), (2, dict(tp=2, sequence_parallel=True), 4), (2, dict(dp=2, ep=2, zero=1), 8),
+                   (2, dict(cp=2), 4), (2, dict(tp=2), 4),
                    (4, dict(dp=2, pp=2, zero=3), 16), (4, dict(dp=2, pp=2, tp=1, schedule="dualpipev", zero=1), 16)]
 
 
