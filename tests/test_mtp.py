@@ -160,6 +160,8 @@ def test_refusals():
         dataclasses.replace(dense, mtp_layers=-1).validate()
     with pytest.raises(ConfigError, match=r"--mtp-loss-weight -0.1 must be a finite number >= 0"):
         assemble(_cfg(0, lam=-0.1))
+    with pytest.raises(ConfigError, match=r"aux loss pooled over all layers .* valid: moe_aux_loss_scope='layer'"):
+        dataclasses.replace(DEEPSEEK_MTP, moe_aux_loss_coef=0.1, moe_aux_loss_scope="model").validate()
 
 
 def _export(tmp_path, seed=3):
@@ -362,7 +364,8 @@ def test_planner_counts_mtp_exactly():
 def test_init_from_hf_pp2_lr0_checkpoint_exports_every_mtp_tensor(tmp_path):
     """`train --init-from-hf DIR --mtp-layers 2` on pp2 (the MTP modules and the embedding copy on stage 1) at
     lr 0, checkpoint, `hf-export`: every tensor of DeepSeek's layout comes back exactly (the copy is not
-    checkpointed; the export writes DeepSeek's embed_tokens / shared_head.head copies from the model's)."""
+    checkpointed; the export writes DeepSeek's embed_tokens / shared_head.head copies from the model's); the
+    checkpoint resumes on tp2 and exports the same tensors again."""
     import argparse
     import os
 
@@ -387,3 +390,12 @@ def test_init_from_hf_pp2_lr0_checkpoint_exports_every_mtp_tensor(tmp_path):
     assert sorted(exported) == sorted(original) and "model.layers.5.shared_head.head.weight" in exported
     for n, t in original.items():
         torch.testing.assert_close(exported[n], t, atol=0, rtol=0, msg=lambda m: f"{n}: {m}")
+    # the pp2 checkpoint (no copy of the embedding in it) resumes on tp2: every MTP tensor found, resharded
+    assert main(["train", "--init-from-hf", path, "--mtp-layers", "2", "--tp", "2", "--lr", "0", "--steps", "2",
+                 "--seq-len", "16", "--micro-batch", "2", "--global-batch", "2", "--save-every", "1", "--out", run,
+                 "--resume", "--no-report", "--no-progress", "--data", str(text)]) == 0
+    out2 = str(tmp_path / "exported2")
+    assert run_export(argparse.Namespace(ckpt_dir=os.path.join(run, "checkpoints"), out_dir=out2)) == 0
+    again = load_file(os.path.join(out2, "model.safetensors"))
+    for n, t in original.items():
+        torch.testing.assert_close(again[n], t, atol=0, rtol=0, msg=lambda m: f"resumed {n}: {m}")

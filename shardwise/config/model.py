@@ -174,6 +174,9 @@ class ModelConfig:
             raise ConfigError(f"--mtp-layers {self.mtp_layers}: model {self.name!r} has no multi-token prediction; valid "
                               "only on DeepSeek-V3-architecture models (MLA with sigmoid-routed experts: the deepseek-v3 "
                               "preset or a deepseek_v3 config.json)")
+        if self.mtp_layers and self.moe_aux_loss_scope == "model" and self.moe_aux_loss_coef:
+            raise ConfigError(f"--mtp-layers {self.mtp_layers} with model {self.name!r}'s aux loss pooled over all layers "
+                              "(moe_aux_loss_scope='model') is not supported; valid: moe_aux_loss_scope='layer'")
         for f in ("dropout", "attn_dropout"):
             v = getattr(self, f)
             if not 0.0 <= v < 1.0:
