@@ -5,7 +5,11 @@
   projection, the head, cross-entropies averaged per depth — on the same weights (the transformer blocks are
   called as black boxes: they are proven against transformers in test_hf.py), against shardwise's loss and
   every parameter gradient, with random tokens and random loss masks.
-* verify with MTP on: TP+SP, PP (1f1b, zb, interleaved), CP ring and Ulysses, EP, ZeRO-3, a 4-rank composition.
+* verify with MTP on: TP+SP, TP, CP ring and Ulysses, EP, ZeRO-3, PP (1f1b, zb, interleaved, dualpipev, tied),
+  and 4-rank compositions.
+* Hugging Face: DeepSeek's checkpoint layout out and in (transformers loads it; its own decoder layer reproduces
+  depth 1), per-rank import under PP, train --init-from-hf → checkpoint → resume on another layout → hf-export.
+* Planner: parameters, static bytes and every collective per rank against real runs.
 * Refusals.
 """
 import dataclasses
