@@ -330,6 +330,7 @@ def test_planner_counts_mtp_exactly():
         spec = ModelSpec.of(m)
         assert (total_params(spec), active_params(spec)) == (m.num_params(), m.num_active_params())
     assert round(get_model_config("deepseek-v3", mtp_layers=1).num_params() / 1e9, 2) == 682.64
+    _check_flops()
     seed = fresh_seed()
     for world in (2, 4):
         ranks = run_ranks(world, _measure, PLANNER_LAYOUTS, seed)
@@ -403,3 +404,28 @@ def test_init_from_hf_pp2_lr0_checkpoint_exports_every_mtp_tensor(tmp_path):
     again = load_file(os.path.join(out2, "model.safetensors"))
     for n, t in original.items():
         torch.testing.assert_close(again[n], t, atol=0, rtol=0, msg=lambda m: f"resumed {n}: {m}")
+
+
+def _check_flops():
+    """The planner's forward FLOPs of the MTP modules against torch's FlopCounterMode on one device (the MTP run
+    minus the main-only run), plus the routed experts' grouped GEMM, for which the counter has no formula."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise.planner.estimate import layer_flops_per_token
+    from shardwise.planner.models import ModelSpec
+    from shardwise.planner.mtp import mtp_flops_per_token
+
+    model = build_model(DEEPSEEK_MTP, Mesh.single(torch.device("cpu")), 1)
+    x = torch.randint(0, 257, (2, 32))
+    ids, labels = shift_inputs(x, torch.roll(x, -1, 1), 2)
+
+    def flops(**kw):
+        with FlopCounterMode(display=False) as fc, torch.no_grad():
+            model(x, **kw)
+        return fc.get_total_flops()
+
+    measured = flops(mtp_ids=ids, mtp_labels=labels, mtp_scale=torch.ones(2)) - flops()
+    spec, tokens = ModelSpec.of(DEEPSEEK_MTP), 64
+    grouped = 2 * DEEPSEEK_MTP.moe_topk * 3 * spec.dim * spec.expert_ffn_dim * tokens * 2  # both MTP blocks are MoE
+    mm, core = mtp_flops_per_token(spec, lambda moe: layer_flops_per_token(spec, moe, 32), spec.vocab_size)
+    assert measured + grouped == tokens * (mm + core), (measured, grouped, tokens * (mm + core))
