@@ -272,7 +272,8 @@ def test_init_from_hf_refuses_more_mtp_layers_than_the_checkpoint(tmp_path, caps
     with pytest.raises(ConfigError, match=r"--mtp-layers 3 exceeds the MTP modules of --init-from-hf .*"
                                           r"num_nextn_predict_layers=2; valid: 0..2"):
         init_model_config(path, None, {"mtp_layers": 3})
-    for argv, message in ((["--model", "tiny", "--mtp-layers", "1"], "--mtp-layers 1: model 'tiny' has no multi-token"),
+    for argv, message in ((["--init-from-hf", path, "--mtp-layers", "3"], "--mtp-layers 3 exceeds the MTP modules"),
+                          (["--model", "tiny", "--mtp-layers", "1"], "--mtp-layers 1: model 'tiny' has no multi-token"),
                           (["--model", "deepseek-v3", "--mtp-layers", "-1"], "--mtp-layers -1 must be an integer >= 0"),
                           (["--model", "deepseek-v3", "--mtp-layers", "1", "--mtp-loss-weight", "-1"],
                            "--mtp-loss-weight -1.0 must be a finite number >= 0")):
