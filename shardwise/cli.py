@@ -94,6 +94,11 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
                             ("bias-update-rate", float, "aux-loss-free balancing bias step (DeepSeek-V3)"),
                             ("score", str, "router scores: softmax or sigmoid")):
         moe.add_argument(f"--moe-{flag}", type=typ, default=None, help=what)
+    mtp = p.add_argument_group("multi-token prediction (DeepSeek-V3 architecture; docs/mtp.md)")
+    mtp.add_argument("--mtp-layers", type=int, default=None, metavar="D",
+                     help="MTP modules (default 0; a config.json's num_nextn_predict_layers is not turned on by itself)")
+    mtp.add_argument("--mtp-loss-weight", type=float, default=0.1, metavar="LAMBDA",
+                     help="weight λ of the mean MTP cross-entropy added to the loss")
     p.add_argument("--collective-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--device", default="auto", help="auto (one NCCL rank per GPU when CUDA is present), cpu or cuda")
     p.add_argument("--gloo-ifname", default=None, metavar="IFACE",
@@ -222,7 +227,9 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       adam_eps=args.adam_eps,
                       eval_data=args.eval_data, eval_every=args.eval_every, eval_steps=args.eval_steps,
                       profile_steps=args.profile_steps, log_to=args.log_to,
-                      model_overrides={k: v for k, v in vars(args).items() if k.startswith("moe_") and v is not None})
+                      mtp_loss_weight=args.mtp_loss_weight,
+                      model_overrides={k: v for k, v in vars(args).items()
+                                       if (k.startswith("moe_") or k == "mtp_layers") and v is not None})
     return assemble(cfg, torchrun_world)
 
 

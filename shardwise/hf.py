@@ -122,11 +122,23 @@ _LAYER = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 _EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
+_MTP = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "head_norm": "shared_head.norm"}
+
+
+def _as_layer(name: str, cfg: ModelConfig) -> str:
+    """MTP module k's block is DeepSeek's layer n_layers + k (0-based k): `mtp.k.block.X` → `layers.{L+k}.X`."""
+    m = re.match(r"mtp\.(\d+)\.block\.", name)
+    return f"layers.{cfg.n_layers + int(m.group(1))}.{name[m.end():]}" if m else name
+
+
 def _hf_name(name: str, cfg: ModelConfig) -> tuple[str, bool]:
     """shardwise name → (HF name, whether its rows are q/k heads to permute), for the non-MoE tensors. MLA's
     rotary rows are already interleaved in HF (rope_interleave): nothing to permute."""
     if name in _TOP:
         return _TOP[name], False
+    m = re.fullmatch(r"mtp\.(\d+)\.(enorm|hnorm|eh_proj|head_norm)\.weight", name)
+    if m is not None:  # DeepSeek's MTP-only tensors of layer n_layers + k
+        return f"model.layers.{cfg.n_layers + int(m.group(1))}.{_MTP[m.group(2)]}.weight", False
     m = re.fullmatch(r"layers\.(\d+)\.(\w+(?:\.\w+)*)\.(weight|bias)", name)
     if m is None or m.group(2) not in _LAYER:
         raise KeyError(f"shardwise parameter {name!r} has no Hugging Face counterpart")
@@ -138,6 +150,7 @@ def _hf_name(name: str, cfg: ModelConfig) -> tuple[str, bool]:
 
 def _source(name: str, cfg: ModelConfig, files: _Files) -> _Source:
     """How to read shardwise's global tensor `name` from this checkpoint (legacy or fused Mixtral experts)."""
+    name = _as_layer(name, cfg)
     m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))", name)
     if m is None:
         hf, heads = _hf_name(name, cfg)
@@ -192,7 +205,7 @@ def load_hf_into(model: nn.Module, path: str, mesh=None) -> dict:
             nbytes += t.numel() * t.element_size()
         n += 1
     for name, buf in model.named_buffers():  # DeepSeek-V3's selection bias (replicated; absent elsewhere)
-        m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", name)
+        m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", _as_layer(name, cfg))
         hf = m and f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
         if hf and hf in files:
             buf.copy_(files.read(hf, (slice(0, buf.shape[0]),)))
@@ -202,6 +215,7 @@ def load_hf_into(model: nn.Module, path: str, mesh=None) -> dict:
 
 # ---------------------------------------------------------------- export
 def _hf_tensors(name: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    name = _as_layer(name, cfg)
     m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))", name)
     if m is None:
         hf, heads = _hf_name(name, cfg)
@@ -253,9 +267,13 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         tensors.update({k: v.contiguous().clone() for k, v in _hf_tensors(n, t, cfg).items()})
     if cfg.is_mla and cfg.moe_score == "sigmoid":  # DeepSeek-V3 keeps the selection bias as e_score_correction_bias
         for n, t in state.items():
-            m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", n)
+            m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", _as_layer(n, cfg))
             if m:
                 tensors[f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"] = t.detach().float().cpu().clone()
+    for k in range(cfg.mtp_layers):  # DeepSeek's checkpoints also hold each MTP layer's embedding and head
+        layer, head = f"model.layers.{cfg.n_layers + k}", "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+        tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"{layer}.shared_head.head.weight"] = tensors[head].clone()
     os.makedirs(out_dir, exist_ok=True)
     if tokenizer is not None:
         from .hf_export import write_generation_config, write_tokenizer

@@ -304,7 +304,7 @@ def _deepseek_config(cfg: ModelConfig, refuse) -> dict:
            "routed_scaling_factor": cfg.moe_routed_scaling, "torch_dtype": "float32"}
     if v3:
         out.update(rope_interleave=True, norm_topk_prob=cfg.moe_norm_topk, topk_method="noaux_tc",
-                   scoring_func="sigmoid", num_nextn_predict_layers=0)
+                   scoring_func="sigmoid", num_nextn_predict_layers=cfg.mtp_layers)
     else:
         out.update(norm_topk_prob=False, topk_method="group_limited_greedy" if grouped else "greedy",
                    scoring_func="softmax")
@@ -328,13 +328,20 @@ def init_model_config(path: str, model, overrides: dict) -> ModelConfig:
         shown = model if isinstance(model, str) else model.name
         raise ConfigError(f"--model {shown} contradicts --init-from-hf {path}: the model's shape comes from its "
                           "config.json (drop --model)")
+    mtp = overrides.get("mtp_layers")
+    if mtp:  # MTP modules the checkpoint has may be trained (all, or the first D); more cannot be loaded
+        have = int(read_hf_config(path).get("num_nextn_predict_layers") or 0)
+        if isinstance(mtp, int) and mtp > have:
+            raise ConfigError(f"--mtp-layers {mtp} exceeds the MTP modules of --init-from-hf {path}: its config.json "
+                              f"has num_nextn_predict_layers={have}; valid: 0..{have}")
     for k, v in overrides.items():
-        if v is None or k in TRAINING_ONLY:
+        if v is None or k in TRAINING_ONLY or k == "mtp_layers":
             continue
         if k not in _FIELDS or getattr(base, k) != v:
             have = getattr(base, k, "no such field")
             raise ConfigError(f"--{k.replace('_', '-')} {v} contradicts --init-from-hf {path}: its config.json gives "
                               f"{k}={have!r} (drop the flag)")
-    cfg = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None and k in TRAINING_ONLY})
+    cfg = dataclasses.replace(base, **{k: v for k, v in overrides.items()
+                                       if v is not None and (k in TRAINING_ONLY or k == "mtp_layers")})
     cfg.validate()
     return cfg

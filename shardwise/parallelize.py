@@ -56,13 +56,18 @@ def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool) -> None:
         attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
 
 
+def all_blocks(model: Transformer) -> list[nn.Module]:
+    """Every transformer block: the model's layers, then the MTP modules' blocks (same kind, same plan)."""
+    return list(model.layers.values()) + ([m.block for m in model.mtp.values()] if model.mtp is not None else [])
+
+
 def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False) -> Transformer:
     """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head."""
     cfg, tp = model.cfg, mesh["tp"]
     sp = sequence_parallel and tp.active
     kw = dict(device="meta")
     model.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, tp, sp, **kw)
-    for block in model.layers.values():
+    for block in all_blocks(model):
         attn, ffn = block.attention, block.feed_forward
         h, hd = cfg.dim, cfg.head_dim
         if isinstance(ffn, MoE):
@@ -174,7 +179,7 @@ def apply_context_parallel(model: Transformer, mesh: Mesh, order: str, impl: str
     """Point attention at the cp axis (ring or Ulysses) and RoPE at the layout's global positions."""
     cp = mesh["cp"]
     model.cp_axis, model.cp_order = cp, order
-    for block in model.layers.values():
+    for block in all_blocks(model):
         block.attention.cp_axis, block.attention.cp_order, block.attention.cp_impl = cp, order, impl
 
 
@@ -199,11 +204,12 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool
         from .pipeline.grad_store import WeightGradStore
         from .partition import split_layers
         from .pipeline.stage import prune_to_stages
-        from .pipeline.tied_embedding import mark_tied_copies
+        from .pipeline.tied_embedding import mark_mtp_embedding, mark_tied_copies
 
         stage_layers = split_layers(cfg.n_layers, schedule.num_stages, pp_layers)
         model.chunks = prune_to_stages(model, mesh["pp"].rank, schedule.layout, stage_layers)
         mark_tied_copies(model, mesh)
+        mark_mtp_embedding(model, mesh, residual_dtype)
         model.grad_store = WeightGradStore() if schedule.split_bw else None
         for m in model.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):

@@ -25,6 +25,7 @@ from .data_parallel import GradReducer
 from .expert_parallel.moe import MoE
 from .mesh import Mesh, ParallelDims
 from .models.documents import document_ids, document_positions
+from .models.mtp import depth_counts, shift_inputs
 from .parallelize import build_model
 from .pipeline.tied_embedding import emb_stages
 from .step_timer import StepTimer
@@ -111,7 +112,7 @@ class Trainer:
         """`forward_backward`, leaving the global loss on the device ([1]): nothing waits for it."""
         dp = self.mesh["dp_cp"]
         n_tokens = self.loader.count_targets(step)  # every rank knows the global count: no collective
-        xs, ys, side = self.microbatches(self.loader, step)
+        xs, ys, side = self.microbatches(self.loader, step, mtp=True)
         if self._poison:  # fault injection: NaN gradients enter this rank's reductions
             self.reducer.poison()
         if self.executor is not None:
@@ -124,23 +125,27 @@ class Trainer:
                 loss = self.model.loss_fn(logits, ym, IGNORE_INDEX, self.cfg.label_smoothing).sum() / n_tokens
                 loss.backward()
                 loss_sum += loss.detach()
+        if self.model.mtp_loss is not None:  # the MTP modules' loss (last stage), reported with the main loss
+            loss_sum += self.model.mtp_loss
+            self.model.mtp_loss = None
         if self._poison:  # fault injection: this rank's loss and gradients become NaN
             loss_sum.fill_(float("nan"))
         comm.all_reduce(loss_sum, dp, tag="metrics")
         comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
         return loss_sum
 
-    def microbatches(self, loader: Loader, step: int) -> tuple[list, list, list[dict] | None]:
+    def microbatches(self, loader: Loader, step: int, mtp: bool = False) -> tuple[list, list, list[dict] | None]:
         """This rank's share of `loader`'s global batch `step`: inputs and targets per microbatch on the
-        device (its dp rows, its cp cut) and the per-microbatch side inputs (training and evaluation)."""
+        device (its dp rows, its cp cut) and the per-microbatch side inputs (training and evaluation; `mtp`:
+        with the MTP modules' inputs when the model has them)."""
         with self._host():
-            x, y, side = self._host_batch(loader, step)
+            x, y, side = self._host_batch(loader, step, mtp and bool(self.model_cfg.mtp_layers))
             xs, ys = x.split(self.cfg.micro_batch), y.split(self.cfg.micro_batch)
         xs, ys = [self._to_device(t) for t in xs], [self._to_device(t) for t in ys]
         side = side and [{k: self._to_device(v) for k, v in s.items()} for s in side]
         return xs, ys, side
 
-    def _host_batch(self, loader: Loader, step: int):
+    def _host_batch(self, loader: Loader, step: int, mtp: bool = False):
         """This rank's inputs, targets and document side inputs of `loader`'s batch `step`, on the host."""
         per = self.global_batch // self.mesh.dims.dp
         dp_rank = self.mesh["dp"].rank
@@ -150,6 +155,8 @@ class Trainer:
             g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
             x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
         side = self._document_inputs(x)  # from the global sequences, before any cp cut
+        if mtp:
+            side = mtp_side_inputs(x, y, side, loader, step, self.cfg, self.mesh["cp"])
         cp = self.mesh["cp"]
         if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
             x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
@@ -261,6 +268,24 @@ class Trainer:
         return _moe_metrics(host.read(vec, "moe metrics"), n_exp) if read else vec
 
 
+def mtp_side_inputs(x, y, side, loader: Loader, step: int, cfg: TrainConfig, cp) -> list[dict]:
+    """Per microbatch, the MTP inputs (models/mtp.py): ids and labels shifted over the whole window on the host,
+    then cut for cp like the tokens; the per-depth loss scales λ / (D · n_k) from the global batch's counts."""
+    depth = cfg.model_config().mtp_layers
+    ids, labels = shift_inputs(x, y, depth)
+    if cp.active:
+        ids, labels = (shard_sequence(t, cp.rank, cp.size, cfg.parallel.cp_order, dim=2) for t in (ids, labels))
+    masked = any(getattr(s, "masked", False) for s in loader.sources)
+    counts = depth_counts(loader.global_batch_at(step)[1] if masked else None, loader.global_batch,
+                          loader.seq_len, depth)
+    scale = torch.tensor([cfg.mtp_loss_weight / (depth * n) if n else 0.0 for n in counts], device=x.device)
+    side = side or [{} for _ in range(-(-x.shape[0] // cfg.micro_batch))]
+    for mb, s in enumerate(side):
+        rows = slice(mb * cfg.micro_batch, (mb + 1) * cfg.micro_batch)
+        s.update(mtp_ids=ids[:, rows], mtp_labels=labels[:, rows], mtp_scale=scale)
+    return side
+
+
 def _moe_metrics(vec: list[float], n_exp: int) -> dict:
     return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp]],
             "moe_max_over_mean_load": vec[n_exp] / max(1.0, vec[n_exp + 1]),
@@ -280,5 +305,6 @@ def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     if not dist.is_initialized():
         return Mesh.single(device)
     dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep, p.dp_shard)
-    tied = emb_stages(p) if cfg.model_config().tie_embeddings else None
+    m = cfg.model_config()
+    tied = emb_stages(p) if m.tie_embeddings or m.mtp_layers else None  # MTP reads the embedding on the last stage
     return Mesh.build(dims, device, Ledger(), cfg.timeout_s, emb_stages=tied)

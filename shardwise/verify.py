@@ -21,6 +21,7 @@ from .comm import Ledger
 from .config import ConfigError, ParallelConfig, TrainConfig
 from .run import assembled
 from .mesh import Mesh
+from .pipeline.tied_embedding import tied_name
 from .tensor_parallel.layers import get_spec
 from .trainer import Trainer, make_mesh
 
@@ -66,8 +67,8 @@ def _reference(cfg: TrainConfig, device, tokens=None) -> Trainer:
 def _views(trainer, views):
     """(name, spec, values, lo, hi within the flattened local parameter) of a reducer's views."""
     local = dict(trainer.model.named_parameters())
-    for name, vals, lo, hi in views:
-        yield name, get_spec(local[name]), vals, lo, hi
+    for name, vals, lo, hi in views:  # a pipeline copy of the embedding (MTP's) compares with the embedding
+        yield tied_name(name, local[name]), get_spec(local[name]), vals, lo, hi
 
 
 def _grad_views(trainer):

@@ -89,6 +89,9 @@ class ModelConfig:
     moe_dense_layers: tuple[int, ...] = ()
     """Layers that keep a dense MLP of ffn_dim although `moe_every` makes them MoE (Qwen3-MoE's mlp_only_layers
     and decoder_sparse_step, DeepSeek's first_k_dense_replace)."""
+    mtp_layers: int = 0
+    """DeepSeek-V3 multi-token prediction depth D (`--mtp-layers`): D extra modules, module k predicting token i+k+1
+    (docs/mtp.md). 0 = off, also when a config.json has num_nextn_predict_layers."""
 
     def __post_init__(self):
         # head_dim 0 means "derived": resolve it, and remember so overrides of dim / n_heads re-derive it.
@@ -107,6 +110,11 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe_experts > 0 and i % self.moe_every == 0 and i not in self.moe_dense_layers
+
+    @property
+    def has_mtp_architecture(self) -> bool:
+        """DeepSeek-V3's architecture (MLA with sigmoid-routed experts): the only family with MTP modules."""
+        return self.is_mla and self.moe_experts > 0 and self.moe_score == "sigmoid"
 
     @property
     def is_mla(self) -> bool:
@@ -160,6 +168,15 @@ class ModelConfig:
                                   f"{self.moe_experts} and moe_topk_group={self.moe_topk_group} be in [1, n_group]")
             if self.moe_score not in ("softmax", "sigmoid"):
                 raise ConfigError(f"--moe-score {self.moe_score!r}: valid: softmax, sigmoid")
+        if not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
+            raise ConfigError(f"--mtp-layers {self.mtp_layers!r} must be an integer >= 0 (0 = no multi-token prediction)")
+        if self.mtp_layers and not self.has_mtp_architecture:
+            raise ConfigError(f"--mtp-layers {self.mtp_layers}: model {self.name!r} has no multi-token prediction; valid "
+                              "only on DeepSeek-V3-architecture models (MLA with sigmoid-routed experts: the deepseek-v3 "
+                              "preset or a deepseek_v3 config.json)")
+        if self.mtp_layers and self.moe_aux_loss_scope == "model" and self.moe_aux_loss_coef:
+            raise ConfigError(f"--mtp-layers {self.mtp_layers} with model {self.name!r}'s aux loss pooled over all layers "
+                              "(moe_aux_loss_scope='model') is not supported; valid: moe_aux_loss_scope='layer'")
         for f in ("dropout", "attn_dropout"):
             v = getattr(self, f)
             if not 0.0 <= v < 1.0:
@@ -178,15 +195,17 @@ class ModelConfig:
         dense_mlp = 3 * h * self.ffn_dim
         moe_ffn = self.moe_ffn_dim or self.ffn_dim
         moe_mlp = 3 * h * moe_ffn * (self.moe_experts + self.moe_shared_experts) + self.moe_experts * h
-        mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.n_layers))
+        blocks = range(self.n_layers + self.mtp_layers)  # MTP module k's block is layer n_layers + k (DeepSeek's)
+        mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in blocks)
         emb = self.vocab_size * h
-        return self.n_layers * (attn + 2 * h) + mlps + h + emb * (1 if self.tie_embeddings else 2)
+        mtp = self.mtp_layers * (3 * h + 2 * h * h)  # enorm, hnorm, shared_head.norm, eh_proj; embedding/head shared
+        return len(blocks) * (attn + 2 * h) + mlps + mtp + h + emb * (1 if self.tie_embeddings else 2)
 
     def num_active_params(self) -> int:
         """Parameters one token uses: embedding and head, attention, dense MLPs, shared experts, the router and its
         top-k routed experts (the "active" size MoE model cards quote)."""
         moe_ffn = self.moe_ffn_dim or self.ffn_dim
-        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers + self.mtp_layers))
         return self.num_params() - n_moe * 3 * self.dim * moe_ffn * (self.moe_experts - self.moe_topk)
 
 

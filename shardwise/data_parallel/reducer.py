@@ -40,7 +40,8 @@ def _unique_params(model):
 
 
 def model_units(model) -> list[tuple[int, torch.nn.Module]]:
-    """(pipeline chunk, module) of every ZeRO-3 unit in forward order: embedding, blocks, final norm, head."""
+    """(pipeline chunk, module) of every ZeRO-3 unit in forward order: embedding, blocks, final norm, head, and
+    the MTP modules (with the last stage's embedding copy under PP)."""
     if not hasattr(model, "layers"):
         return [(0, model)]
     chunks = model.chunks or [None]
@@ -49,7 +50,8 @@ def model_units(model) -> list[tuple[int, torch.nn.Module]]:
         ids = ch.layer_ids if ch is not None else [int(i) for i in model.layers]
         first, last = (ch.first, ch.last) if ch is not None else (True, True)
         mods = ([model.tok_embeddings] if first else []) + [model.layers[str(i)] for i in ids]
-        out += [(c, m) for m in mods + ([model.norm, model.output] if last else [])]
+        mtp = [m for m in [getattr(model, "mtp_embed", None), *(getattr(model, "mtp", None) or {}).values()] if m]
+        out += [(c, m) for m in mods + ([model.norm, model.output, *mtp] if last else [])]
     return out
 
 
@@ -131,7 +133,8 @@ class GradReducer:
             runs = [named] if self.zero == 3 else cut_buckets(named, bucket_bytes)
             for run in runs:
                 b = Bucket(run, axis, expert, weight_decay if decay else 0.0, key[0] if self.zero >= 2 else 0,
-                           any(tp_partial(p, self.tp) or tied_partial(p, self.mesh) for _, p in run), self.zero > 0,
+                           any(tp_partial(p, self.tp) or tied_partial(p, self.mesh)
+                               or getattr(p, "_sw_multi_use", False) for _, p in run), self.zero > 0,
                            self.mesh.device)
                 b.unit = key[1] if self.zero == 3 else None
                 out.append(b)

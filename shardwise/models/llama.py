@@ -25,6 +25,7 @@ from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import ReplicatedDropout
 from .documents import document_mask
 from .mla import MLA
+from .mtp import MTPLayer, mtp_forward
 from .rope import apply_rope, llama3_inv_freq, rope_tables  # noqa: F401  (re-exported: the model's RoPE)
 
 
@@ -140,6 +141,11 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # DeepSeek-V3 MTP modules; module k's block is layer n_layers + k, as in DeepSeek's checkpoints.
+        self.mtp = nn.ModuleDict({str(k): MTPLayer(cfg.dim, cfg.norm_eps, TransformerBlock(cfg, cfg.n_layers + k),
+                                                   RMSNorm) for k in range(cfg.mtp_layers)}) if cfg.mtp_layers else None
+        self.mtp_embed = None  # under PP: the last stage's copy of the embedding (pipeline/tied_embedding.py)
+        self.mtp_loss = None  # the MTP loss of the microbatches run since the trainer last took it
         share_aux_pool(self)
         self.tp_axis = Axis("tp")  # replaced by the plan; size 1 = single device
         self.vocab_start = 0
@@ -164,13 +170,26 @@ class Transformer(nn.Module):
         return rope_tables(self.cfg.rope_dim, local_len, self.cfg.rope_theta, device, positions=pos,
                            scaling=self.cfg.rope_scaling)
 
-    def forward(self, tokens, doc_ids=None, positions=None):
-        """`doc_ids` / `positions` [b, s_global]: document masking and reset RoPE positions (see documents.py)."""
+    def forward(self, tokens, doc_ids=None, positions=None, **mtp):
+        """`doc_ids` / `positions` [b, s_global]: document masking and reset RoPE positions (see documents.py);
+        `mtp`: the MTP inputs `head` takes (training with --mtp-layers)."""
         cos, sin = self.rope(tokens.shape[1], tokens.device, positions)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin, doc_ids)
-        return self.output(self.norm(h))
+        return self.head(h, cos, sin, doc_ids, **mtp)
+
+    def head(self, h, cos, sin, doc_ids=None, mtp_ids=None, mtp_labels=None, mtp_scale=None):
+        """Final norm and LM head; with `mtp_ids` the MTP modules too, their loss riding on the logits (mtp.py)."""
+        h = self.norm(h)
+        logits = self.output(h)
+        if mtp_ids is None or self.mtp is None:
+            return logits
+        return mtp_forward(self, h, logits, cos, sin, doc_ids, mtp_ids, mtp_labels, mtp_scale)
+
+    def mtp_embedding(self):
+        """The embedding MTP reads: the model's own, or its copy on a last pipeline stage that lacks it."""
+        return self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embed
 
     def loss_fn(self, logits, targets, ignore_index: int = -100, label_smoothing: float = 0.0):
         """Per-token losses [b, s] from (possibly vocabulary-sharded) logits."""

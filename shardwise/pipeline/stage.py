@@ -23,7 +23,7 @@ class StageChunk(nn.Module):
         self.layer_ids, self.first, self.last = list(layers), first, last
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, **mtp) -> torch.Tensor:
         """Tokens → hidden (first stage), hidden → hidden, or hidden → logits (last stage).
 
         `doc_ids` / `positions` are the microbatch's side inputs (document masking, reset RoPE
@@ -35,7 +35,7 @@ class StageChunk(nn.Module):
         h = model.tok_embeddings(x) if self.first else x
         for i in self.layer_ids:
             h = model.layers[str(i)](h, cos, sin, doc_ids)
-        return model.output(model.norm(h)) if self.last else h
+        return model.head(h, cos, sin, doc_ids, **mtp) if self.last else h
 
 
 def prune_to_stages(model: Transformer, rank: int, layout, stage_layers: list[range]) -> list[StageChunk]:
@@ -55,4 +55,5 @@ def prune_to_stages(model: Transformer, rank: int, layout, stage_layers: list[ra
     if not any(ch.last for ch in chunks):
         model.norm = None
         model.output = None
+        model.mtp = None
     return chunks

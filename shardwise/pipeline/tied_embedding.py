@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from ..tensor_parallel.layers import get_spec, set_spec
+from ..tensor_parallel.layers import VocabParallelEmbedding, get_spec, set_spec
 from .schedules import layout_for
 
 SHARED = "tok_embeddings.weight"
@@ -54,6 +54,44 @@ def mark_tied_copies(model, mesh) -> None:
         if p is not None:
             p._sw_tied = SHARED
             set_spec(p, dataclasses.replace(get_spec(p), replicas=get_spec(p).replicas * axis.size))
+
+
+def mark_mtp_embedding(model, mesh, residual_dtype=None) -> None:
+    """MTP under PP (models/mtp.py): the MTP modules live on the last stage and read the embedding there.
+
+    A last stage without the embedding gets a copy (`mtp_embed`, its TP shard), tied to the first stage's matrix
+    exactly as a tied LM head: drawn from the embedding's name, gradients summed over the emb group, counted half
+    each in the grad norm, never written to checkpoints (it reads `tok_embeddings.weight`). With tied embeddings the
+    last stage's LM head already is that copy, and the MTP embedding is it."""
+    if not model.cfg.mtp_layers:
+        return
+    has_emb, has_mtp = model.tok_embeddings is not None, model.mtp is not None
+    if has_emb and has_mtp:  # one matrix; under dualpipev's V its two uses are in different chunks' backwards, so
+        model.tok_embeddings.weight._sw_multi_use = True  # it accumulates twice per microbatch: reduce it at the end
+        return
+    if not (has_emb or has_mtp):
+        return
+    if model.cfg.tie_embeddings:  # mark_tied_copies marked the copies: the MTP embedding is the head's
+        if has_mtp:
+            model.mtp_embed = _embedding_like(model, residual_dtype)
+            model.mtp_embed.weight = model.output.weight
+        return
+    axis = mesh["emb"]
+    if not axis.active:
+        raise RuntimeError("MTP with the embedding and the MTP modules on different pipeline ranks needs the mesh's "
+                           "emb group: Mesh.build(..., emb_stages=tied_embedding.emb_stages(parallel))")
+    if has_mtp:
+        model.mtp_embed = _embedding_like(model, residual_dtype)
+    p = model.mtp_embed.weight if has_mtp else model.tok_embeddings.weight
+    p._sw_tied = SHARED
+    set_spec(p, dataclasses.replace(get_spec(p), replicas=get_spec(p).replicas * axis.size))
+
+
+def _embedding_like(model, residual_dtype):
+    emb = VocabParallelEmbedding(model.cfg.vocab_size, model.cfg.dim, model.tp_axis, model.sequence_parallel,
+                                 device="meta")
+    emb.out_dtype = residual_dtype
+    return emb
 
 
 def tied_name(name: str, p: torch.Tensor) -> str:

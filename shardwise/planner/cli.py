@@ -10,6 +10,7 @@ import json
 import sys
 from dataclasses import replace
 
+from shardwise.config import ConfigError
 from shardwise.planner.errors import PlanError
 from shardwise.planner.estimate import Assumptions, estimate
 from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
@@ -34,6 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--model", help=f"model preset: {', '.join(PRESETS)}")
     src.add_argument("--model-config", metavar="PATH",
                      help="Hugging Face config.json (model_type llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, deepseek_v3 or gpt2)")
+    p.add_argument("--mtp-layers", type=int, default=0, metavar="D",
+                   help="DeepSeek-V3 multi-token prediction modules on the last stage (train's --mtp-layers; default 0)")
     p.add_argument("--gpus", type=int, default=8, help="total GPUs (default 8)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the GPU preset's)")
     p.add_argument("--gpu", default="h100-80gb", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default h100-80gb)")
@@ -84,6 +87,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _inputs(args):
     spec = load_hf_config(args.model_config) if args.model_config else get_model(args.model)
+    if args.mtp_layers:
+        try:
+            spec = spec.with_overrides(mtp_layers=args.mtp_layers)
+            spec.validate()
+        except ConfigError as e:
+            raise PlanError(str(e)) from None
     gpu = get_gpu(args.gpu)
     cluster = Cluster(gpu, args.gpus, args.gpus_per_node or gpu.gpus_per_node)
     for name in ("seq_len", "global_batch", "micro_batch", "top", "max_vp", "max_cp", "vp"):
@@ -114,14 +123,15 @@ def run(args) -> int:
 
 
 def model_flags(args) -> list[str]:
-    return ["--model-config", args.model_config] if args.model_config else ["--model", args.model]
+    mtp = ["--mtp-layers", str(args.mtp_layers)] if args.mtp_layers else []
+    return (["--model-config", args.model_config] if args.model_config else ["--model", args.model]) + mtp
 
 
 def _explain(args, spec, cluster, wl, assume) -> int:
     text = args.explain.strip()
     if text.startswith("-") or text.split(" ", 1)[0] in ("shardwise", "torchrun", "train"):
         lay, wl_fields = parse_train_flags(text, cluster.gpus, args.global_batch, (args.model_config or args.model),
-                                          spec.n_layers)
+                                          spec.n_layers, spec.mtp_layers)
         wl = replace(wl, **wl_fields)
         uneven = args.uneven_pp or "--pp-layers" in text
     else:

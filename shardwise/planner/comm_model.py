@@ -20,6 +20,7 @@ Two bookkeeping tags are left out: `all_reduce:metrics` (the logged loss and MoE
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
@@ -225,11 +226,11 @@ def stage_edges(owner: list[int], pp: int) -> list[tuple[int, int]]:
 
 
 def pp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout) -> None:
-    """Tied embeddings on different ranks: the first and last stage all-reduce the shared matrix's fp32
+    """Tied embeddings (or MTP's embedding copy) on different ranks: the first and last stage all-reduce the shared matrix's fp32
     grad (this rank's vocab shard) over their two-rank "emb" group, once per step; none when one rank
     holds both ends (dualpipev)."""
     owner = chunk_owners(lay)
-    if spec.tie_embeddings and owner[0] != owner[-1] and (stage.embedding or stage.head):
+    if (spec.tie_embeddings or spec.mtp_layers) and owner[0] != owner[-1] and (stage.embedding or stage.head):
         led.add("emb", "all_reduce", padded_vocab(spec, lay.tp) // lay.tp * spec.dim * 4, 2)
 
 
@@ -328,19 +329,33 @@ def step_comm(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, local: P
     return mb, sync, whole_step(mb, sync, lay.m)
 
 
+def mtp_stages(spec: ModelSpec, stage: Stage) -> list[Stage]:
+    """DeepSeek-V3's MTP modules on the last stage (planner/mtp.py), each communicating as a one-block stage
+    with an embedding lookup, an LM head and a cross-entropy; never recomputed."""
+    if not (stage.head and spec.mtp_layers):
+        return []
+    kinds = [spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers)]
+    return [Stage(stage.index, int(not moe), int(moe), True, True, (moe,)) for moe in kinds]
+
+
 def stage_ledgers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, local: Params) -> tuple[CommLedger, CommLedger]:
     mb = CommLedger()
-    if lay.tp > 1:
-        tp_microbatch(mb, spec, stage, lay, wl)
-    pp_microbatch(mb, spec, stage, lay, wl)
-    cp_microbatch(mb, spec, stage, lay, wl)
-    ep_microbatch(mb, spec, stage, lay, wl)
+    eager = replace(lay, recompute="none")
+    for st, ly in [(stage, lay)] + [(m, eager) for m in mtp_stages(spec, stage)]:
+        if lay.tp > 1:
+            tp_microbatch(mb, spec, st, ly, wl)
+        if st is stage:
+            pp_microbatch(mb, spec, st, ly, wl)
+        cp_microbatch(mb, spec, st, ly, wl)
+        ep_microbatch(mb, spec, st, ly, wl)
     sync = CommLedger()
     if lay.tp > 1:
-        tp_grad_sync(sync, spec, stage, lay, local)
+        # one flat all-reduce, the MTP blocks' TP-partial gradients (MLA's down-projections) included
+        tp_grad_sync(sync, spec, replace(stage, n_dense=stage.n_dense + len(mtp_stages(spec, stage))), lay, local)
     pp_grad_sync(sync, spec, stage, lay)
     dp_grad_sync(sync, spec, stage, lay, local, wl.grad_reduce_bytes)
-    moe_grad_sync(sync, spec, stage, lay)
+    for st in [stage] + mtp_stages(spec, stage):
+        moe_grad_sync(sync, spec, st, lay)
     return mb, sync
 
 

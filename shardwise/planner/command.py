@@ -96,7 +96,7 @@ def trainer_refusal(flags: list[str]) -> str | None:
 
 
 def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str | None,
-                      n_layers: int) -> tuple[Layout, dict]:
+                      n_layers: int, mtp_layers: int = 0) -> tuple[Layout, dict]:
     """(Layout, Workload fields) of a train command's flags, e.g. '--dp 2 --tp 2 --pp 2 --schedule 1f1b' or a
     whole printed command. Flags not given take train's defaults; --dp left out fills the rest of the GPUs,
     as under torchrun. Parsed by train's own argument parser, so the names and meanings are train's."""
@@ -114,6 +114,9 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
     given_model = args.model_config or args.model  # train's --model defaults to None (tiny)
     if given_model is not None and given_model != model:
         raise PlanError(f"--explain: the command's model {given_model!r} is not the plan's {model!r}")
+    if (args.mtp_layers or 0) != mtp_layers:
+        raise PlanError(f"--explain: the command's --mtp-layers {args.mtp_layers or 0} is not the plan's {mtp_layers}; "
+                        f"pass --mtp-layers {args.mtp_layers or 0} to plan")
     deg = {a: 1 if getattr(args, a) is None else getattr(args, a) for a in ("tp", "pp", "cp", "ep")}
     for name, v in [*deg.items(), ("dp", args.dp), ("micro-batch", args.micro_batch)]:
         if v is not None and v < 1 and not (name == "dp" and v == -1):

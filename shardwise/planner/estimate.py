@@ -24,6 +24,7 @@ from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
 from shardwise.planner.memory import ACTIVATION_MODELS, stage_activation_bytes, stage_params, static_bytes, zero_buckets
 from shardwise.planner.models import ModelSpec, active_params, local_kv_heads, padded_vocab, total_params
+from shardwise.planner.mtp import mtp_flops_per_token
 from shardwise.planner.peak import peak_terms
 from shardwise.planner.schedule import bubble_fraction
 
@@ -86,6 +87,8 @@ def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none") -> float
     kinds = [spec.is_moe_layer(i) for i in range(spec.n_layers)]
     matmul = sum(per_kind[k][0] for k in kinds)
     core = sum(per_kind[k][1] for k in kinds)
+    mm, cc = mtp_flops_per_token(spec, lambda moe: per_kind[moe], spec.vocab_size)
+    matmul, core = matmul + mm, core + cc
     fwd = tokens * (matmul + core + 2.0 * spec.dim * spec.vocab_size)
     extra = {"none": 0.0, "selective": tokens * core, "full": tokens * (matmul + core)}[recompute]
     return 3.0 * fwd + extra
@@ -130,6 +133,10 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
             mm, cc = layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp)
             matmul, core = matmul + n * mm, core + n * cc
     head = 2.0 * spec.dim * (padded_vocab(spec, lay.tp) // lay.tp) if st.head else 0.0
+    if st.head and spec.mtp_layers:
+        mm, cc = mtp_flops_per_token(spec, lambda moe: layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp),
+                                     padded_vocab(spec, lay.tp) // lay.tp)
+        matmul, core = matmul + mm, core + cc
     extra = {"none": 0.0, "selective": core, "full": matmul + core}[lay.recompute]
     return tokens * (3 * (matmul + core + head) + extra), tokens * 3 * core
 

@@ -45,6 +45,7 @@ from shardwise.planner.models import (
     ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, local_kv_heads,
     padded_vocab,
 )
+from shardwise.planner.mtp import mtp_activation_bytes, mtp_stage_tensors, mtp_units
 from shardwise.planner.schedule import in_flight
 
 BYTES_WEIGHT, BYTES_GRAD, BYTES_ADAM = 4, 4, 8
@@ -57,7 +58,7 @@ def stage_tensors(spec: ModelSpec, stage: Stage, lay: Layout) -> list[Tensor]:
     for moe in stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe:
         out += layer_tensors(spec, moe, t, ep)
     if stage.head:
-        out += head_tensors(spec, t, separate_copy=not stage.embedding)
+        out += head_tensors(spec, t, separate_copy=not stage.embedding) + mtp_stage_tensors(spec, stage.embedding, t, ep)
     return out
 
 
@@ -68,7 +69,8 @@ def stage_params(spec: ModelSpec, stage: Stage, lay: Layout) -> Params:
     if stage.embedding:
         p = p + Params.of(embedding_tensors(spec, t))
     if stage.head:
-        p = p + Params.of(head_tensors(spec, t, separate_copy=not stage.embedding))
+        p = p + Params.of(head_tensors(spec, t, separate_copy=not stage.embedding)
+                          + mtp_stage_tensors(spec, stage.embedding, t, ep))
     return p
 
 
@@ -127,8 +129,9 @@ def _stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, 
         start += size
         if owner[j] != stage.index:
             continue
-        if j == 0:
-            units.append((chunk, [(x, False) for x in embedding_tensors(spec, t)]))
+        if j == 0:  # with MTP under PP its gradient is reduced at the end: summed over emb with the last stage's
+            multi = bool(spec.mtp_layers) and lay.pp > 1  # copy, or (dualpipev) accumulated by two chunks
+            units.append((chunk, [(x, multi) for x in embedding_tensors(spec, t)]))
         for i in ids:
             layer = layer_tensors(spec, spec.is_moe_layer(i), t, lay.ep)
             units.append((chunk, [(x, (sp and x.sp_replicated) or k in kv) for k, x in enumerate(layer)]))
@@ -136,6 +139,7 @@ def _stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, 
             head = head_tensors(spec, t, separate_copy=not stage.embedding)
             norm, out = head[:n_norm], head[n_norm:]
             units += [(chunk, [(x, sp) for x in norm]), (chunk, [(x, False) for x in out])]
+            units += [(chunk, u) for u in mtp_units(spec, stage.embedding, t, lay.ep, sp)]
         chunk += 1
     return units
 
@@ -390,9 +394,12 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
     (under tp: the shifted local ids and the out-of-shard mask), rope the fp32 cos/sin tables of each chunk."""
     per = {moe: layer_activation_bytes(spec, moe, lay, wl, recompute, model) for moe in (False, True)}
     n = lay.mb * wl.seq_len // lay.cp
+    head = head_activation_bytes(spec, lay, wl, model) if stage.head else 0.0
     out = {"layers": stage.n_dense * per[False] + stage.n_moe * per[True],
-           "head": head_activation_bytes(spec, lay, wl, model) if stage.head else 0.0,
-           "embedding": 0.0, "rope": 0.0, "weights": 0.0}
+           "head": head, "embedding": 0.0, "rope": 0.0, "weights": 0.0}
+    if stage.head and spec.mtp_layers:  # the MTP modules run after the head, on the last stage: held like it
+        out["head"] += mtp_activation_bytes(spec, per.get, head, n, n // lay.tp if lay.sp else n, wl.act_bytes,
+                                            wl.resid_bytes, lay.tp)
     if model == "shardwise":
         out["embedding"] = float((9 * n if lay.tp > 1 else 8 * n) if stage.embedding else 0)
         # apply_rope's real arithmetic saves views of the fp32 cos/sin tables each chunk builds (one storage

@@ -23,7 +23,8 @@ DeepSeek-V3's Multi-head Latent Attention is modelled by its real projection sha
 kv_b, o), with the down-projections and their norms replicated over tp (as shardwise's plan and Megatron do) and
 the up-projections and o sharded by heads. For activations, FLOPs and context-parallel traffic it is treated
 as multi-head attention with n_heads K/V heads of qk_nope+qk_rope (K) and v_head_dim (V) — the
-decompressed tensors training materialises. Its multi-token-prediction module is not counted.
+decompressed tensors training materialises. Its multi-token-prediction modules (`--mtp-layers`) are counted on
+the last stage (planner/mtp.py).
 """
 from __future__ import annotations
 
@@ -240,18 +241,33 @@ def head_tensors(spec: ModelSpec, tp: int = 1, separate_copy: bool = False) -> l
     return _norm(spec) + ([] if tied else [Tensor(padded_vocab(spec, tp) // tp * spec.dim)])
 
 
+def mtp_module_tensors(spec: ModelSpec, k: int, tp: int = 1, ep: int = 1) -> list[Tensor]:
+    """Module k's tensors in shardwise's named_parameters order: enorm, hnorm, eh_proj, block, shared_head.norm."""
+    norm = Tensor(spec.dim, matrix=False, sp_replicated=True)
+    block = list(layer_tensors(spec, spec.is_moe_layer(spec.n_layers + k), tp, ep))
+    return [norm, norm, Tensor(2 * spec.dim * spec.dim, sp_replicated=True)] + block + [norm]
+
+
+def mtp_params(spec: ModelSpec) -> tuple[int, int]:
+    """(total, idle routed-expert) unsharded parameters of the D modules (embedding and head shared: not counted)."""
+    total = sum(Params.of(mtp_module_tensors(spec, k)).total for k in range(spec.mtp_layers))
+    moe = sum(spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers))
+    idle = moe * spec.mlp_mats * spec.dim * spec.expert_ffn_dim * (spec.moe_experts - spec.moe_topk)
+    return total, idle
+
+
 @lru_cache(maxsize=256)
 def total_params(spec: ModelSpec) -> int:
     """Unsharded parameter count (no vocab padding), comparable to `ModelConfig.num_params()`."""
     layers = sum(layer_params(spec, spec.is_moe_layer(i)).total for i in range(spec.n_layers))
-    return Params.of(embedding_tensors(spec) + head_tensors(spec)).total + layers
+    return Params.of(embedding_tensors(spec) + head_tensors(spec)).total + layers + mtp_params(spec)[0]
 
 
 @lru_cache(maxsize=256)
 def active_params(spec: ModelSpec) -> int:
     """Parameters one token uses: `total_params` less the routed experts it is not sent to (E − k per MoE layer)."""
     idle = spec.n_moe_layers * spec.mlp_mats * spec.dim * spec.expert_ffn_dim * (spec.moe_experts - spec.moe_topk)
-    return total_params(spec) - idle
+    return total_params(spec) - idle - mtp_params(spec)[1]
 
 
 PRESETS: dict[str, ModelSpec] = {name: ModelSpec.of(cfg) for name, cfg in MODEL_PRESETS.items()}

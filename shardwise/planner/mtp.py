@@ -1,0 +1,53 @@
+"""DeepSeek-V3 multi-token prediction in the planner (the trainer's side: shardwise/models/mtp.py, docs/mtp.md).
+
+The D MTP modules live on the last pipeline stage. Module k (0-based) holds enorm, hnorm, eh_proj [d, 2d]
+(replicated over tp: its gradient is TP-partial under SP, like the norms), a transformer block of layer
+n_layers + k (MoE or dense by the model's own rule) and shared_head.norm; the embedding and the LM head are the
+model's. A last stage without the embedding holds a copy of it (its vocabulary shard) unless the embedding is
+tied, in which case the head's copy serves; the copy's gradient is summed over the "emb" group once per step.
+Each module runs its block, one more LM head and cross-entropy per microbatch.
+"""
+from __future__ import annotations
+
+from shardwise.planner.models import ModelSpec, Tensor, embedding_tensors, mtp_module_tensors
+
+
+def embedding_copy(spec: ModelSpec, embedding: bool) -> bool:
+    """Whether a last stage holds an embedding copy for MTP: it lacks the embedding, and the head is untied."""
+    return bool(spec.mtp_layers) and not embedding and not spec.tie_embeddings
+
+
+def mtp_stage_tensors(spec: ModelSpec, embedding: bool, tp: int = 1, ep: int = 1) -> list[Tensor]:
+    """What the MTP adds to a last stage, in parameter order: the D modules, then the embedding copy if any."""
+    out = [x for k in range(spec.mtp_layers) for x in mtp_module_tensors(spec, k, tp, ep)]
+    return out + (embedding_tensors(spec, tp) if embedding_copy(spec, embedding) else [])
+
+
+def mtp_units(spec: ModelSpec, embedding: bool, tp: int, ep: int, sp: bool) -> list[list[tuple[Tensor, bool]]]:
+    """ZeRO-3 units after the LM head (the reducer's `model_units`): the embedding copy (its gradient waits for the
+    emb sum), then each module ((tensor, TP-partial gradient?) as the layers' units)."""
+    units = [[(x, True) for x in embedding_tensors(spec, tp)]] if embedding_copy(spec, embedding) else []
+    return units + [[(x, sp and x.sp_replicated) for x in mtp_module_tensors(spec, k, tp, ep)]
+                    for k in range(spec.mtp_layers)]
+
+
+def mtp_flops_per_token(spec: ModelSpec, layer_flops, vocab_local: int) -> tuple[float, float]:
+    """(matmul, attention-core) forward FLOPs per token of the D modules on one rank: each module's eh_proj
+    (2d → d, replicated), its block (`layer_flops(moe)` → the layers' per-token figures) and one more LM head."""
+    matmul = core = 0.0
+    for k in range(spec.mtp_layers):
+        mm, cc = layer_flops(spec.is_moe_layer(spec.n_layers + k))
+        matmul += mm + 2.0 * 2 * spec.dim * spec.dim + 2.0 * spec.dim * vocab_local
+        core += cc
+    return matmul, core
+
+
+def mtp_activation_bytes(spec: ModelSpec, layer_bytes, head_bytes: float, tokens: int, tokens_local: int,
+                         act_bytes: int, resid_bytes: int, tp: int) -> float:
+    """Saved for backward by the D modules per microbatch: each block (`layer_bytes(moe)`), each extra head and
+    cross-entropy (`head_bytes`), and the combination — enorm's and hnorm's inputs and fp32 statistics, the
+    concatenated eh_proj input (2d per token of the rank's sequence), its int64 ids and labels."""
+    combine = 2 * (resid_bytes * spec.dim + 4) * tokens_local + act_bytes * 2 * spec.dim * tokens_local
+    ids = 16 * tokens + (tokens if tp > 1 else 0)  # ids and labels (int64); the embedding's mask under tp
+    return sum(layer_bytes(spec.is_moe_layer(spec.n_layers + k)) + head_bytes + combine + ids
+               for k in range(spec.mtp_layers))
