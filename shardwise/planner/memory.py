@@ -274,42 +274,98 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     dk, dv = spec.k_dim, spec.v_dim
     mask = e * n * h if spec.dropout > 0 else 0  # under SP each rank keeps its slice of the full mask
     lse = 4 * n * hq if recompute == "none" else 0  # selective recompute of the attention core drops it
-    attn = _norm_saved(n_r, h) + _region_input(n, h, 3, e, r) + mask
+    attn = _norm_saved(n_r, h) + mask
     if spec.qk_norm:  # Qwen3's fp32 per-head norms of this rank's q and k heads, on every token of its sequence
         attn += 8 * n * (hq + hkv) * dk + 4 * n * (hq + hkv)
-    if spec.is_mla:  # compressed latents and their norms (replicated over tp, like the down-projections)
-        attn += 2 * e * n * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_dim)
+    if spec.is_mla and (c == 1 or recompute == "selective") and not (c == 1 and spec.attn_dropout > 0):
+        return attn + _mla_attention_bytes(spec, n, hq, e, r, recompute) + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
+    attn += r * n * h if _column_region(spec, lay) else _region_input(n, h, 2 if spec.is_mla else 3, e, r)
+    if spec.is_mla:
+        attn += _mla_latent_bytes(spec, n, e)
     if c > 1 and recompute == "selective":  # checkpoint keeps the core's inputs q, k, v; wo keeps its input
         attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv)
-    elif c > 1 and lay.cp_impl == "ulysses":
-        rep = c // hkv if hkv % c else 1
-        attn += e * n * (hq * dk + rep * hkv * (dk + dv) + 2 * hq * dv) + lse
-        attn += 2 * 8 * wl.seq_len  # gather / scatter permutations of the balanced order
     elif c > 1:
-        attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + e * n * hq * dv + lse
+        # MLA pads the narrower of q/k and v to one head size before ring / Ulysses (they move K and V as one
+        # shape): the kernels' tensors have that size; wo's input is the output sliced back to v's
+        kd = vd = max(dk, dv) if spec.is_mla else None
+        kd, vd = kd or dk, vd or dv
+        if lay.cp_impl == "ulysses":
+            rep = c // hkv if hkv % c else 1
+            attn += e * n * (hq * kd + rep * hkv * (kd + vd) + hq * vd + hq * dv) + lse
+            attn += 2 * 8 * wl.seq_len  # gather / scatter permutations of the balanced order
+        else:
+            attn += e * n * (hq * kd + hkv * (kd + vd) + hq * vd) + e * n * hq * dv + lse
     elif spec.attn_dropout > 0:
         scores = lay.mb * hq * s_loc * wl.seq_len
         attn += (3 * e * scores if recompute == "none" else 0) + e * n * hq * (2 * dk + 2 * dv)
     else:
         attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + lse
+    return attn + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
+
+
+def _column_region(spec: ModelSpec, lay: Layout) -> bool:
+    """TP without SP runs q/k/v (and w1/w3) as one `ColumnRegion` autograd function: it saves the region's input
+    once, in the residual's dtype, and no bf16 weight copies (its weights stay on ctx). MLA enters by Megatron's
+    f instead, its projections plain linears."""
+    return lay.tp > 1 and not lay.sp
+
+
+def _mla_latent_bytes(spec: ModelSpec, n: int, e: int) -> int:
+    """MLA's low-rank latents (replicated over tp: every rank's sequence): each fp32 latent norm saves its input
+    (the down-projection's output, or its fp32 copy), x·rsqrt and the rsqrt; the up-projection saves the norm's
+    output in the activation dtype. In fp32 the kv norm's input is a view of wkv_a's whole output [c_kv | k_rope]
+    (under bf16 its fp32 copy of c_kv). RoPE on the rotary parts saves only views of the cos/sin tables."""
+    ranks = [x for x in (spec.q_lora_rank, spec.kv_lora_rank) if x]
+    kv_view = 4 * n * spec.qk_rope_dim if e == 4 else 0
+    return sum(8 * n * x + 4 * n + e * n * x for x in ranks) + kv_view
+
+
+def _mla_attention_bytes(spec: ModelSpec, n: int, hq: int, e: int, r: int, recompute: str) -> int:
+    """MLA at cp=1 (or its checkpointed core under cp), past the block's norm: the region input (wq_a / wq and
+    wkv_a), the latents, then the core. `MLA.core` pads the narrower of q/k and v with zero columns to one head
+    size d so SDPA runs a flash kernel (CPU and CUDA flash need one head size; otherwise the math path would
+    store the s×s scores): it saves q, k, v and the output at d and the fp32 LSE; wo's input is a copy of the
+    output when anything was padded (sliced back to v's size, or laid out [b, h, s, d] by padded q).
+    Selective recompute keeps the core's (unpadded) inputs instead."""
+    dk, dv = spec.k_dim, spec.v_dim
+    d = max(dk, dv)
+    out = _region_input(n, spec.dim, 2, e, r) + _mla_latent_bytes(spec, n, e)
+    wo_in = e * n * hq * dv
+    kv_b = e * n * hq * (spec.head_dim + dv)  # an unpadded v is a view of wkv_b's output [k_nope | v]
+    if recompute == "selective":  # checkpoint keeps the unpadded inputs; wo its input
+        return out + e * n * hq * 2 * dk + kv_b + wo_in
+    v = kv_b if dv == d else e * n * hq * d
+    return out + e * n * hq * 3 * d + v + 4 * n * hq + (wo_in if dv != dk else 0)
+
+
+def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_r: int, mask: int) -> int:
+    """The feed-forward half of a block (see `shardwise_layer_activation_bytes`)."""
+    e, t, h, r = wl.act_bytes, lay.tp, spec.dim, wl.resid_bytes
     mlp = _norm_saved(n_r, h) + mask
     if not moe:
         swiglu = spec.mlp == "swiglu"
-        mlp += _region_input(n, h, 2 if swiglu else 1, e, r)
+        mlp += r * n * h if _column_region(spec, lay) else _region_input(n, h, 2 if swiglu else 1, e, r)
         mlp += (4 if swiglu else 2) * e * n * (spec.ffn_dim // t)
-        return attn + mlp
+        return mlp
     k, E, f_e = spec.moe_topk, spec.moe_experts, spec.expert_ffn_dim
     rows = n_r * k
-    mlp += _region_input(n_r, h, 1 + (2 if spec.moe_shared_experts else 0), e, r)  # router (+ shared w1, w3) input
-    mlp += 4 * n_r * (2 * E + 1) + 8 * rows  # router: logits, probs, LSE (fp32), top-k indices
-    mlp += 8 * rows * 2 + 4 * rows  # dispatch: send order, token index (int64), assignment weights
-    mlp += 4 * rows * h  # received rows as the fp32 grouped-GEMM input (autocast leaves _grouped_mm alone)
+    # the router's fp32 input (the norm output itself when it is fp32, else its fp32 copy) and the shared experts'
+    # w1 / w3 input (the same storage in fp32)
+    mlp += 4 * n_r * h + (_region_input(n_r, h, 2, e, r) if spec.moe_shared_experts and e != 4 else 0)
+    mlp += 4 * n_r * (2 * E + 1) + 8 * rows + 4 * E  # router: logits, probs, LSE (fp32), top-k indices, counts
+    if spec.moe_score == "sigmoid":  # the scores' row sums; with renormalised top-k its weights and their sums
+        mlp += 4 * n_r + (4 * n_r + 4 * rows if spec.moe_norm_topk else 0)
+    elif not spec.moe_softmax_before_topk:  # softmax over the k chosen logits saves its output
+        mlp += 4 * rows
+    mlp += 8 * rows * 2 + e * rows  # dispatch: send order, token index (int64), assignment weights
+    mlp += 4 * (E // lay.ep)  # the grouped GEMM's int32 offsets
+    mlp += e * rows * h  # received rows in the compute dtype (the grouped GEMM's input)
     if lay.ep > 1 and E // lay.ep > 1:
         mlp += 2 * 8 * rows  # regroup permutation and its inverse
     mlp += 4 * e * rows * f_e  # w1 out, silu out, w3 out, product
     mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
     mlp += 4 * e * n_r * spec.moe_shared_experts * f_e
-    return attn + mlp
+    return mlp
 
 
 def layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, recompute: str | None = None,
@@ -370,14 +426,20 @@ def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload, model: str
 def autocast_weight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
     """bf16 autocast: every linear saves a bf16 copy of its (fp32 master) weight for backward, once per
     microbatch, since each microbatch's forward runs in its own autocast region. Norms and the embedding
-    table are not cast; routed experts are (CUDA's per-expert F.linear path; CPU's grouped GEMM would stay
-    fp32). 0 for fp32 runs, and under full recompute (the copies would be recomputed with the layer; the LM
+    table are not cast, nor the MoE router (fp32 routing); routed experts are (the grouped GEMM runs in the
+    compute dtype). 0 for fp32 runs, and under full recompute (the copies would be recomputed with the layer; the LM
     head, outside every checkpoint, still saves its copy: `microbatch_activation_bytes` counts it with the head)."""
     if wl.act_bytes == 4 or lay.recompute == "full":
         return 0.0
     p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
     head = padded_vocab(spec, lay.tp) // lay.tp * spec.dim if stage.head else 0
-    return float(wl.act_bytes * (p.total - p.vectors + head))
+    router = stage.n_moe * spec.moe_experts * spec.dim  # routing runs in fp32 with autocast off: no copy
+    if _column_region(spec, lay):  # q/k/v and w1/w3 run inside a ColumnRegion: no copies saved
+        hq, hkv = spec.n_heads // lay.tp, local_kv_heads(spec, lay.tp)
+        qkv = 0 if spec.is_mla else spec.dim * spec.head_dim * (hq + 2 * hkv)
+        w13 = 2 * spec.dim * (spec.ffn_dim // lay.tp) if spec.mlp == "swiglu" else 0
+        router += stage.n_layers * qkv + stage.n_dense * w13
+    return float(wl.act_bytes * (p.total - p.vectors + head - router))
 
 
 def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
@@ -395,7 +457,8 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
         # apply_rope's real arithmetic saves views of the fp32 cos/sin tables each chunk builds (one storage
         # each, shared by all its layers; under full recompute the checkpoints keep the same tables)
         chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
-        out["rope"] = float(4 * (wl.seq_len // lay.cp) * spec.k_dim * chunks if not spec.learned_pos else 0)
+        rope_dim = spec.qk_rope_dim if spec.is_mla else spec.k_dim  # MLA rotates only the rope parts
+        out["rope"] = float(4 * (wl.seq_len // lay.cp) * rope_dim * chunks if not spec.learned_pos else 0)
         out["weights"] = autocast_weight_bytes(spec, stage, lay, wl)
         if stage.head and lay.recompute == "full" and wl.act_bytes != 4:  # the head is never recomputed
             out["head"] += wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim
