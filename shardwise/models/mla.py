@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..context_parallel import ring_attention, ulysses_attention
+from ..context_parallel import kernels, ring_attention, ulysses_attention
 from .documents import document_mask
 from .rope import apply_rope
 
@@ -73,10 +73,13 @@ class MLA(nn.Module):
             # zero q/k columns add nothing to the scores, zero v columns give zero outputs, sliced off) and pass
             # MLA's scale explicitly.
             dk, dv = q.shape[-1], v.shape[-1]
+            site = "ring_attention" if self.cp_impl == "ring" else "ulysses"
             if dv < dk:
                 v = F.pad(v, (0, dk - dv))
+                kernels.record_padding(site, "v", dv, dk)
             elif dk < dv:
                 q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
+                kernels.record_padding(site, "q/k", dk, dv)
             attend = ring_attention if self.cp_impl == "ring" else ulysses_attention
             out = attend(q, k, v, self.cp_axis, causal=True, order=self.cp_order, scale=self.scale, doc_ids=doc_ids)
             return out[..., :dv]
