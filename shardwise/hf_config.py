@@ -184,11 +184,14 @@ def config_from_hf(path: str) -> ModelConfig:
     if mt in ("deepseek_v2", "deepseek_v3"):
         _deepseek(mt, hf, kw, where, refuse)
     if mt == "mixtral":
-        # HF Mixtral: softmax over all experts, top-k, renormalise = softmax over the top-k logits; dropless.
+        # HF Mixtral: softmax over all experts, top-k, renormalise = softmax over the top-k logits; dropless. Its
+        # aux loss is Qwen3-MoE's (`load_balancing_loss_func`, pooled over all layers), added only when
+        # output_router_logits asks for it: shardwise's pooled scope, as for Qwen3-MoE.
+        coef = float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
         kw.update(moe_experts=int(_req(hf, "num_local_experts", where)),
                   moe_topk=int(_req(hf, "num_experts_per_tok", where)), moe_every=1, moe_ffn_dim=kw["ffn_dim"],
                   moe_shared_experts=0, moe_softmax_before_topk=False, moe_score="softmax",
-                  moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+                  moe_aux_loss_coef=coef, moe_aux_loss_scope="model")
     cfg = ModelConfig(**kw)
     cfg.validate()
     return cfg
@@ -294,7 +297,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     out["rope_parameters"] = rope  # transformers >= 5 reads this, 4.x reads rope_theta / rope_scaling
     if mt == "mixtral":
         out.update(num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_topk, sliding_window=None,
-                   router_aux_loss_coef=cfg.moe_aux_loss_coef, output_router_logits=False)
+                   router_aux_loss_coef=cfg.moe_aux_loss_coef,
+                   output_router_logits=bool(cfg.moe_aux_loss_coef) and cfg.moe_aux_loss_scope == "model")
     if mt in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False, sliding_window=None)
     if mt in ("qwen3", "qwen3_moe"):

@@ -71,6 +71,9 @@ def models(tmp_path_factory):
            "tied": _save(f, "tied", "Llama", dict(max_shard_size="20KB"), num_key_value_heads=1,
                          tie_word_embeddings=True, num_hidden_layers=2),
            "mixtral": _save(f, "mixtral", "Mixtral", num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+           # HF's pooled aux loss on (large coef: its gradient shows), over both layers and every token
+           "mixtral_aux": _save(f, "mixtral_aux", "Mixtral", num_local_experts=4, num_experts_per_tok=2,
+                                num_hidden_layers=2, output_router_logits=True, router_aux_loss_coef=0.5),
            "mistral_window": _save(f, "mistral", "Mistral", sliding_window=16, num_hidden_layers=2),
            "qwen2": _save(f, "qwen2", "Qwen2", biases=True, num_hidden_layers=2),
            "qwen2_tied": _save(f, "qwen2_tied", "Qwen2", biases=True, tie_word_embeddings=True, num_hidden_layers=2),
@@ -364,6 +367,7 @@ TRAIN_LAYOUTS = {  # one 4-rank spawn runs them all: (model, degrees, global bat
     "llama_tp2_pp2": ("llama", dict(tp=2, pp=2), 8),
     "qwen2_dp2_tp2_sp": ("qwen2", dict(dp=2, tp=2, sequence_parallel=True), 4),
     "mixtral_dp2_ep2_tp2": ("mixtral", dict(dp=2, ep=2, tp=2), 4),
+    "mixtral_aux_dp2_ep2_tp2": ("mixtral_aux", dict(dp=2, ep=2, tp=2), 4),  # HF's pooled aux loss, coef 0.5
     "qwen3_dp2_tp2_sp": ("qwen3", dict(dp=2, tp=2, sequence_parallel=True), 4),
     "qwen3_tp4": ("qwen3", dict(tp=4), 4),  # no SP, yet q/k norm grads are partial; 2 K/V heads over 4 ranks
     # HF's pooled aux loss (coef 0.5) over layers 0, 2, 3 and both dp ranks' tokens: one global microbatch
@@ -375,8 +379,8 @@ TRAIN_TOKENS = torch.randint(0, SHAPE["vocab_size"], (4096,), generator=torch.Ge
 
 
 def _train_config(path, degrees, global_batch):
-    """One fp32 step, no clipping. Mixtral: no aux loss (shardwise's per-layer one is not HF's pooled one);
-    Qwen3-MoE: HF's pooled aux loss, as its config.json asks (output_router_logits)."""
+    """One fp32 step, no clipping. Mixtral and Qwen3-MoE: HF's pooled aux loss where config.json asks for it
+    (output_router_logits), none otherwise."""
     model = hf.config_from_hf(path)
     if model.moe_aux_loss_scope != "model":
         model = dataclasses.replace(model, moe_aux_loss_coef=0.0)
@@ -471,9 +475,10 @@ def test_training_step_matches_transformers(models, trained, tmp_path, i, layout
     losses = {round(r[i][0], 12) for r in trained}
     assert len(losses) == 1  # every rank reports the same global loss (the cross-entropy)
     assert abs(trained[0][i][0] - ref_loss) <= 1e-6 * abs(ref_loss), (trained[0][i][0], ref_loss)
-    if layout.startswith("qwen3_moe"):  # HF's pooled aux loss: each rank holds its tokens' share (dp × SP: all differ)
+    if layout.startswith(("qwen3_moe", "mixtral_aux")):  # HF's pooled aux loss: each rank holds its tokens' share
         assert ref_aux > 1.0
-        ours = sum(r[i][2] for r in trained)
+        copies = 1 if degrees.get("sequence_parallel") else degrees.get("tp", 1)  # without SP tp ranks share tokens
+        ours = sum(r[i][2] for r in trained) / copies
         assert abs(ours - ref_aux) <= 1e-6 * ref_aux, ([r[i][2] for r in trained], ref_aux)
     cfg = hf.config_from_hf(path)
     files = hf._Files(str(tmp_path / "hf_grads"))
