@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import warnings
 
@@ -44,8 +45,33 @@ def read_hf_config(path: str) -> dict:
     return hf
 
 
-def _rope(hf: dict, where: str, mt: str) -> tuple[float, tuple | None]:
-    """(theta, llama3 scaling or None) from either the 4.x keys (rope_theta, rope_scaling) or 5.x rope_parameters."""
+def _yarn(src: dict, hf: dict, where: str, field: str) -> tuple[tuple, float]:
+    """(ModelConfig.rope_yarn, MLA's softmax mscale²) as transformers reads a yarn RoPE: `_compute_yarn_parameters`
+    (factor defaulting to max_position_embeddings / original_max_position_embeddings, attention_factor from
+    mscale / mscale_all_dim, beta_fast 32 and beta_slow 1 when absent or 0, truncate default true) and
+    DeepSeek's `yarn_apply_mscale` (the softmax scale times yarn_get_mscale(factor, mscale_all_dim)²)."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    try:
+        old = int(src["original_max_position_embeddings"])
+    except KeyError:
+        raise ConfigError(f"{where}: {field} of rope_type 'yarn' lacks 'original_max_position_embeddings'") from None
+    factor = src.get("factor")
+    factor = float(factor) if factor is not None else int(_req(hf, "max_position_embeddings", where)) / old
+    attention = src.get("attention_factor")
+    m, m_all = src.get("mscale"), src.get("mscale_all_dim")
+    if attention is None:
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    yarn = (factor, old, float(src.get("beta_fast") or 32), float(src.get("beta_slow") or 1), float(attention),
+            bool(src.get("truncate", True)))
+    softmax = mscale(float(src["factor"]), m_all) ** 2 if m_all and src.get("factor") is not None else 1.0
+    return yarn, softmax
+
+
+def _rope(hf: dict, where: str, mt: str) -> tuple[float, tuple | None, tuple | None, float]:
+    """(theta, llama3 scaling or None, yarn or None, MLA softmax mscale²) from either the 4.x keys (rope_theta,
+    rope_scaling) or 5.x rope_parameters."""
     params = hf.get("rope_parameters") or {}
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ConfigError(f"{where}: per-layer-type rope_parameters={params!r} are not supported")
@@ -54,11 +80,13 @@ def _rope(hf: dict, where: str, mt: str) -> tuple[float, tuple | None]:
     src = params if params.get("rope_type", "default") != "default" else legacy
     kind = src.get("rope_type", src.get("type", "default"))
     if kind == "default":
-        return theta, None
+        return theta, None, None, 1.0
     field = "rope_parameters" if src is params else "rope_scaling"
+    if kind == "yarn":
+        return (theta, None, *_yarn(src, hf, where, field))
     if kind != "llama3":
-        raise ConfigError(f"{where}: {field}.rope_type={kind!r} is not supported (only 'default' and 'llama3' "
-                          "RoPE are implemented)")
+        raise ConfigError(f"{where}: {field}.rope_type={kind!r} is not supported (only 'default', 'llama3' and "
+                          "'yarn' RoPE are implemented)")
     if "rope_scaling" not in _FIELDS:
         raise ConfigError(f"{where}: {field}.rope_type='llama3' needs ModelConfig.rope_scaling, which this "
                           "shardwise lacks")
@@ -67,7 +95,7 @@ def _rope(hf: dict, where: str, mt: str) -> tuple[float, tuple | None]:
                    int(src["original_max_position_embeddings"]))
     except KeyError as e:
         raise ConfigError(f"{where}: {field} of rope_type 'llama3' lacks {e.args[0]!r}") from None
-    return theta, scaling
+    return theta, scaling, None, 1.0
 
 
 def _max_positions(hf: dict, where: str, mt: str) -> int:
@@ -130,7 +158,7 @@ def config_from_hf(path: str) -> ModelConfig:
     # Qwen2 always has q/k/v biases; Llama's and Qwen3's attention_bias also put one on o_proj, which shardwise lacks.
     if mt != "qwen2" and hf.get("attention_bias"):
         refuse("attention_bias", "only q/k/v biases (model_type qwen2) are supported")
-    theta, scaling = _rope(hf, where, mt)
+    theta, scaling, yarn, mla_mscale = _rope(hf, where, mt)
     kw = dict(name=f"hf-{mt}", vocab_size=int(_req(hf, "vocab_size", where)), dim=dim,
               n_layers=int(_req(hf, "num_hidden_layers", where)), n_heads=heads,
               n_kv_heads=int(hf.get("num_key_value_heads") or heads),
@@ -142,6 +170,10 @@ def config_from_hf(path: str) -> ModelConfig:
         kw["qk_norm"] = True
     if scaling is not None:
         kw["rope_scaling"] = scaling
+    if yarn is not None:
+        kw["rope_yarn"] = yarn
+        if mt in ("deepseek_v2", "deepseek_v3"):  # only DeepSeek's attention scales its softmax by mscale²
+            kw["mla_mscale"] = mla_mscale
     if mt == "qwen2":
         if "attention_bias" not in _FIELDS:
             raise ConfigError(f"{where}: model_type='qwen2' has q/k/v biases, which need ModelConfig.attention_bias "
@@ -152,11 +184,14 @@ def config_from_hf(path: str) -> ModelConfig:
     if mt in ("deepseek_v2", "deepseek_v3"):
         _deepseek(mt, hf, kw, where, refuse)
     if mt == "mixtral":
-        # HF Mixtral: softmax over all experts, top-k, renormalise = softmax over the top-k logits; dropless.
+        # HF Mixtral: softmax over all experts, top-k, renormalise = softmax over the top-k logits; dropless. Its
+        # aux loss is Qwen3-MoE's (`load_balancing_loss_func`, pooled over all layers), added only when
+        # output_router_logits asks for it: shardwise's pooled scope, as for Qwen3-MoE.
+        coef = float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
         kw.update(moe_experts=int(_req(hf, "num_local_experts", where)),
                   moe_topk=int(_req(hf, "num_experts_per_tok", where)), moe_every=1, moe_ffn_dim=kw["ffn_dim"],
                   moe_shared_experts=0, moe_softmax_before_topk=False, moe_score="softmax",
-                  moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+                  moe_aux_loss_coef=coef, moe_aux_loss_scope="model")
     cfg = ModelConfig(**kw)
     cfg.validate()
     return cfg
@@ -256,10 +291,14 @@ def hf_config(cfg: ModelConfig) -> dict:
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         out["rope_scaling"] = {"rope_type": "llama3", **dict(zip(keys, scaling))}
         rope.update(out["rope_scaling"])
+    if cfg.rope_yarn is not None:
+        out["rope_scaling"] = _yarn_json(cfg)
+        rope.update(out["rope_scaling"])
     out["rope_parameters"] = rope  # transformers >= 5 reads this, 4.x reads rope_theta / rope_scaling
     if mt == "mixtral":
         out.update(num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_topk, sliding_window=None,
-                   router_aux_loss_coef=cfg.moe_aux_loss_coef, output_router_logits=False)
+                   router_aux_loss_coef=cfg.moe_aux_loss_coef,
+                   output_router_logits=bool(cfg.moe_aux_loss_coef) and cfg.moe_aux_loss_scope == "model")
     if mt in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False, sliding_window=None)
     if mt in ("qwen3", "qwen3_moe"):
@@ -270,6 +309,17 @@ def hf_config(cfg: ModelConfig) -> dict:
                    moe_intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
                    norm_topk_prob=not cfg.moe_softmax_before_topk, router_aux_loss_coef=cfg.moe_aux_loss_coef,
                    output_router_logits=bool(cfg.moe_aux_loss_coef) and cfg.moe_aux_loss_scope == "model")
+    return out
+
+
+def _yarn_json(cfg: ModelConfig) -> dict:
+    """rope_scaling / rope_parameters of a YaRN RoPE, as transformers reads it back (`_yarn`): attention_factor
+    explicit; for MLA the mscale_all_dim that gives its softmax multiplier."""
+    factor, old, beta_fast, beta_slow, attention, truncate = cfg.rope_yarn
+    out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": old, "beta_fast": beta_fast,
+           "beta_slow": beta_slow, "attention_factor": attention, "truncate": truncate}
+    if cfg.mla_mscale != 1.0:
+        out["mscale_all_dim"] = (math.sqrt(cfg.mla_mscale) - 1) / (0.1 * math.log(factor))
     return out
 
 
@@ -297,6 +347,7 @@ def _deepseek_config(cfg: ModelConfig, refuse) -> dict:
            "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+           **({"rope_scaling": _yarn_json(cfg)} if cfg.rope_yarn is not None else {}),
            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "attention_dropout": cfg.attn_dropout,
            "n_routed_experts": cfg.moe_experts or None, "num_experts_per_tok": cfg.moe_topk,
            "moe_intermediate_size": cfg.moe_ffn_dim or cfg.ffn_dim, "n_shared_experts": cfg.moe_shared_experts,

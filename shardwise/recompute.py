@@ -13,7 +13,8 @@
 Both use non-reentrant `torch.utils.checkpoint`. Like Megatron's CheckpointFunction, the RNG
 tracker's streams are snapshotted at the forward and restored for the recomputation (then set back),
 so every dropout mask replays bit for bit; an MoE block's bookkeeping (load counts for the
-loss-free bias, drop and aux-loss metrics) is restored too, so a recomputation is not counted twice.
+loss-free bias, drop and aux-loss metrics) is restored too, so a recomputation is not counted twice, and
+its dispatcher reuses the forward's split sizes (asserted equal on the device) instead of reading them again.
 """
 from __future__ import annotations
 
@@ -21,29 +22,44 @@ import contextlib
 
 from torch.utils.checkpoint import checkpoint
 
+from .expert_parallel.dispatch import SplitTape
 from .expert_parallel.moe import MoE
 
 MODES = ("none", "selective", "full")
 
 
 class _Replay:
-    """checkpoint's context_fn: remember the RNG streams at forward, replay them in the recomputation."""
+    """checkpoint's context_fn: remember the RNG streams at forward, replay them in the recomputation; each MoE
+    block's dispatcher records its split sizes at forward and the recomputation reuses them (`SplitTape`: no
+    second host read per MoE layer and microbatch)."""
 
     def __init__(self, tracker, moes):
         self.tracker, self.moes = tracker, moes
 
     def __call__(self):
         saved = self.tracker.get_states() if self.tracker is not None else None
-        return contextlib.nullcontext(), self._recompute(saved)
+        tapes = [SplitTape() for _ in self.moes]
+        return self._taped(tapes, False), self._recompute(saved, tapes)
 
     @contextlib.contextmanager
-    def _recompute(self, saved):
+    def _taped(self, tapes, replaying: bool):
+        for m, tape in zip(self.moes, tapes):
+            tape.replaying, m.dispatcher.tape = replaying, tape
+        try:
+            yield
+        finally:
+            for m in self.moes:
+                m.dispatcher.tape = None
+
+    @contextlib.contextmanager
+    def _recompute(self, saved, tapes):
         now = self.tracker.get_states() if saved is not None else None
         books = [_moe_books(m) for m in self.moes]
         if saved is not None:
             self.tracker.set_states(saved)
         try:
-            yield
+            with self._taped(tapes, True):
+                yield
         finally:
             if now is not None:
                 self.tracker.set_states(now)

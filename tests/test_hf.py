@@ -38,6 +38,10 @@ DEEPSEEK = SHAPE | dict(num_key_value_heads=4, moe_intermediate_size=16, n_route
                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+# YaRN as DeepSeek-V3 configures it, scaled down: the 32-token tests run past original_max_position_embeddings 16;
+# mscale_all_dim != mscale makes both the cos/sin attention_factor and MLA's softmax mscale² differ from 1.
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707}
 
 
 def _save(factory, name, cls_name, save_kw=None, biases=False, norms=False, shape=SHAPE, **cfg_kw):
@@ -67,6 +71,9 @@ def models(tmp_path_factory):
            "tied": _save(f, "tied", "Llama", dict(max_shard_size="20KB"), num_key_value_heads=1,
                          tie_word_embeddings=True, num_hidden_layers=2),
            "mixtral": _save(f, "mixtral", "Mixtral", num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+           # HF's pooled aux loss on (large coef: its gradient shows), over both layers and every token
+           "mixtral_aux": _save(f, "mixtral_aux", "Mixtral", num_local_experts=4, num_experts_per_tok=2,
+                                num_hidden_layers=2, output_router_logits=True, router_aux_loss_coef=0.5),
            "mistral_window": _save(f, "mistral", "Mistral", sliding_window=16, num_hidden_layers=2),
            "qwen2": _save(f, "qwen2", "Qwen2", biases=True, num_hidden_layers=2),
            "qwen2_tied": _save(f, "qwen2_tied", "Qwen2", biases=True, tie_word_embeddings=True, num_hidden_layers=2),
@@ -87,6 +94,12 @@ def models(tmp_path_factory):
            "deepseek": _save(f, "deepseek", "DeepseekV3", norms=True, shape=DEEPSEEK),
            "deepseek_noq": _save(f, "deepseek_noq", "DeepseekV3", norms=True, shape=DEEPSEEK, q_lora_rank=None,
                                  norm_topk_prob=False, num_hidden_layers=2),
+           # YaRN RoPE: DeepSeek-V3 (mscale² on the softmax scale) and Qwen3 (factor only: attention_factor 1 + 0.1 ln 4)
+           "deepseek_yarn": _save(f, "deepseek_yarn", "DeepseekV3", norms=True, shape=DEEPSEEK, rope_parameters=YARN_ROPE,
+                                  num_hidden_layers=2),
+           "qwen3_yarn": _save(f, "qwen3_yarn", "Qwen3", norms=True, head_dim=12, num_hidden_layers=2,
+                               rope_parameters={k: YARN_ROPE[k] for k in ("rope_type", "rope_theta", "factor",
+                                                                          "original_max_position_embeddings")}),
            # DeepSeek-V2 (V2-Lite's class): softmax top-3 unnormalised, groups scored by their max, 2 shared experts
            "deepseek_v2": _save(f, "deepseek_v2", "DeepseekV2", norms=True, shape=DEEPSEEK, q_lora_rank=None,
                                 topk_method="group_limited_greedy", num_experts_per_tok=3, n_shared_experts=2,
@@ -152,7 +165,8 @@ def _check_result(r):
 
 
 @pytest.mark.parametrize("name", ["llama", "tied", "mixtral", "qwen2", "llama3", "qwen3", "qwen3_moe",
-                                  "qwen3_moe_step2", "deepseek", "deepseek_noq", "deepseek_v2"])
+                                  "qwen3_moe_step2", "deepseek", "deepseek_noq", "deepseek_v2", "deepseek_yarn",
+                                  "qwen3_yarn"])
 def test_single_device_matches_transformers(models, name):
     if name == "tied":
         assert os.path.isfile(os.path.join(models[name], hf.INDEX))
@@ -179,6 +193,7 @@ LAYOUTS = {
     "deepseek_tp2_cp2_ulysses": ("deepseek", dict(tp=2, cp=2, cp_impl="ulysses")),
     "deepseek_noq_cp2": ("deepseek_noq", dict(cp=2)),
     "deepseek_v2_dp2_ep2_tp2_sp": ("deepseek_v2", dict(dp=2, ep=2, tp=2, sequence_parallel=True)),
+    "deepseek_yarn_tp2_cp2": ("deepseek_yarn", dict(tp=2, cp=2)),  # YaRN tables at each chunk's global positions
 }
 
 
@@ -265,7 +280,8 @@ def _single_model(path):
 
 @pytest.mark.parametrize("name,as_state", [("llama", False), ("tied", True), ("mixtral", True), ("qwen2", False),
                                            ("qwen3_tied", True), ("qwen3_moe", False), ("qwen3_moe_step2", True),
-                                           ("deepseek", False), ("deepseek_noq", True), ("deepseek_v2", True)])
+                                           ("deepseek", False), ("deepseek_noq", True), ("deepseek_v2", True),
+                                           ("deepseek_yarn", False), ("qwen3_yarn", True)])
 def test_export_round_trip(models, tmp_path, name, as_state):
     cfg, model = _single_model(models[name])
     out = hf.export_hf(model.state_dict() if as_state else model, cfg, str(tmp_path / "out"))
@@ -317,7 +333,8 @@ def _write_config(tmp_path, **changes):
     (dict(head_dim=16), "head_dim=16"),
     (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(attention_bias=True), "attention_bias=True"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type='yarn'"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "rope_scaling.rope_type='longrope'"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "lacks 'original_max_position_embeddings'"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), "rope_parameters.rope_type='dynamic'"),
     (dict(architectures=["LlamaForSequenceClassification"]), "only \\*ForCausalLM"),
     (dict(hidden_size=None), "lacks 'hidden_size'"),
@@ -350,6 +367,7 @@ TRAIN_LAYOUTS = {  # one 4-rank spawn runs them all: (model, degrees, global bat
     "llama_tp2_pp2": ("llama", dict(tp=2, pp=2), 8),
     "qwen2_dp2_tp2_sp": ("qwen2", dict(dp=2, tp=2, sequence_parallel=True), 4),
     "mixtral_dp2_ep2_tp2": ("mixtral", dict(dp=2, ep=2, tp=2), 4),
+    "mixtral_aux_dp2_ep2_tp2": ("mixtral_aux", dict(dp=2, ep=2, tp=2), 4),  # HF's pooled aux loss, coef 0.5
     "qwen3_dp2_tp2_sp": ("qwen3", dict(dp=2, tp=2, sequence_parallel=True), 4),
     "qwen3_tp4": ("qwen3", dict(tp=4), 4),  # no SP, yet q/k norm grads are partial; 2 K/V heads over 4 ranks
     # HF's pooled aux loss (coef 0.5) over layers 0, 2, 3 and both dp ranks' tokens: one global microbatch
@@ -361,8 +379,8 @@ TRAIN_TOKENS = torch.randint(0, SHAPE["vocab_size"], (4096,), generator=torch.Ge
 
 
 def _train_config(path, degrees, global_batch):
-    """One fp32 step, no clipping. Mixtral: no aux loss (shardwise's per-layer one is not HF's pooled one);
-    Qwen3-MoE: HF's pooled aux loss, as its config.json asks (output_router_logits)."""
+    """One fp32 step, no clipping. Mixtral and Qwen3-MoE: HF's pooled aux loss where config.json asks for it
+    (output_router_logits), none otherwise."""
     model = hf.config_from_hf(path)
     if model.moe_aux_loss_scope != "model":
         model = dataclasses.replace(model, moe_aux_loss_coef=0.0)
@@ -457,9 +475,10 @@ def test_training_step_matches_transformers(models, trained, tmp_path, i, layout
     losses = {round(r[i][0], 12) for r in trained}
     assert len(losses) == 1  # every rank reports the same global loss (the cross-entropy)
     assert abs(trained[0][i][0] - ref_loss) <= 1e-6 * abs(ref_loss), (trained[0][i][0], ref_loss)
-    if layout.startswith("qwen3_moe"):  # HF's pooled aux loss: each rank holds its tokens' share (dp × SP: all differ)
+    if layout.startswith(("qwen3_moe", "mixtral_aux")):  # HF's pooled aux loss: each rank holds its tokens' share
         assert ref_aux > 1.0
-        ours = sum(r[i][2] for r in trained)
+        copies = 1 if degrees.get("sequence_parallel") else degrees.get("tp", 1)  # without SP tp ranks share tokens
+        ours = sum(r[i][2] for r in trained) / copies
         assert abs(ours - ref_aux) <= 1e-6 * ref_aux, ([r[i][2] for r in trained], ref_aux)
     cfg = hf.config_from_hf(path)
     files = hf._Files(str(tmp_path / "hf_grads"))
@@ -718,3 +737,26 @@ class tmp_path_factory_shim:
         d = self.root / name
         d.mkdir()
         return d
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_yarn_frequencies_equal_transformers(tmp_path, truncate):
+    """DeepSeek-V3's real YaRN (rotary dim 64, factor 40 over 4096, beta 32/1) and a variant with truncate off
+    and mscale != mscale_all_dim: shardwise's cos/sin tables at positions up to 163839 are transformers'
+    (`_compute_yarn_parameters`'s inv_freq, cos/sin times its attention_factor) — the ramp's fractional bounds
+    only matter at this scale."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardwise.models.rope import rope_tables
+    from test_model_families import DS_V3_REAL
+
+    rope = DS_V3_REAL["rope_scaling"] | ({} if truncate else {"truncate": False, "mscale": 0.9})
+    (tmp_path / "config.json").write_text(json.dumps(DS_V3_REAL | {"rope_scaling": rope}))
+    cfg = hf.config_from_hf(str(tmp_path))
+    ref_cfg = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    inv, attention = ROPE_INIT_FUNCTIONS["yarn"](ref_cfg, torch.device("cpu"))
+    assert cfg.rope_yarn[4] == attention and (attention == 1.0) == truncate
+    pos = torch.tensor([0, 1, 4095, 4096, 50000, 163839])
+    cos, sin = rope_tables(cfg.rope_dim, 0, cfg.rope_theta, "cpu", positions=pos, yarn=cfg.rope_yarn)
+    ang = pos[:, None].float() * inv.float()[None, :]  # transformers: inv_freq @ positions in fp32
+    assert torch.equal(cos, ang.cos() * attention) and torch.equal(sin, ang.sin() * attention)

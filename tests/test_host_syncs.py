@@ -3,7 +3,7 @@
 One 2-rank fork trains four layouts with `train_main` and reads `host_syncs_per_step` from summary.json:
 dense (dp2, ZeRO-1) and pp2 read the loss and the clipped grad norm together, once; cp2 with document
 masks adds the document plan, once per microbatch; MoE (ep2) adds the split sizes, once per MoE layer
-and microbatch. Before, the loss, the norm and each MoE metric were read separately, and the step timer
+and microbatch — under full recompute too (the recomputation reuses its forward's). Before, the loss, the norm and each MoE metric were read separately, and the step timer
 waited for the step's end.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ def _train(root: str, seed: int):
 
     runs = {"dense": (dict(dp=2, zero=1), {}), "pp": (dict(pp=2), {}),
             "cp_doc": (dict(cp=2), dict(attention_mask="document")),
-            "moe": (dict(dp=2, ep=2), dict(model="tiny-moe", global_batch=8))}
+            "moe": (dict(dp=2, ep=2), dict(model="tiny-moe", global_batch=8)),
+            "moe_full": (dict(dp=2, ep=2, recompute="full"), dict(model="tiny-moe", global_batch=8))}
     out = {}
     for name, (par, kw) in runs.items():
         cfg = TrainConfig(**({"model": "tiny", "global_batch": 4} | kw), parallel=ParallelConfig(**par), steps=3,
@@ -46,6 +47,32 @@ def test_host_syncs_per_step_within_budget(tmp_path):
     syncs, sites, m, layers = out["moe"]
     assert m == 2 and layers > 1, out["moe"]
     assert syncs <= layers * m + 2 and sites == {"loss+norm": 1, "moe split sizes": layers * m}, (out["moe"], seed)
+    # full recompute: the recomputed forward reuses each microbatch's split sizes (no second read per layer)
+    assert out["moe_full"][:2] == out["moe"][:2], (out["moe_full"], out["moe"], seed)
+
+
+def test_recompute_that_routes_differently_fails_loudly():
+    """The split sizes a full-recompute replay reuses are checked against what it routes: a recomputation that
+    would route differently (here: the selection bias changed between forward and backward) raises."""
+    import pytest
+
+    from shardwise.config import get_model_config
+    from shardwise.models.llama import Transformer
+    from shardwise.recompute import apply_recompute
+
+    torch.manual_seed(0)
+    model = Transformer(get_model_config("tiny-moe", n_layers=1))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    model.chunks = None  # one unpipelined chunk (what build_model sets without PP)
+    apply_recompute(model, "full")
+    moe = model.layers["0"].feed_forward
+    moe.router.expert_bias.zero_()
+    model(torch.randint(0, 64, (2, 16))).sum().backward()  # same routing: replays without a read
+    out = model(torch.randint(0, 64, (2, 16))).sum()
+    moe.router.expert_bias[0] = 1e3  # every token now picks expert 0 first
+    with pytest.raises(RuntimeError, match="MoE recompute routed differently from its forward"):
+        out.backward()
 
 
 class _Event:

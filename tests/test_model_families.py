@@ -158,7 +158,8 @@ DS_JSON = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM
     (dict(topk_method="group_limited_greedy"), "topk_method='group_limited_greedy' is not supported: valid: noaux_tc"),
     (dict(scoring_func="softmax"), "scoring_func='softmax' is not supported"),
     (dict(rope_interleave=False), "rope_interleave=False is not supported"),
-    (dict(rope_scaling={"type": "yarn", "factor": 40, "mscale_all_dim": 1.0}), "rope_scaling.rope_type='yarn'"),
+    (dict(rope_scaling={"type": "yarn", "factor": 40, "mscale_all_dim": 1.0}), "lacks 'original_max_position_emb"),
+    (dict(rope_scaling={"type": "longrope", "factor": 40}), "rope_scaling.rope_type='longrope' is not supported"),
     (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
     (dict(model_type="deepseek_v2", topk_method="noaux_tc"), "topk_method='noaux_tc' is not supported: valid: greedy"),
@@ -172,6 +173,40 @@ def test_deepseek_config_refusals(tmp_path, changes, message):
     (tmp_path / "config.json").write_text(json.dumps(DS_JSON | changes))
     with pytest.raises(ConfigError, match=message):
         config_from_hf(str(tmp_path))
+
+
+# deepseek-ai/DeepSeek-V3's config.json: its context, RoPE and attention fields as published.
+DS_V3_REAL = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280,
+              "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+              "num_attention_heads": 128, "num_key_value_heads": 128, "max_position_embeddings": 163840,
+              "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3,
+              "n_group": 8, "topk_group": 4, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+              "qk_nope_head_dim": 128, "v_head_dim": 128, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+              "moe_layer_freq": 1, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+              "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                               "original_max_position_embeddings": 4096, "type": "yarn"}}
+
+
+def test_deepseek_v3_real_config_yarn(tmp_path, capsys):
+    """The published config.json is read with its YaRN RoPE (transformers' values: attention_factor 1, the softmax
+    scale × (1 + 0.1 ln 40)²), equals the deepseek-v3 preset, and `plan --model-config` accepts it."""
+    import json
+    import math
+
+    from shardwise.cli import main
+    from shardwise.hf_config import config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(DS_V3_REAL))
+    cfg = config_from_hf(str(tmp_path))
+    assert cfg.rope_yarn == (40.0, 4096, 32.0, 1.0, 1.0, True) and cfg.max_seq_len == 163840
+    assert cfg.mla_mscale == pytest.approx((1 + 0.1 * math.log(40)) ** 2, rel=1e-15)
+    preset = get_model_config("deepseek-v3")
+    same = ("rope_yarn", "mla_mscale", "max_seq_len", "rope_theta", "head_dim", "qk_rope_dim", "v_head_dim")
+    assert all(getattr(cfg, f) == getattr(preset, f) for f in same) and cfg.num_params() == preset.num_params()
+    assert main(["plan", "--model-config", str(tmp_path / "config.json"), "--gpus", "1024", "--seq-len", "32768",
+                 "--global-batch", "1024", "--zero", "3", "--recompute", "full", "--top", "1"]) == 0
+    assert "hf-deepseek_v3 (671.03B params)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model_type,changes,message", [

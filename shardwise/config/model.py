@@ -3,6 +3,7 @@ named presets that train, verify and the planner share. Torch-free."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -31,6 +32,11 @@ class ModelConfig:
     rope_scaling: tuple[float, float, float, int] | None = None
     """Llama-3.1 RoPE frequency scaling (factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings), as HF's rope_type "llama3"; None = plain RoPE."""
+    rope_yarn: tuple[float, int, float, float, float, bool] | None = None
+    """YaRN RoPE (factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate), as
+    HF's rope_type "yarn" (DeepSeek-V3): blended frequencies, cos/sin times attention_factor; None = off."""
+    mla_mscale: float = 1.0
+    """MLA's softmax-scale multiplier: HF DeepSeek's yarn_get_mscale(factor, mscale_all_dim)² under YaRN, else 1."""
     norm_eps: float = 1e-5
     attention_bias: bool = False
     """Biases on the q/k/v projections (Qwen2); wo and the MLP stay bias-free."""
@@ -145,6 +151,11 @@ class ModelConfig:
             raise ConfigError(
                 f"model {self.name!r}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
+        if self.rope_yarn is not None and (self.rope_scaling is not None or len(self.rope_yarn) != 6
+                                           or self.rope_yarn[0] <= 0 or self.rope_yarn[1] <= 0):
+            raise ConfigError(f"model {self.name!r}: rope_yarn={self.rope_yarn!r} must be (factor > 0, "
+                              "original_max_position_embeddings > 0, beta_fast, beta_slow, attention_factor, truncate) "
+                              "and excludes rope_scaling")
         for f in ("moe_topk", "moe_every"):  # refused even on a dense model: a typo should not pass silently
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ConfigError(f"--{f.replace('_', '-')} {getattr(self, f)!r} must be a positive integer")
@@ -261,15 +272,17 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         ffn_dim=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, moe_experts=128, moe_topk=8,
         moe_ffn_dim=1536, moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
     ),
-    # deepseek-ai/DeepSeek-V3 and DeepSeek-V2-Lite config.json, without their YaRN context extension (shardwise
-    # refuses rope_scaling yarn), so at their original 4096-token context: MLA, first-k dense layers, shared
-    # experts. V3: sigmoid scores, 8 groups (top-4), renormalised top-8 × 2.5, loss-free bias step 0.001.
-    # V2-Lite: no query latent, softmax top-6 probabilities unnormalised.
+    # deepseek-ai/DeepSeek-V3 and DeepSeek-V2-Lite config.json: MLA, first-k dense layers, shared experts. V3:
+    # sigmoid scores, 8 groups (top-4), renormalised top-8 × 2.5, loss-free bias step 0.001, and its YaRN context
+    # extension (163840 tokens: factor 40 over 4096, beta 32/1, mscale = mscale_all_dim = 1, so cos/sin unscaled and
+    # the softmax scale × (1 + 0.1 ln 40)²). V2-Lite: no query latent, softmax top-6 probabilities unnormalised, at
+    # its original 4096-token context (its YaRN settings are not carried over here).
     "deepseek-v3": ModelConfig(
         name="deepseek-v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=128,
-        ffn_dim=18432, max_seq_len=4096, norm_eps=1e-6, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64,
+        ffn_dim=18432, max_seq_len=163840, norm_eps=1e-6, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64,
         v_head_dim=128, moe_experts=256, moe_topk=8, moe_ffn_dim=2048, moe_shared_experts=1, moe_dense_layers=(0, 1, 2),
         moe_score="sigmoid", moe_n_group=8, moe_topk_group=4, moe_routed_scaling=2.5, moe_bias_update_rate=0.001,
+        rope_yarn=(40.0, 4096, 32.0, 1.0, 1.0, True), mla_mscale=(0.1 * math.log(40.0) + 1.0) ** 2,
     ),
     "deepseek-v2-lite": ModelConfig(
         name="deepseek-v2-lite", vocab_size=102400, dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, head_dim=128,

@@ -25,7 +25,7 @@ memory-efficient kernel take an additive bias (0 / −inf); CUDA's flash kernel 
 pair runs on the memory-efficient kernel (bf16 too). A query row that sees no key of its block must
 come back as out 0, LSE −inf so the LSE merge ignores it; the CPU flash kernel returns LSE 0 there,
 so every masked result is normalised here. `USED` records, per call site, what ran (summary.json's
-"attention_kernel").
+"attention_kernel"), and under "mla_padding" what MLA padded before calling it.
 """
 from __future__ import annotations
 
@@ -148,6 +148,12 @@ def pick(site: str, q: torch.Tensor, v: torch.Tensor, backend: str = "auto", mas
                       f"{v.shape[-1]} ({choice.why}); using math (materialises the scores)", stacklevel=3)
     USED.setdefault(site, set()).add(choice.kernel)
     return choice
+
+
+def record_padding(site: str, what: str, head: int, to: int) -> None:
+    """A caller zero-padded a head before `site` (MLA under cp: v to q/k's size or q/k to v's): summary.json's
+    "attention_kernel" says so under "mla_padding", e.g. "ring_attention: v head 128 zero-padded to 192"."""
+    USED.setdefault("mla_padding", set()).add(f"{site}: {what} head {head} zero-padded to {to}")
 
 
 def used(clear: bool = False) -> dict[str, str]:

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import comm, host
 
@@ -94,6 +95,31 @@ class DispatchHandle:
     local_counts: torch.Tensor | None = None  # tokens_per_local_expert on the device (grouped GEMM offsets)
 
 
+class SplitTape:
+    """One checkpointed forward's split sizes, replayed by its recomputation instead of a second host read.
+
+    Routing is deterministic given the same inputs (and the restored RNG), so the recomputed counts must equal
+    the recorded ones; that is asserted on the device (`torch._assert_async`: no host sync on CUDA), so a
+    recomputation that routed differently fails loudly instead of moving rows by stale splits."""
+
+    def __init__(self):
+        self.entries: list[tuple[torch.Tensor, list[int]]] = []
+        self.replaying, self._next = False, 0
+
+    def record(self, counts: torch.Tensor, synced: list[int]) -> None:
+        self.entries.append((counts, synced))
+
+    def replay(self, counts: torch.Tensor) -> list[int] | None:
+        """The recorded split sizes for this call (None when nothing was recorded: read them)."""
+        if self._next >= len(self.entries):
+            return None
+        then, synced = self.entries[self._next]
+        self._next += 1
+        if not is_fake(counts):
+            torch._assert_async((counts == then).all(), "MoE recompute routed differently from its forward")
+        return synced
+
+
 class AllToAllDispatcher:
     """Moves each token's k assignments to the ep rank owning the chosen expert, and back."""
 
@@ -103,6 +129,7 @@ class AllToAllDispatcher:
         self.n_experts, self.axis = n_experts, ep_axis
         self.n_local = n_experts // ep_axis.size
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.tape: SplitTape | None = None  # set by shardwise.recompute around a checkpointed forward and its replay
 
     # ------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor):
@@ -120,8 +147,13 @@ class AllToAllDispatcher:
         send_counts = expert_counts(flat_e, e, keep)
         recv_counts = comm.all_to_all(send_counts, self.axis, tag="counts")  # [ep·E_l]: (src rank, local expert)
         # The one host sync per MoE layer and microbatch (Megatron's too): split sizes must be Python
-        # ints for the all-to-all; one read of both count vectors.
-        synced = host.read(torch.cat([send_counts, recv_counts]), "moe split sizes")
+        # ints for the all-to-all; one read of both count vectors. A full-recompute replay reuses its forward's.
+        both = torch.cat([send_counts, recv_counts])
+        synced = self.tape.replay(both) if self.tape is not None and self.tape.replaying else None
+        if synced is None:
+            synced = host.read(both, "moe split sizes")
+            if self.tape is not None:
+                self.tape.record(both, synced)
         per_expert, recv = synced[:e], synced[e:]
         kept = sum(per_expert)
         perm = perm[:kept]

@@ -168,7 +168,7 @@ class Transformer(nn.Module):
         else:
             pos = cp_positions(seq_len, cp.rank, cp.size, self.cp_order, device) if cp_active else None
         return rope_tables(self.cfg.rope_dim, local_len, self.cfg.rope_theta, device, positions=pos,
-                           scaling=self.cfg.rope_scaling)
+                           scaling=self.cfg.rope_scaling, yarn=self.cfg.rope_yarn)
 
     def forward(self, tokens, doc_ids=None, positions=None, **mtp):
         """`doc_ids` / `positions` [b, s_global]: document masking and reset RoPE positions (see documents.py);

@@ -3,8 +3,8 @@
 q = wq_b(norm(wq_a x)) (or wq x without a query latent), per head [nope | rope]; one latent
 c = wkv_a x = [c_kv | k_rope] with k_rope a single rotary key shared by all heads; wkv_b(norm(c_kv)) gives
 each head's [k_nope | v]. RoPE rotates only the rope parts (interleaved pairs: HF's rope_interleave layout,
-so its weights load unpermuted). Softmax scale (head_dim + qk_rope_dim)^-0.5; the value head size v_head_dim
-may differ from the q/k size.
+so its weights load unpermuted). Softmax scale (head_dim + qk_rope_dim)^-0.5, times YaRN's mscale² when the
+RoPE is YaRN (`ModelConfig.mla_mscale`); the value head size v_head_dim may differ from the q/k size.
 
 Under TP the heads split: wq / wq_b and wkv_b column-parallel by head, wo row-parallel; the down-projections
 and their norms are replicated, and since each rank back-propagates only its heads into them, their gradients
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..context_parallel import ring_attention, ulysses_attention
+from ..context_parallel import kernels, ring_attention, ulysses_attention
 from .documents import document_mask
 from .rope import apply_rope
 
@@ -30,7 +30,7 @@ class MLA(nn.Module):
         h, nh = cfg.dim, cfg.n_heads
         self.nope, self.rope, self.v_dim, self.kv_rank = cfg.head_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
         qk = self.nope + self.rope
-        self.scale = qk ** -0.5
+        self.scale = qk ** -0.5 * cfg.mla_mscale  # DeepSeek's YaRN multiplies the softmax scale by mscale²
         if cfg.q_lora_rank:
             self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
             self.q_a_norm = norm_cls(cfg.q_lora_rank, cfg.mla_norm_eps)
@@ -73,15 +73,29 @@ class MLA(nn.Module):
             # zero q/k columns add nothing to the scores, zero v columns give zero outputs, sliced off) and pass
             # MLA's scale explicitly.
             dk, dv = q.shape[-1], v.shape[-1]
+            site = "ring_attention" if self.cp_impl == "ring" else "ulysses"
             if dv < dk:
                 v = F.pad(v, (0, dk - dv))
+                kernels.record_padding(site, "v", dv, dk)
             elif dk < dv:
                 q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
+                kernels.record_padding(site, "q/k", dk, dv)
             attend = ring_attention if self.cp_impl == "ring" else ulysses_attention
             out = attend(q, k, v, self.cp_axis, causal=True, order=self.cp_order, scale=self.scale, doc_ids=doc_ids)
             return out[..., :dv]
         p = self.attn_dropout if self.training else 0.0
         mask = None if doc_ids is None else document_mask(doc_ids, doc_ids)
+        dk, dv = q.shape[-1], v.shape[-1]
+        if p == 0 and dk != dv:
+            # SDPA's fused kernels (CPU flash, CUDA flash) need one head dim for q, k and v: otherwise they fall
+            # back to the math path, which stores the s×s scores. Zero columns keep the result exact (q/k: nothing
+            # added to the scores, the scale is explicit; v: output columns sliced off below) and the saved tensors
+            # those of a flash kernel, as the planner counts them.
+            if dv < dk:
+                v = F.pad(v, (0, dk - dv))
+            else:
+                q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
         with self.rng.fork("tp") if p > 0 and self.rng is not None else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
-                                                  scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+                                                 scale=self.scale)
+        return out[..., :dv]

@@ -10,29 +10,7 @@ under ZeRO-1 the parameters and .grad tensors are views of padded flat buffers, 
 and grad-norm weights are kept beside them (`grad_buffers`: 2·(padding + shard)), so ZeRO-1 saves
 8·P·(1 − 1/g) − 8·P/g bytes: nothing at g = 2, more from g = 3 on.
 
-Activations have two models (`ACTIVATION_MODELS`):
-
-* "shardwise" (default): the tensors shardwise's own implementation saves for backward, term by term
-  (`shardwise_layer_activation_bytes`), checked against real runs by tests/test_planner_ledger.py (the
-  bytes of the unique storages autograd's saved-tensor hooks see during one microbatch forward).
-  Where it differs from the textbook: the RMSNorms compute in fp32 (each saves its fp32 input, the
-  normalised product and the rsqrt); the residual stream is bf16 under bf16 (fp32 with --fp32-residual); SDPA is a
-  flash kernel that saves q, k, v, the output and an fp32 log-sum-exp, never the s×s scores (they
-  appear only with attention dropout, which takes SDPA's math path on CPU); SwiGLU saves four
-  [n, ffn] tensors (w1 out, silu out, w3 out, their product); under bf16 autocast over an fp32 residual
-  every linear saves its own bf16 cast of the input (q, k and v each cast the norm output) and a bf16 copy of its
-  weight — per microbatch in flight, since each microbatch runs in its own autocast region; the LM
-  head's cross-entropy saves the fp32 softmax over the (padded) local vocabulary.
-* "korthikanti": Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-  Models", §4), term by term, generalised to GQA, SwiGLU and MoE: with e-byte activations and 1-byte
-  dropout masks a GPT layer stores s·b·h·(34 + 5·a·s/h) bytes at e=2; tensor parallelism divides the 24
-  sbh of sharded terms and the attention scores; sequence parallelism also divides the 10 replicated
-  sbh; selective recompute drops the attention-score terms; full recompute keeps only each layer's
-  input. It describes Megatron with unfused attention, not shardwise: on `tiny` it is 11–38% below
-  what shardwise saves in fp32 and 60–70% below under bf16 (most of that the weight copies).
-
-A stage holds its per-microbatch figure for every microbatch its schedule keeps in flight
-(`schedule.in_flight`), plus the last stage's head (logits/softmax) for one microbatch.
+Activations: `shardwise.planner.activations` (re-exported here).
 """
 from __future__ import annotations
 
@@ -40,13 +18,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.partition import balanced_counts
-from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
-from shardwise.planner.models import (
-    ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, local_kv_heads,
-    padded_vocab,
+from shardwise.planner.activations import (  # noqa: F401  (re-exported: callers import them from here)
+    ACTIVATION_MODELS, _region_input, autocast_weight_bytes, head_activation_bytes, korthikanti_layer_activation_bytes,
+    layer_activation_bytes, microbatch_activation_bytes, recompute_transient_bytes,
+    shardwise_layer_activation_bytes, stage_activation_bytes,
 )
-from shardwise.planner.mtp import mtp_activation_bytes, mtp_stage_tensors, mtp_units
-from shardwise.planner.schedule import in_flight
+from shardwise.planner.layout import Layout, Stage, chunk_owners
+from shardwise.planner.models import (
+    ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors,
+)
+from shardwise.planner.mtp import mtp_stage_tensors, mtp_units
 
 BYTES_WEIGHT, BYTES_GRAD, BYTES_ADAM = 4, 4, 8
 
@@ -224,212 +205,3 @@ def static_bytes(local: Params, lay: Layout, buckets: ZeroBuckets | None = None)
     }
     out["total"] = sum(out.values())
     return out
-
-
-ACTIVATION_MODELS = ("shardwise", "korthikanti")
-
-
-def _norm_saved(tokens: int, h: int) -> int:
-    """An fp32 RMSNorm (autocast leaves it alone) saves its input, x·rsqrt and the rsqrt: 8·n·h + 4·n bytes."""
-    return 8 * tokens * h + 4 * tokens
-
-
-def _region_input(tokens: int, h: int, consumers: int, e: int, r: int = 4) -> int:
-    """What the linears entering a region save of their shared input (r bytes, the residual's dtype): one
-    tensor (an SP all-gather returns it contiguous) — unless autocast casts it, once per consuming linear
-    (bf16 autocast over an fp32 residual, --fp32-residual)."""
-    return r * tokens * h if r == e else consumers * e * tokens * h
-
-
-def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload,
-                                     recompute: str | None = None) -> float:
-    """Bytes shardwise's TransformerBlock saves for backward per microbatch on one rank (weight copies of
-    bf16 autocast excluded: `autocast_weight_bytes`).
-
-    n = mb·s/cp tokens per rank; n_r = n/tp of them in the replicated region under SP (norms, residual
-    dropout, MoE routing), n otherwise. Attention: norm, region input, then
-    * flash SDPA (cp=1): q and k after RoPE, v, the output (which is also wo's input), fp32 LSE [b, hq, s];
-    * ring (cp>1): the same, K/V as contiguous copies, plus wo's input (the output re-laid-out);
-    * Ulysses (cp>1): head-sharded q, k, v (K/V replicated when hkv < cp), output, LSE, wo's input and the
-      two int64 position permutations of the balanced order;
-    * attention dropout (SDPA's math path, what CPU runs): the softmax, the dropout mask and the dropped
-      probabilities [b, hq, s_loc, s], scaled q, K/V expanded to hq heads, and wo's input.
-    Dense MLP: norm, region input, SwiGLU's four [n, ffn/tp] tensors (GELU: two). MoE (replicated over
-    tp, routing n_r tokens, dropless and balanced: each rank's experts receive n_r·k rows): norm, the
-    router's fp32 logits, probabilities and LSE and int64 top-k indices, dispatch bookkeeping (two int64
-    index vectors and the fp32 weights of the n_r·k assignments), the received rows and their regroup
-    permutations, four [rows, expert_ffn] expert tensors, the combined rows and their weighted copy,
-    and the shared experts' SwiGLU tensors. Residual dropout adds its mask (activation dtype; under SP
-    the n_r·h slice a rank keeps is a view of the full n·h mask every rank draws).
-
-    Recompute (shardwise.recompute): "selective" checkpoints the attention core — with SDPA it drops the
-    LSE and, with attention dropout, the s×s tensors (a flash kernel never stores scores, so it saves
-    little); under cp (ring or Ulysses) checkpoint keeps only the core's inputs q, k, v, so the kernel's
-    own copies, output, LSE and permutations go. "full" keeps each layer's input only (the residual's
-    dtype; under SP its 1/tp shard); the layer being recomputed is `recompute_transient_bytes`.
-    Measured against real runs by tests/test_recompute_planner.py.
-    """
-    recompute = recompute or lay.recompute
-    e, t, h, c = wl.act_bytes, lay.tp, spec.dim, lay.cp
-    r = wl.resid_bytes
-    s_loc = wl.seq_len // c
-    n = lay.mb * s_loc
-    n_r = n // t if lay.sp else n
-    if recompute == "full":
-        return r * n_r * h  # each layer's input (the residual's dtype); the layer being recomputed is added per stage
-    hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
-    dk, dv = spec.k_dim, spec.v_dim
-    mask = e * n * h if spec.dropout > 0 else 0  # under SP each rank keeps its slice of the full mask
-    lse = 4 * n * hq if recompute == "none" else 0  # selective recompute of the attention core drops it
-    attn = _norm_saved(n_r, h) + _region_input(n, h, 3, e, r) + mask
-    if spec.qk_norm:  # Qwen3's fp32 per-head norms of this rank's q and k heads, on every token of its sequence
-        attn += 8 * n * (hq + hkv) * dk + 4 * n * (hq + hkv)
-    if spec.is_mla:  # compressed latents and their norms (replicated over tp, like the down-projections)
-        attn += 2 * e * n * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_dim)
-    if c > 1 and recompute == "selective":  # checkpoint keeps the core's inputs q, k, v; wo keeps its input
-        attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv)
-    elif c > 1 and lay.cp_impl == "ulysses":
-        rep = c // hkv if hkv % c else 1
-        attn += e * n * (hq * dk + rep * hkv * (dk + dv) + 2 * hq * dv) + lse
-        attn += 2 * 8 * wl.seq_len  # gather / scatter permutations of the balanced order
-    elif c > 1:
-        attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + e * n * hq * dv + lse
-    elif spec.attn_dropout > 0:
-        scores = lay.mb * hq * s_loc * wl.seq_len
-        attn += (3 * e * scores if recompute == "none" else 0) + e * n * hq * (2 * dk + 2 * dv)
-    else:
-        attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + lse
-    mlp = _norm_saved(n_r, h) + mask
-    if not moe:
-        swiglu = spec.mlp == "swiglu"
-        mlp += _region_input(n, h, 2 if swiglu else 1, e, r)
-        mlp += (4 if swiglu else 2) * e * n * (spec.ffn_dim // t)
-        return attn + mlp
-    k, E, f_e = spec.moe_topk, spec.moe_experts, spec.expert_ffn_dim
-    rows = n_r * k
-    mlp += _region_input(n_r, h, 1 + (2 if spec.moe_shared_experts else 0), e, r)  # router (+ shared w1, w3) input
-    mlp += 4 * n_r * (2 * E + 1) + 8 * rows  # router: logits, probs, LSE (fp32), top-k indices
-    mlp += 8 * rows * 2 + 4 * rows  # dispatch: send order, token index (int64), assignment weights
-    mlp += 4 * rows * h  # received rows as the fp32 grouped-GEMM input (autocast leaves _grouped_mm alone)
-    if lay.ep > 1 and E // lay.ep > 1:
-        mlp += 2 * 8 * rows  # regroup permutation and its inverse
-    mlp += 4 * e * rows * f_e  # w1 out, silu out, w3 out, product
-    mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
-    mlp += 4 * e * n_r * spec.moe_shared_experts * f_e
-    return attn + mlp
-
-
-def layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, recompute: str | None = None,
-                           model: str = "shardwise") -> float:
-    """Bytes one layer keeps for backward per microbatch on one rank, under activation `model`."""
-    if model == "shardwise":
-        return shardwise_layer_activation_bytes(spec, moe, lay, wl, recompute)
-    if model == "korthikanti":
-        return korthikanti_layer_activation_bytes(spec, moe, lay, wl, recompute)
-    raise ValueError(f"activation model {model!r}; valid: {', '.join(ACTIVATION_MODELS)}")
-
-
-def korthikanti_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload,
-                                       recompute: str | None = None) -> float:
-    """Bytes one layer keeps for backward per microbatch on one rank (Korthikanti, generalised)."""
-    recompute = recompute or lay.recompute
-    e, t, h = wl.act_bytes, lay.tp, spec.dim
-    s_loc = wl.seq_len // lay.cp
-    tokens = lay.mb * s_loc
-    rep = 1 / t if lay.sp else 1.0  # share of a "replicated region" tensor a rank keeps
-    if recompute == "full":
-        return e * tokens * h * rep
-    hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
-    mask = 1.0 if spec.dropout > 0 else 0.0
-    # Attention: norm input and output, Q and K, V, (scores), out-projection input, residual dropout mask.
-    attn = 2 * e * tokens * h * rep + e * tokens * (hq + hkv) * spec.k_dim + e * tokens * hkv * spec.v_dim
-    attn += e * tokens * hq * spec.v_dim + mask * tokens * h * rep
-    if spec.is_mla:  # compressed latents before and after their norms, replicated over tp like the down-projections
-        attn += 2 * e * tokens * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_dim) * rep
-    if recompute == "none":
-        scores = lay.mb * hq * s_loc * wl.seq_len  # each local query row against every key
-        attn += e * scores + ((1 + e) * scores if spec.attn_dropout > 0 else 0)
-    # MLP: norm input and output, the inner activations, residual dropout mask.
-    mlp = 2 * e * tokens * h * rep + mask * tokens * h * rep
-    inner = 3 if spec.mlp == "swiglu" else 2
-    if not moe:
-        mlp += inner * e * tokens * (spec.ffn_dim // t)
-    else:
-        routed = spec.moe_topk * tokens  # tokens this rank's experts process on average (uniform routing)
-        mlp += 4 * tokens * spec.moe_experts  # fp32 router probabilities
-        mlp += 2 * e * routed * h + inner * e * routed * (spec.expert_ffn_dim // t)  # dispatched in, out before combine
-        mlp += inner * e * tokens * spec.moe_shared_experts * (spec.expert_ffn_dim // t)
-    return attn + mlp
-
-
-def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload, model: str = "shardwise") -> float:
-    """The LM head of one microbatch: cross-entropy keeps the fp32 softmax over the local (padded) vocabulary;
-    shardwise's head also saves the final norm, the head's input, and int64 targets plus two bool masks."""
-    n = lay.mb * wl.seq_len // lay.cp
-    softmax = 4.0 * n * (padded_vocab(spec, lay.tp) // lay.tp)
-    if model == "korthikanti":
-        return softmax
-    n_r = n // lay.tp if lay.sp else n
-    head_in = _region_input(n, spec.dim, 1, wl.act_bytes, wl.resid_bytes)
-    return softmax + _norm_saved(n_r, spec.dim) + head_in + 10 * n
-
-
-def autocast_weight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """bf16 autocast: every linear saves a bf16 copy of its (fp32 master) weight for backward, once per
-    microbatch, since each microbatch's forward runs in its own autocast region. Norms and the embedding
-    table are not cast; routed experts are (CUDA's per-expert F.linear path; CPU's grouped GEMM would stay
-    fp32). 0 for fp32 runs, and under full recompute (the copies would be recomputed with the layer; the LM
-    head, outside every checkpoint, still saves its copy: `microbatch_activation_bytes` counts it with the head)."""
-    if wl.act_bytes == 4 or lay.recompute == "full":
-        return 0.0
-    p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
-    head = padded_vocab(spec, lay.tp) // lay.tp * spec.dim if stage.head else 0
-    return float(wl.act_bytes * (p.total - p.vectors + head))
-
-
-def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
-                                model: str = "shardwise", recompute: str | None = None) -> dict:
-    """What one microbatch's forward through this stage's chunks saves for backward, by part:
-    {layers, head, embedding, rope, weights, total}. The "shardwise" embedding part is its int64 token ids
-    (under tp: the shifted local ids and the out-of-shard mask), rope the fp32 cos/sin tables of each chunk."""
-    per = {moe: layer_activation_bytes(spec, moe, lay, wl, recompute, model) for moe in (False, True)}
-    n = lay.mb * wl.seq_len // lay.cp
-    head = head_activation_bytes(spec, lay, wl, model) if stage.head else 0.0
-    out = {"layers": stage.n_dense * per[False] + stage.n_moe * per[True],
-           "head": head, "embedding": 0.0, "rope": 0.0, "weights": 0.0}
-    if stage.head and spec.mtp_layers:  # the MTP modules run after the head, on the last stage: held like it
-        out["head"] += mtp_activation_bytes(spec, per.get, head, n, n // lay.tp if lay.sp else n, wl.act_bytes,
-                                            wl.resid_bytes, lay.tp)
-    if model == "shardwise":
-        out["embedding"] = float((9 * n if lay.tp > 1 else 8 * n) if stage.embedding else 0)
-        # apply_rope's real arithmetic saves views of the fp32 cos/sin tables each chunk builds (one storage
-        # each, shared by all its layers; under full recompute the checkpoints keep the same tables)
-        chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
-        out["rope"] = float(4 * (wl.seq_len // lay.cp) * spec.k_dim * chunks if not spec.learned_pos else 0)
-        out["weights"] = autocast_weight_bytes(spec, stage, lay, wl)
-        if stage.head and lay.recompute == "full" and wl.act_bytes != 4:  # the head is never recomputed
-            out["head"] += wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim
-    out["total"] = sum(out.values())
-    return out
-
-
-def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
-                           model: str = "shardwise") -> float:
-    """Peak activation bytes on one rank of `stage`: its microbatch figure (head excluded) for every
-    microbatch in flight, the head's for one (GPipe: for every microbatch, since all forwards run before the
-    first backward), and under full recompute one layer's full activations."""
-    mb = microbatch_activation_bytes(spec, stage, lay, wl, model)
-    flight = in_flight(lay, stage.index)
-    heads = flight if lay.schedule == "gpipe" and lay.pp > 1 else 1
-    held = (mb["total"] - mb["head"]) * flight + mb["head"] * heads
-    return held + recompute_transient_bytes(spec, stage, lay, wl, model)
-
-
-def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
-                              model: str = "shardwise") -> float:
-    """Under full recompute, the layer being recomputed materialises its full activations once more
-    (during its backward only: checkpoint holds them in its own frame, not as saved tensors)."""
-    if lay.recompute != "full" or not stage.n_layers:
-        return 0.0
-    kinds = [moe for moe, n in ((False, stage.n_dense), (True, stage.n_moe)) if n]
-    return max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)

@@ -21,10 +21,11 @@ experts) is replicated over tp, not tensor-sharded; routers and shared experts a
 
 DeepSeek-V3's Multi-head Latent Attention is modelled by its real projection shapes (q_a, q_b, kv_a,
 kv_b, o), with the down-projections and their norms replicated over tp (as shardwise's plan and Megatron do) and
-the up-projections and o sharded by heads. For activations, FLOPs and context-parallel traffic it is treated
+the up-projections and o sharded by heads. For FLOPs and context-parallel traffic it is treated
 as multi-head attention with n_heads K/V heads of qk_nope+qk_rope (K) and v_head_dim (V) — the
-decompressed tensors training materialises. Its multi-token-prediction modules (`--mtp-layers`) are counted on
-the last stage (planner/mtp.py).
+decompressed tensors training materialises; its activations are counted term by term (latents, padded
+core: `planner.activations`). Its multi-token-prediction modules (`--mtp-layers`) are counted on the last stage
+(planner/mtp.py).
 """
 from __future__ import annotations
 

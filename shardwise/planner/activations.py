@@ -1,0 +1,307 @@
+"""Activation memory per rank and microbatch: what one microbatch saves for backward, stage by stage.
+
+Activations have two models (`ACTIVATION_MODELS`):
+
+* "shardwise" (default): the tensors shardwise's own implementation saves for backward, term by term
+  (`shardwise_layer_activation_bytes`), checked against real runs by tests/test_planner_ledger.py (the
+  bytes of the unique storages autograd's saved-tensor hooks see during one microbatch forward).
+  Where it differs from the textbook: the RMSNorms compute in fp32 (each saves its fp32 input, the
+  normalised product and the rsqrt); the residual stream is bf16 under bf16 (fp32 with --fp32-residual); SDPA is a
+  flash kernel that saves q, k, v, the output and an fp32 log-sum-exp, never the s×s scores (they
+  appear only with attention dropout, which takes SDPA's math path on CPU); SwiGLU saves four
+  [n, ffn] tensors (w1 out, silu out, w3 out, their product); under bf16 autocast over an fp32 residual
+  every linear saves its own bf16 cast of the input (q, k and v each cast the norm output) and a bf16 copy of its
+  weight — per microbatch in flight, since each microbatch runs in its own autocast region (TP without SP runs
+  q/k/v and w1/w3 as one ColumnRegion function: its input once, no weight copies); the LM head's cross-entropy
+  saves the fp32 softmax over the (padded) local vocabulary. MLA (DeepSeek) counts its latents and their
+  norms, and the core at one padded head size (docs/mla.md); MoE routers count their fp32 routing tensors
+  (softmax or sigmoid, renormalised or not). Measured equal to real runs (MoE: to a few bytes per layer).
+* "korthikanti": Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+  Models", §4), term by term, generalised to GQA, SwiGLU and MoE: with e-byte activations and 1-byte
+  dropout masks a GPT layer stores s·b·h·(34 + 5·a·s/h) bytes at e=2; tensor parallelism divides the 24
+  sbh of sharded terms and the attention scores; sequence parallelism also divides the 10 replicated
+  sbh; selective recompute drops the attention-score terms; full recompute keeps only each layer's
+  input. It describes Megatron with unfused attention, not shardwise: on `tiny` it is 11–38% below
+  what shardwise saves in fp32 and 60–70% below under bf16 (most of that the weight copies).
+
+A stage holds its per-microbatch figure for every microbatch its schedule keeps in flight
+(`schedule.in_flight`), plus the last stage's head (logits/softmax) for one microbatch.
+"""
+from __future__ import annotations
+
+from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
+from shardwise.planner.models import ModelSpec, layer_params, local_kv_heads, padded_vocab
+from shardwise.planner.mtp import mtp_activation_bytes
+from shardwise.planner.schedule import in_flight
+
+
+ACTIVATION_MODELS = ("shardwise", "korthikanti")
+
+
+def _norm_saved(tokens: int, h: int) -> int:
+    """An fp32 RMSNorm (autocast leaves it alone) saves its input, x·rsqrt and the rsqrt: 8·n·h + 4·n bytes."""
+    return 8 * tokens * h + 4 * tokens
+
+
+def _region_input(tokens: int, h: int, consumers: int, e: int, r: int = 4) -> int:
+    """What the linears entering a region save of their shared input (r bytes, the residual's dtype): one
+    tensor (an SP all-gather returns it contiguous) — unless autocast casts it, once per consuming linear
+    (bf16 autocast over an fp32 residual, --fp32-residual)."""
+    return r * tokens * h if r == e else consumers * e * tokens * h
+
+
+def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload,
+                                     recompute: str | None = None) -> float:
+    """Bytes shardwise's TransformerBlock saves for backward per microbatch on one rank (weight copies of
+    bf16 autocast excluded: `autocast_weight_bytes`).
+
+    n = mb·s/cp tokens per rank; n_r = n/tp of them in the replicated region under SP (norms, residual
+    dropout, MoE routing), n otherwise. Attention: norm, region input, then
+    * flash SDPA (cp=1): q and k after RoPE, v, the output (which is also wo's input), fp32 LSE [b, hq, s];
+    * ring (cp>1): the same, K/V as contiguous copies, plus wo's input (the output re-laid-out);
+    * Ulysses (cp>1): head-sharded q, k, v (K/V replicated when hkv < cp), output, LSE, wo's input and the
+      two int64 position permutations of the balanced order;
+    * attention dropout (SDPA's math path, what CPU runs): the softmax, the dropout mask and the dropped
+      probabilities [b, hq, s_loc, s], scaled q, K/V expanded to hq heads, and wo's input.
+    Dense MLP: norm, region input, SwiGLU's four [n, ffn/tp] tensors (GELU: two). MoE (replicated over
+    tp, routing n_r tokens, dropless and balanced: each rank's experts receive n_r·k rows): norm, the
+    router's fp32 logits, probabilities and LSE and int64 top-k indices, dispatch bookkeeping (two int64
+    index vectors and the fp32 weights of the n_r·k assignments), the received rows and their regroup
+    permutations, four [rows, expert_ffn] expert tensors, the combined rows and their weighted copy,
+    and the shared experts' SwiGLU tensors. Residual dropout adds its mask (activation dtype; under SP
+    the n_r·h slice a rank keeps is a view of the full n·h mask every rank draws).
+
+    Recompute (shardwise.recompute): "selective" checkpoints the attention core — with SDPA it drops the
+    LSE and, with attention dropout, the s×s tensors (a flash kernel never stores scores, so it saves
+    little); under cp (ring or Ulysses) checkpoint keeps only the core's inputs q, k, v, so the kernel's
+    own copies, output, LSE and permutations go. "full" keeps each layer's input only (the residual's
+    dtype; under SP its 1/tp shard); the layer being recomputed is `recompute_transient_bytes`.
+    Measured against real runs by tests/test_recompute_planner.py.
+    """
+    recompute = recompute or lay.recompute
+    e, t, h, c = wl.act_bytes, lay.tp, spec.dim, lay.cp
+    r = wl.resid_bytes
+    s_loc = wl.seq_len // c
+    n = lay.mb * s_loc
+    n_r = n // t if lay.sp else n
+    if recompute == "full":
+        return r * n_r * h  # each layer's input (the residual's dtype); the layer being recomputed is added per stage
+    hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
+    dk, dv = spec.k_dim, spec.v_dim
+    mask = e * n * h if spec.dropout > 0 else 0  # under SP each rank keeps its slice of the full mask
+    lse = 4 * n * hq if recompute == "none" else 0  # selective recompute of the attention core drops it
+    attn = _norm_saved(n_r, h) + mask
+    if spec.qk_norm:  # Qwen3's fp32 per-head norms of this rank's q and k heads, on every token of its sequence
+        attn += 8 * n * (hq + hkv) * dk + 4 * n * (hq + hkv)
+    if spec.is_mla and (c == 1 or recompute == "selective") and not (c == 1 and spec.attn_dropout > 0):
+        return attn + _mla_attention_bytes(spec, n, hq, e, r, recompute) + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
+    attn += r * n * h if _column_region(spec, lay) else _region_input(n, h, 2 if spec.is_mla else 3, e, r)
+    if spec.is_mla:
+        attn += _mla_latent_bytes(spec, n, e)
+    if c > 1 and recompute == "selective":  # checkpoint keeps the core's inputs q, k, v; wo keeps its input
+        attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv)
+    elif c > 1:
+        # MLA pads the narrower of q/k and v to one head size before ring / Ulysses (they move K and V as one
+        # shape): the kernels' tensors have that size; wo's input is the output sliced back to v's
+        kd = vd = max(dk, dv) if spec.is_mla else None
+        kd, vd = kd or dk, vd or dv
+        if lay.cp_impl == "ulysses":
+            rep = c // hkv if hkv % c else 1
+            attn += e * n * (hq * kd + rep * hkv * (kd + vd) + hq * vd + hq * dv) + lse
+            attn += 2 * 8 * wl.seq_len  # gather / scatter permutations of the balanced order
+        else:
+            attn += e * n * (hq * kd + hkv * (kd + vd) + hq * vd) + e * n * hq * dv + lse
+    elif spec.attn_dropout > 0:
+        scores = lay.mb * hq * s_loc * wl.seq_len
+        attn += (3 * e * scores if recompute == "none" else 0) + e * n * hq * (2 * dk + 2 * dv)
+    else:
+        attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + lse
+    return attn + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
+
+
+def _column_region(spec: ModelSpec, lay: Layout) -> bool:
+    """TP without SP runs q/k/v (and w1/w3) as one `ColumnRegion` autograd function: it saves the region's input
+    once, in the residual's dtype, and no bf16 weight copies (its weights stay on ctx). MLA enters by Megatron's
+    f instead, its projections plain linears."""
+    return lay.tp > 1 and not lay.sp
+
+
+def _mla_latent_bytes(spec: ModelSpec, n: int, e: int) -> int:
+    """MLA's low-rank latents (replicated over tp: every rank's sequence): each fp32 latent norm saves its input
+    (the down-projection's output, or its fp32 copy), x·rsqrt and the rsqrt; the up-projection saves the norm's
+    output in the activation dtype. In fp32 the kv norm's input is a view of wkv_a's whole output [c_kv | k_rope]
+    (under bf16 its fp32 copy of c_kv). RoPE on the rotary parts saves only views of the cos/sin tables."""
+    ranks = [x for x in (spec.q_lora_rank, spec.kv_lora_rank) if x]
+    kv_view = 4 * n * spec.qk_rope_dim if e == 4 else 0
+    return sum(8 * n * x + 4 * n + e * n * x for x in ranks) + kv_view
+
+
+def _mla_attention_bytes(spec: ModelSpec, n: int, hq: int, e: int, r: int, recompute: str) -> int:
+    """MLA at cp=1 (or its checkpointed core under cp), past the block's norm: the region input (wq_a / wq and
+    wkv_a), the latents, then the core. `MLA.core` pads the narrower of q/k and v with zero columns to one head
+    size d so SDPA runs a flash kernel (CPU and CUDA flash need one head size; otherwise the math path would
+    store the s×s scores): it saves q, k, v and the output at d and the fp32 LSE; wo's input is a copy of the
+    output when anything was padded (sliced back to v's size, or laid out [b, h, s, d] by padded q).
+    Selective recompute keeps the core's (unpadded) inputs instead."""
+    dk, dv = spec.k_dim, spec.v_dim
+    d = max(dk, dv)
+    out = _region_input(n, spec.dim, 2, e, r) + _mla_latent_bytes(spec, n, e)
+    wo_in = e * n * hq * dv
+    kv_b = e * n * hq * (spec.head_dim + dv)  # an unpadded v is a view of wkv_b's output [k_nope | v]
+    if recompute == "selective":  # checkpoint keeps the unpadded inputs; wo its input
+        return out + e * n * hq * 2 * dk + kv_b + wo_in
+    v = kv_b if dv == d else e * n * hq * d
+    return out + e * n * hq * 3 * d + v + 4 * n * hq + (wo_in if dv != dk else 0)
+
+
+def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_r: int, mask: int) -> int:
+    """The feed-forward half of a block (see `shardwise_layer_activation_bytes`)."""
+    e, t, h, r = wl.act_bytes, lay.tp, spec.dim, wl.resid_bytes
+    mlp = _norm_saved(n_r, h) + mask
+    if not moe:
+        swiglu = spec.mlp == "swiglu"
+        mlp += r * n * h if _column_region(spec, lay) else _region_input(n, h, 2 if swiglu else 1, e, r)
+        mlp += (4 if swiglu else 2) * e * n * (spec.ffn_dim // t)
+        return mlp
+    k, E, f_e = spec.moe_topk, spec.moe_experts, spec.expert_ffn_dim
+    rows = n_r * k
+    # the router's fp32 input (the norm output itself when it is fp32, else its fp32 copy) and the shared experts'
+    # w1 / w3 input (the same storage in fp32)
+    mlp += 4 * n_r * h + (_region_input(n_r, h, 2, e, r) if spec.moe_shared_experts and e != 4 else 0)
+    mlp += 4 * n_r * (2 * E + 1) + 8 * rows + 4 * E  # router: logits, probs, LSE (fp32), top-k indices, counts
+    if spec.moe_score == "sigmoid":  # the scores' row sums; with renormalised top-k its weights and their sums
+        mlp += 4 * n_r + (4 * n_r + 4 * rows if spec.moe_norm_topk else 0)
+    elif not spec.moe_softmax_before_topk:  # softmax over the k chosen logits saves its output
+        mlp += 4 * rows
+    mlp += 8 * rows * 2 + e * rows  # dispatch: send order, token index (int64), assignment weights
+    mlp += 4 * (E // lay.ep)  # the grouped GEMM's int32 offsets
+    mlp += e * rows * h  # received rows in the compute dtype (the grouped GEMM's input)
+    if lay.ep > 1 and E // lay.ep > 1:
+        mlp += 2 * 8 * rows  # regroup permutation and its inverse
+    mlp += 4 * e * rows * f_e  # w1 out, silu out, w3 out, product
+    mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
+    mlp += 4 * e * n_r * spec.moe_shared_experts * f_e
+    return mlp
+
+
+def layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, recompute: str | None = None,
+                           model: str = "shardwise") -> float:
+    """Bytes one layer keeps for backward per microbatch on one rank, under activation `model`."""
+    if model == "shardwise":
+        return shardwise_layer_activation_bytes(spec, moe, lay, wl, recompute)
+    if model == "korthikanti":
+        return korthikanti_layer_activation_bytes(spec, moe, lay, wl, recompute)
+    raise ValueError(f"activation model {model!r}; valid: {', '.join(ACTIVATION_MODELS)}")
+
+
+def korthikanti_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload,
+                                       recompute: str | None = None) -> float:
+    """Bytes one layer keeps for backward per microbatch on one rank (Korthikanti, generalised)."""
+    recompute = recompute or lay.recompute
+    e, t, h = wl.act_bytes, lay.tp, spec.dim
+    s_loc = wl.seq_len // lay.cp
+    tokens = lay.mb * s_loc
+    rep = 1 / t if lay.sp else 1.0  # share of a "replicated region" tensor a rank keeps
+    if recompute == "full":
+        return e * tokens * h * rep
+    hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
+    mask = 1.0 if spec.dropout > 0 else 0.0
+    # Attention: norm input and output, Q and K, V, (scores), out-projection input, residual dropout mask.
+    attn = 2 * e * tokens * h * rep + e * tokens * (hq + hkv) * spec.k_dim + e * tokens * hkv * spec.v_dim
+    attn += e * tokens * hq * spec.v_dim + mask * tokens * h * rep
+    if spec.is_mla:  # compressed latents before and after their norms, replicated over tp like the down-projections
+        attn += 2 * e * tokens * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_dim) * rep
+    if recompute == "none":
+        scores = lay.mb * hq * s_loc * wl.seq_len  # each local query row against every key
+        attn += e * scores + ((1 + e) * scores if spec.attn_dropout > 0 else 0)
+    # MLP: norm input and output, the inner activations, residual dropout mask.
+    mlp = 2 * e * tokens * h * rep + mask * tokens * h * rep
+    inner = 3 if spec.mlp == "swiglu" else 2
+    if not moe:
+        mlp += inner * e * tokens * (spec.ffn_dim // t)
+    else:
+        routed = spec.moe_topk * tokens  # tokens this rank's experts process on average (uniform routing)
+        mlp += 4 * tokens * spec.moe_experts  # fp32 router probabilities
+        mlp += 2 * e * routed * h + inner * e * routed * (spec.expert_ffn_dim // t)  # dispatched in, out before combine
+        mlp += inner * e * tokens * spec.moe_shared_experts * (spec.expert_ffn_dim // t)
+    return attn + mlp
+
+
+def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload, model: str = "shardwise") -> float:
+    """The LM head of one microbatch: cross-entropy keeps the fp32 softmax over the local (padded) vocabulary;
+    shardwise's head also saves the final norm, the head's input, and int64 targets plus two bool masks."""
+    n = lay.mb * wl.seq_len // lay.cp
+    softmax = 4.0 * n * (padded_vocab(spec, lay.tp) // lay.tp)
+    if model == "korthikanti":
+        return softmax
+    n_r = n // lay.tp if lay.sp else n
+    head_in = _region_input(n, spec.dim, 1, wl.act_bytes, wl.resid_bytes)
+    return softmax + _norm_saved(n_r, spec.dim) + head_in + 10 * n
+
+
+def autocast_weight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """bf16 autocast: every linear saves a bf16 copy of its (fp32 master) weight for backward, once per
+    microbatch, since each microbatch's forward runs in its own autocast region. Norms and the embedding
+    table are not cast, nor the MoE router (fp32 routing); routed experts are (the grouped GEMM runs in the
+    compute dtype). 0 for fp32 runs, and under full recompute (the copies would be recomputed with the layer; the LM
+    head, outside every checkpoint, still saves its copy: `microbatch_activation_bytes` counts it with the head)."""
+    if wl.act_bytes == 4 or lay.recompute == "full":
+        return 0.0
+    p = layer_params(spec, False, lay.tp, lay.ep) * stage.n_dense + layer_params(spec, True, lay.tp, lay.ep) * stage.n_moe
+    head = padded_vocab(spec, lay.tp) // lay.tp * spec.dim if stage.head else 0
+    router = stage.n_moe * spec.moe_experts * spec.dim  # routing runs in fp32 with autocast off: no copy
+    if _column_region(spec, lay):  # q/k/v and w1/w3 run inside a ColumnRegion: no copies saved
+        hq, hkv = spec.n_heads // lay.tp, local_kv_heads(spec, lay.tp)
+        qkv = 0 if spec.is_mla else spec.dim * spec.head_dim * (hq + 2 * hkv)
+        w13 = 2 * spec.dim * (spec.ffn_dim // lay.tp) if spec.mlp == "swiglu" else 0
+        router += stage.n_layers * qkv + stage.n_dense * w13
+    return float(wl.act_bytes * (p.total - p.vectors + head - router))
+
+
+def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
+                                model: str = "shardwise", recompute: str | None = None) -> dict:
+    """What one microbatch's forward through this stage's chunks saves for backward, by part:
+    {layers, head, embedding, rope, weights, total}. The "shardwise" embedding part is its int64 token ids
+    (under tp: the shifted local ids and the out-of-shard mask), rope the fp32 cos/sin tables of each chunk."""
+    per = {moe: layer_activation_bytes(spec, moe, lay, wl, recompute, model) for moe in (False, True)}
+    n = lay.mb * wl.seq_len // lay.cp
+    head = head_activation_bytes(spec, lay, wl, model) if stage.head else 0.0
+    out = {"layers": stage.n_dense * per[False] + stage.n_moe * per[True],
+           "head": head, "embedding": 0.0, "rope": 0.0, "weights": 0.0}
+    if stage.head and spec.mtp_layers:  # the MTP modules run after the head, on the last stage: held like it
+        out["head"] += mtp_activation_bytes(spec, per.get, head, n, n // lay.tp if lay.sp else n, wl.act_bytes,
+                                            wl.resid_bytes, lay.tp)
+    if model == "shardwise":
+        out["embedding"] = float((9 * n if lay.tp > 1 else 8 * n) if stage.embedding else 0)
+        # apply_rope's real arithmetic saves views of the fp32 cos/sin tables each chunk builds (one storage
+        # each, shared by all its layers; under full recompute the checkpoints keep the same tables)
+        chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
+        rope_dim = spec.qk_rope_dim if spec.is_mla else spec.k_dim  # MLA rotates only the rope parts
+        out["rope"] = float(4 * (wl.seq_len // lay.cp) * rope_dim * chunks if not spec.learned_pos else 0)
+        out["weights"] = autocast_weight_bytes(spec, stage, lay, wl)
+        if stage.head and lay.recompute == "full" and wl.act_bytes != 4:  # the head is never recomputed
+            out["head"] += wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim
+    out["total"] = sum(out.values())
+    return out
+
+
+def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
+                           model: str = "shardwise") -> float:
+    """Peak activation bytes on one rank of `stage`: its microbatch figure (head excluded) for every
+    microbatch in flight, the head's for one (GPipe: for every microbatch, since all forwards run before the
+    first backward), and under full recompute one layer's full activations."""
+    mb = microbatch_activation_bytes(spec, stage, lay, wl, model)
+    flight = in_flight(lay, stage.index)
+    heads = flight if lay.schedule == "gpipe" and lay.pp > 1 else 1
+    held = (mb["total"] - mb["head"]) * flight + mb["head"] * heads
+    return held + recompute_transient_bytes(spec, stage, lay, wl, model)
+
+
+def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
+                              model: str = "shardwise") -> float:
+    """Under full recompute, the layer being recomputed materialises its full activations once more
+    (during its backward only: checkpoint holds them in its own frame, not as saved tensors)."""
+    if lay.recompute != "full" or not stage.n_layers:
+        return 0.0
+    kinds = [moe for moe, n in ((False, stage.n_dense), (True, stage.n_moe)) if n]
+    return max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
