@@ -124,6 +124,7 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
             _label_statics(trainer, live)
             if trainer.reducer.units is not None:  # ZeRO-3: unit buffers gathered and freed by resizing
                 live.watch([b.flat for b in trainer.reducer.buckets])
+                trainer.reducer.units.on_resize = live.resized
             build_peak = live.reset_peak()  # the planner's peak is the training step's
             static = activation = None
             for step in range(steps):
