@@ -62,6 +62,21 @@ def test_llama3_70b_on_1024_gpus(capsys):
     assert report["ranks"][0]["static_bytes"]["measured"] > 15 * 2**30  # real shapes: ~18 GB of static state
 
 
+def test_llama3_70b_zero3_full_recompute_cp2_interleaved(capsys):
+    """tp8 pp4 dp16 cp2, SP, ZeRO-3, full recompute, interleaved vp2, bf16 (world 1,024), the first and last
+    stage: the peak is a chunk's forward (autocast's weight copies beside the running and prefetched unit
+    and the reduce-scatters a backward left in flight) or, on the last stage, the LM head's matmul."""
+    rc, report = _simulate(capsys, ["--model", "llama3-70b", "--tp", "8", "--pp", "4", "--dp", "16", "--cp", "2",
+                                     "--sequence-parallel", "--zero", "3", "--recompute", "full", "--schedule",
+                                     "interleaved", "--vp", "2", "--dtype", "bf16", "--seq-len", "4096",
+                                     "--micro-batch", "1", "--microbatches", "4", "--ranks", "0,48"])
+    assert rc == 0 and report["world"] == 1024
+    _within(report)
+    assert [r["stage"] for r in report["ranks"]] == [0, 3]
+    for r in report["ranks"]:  # the peak holds gathered units and in-flight gradient buckets beside the statics
+        assert r["peak_bytes"]["measured"] > 3 * r["static_bytes"]["measured"]
+
+
 def test_llama3_405b_on_18432_gpus_in_under_2_gb():
     """Fake tensors hold no data: one 405B stage of a world of 18,432 ranks runs in a child under 2 GB RSS."""
     argv = ["--model", "llama3-405b", "--tp", "8", "--pp", "18", "--dp", "128", "--sequence-parallel", "--zero", "1",

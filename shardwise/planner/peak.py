@@ -89,7 +89,14 @@ def _unit_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, i
     bytes, reduction group, deferred?) in `GradReducer`'s order) of every ZeRO-3 unit of the stage, in model order: a unit
     has one bucket per (expert?, matrix?) group, padded to its reduction group, deferred when it holds a
     TP-partial gradient; its layers' matrices are what autocast copies (the embedding table is not)."""
-    g = lay.dp * lay.cp
+    key = Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
+                 zero=lay.zero, sp=lay.sp)  # only what the units depend on: the search shares them
+    return _units(spec, stage, key)
+
+
+@lru_cache(maxsize=4096)
+def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
+    g = lay.dp
     out = []
     for chunk, tensors in _stage_units(spec, stage, lay):
         groups: dict[tuple, list[int]] = {}
@@ -101,20 +108,25 @@ def _unit_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, i
                         for key, (n, d) in sorted(groups.items()) for grp in [max(1, g // lay.ep) if key[0] else g])
         cast = sum(x.numel for x, _ in tensors if x.matrix) if len(tensors) > 2 else 0  # a layer: > 2 tensors
         out.append((chunk, sum(b for b, _, _ in buckets), cast, buckets))
-    return out
+    return tuple(out)
 
 
 def _launch_order(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[tuple[int, int, int]]]:
+    return _launch_order_of(_unit_bytes(spec, stage, lay))
+
+
+@lru_cache(maxsize=4096)
+def _launch_order_of(units: tuple) -> list[list[tuple[int, int, int]]]:
     """Per chunk, (fp32 bytes, group, layers of the chunk whose backward is already over) of its buckets a
     backward reduce-scatters as it goes, in launch order (reverse model order; deferred buckets wait for
     the end of the step)."""
     chunks: dict[int, list] = {}
-    for chunk, _, cast, buckets in _unit_bytes(spec, stage, lay):
+    for chunk, _, cast, buckets in units:
         chunks.setdefault(chunk, []).append(([(b, g) for b, g, deferred in buckets if not deferred], bool(cast)))
     out = []
-    for units in chunks.values():
+    for parts in chunks.values():
         seq, done = [], 0
-        for buckets, layer in reversed(units):
+        for buckets, layer in reversed(parts):
             seq += [(b, g, done) for b, g in reversed(buckets)]
             done += layer
         out.append(seq)
@@ -148,14 +160,15 @@ def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Work
         return 0.0
     per_layer = min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
                                                                                 (True, stage.n_moe)) if n), default=0)
-    seqs = _launch_order(spec, stage, lay)
-    former = seqs if lay.m > 1 else [[]]  # what an earlier backward of the step launched last
+    seqs = [[(b, _in_flight(b, g, wl), done) for b, g, done in seq] for seq in _launch_order(spec, stage, lay)]
+    # what an earlier backward of the step launched last: its last one or two buckets
+    tail = [max((sum(f for _, f, _ in seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0
+            for k in (0, 1, 2)]
     best = 0.0
     for seq in seqs:
         for i, (b, _, done) in enumerate(seq):
-            for prev in former:
-                flight = sum(_in_flight(c, g, wl) for c, g, _ in (prev + seq[:i])[-2:])
-                best = max(best, b + flight - done * per_layer)
+            flight = sum(f for _, f, _ in seq[max(0, i - 2):i]) + tail[max(0, 2 - i)]
+            best = max(best, b + flight - done * per_layer)
     return best
 
 
