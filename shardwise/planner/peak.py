@@ -145,10 +145,29 @@ def forward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
     reduce-scatters a chunk's backward launched last are still in flight (GradReducer waits for the oldest
     only when a third starts) — those of the chunk's first buckets, e.g. the embedding's and the first
     layer's, not the largest two."""
-    if lay.zero < 3 or lay.m < 2:
+    if lay.zero < 3 or not _backward_then_forward(lay, stage.index):
         return 0.0
     return float(max((sum(_in_flight(b, g, wl) for b, g, _ in seq[-2:]) for seq in _launch_order(spec, stage, lay)),
                      default=0))
+
+
+def _backward_then_forward(lay: Layout, k: int) -> bool:
+    """Whether rank k of the pipeline runs a forward after a backward within one step (without a pipeline:
+    whether the step has more than one microbatch)."""
+    if lay.pp == 1:
+        return lay.m > 1
+    return _b_before_f(lay.schedule, lay.pp, lay.m, lay.vp, k)
+
+
+@lru_cache(maxsize=1024)
+def _b_before_f(schedule: str, p: int, m: int, v: int, k: int) -> bool:
+    from shardwise.pipeline.schedules import build_schedule
+
+    try:
+        kinds = [a.kind for a in build_schedule(schedule, p, m, v).actions[k]]
+    except (ImportError, ValueError):
+        return True
+    return "B" in kinds and "F" in kinds[kinds.index("B"):]
 
 
 def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
