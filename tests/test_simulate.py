@@ -94,15 +94,20 @@ def test_llama3_405b_on_18432_gpus_in_under_2_gb():
     assert rss < 2 * 2**30, rss
 
 
-def test_mixtral_with_expert_parallelism(capsys):
+@pytest.mark.parametrize("recompute, ranks", [("selective", "stages"), ("full", "0")])
+def test_mixtral_with_expert_parallelism(capsys, recompute, ranks):
     """mixtral-8x7b on dp16·ep8·tp4·pp2 (world 128), SP, bf16: the planner's balanced routing answers the
-    split sizes, and the fake experts take the per-expert loop (fake _grouped_mm would refuse fp32 weights)."""
+    split sizes, and the fake experts take the per-expert loop (fake _grouped_mm would refuse fp32 weights).
+    Under full recompute the peak is after backward: the fp32 concatenation of every TP-partial gradient
+    (under SP the whole MoE block's, experts included) summed over tp."""
     rc, report = _simulate(capsys, ["--model", "mixtral-8x7b", "--dp", "16", "--ep", "8", "--tp", "4", "--pp", "2",
-                                    "--sequence-parallel", "--zero", "1", "--recompute", "selective", "--dtype", "bf16",
-                                    "--seq-len", "4096", "--micro-batch", "1", "--microbatches", "4"])
+                                    "--sequence-parallel", "--zero", "1", "--recompute", recompute, "--dtype", "bf16",
+                                    "--seq-len", "4096", "--micro-batch", "1", "--microbatches", "4", "--ranks", ranks])
     _within(report)
     assert rc == 0 and report["world"] == 128
     assert all(r["comm_bytes"]["ep"]["measured"] > 0 for r in report["ranks"])
+    if recompute == "full":
+        assert report["ranks"][0]["peak_phase"] == "gradient reduction"
 
 
 def test_a_broken_planner_term_fails(capsys, monkeypatch):

@@ -264,6 +264,22 @@ def inflight_bucket_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
     return 4.0 * sum(sizes[:2])
 
 
+def tp_reduction_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
+    """After backward, before the dp×cp reduction (no activation left): GradReducer sums TP-partial
+    gradients over tp through one fp32 concatenation of them all (under SP: norms, and every MoE gradient,
+    experts included — MoE blocks are replicated over tp), and K/V heads shared by tp ranks through a
+    [K/V heads, their local gradients] buffer beside that row's own concatenation."""
+    if lay.tp == 1:
+        return 0.0
+    tp_sum = kv = 0
+    for _, tensors in _stage_units(spec, stage, lay):
+        for x, partial in tensors:
+            if partial:
+                tp_sum += x.numel if x.sp_replicated else 0
+                kv += 0 if x.sp_replicated else x.numel
+    return 4.0 * (tp_sum + (kv * (spec.n_kv_heads + 1) if kv else 0))
+
+
 def deferred_w_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
     """What a split-backward schedule's weight-gradient store keeps per microbatch through one rank's
     layers between its B and its W: every linear's input (kept past B, when autograd would free it) and
@@ -347,6 +363,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
         moments.append((layer, gathered, buckets))
     if stage.head:
         moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, gathered, buckets))
+    moments.append((tp_reduction_bytes(spec, stage, lay) - activation, 0.0, 0.0))
     transient, gathered, buckets = max(moments, key=sum)
     out = {"static": float(static), "activations": float(activation), "transient": transient,
            "zero3_gathered": gathered, "reduce_scatter_buckets": buckets,
