@@ -110,6 +110,32 @@ def test_mixtral_with_expert_parallelism(capsys, recompute, ranks):
         assert report["ranks"][0]["peak_phase"] == "gradient reduction"
 
 
+def test_document_mask_under_ring_attention(capsys):
+    """--attention-mask document with ring cp: the document plan (a host read) is answered by the stated
+    stand-in — every block pair computed with its mask, the most work and memory — and the run is within
+    the bounds."""
+    import torch
+
+    from shardwise import host
+    from shardwise.cli import build_parser, config_from_args
+    from shardwise.context_parallel.ring_attention import _document_plan, block_plan
+    from shardwise.simulate.world import DOCUMENT_PLAN, Answers
+
+    argv = TINY + ["--cp", "2", "--dp", "2", "--attention-mask", "document"]
+    rc, report = _simulate(capsys, argv)
+    _within(report)
+    assert rc == 0
+    main(["simulate", *argv])
+    assert DOCUMENT_PLAN in capsys.readouterr().out
+    cfg = config_from_args(build_parser().parse_args(["simulate", *argv]), None)
+    doc_ids = torch.zeros(2, 64, dtype=torch.long)
+    with host.answered_by(Answers(cfg)):
+        plan = _document_plan(0, 2, "balanced", True, 32, doc_ids)
+    expected = [block_plan(0, (0 - step) % 2, 2, "balanced", True, 32) for step in range(2)]
+    assert [[(q, k) for q, k, _, _ in pairs] for pairs in plan] == [[(q, k) for q, k, _ in p] for p in expected]
+    assert all(mask is not None for pairs in plan for *_, mask in pairs)
+
+
 def test_a_broken_planner_term_fails(capsys, monkeypatch):
     """Leave the zero-bubble weight-gradient store out of the planned peak: simulate sees the difference, exit 1."""
     argv = TINY + ["--pp", "2", "--schedule", "zb", "--microbatches", "2", "--ranks", "1"]
