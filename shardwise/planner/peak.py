@@ -4,8 +4,10 @@ and the saved activations (`memory`), term by term.
 At its worst moment a rank holds its static state, the activations of the microbatches in flight, and
 transient buffers that no saved-tensor hook sees: the LM head's loss buffers (the last stage), a layer's
 backward gradients, the pipeline's send and receive buffers, autocast's cached weight copies under full
-recompute, ZeRO-3's gathered units and in-flight reduce-scatter buckets, and the weight-gradient store of
-split-backward schedules. `peak_terms` adds them up; the planner's "fits" uses the total.
+recompute, ZeRO-3's gathered units and in-flight reduce-scatter buckets, the TP reduction's concatenated
+gradients, and the weight-gradient store of split-backward schedules. Which of them are alive together
+depends on the moment of the step, so `peak_terms` takes the worst of a few moments (each with its own
+share); the planner's "fits" uses the total.
 """
 from __future__ import annotations
 
@@ -333,14 +335,16 @@ def weight_store_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload)
 
 def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static: float, activation: float) -> dict:
     """The live peak of one rank of `stage`, by part: static state, the activations held at the worst moment
-    (`stage_activation_bytes`), and the transient buffers the trace of a real step shows beside them
-    (`shardwise simulate` measures the sum): the worst of the head's loss (last stage) and a layer's
-    backward (on the last stage the layers' backward starts once the head's saved tensors are freed), and
-    the pipeline's send and receive buffers."""
-    # Relative to static + `activation` (which includes the layer full recompute rebuilds in backward), the
-    # worst of three moments: the head's loss and the end of a chunk's forward (autocast's cache) come
-    # before anything is rebuilt; a layer's backward comes after the head's saved tensors were freed (the
-    # non-pipelined loop still holds the logits).
+    (`stage_activation_bytes`), and what the trace of a real step shows beside them at that moment
+    (`shardwise simulate` measures the sum). Each moment carries its own transient buffers, ZeRO-3
+    gathered units and in-flight reduce-scatters: a chunk's forward (autocast's copies), the LM head's
+    matmul, a layer's backward, the head's loss, the TP reduction after backward; `transient`,
+    `zero3_gathered` and `reduce_scatter_buckets` are the worst moment's. The weight-gradient store and
+    the pipeline's send and receive buffers are added to every moment."""
+    # Relative to static + `activation` (which includes the layer full recompute rebuilds in backward): a
+    # forward, the head's matmul and loss come before anything is rebuilt; a layer's backward comes after
+    # the head's saved tensors were freed (the non-pipelined loop still holds the logits); the TP
+    # reduction after every activation is gone.
     rebuilt = recompute_transient_bytes(spec, stage, lay, wl)
     gathered = zero3_gathered_bytes(spec, stage, lay)
     buckets = backward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else inflight_bucket_bytes(spec, stage, lay)
