@@ -62,6 +62,21 @@ def test_llama3_70b_on_1024_gpus(capsys):
     assert report["ranks"][0]["static_bytes"]["measured"] > 15 * 2**30  # real shapes: ~18 GB of static state
 
 
+def test_llama3_70b_zero3_full_recompute_cp2_interleaved(capsys):
+    """tp8 pp4 dp16 cp2, SP, ZeRO-3, full recompute, interleaved vp2, bf16 (world 1,024), the first and last
+    stage: the peak is a chunk's forward (autocast's weight copies beside the running and prefetched unit
+    and the reduce-scatters a backward left in flight) or, on the last stage, the LM head's matmul."""
+    rc, report = _simulate(capsys, ["--model", "llama3-70b", "--tp", "8", "--pp", "4", "--dp", "16", "--cp", "2",
+                                     "--sequence-parallel", "--zero", "3", "--recompute", "full", "--schedule",
+                                     "interleaved", "--vp", "2", "--dtype", "bf16", "--seq-len", "4096",
+                                     "--micro-batch", "1", "--microbatches", "4", "--ranks", "0,48"])
+    assert rc == 0 and report["world"] == 1024
+    _within(report)
+    assert [r["stage"] for r in report["ranks"]] == [0, 3]
+    for r in report["ranks"]:  # the peak holds gathered units and in-flight gradient buckets beside the statics
+        assert r["peak_bytes"]["measured"] > 3 * r["static_bytes"]["measured"]
+
+
 def test_llama3_405b_on_18432_gpus_in_under_2_gb():
     """Fake tensors hold no data: one 405B stage of a world of 18,432 ranks runs in a child under 2 GB RSS."""
     argv = ["--model", "llama3-405b", "--tp", "8", "--pp", "18", "--dp", "128", "--sequence-parallel", "--zero", "1",
@@ -79,15 +94,46 @@ def test_llama3_405b_on_18432_gpus_in_under_2_gb():
     assert rss < 2 * 2**30, rss
 
 
-def test_mixtral_with_expert_parallelism(capsys):
+@pytest.mark.parametrize("recompute, ranks", [("selective", "stages"), ("full", "0")])
+def test_mixtral_with_expert_parallelism(capsys, recompute, ranks):
     """mixtral-8x7b on dp16·ep8·tp4·pp2 (world 128), SP, bf16: the planner's balanced routing answers the
-    split sizes, and the fake experts take the per-expert loop (fake _grouped_mm would refuse fp32 weights)."""
+    split sizes, and the fake experts take the per-expert loop (fake _grouped_mm would refuse fp32 weights).
+    Under full recompute the peak is after backward: the fp32 concatenation of every TP-partial gradient
+    (under SP the whole MoE block's, experts included) summed over tp."""
     rc, report = _simulate(capsys, ["--model", "mixtral-8x7b", "--dp", "16", "--ep", "8", "--tp", "4", "--pp", "2",
-                                    "--sequence-parallel", "--zero", "1", "--recompute", "selective", "--dtype", "bf16",
-                                    "--seq-len", "4096", "--micro-batch", "1", "--microbatches", "4"])
+                                    "--sequence-parallel", "--zero", "1", "--recompute", recompute, "--dtype", "bf16",
+                                    "--seq-len", "4096", "--micro-batch", "1", "--microbatches", "4", "--ranks", ranks])
     _within(report)
     assert rc == 0 and report["world"] == 128
     assert all(r["comm_bytes"]["ep"]["measured"] > 0 for r in report["ranks"])
+    if recompute == "full":
+        assert report["ranks"][0]["peak_phase"] == "gradient reduction"
+
+
+def test_document_mask_under_ring_attention(capsys):
+    """--attention-mask document with ring cp: the document plan (a host read) is answered by the stated
+    stand-in — every block pair computed with its mask, the most work and memory — and the run is within
+    the bounds."""
+    import torch
+
+    from shardwise import host
+    from shardwise.cli import build_parser, config_from_args
+    from shardwise.context_parallel.ring_attention import _document_plan, block_plan
+    from shardwise.simulate.world import DOCUMENT_PLAN, Answers
+
+    argv = TINY + ["--cp", "2", "--dp", "2", "--attention-mask", "document"]
+    rc, report = _simulate(capsys, argv)
+    _within(report)
+    assert rc == 0
+    main(["simulate", *argv])
+    assert DOCUMENT_PLAN in capsys.readouterr().out
+    cfg = config_from_args(build_parser().parse_args(["simulate", *argv]), None)
+    doc_ids = torch.zeros(2, 64, dtype=torch.long)
+    with host.answered_by(Answers(cfg)):
+        plan = _document_plan(0, 2, "balanced", True, 32, doc_ids)
+    expected = [block_plan(0, (0 - step) % 2, 2, "balanced", True, 32) for step in range(2)]
+    assert [[(q, k) for q, k, _, _ in pairs] for pairs in plan] == [[(q, k) for q, k, _ in p] for p in expected]
+    assert all(mask is not None for pairs in plan for *_, mask in pairs)
 
 
 def test_a_broken_planner_term_fails(capsys, monkeypatch):

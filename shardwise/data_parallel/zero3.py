@@ -48,6 +48,8 @@ class ParamUnits:
 
     def __init__(self, units: list[Unit]):
         self.units = units
+        self.on_resize = None  # called with a bucket's flat buffer after it is gathered or freed (simulate's
+        #                        memory trace: `UntypedStorage.resize_` dispatches no op it could see)
         for a, b in zip(units, units[1:]):
             if a.chunk == b.chunk:  # prefetch within a pipeline chunk only: the next chunk may run much later
                 a.next, b.prev = b, a
@@ -61,7 +63,7 @@ class ParamUnits:
     def _start(self, u: Unit) -> None:
         for b in u.buckets:
             if b.works is None and not b.flat.untyped_storage().nbytes():
-                b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
+                self._resize(b, b.padded * b.flat.element_size())
                 b.works = [comm.all_gather_into_async(b.flat, b.shard.detach(), b.axis)]
 
     def _wait(self, u: Unit) -> None:
@@ -88,7 +90,12 @@ class ParamUnits:
             for w in b.works:
                 comm.wait(w, b.axis, "all_gather of ZeRO-3 parameters")
             b.works = None
-        b.flat.untyped_storage().resize_(0)
+        self._resize(b, 0)
+
+    def _resize(self, b, nbytes: int) -> None:
+        b.flat.untyped_storage().resize_(nbytes)
+        if self.on_resize is not None:
+            self.on_resize(b.flat)
 
     def free_all(self) -> None:
         """End of step: every buffer back to its shard (holds left by parameters without a gradient)."""

@@ -80,6 +80,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="full breakdown of one layout, e.g. 'dp=8,tp=8,pp=4' (keys: dp tp pp cp ep vp mb m "
                         "schedule zero recompute sp cp_impl), or a train command's flags, e.g. "
                         "'--dp 2 --tp 2 --pp 2 --schedule 1f1b' (train's defaults for the rest)")
+    p.add_argument("--trace", type=int, metavar="K",
+                   help="simulate the best K rows on fake tensors (shardwise simulate, one process, one row after "
+                        "another) and show each one's traced live peak; a row whose traced peak does not fit loses "
+                        "its 'fits'")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
     return p
@@ -102,6 +106,10 @@ def _inputs(args):
     for name in ("flops_efficiency", "link_efficiency", "usable_memory"):
         if not 0 < getattr(args, name) <= 1:
             raise PlanError(f"--{name.replace('_', '-')} {getattr(args, name)} must be in (0, 1]")
+    if args.trace is not None and args.trace < 0:
+        raise PlanError(f"--trace {args.trace} must be >= 0 (the number of best rows to simulate)")
+    if args.trace and args.explain is not None:
+        raise PlanError("--trace simulates ranked rows; to trace one layout run `shardwise simulate` with its flags")
     if not 0 <= args.dp_overlap <= 1:
         raise PlanError(f"--dp-overlap {args.dp_overlap} must be in [0, 1]")
     wl = Workload(args.seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, args.precision, args.fp32_residual,
@@ -162,6 +170,10 @@ def _search(args, spec, cluster, wl, assume) -> int:
     results = search(spec, cluster, wl, space, assume)
     for r in results[: args.top]:
         r |= row_command(model_flags(args), spec, cluster, Layout(**r["layout"]), wl)
+    if args.trace:
+        from shardwise.planner.trace import trace_rows
+
+        trace_rows(results[: args.top], args.trace, model_flags(args), spec, wl)
     if args.json:
         print(json.dumps(results[: args.top], indent=2))
     if not results:
@@ -171,7 +183,7 @@ def _search(args, spec, cluster, wl, assume) -> int:
               f"--zero 3, --recompute full, a smaller --micro-batch or --uneven-pp", file=sys.stderr)
         return 1
     if not args.json:
-        print(table(results[: args.top], spec, cluster, wl, space, assume, len(results)))
+        print(table(results[: args.top], spec, cluster, wl, space, assume, len(results), traced=bool(args.trace)))
     return 0
 
 
@@ -181,12 +193,13 @@ def _header(spec_name: str, params: int, cluster: Cluster, wl: Workload) -> str:
 
 
 def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchSpace, assume: Assumptions,
-          n_fit: int) -> str:
-    """Fixed-width ranking: layout, memory breakdown, bubble, per-axis traffic, step time and MFU."""
+          n_fit: int, traced: bool = False) -> str:
+    """Fixed-width ranking: layout, memory breakdown, bubble, per-axis traffic, step time and MFU; with
+    `traced`, each simulated row's traced peak (blank for rows not simulated) and why a row no longer fits."""
     names = [Layout(**r["layout"]).short() for r in rows]
     axes = [a for a in TABLE_AXES if any(r["comm_bytes_per_step_max"].get(a) for r in rows)]
     cols = [("#", 3), ("layout", max(map(len, names))), ("params/rank", 11), ("static GB", 9), ("act GB", 7),
-            ("total GB", 8), ("peak GB", 7), ("bubble", 6)]
+            ("total GB", 8), ("peak GB", 7)] + [("traced GB", 9)] * traced + [("bubble", 6)]
     cols += [(f"{a} GB", max(8, len(a) + 3)) for a in axes] + [("step s", 7), ("MFU", 5)]
 
     def line(cells: list[str]) -> str:
@@ -200,10 +213,14 @@ def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchS
         comm = r["comm_bytes_per_step_max"]
         cells = [str(i), name, f"{r['params_per_rank'] / 1e9:.2f}B", f"{r['static_bytes_per_rank'] / GB:.1f}",
                  f"{r['activation_bytes_per_rank'] / GB:.1f}", f"{r['total_bytes_per_rank'] / GB:.1f}",
-                 f"{r['peak_bytes_per_rank'] / GB:.1f}", f"{r['bubble_fraction']:.3f}"]
+                 f"{r['peak_bytes_per_rank'] / GB:.1f}"]
+        if traced:
+            t = r.get("traced", {})
+            cells.append(f"{t['peak_bytes'] / GB:.1f}" if "peak_bytes" in t else "")
+        cells.append(f"{r['bubble_fraction']:.3f}")
         cells += [f"{comm[a] / GB:.1f}" if a in comm else "-" for a in axes]
         out.append(line(cells + [f"{r['step_time_s']:.2f}", f"{r['mfu']:.3f}"]))
-        out += command_lines(r, "     ")
+        out += command_lines(r, "     ") + trace_lines(r, "     ")
     out += ["", f"comm: payload GB per step on the busiest rank of each axis. Assumed {assume.flops_efficiency:.0%} of "
                 f"peak FLOP/s and {assume.link_efficiency:.0%} of link bandwidth.",
             "Each row's $ line is the command that runs it (torchrun: on every node, HEAD_NODE_IP = node 0's address).",
@@ -271,6 +288,19 @@ def explain_text(est: dict) -> str:
         *command_lines(est, "  "),
     ]
     return "\n".join(out)
+
+
+def trace_lines(row: dict, indent: str) -> list[str]:
+    """Why a traced row does not fit (its traced peak beyond the usable memory), or why it was not traced."""
+    t = row.get("traced")
+    if t is None:
+        return []
+    if "error" in t:
+        return [f"{indent}! not traced: {t['error']}"]
+    if not t["fits"]:
+        return [f"{indent}! DOES NOT FIT: traced peak {t['peak_bytes'] / GB:.1f} GB > {row['usable_bytes_per_rank'] / GB:.1f} "
+                f"GB usable (planned {t['planned_peak_bytes'] / GB:.1f} GB)"]
+    return []
 
 
 def command_lines(row: dict, indent: str) -> list[str]:

@@ -4,8 +4,10 @@ and the saved activations (`memory`), term by term.
 At its worst moment a rank holds its static state, the activations of the microbatches in flight, and
 transient buffers that no saved-tensor hook sees: the LM head's loss buffers (the last stage), a layer's
 backward gradients, the pipeline's send and receive buffers, autocast's cached weight copies under full
-recompute, ZeRO-3's gathered units and in-flight reduce-scatter buckets, and the weight-gradient store of
-split-backward schedules. `peak_terms` adds them up; the planner's "fits" uses the total.
+recompute, ZeRO-3's gathered units and in-flight reduce-scatter buckets, the TP reduction's concatenated
+gradients, and the weight-gradient store of split-backward schedules. Which of them are alive together
+depends on the moment of the step, so `peak_terms` takes the worst of a few moments (each with its own
+share); the planner's "fits" uses the total.
 """
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from functools import lru_cache
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.memory import (
-    _region_input, _stage_units, head_activation_bytes, microbatch_activation_bytes, recompute_transient_bytes,
-    stage_activation_bytes, stage_params, static_bytes, zero_buckets,
+    _region_input, _stage_units, head_activation_bytes, layer_activation_bytes, microbatch_activation_bytes,
+    recompute_transient_bytes, stage_activation_bytes, stage_params, static_bytes, zero_buckets,
 )
 from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab
 from shardwise.planner.schedule import in_flight
@@ -69,28 +71,190 @@ def pipeline_buffer_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
     return 2.0 * wl.resid_bytes * (n // lay.tp if lay.sp else n) * spec.dim
 
 
-def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """Under bf16 autocast with full recompute: autocast caches its low-precision copy of every weight it
-    casts until the autocast region ends, and each chunk's forward is one region — so at the end of a
-    chunk's forward the copies of all its linears are alive together, though checkpoint saves none.
-    (Without full recompute the same copies are saved for backward and counted as activations, as the LM
-    head's always is: it is never recomputed.)"""
-    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.n_layers:
+def layer_forward_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """A layer's forward under full recompute (no autograd: nothing saved) at its worst op, the MLP's output
+    projection: the residual input cast to the activation dtype, the down-projection's input product
+    ([n, ffn/tp]) and output ([n, h]); under SP also the all-gathered MLP input and the contiguous copy the
+    output's reduce-scatter sends (n = mb·s/cp rows, 1/tp of them in the residual stream under SP)."""
+    if lay.recompute != "full" or not stage.n_layers:
         return 0.0
-    chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
-    p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
-    return float(wl.act_bytes * (p.total - p.vectors) / chunks)
+    e, h = wl.act_bytes, spec.dim
+    n = lay.mb * wl.seq_len // lay.cp
+    sp = lay.sp and lay.tp > 1
+    ffn = spec.ffn_dim // lay.tp if stage.n_dense else spec.moe_topk * spec.expert_ffn_dim
+    cast = e * (n // lay.tp if sp else n) * h if e != 4 else 0
+    return float(cast + e * n * ffn + e * n * h * (3 if sp else 1))
+
+
+def _unit_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, int, int, tuple]]:
+    """(chunk, fp32 bytes of its gathered flat buffers, elements of its cast weights, its buckets as (fp32
+    bytes, reduction group, deferred?) in `GradReducer`'s order) of every ZeRO-3 unit of the stage, in model order: a unit
+    has one bucket per (expert?, matrix?) group, padded to its reduction group, deferred when it holds a
+    TP-partial gradient; its layers' matrices are what autocast copies (the embedding table is not)."""
+    key = Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
+                 zero=lay.zero, sp=lay.sp)  # only what the units depend on: the search shares them
+    return _units(spec, stage, key)
+
+
+@lru_cache(maxsize=4096)
+def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
+    g = lay.dp
+    out = []
+    for chunk, tensors in _stage_units(spec, stage, lay):
+        groups: dict[tuple, list[int]] = {}
+        for x, partial in tensors:
+            acc = groups.setdefault((x.expert, x.matrix), [0, 0])
+            acc[0] += x.numel
+            acc[1] |= partial
+        buckets = tuple((4 * _pad(n, grp), grp, bool(d))
+                        for key, (n, d) in sorted(groups.items()) for grp in [max(1, g // lay.ep) if key[0] else g])
+        cast = sum(x.numel for x, _ in tensors if x.matrix) if len(tensors) > 2 else 0  # a layer: > 2 tensors
+        out.append((chunk, sum(b for b, _, _ in buckets), cast, buckets))
+    return tuple(out)
+
+
+def _launch_order(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[tuple[int, int, int]]]:
+    return _launch_order_of(_unit_bytes(spec, stage, lay))
+
+
+@lru_cache(maxsize=4096)
+def _launch_order_of(units: tuple) -> list[list[tuple[int, int, int]]]:
+    """Per chunk, (fp32 bytes, group, layers of the chunk whose backward is already over) of its buckets a
+    backward reduce-scatters as it goes, in launch order (reverse model order; deferred buckets wait for
+    the end of the step)."""
+    chunks: dict[int, list] = {}
+    for chunk, _, cast, buckets in units:
+        chunks.setdefault(chunk, []).append(([(b, g) for b, g, deferred in buckets if not deferred], bool(cast)))
+    out = []
+    for parts in chunks.values():
+        seq, done = [], 0
+        for buckets, layer in reversed(parts):
+            seq += [(b, g, done) for b, g in reversed(buckets)]
+            done += layer
+        out.append(seq)
+    return out
+
+
+def _in_flight(b: int, g: int, wl: Workload) -> float:
+    """A launched reduce-scatter's buffers: the fp32 gradient it reads, its copy in the reduce dtype (when
+    that is not fp32) and the 1/g output shard."""
+    r = wl.grad_reduce_bytes
+    return b + (r * b / 4 if r != 4 else 0) + r * b / 4 / g
+
+
+def forward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """ZeRO-3, during a forward that follows a backward (any step of more than one microbatch): the two
+    reduce-scatters a chunk's backward launched last are still in flight (GradReducer waits for the oldest
+    only when a third starts) — those of the chunk's first buckets, e.g. the embedding's and the first
+    layer's, not the largest two."""
+    if lay.zero < 3 or not _backward_then_forward(lay, stage.index):
+        return 0.0
+    return float(max((sum(_in_flight(b, g, wl) for b, g, _ in seq[-2:]) for seq in _launch_order(spec, stage, lay)),
+                     default=0))
+
+
+def _backward_then_forward(lay: Layout, k: int) -> bool:
+    """Whether rank k of the pipeline runs a forward after a backward within one step (without a pipeline:
+    whether the step has more than one microbatch)."""
+    if lay.pp == 1:
+        return lay.m > 1
+    return _b_before_f(lay.schedule, lay.pp, lay.m, lay.vp, k)
+
+
+@lru_cache(maxsize=1024)
+def _b_before_f(schedule: str, p: int, m: int, v: int, k: int) -> bool:
+    from shardwise.pipeline.schedules import build_schedule
+
+    try:
+        kinds = [a.kind for a in build_schedule(schedule, p, m, v).actions[k]]
+    except (ImportError, ValueError):
+        return True
+    return "B" in kinds and "F" in kinds[kinds.index("B"):]
+
+
+def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """ZeRO-3, during a unit's backward: its bucket filling (fp32, allocated at its first gradient) beside
+    the two launched before it — the previous units' of the chunk, or at the chunk's first unit those a
+    former backward left in flight — less what the layers already backwarded have freed (one microbatch's
+    saved tensors of each): the worst unit."""
+    if lay.zero < 3:
+        return 0.0
+    per_layer = min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
+                                                                                (True, stage.n_moe)) if n), default=0)
+    seqs = [[(b, _in_flight(b, g, wl), done) for b, g, done in seq] for seq in _launch_order(spec, stage, lay)]
+    # what an earlier backward of the step launched last: its last one or two buckets
+    tail = [max((sum(f for _, f, _ in seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0
+            for k in (0, 1, 2)]
+    best = 0.0
+    for seq in seqs:
+        for i, (b, _, done) in enumerate(seq):
+            flight = sum(f for _, f, _ in seq[max(0, i - 2):i]) + tail[max(0, 2 - i)]
+            best = max(best, b + flight - done * per_layer)
+    return best
+
+
+def _pad(n: int, g: int) -> int:
+    return -(-n // g) * g
+
+
+def autocast_moment_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """Under bf16 autocast with full recompute, (weight copies, ZeRO-3 gathered units) at the worst moment of
+    a chunk's forward: autocast caches its low-precision copy of every weight it casts until the autocast
+    region ends, and each chunk's forward is one region — so the copies of the chunk's layers so far are
+    alive together, though checkpoint saves none. Under ZeRO-3 the layer running and the next one of its
+    chunk (prefetched) are gathered beside them: the worst layer is the largest sum, often the last but
+    one. (Without full recompute the same copies are saved for backward and counted as activations, as
+    the LM head's always is: it is never recomputed.)"""
+    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.n_layers:
+        return 0.0, 0.0
+    if lay.zero < 3:
+        chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
+        p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
+        return float(wl.act_bytes * (p.total - p.vectors) / chunks), 0.0
+    units = _unit_bytes(spec, stage, lay)
+    best, copies = (0.0, 0.0), 0.0
+    for j, (chunk, full, cast, _) in enumerate(units):
+        copies = copies * (j > 0 and units[j - 1][0] == chunk) + wl.act_bytes * cast
+        if not cast:
+            continue
+        nxt = units[j + 1][1] if j + 1 < len(units) and units[j + 1][0] == chunk else 0
+        if copies + full + nxt > sum(best):
+            best = (copies, float(full + nxt))
+    return best
+
+
+def head_forward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """Under bf16 autocast with full recompute, the last stage's worst moment can be the LM head's matmul:
+    it runs at the end of the last chunk's autocast region (copies of all that chunk's layers alive), its
+    logits just made, the head's own saved tensors held (its weight copy, its input) but not yet the loss's
+    (fp32 softmax, targets and masks: the loss runs after the region). (transient beyond static + held
+    activations, ZeRO-3 gathered bytes: the head unit alone — nothing follows it to prefetch.)"""
+    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head or not stage.n_layers:
+        return 0.0, 0.0
+    n = lay.mb * wl.seq_len // lay.cp
+    x = n * (padded_vocab(spec, lay.tp) // lay.tp)
+    not_yet = 4 * x + 10 * n
+    if lay.zero < 3:
+        return autocast_moment_bytes(spec, stage, lay, wl)[0] + wl.act_bytes * x - not_yet, 0.0
+    units = _unit_bytes(spec, stage, lay)
+    last = units[-1][0]
+    copies = wl.act_bytes * sum(cast for chunk, _, cast, _ in units if chunk == last)
+    return float(copies + wl.act_bytes * x - not_yet), float(units[-1][1])
+
+
+def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """The weight copies of `autocast_moment_bytes`."""
+    return autocast_moment_bytes(spec, stage, lay, wl)[0]
 
 
 def zero3_gathered_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
-    """ZeRO-3: the unit running and the one prefetched beside it are gathered in full (fp32), the largest
-    adjacent pair of the stage's units."""
+    """ZeRO-3, outside a chunk's forward: the unit running and the one prefetched beside it are gathered in
+    full (fp32), the largest adjacent pair of the stage's units."""
     if lay.zero < 3:
         return 0.0
-    units = _stage_units(spec, stage, lay)
-    sizes = [(c, sum(x.numel for x, _ in ts)) for c, ts in units]
+    sizes = [(c, full) for c, full, _, _ in _unit_bytes(spec, stage, lay)]
     pairs = [a[1] + b[1] for a, b in zip(sizes, sizes[1:]) if a[0] == b[0]]
-    return 4.0 * max(pairs + [n for _, n in sizes] + [0])
+    return float(max(pairs + [n for _, n in sizes] + [0]))
 
 
 def inflight_bucket_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
@@ -100,6 +264,22 @@ def inflight_bucket_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
         return 0.0
     sizes = sorted((b.padded for b in zero_buckets(spec, stage, lay) if not b.deferred), reverse=True)
     return 4.0 * sum(sizes[:2])
+
+
+def tp_reduction_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
+    """After backward, before the dp×cp reduction (no activation left): GradReducer sums TP-partial
+    gradients over tp through one fp32 concatenation of them all (under SP: norms, and every MoE gradient,
+    experts included — MoE blocks are replicated over tp), and K/V heads shared by tp ranks through a
+    [K/V heads, their local gradients] buffer beside that row's own concatenation."""
+    if lay.tp == 1:
+        return 0.0
+    tp_sum = kv = 0
+    for _, tensors in _stage_units(spec, stage, lay):
+        for x, partial in tensors:
+            if partial:
+                tp_sum += x.numel if x.sp_replicated else 0
+                kv += 0 if x.sp_replicated else x.numel
+    return 4.0 * (tp_sum + (kv * (spec.n_kv_heads + 1) if kv else 0))
 
 
 def deferred_w_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
@@ -155,28 +335,42 @@ def weight_store_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload)
 
 def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static: float, activation: float) -> dict:
     """The live peak of one rank of `stage`, by part: static state, the activations held at the worst moment
-    (`stage_activation_bytes`), and the transient buffers the trace of a real step shows beside them
-    (`shardwise simulate` measures the sum): the worst of the head's loss (last stage) and a layer's
-    backward (on the last stage the layers' backward starts once the head's saved tensors are freed), and
-    the pipeline's send and receive buffers."""
-    # Relative to static + `activation` (which includes the layer full recompute rebuilds in backward), the
-    # worst of three moments: the head's loss and the end of a chunk's forward (autocast's cache) come
-    # before anything is rebuilt; a layer's backward comes after the head's saved tensors were freed (the
-    # non-pipelined loop still holds the logits).
+    (`stage_activation_bytes`), and what the trace of a real step shows beside them at that moment
+    (`shardwise simulate` measures the sum). Each moment carries its own transient buffers, ZeRO-3
+    gathered units and in-flight reduce-scatters: a chunk's forward (autocast's copies), the LM head's
+    matmul, a layer's backward, the head's loss, the TP reduction after backward; `transient`,
+    `zero3_gathered` and `reduce_scatter_buckets` are the worst moment's. The weight-gradient store and
+    the pipeline's send and receive buffers are added to every moment."""
+    # Relative to static + `activation` (which includes the layer full recompute rebuilds in backward): a
+    # forward, the head's matmul and loss come before anything is rebuilt; a layer's backward comes after
+    # the head's saved tensors were freed (the non-pipelined loop still holds the logits); the TP
+    # reduction after every activation is gone.
     rebuilt = recompute_transient_bytes(spec, stage, lay, wl)
-    moments = [autocast_cache_bytes(spec, stage, lay, wl) - rebuilt]
+    gathered = zero3_gathered_bytes(spec, stage, lay)
+    buckets = backward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else inflight_bucket_bytes(spec, stage, lay)
+    copies, at_copies = autocast_moment_bytes(spec, stage, lay, wl)
+    fwd_buckets = forward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else buckets
+    # during another chunk's forward no microbatch holds the head's tensors (its backward follows its
+    # forward at once), except under GPipe, which holds every microbatch's head
+    head = microbatch_activation_bytes(spec, stage, lay, wl)["head"] if stage.head and lay.schedule != "gpipe" else 0
+    moments = [(copies + layer_forward_transient_bytes(spec, stage, lay, wl) - rebuilt - (head if copies else 0),
+                at_copies if copies else gathered, fwd_buckets)]
+    head_fwd, at_head = head_forward_moment(spec, stage, lay, wl)
+    if head_fwd:
+        moments.append((head_fwd - rebuilt, at_head, fwd_buckets))
     if stage.n_layers:
         layer = layer_backward_transient_bytes(spec, stage, lay, wl)
         if stage.head:
             n = lay.mb * wl.seq_len // lay.cp
             logits = wl.act_bytes * n * (padded_vocab(spec, lay.tp) // lay.tp) if lay.pp == 1 else 0
             layer -= head_activation_bytes(spec, lay, wl) - logits
-        moments.append(layer)
+        moments.append((layer, gathered, buckets))
     if stage.head:
-        moments.append(head_transient_bytes(spec, lay, wl) - rebuilt)
-    out = {"static": float(static), "activations": float(activation), "transient": max(moments),
-           "zero3_gathered": zero3_gathered_bytes(spec, stage, lay),
-           "reduce_scatter_buckets": inflight_bucket_bytes(spec, stage, lay),
+        moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, gathered, buckets))
+    moments.append((tp_reduction_bytes(spec, stage, lay) - activation, 0.0, 0.0))
+    transient, gathered, buckets = max(moments, key=sum)
+    out = {"static": float(static), "activations": float(activation), "transient": transient,
+           "zero3_gathered": gathered, "reduce_scatter_buckets": buckets,
            "weight_gradient_store": weight_store_bytes(spec, stage, lay, wl),
            "pipeline_buffers": pipeline_buffer_bytes(spec, lay, wl)}
     out["total"] = sum(out.values())

@@ -100,7 +100,7 @@ def render(report: dict) -> str:
 def run(cfg, ranks: list[int], steps: int) -> dict:
     """Simulate `ranks` of `cfg`'s world; the report `--json` prints."""
     from .predict import planned
-    from .world import ROUTING, simulate_rank, world_size
+    from .world import DOCUMENT_PLAN, ROUTING, simulate_rank, world_size
 
     t0 = time.perf_counter()
     p = cfg.parallel
@@ -110,8 +110,15 @@ def run(cfg, ranks: list[int], steps: int) -> dict:
         rows.append(compare(m, planned(cfg, m["stage"])))
     lay = ",".join(f"{k}={v}" for k, v in p.as_dict().items() if v not in (None, False))
     return {"world": world_size(cfg), "layout": lay, "model": cfg.model_config().name, "steps": steps,
-            "routing": ROUTING if cfg.model_config().moe_experts else None, "ranks": rows,
+            "routing": "; ".join(x for x, used in ((ROUTING, cfg.model_config().moe_experts),
+                                                   (DOCUMENT_PLAN, _document_ring(cfg))) if used) or None,
+            "ranks": rows,
             "passed": all(r["passed"] for r in rows), "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def _document_ring(cfg) -> bool:
+    """Whether ring attention builds a document plan (its block pairs depend on the data)."""
+    return cfg.attention_mask == "document" and cfg.parallel.cp > 1 and cfg.parallel.cp_impl == "ring"
 
 
 def check_simulable(cfg) -> None:

@@ -28,7 +28,6 @@ class LiveMemory(TorchDispatchMode):
         self.peak_phase, self.peak_groups = "", {}
         self.phase = "forward"
         self.labels: dict[int, str] = {}  # storage key -> static label (parameters, gradients, ...)
-        self.watched: set[int] = set()  # storages resized in place (ZeRO-3 buffers): no op reports that
 
     def label(self, tensors, name: str) -> None:
         """Name the storages behind `tensors` (statics) so the report groups them by what they are."""
@@ -43,25 +42,24 @@ class LiveMemory(TorchDispatchMode):
                     self.storages[key] = (n, name, ref)
 
     def watch(self, tensors) -> None:
-        """Follow the size of the storages behind `tensors`: `UntypedStorage.resize_` (how ZeRO-3 gathers
-        and frees a unit's buffer) dispatches no op, so their size is re-read before every op."""
+        """Count the storages behind `tensors` (ZeRO-3 unit buffers), whose size changes by
+        `UntypedStorage.resize_` — which dispatches no op: their owner reports each resize (`resized`)."""
         self.track(tensors, "ZeRO flat buffers")
-        self.watched |= {t.untyped_storage()._cdata for t in tensors if isinstance(t, FakeTensor)}
-        self._sync()
+        for t in tensors:  # resized to their shard since they were made
+            self.resized(t)
 
-    def _sync(self) -> None:
-        for key in list(self.watched):
-            entry = self.storages.get(key)
-            s = entry[2]() if entry is not None else None
-            if s is None:
-                self.watched.discard(key)
-                continue
-            n = s.nbytes()
-            if n != entry[0]:
-                self.storages[key] = (n, entry[1], entry[2])
-                self.groups[entry[1]] += n - entry[0]
-                self.live += n - entry[0]
-                self._check_peak()
+    def resized(self, t: torch.Tensor) -> None:
+        """`t`'s storage was resized in place: count its new size."""
+        key = t.untyped_storage()._cdata
+        entry = self.storages.get(key)
+        if entry is None:
+            return
+        n = t.untyped_storage().nbytes()
+        if n != entry[0]:
+            self.storages[key] = (n, entry[1], entry[2])
+            self.groups[entry[1]] += n - entry[0]
+            self.live += n - entry[0]
+            self._check_peak()
 
     def _check_peak(self) -> None:
         if self.live > self.peak:
@@ -103,8 +101,6 @@ class LiveMemory(TorchDispatchMode):
                 self._add(t, group)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.watched:
-            self._sync()
         out = func(*args, **(kwargs or {}))
         group = None
         for t in tree_leaves(out):

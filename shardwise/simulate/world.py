@@ -5,7 +5,8 @@ mesh, and FakeTensorMode gives every tensor its real shape, dtype and storage wi
 The rank then runs shardwise's own Trainer — model build, ZeRO reducer, pipeline executor, comm layer and
 ledger — for a few steps, while `LiveMemory` follows every storage and the saved-activation meter the
 tensors autograd keeps. Host reads get stated stand-ins (`Answers`): zeros for loss, norm and token-id
-range, and the planner's balanced MoE routing — every expert receives n·k/E rows of every ep rank.
+range, the planner's balanced MoE routing — every expert receives n·k/E rows of every ep rank — and for
+ring attention's document plan every block pair visible and masked (`DOCUMENT_PLAN`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from ..config import ConfigError, TrainConfig
 from .live import LiveMemory
 
 ROUTING = "balanced MoE routing (the planner's assumption): each expert receives n·k/E rows from every ep rank"
+DOCUMENT_PLAN = ("document mask: every ring block pair computed with its mask (documents taken to cross every "
+                 "block boundary: no pair skipped, none unmasked)")
 IGNORED_TAGS = ("metrics", "grad_norm")  # bookkeeping all-reduces the planner leaves out
 
 
@@ -55,6 +58,8 @@ class Answers:
             per, e_l = self.balanced(), self.experts // self.ep
             mine = per[self.ep_rank * e_l:(self.ep_rank + 1) * e_l]
             return per + mine * self.ep  # every source routes like this rank
+        if what == "cp document plan":  # [pairs, (visible, one document)]: the most work and memory
+            return [[1, 0] for _ in range(t.shape[0])]
         return _zeros(list(t.shape))
 
 
@@ -124,6 +129,7 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
             _label_statics(trainer, live)
             if trainer.reducer.units is not None:  # ZeRO-3: unit buffers gathered and freed by resizing
                 live.watch([b.flat for b in trainer.reducer.buckets])
+                trainer.reducer.units.on_resize = live.resized
             build_peak = live.reset_peak()  # the planner's peak is the training step's
             static = activation = None
             for step in range(steps):
