@@ -92,13 +92,15 @@ def _unit_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, i
     has one bucket per (expert?, matrix?) group, padded to its reduction group, deferred when it holds a
     TP-partial gradient; its layers' matrices are what autocast copies (the embedding table is not)."""
     key = Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
-                 zero=lay.zero, sp=lay.sp)  # only what the units depend on: the search shares them
+                 zero=lay.zero, sp=lay.sp,  # only what the units depend on: the search shares them
+                 dp_shard=lay.shard * lay.cp if lay.hsdp else 0)
     return _units(spec, stage, key)
 
 
 @lru_cache(maxsize=4096)
 def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
     g = lay.dp
+    gd = lay.dp_shard if lay.hsdp else g  # hybrid sharding: dense buckets pad to the shard group
     out = []
     for chunk, tensors in _stage_units(spec, stage, lay):
         groups: dict[tuple, list[int]] = {}
@@ -107,7 +109,7 @@ def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
             acc[0] += x.numel
             acc[1] |= partial
         buckets = tuple((4 * _pad(n, grp), grp, bool(d))
-                        for key, (n, d) in sorted(groups.items()) for grp in [max(1, g // lay.ep) if key[0] else g])
+                        for key, (n, d) in sorted(groups.items()) for grp in [max(1, g // lay.ep) if key[0] else gd])
         cast = sum(x.numel for x, _ in tensors if x.matrix) if len(tensors) > 2 else 0  # a layer: > 2 tensors
         out.append((chunk, sum(b for b, _, _ in buckets), cast, buckets))
     return tuple(out)
