@@ -320,9 +320,9 @@ def test_pp_cp_ep_axes_are_counted():
 # --- search and CLI ------------------------------------------------------------------------------
 
 def test_done_when_command(capsys):
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: wall time on a loaded CI box says nothing about the planner
     assert main(DONE_WHEN) == 0
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
     out = capsys.readouterr().out
     assert "dp" in out and "MFU" in out and len(out.splitlines()) >= 14
     assert main(DONE_WHEN + ["--json", "--top", "50"]) == 0
