@@ -1,14 +1,18 @@
 """Full recompute runs its blocks with autocast's weight cache off: the same losses, gradients and weights bit
 for bit as with the cache, and at the end of a bf16 forward no bf16 copy of a recomputed block's weight is
-alive (the cache would hold every one of them until the forward's autocast region ends)."""
+alive (the cache would hold every one of them until the forward's autocast region ends); `shardwise
+simulate` measures the live peak the planner now plans (one weight copy in a forward), and the cached
+runtime's peak beyond it."""
 from __future__ import annotations
 
+import json
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise.recompute as recompute
+from shardwise.cli import main
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.train import Trainer, make_mesh
 
@@ -103,3 +107,20 @@ def test_uncached_full_recompute_is_exact_and_frees_the_copies():
     seed = fresh_seed()
     bad = run_ranks(1, _checks, seed)[0]
     assert bad == [], f"seed {seed}: {bad}"
+
+
+def _simulate(capsys) -> tuple[int, dict]:
+    rc = main(["simulate", "--tp", "2", "--sequence-parallel", "--recompute", "full", "--dtype", "bf16",
+               "--seq-len", "64", "--micro-batch", "2", "--json"])
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ranks"][0]
+
+
+def test_simulated_peak_is_planned_and_the_cache_would_exceed_it(capsys, monkeypatch):
+    """tiny tp2 SP, full recompute, bf16: every figure within simulate's bounds; with the cache back on
+    (every block's copies alive at the end of the forward) the measured peak is beyond the planned one."""
+    rc, r = _simulate(capsys)
+    assert rc == 0 and r["passed"], r
+    monkeypatch.setattr(recompute, "_uncached", lambda fn: fn)
+    rc, cached = _simulate(capsys)
+    assert rc == 1 and cached["peak_phase"] == "forward", cached
+    assert cached["peak_bytes"]["measured"] > 1.03 * cached["peak_bytes"]["planned"] == 1.03 * r["peak_bytes"]["planned"]
