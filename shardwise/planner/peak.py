@@ -240,9 +240,10 @@ def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workloa
 
 
 def head_copy_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """Under bf16 full recompute, the LM head's weight copy (outside every checkpoint: cached and saved, held
-    with the head's activations) — freed by the head's backward, so gone during a layer's backward."""
-    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head:
+    """Under bf16 full recompute without a pipeline, the LM head's weight copy (outside every checkpoint:
+    cached and saved, held with the head's activations) — freed by the head's backward, so gone during a
+    layer's backward. (On a pipeline's last stage the trace still shows it there: interleaved 70B, stage 3.)"""
+    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head or lay.pp > 1:
         return 0.0
     return float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim)
 
