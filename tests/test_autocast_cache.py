@@ -123,4 +123,5 @@ def test_simulated_peak_is_planned_and_the_cache_would_exceed_it(capsys, monkeyp
     monkeypatch.setattr(recompute, "_uncached", lambda fn: fn)
     rc, cached = _simulate(capsys)
     assert rc == 1 and cached["peak_phase"] == "forward", cached
-    assert cached["peak_bytes"]["measured"] > 1.03 * cached["peak_bytes"]["planned"] == 1.03 * r["peak_bytes"]["planned"]
+    assert cached["peak_bytes"]["planned"] == r["peak_bytes"]["planned"]  # the plan does not depend on the runtime
+    assert cached["peak_bytes"]["measured"] > 1.03 * cached["peak_bytes"]["planned"]

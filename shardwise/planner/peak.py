@@ -394,8 +394,9 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
             n = lay.mb * wl.seq_len // lay.cp
             logits = wl.act_bytes * n * (padded_vocab(spec, lay.tp) // lay.tp) if lay.pp == 1 else 0
             layer -= head_activation_bytes(spec, lay, wl) - logits + head_copy_bytes(spec, stage, lay, wl)
-        at_layer, at_gathered = layer_backward_moment(spec, stage, lay, wl) if copies and lay.zero == 3 else (buckets, gathered)
-        moments.append((layer, at_gathered, at_layer))
+        in_flight_now, gathered_now = (layer_backward_moment(spec, stage, lay, wl) if copies and lay.zero == 3
+                                       else (buckets, gathered))
+        moments.append((layer, gathered_now, in_flight_now))
     if stage.head:
         # under bf16 full recompute and ZeRO-3: at the head's loss no unit's backward has launched a bucket yet
         moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, gathered, fwd_buckets if copies else buckets))
