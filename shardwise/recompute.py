@@ -15,11 +15,14 @@ tracker's streams are snapshotted at the forward and restored for the recomputat
 so every dropout mask replays bit for bit; an MoE block's bookkeeping (load counts for the
 loss-free bias, drop and aux-loss metrics) is restored too, so a recomputation is not counted twice, and
 its dispatcher reuses the forward's split sizes (asserted equal on the device) instead of reading them again.
+A fully recomputed block runs with autocast's weight cache off (`_uncached`), in its forward and its
+recomputation: otherwise the cache would hold every block's bf16 weight copies until the forward ends.
 """
 from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 from .expert_parallel.dispatch import SplitTape
@@ -76,7 +79,26 @@ def _restore_moe_books(m: MoE, books: tuple) -> None:
     m.router.pending_counts.copy_(counts)
 
 
+def _uncached(fn):
+    """Run `fn` with autocast's weight cache off (when autocast is on for its inputs' device). The cache
+    keeps the low-precision copy of every weight it casts until the outermost autocast region — a chunk's
+    whole forward — ends, though checkpoint saves none of them: every recomputed block's copies would be
+    alive at the end of the forward. Without it a copy lives while its op runs, and in the recomputation
+    while that block's backward needs it; the cast is the same, so the arithmetic is bit for bit the same.
+    It wraps the function checkpoint runs, so the recomputation (which replays the outer autocast state)
+    runs uncached too."""
+    def run(*args):
+        dev = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+        if dev is None or not torch.is_autocast_enabled(dev):
+            return fn(*args)
+        with torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False):
+            return fn(*args)
+    return run
+
+
 def _checkpointed(fn, replay: _Replay):
+    fn = _uncached(fn)
+
     def run(*args):
         return checkpoint(fn, *args, use_reentrant=False, context_fn=replay, preserve_rng_state=True)
     return run

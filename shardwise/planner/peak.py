@@ -3,7 +3,7 @@ and the saved activations (`memory`), term by term.
 
 At its worst moment a rank holds its static state, the activations of the microbatches in flight, and
 transient buffers that no saved-tensor hook sees: the LM head's loss buffers (the last stage), a layer's
-backward gradients, the pipeline's send and receive buffers, autocast's cached weight copies under full
+backward gradients, the pipeline's send and receive buffers, the bf16 weight copy an op uses under full
 recompute, ZeRO-3's gathered units and in-flight reduce-scatter buckets, the TP reduction's concatenated
 gradients, and the weight-gradient store of split-backward schedules. Which of them are alive together
 depends on the moment of the step, so `peak_terms` takes the worst of a few moments (each with its own
@@ -200,53 +200,81 @@ def _pad(n: int, g: int) -> int:
 
 
 def autocast_moment_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
-    """Under bf16 autocast with full recompute, (weight copies, ZeRO-3 gathered units) at the worst moment of
-    a chunk's forward: autocast caches its low-precision copy of every weight it casts until the autocast
-    region ends, and each chunk's forward is one region — so the copies of the chunk's layers so far are
-    alive together, though checkpoint saves none. Under ZeRO-3 the layer running and the next one of its
-    chunk (prefetched) are gathered beside them: the worst layer is the largest sum, often the last but
-    one. (Without full recompute the same copies are saved for backward and counted as activations, as
-    the LM head's always is: it is never recomputed.)"""
+    """Under bf16 autocast with full recompute, (weight copy, ZeRO-3 gathered units) at the worst moment of a
+    chunk's forward, its layer's down-projection (`layer_forward_transient_bytes`). A recomputed block runs
+    with autocast's weight cache off (`shardwise.recompute`), so a weight's bf16 copy lives only while its
+    op runs: the down-projection's own copy (dense: [h, ffn/tp]; MoE: the local experts' three stacks, cast
+    together for the grouped GEMM). Under ZeRO-3 the layer running and the next one of its chunk
+    (prefetched) are gathered beside it: the largest such pair. (Without full recompute the copies are
+    saved for backward and counted as activations, as the LM head's always is: it is never recomputed.)"""
     if wl.act_bytes == 4 or lay.recompute != "full" or not stage.n_layers:
         return 0.0, 0.0
+    dense = spec.ffn_dim // lay.tp * spec.dim if stage.n_dense else 0
+    moe = spec.mlp_mats * spec.moe_experts // lay.ep * spec.expert_ffn_dim * spec.dim if stage.n_moe else 0
+    copy = float(wl.act_bytes * max(dense, moe))
     if lay.zero < 3:
-        chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
-        p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
-        return float(wl.act_bytes * (p.total - p.vectors) / chunks), 0.0
+        return copy, 0.0
     units = _unit_bytes(spec, stage, lay)
-    best, copies = (0.0, 0.0), 0.0
-    for j, (chunk, full, cast, _) in enumerate(units):
-        copies = copies * (j > 0 and units[j - 1][0] == chunk) + wl.act_bytes * cast
-        if not cast:
-            continue
-        nxt = units[j + 1][1] if j + 1 < len(units) and units[j + 1][0] == chunk else 0
-        if copies + full + nxt > sum(best):
-            best = (copies, float(full + nxt))
-    return best
+    pairs = [full + (units[j + 1][1] if j + 1 < len(units) and units[j + 1][0] == chunk else 0)
+             for j, (chunk, full, cast, _) in enumerate(units) if cast]
+    return copy, float(max(pairs, default=0))
 
 
 def head_forward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
-    """Under bf16 autocast with full recompute, the last stage's worst moment can be the LM head's matmul:
-    it runs at the end of the last chunk's autocast region (copies of all that chunk's layers alive), its
-    logits just made, the head's own saved tensors held (its weight copy, its input) but not yet the loss's
-    (fp32 softmax, targets and masks: the loss runs after the region). (transient beyond static + held
-    activations, ZeRO-3 gathered bytes: the head unit alone — nothing follows it to prefetch.)"""
+    """Under bf16 autocast with full recompute, the last stage's LM head matmul: its logits just made, the
+    head's own saved tensors held (its weight copy — outside every checkpoint, so cached and saved — and
+    its input) but not yet the loss's (fp32 softmax, targets and masks: the loss runs after the region);
+    no layer's copy (the recomputed blocks ran uncached). (transient beyond static + held activations,
+    ZeRO-3 gathered bytes: the head unit alone — nothing follows it to prefetch.)"""
     if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head or not stage.n_layers:
         return 0.0, 0.0
     n = lay.mb * wl.seq_len // lay.cp
     x = n * (padded_vocab(spec, lay.tp) // lay.tp)
-    not_yet = 4 * x + 10 * n
-    if lay.zero < 3:
-        return autocast_moment_bytes(spec, stage, lay, wl)[0] + wl.act_bytes * x - not_yet, 0.0
-    units = _unit_bytes(spec, stage, lay)
-    last = units[-1][0]
-    copies = wl.act_bytes * sum(cast for chunk, _, cast, _ in units if chunk == last)
-    return float(copies + wl.act_bytes * x - not_yet), float(units[-1][1])
+    transient = float(wl.act_bytes * x - (4 * x + 10 * n))
+    return transient, float(_unit_bytes(spec, stage, lay)[-1][1]) if lay.zero >= 3 else 0.0
 
 
 def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """The weight copies of `autocast_moment_bytes`."""
+    """The weight copy of `autocast_moment_bytes` (the cache itself holds no recomputed block's copies)."""
     return autocast_moment_bytes(spec, stage, lay, wl)[0]
+
+
+def head_copy_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """Under bf16 full recompute without a pipeline, the LM head's weight copy (outside every checkpoint:
+    cached and saved, held with the head's activations) — freed by the head's backward, so gone during a
+    layer's backward. (On a pipeline's last stage the trace still shows it there: interleaved 70B, stage 3.)"""
+    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head or lay.pp > 1:
+        return 0.0
+    return float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim)
+
+
+def layer_backward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """ZeRO-3 under bf16 full recompute (no forward moment outweighs it), (in-flight buckets less the
+    activations already freed, gathered units) at the worst unit's backward, taken together: the unit
+    running and the one before it in its chunk (prefetched by backward) gathered, beside its bucket filling
+    and the two launched before it (`backward_inflight_bytes`), less one microbatch's saved tensors of each
+    layer already backwarded."""
+    per_layer = min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
+                                                                                (True, stage.n_moe)) if n), default=0)
+    units = _unit_bytes(spec, stage, lay)
+    seqs = [[_in_flight(b, g, wl) for b, g, _ in seq] for seq in _launch_order(spec, stage, lay)]
+    tail = [max((sum(seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0 for k in (0, 1, 2)]
+    best = (0.0, 0.0)
+    for c in dict.fromkeys(u[0] for u in units):
+        parts = [u for u in units if u[0] == c]
+        seq, done = [], 0
+        for k in reversed(range(len(parts))):
+            _, full, cast, buckets = parts[k]
+            pair = full + (parts[k - 1][1] if k else 0)
+            for b, g, deferred in reversed(buckets):
+                if deferred:
+                    continue
+                i = len(seq)
+                moment = (b + sum(seq[max(0, i - 2):i]) + tail[max(0, 2 - i)] - done * per_layer, float(pair))
+                best = max(best, moment, key=sum)
+                seq.append(_in_flight(b, g, wl))
+            done += bool(cast)
+    return best
 
 
 def zero3_gathered_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
@@ -339,7 +367,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     """The live peak of one rank of `stage`, by part: static state, the activations held at the worst moment
     (`stage_activation_bytes`), and what the trace of a real step shows beside them at that moment
     (`shardwise simulate` measures the sum). Each moment carries its own transient buffers, ZeRO-3
-    gathered units and in-flight reduce-scatters: a chunk's forward (autocast's copies), the LM head's
+    gathered units and in-flight reduce-scatters: a chunk's forward (a layer's down-projection), the LM head's
     matmul, a layer's backward, the head's loss, the TP reduction after backward; `transient`,
     `zero3_gathered` and `reduce_scatter_buckets` are the worst moment's. The weight-gradient store and
     the pipeline's send and receive buffers are added to every moment."""
@@ -365,10 +393,13 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
         if stage.head:
             n = lay.mb * wl.seq_len // lay.cp
             logits = wl.act_bytes * n * (padded_vocab(spec, lay.tp) // lay.tp) if lay.pp == 1 else 0
-            layer -= head_activation_bytes(spec, lay, wl) - logits
-        moments.append((layer, gathered, buckets))
+            layer -= head_activation_bytes(spec, lay, wl) - logits + head_copy_bytes(spec, stage, lay, wl)
+        in_flight_now, gathered_now = (layer_backward_moment(spec, stage, lay, wl) if copies and lay.zero == 3
+                                       else (buckets, gathered))
+        moments.append((layer, gathered_now, in_flight_now))
     if stage.head:
-        moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, gathered, buckets))
+        # under bf16 full recompute and ZeRO-3: at the head's loss no unit's backward has launched a bucket yet
+        moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, gathered, fwd_buckets if copies else buckets))
     moments.append((tp_reduction_bytes(spec, stage, lay) - activation, 0.0, 0.0))
     transient, gathered, buckets = max(moments, key=sum)
     out = {"static": float(static), "activations": float(activation), "transient": transient,
