@@ -20,6 +20,7 @@ from shardwise.planner.memory import (
 )
 from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab
 from shardwise.planner.schedule import in_flight
+from shardwise.planner.zero2_inflight import zero2_bucket_moments
 
 
 def head_transient_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
@@ -158,20 +159,26 @@ def forward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
 def _backward_then_forward(lay: Layout, k: int) -> bool:
     """Whether rank k of the pipeline runs a forward after a backward within one step (without a pipeline:
     whether the step has more than one microbatch)."""
+    return _backwards_before_forward(lay, k) > 0
+
+
+def _backwards_before_forward(lay: Layout, k: int) -> int:
+    """How many backwards rank k of the pipeline has run before its last forward of the step."""
     if lay.pp == 1:
-        return lay.m > 1
+        return lay.m - 1
     return _b_before_f(lay.schedule, lay.pp, lay.m, lay.vp, k)
 
 
 @lru_cache(maxsize=1024)
-def _b_before_f(schedule: str, p: int, m: int, v: int, k: int) -> bool:
+def _b_before_f(schedule: str, p: int, m: int, v: int, k: int) -> int:
     from shardwise.pipeline.schedules import build_schedule
 
     try:
         kinds = [a.kind for a in build_schedule(schedule, p, m, v).actions[k]]
     except (ImportError, ValueError):
-        return True
-    return "B" in kinds and "F" in kinds[kinds.index("B"):]
+        return m
+    last_f = max((i for i, kind in enumerate(kinds) if kind == "F"), default=-1)
+    return kinds[:last_f].count("B")
 
 
 def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
@@ -181,8 +188,7 @@ def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Work
     saved tensors of each): the worst unit."""
     if lay.zero < 3:
         return 0.0
-    per_layer = min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
-                                                                                (True, stage.n_moe)) if n), default=0)
+    per_layer = _freed_per_layer(spec, stage, lay, wl)
     seqs = [[(b, _in_flight(b, g, wl), done) for b, g, done in seq] for seq in _launch_order(spec, stage, lay)]
     # what an earlier backward of the step launched last: its last one or two buckets
     tail = [max((sum(f for _, f, _ in seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0
@@ -193,6 +199,12 @@ def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Work
             flight = sum(f for _, f, _ in seq[max(0, i - 2):i]) + tail[max(0, 2 - i)]
             best = max(best, b + flight - done * per_layer)
     return best
+
+
+def _freed_per_layer(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """What a layer's finished backward has freed: one microbatch's saved tensors of its smallest kind."""
+    return min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
+                                                                           (True, stage.n_moe)) if n), default=0)
 
 
 def _pad(n: int, g: int) -> int:
@@ -352,6 +364,9 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     buckets = backward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else inflight_bucket_bytes(spec, stage, lay)
     copies, at_copies = autocast_moment_bytes(spec, stage, lay, wl)
     fwd_buckets = forward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else buckets
+    if lay.zero == 2:
+        buckets, fwd_buckets = zero2_bucket_moments(spec, stage, lay, wl, _freed_per_layer(spec, stage, lay, wl),
+                                                    lay.m > 1 or lay.pp > 1, _backwards_before_forward(lay, stage.index))
     # during another chunk's forward no microbatch holds the head's tensors (its backward follows its
     # forward at once), except under GPipe, which holds every microbatch's head
     head = microbatch_activation_bytes(spec, stage, lay, wl)["head"] if stage.head and lay.schedule != "gpipe" else 0
