@@ -6,7 +6,8 @@ reduce-scattered and held by the collective (fp32 input, reduce-dtype copy, 1/g 
 launch makes the reducer wait for the oldest. Buckets of different groups (dense matrices, dense vectors,
 experts) fill side by side, and launch strictly in the reducer's order. A backward after an earlier one
 of the step starts with the two that earlier backward launched last still in flight — e.g. microbatch 2's
-whole-chunk bucket filling beside microbatch 1's in flight: twice the stage's gradient.
+whole-chunk bucket filling beside microbatch 1's in flight: twice the stage's gradient. Under zb and
+dualpipev a chunk's first bucket is allocated in B and fills until its W, through other forwards.
 """
 from __future__ import annotations
 
@@ -82,11 +83,14 @@ def zero2_bucket_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workloa
     for chunk, tensors in _stage_units(spec, stage, key):
         layers.setdefault(chunk, []).append(per_layer if len(tensors) > 2 else 0.0)
     best = after = 0.0
-    for (units, buckets), per_unit in zip(chunk_buckets(spec, stage, key), layers.values()):
+    chunks = chunk_buckets(spec, stage, key)
+    for (units, buckets), per_unit in zip(chunks, layers.values()):
         tails, tail = [[]], []
         for _ in range(2 if again else 1):
             peak, tail = _walk(units, buckets, tail, wl, per_unit)
             best = max(best, peak)
             tails.append(tail)
         after = max(after, sum(tails[min(before_forward, len(tails) - 1)]))
+    if lay.schedule in ("zb", "dualpipev") and lay.pp > 1:  # every chunk between its B and W: its first bucket
+        after += sum(buckets[0][0] for _, buckets in chunks if buckets)  # (allocated at B) fills until W
     return best, after
