@@ -181,7 +181,52 @@ def _b_before_f(schedule: str, p: int, m: int, v: int, k: int) -> int:
     return kinds[:last_f].count("B")
 
 
-def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+@lru_cache(maxsize=1024)
+def _b_states(schedule: str, p: int, m: int, v: int, k: int) -> tuple[tuple[int, bool], ...]:
+    """Per kind of backward on rank k — (its first one, one after another backward) — the fewest
+    microbatch-chunks held fewer than the rank's most at any F: the first backward of a step runs with the
+    most held and nothing in flight; a later one may hold fewer (e.g. 1F1B's cool-down)."""
+    from shardwise.pipeline.schedules import build_schedule
+
+    try:
+        actions = build_schedule(schedule, p, m, v).actions[k]
+    except (ImportError, ValueError):
+        return ((0, False), (0, True))
+    held = most = 0
+    seen, states = False, {}
+    for a in actions:
+        if a.kind == "F":
+            held += 1
+            most = max(most, held)
+        elif a.kind == "B":
+            states.setdefault(seen, []).append(held)
+            held, seen = held - 1, True
+    return tuple((most - max(hs), prior) for prior, hs in sorted(states.items()))
+
+
+def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """ZeRO 2/3: the worst backward's reduce-scatter buffers (filling and in flight) less the activations it
+    holds below the stage's most: the first backward holds the most but finds nothing in flight."""
+    if lay.pp == 1:
+        states = ((0, False),) + (((0, True),) if lay.m > 1 else ())
+    else:
+        states = _b_states(lay.schedule, lay.pp, lay.m, lay.vp, stage.index)
+    chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
+    mb = microbatch_activation_bytes(spec, stage, lay, wl)
+    per = (mb["total"] - (mb["head"] if lay.pp > 1 else 0)) / chunks
+    per_layer = _freed_per_layer(spec, stage, lay, wl)
+    best = 0.0
+    for deficit, prior in states:
+        if lay.zero == 3:
+            got = backward_inflight_bytes(spec, stage, lay, wl, prior)
+        else:
+            got = zero2_bucket_moments(spec, stage, lay, wl, per_layer, prior, 0)[0]
+        best = max(best, got - deficit * per)
+    return best
+
+
+def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
+                            prior: bool | None = None) -> float:
     """ZeRO-3, during a unit's backward: its bucket filling (fp32, allocated at its first gradient) beside
     the two launched before it — the previous units' of the chunk, or at the chunk's first unit those a
     former backward left in flight — less what the layers already backwarded have freed (one microbatch's
@@ -191,7 +236,8 @@ def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Work
     per_layer = _freed_per_layer(spec, stage, lay, wl)
     seqs = [[(b, _in_flight(b, g, wl), done) for b, g, done in seq] for seq in _launch_order(spec, stage, lay)]
     # what an earlier backward of the step launched last: its last one or two buckets
-    tail = [max((sum(f for _, f, _ in seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0
+    prior = lay.m > 1 if prior is None else prior
+    tail = [max((sum(f for _, f, _ in seq[-k:]) for seq in seqs), default=0) if prior and k else 0
             for k in (0, 1, 2)]
     best = 0.0
     for seq in seqs:
@@ -269,15 +315,6 @@ def zero3_gathered_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
     sizes = [(c, full) for c, full, _, _ in _unit_bytes(spec, stage, lay)]
     pairs = [a[1] + b[1] for a, b in zip(sizes, sizes[1:]) if a[0] == b[0]]
     return float(max(pairs + [n for _, n in sizes] + [0]))
-
-
-def inflight_bucket_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
-    """ZeRO 2/3: the full fp32 gradient buffers of the reduce-scatters still in flight — GradReducer lets two
-    run at once, and they outlive the backward that filled them (the largest two of the stage's buckets)."""
-    if lay.zero < 2:
-        return 0.0
-    sizes = sorted((b.padded for b in zero_buckets(spec, stage, lay) if not b.deferred), reverse=True)
-    return 4.0 * sum(sizes[:2])
 
 
 def tp_reduction_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
@@ -361,12 +398,12 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     # reduction after every activation is gone.
     rebuilt = recompute_transient_bytes(spec, stage, lay, wl)
     gathered = zero3_gathered_bytes(spec, stage, lay)
-    buckets = backward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else inflight_bucket_bytes(spec, stage, lay)
+    buckets = backward_moments(spec, stage, lay, wl) if lay.zero >= 2 else 0.0
     copies, at_copies = autocast_moment_bytes(spec, stage, lay, wl)
-    fwd_buckets = forward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else buckets
+    fwd_buckets = forward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else 0.0
     if lay.zero == 2:
-        buckets, fwd_buckets = zero2_bucket_moments(spec, stage, lay, wl, _freed_per_layer(spec, stage, lay, wl),
-                                                    lay.m > 1 or lay.pp > 1, _backwards_before_forward(lay, stage.index))
+        fwd_buckets = zero2_bucket_moments(spec, stage, lay, wl, 0.0, lay.m > 1 or lay.pp > 1,
+                                           _backwards_before_forward(lay, stage.index))[1]
     # during another chunk's forward no microbatch holds the head's tensors (its backward follows its
     # forward at once), except under GPipe, which holds every microbatch's head
     head = microbatch_activation_bytes(spec, stage, lay, wl)["head"] if stage.head and lay.schedule != "gpipe" else 0
