@@ -152,8 +152,26 @@ def forward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
     layer's, not the largest two."""
     if lay.zero < 3 or not _backward_then_forward(lay, stage.index):
         return 0.0
+    return _last_launched(spec, stage, lay, wl)
+
+
+def _last_launched(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """ZeRO-3: the two reduce-scatters a chunk's backward launched last, in flight (the worst chunk)."""
     return float(max((sum(_in_flight(b, g, wl) for b, g, _ in seq[-2:]) for seq in _launch_order(spec, stage, lay)),
                      default=0))
+
+
+def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """ZeRO 2/3, during the head's loss backward (before any gradient of this backward reaches a bucket):
+    (ZeRO-3 gathered: the head unit and the final norm prefetched beside it, reduce-scatters in flight:
+    what an earlier backward of the step launched last)."""
+    if lay.zero < 2:
+        return 0.0, 0.0
+    again = lay.m > 1
+    if lay.zero == 2:
+        return 0.0, zero2_bucket_moments(spec, stage, lay, wl, 0.0, again, 2 if again else 0)[1]
+    units = [full for chunk, full, _, _ in _unit_bytes(spec, stage, lay)]
+    return float(sum(units[-2:])), _last_launched(spec, stage, lay, wl) if again else 0.0
 
 
 def _backward_then_forward(lay: Layout, k: int) -> bool:
@@ -420,7 +438,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
             layer -= head_activation_bytes(spec, lay, wl) - logits
         moments.append((layer, gathered, buckets))
     if stage.head:
-        moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, gathered, buckets))
+        moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, *head_loss_buffers(spec, stage, lay, wl)))
     moments.append((tp_reduction_bytes(spec, stage, lay) - activation, 0.0, 0.0))
     transient, gathered, buckets = max(moments, key=sum)
     out = {"static": float(static), "activations": float(activation), "transient": transient,
