@@ -116,23 +116,26 @@ def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
     return tuple(out)
 
 
-def _launch_order(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[tuple[int, int, int]]]:
+def _launch_order(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[tuple[int, int, int, int]]]:
     return _launch_order_of(_unit_bytes(spec, stage, lay))
 
 
 @lru_cache(maxsize=4096)
-def _launch_order_of(units: tuple) -> list[list[tuple[int, int, int]]]:
-    """Per chunk, (fp32 bytes, group, layers of the chunk whose backward is already over) of its buckets a
+def _launch_order_of(units: tuple) -> list[list[tuple[int, int, int, int]]]:
+    """Per chunk, (fp32 bytes, group, layers of the chunk whose backward is already over, ZeRO-3 bytes
+    gathered then: the unit and the one prefetched before it) of its buckets a
     backward reduce-scatters as it goes, in launch order (reverse model order; deferred buckets wait for
     the end of the step)."""
     chunks: dict[int, list] = {}
-    for chunk, _, cast, buckets in units:
-        chunks.setdefault(chunk, []).append(([(b, g) for b, g, deferred in buckets if not deferred], bool(cast)))
+    for chunk, full, cast, buckets in units:
+        chunks.setdefault(chunk, []).append(([(b, g) for b, g, deferred in buckets if not deferred], bool(cast), full))
     out = []
     for parts in chunks.values():
         seq, done = [], 0
-        for buckets, layer in reversed(parts):
-            seq += [(b, g, done) for b, g in reversed(buckets)]
+        for j in reversed(range(len(parts))):
+            buckets, layer, full = parts[j]
+            gathered = full + (parts[j - 1][2] if j else 0)  # the unit and the one prefetched before it
+            seq += [(b, g, done, gathered) for b, g in reversed(buckets)]
             done += layer
         out.append(seq)
     return out
@@ -157,7 +160,7 @@ def forward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
 
 def _last_launched(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
     """ZeRO-3: the two reduce-scatters a chunk's backward launched last, in flight (the worst chunk)."""
-    return float(max((sum(_in_flight(b, g, wl) for b, g, _ in seq[-2:]) for seq in _launch_order(spec, stage, lay)),
+    return float(max((sum(_in_flight(b, g, wl) for b, g, *_ in seq[-2:]) for seq in _launch_order(spec, stage, lay)),
                      default=0))
 
 
@@ -222,9 +225,10 @@ def _b_states(schedule: str, p: int, m: int, v: int, k: int) -> tuple[tuple[int,
     return tuple((most - max(hs), prior) for prior, hs in sorted(states.items()))
 
 
-def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """ZeRO 2/3: the worst backward's reduce-scatter buffers (filling and in flight) less the activations it
-    holds below the stage's most: the first backward holds the most but finds nothing in flight."""
+def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """ZeRO 2/3: at the worst moment of a backward, (ZeRO-3 units gathered, reduce-scatter buffers filling
+    and in flight less the activations it holds below the stage's most): the first backward holds the most
+    but finds nothing in flight."""
     if lay.pp == 1:
         states = ((0, False),) + (((0, True),) if lay.m > 1 else ())
     else:
@@ -233,35 +237,37 @@ def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -
     mb = microbatch_activation_bytes(spec, stage, lay, wl)
     per = (mb["total"] - (mb["head"] if lay.pp > 1 else 0)) / chunks
     per_layer = _freed_per_layer(spec, stage, lay, wl)
-    best = 0.0
+    best = (0.0, 0.0)
     for deficit, prior in states:
         if lay.zero == 3:
-            got = backward_inflight_bytes(spec, stage, lay, wl, prior)
+            at, got = backward_inflight_bytes(spec, stage, lay, wl, prior)
         else:
-            got = zero2_bucket_moments(spec, stage, lay, wl, per_layer, prior, 0)[0]
-        best = max(best, got - deficit * per)
+            at, got = 0.0, zero2_bucket_moments(spec, stage, lay, wl, per_layer, prior, 0)[0]
+        if at + got - deficit * per > sum(best):
+            best = (at, got - deficit * per)
     return best
 
 
 def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
-                            prior: bool | None = None) -> float:
+                            prior: bool | None = None) -> tuple[float, float]:
     """ZeRO-3, during a unit's backward: its bucket filling (fp32, allocated at its first gradient) beside
     the two launched before it — the previous units' of the chunk, or at the chunk's first unit those a
     former backward left in flight — less what the layers already backwarded have freed (one microbatch's
-    saved tensors of each): the worst unit."""
+    saved tensors of each): the worst unit, as (units gathered then, reduce-scatter buffers)."""
     if lay.zero < 3:
-        return 0.0
+        return 0.0, 0.0
     per_layer = _freed_per_layer(spec, stage, lay, wl)
-    seqs = [[(b, _in_flight(b, g, wl), done) for b, g, done in seq] for seq in _launch_order(spec, stage, lay)]
+    seqs = [[(b, _in_flight(b, g, wl), done, at) for b, g, done, at in seq] for seq in _launch_order(spec, stage, lay)]
     # what an earlier backward of the step launched last: its last one or two buckets
     prior = lay.m > 1 if prior is None else prior
-    tail = [max((sum(f for _, f, _ in seq[-k:]) for seq in seqs), default=0) if prior and k else 0
+    tail = [max((sum(f for _, f, *_ in seq[-k:]) for seq in seqs), default=0) if prior and k else 0
             for k in (0, 1, 2)]
-    best = 0.0
+    best = (0.0, 0.0)
     for seq in seqs:
-        for i, (b, _, done) in enumerate(seq):
-            flight = sum(f for _, f, _ in seq[max(0, i - 2):i]) + tail[max(0, 2 - i)]
-            best = max(best, b + flight - done * per_layer)
+        for i, (b, _, done, at) in enumerate(seq):
+            flight = sum(f for _, f, *_ in seq[max(0, i - 2):i]) + tail[max(0, 2 - i)]
+            if at + b + flight - done * per_layer > sum(best):
+                best = (float(at), b + flight - done * per_layer)
     return best
 
 
@@ -416,7 +422,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     # reduction after every activation is gone.
     rebuilt = recompute_transient_bytes(spec, stage, lay, wl)
     gathered = zero3_gathered_bytes(spec, stage, lay)
-    buckets = backward_moments(spec, stage, lay, wl) if lay.zero >= 2 else 0.0
+    at_backward, buckets = backward_moments(spec, stage, lay, wl) if lay.zero >= 2 else (gathered, 0.0)
     copies, at_copies = autocast_moment_bytes(spec, stage, lay, wl)
     fwd_buckets = forward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else 0.0
     if lay.zero == 2:
@@ -436,7 +442,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
             n = lay.mb * wl.seq_len // lay.cp
             logits = wl.act_bytes * n * (padded_vocab(spec, lay.tp) // lay.tp) if lay.pp == 1 else 0
             layer -= head_activation_bytes(spec, lay, wl) - logits
-        moments.append((layer, gathered, buckets))
+        moments.append((layer, at_backward if lay.zero == 3 else gathered, buckets))
     if stage.head:
         moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, *head_loss_buffers(spec, stage, lay, wl)))
     moments.append((tp_reduction_bytes(spec, stage, lay) - activation, 0.0, 0.0))
