@@ -172,7 +172,7 @@ def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) 
         return 0.0, 0.0
     again = lay.m > 1
     if lay.zero == 2:
-        return 0.0, zero2_bucket_moments(spec, stage, lay, wl, 0.0, again, 2 if again else 0)[1]
+        return 0.0, zero2_bucket_moments(spec, stage, lay, wl, 0.0, again, lay.m - 1)[1]
     units = [full for chunk, full, _, _ in _unit_bytes(spec, stage, lay)]
     return float(sum(units[-2:])), _last_launched(spec, stage, lay, wl) if again else 0.0
 
@@ -288,8 +288,10 @@ def autocast_moment_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     alive together, though checkpoint saves none. Under ZeRO-3 the layer running and the next one of its
     chunk (prefetched) are gathered beside them: the worst layer is the largest sum, often the last but
     one. (Without full recompute the same copies are saved for backward and counted as activations, as
-    the LM head's always is: it is never recomputed.)"""
-    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.n_layers:
+    the LM head's always is: it is never recomputed — except under zb and dualpipev, whose linears keep the
+    fp32 weight on ctx instead, so the cache is again all there is.)"""
+    split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")  # the tp linears save no copy (grad_store)
+    if wl.act_bytes == 4 or (lay.recompute != "full" and not split) or not stage.n_layers:
         return 0.0, 0.0
     if lay.zero < 3:
         chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
