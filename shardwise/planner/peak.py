@@ -19,6 +19,7 @@ from shardwise.planner.memory import (
     recompute_transient_bytes, stage_activation_bytes, stage_params, static_bytes, zero_buckets,
 )
 from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab
+from shardwise.planner.rank_actions import backward_states, backward_then_forward, backwards_before_forward, split_states
 from shardwise.planner.schedule import in_flight
 from shardwise.planner.zero2_inflight import zero2_bucket_moments
 
@@ -153,7 +154,7 @@ def forward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
     reduce-scatters a chunk's backward launched last are still in flight (GradReducer waits for the oldest
     only when a third starts) — those of the chunk's first buckets, e.g. the embedding's and the first
     layer's, not the largest two."""
-    if lay.zero < 3 or not _backward_then_forward(lay, stage.index):
+    if lay.zero < 3 or not backward_then_forward(lay, stage.index):
         return 0.0
     return _last_launched(spec, stage, lay, wl)
 
@@ -177,54 +178,6 @@ def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) 
     return float(sum(units[-2:])), _last_launched(spec, stage, lay, wl) if again else 0.0
 
 
-def _backward_then_forward(lay: Layout, k: int) -> bool:
-    """Whether rank k of the pipeline runs a forward after a backward within one step (without a pipeline:
-    whether the step has more than one microbatch)."""
-    return _backwards_before_forward(lay, k) > 0
-
-
-def _backwards_before_forward(lay: Layout, k: int) -> int:
-    """How many backwards rank k of the pipeline has run before its last forward of the step."""
-    if lay.pp == 1:
-        return lay.m - 1
-    return _b_before_f(lay.schedule, lay.pp, lay.m, lay.vp, k)
-
-
-@lru_cache(maxsize=1024)
-def _b_before_f(schedule: str, p: int, m: int, v: int, k: int) -> int:
-    from shardwise.pipeline.schedules import build_schedule
-
-    try:
-        kinds = [a.kind for a in build_schedule(schedule, p, m, v).actions[k]]
-    except (ImportError, ValueError):
-        return m
-    last_f = max((i for i, kind in enumerate(kinds) if kind == "F"), default=-1)
-    return kinds[:last_f].count("B")
-
-
-@lru_cache(maxsize=1024)
-def _b_states(schedule: str, p: int, m: int, v: int, k: int) -> tuple[tuple[int, bool], ...]:
-    """Per kind of backward on rank k — (its first one, one after another backward) — the fewest
-    microbatch-chunks held fewer than the rank's most at any F: the first backward of a step runs with the
-    most held and nothing in flight; a later one may hold fewer (e.g. 1F1B's cool-down)."""
-    from shardwise.pipeline.schedules import build_schedule
-
-    try:
-        actions = build_schedule(schedule, p, m, v).actions[k]
-    except (ImportError, ValueError):
-        return ((0, False), (0, True))
-    held = most = 0
-    seen, states = False, {}
-    for a in actions:
-        if a.kind == "F":
-            held += 1
-            most = max(most, held)
-        elif a.kind == "B":
-            states.setdefault(seen, []).append(held)
-            held, seen = held - 1, True
-    return tuple((most - max(hs), prior) for prior, hs in sorted(states.items()))
-
-
 def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
     """ZeRO 2/3: at the worst moment of a backward, (ZeRO-3 units gathered, reduce-scatter buffers filling
     and in flight less the activations it holds below the stage's most): the first backward holds the most
@@ -232,7 +185,7 @@ def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -
     if lay.pp == 1:
         states = ((0, False),) + (((0, True),) if lay.m > 1 else ())
     else:
-        states = _b_states(lay.schedule, lay.pp, lay.m, lay.vp, stage.index)
+        states = backward_states(lay.schedule, lay.pp, lay.m, lay.vp, stage.index)
     chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
     mb = microbatch_activation_bytes(spec, stage, lay, wl)
     per = (mb["total"] - (mb["head"] if lay.pp > 1 else 0)) / chunks
@@ -374,25 +327,6 @@ def deferred_w_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -
     return float(layer * stage.n_dense + head)
 
 
-@lru_cache(maxsize=1024)
-def _split_states(schedule: str, p: int, m: int, v: int, k: int) -> tuple[tuple[int, int], ...]:
-    """Every (chunks with F done and B not, chunks with B done and W not) rank k passes through."""
-    from shardwise.pipeline.schedules import build_schedule
-
-    sched = build_schedule(schedule, p, m, v)
-    if not sched.split_bw:
-        return ()
-    held = pending = 0
-    states = set()
-    for a in sched.actions[k]:
-        held += a.kind == "F"
-        if a.kind == "B":
-            held, pending = held - 1, pending + 1
-        pending -= a.kind == "W"
-        states.add((held, pending))
-    return tuple(sorted(states))
-
-
 def weight_store_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
     """Split-backward schedules (zb, dualpipev): what the weight-gradient store holds at the worst moment,
     beyond the activations of the microbatches in flight (`deferred_w_bytes` per pending microbatch)."""
@@ -403,7 +337,7 @@ def weight_store_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload)
     act = (mb["total"] - mb["head"]) / chunks
     w = deferred_w_bytes(spec, stage, lay, wl) / chunks
     try:
-        states = _split_states(lay.schedule, lay.pp, lay.m, lay.vp, stage.index)
+        states = split_states(lay.schedule, lay.pp, lay.m, lay.vp, stage.index)
     except (ImportError, ValueError):
         return 0.0
     peak = max((act * held + w * pending for held, pending in states), default=0.0)
@@ -429,7 +363,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     fwd_buckets = forward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else 0.0
     if lay.zero == 2:
         fwd_buckets = zero2_bucket_moments(spec, stage, lay, wl, 0.0, lay.m > 1 or lay.pp > 1,
-                                           _backwards_before_forward(lay, stage.index))[1]
+                                           backwards_before_forward(lay, stage.index))[1]
     # during another chunk's forward no microbatch holds the head's tensors (its backward follows its
     # forward at once), except under GPipe, which holds every microbatch's head
     head = microbatch_activation_bytes(spec, stage, lay, wl)["head"] if stage.head and lay.schedule != "gpipe" else 0
