@@ -19,7 +19,9 @@ from shardwise.planner.memory import (
     recompute_transient_bytes, stage_activation_bytes, stage_params, static_bytes, zero_buckets,
 )
 from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab
-from shardwise.planner.rank_actions import backward_states, backward_then_forward, backwards_before_forward, split_states
+from shardwise.planner.rank_actions import (
+    backward_states, backward_then_forward, backwards_before_forward, split_states,
+)
 from shardwise.planner.schedule import in_flight
 from shardwise.planner.zero2_inflight import zero2_bucket_moments
 
@@ -129,7 +131,8 @@ def _launch_order_of(units: tuple) -> list[list[tuple[int, int, int, int]]]:
     the end of the step)."""
     chunks: dict[int, list] = {}
     for chunk, full, cast, buckets in units:
-        chunks.setdefault(chunk, []).append(([(b, g) for b, g, deferred in buckets if not deferred], bool(cast), full))
+        hooked = [(b, g) for b, g, deferred in buckets if not deferred]
+        chunks.setdefault(chunk, []).append((hooked, bool(cast), full))
     out = []
     for parts in chunks.values():
         seq, done = [], 0
