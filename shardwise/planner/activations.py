@@ -248,6 +248,8 @@ def autocast_weight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     if wl.act_bytes == 4 or lay.recompute == "full":
         return 0.0
     p = layer_params(spec, False, lay.tp, lay.ep) * stage.n_dense + layer_params(spec, True, lay.tp, lay.ep) * stage.n_moe
+    if lay.pp > 1 and lay.schedule in ("zb", "dualpipev"):  # split backward: every tp linear keeps its fp32
+        return float(wl.act_bytes * p.expert)  # weight on ctx for B and W (grad_store); routed experts still cast
     head = padded_vocab(spec, lay.tp) // lay.tp * spec.dim if stage.head else 0
     router = stage.n_moe * spec.moe_experts * spec.dim  # routing runs in fp32 with autocast off: no copy
     if _column_region(spec, lay):  # q/k/v and w1/w3 run inside a ColumnRegion: no copies saved

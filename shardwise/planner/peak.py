@@ -15,11 +15,15 @@ from functools import lru_cache
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.memory import (
-    _region_input, _stage_units, head_activation_bytes, layer_activation_bytes, microbatch_activation_bytes,
+    _stage_units, head_activation_bytes, layer_activation_bytes, microbatch_activation_bytes,
     recompute_transient_bytes, stage_activation_bytes, stage_params, static_bytes, zero_buckets,
 )
-from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab
-from shardwise.planner.schedule import in_flight
+from shardwise.planner.models import ModelSpec, padded_vocab
+from shardwise.planner.rank_actions import (
+    backward_states, backward_then_forward, backwards_before_forward,
+)
+from shardwise.planner.weight_store import weight_store_bytes
+from shardwise.planner.zero2_inflight import zero2_bucket_moments
 
 
 def head_transient_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
@@ -115,23 +119,27 @@ def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
     return tuple(out)
 
 
-def _launch_order(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[tuple[int, int, int]]]:
+def _launch_order(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[tuple[int, int, int, int]]]:
     return _launch_order_of(_unit_bytes(spec, stage, lay))
 
 
 @lru_cache(maxsize=4096)
-def _launch_order_of(units: tuple) -> list[list[tuple[int, int, int]]]:
-    """Per chunk, (fp32 bytes, group, layers of the chunk whose backward is already over) of its buckets a
+def _launch_order_of(units: tuple) -> list[list[tuple[int, int, int, int]]]:
+    """Per chunk, (fp32 bytes, group, layers of the chunk whose backward is already over, ZeRO-3 bytes
+    gathered then: the unit and the one prefetched before it) of its buckets a
     backward reduce-scatters as it goes, in launch order (reverse model order; deferred buckets wait for
     the end of the step)."""
     chunks: dict[int, list] = {}
-    for chunk, _, cast, buckets in units:
-        chunks.setdefault(chunk, []).append(([(b, g) for b, g, deferred in buckets if not deferred], bool(cast)))
+    for chunk, full, cast, buckets in units:
+        hooked = [(b, g) for b, g, deferred in buckets if not deferred]
+        chunks.setdefault(chunk, []).append((hooked, bool(cast), full))
     out = []
     for parts in chunks.values():
         seq, done = [], 0
-        for buckets, layer in reversed(parts):
-            seq += [(b, g, done) for b, g in reversed(buckets)]
+        for j in reversed(range(len(parts))):
+            buckets, layer, full = parts[j]
+            gathered = full + (parts[j - 1][2] if j else 0)  # the unit and the one prefetched before it
+            seq += [(b, g, done, gathered) for b, g in reversed(buckets)]
             done += layer
         out.append(seq)
     return out
@@ -149,50 +157,80 @@ def forward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
     reduce-scatters a chunk's backward launched last are still in flight (GradReducer waits for the oldest
     only when a third starts) — those of the chunk's first buckets, e.g. the embedding's and the first
     layer's, not the largest two."""
-    if lay.zero < 3 or not _backward_then_forward(lay, stage.index):
+    if lay.zero < 3 or not backward_then_forward(lay, stage.index):
         return 0.0
-    return float(max((sum(_in_flight(b, g, wl) for b, g, _ in seq[-2:]) for seq in _launch_order(spec, stage, lay)),
+    return _last_launched(spec, stage, lay, wl)
+
+
+def _last_launched(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """ZeRO-3: the two reduce-scatters a chunk's backward launched last, in flight (the worst chunk)."""
+    return float(max((sum(_in_flight(b, g, wl) for b, g, *_ in seq[-2:]) for seq in _launch_order(spec, stage, lay)),
                      default=0))
 
 
-def _backward_then_forward(lay: Layout, k: int) -> bool:
-    """Whether rank k of the pipeline runs a forward after a backward within one step (without a pipeline:
-    whether the step has more than one microbatch)."""
+def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """ZeRO 2/3, during the head's loss backward (before any gradient of this backward reaches a bucket):
+    (ZeRO-3 gathered: the head unit and the final norm prefetched beside it, reduce-scatters in flight:
+    what an earlier backward of the step launched last)."""
+    if lay.zero < 2:
+        return 0.0, 0.0
+    again = lay.m > 1
+    if lay.zero == 2:
+        return 0.0, zero2_bucket_moments(spec, stage, lay, wl, 0.0, again, lay.m - 1)[1]
+    units = [full for chunk, full, _, _ in _unit_bytes(spec, stage, lay)]
+    return float(sum(units[-2:])), _last_launched(spec, stage, lay, wl) if again else 0.0
+
+
+def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """ZeRO 2/3: at the worst moment of a backward, (ZeRO-3 units gathered, reduce-scatter buffers filling
+    and in flight less the activations it holds below the stage's most): the first backward holds the most
+    but finds nothing in flight."""
     if lay.pp == 1:
-        return lay.m > 1
-    return _b_before_f(lay.schedule, lay.pp, lay.m, lay.vp, k)
+        states = ((0, False),) + (((0, True),) if lay.m > 1 else ())
+    else:
+        states = backward_states(lay.schedule, lay.pp, lay.m, lay.vp, stage.index)
+    chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
+    mb = microbatch_activation_bytes(spec, stage, lay, wl)
+    per = (mb["total"] - (mb["head"] if lay.pp > 1 else 0)) / chunks
+    per_layer = _freed_per_layer(spec, stage, lay, wl)
+    best = (0.0, 0.0)
+    for deficit, prior in states:
+        if lay.zero == 3:
+            at, got = backward_inflight_bytes(spec, stage, lay, wl, prior)
+        else:
+            at, got = 0.0, zero2_bucket_moments(spec, stage, lay, wl, per_layer, prior, 0)[0]
+        if at + got - deficit * per > sum(best):
+            best = (at, got - deficit * per)
+    return best
 
 
-@lru_cache(maxsize=1024)
-def _b_before_f(schedule: str, p: int, m: int, v: int, k: int) -> bool:
-    from shardwise.pipeline.schedules import build_schedule
-
-    try:
-        kinds = [a.kind for a in build_schedule(schedule, p, m, v).actions[k]]
-    except (ImportError, ValueError):
-        return True
-    return "B" in kinds and "F" in kinds[kinds.index("B"):]
-
-
-def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
+                            prior: bool | None = None) -> tuple[float, float]:
     """ZeRO-3, during a unit's backward: its bucket filling (fp32, allocated at its first gradient) beside
     the two launched before it — the previous units' of the chunk, or at the chunk's first unit those a
     former backward left in flight — less what the layers already backwarded have freed (one microbatch's
-    saved tensors of each): the worst unit."""
+    saved tensors of each): the worst unit, as (units gathered then, reduce-scatter buffers)."""
     if lay.zero < 3:
-        return 0.0
-    per_layer = min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
-                                                                                (True, stage.n_moe)) if n), default=0)
-    seqs = [[(b, _in_flight(b, g, wl), done) for b, g, done in seq] for seq in _launch_order(spec, stage, lay)]
+        return 0.0, 0.0
+    per_layer = _freed_per_layer(spec, stage, lay, wl)
+    seqs = [[(b, _in_flight(b, g, wl), done, at) for b, g, done, at in seq] for seq in _launch_order(spec, stage, lay)]
     # what an earlier backward of the step launched last: its last one or two buckets
-    tail = [max((sum(f for _, f, _ in seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0
+    prior = lay.m > 1 if prior is None else prior
+    tail = [max((sum(f for _, f, *_ in seq[-k:]) for seq in seqs), default=0) if prior and k else 0
             for k in (0, 1, 2)]
-    best = 0.0
+    best = (0.0, 0.0)
     for seq in seqs:
-        for i, (b, _, done) in enumerate(seq):
-            flight = sum(f for _, f, _ in seq[max(0, i - 2):i]) + tail[max(0, 2 - i)]
-            best = max(best, b + flight - done * per_layer)
+        for i, (b, _, done, at) in enumerate(seq):
+            flight = sum(f for _, f, *_ in seq[max(0, i - 2):i]) + tail[max(0, 2 - i)]
+            if at + b + flight - done * per_layer > sum(best):
+                best = (float(at), b + flight - done * per_layer)
     return best
+
+
+def _freed_per_layer(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """What a layer's finished backward has freed: one microbatch's saved tensors of its smallest kind."""
+    return min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
+                                                                           (True, stage.n_moe)) if n), default=0)
 
 
 def _pad(n: int, g: int) -> int:
@@ -200,15 +238,23 @@ def _pad(n: int, g: int) -> int:
 
 
 def autocast_moment_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
-    """Under bf16 autocast with full recompute, (weight copy, ZeRO-3 gathered units) at the worst moment of a
-    chunk's forward, its layer's down-projection (`layer_forward_transient_bytes`). A recomputed block runs
+    """Under bf16 autocast, (weight copies, ZeRO-3 gathered units) at the worst moment of a chunk's forward.
+
+    Full recompute: its layer's down-projection (`layer_forward_transient_bytes`). A recomputed block runs
     with autocast's weight cache off (`shardwise.recompute`), so a weight's bf16 copy lives only while its
     op runs: the down-projection's own copy (dense: [h, ffn/tp]; MoE: the local experts' three stacks, cast
     together for the grouped GEMM). Under ZeRO-3 the layer running and the next one of its chunk
-    (prefetched) are gathered beside it: the largest such pair. (Without full recompute the copies are
-    saved for backward and counted as activations, as the LM head's always is: it is never recomputed.)"""
-    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.n_layers:
+    (prefetched) are gathered beside it: the largest such pair.
+
+    zb and dualpipev without full recompute: their linears keep the fp32 weight on ctx (`grad_store`), so no
+    copy is saved for backward and the cache, alive for the whole chunk's forward, is all there is:
+    `_cached_copies`. (Otherwise the copies are saved for backward and counted as activations, as the LM
+    head's always is: it is never recomputed.)"""
+    split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")  # the tp linears save no copy (grad_store)
+    if wl.act_bytes == 4 or (lay.recompute != "full" and not split) or not stage.n_layers:
         return 0.0, 0.0
+    if lay.recompute != "full":
+        return _cached_copies(spec, stage, lay, wl)
     dense = spec.ffn_dim // lay.tp * spec.dim if stage.n_dense else 0
     moe = spec.mlp_mats * spec.moe_experts // lay.ep * spec.expert_ffn_dim * spec.dim if stage.n_moe else 0
     copy = float(wl.act_bytes * max(dense, moe))
@@ -218,6 +264,25 @@ def autocast_moment_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     pairs = [full + (units[j + 1][1] if j + 1 < len(units) and units[j + 1][0] == chunk else 0)
              for j, (chunk, full, cast, _) in enumerate(units) if cast]
     return copy, float(max(pairs, default=0))
+
+
+def _cached_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """The cache's copies of the chunk's layers run so far (ZeRO-3: beside the running and prefetched units;
+    the worst layer is the largest sum, often the last but one)."""
+    if lay.zero < 3:
+        chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
+        p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
+        return float(wl.act_bytes * (p.total - p.vectors) / chunks), 0.0
+    units = _unit_bytes(spec, stage, lay)
+    best, copies = (0.0, 0.0), 0.0
+    for j, (chunk, full, cast, _) in enumerate(units):
+        copies = copies * (j > 0 and units[j - 1][0] == chunk) + wl.act_bytes * cast
+        if not cast:
+            continue
+        nxt = units[j + 1][1] if j + 1 < len(units) and units[j + 1][0] == chunk else 0
+        if copies + full + nxt > sum(best):
+            best = (copies, float(full + nxt))
+    return best
 
 
 def head_forward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
@@ -257,7 +322,7 @@ def layer_backward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     per_layer = min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
                                                                                 (True, stage.n_moe)) if n), default=0)
     units = _unit_bytes(spec, stage, lay)
-    seqs = [[_in_flight(b, g, wl) for b, g, _ in seq] for seq in _launch_order(spec, stage, lay)]
+    seqs = [[_in_flight(b, g, wl) for b, g, *_ in seq] for seq in _launch_order(spec, stage, lay)]
     tail = [max((sum(seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0 for k in (0, 1, 2)]
     best = (0.0, 0.0)
     for c in dict.fromkeys(u[0] for u in units):
@@ -287,15 +352,6 @@ def zero3_gathered_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
     return float(max(pairs + [n for _, n in sizes] + [0]))
 
 
-def inflight_bucket_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
-    """ZeRO 2/3: the full fp32 gradient buffers of the reduce-scatters still in flight — GradReducer lets two
-    run at once, and they outlive the backward that filled them (the largest two of the stage's buckets)."""
-    if lay.zero < 2:
-        return 0.0
-    sizes = sorted((b.padded for b in zero_buckets(spec, stage, lay) if not b.deferred), reverse=True)
-    return 4.0 * sum(sizes[:2])
-
-
 def tp_reduction_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
     """After backward, before the dp×cp reduction (no activation left): GradReducer sums TP-partial
     gradients over tp through one fp32 concatenation of them all (under SP: norms, and every MoE gradient,
@@ -312,57 +368,6 @@ def tp_reduction_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
     return 4.0 * (tp_sum + (kv * (spec.n_kv_heads + 1) if kv else 0))
 
 
-def deferred_w_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """What a split-backward schedule's weight-gradient store keeps per microbatch through one rank's
-    layers between its B and its W: every linear's input (kept past B, when autograd would free it) and
-    its output gradient (activation dtype). Dense layers and the LM head; routed experts compute dW in B."""
-    e, r, t, h = wl.act_bytes, wl.resid_bytes, lay.tp, spec.dim
-    n = lay.mb * wl.seq_len // lay.cp
-    hq, hkv, dk, dv = spec.n_heads // t, local_kv_heads(spec, t), spec.k_dim, spec.v_dim
-    ffn = spec.ffn_dim // t
-    mats = 3 if spec.mlp == "swiglu" else 2
-    layer = (_region_input(n, h, 3, e, r) + e * n * hq * dv + _region_input(n, h, mats - 1, e, r) + e * n * ffn
-             + e * n * (hq * dk + hkv * (dk + dv)) + 2 * e * n * h + (mats - 1) * e * n * ffn)
-    head = _region_input(n, h, 1, e, r) + e * n * (padded_vocab(spec, t) // t) if stage.head else 0
-    return float(layer * stage.n_dense + head)
-
-
-@lru_cache(maxsize=1024)
-def _split_states(schedule: str, p: int, m: int, v: int, k: int) -> tuple[tuple[int, int], ...]:
-    """Every (chunks with F done and B not, chunks with B done and W not) rank k passes through."""
-    from shardwise.pipeline.schedules import build_schedule
-
-    sched = build_schedule(schedule, p, m, v)
-    if not sched.split_bw:
-        return ()
-    held = pending = 0
-    states = set()
-    for a in sched.actions[k]:
-        held += a.kind == "F"
-        if a.kind == "B":
-            held, pending = held - 1, pending + 1
-        pending -= a.kind == "W"
-        states.add((held, pending))
-    return tuple(sorted(states))
-
-
-def weight_store_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """Split-backward schedules (zb, dualpipev): what the weight-gradient store holds at the worst moment,
-    beyond the activations of the microbatches in flight (`deferred_w_bytes` per pending microbatch)."""
-    if lay.pp == 1 or lay.schedule not in ("zb", "dualpipev"):
-        return 0.0
-    chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
-    mb = microbatch_activation_bytes(spec, stage, lay, wl)
-    act = (mb["total"] - mb["head"]) / chunks
-    w = deferred_w_bytes(spec, stage, lay, wl) / chunks
-    try:
-        states = _split_states(lay.schedule, lay.pp, lay.m, lay.vp, stage.index)
-    except (ImportError, ValueError):
-        return 0.0
-    peak = max((act * held + w * pending for held, pending in states), default=0.0)
-    return max(0.0, peak - act * chunks * in_flight(lay, stage.index))
-
-
 def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static: float, activation: float) -> dict:
     """The live peak of one rank of `stage`, by part: static state, the activations held at the worst moment
     (`stage_activation_bytes`), and what the trace of a real step shows beside them at that moment
@@ -377,9 +382,12 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     # reduction after every activation is gone.
     rebuilt = recompute_transient_bytes(spec, stage, lay, wl)
     gathered = zero3_gathered_bytes(spec, stage, lay)
-    buckets = backward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else inflight_bucket_bytes(spec, stage, lay)
+    at_backward, buckets = backward_moments(spec, stage, lay, wl) if lay.zero >= 2 else (gathered, 0.0)
     copies, at_copies = autocast_moment_bytes(spec, stage, lay, wl)
-    fwd_buckets = forward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else buckets
+    fwd_buckets = forward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else 0.0
+    if lay.zero == 2:
+        fwd_buckets = zero2_bucket_moments(spec, stage, lay, wl, 0.0, lay.m > 1 or lay.pp > 1,
+                                           backwards_before_forward(lay, stage.index))[1]
     # during another chunk's forward no microbatch holds the head's tensors (its backward follows its
     # forward at once), except under GPipe, which holds every microbatch's head
     head = microbatch_activation_bytes(spec, stage, lay, wl)["head"] if stage.head and lay.schedule != "gpipe" else 0
@@ -394,12 +402,12 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
             n = lay.mb * wl.seq_len // lay.cp
             logits = wl.act_bytes * n * (padded_vocab(spec, lay.tp) // lay.tp) if lay.pp == 1 else 0
             layer -= head_activation_bytes(spec, lay, wl) - logits + head_copy_bytes(spec, stage, lay, wl)
-        in_flight_now, gathered_now = (layer_backward_moment(spec, stage, lay, wl) if copies and lay.zero == 3
-                                       else (buckets, gathered))
+        full16 = wl.act_bytes != 4 and lay.recompute == "full" and lay.zero == 3
+        in_flight_now, gathered_now = (layer_backward_moment(spec, stage, lay, wl) if full16
+                                       else (buckets, at_backward if lay.zero == 3 else gathered))
         moments.append((layer, gathered_now, in_flight_now))
     if stage.head:
-        # under bf16 full recompute and ZeRO-3: at the head's loss no unit's backward has launched a bucket yet
-        moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, gathered, fwd_buckets if copies else buckets))
+        moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, *head_loss_buffers(spec, stage, lay, wl)))
     moments.append((tp_reduction_bytes(spec, stage, lay) - activation, 0.0, 0.0))
     transient, gathered, buckets = max(moments, key=sum)
     out = {"static": float(static), "activations": float(activation), "transient": transient,

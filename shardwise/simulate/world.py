@@ -67,10 +67,12 @@ def _zeros(shape: list[int]):
     return 0 if not shape else [_zeros(shape[1:]) for _ in range(shape[0])]
 
 
-def _step(trainer, live: LiveMemory, step: int) -> None:
-    """`Trainer.train_step` piece by piece, so the live-memory trace knows the phase of the step."""
+def _step(trainer, live: LiveMemory, step: int) -> int:
+    """`Trainer.train_step` piece by piece, so the live-memory trace knows the phase of the step; returns the
+    bytes of the TP-partial gradients held from backward to the TP sum (`deferred_grad_bytes`)."""
     live.phase = "forward"
     trainer.forward_backward(step)
+    held = deferred_grad_bytes(trainer)
     live.phase = "gradient reduction"
     trainer.finish_gradients()
     live.phase = "optimizer"
@@ -79,6 +81,18 @@ def _step(trainer, live: LiveMemory, step: int) -> None:
     if trainer.model_cfg.moe_experts:
         trainer.moe_step()
     trainer.mesh.ledger.end_step(step + 1)
+    return held
+
+
+def deferred_grad_bytes(trainer) -> int:
+    """ZeRO 2/3: the whole gradients of TP-partial (deferred) buckets, which a rank holds from backward until
+    the TP sum and the reduce-scatter after it free them — static state in the planner's count (they
+    live through every microbatch), though gone by the time the optimizer has stepped."""
+    if trainer.reducer.zero < 2:
+        return 0
+    grads = {p.grad.untyped_storage()._cdata: p.grad.untyped_storage().nbytes() for b in trainer.reducer.buckets
+             if b.deferred for _, p, _, _ in b.offsets if p.grad is not None}
+    return sum(grads.values())
 
 
 def _label_statics(trainer, live: LiveMemory) -> None:
@@ -104,7 +118,8 @@ def comm_bytes(axes: dict) -> dict[str, int]:
 def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
     """Run `steps` training steps of global rank `rank` on fake tensors; its measured memory and traffic.
 
-    Static bytes are taken after the first optimizer step (as `shardwise train` does), saved activations
+    Static bytes are taken after the first optimizer step (as `shardwise train` does), plus the deferred
+    TP-partial gradients the step held until its TP sum (`deferred_grad_bytes`), saved activations
     over the first step, the live peak over all steps (AdamW's moments exist from the first step's end),
     and the comm ledger of the last step. The model build's own peak (ZeRO-3 builds every unit's full flat
     buffer before sharding it) is reported apart, as `build_peak_bytes`.
@@ -135,11 +150,11 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
             for step in range(steps):
                 meter = SavedActivationMeter(trainer.model.parameters()) if step == 0 else None
                 with meter or contextlib.nullcontext():
-                    _step(trainer, live, step)
+                    held = _step(trainer, live, step)
                 if meter is not None:
                     activation = meter.peak
                 if static is None:
-                    static = static_storage_bytes(trainer)
+                    static = static_storage_bytes(trainer) + held
                 _label_statics(trainer, live)
             axes = mesh.ledger.steps[-1]["axes"]
             stage = mesh["pp"].rank
