@@ -129,10 +129,14 @@ def zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
     """`GradReducer`'s buckets (ZeRO ≥ 1) of one rank of `stage`: parameters grouped by (expert?, matrix?)
     — and by pipeline chunk under ZeRO-2, by unit under ZeRO-3 — in parameter order, cut at BUCKET_BYTES
     (not under ZeRO-3: one bucket per unit and group)."""
-    key = Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
-                 zero=lay.zero, sp=lay.sp,  # only what the buckets depend on: the search shares them
-                 dp_shard=lay.shard * lay.cp if lay.hsdp else 0)
-    return _zero_buckets(spec, stage, key)
+    return _zero_buckets(spec, stage, bucket_layout(lay))
+
+
+def bucket_layout(lay: Layout) -> Layout:
+    """Only what ZeRO's buckets and units depend on (dp·cp as one group, the hybrid shard group): the search's
+    many layouts share their cached buckets through it."""
+    return Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
+                  zero=lay.zero, sp=lay.sp, dp_shard=lay.shard * lay.cp if lay.hsdp else 0)
 
 
 @lru_cache(maxsize=4096)

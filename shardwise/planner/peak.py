@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.memory import (
-    _stage_units, head_activation_bytes, layer_activation_bytes, microbatch_activation_bytes,
+    _stage_units, bucket_layout, head_activation_bytes, layer_activation_bytes, microbatch_activation_bytes,
     recompute_transient_bytes, stage_activation_bytes, stage_params, static_bytes, zero_buckets,
 )
 from shardwise.planner.models import ModelSpec, padded_vocab
@@ -95,10 +95,7 @@ def _unit_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, i
     bytes, reduction group, deferred?) in `GradReducer`'s order) of every ZeRO-3 unit of the stage, in model order: a unit
     has one bucket per (expert?, matrix?) group, padded to its reduction group, deferred when it holds a
     TP-partial gradient; its layers' matrices are what autocast copies (the embedding table is not)."""
-    key = Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
-                 zero=lay.zero, sp=lay.sp,  # only what the units depend on: the search shares them
-                 dp_shard=lay.shard * lay.cp if lay.hsdp else 0)
-    return _units(spec, stage, key)
+    return _units(spec, stage, bucket_layout(lay))
 
 
 @lru_cache(maxsize=4096)
