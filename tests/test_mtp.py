@@ -308,9 +308,36 @@ def _measure(layouts, seed):
         weights = sum(b.shard.numel() for b in red.buckets) if red.zero >= 3 else sum(q.numel() for q in params)
         state = red.optimizer.state.values()
         out.append(dict(pp=mesh["pp"].rank, weights=weights * 4, axes=mesh.ledger.steps[-1]["axes"],
+                        activation=_microbatch_activation(t), rank=mesh.rank, ep_ranks=mesh["ep"].ranks,
                         optimizer=sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in state) * 4,
                         numel=sum(q.numel() for q in params)))
     return out
+
+
+def _microbatch_activation(trainer) -> int:
+    """Bytes autograd saves for one microbatch's forward through this rank's chunks with the MTP inputs on (as
+    test_planner_ledger measures it; the side inputs cloned, as the ids: the loader's are views of the batch)."""
+    from test_planner_ledger import _saved_bytes
+
+    xs, ys, side = trainer.microbatches(trainer.loader, 0, mtp=True)
+    x, y, kw = xs[0].clone(), ys[0].clone(), {k: v.clone() for k, v in side[0].items()}
+    params, total = list(trainer.model.parameters()), 0
+    for chunk in trainer.model.chunks or [None]:
+        if chunk is None:
+            inp, run, last = x, trainer.model, True
+        else:
+            inp = x if chunk.first else torch.randn(trainer.executor.act_shape, dtype=trainer.executor.act_dtype,
+                                                    requires_grad=True)
+            run, last = chunk, chunk.last
+
+        def forward():
+            with trainer._autocast():
+                out = run(inp, **kw)
+            return trainer.model.loss_fn(out, y, IGNORE).sum() if last else out
+
+        total += _saved_bytes(forward, params)[0]
+    trainer.model.mtp_loss = None
+    return total
 
 
 def par_key(par):
@@ -324,7 +351,7 @@ def test_planner_counts_mtp_exactly():
     from shardwise.config import get_model_config
     from shardwise.planner import Cluster, estimate, get_gpu
     from shardwise.planner.layout import from_train_config, stages
-    from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
+    from shardwise.planner.memory import microbatch_activation_bytes, stage_params, static_bytes, zero_buckets
     from shardwise.planner.models import ModelSpec, active_params, padded_vocab, total_params
 
     for m in (DEEPSEEK_MTP, get_model_config("deepseek-v3", mtp_layers=1)):
@@ -341,6 +368,15 @@ def test_planner_counts_mtp_exactly():
             cfg.resolve_world(world)
             spec, lay, wl = from_train_config(cfg)
             est = {par_key(par): estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl, detail=True)}
+            # one microbatch's saved activations (the MTP modules' blocks, combination, heads, ids) within the
+            # ledger test's 0.1%; MoE: per ep group, whose ranks share out the routed rows
+            groups = {}
+            for rep in (r[i] for r in ranks):
+                groups.setdefault(rep["ep_ranks"], []).append(rep)
+            for reps in groups.values():
+                want = sum(microbatch_activation_bytes(spec, stages(spec, lay)[r["pp"]], lay, wl)["total"] for r in reps)
+                got = sum(r["activation"] for r in reps)
+                assert got == pytest.approx(want, rel=1e-3), (par, [r["rank"] for r in reps], got, want)
             for rep in (r[i] for r in ranks):
                 st = stages(spec, lay)[rep["pp"]]
                 local = stage_params(spec, st, lay)

@@ -271,8 +271,9 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
     out = {"layers": stage.n_dense * per[False] + stage.n_moe * per[True],
            "head": head, "embedding": 0.0, "rope": 0.0, "weights": 0.0}
     if stage.head and spec.mtp_layers:  # the MTP modules run after the head, on the last stage: held like it
-        out["head"] += mtp_activation_bytes(spec, per.get, head, n, n // lay.tp if lay.sp else n, wl.act_bytes,
-                                            wl.resid_bytes, lay.tp)
+        out["head"] += mtp_activation_bytes(spec, per.get, n, n // lay.tp if lay.sp else n,
+                                            padded_vocab(spec, lay.tp) // lay.tp, wl.act_bytes, wl.resid_bytes, lay.tp,
+                                            lay.sp)
     if model == "shardwise":
         out["embedding"] = float((9 * n if lay.tp > 1 else 8 * n) if stage.embedding else 0)
         # apply_rope's real arithmetic saves views of the fp32 cos/sin tables each chunk builds (one storage
