@@ -36,9 +36,9 @@ DEEPSEEK_MTP = ModelConfig(name="deepseek-mtp", vocab_size=257, dim=64, n_layers
                            moe_topk_group=2, moe_routed_scaling=2.5, moe_bias_update_rate=0.01, mtp_layers=2)
 
 
-def _cfg(seed, model=DEEPSEEK_MTP, global_batch=4, lam=0.3, **parallel):
+def _cfg(seed, model=DEEPSEEK_MTP, global_batch=4, lam=0.3, dtype="fp32", **parallel):
     return TrainConfig(model=model, parallel=ParallelConfig(**parallel), steps=2, seq_len=32, micro_batch=2,
-                       global_batch=global_batch, seed=seed, progress=False, mtp_loss_weight=lam)
+                       global_batch=global_batch, seed=seed, progress=False, mtp_loss_weight=lam, dtype=dtype)
 
 
 def _rms(x, w, eps):
@@ -284,9 +284,11 @@ def test_init_from_hf_refuses_more_mtp_layers_than_the_checkpoint(tmp_path, caps
 
 # (world, ParallelConfig kwargs, global batch): the embedding copy (pp2, untied), tp-sharded MTP blocks with
 # SP-partial eh_proj and norms (and without SP: MLA's per-head partial grads), EP experts in the MTP blocks, ring
-# attention in them, ZeRO-1 and ZeRO-3 units (with the copy as a unit).
+# attention in them, ZeRO-1 and ZeRO-3 units (with the copy as a unit); bf16 (the MTP linears' weight copies, bf16
+# hnorm inputs) on tp2×SP and on pp2 with full recompute (which does not reach the MTP blocks).
 PLANNER_LAYOUTS = [(2, dict(pp=2), 4), (2, dict(tp=2, sequence_parallel=True), 4), (2, dict(dp=2, ep=2, zero=1), 8),
-                   (2, dict(cp=2), 4), (2, dict(tp=2), 4),
+                   (2, dict(cp=2), 4), (2, dict(tp=2), 4), (2, dict(tp=2, sequence_parallel=True, dtype="bf16"), 4),
+                   (2, dict(pp=2, recompute="full", dtype="bf16"), 4),
                    (4, dict(dp=2, pp=2, zero=3), 16), (4, dict(dp=2, pp=2, tp=1, schedule="dualpipev", zero=1), 16)]
 
 

@@ -29,6 +29,8 @@ A stage holds its per-microbatch figure for every microbatch its schedule keeps 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.models import ModelSpec, layer_params, local_kv_heads, padded_vocab
 from shardwise.planner.mtp import mtp_activation_bytes
@@ -270,8 +272,14 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
     head = head_activation_bytes(spec, lay, wl, model) if stage.head else 0.0
     out = {"layers": stage.n_dense * per[False] + stage.n_moe * per[True],
            "head": head, "embedding": 0.0, "rope": 0.0, "weights": 0.0}
-    if stage.head and spec.mtp_layers:  # the MTP modules run after the head, on the last stage: held like it
-        out["head"] += mtp_activation_bytes(spec, per.get, n, n // lay.tp if lay.sp else n,
+    if stage.head and spec.mtp_layers:  # the MTP modules run after the head, on the last stage: held like it;
+        # recompute does not reach their blocks, and bf16 autocast saves their linears' weight copies
+        mtp_per = {moe: layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in (False, True)}
+        blocks = [spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers)]
+        if model == "shardwise":
+            mtp_stage = Stage(stage.index, blocks.count(False), blocks.count(True), False, False, tuple(blocks))
+            out["weights"] += autocast_weight_bytes(spec, mtp_stage, dataclasses.replace(lay, recompute="none"), wl)
+        out["head"] += mtp_activation_bytes(spec, mtp_per.get, n, n // lay.tp if lay.sp else n,
                                             padded_vocab(spec, lay.tp) // lay.tp, wl.act_bytes, wl.resid_bytes, lay.tp,
                                             lay.sp)
     if model == "shardwise":
@@ -281,7 +289,7 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
         chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
         rope_dim = spec.qk_rope_dim if spec.is_mla else spec.k_dim  # MLA rotates only the rope parts
         out["rope"] = float(4 * (wl.seq_len // lay.cp) * rope_dim * chunks if not spec.learned_pos else 0)
-        out["weights"] = autocast_weight_bytes(spec, stage, lay, wl)
+        out["weights"] += autocast_weight_bytes(spec, stage, lay, wl)
         if stage.head and lay.recompute == "full" and wl.act_bytes != 4:  # the head is never recomputed
             out["head"] += wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim
     out["total"] = sum(out.values())

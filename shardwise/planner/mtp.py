@@ -45,18 +45,20 @@ def mtp_flops_per_token(spec: ModelSpec, layer_flops, vocab_local: int) -> tuple
 def mtp_activation_bytes(spec: ModelSpec, layer_bytes, tokens: int, tokens_local: int, vocab_local: int,
                          act_bytes: int, resid_bytes: int, tp: int, sp: bool) -> float:
     """Saved for backward by the D modules per microbatch (`layer_bytes(moe)`: a block's figure). Each module:
-    enorm (fp32 input, x·rsqrt, rsqrt), hnorm (x·rsqrt, rsqrt), the concatenated eh_proj input (2d per token of
-    the rank's sequence), its block, shared_head.norm, what the LM head reads (the stacked [h; norm(h)] output,
-    or under SP the all-gathered norm(h)), the fp32 softmax over the local vocabulary and the loss scalar.
-    hnorm's input is the hidden the previous head keeps — except under SP, whose head keeps the gathered copy:
-    then it is the main model's normed hidden and each earlier module's stacked output. int64 ids and labels:
-    without tp one [D, b, s] tensor each; under tp per module the embedding's shifted ids and mask and the
-    vocabulary-parallel cross-entropy's local targets and two masks. Once: the summed loss."""
+    enorm (fp32 input, x·rsqrt, rsqrt), hnorm (x·rsqrt, rsqrt, and the fp32 copy of a bf16 input; an fp32 input
+    is the hidden the previous head keeps), the eh_proj input (2d per token of the rank's sequence) and under bf16
+    autocast its weight copy, the block, shared_head.norm, what the LM head reads (the stacked [h; norm(h)]
+    output, or under SP the all-gathered norm(h)), the fp32 softmax over the local vocabulary and the loss scalar.
+    Under SP the LM head keeps the gathered copy, so an fp32 hnorm input is held for it: the main model's normed
+    hidden and each earlier module's stacked output. int64 ids and labels: without tp one [D, b, s] tensor each;
+    under tp per module the embedding's shifted ids and mask and the vocabulary-parallel cross-entropy's local
+    targets and two masks. Once: the summed loss."""
     n, d, depth = tokens_local, spec.dim, spec.mtp_layers
-    norms = (8 * d + 4) + (4 * d + 4) + (8 * d + 4)
+    norms = (8 * d + 4) + ((4 if resid_bytes == 4 else 8) * d + 4) + (8 * d + 4)
     head_in = resid_bytes * tokens * d if sp else 2 * resid_bytes * n * d
-    module = (norms + act_bytes * 2 * d) * n + head_in + 4 * tokens * vocab_local + 4 + (19 * tokens if tp > 1 else 0)
+    module = ((norms + act_bytes * 2 * d) * n + head_in + 4 * tokens * vocab_local + 4
+              + (19 * tokens if tp > 1 else 0) + (act_bytes * 2 * d * d if act_bytes != 4 else 0))
     once = 8 + (0 if tp > 1 else 16 * tokens * depth)
-    if sp:
+    if sp and resid_bytes == 4:
         once += resid_bytes * n * d * (1 + 2 * (depth - 1))
     return sum(layer_bytes(spec.is_moe_layer(spec.n_layers + k)) + module for k in range(depth)) + once
