@@ -24,6 +24,8 @@ CI = [
     "cp2-ulysses-hs1-z3",
     "moe-ep2-tp2-sp-z1-bf16-full",
     "pp2-zb-tp2-sp",
+    "pp2-zb-z3-bf16",          # split backward: vector buckets launch at B, matrix buckets in their own queue at W
+    "moe-ep2-cp2-hs1-z3-full",  # the fp32 expert loop: unbind's backward, no zero-filled gradient per expert
 ]
 
 

@@ -94,13 +94,19 @@ def adopt_grad(full: torch.Tensor, p: torch.Tensor, off: int, k: int) -> None:
 class OverlappedReduction:
     """Starts each bucket's collective from backward, in order, and finishes them on demand."""
 
-    def __init__(self, buckets: list[Bucket], zero: int, reduce_dtype, max_inflight: int | None = None):
+    def __init__(self, buckets: list[Bucket], zero: int, reduce_dtype, max_inflight: int | None = None,
+                 late: frozenset = frozenset()):
         self.zero, self.reduce_dtype = zero, reduce_dtype
         self.buckets = buckets
-        self.order: dict[int, list[Bucket]] = {}  # chunk -> its hooked buckets in launch (reverse) order
+        # (chunk, late) -> its hooked buckets in launch (reverse) order. Under split backward (zb, dualpipev)
+        # a bucket holding a `late` parameter (its dW comes from the W action) is complete only at W, the
+        # others already at B: each kind cycles on its own, so a vector bucket launches at its B every
+        # micro-batch instead of waiting behind a matrix bucket (and merging with a later B's gradients).
+        self.order: dict[tuple[int, bool], list[Bucket]] = {}
         for b in reversed(buckets):
             if not b.deferred:
-                self.order.setdefault(b.chunk, []).append(b)
+                b.queue = (b.chunk, any(id(p) in late for _, p, _, _ in b.offsets))
+                self.order.setdefault(b.queue, []).append(b)
         self.max_inflight = max_inflight
         self.rounds = 1
         self.poisoned = False
@@ -142,18 +148,18 @@ class OverlappedReduction:
         need = len(b.offsets) * (1 if self.zero >= 2 else self.rounds)
         if b.fired >= need:
             b.fired, b.ready = 0, True
-            self._advance(b.chunk)
+            self._advance(b.queue)
 
-    def _advance(self, chunk: int) -> None:
-        """Launch the chunk's ready buckets in order; ZeRO ≥ 2 cycles through them once per micro-batch."""
-        seq = self.order[chunk]
-        while self.ptr[chunk] < len(seq) and seq[self.ptr[chunk]].ready:
-            b = seq[self.ptr[chunk]]
+    def _advance(self, queue: tuple[int, bool]) -> None:
+        """Launch the queue's ready buckets in order; ZeRO ≥ 2 cycles through them once per micro-batch."""
+        seq = self.order[queue]
+        while self.ptr[queue] < len(seq) and seq[self.ptr[queue]].ready:
+            b = seq[self.ptr[queue]]
             b.ready = False
             self.launch(b)
-            self.ptr[chunk] += 1
-            if self.zero >= 2 and self.ptr[chunk] == len(seq):
-                self.ptr[chunk] = 0
+            self.ptr[queue] += 1
+            if self.zero >= 2 and self.ptr[queue] == len(seq):
+                self.ptr[queue] = 0
 
     # ------------------------------------------------------------ the collectives
     def launch(self, b: Bucket) -> None:
@@ -209,8 +215,8 @@ class OverlappedReduction:
     def finish(self) -> None:
         """Launch, in order, whatever backward did not complete (a parameter without a gradient), then the
         deferred buckets (their TP sums are done by now); wait for everything in flight."""
-        for chunk, seq in sorted(self.order.items()):
-            start = self.ptr[chunk]
+        for queue, seq in sorted(self.order.items()):
+            start = self.ptr[queue]
             for b in seq[start:] + (seq[:start] if self.zero >= 2 else []):
                 self.launch(b)  # ZeRO ≥ 2: a bucket without pending gradients has no buffer, launch skips it
                 b.fired, b.ready = 0, False

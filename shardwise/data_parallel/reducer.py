@@ -89,16 +89,17 @@ class GradReducer:
                 b.grad_full = torch.zeros(b.padded, device=mesh.device, dtype=b.dtype)
         else:
             self._build_zero(lr, betas, eps)
-        self.reduction = OverlappedReduction(self.buckets, zero, reduce_dtype, max_inflight=2 if zero >= 2 else None)
-        self.reduction.rounds = rounds
-        self._bucket_of = {id(p): (b, off, k) for b in self.buckets for _, p, off, k in b.offsets}
-        if zero >= 3:
-            self._build_units(model)
         # zb/dualpipev: a linear's B hands its dW to the store, and autograd still calls the hook (with
         # nothing accumulated); the W action's accumulation calls _on_grad itself.
         self.store = getattr(model, "grad_store", None)
         self._deferred_w = {id(p) for m in model.modules() if getattr(m, "grad_store", None) is not None
                             for p in m.parameters(recurse=False)}
+        self.reduction = OverlappedReduction(self.buckets, zero, reduce_dtype, max_inflight=2 if zero >= 2 else None,
+                                             late=frozenset(self._deferred_w))
+        self.reduction.rounds = rounds
+        self._bucket_of = {id(p): (b, off, k) for b in self.buckets for _, p, off, k in b.offsets}
+        if zero >= 3:
+            self._build_units(model)
         for b in self.buckets:
             for _, p, _, _ in b.offsets:
                 if (overlap or zero >= 2) and not b.deferred:

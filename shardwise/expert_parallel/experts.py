@@ -94,10 +94,12 @@ class GroupedExperts(nn.Module):
                 h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
                 h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
                 return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs).to(rows.dtype)
+        # unbind, not w[e]: indexing's backward builds a zero-filled gradient of all local experts per expert;
+        # unbind's stacks the experts' gradients once
         outs = []
-        for e, part in enumerate(rows.split(counts)):
-            h = F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e])
-            outs.append(F.linear(h, self.w2[e]))
+        for part, a, c, b in zip(rows.split(counts), self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)):
+            h = F.silu(F.linear(part, a)) * F.linear(part, c)
+            outs.append(F.linear(h, b))
         return torch.cat(outs)
 
     def extra_repr(self) -> str:

@@ -156,7 +156,25 @@ def forward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
     layer's, not the largest two."""
     if lay.zero < 3 or not backward_then_forward(lay, stage.index):
         return 0.0
+    if lay.pp > 1 and lay.schedule in ("zb", "dualpipev"):
+        return _last_launched_at_w(spec, stage, lay, wl)
     return _last_launched(spec, stage, lay, wl)
+
+
+def _last_launched_at_w(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """ZeRO-3 under split backward: the matrix buckets of a layer or the head (their linears' dW comes at W)
+    launch in a queue of their own (`OverlappedReduction`), so a chunk's W leaves its first two such buckets
+    in flight — two matrix buckets, where a joint backward ends on a matrix and a vector bucket."""
+    key = bucket_layout(lay)
+    gd = key.dp_shard if key.hsdp else key.dp
+    late: dict[int, list[float]] = {}
+    for u, (chunk, tensors) in enumerate(_stage_units(spec, stage, key)):
+        if u == 0 and stage.embedding:
+            continue
+        n = sum(x.numel for x, _ in tensors if x.matrix and not x.expert)
+        if n and not any(d for x, d in tensors if x.matrix and not x.expert):
+            late.setdefault(chunk, []).append(_in_flight(4 * _pad(n, gd), gd, wl))
+    return float(max((sum(seq[:2]) for seq in late.values()), default=0))
 
 
 def _last_launched(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
