@@ -24,7 +24,7 @@ from ..mesh import Axis
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import ReplicatedDropout
 from .documents import document_mask
-from .mla import MLA
+from .mla import MLA, attend
 from .mtp import MTPLayer, mtp_forward
 from .rope import apply_rope, llama3_inv_freq, rope_tables  # noqa: F401  (re-exported: the model's RoPE)
 
@@ -70,11 +70,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin).transpose(1, 2)
         k = apply_rope(k, cos, sin).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
-        if self.recompute_core is None:
-            out = self.core(q, k, v, doc_ids)
-        else:
-            out = self.recompute_core(self.core, q, k, v, doc_ids)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return attend(self, q, k, v, doc_ids)
 
     def core(self, q, k, v, doc_ids=None):
         """The attention core — QKᵀ, softmax, ·V (SDPA, or ring/Ulysses under cp): what selective recompute replays.

@@ -24,6 +24,14 @@ from .documents import document_mask
 from .rope import apply_rope
 
 
+def attend(attn: nn.Module, q, k, v, doc_ids):
+    """The attention core on [b, heads, s, d] (through selective recompute when it is on), then `wo`: the tail
+    both attention classes share."""
+    b, s = q.shape[0], q.shape[2]
+    out = attn.core(q, k, v, doc_ids) if attn.recompute_core is None else attn.recompute_core(attn.core, q, k, v, doc_ids)
+    return attn.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, norm_cls):
         super().__init__()
@@ -59,11 +67,7 @@ class MLA(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)
         k = torch.cat((k_nope, k_rope), dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)
-        if self.recompute_core is None:
-            out = self.core(q, k, v, doc_ids)
-        else:
-            out = self.recompute_core(self.core, q, k, v, doc_ids)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return attend(self, q, k, v, doc_ids)
 
     def core(self, q, k, v, doc_ids=None):
         """SDPA (ring or Ulysses under cp) with MLA's scale (nope + rope)^-0.5, which is 1/√(q's head size), the
