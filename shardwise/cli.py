@@ -301,7 +301,7 @@ def main(argv=None) -> int:
                     print(f"shardwise train: {done}", file=sys.stderr)
                 return 0
         check_sources(cfg)  # once, before any rank: manifests, shard checksums, --init-from-hf
-        world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
+        world = cfg.parallel.world_size
         import torch
 
         from .launch import plan_launch

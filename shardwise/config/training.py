@@ -223,7 +223,7 @@ class TrainConfig:
                     f"world size {world_size} is not divisible by pp={p.pp} × cp={p.cp} × tp={p.tp} = {others}"
                 )
             p.dp = world_size // others
-        world = p.dp * others
+        world = p.world_size
         if world_size is not None and world != world_size:
             raise ConfigError(
                 f"dp={p.dp} × pp={p.pp} × cp={p.cp} × tp={p.tp} = {world} does not equal the world size {world_size}"

@@ -143,8 +143,8 @@ def _explain(args, spec, cluster, wl, assume) -> int:
         wl = replace(wl, **wl_fields)
         uneven = args.uneven_pp or "--pp-layers" in text
     else:
-        base = Layout(mb=args.micro_batch or 1, zero=args.zero, recompute=args.recompute, sp=args.sequence_parallel,
-                      cp_impl=args.cp_impl)
+        base = Layout(mb=args.micro_batch or 1, zero=args.zero, recompute=args.recompute,
+                      sequence_parallel=args.sequence_parallel, cp_impl=args.cp_impl)
         lay, uneven = parse_layout(text, base, cluster.gpus, args.global_batch), args.uneven_pp
     bad = layout_problems(spec, lay, cluster.gpus, wl.seq_len, uneven)
     if bad:
@@ -169,7 +169,7 @@ def _search(args, spec, cluster, wl, assume) -> int:
     )
     results = search(spec, cluster, wl, space, assume)
     for r in results[: args.top]:
-        r |= row_command(model_flags(args), spec, cluster, Layout(**r["layout"]), wl)
+        r |= row_command(model_flags(args), spec, cluster, Layout.from_dict(r["layout"]), wl)
     if args.trace:
         from shardwise.planner.trace import trace_rows
 
@@ -196,7 +196,7 @@ def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchS
           n_fit: int, traced: bool = False) -> str:
     """Fixed-width ranking: layout, memory breakdown, bubble, per-axis traffic, step time and MFU; with
     `traced`, each simulated row's traced peak (blank for rows not simulated) and why a row no longer fits."""
-    names = [Layout(**r["layout"]).short() for r in rows]
+    names = [Layout.from_dict(r["layout"]).short() for r in rows]
     axes = [a for a in TABLE_AXES if any(r["comm_bytes_per_step_max"].get(a) for r in rows)]
     cols = [("#", 3), ("layout", max(map(len, names))), ("params/rank", 11), ("static GB", 9), ("act GB", 7),
             ("total GB", 8), ("peak GB", 7)] + [("traced GB", 9)] * traced + [("bubble", 6)]

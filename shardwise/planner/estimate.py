@@ -95,10 +95,10 @@ def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none") -> float
 
 
 @lru_cache(maxsize=8192)
-def axis_links(dp: int, pp: int, cp: int, tp: int, ep: int, domain: int, dp_shard: int = 0) -> dict:
+def axis_links(dp: int, pp: int, cp: int, tp: int, ep: int, domain: int, dp_shard: int | None = None) -> dict:
     """Link each axis rides: a group crossing any scale-up domain boundary is limited by the network."""
     lay = Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, dp_shard=dp_shard)
-    if domain >= lay.world:
+    if domain >= lay.world_size:
         return {a: "nvlink" if group_size(lay, a) > 1 else None for a in AXES}
     return {a: spans_link(group_spans(lay, a), group_size(lay, a), domain) for a in AXES}
 

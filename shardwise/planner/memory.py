@@ -136,7 +136,7 @@ def bucket_layout(lay: Layout) -> Layout:
     """Only what ZeRO's buckets and units depend on (dp·cp as one group, the hybrid shard group): the search's
     many layouts share their cached buckets through it."""
     return Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
-                  zero=lay.zero, sp=lay.sp, dp_shard=lay.shard * lay.cp if lay.hsdp else 0)
+                  zero=lay.zero, sequence_parallel=lay.sp, dp_shard=lay.shard * lay.cp if lay.hsdp else None)
 
 
 @lru_cache(maxsize=4096)

@@ -13,7 +13,7 @@ from shardwise.planner.layout import Layout
 
 def simulate_flags(model_flags: list[str], spec, row: dict, wl) -> list[str]:
     """The `shardwise simulate` flags of a plan row: its train command's flags, every stage's first rank."""
-    return train_flags(model_flags, spec, Layout(**row["layout"]), wl) + ["--ranks", "stages"]
+    return train_flags(model_flags, spec, Layout.from_dict(row["layout"]), wl) + ["--ranks", "stages"]
 
 
 def trace_row(flags: list[str]) -> dict:
@@ -28,7 +28,7 @@ def trace_row(flags: list[str]) -> dict:
         cfg = config_from_args(args, None)
         check_simulable(cfg)
         p = cfg.parallel
-        ranks = choose_ranks(args.ranks, p.dp * p.pp * p.cp * p.tp, p.pp, p.cp, p.tp)
+        ranks = choose_ranks(args.ranks, p.world_size, p.pp, p.cp, p.tp)
         report = run(cfg, ranks, cfg.steps)
     except ConfigError as e:
         return {"error": str(e)}

@@ -78,7 +78,7 @@ def zero2_bucket_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workloa
     (what they launched last is still in flight then). `per_layer`: one microbatch's saved tensors of a
     layer, freed once its backward is over."""
     key = Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
-                 zero=2, sp=lay.sp, dp_shard=lay.shard * lay.cp if lay.hsdp else 0)
+                 zero=2, sequence_parallel=lay.sp, dp_shard=lay.shard * lay.cp if lay.hsdp else None)
     layers: dict[int, list[float]] = {}  # per chunk, what each unit's backward frees (a layer: > 2 tensors)
     for chunk, tensors in _stage_units(spec, stage, key):
         layers.setdefault(chunk, []).append(per_layer if len(tensors) > 2 else 0.0)

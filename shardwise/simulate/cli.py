@@ -140,7 +140,7 @@ def main(args) -> int:
         cfg = config_from_args(args, None)
         check_simulable(cfg)
         p = cfg.parallel
-        world = p.dp * p.pp * p.cp * p.tp
+        world = p.world_size
         ranks = choose_ranks(args.ranks, world, p.pp, p.cp, p.tp)
     except ConfigError as e:
         print(f"shardwise simulate: error: {e}", file=sys.stderr)

@@ -97,7 +97,7 @@ def simulate(flags: list[str], ranks: str = "stages") -> dict:
     cfg = config_from_args(args, None)
     check_simulable(cfg)
     p = cfg.parallel
-    return run(cfg, choose_ranks(args.ranks, p.dp * p.pp * p.cp * p.tp, p.pp, p.cp, p.tp), cfg.steps)
+    return run(cfg, choose_ranks(args.ranks, p.world_size, p.pp, p.cp, p.tp), cfg.steps)
 
 
 def ratios(report: dict) -> list[dict]:
