@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 
 from shardwise.config import ConfigError
+from shardwise.hf_config import config_from_hf
 from shardwise.planner.errors import PlanError
 from shardwise.planner.estimate import Assumptions, estimate
 from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
@@ -173,7 +174,8 @@ def _search(args, spec, cluster, wl, assume) -> int:
     if args.trace:
         from shardwise.planner.trace import trace_rows
 
-        trace_rows(results[: args.top], args.trace, model_flags(args), spec, wl)
+        model = args.model if not args.model_config or spec.untrainable else config_from_hf(args.model_config)
+        trace_rows(results[: args.top], args.trace, model, spec, wl, args.mtp_layers)
     if args.json:
         print(json.dumps(results[: args.top], indent=2))
     if not results:
