@@ -153,77 +153,103 @@ def main(argv=None) -> int:
     if hasattr(args, "func"):
         return args.func(args)
     torchrun_world = int(os.environ["WORLD_SIZE"]) if _torchrun() else None
+    rank0 = torchrun_world is None or int(os.environ["RANK"]) == 0
     try:
-        if args.config:
-            from .config_file import apply_config_file
-
-            args = apply_config_file(parser, parser._sw_runs[args.command], args.config, argv)
-        cfg = config_from_args(args, torchrun_world)
-        if torchrun_world is not None:
-            _check_tp_within_node(cfg)
+        args, cfg = _configure(parser, args, argv, torchrun_world)
         if args.print_config:
             from .config_file import render_config
 
             print(render_config(parser._sw_runs[args.command], args, cfg))
             return 0
-        if args.command == "verify":
-            from .verify import check_verifiable
-
-            check_verifiable(cfg)
-        if args.command == "train":
-            done = _prepare_run_dir(args, cfg)
-            if done is not None:
-                if torchrun_world is None or int(os.environ["RANK"]) == 0:
-                    print(f"shardwise train: {done}", file=sys.stderr)
-                return 0
-        check_sources(cfg)  # once, before any rank: manifests, shard checksums, --init-from-hf
-        world = cfg.parallel.world_size
-        import torch
-
-        from .launch import plan_launch
-
-        launch = plan_launch(world, args.device, torch.cuda.device_count() if args.device != "cpu" else 0,
-                             torchrun_world is not None)
-        if torchrun_world is not None or args.gloo_ifname:
-            from .launch import configure_gloo
-
-            configure_gloo(args.gloo_ifname)
-        if torchrun_world is None and world > MAX_LOCAL_RANKS:
-            raise ConfigError(f"the layout needs {world} ranks; the local launcher starts at most "
-                              f"{MAX_LOCAL_RANKS} (use torchrun for more)")
+        done = _before_ranks(args, cfg)
+        if done is not None:
+            if rank0:
+                print(f"shardwise train: {done}", file=sys.stderr)
+            return 0
+        launch = _plan_launch(args, cfg, torchrun_world)
     except ConfigError as e:
         print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
         return 2
     p = cfg.parallel
-    if p.pp > 1 and cfg.grad_accum < p.pp and (torchrun_world is None or int(os.environ["RANK"]) == 0):
+    if p.pp > 1 and cfg.grad_accum < p.pp and rank0:
         print(f"shardwise {args.command}: warning: {cfg.grad_accum} microbatch(es) per step for {p.pp} pipeline "
               f"stages: most stages idle most of the step; set --microbatches {p.pp} or more", file=sys.stderr)
-    from .launch import RankError, run_local
+    from .launch import RankError
 
     try:
-        if torchrun_world is not None:
-            from .launch import init_distributed
-
-            result = _run(args.command, cfg, init_distributed(cfg.timeout_s, launch.device, cfg.out))
-            rank0 = int(os.environ["RANK"]) == 0
-        elif world == 1:
-            import torch
-
-            device = torch.device("cuda", 0) if launch.device == "cuda" else None
-            result, rank0 = _run(args.command, cfg, device), True
-        else:
-            result, rank0 = run_local(_rank_run, world, args.command, cfg, timeout_s=cfg.timeout_s,
-                                      backend=launch.backend, run_dir=cfg.out)[0], True
+        result = _launch(args.command, cfg, launch, torchrun_world)
     except RankError as e:
         print(f"shardwise {args.command}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        if torchrun_world is None or int(os.environ["RANK"]) == 0:
+        if rank0:
             print(f"shardwise {args.command}: {_interrupted_line(cfg)}", file=sys.stderr)
         return 130
-    if not rank0:
-        return 0
+    return _report(args.command, result) if rank0 else 0
+
+
+def _configure(parser, args, argv, torchrun_world: int | None):
+    """(args with --config's TOML applied, the assembled TrainConfig)."""
+    if args.config:
+        from .config_file import apply_config_file
+
+        args = apply_config_file(parser, parser._sw_runs[args.command], args.config, argv)
+    cfg = config_from_args(args, torchrun_world)
+    if torchrun_world is not None:
+        _check_tp_within_node(cfg)
+    return args, cfg
+
+
+def _before_ranks(args, cfg: TrainConfig) -> str | None:
+    """The command's own checks before any rank; for train, the line to print when nothing is left to run."""
     if args.command == "verify":
+        from .verify import check_verifiable
+
+        check_verifiable(cfg)
+    if args.command == "train":
+        return _prepare_run_dir(args, cfg)
+    return None
+
+
+def _plan_launch(args, cfg: TrainConfig, torchrun_world: int | None):
+    """Sources checked once (manifests, shard checksums, --init-from-hf), then the device and backend."""
+    check_sources(cfg)
+    world = cfg.parallel.world_size
+    import torch
+
+    from .launch import plan_launch
+
+    launch = plan_launch(world, args.device, torch.cuda.device_count() if args.device != "cpu" else 0,
+                         torchrun_world is not None)
+    if torchrun_world is not None or args.gloo_ifname:
+        from .launch import configure_gloo
+
+        configure_gloo(args.gloo_ifname)
+    if torchrun_world is None and world > MAX_LOCAL_RANKS:
+        raise ConfigError(f"the layout needs {world} ranks; the local launcher starts at most "
+                          f"{MAX_LOCAL_RANKS} (use torchrun for more)")
+    return launch
+
+
+def _launch(kind: str, cfg: TrainConfig, launch, torchrun_world: int | None):
+    """Run the ranks: join torchrun's job, run in this process (one rank), or fork the local ranks; rank 0's result."""
+    if torchrun_world is not None:
+        from .launch import init_distributed
+
+        return _run(kind, cfg, init_distributed(cfg.timeout_s, launch.device, cfg.out))
+    world = cfg.parallel.world_size
+    if world == 1:
+        import torch
+
+        return _run(kind, cfg, torch.device("cuda", 0) if launch.device == "cuda" else None)
+    from .launch import run_local
+
+    return run_local(_rank_run, world, kind, cfg, timeout_s=cfg.timeout_s, backend=launch.backend,
+                     run_dir=cfg.out)[0]
+
+
+def _report(kind: str, result) -> int:
+    if kind == "verify":
         losses = result.pop("losses")
         print(f"losses: {' '.join(f'{x:.6f}' for x in losses)}", file=sys.stderr)
         print(json.dumps(result))

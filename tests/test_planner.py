@@ -17,7 +17,8 @@ from shardwise.planner import (
 )
 from shardwise.planner.cli import main
 from shardwise.planner.layout import stages
-from shardwise.planner.memory import layer_activation_bytes, stage_params
+from shardwise.planner.activations import layer_activation_bytes
+from shardwise.planner.memory import stage_params
 from shardwise.planner.models import ModelSpec, attention_tensors, layer_params
 from shardwise.planner.search import SearchSpace
 

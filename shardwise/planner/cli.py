@@ -19,7 +19,7 @@ from shardwise.planner.layout import (
     CP_IMPLS, DEFAULT_GLOBAL_BATCH, PRECISIONS, RECOMPUTE, SCHEDULES, Layout, Workload, layout_problems, parse_layout,
 )
 from shardwise.planner.command import parse_train_flags, row_command
-from shardwise.planner.memory import ACTIVATION_MODELS
+from shardwise.planner.activations import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
 from shardwise.planner.search import SearchSpace, candidates, search
 

@@ -22,7 +22,8 @@ from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
-from shardwise.planner.memory import ACTIVATION_MODELS, stage_activation_bytes, stage_params, static_bytes, zero_buckets
+from shardwise.planner.activations import ACTIVATION_MODELS, stage_activation_bytes
+from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
 from shardwise.planner.models import ModelSpec, active_params, local_kv_heads, padded_vocab, total_params
 from shardwise.planner.mtp import mtp_flops_per_token
 from shardwise.planner.peak import peak_terms
