@@ -64,7 +64,8 @@ OBSERVE = "evaluation and observability"
 
 _DEGREES = [Flag(f"--{axis}", f"{what}-parallel degree" + (" (-1: the rest of the world size)" if axis == "dp" else ""),
                  f"parallel.{axis}", type=int, default=None, group=LAYOUT)
-            for axis, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))]
+            for axis, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"),
+                               ("ep", "expert"))]
 _MOE = [Flag(f"--moe-{flag}", what, f"model_overrides.moe_{flag.replace('-', '_')}", type=typ, default=None, group=MOE)
         for flag, typ, what in (("experts", int, "routed experts per MoE layer (0 = dense)"),
                                 ("topk", int, "experts per token"), ("every", int, "every N-th block is MoE"),
@@ -78,8 +79,8 @@ _MOE = [Flag(f"--moe-{flag}", what, f"model_overrides.moe_{flag.replace('-', '_'
 
 RUN_FLAGS: tuple[Flag, ...] = (
     *_DEGREES,
-    Flag("--sequence-parallel", "Megatron sequence parallelism in TP regions (default off)", "parallel.sequence_parallel",
-         kind="toggle", group=LAYOUT),
+    Flag("--sequence-parallel", "Megatron sequence parallelism in TP regions (default off)",
+         "parallel.sequence_parallel", kind="toggle", group=LAYOUT),
     Flag("--zero", "ZeRO stage over dp×cp: 0, 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)",
          "parallel.zero", group=LAYOUT),
     Flag("--dp-shard", "hybrid sharded DP: ZeRO 2/3 shard over groups of S consecutive dp ranks and all-reduce "
@@ -166,8 +167,8 @@ RUN_FLAGS: tuple[Flag, ...] = (
          group=CHECKPOINTS),
     Flag("--async-save", "write checkpoints in the background (torch.distributed.checkpoint.async_save)",
          "async_save", kind="switch", group=CHECKPOINTS),
-    Flag("--fault-inject", "make RANK crash, hang or produce NaN (KIND) at STEP — for testing recovery", "fault_inject",
-         metavar="RANK:STEP:KIND"),
+    Flag("--fault-inject", "make RANK crash, hang or produce NaN (KIND) at STEP — for testing recovery",
+         "fault_inject", metavar="RANK:STEP:KIND"),
     Flag("--bad-step", "on non-finite loss/grads: skip (logged) or abort", "bad_step"),
     Flag("--max-bad-steps", "abort once more steps than this were skipped", "max_bad_steps"),
     Flag("--label-smoothing", "cross-entropy label smoothing in [0, 1)", "label_smoothing"),

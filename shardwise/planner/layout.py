@@ -91,7 +91,8 @@ class Layout(ParallelConfig):
         return cls(**{_FIELD_OF.get(k, k): v for k, v in d.items()})
 
 
-PLAN_KEYS = ("dp", "tp", "pp", "cp", "ep", "vp", "schedule", "mb", "m", "zero", "recompute", "sp", "cp_impl", "dp_shard")
+PLAN_KEYS = ("dp", "tp", "pp", "cp", "ep", "vp", "schedule", "mb", "m", "zero", "recompute", "sp", "cp_impl",
+             "dp_shard")
 """A layout's keys in `plan --json` rows and --explain text, in order."""
 _FIELD_OF = {"sp": "sequence_parallel"}
 _INT_KEYS = ("dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "zero", "dp_shard")
