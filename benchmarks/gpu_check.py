@@ -165,7 +165,7 @@ def verify_layouts(mode: str, seq_len: int = 64) -> list[dict]:
         cfg = TrainConfig(model=model, parallel=ParallelConfig(**par), steps=2, seq_len=seq_len, micro_batch=2,
                           progress=False, global_batch=8 if pp > 1 else None)
         cfg.resolve_world()
-        world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.tp
+        world = cfg.parallel.world_size
         args = (cfg, torch.device("cuda", 0)) if mode == "gloo-cuda" else (cfg,)
         t0 = time.perf_counter()
         try:

@@ -73,7 +73,7 @@ def predicted_activation_bytes(cfg) -> dict:
     `held` (what the meter sees) and `recompute_transient` (one layer rebuilt during backward)."""
     from .planner.estimate import memory_by_stage
     from .planner.layout import from_train_config
-    from .planner.memory import recompute_transient_bytes
+    from .planner.activations import recompute_transient_bytes
 
     spec, lay, wl = from_train_config(cfg)
     stages = memory_by_stage(spec, lay, wl)

@@ -1,7 +1,9 @@
-"""Hugging Face `config.json` <-> ModelConfig, torch-free: the trainer's `--model-config`, the planner and
-`hf.py` (weights in and out of any layout) all read a config through `config_from_hf`.
+"""Hugging Face `config.json` <-> ModelConfig, torch-free: the one reader of a config.json. The trainer's
+`--model-config`, `hf.py` (weights in and out of any layout) and the planner all read through it.
 
-It refuses, naming the field and its value, anything shardwise's model would silently compute differently.
+Strictly (`config_from_hf`) it refuses, naming the field and its value, anything shardwise's model would
+silently compute differently. The planner, which also plans models train cannot build, asks for a lenient
+reading (`hf_shapes.model_fields_from_hf(..., lenient=True)`): what this one refuses is read for its shapes only.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ def read_hf_config(path: str) -> dict:
         with open(cfg_file) as f:
             hf = json.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no config.json (expected a Hugging Face config.json or model directory)") from None
+        raise ConfigError(f"{path}: no config.json (no such file; expected a Hugging Face config.json or model "
+                          "directory)") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from None
     if not isinstance(hf, dict):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .comm.ledger import Ledger
-from .config import ConfigError
+from .config import ConfigError, ParallelConfig
 
 GRID = ("dp", "pp", "cp", "tp")
 CHECKPOINT_TIMEOUT_S = 3600.0
@@ -86,53 +86,9 @@ def axis_lines(dims: "ParallelDims") -> dict[str, list[list[int]]]:
     return families
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """Validated degrees. ep is carved out of dp×cp; edp = dp·cp/ep is its complement."""
-
-    dp: int = 1
-    pp: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    dp_shard: int = 0  # hybrid sharding's ZeRO group over dp (× cp); 0 = all of dp
-
-    @classmethod
-    def build(cls, world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
-              dp_shard: int | None = None) -> "ParallelDims":
-        named = f"dp={dp}, pp={pp}, cp={cp}, tp={tp}, ep={ep}, world size={world_size}"
-        for name, v in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
-            if v < 1:
-                raise ConfigError(f"{name} must be >= 1 ({named})")
-        if dp == -1:
-            if world_size % (pp * cp * tp):
-                raise ConfigError(f"world size not divisible by pp×cp×tp={pp * cp * tp} ({named})")
-            dp = world_size // (pp * cp * tp)
-        if dp < 1 or dp * pp * cp * tp != world_size:
-            raise ConfigError(f"dp×pp×cp×tp = {dp * pp * cp * tp} must equal the world size ({named})")
-        if (dp * cp) % ep:
-            raise ConfigError(f"ep={ep} must divide dp×cp={dp * cp} ({named})")
-        if dp_shard is not None and (dp_shard < 1 or dp % dp_shard):
-            raise ConfigError(f"dp_shard={dp_shard} must divide dp={dp} ({named})")
-        return cls(dp, pp, cp, tp, ep, 0 if dp_shard in (None, dp) else dp_shard)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
-
-    @property
-    def shard(self) -> int:
-        """dp ranks per ZeRO shard group (dp itself unless hybrid sharding)."""
-        return self.dp_shard or self.dp
-
-    @property
-    def replicas(self) -> int:
-        """Copies of each ZeRO shard across dp (1 unless hybrid sharding)."""
-        return self.dp // self.shard
-
-    @property
-    def edp(self) -> int:
-        return self.dp * self.cp // self.ep
+ParallelDims = ParallelConfig
+"""The mesh's degrees are a `ParallelConfig` (checked against the world by `ParallelConfig.build`): one type
+holds them, one sentinel (dp_shard None) means no hybrid sharding."""
 
 
 @dataclass

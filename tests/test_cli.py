@@ -87,3 +87,32 @@ def test_verify_prints_json_last_line(capsys):
     assert set(result) >= {"layout", "steps", "max_loss_abs_diff", "max_grad_rel_diff", "max_param_rel_diff",
                            "passed"}
     assert result["passed"] is True and result["steps"] == 2 and result["layout"]["tp"] == 2
+
+
+def test_every_run_flag_is_declared_once_against_its_field():
+    """Each run flag names a real TrainConfig / ParallelConfig field and takes its default from it; every
+    TrainConfig field a user sets has a flag, so adding a knob is one field and one RUN_FLAGS row."""
+    import dataclasses
+
+    from shardwise.cli import build_parser, config_from_args
+    from shardwise.config import ParallelConfig, TrainConfig
+    from shardwise.config.flags import RUN_FLAGS, flag_default
+
+    owners = {"parallel": ParallelConfig, "": TrainConfig}
+    covered = set()
+    for flag in RUN_FLAGS:
+        if flag.field is None or flag.field.startswith("model_overrides."):
+            continue
+        owner, _, name = flag.field.rpartition(".")
+        assert name in {f.name for f in dataclasses.fields(owners[owner])}, flag.name
+        covered.add(flag.field)
+    unset = {"model", "parallel", "model_overrides", "final_checkpoint", "eos_id", "resolved_model"}
+    assert {f.name for f in dataclasses.fields(TrainConfig)} - unset <= covered
+    assert {f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)} <= covered
+    zero = next(f for f in RUN_FLAGS if f.name == "--zero")
+    assert flag_default(zero, "train") == ParallelConfig().zero
+    args = build_parser().parse_args(["verify", "--log-every", "5", "--mtp-init", "fresh",
+                                      "--allow-tokenizer-mismatch", "--zero", "1", "--dp", "2"])
+    cfg = config_from_args(args, None)
+    assert (cfg.log_every, cfg.mtp_init, cfg.allow_tokenizer_mismatch, cfg.parallel.zero) == (5, "fresh", True, 1)
+    assert cfg.steps == 3 and not cfg.final_checkpoint

@@ -170,10 +170,10 @@ def test_planner_searches_dp_shard_and_prints_it():
         assert r["comm_links"].get("dp_shard") in (None, "nvlink") and r["comm_links"]["dp_replicate"] == "network"
     # the S tried beside dp: the largest whose shard group (S dp ranks × cp, stride pp·cp·tp) fits a node
     from shardwise.planner.search import _dp_shards
-    assert _dp_shards(SearchSpace(zero=2), 16, 1, 1, 2, 8) == [0, 4]
-    assert _dp_shards(SearchSpace(zero=3), 16, 1, 2, 1, 8) == [0, 4]
-    assert _dp_shards(SearchSpace(zero=3), 16, 1, 1, 8, 8) == [0, 1]
-    assert _dp_shards(SearchSpace(zero=1), 16, 1, 1, 2, 8) == [0]
+    assert _dp_shards(SearchSpace(zero=2), 16, 1, 1, 2, 8) == [None, 4]
+    assert _dp_shards(SearchSpace(zero=3), 16, 1, 2, 1, 8) == [None, 4]
+    assert _dp_shards(SearchSpace(zero=3), 16, 1, 1, 8, 8) == [None, 1]
+    assert _dp_shards(SearchSpace(zero=1), 16, 1, 1, 2, 8) == [None]
     assert _dp_shards(SearchSpace(zero=3, dp_shard=2), 16, 1, 1, 8, 8) == [2]
     full = Layout(dp=64, tp=8, pp=2, mb=1, m=16, zero=3)
     hs = Layout(dp=64, tp=8, pp=2, mb=1, m=16, zero=3, dp_shard=1)

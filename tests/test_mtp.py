@@ -353,7 +353,8 @@ def test_planner_counts_mtp_exactly():
     from shardwise.config import get_model_config
     from shardwise.planner import Cluster, estimate, get_gpu
     from shardwise.planner.layout import from_train_config, stages
-    from shardwise.planner.memory import microbatch_activation_bytes, stage_params, static_bytes, zero_buckets
+    from shardwise.planner.activations import microbatch_activation_bytes
+    from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
     from shardwise.planner.models import ModelSpec, active_params, padded_vocab, total_params
 
     for m in (DEEPSEEK_MTP, get_model_config("deepseek-v3", mtp_layers=1)):

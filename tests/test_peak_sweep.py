@@ -48,15 +48,17 @@ def test_sweep_layout_within_bounds(name):
 def test_layouts_cover_every_pairing():
     """The sweep crosses what the issue names: every ZeRO stage, hybrid sharding, tp with and without SP,
     every schedule, ring and Ulysses, ep, every recompute mode, fp32 and bf16, in at most 16 ranks."""
-    flags = [" ".join(f) for f in sweep.LAYOUTS.values()]
-    for needle in ("--zero 1", "--zero 2", "--zero 3", "--dp-shard", "--sequence-parallel", "--schedule interleaved",
-                   "--schedule zb", "--schedule dualpipev", "--cp-impl ulysses", "--ep 2", "--recompute selective",
-                   "--recompute full", "--dtype bf16"):
-        assert any(needle in f for f in flags), needle
-    assert any("--dp-shard" in f and "--zero 2" in f for f in flags)
-    assert any("--dp-shard" in f and "--zero 3" in f for f in flags)
-    assert any("--tp 2" in f and "--sequence-parallel" not in f for f in flags)
-    assert any("--cp 2" in f and "--cp-impl" not in f for f in flags)  # ring, the default
+    runs = list(sweep.LAYOUTS.values())
+    ps = [c.parallel for c in runs]
+    assert {1, 2, 3} <= {p.zero for p in ps}
+    assert {"interleaved", "zb", "dualpipev"} <= {p.schedule for p in ps if p.pp > 1}
+    assert {"selective", "full"} <= {p.recompute for p in ps}
+    assert any(p.sequence_parallel for p in ps) and any(p.cp_impl == "ulysses" for p in ps)
+    assert any(p.ep == 2 for p in ps) and any(c.dtype == "bf16" for c in runs)
+    assert any(p.hsdp and p.zero == 2 for p in ps) and any(p.hsdp and p.zero == 3 for p in ps)
+    assert any(p.tp == 2 and not p.sequence_parallel for p in ps)
+    assert any(p.cp == 2 and p.cp_impl == "ring" for p in ps)
+    assert all(p.world_size <= 16 for p in ps)
 
 
 def test_a_broken_zero2_term_fails(monkeypatch):

@@ -104,7 +104,7 @@ def test_every_plan_knob_is_a_train_flag():
 def test_commands_spell_out_the_row(capsys, argv, gpus, layers):
     rows = _plan(capsys, ["plan", *argv, "--json", "--top", "30"])
     for r in rows:
-        cmd, lay = shlex.split(r["command"]), Layout(**r["layout"])
+        cmd, lay = shlex.split(r["command"]), Layout.from_dict(r["layout"])
         head = ["torchrun", "--nnodes", "8", "--nproc-per-node", "8"] if gpus == 64 else ["shardwise", "train"]
         assert cmd[:len(head)] == head
         parsed, wl = parse_train_flags(r["command"], gpus, None, argv[1], layers)

@@ -42,7 +42,7 @@ def test_trace_two_rows_equals_simulate(capsys):
 
 def test_a_traced_peak_beyond_the_gpu_fails_the_row(capsys, monkeypatch):
     """A row whose traced peak exceeds the usable memory loses its 'fits', and the table says why."""
-    monkeypatch.setattr(trace, "trace_row", lambda flags: {"peak_bytes": 500e9, "planned_peak_bytes": 1e6,
+    monkeypatch.setattr(trace, "trace_row", lambda cfg: {"peak_bytes": 500e9, "planned_peak_bytes": 1e6,
                                                            "static_bytes": 1e6, "activation_bytes": 1e6,
                                                            "passed": False, "wall_s": 0.0})
     assert main(PLAN + ["--trace", "5", "--json"]) == 0

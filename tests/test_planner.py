@@ -17,9 +17,17 @@ from shardwise.planner import (
 )
 from shardwise.planner.cli import main
 from shardwise.planner.layout import stages
-from shardwise.planner.memory import layer_activation_bytes, stage_params
+from shardwise.planner.activations import layer_activation_bytes
+from shardwise.planner.memory import stage_params
 from shardwise.planner.models import ModelSpec, attention_tensors, layer_params
 from shardwise.planner.search import SearchSpace
+
+PLAN_DEFAULTS = dict(zero=1, recompute="selective", sequence_parallel=True)
+"""The search's starting point (`shardwise plan`'s flags' defaults), on which these expectations were computed."""
+
+
+def planned(**kw) -> Layout:
+    return Layout(**(PLAN_DEFAULTS | kw))
 
 H100 = get_gpu("h100-80gb")
 DONE_WHEN = ["plan", "--model", "llama3-70b", "--gpus", "256", "--gpus-per-node", "8", "--gpu", "h100-80gb",
@@ -46,25 +54,25 @@ def activation_of(spec, lay, wl=Workload()):
 
 def test_70b_static_memory_is_16_bytes_per_param():
     spec = get_model("llama3-70b")
-    static = static_of(spec, Layout(zero=0, sp=False))
+    static = static_of(spec, planned(zero=0, sequence_parallel=False))
     assert static["total"] == 16 * total_params(spec)
     assert static["total"] == pytest.approx(1120e9, rel=0.01)
 
 
 def test_tp8_pp4_on_256_gpus_leaves_dp8():
-    lay = parse_layout("tp=8,pp=4", Layout(), 256, 1024)
+    lay = parse_layout("tp=8,pp=4", planned(), 256, 1024)
     assert (lay.dp, lay.tp, lay.pp, lay.m) == (8, 8, 4, 128)
 
 
 @pytest.mark.parametrize("m,expected", [(8, 7 / 15), (64, 7 / 71)])
 def test_1f1b_bubble(m, expected):
-    assert bubble_fraction(Layout(pp=8, m=m))[0] == pytest.approx(expected)
-    assert bubble_fraction(Layout(pp=8, m=m, schedule="gpipe"))[0] == pytest.approx(expected)
+    assert bubble_fraction(planned(pp=8, m=m))[0] == pytest.approx(expected)
+    assert bubble_fraction(planned(pp=8, m=m, schedule="gpipe"))[0] == pytest.approx(expected)
 
 
 def test_interleaved_and_zero_bubble_bubbles():
-    assert bubble_fraction(Layout(pp=8, m=8, vp=2, schedule="interleaved"))[0] == pytest.approx(7 / 23)
-    frac, source = bubble_fraction(Layout(pp=8, m=8, schedule="zb"))
+    assert bubble_fraction(planned(pp=8, m=8, vp=2, schedule="interleaved"))[0] == pytest.approx(7 / 23)
+    frac, source = bubble_fraction(planned(pp=8, m=8, schedule="zb"))
     assert source in ("simulator", "approximation") and 0 <= frac < 7 / 15
 
 
@@ -74,7 +82,7 @@ def test_zero_bubble_schedules_use_the_simulator_extrapolated():
     from shardwise.pipeline.simulate import simulate
 
     for sched, v in (("zb", 1), ("dualpipev", 2)):
-        frac, source = bubble_fraction(Layout(pp=8, m=96, vp=v, schedule=sched))
+        frac, source = bubble_fraction(planned(pp=8, m=96, vp=v, schedule=sched))
         direct = simulate(build_schedule(sched, 8, 96, v)).bubble_fraction
         assert source == "simulator" and frac == pytest.approx(direct, rel=0.02)
 
@@ -84,14 +92,14 @@ def test_tp_all_reduce_wire_volume():
     t = 8
     assert wire_bytes("all_reduce", s * h * 2, t) == 2 * (t - 1) / t * (s * h * 2)
     spec = replace(get_model("llama3-70b"), dim=h)
-    ops = rank0_ledger(spec, Layout(tp=t, mb=1, m=1, sp=False), Workload(seq_len=s, global_batch=1))
+    ops = rank0_ledger(spec, planned(tp=t, mb=1, m=1, sequence_parallel=False), Workload(seq_len=s, global_batch=1))
     ar = ops["tp"]["all_reduce"]
     # bf16 activations: 1 embedding + per layer 2 forward (wo/w2 outputs) and 2 backward (grads of the norm
     # outputs) + 1 head backward, all bf16, + 2 small fp32 CE all-reduces.
     assert ar["count"] == 1 + 4 * 80 + 1 + 2
     assert ar["bytes"] == s * h * 2 + 4 * 80 * s * h * 2 + s * h * 2 + s * 4 + s * 8
     # --fp32-residual: the embedding, the entries' gradients and the head's stay fp32 (autocast casts after f)
-    ops = rank0_ledger(spec, Layout(tp=t, mb=1, m=1, sp=False), Workload(seq_len=s, global_batch=1, fp32_residual=True))
+    ops = rank0_ledger(spec, planned(tp=t, mb=1, m=1, sequence_parallel=False), Workload(seq_len=s, global_batch=1, fp32_residual=True))
     ar = ops["tp"]["all_reduce"]
     assert ar["bytes"] == s * h * 4 + 2 * 80 * s * h * 2 + 2 * 80 * s * h * 4 + s * h * 4 + s * 4 + s * 8
 
@@ -121,7 +129,7 @@ def tiny_local_params_tp2() -> tuple[int, int]:
 
 def test_tp_shards_and_pads_vocab():
     spec = get_model("tiny")
-    local = stage_params(spec, stages(spec, Layout(tp=2))[0], Layout(tp=2))
+    local = stage_params(spec, stages(spec, planned(tp=2))[0], planned(tp=2))
     total, norms = tiny_local_params_tp2()
     assert local.total == total and local.sp_replicated == norms == local.vectors
 
@@ -130,26 +138,26 @@ def test_tp_shards_and_pads_vocab():
 
 def test_more_tp_less_static_memory():
     spec = get_model("llama3-70b")
-    static = [static_of(spec, Layout(tp=t, dp=8, zero=1))["total"] for t in (1, 2, 4, 8)]
+    static = [static_of(spec, planned(tp=t, dp=8, zero=1))["total"] for t in (1, 2, 4, 8)]
     assert static == sorted(static, reverse=True) and len(set(static)) == 4
 
 
 def test_zero1_divides_optimizer_state_by_dp():
     spec = get_model("llama3-8b")
-    z0 = static_of(spec, Layout(dp=8, tp=2, zero=0))
-    z1 = static_of(spec, Layout(dp=8, tp=2, zero=1))
+    z0 = static_of(spec, planned(dp=8, tp=2, zero=0))
+    z1 = static_of(spec, planned(dp=8, tp=2, zero=1))
     assert z0["optimizer"] / z1["optimizer"] == pytest.approx(8, rel=1e-6)
     assert z0["weights"] == z1["weights"] and z0["grads"] == z1["grads"]
 
 
 def test_sequence_parallel_reduces_activations():
     spec = get_model("llama3-70b")
-    assert activation_of(spec, Layout(tp=8, sp=True)) < activation_of(spec, Layout(tp=8, sp=False))
+    assert activation_of(spec, planned(tp=8, sequence_parallel=True)) < activation_of(spec, planned(tp=8, sequence_parallel=False))
 
 
 def test_recompute_order():
     spec = get_model("llama3-8b")
-    act = {r: activation_of(spec, Layout(tp=4, recompute=r)) for r in ("none", "selective", "full")}
+    act = {r: activation_of(spec, planned(tp=4, recompute=r)) for r in ("none", "selective", "full")}
     assert act["full"] < act["selective"] < act["none"]
 
 
@@ -162,12 +170,12 @@ def test_korthikanti_activation_formulas(t):
     s, b, h, a = 2048, 4, GPT.dim, GPT.n_heads
     wl = Workload(seq_len=s, precision="bf16")
     def act(**kw):
-        return layer_activation_bytes(GPT, False, Layout(tp=t, mb=b, **kw), wl, model="korthikanti")
+        return layer_activation_bytes(GPT, False, planned(tp=t, mb=b, **kw), wl, model="korthikanti")
     sbh = s * b * h
-    assert act(sp=False, recompute="none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
-    assert act(sp=True, recompute="none") == pytest.approx(sbh / t * (34 + 5 * a * s / h))
-    assert act(sp=True, recompute="selective") == pytest.approx(34 * sbh / t)
-    assert act(sp=True, recompute="full") == pytest.approx(2 * sbh / t)
+    assert act(sequence_parallel=False, recompute="none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert act(sequence_parallel=True, recompute="none") == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert act(sequence_parallel=True, recompute="selective") == pytest.approx(34 * sbh / t)
+    assert act(sequence_parallel=True, recompute="full") == pytest.approx(2 * sbh / t)
 
 
 def test_narayanan_flops():
@@ -250,9 +258,9 @@ def tiny_tp2_sp_expected(b: int, s: int, m: int, r: int = 2) -> dict:
 
 
 def test_tiny_tp2_sp_comm_ops_by_hand():
-    ops = rank0_ledger(get_model("tiny"), Layout(tp=2, mb=2, m=2, sp=True), Workload(seq_len=64, global_batch=4))
+    ops = rank0_ledger(get_model("tiny"), planned(tp=2, mb=2, m=2, sequence_parallel=True), Workload(seq_len=64, global_batch=4))
     assert ops == tiny_tp2_sp_expected(b=2, s=64, m=2)
-    ops = rank0_ledger(get_model("tiny"), Layout(tp=2, mb=2, m=2, sp=True),
+    ops = rank0_ledger(get_model("tiny"), planned(tp=2, mb=2, m=2, sequence_parallel=True),
                        Workload(seq_len=64, global_batch=4, fp32_residual=True))
     assert ops == tiny_tp2_sp_expected(b=2, s=64, m=2, r=4)
 
@@ -260,12 +268,12 @@ def test_tiny_tp2_sp_comm_ops_by_hand():
 def test_tiny_dp_grad_sync_by_zero_stage():
     spec, wl = get_model("tiny"), Workload(seq_len=64, global_batch=4)
     local, vec = tiny_local_params_tp2()
-    z0 = rank0_ledger(spec, Layout(dp=2, tp=2, mb=2, m=1, zero=0), wl)["dp_cp"]
+    z0 = rank0_ledger(spec, planned(dp=2, tp=2, mb=2, m=1, zero=0), wl)["dp_cp"]
     assert z0 == {"all_reduce": {"count": 1, "bytes": local * 4, "wire_bytes": local * 4}}
     # ZeRO-1: one flat buffer for matrices, one for norm weights, each padded to a multiple of dp×cp.
     whole = (TINY.num_params(), (2 * TINY.n_layers + 1) * TINY.dim)
     for dp, tp, (n, n_vec) in ((2, 2, (local, vec)), (3, 1, whole)):
-        z1 = rank0_ledger(spec, Layout(dp=dp, tp=tp, mb=2, m=1, zero=1), Workload(seq_len=64, global_batch=2 * dp))
+        z1 = rank0_ledger(spec, planned(dp=dp, tp=tp, mb=2, m=1, zero=1), Workload(seq_len=64, global_batch=2 * dp))
         padded = -(-(n - n_vec) // dp) * dp + -(-n_vec // dp) * dp
         assert z1["dp_cp"] == {
             "reduce_scatter": {"count": 2, "bytes": padded * 4, "wire_bytes": round(padded * 4 * (dp - 1) / dp)},
@@ -277,14 +285,14 @@ def test_zero0_buckets_like_shardwise():
     """llama3-8b, tp=1: 25 MiB buckets close after the embedding, then per layer after [norm, wq], [wk, wv],
     [wo], [norm, w1], [w3], [w2], and finally [norm, output]: 1 + 32·6 + 1 all-reduces."""
     spec = get_model("llama3-8b")
-    ops = rank0_ledger(spec, Layout(dp=2, zero=0, m=1), Workload(seq_len=128, global_batch=2))
+    ops = rank0_ledger(spec, planned(dp=2, zero=0, m=1), Workload(seq_len=128, global_batch=2))
     assert ops["dp_cp"]["all_reduce"]["count"] == 194
     assert ops["dp_cp"]["all_reduce"]["bytes"] == 4 * total_params(spec)
 
 
 def test_replicated_kv_heads_all_reduce():
     spec = get_model("llama3-8b")  # 8 KV heads, tp=16: every rank holds one full head
-    ops = rank0_ledger(spec, Layout(tp=16, sp=False, m=1), Workload(seq_len=1024, global_batch=1))
+    ops = rank0_ledger(spec, planned(tp=16, sequence_parallel=False, m=1), Workload(seq_len=1024, global_batch=1))
     kv_buf = 8 * 128 * 4096 * 2 * 32 * 4  # n_kv · head_dim · h · (K and V) · L · fp32
     act = 1024 * 4096
     ar = ops["tp"]["all_reduce"]
@@ -294,7 +302,7 @@ def test_replicated_kv_heads_all_reduce():
 
 def test_pp_cp_ep_axes_are_counted():
     spec = get_model("mixtral-8x7b")
-    lay = Layout(dp=4, tp=2, pp=2, cp=2, ep=4, mb=1, m=4)
+    lay = planned(dp=4, tp=2, pp=2, cp=2, ep=4, mb=1, m=4)
     ops = rank0_ledger(spec, lay, Workload(seq_len=4096, global_batch=16))
     # pp: stage 0 sends each microbatch's bf16 activation shard [1, 4096/cp/tp, h]; receives count, 0 bytes.
     assert ops["pp"] == {"send": {"count": 4, "bytes": 4 * 1024 * 4096 * 2, "wire_bytes": 4 * 1024 * 4096 * 2},
@@ -403,9 +411,9 @@ def test_tp_stays_in_nvlink_domain_unless_allowed():
 def test_nvl72_domain_spans_nodes():
     cluster = Cluster(get_gpu("gb200-nvl72"), 144, 4)
     assert cluster.domain == 72
-    est = estimate(get_model("llama3-70b"), cluster, Layout(dp=2, tp=8, pp=9, m=8), Workload(global_batch=16))
+    est = estimate(get_model("llama3-70b"), cluster, planned(dp=2, tp=8, pp=9, m=8), Workload(global_batch=16))
     assert est["comm_links"] == {"tp": "nvlink", "pp": "nvlink", "dp_cp": "network"}
-    est = estimate(get_model("llama3-70b"), cluster, Layout(dp=9, tp=8, pp=2, m=8), Workload(global_batch=72))
+    est = estimate(get_model("llama3-70b"), cluster, planned(dp=9, tp=8, pp=2, m=8), Workload(global_batch=72))
     assert est["comm_links"]["pp"] == "network"  # dp=4's stage pair (ranks 64-79) straddles two racks
 
 
@@ -425,7 +433,7 @@ def test_planner_imports_no_torch():
 
 
 def test_mfu_is_consistent():
-    est = estimate(get_model("llama3-8b"), Cluster(H100, 8, 8), Layout(dp=8, m=4, mb=4), Workload(global_batch=128),
+    est = estimate(get_model("llama3-8b"), Cluster(H100, 8, 8), planned(dp=8, m=4, mb=4), Workload(global_batch=128),
                    Assumptions(flops_efficiency=0.5))
     assert 0 < est["mfu"] < 0.5
     assert est["mfu"] == pytest.approx(est["model_flops_per_step"] / (est["step_time_s"] * 8 * H100.peak_bf16_flops))
@@ -437,7 +445,7 @@ def test_tiny_moe_spec_follows_shardwise():
     cfg, spec = MODEL_PRESETS["tiny-moe"], get_model("tiny-moe")
     assert [spec.is_moe_layer(i) for i in range(spec.n_layers)] == [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
     assert (spec.moe_experts, spec.moe_topk, spec.expert_ffn_dim, spec.moe_shared_experts, spec.aux_loss) == (8, 2, 128, 1, True)
-    lay = Layout(pp=2, m=2)
+    lay = planned(pp=2, m=2)
     assert [(s.n_dense, s.n_moe, s.kinds) for s in stages(spec, lay)] == [(2, 2, (True, False, True, False))] * 2
     # The MoE block is replicated over tp (only attention and the dense MLPs are sharded), split over ep.
     moe = lambda tp, ep: layer_params(spec, True, tp, ep)  # noqa: E731
@@ -451,15 +459,15 @@ def test_tiny_moe_spec_follows_shardwise():
 
 def test_ulysses_all_to_alls():
     spec, wl = get_model("tiny"), Workload(seq_len=64, global_batch=2, precision="fp32")
-    ops = rank0_ledger(spec, Layout(cp=2, cp_impl="ulysses", mb=2, m=1, sp=False), wl)
+    ops = rank0_ledger(spec, planned(cp=2, cp_impl="ulysses", mb=2, m=1, sequence_parallel=False), wl)
     n = 2 * 64 // 2  # b · s/cp
     q, kv = n * 8 * 12 * 4, n * 4 * 12 * 4  # q (and out): 8 heads of 12; k, v: 4 heads
     # forward q, k, v, out, backward the same four, and (default selective recompute) q, k, v again
     per_layer = 2 * (2 * q + 2 * kv) + q + 2 * kv
     assert ops["cp"] == {"all_to_all": {"count": 8 * 11, "bytes": 8 * per_layer, "wire_bytes": 8 * per_layer // 2}}
-    assert parse_layout("cp=2,cp_impl=ulysses", Layout(), 2, 2).cp_impl == "ulysses"
-    assert any("ulysses needs" in p for p in layout_problems(spec, Layout(cp=16, cp_impl="ulysses", m=2), 16, 64))
-    assert any("cp_impl 'x'" in p for p in layout_problems(spec, Layout(cp_impl="x"), 1, 64))
+    assert parse_layout("cp=2,cp_impl=ulysses", planned(), 2, 2).cp_impl == "ulysses"
+    assert any("ulysses needs" in p for p in layout_problems(spec, planned(cp=16, cp_impl="ulysses", m=2), 16, 64))
+    assert any("cp_impl 'x'" in p for p in layout_problems(spec, planned(cp_impl="x"), 1, 64))
 
 
 def test_zero1_grad_buffers_and_break_even():
@@ -468,7 +476,7 @@ def test_zero1_grad_buffers_and_break_even():
     even at g = 2 (padding aside) and saves memory from g = 3 on."""
     spec = get_model("llama3-8b")
     for g in (2, 3, 4, 8):
-        z0, z1 = static_of(spec, Layout(dp=g, tp=2, zero=0)), static_of(spec, Layout(dp=g, tp=2, zero=1))
+        z0, z1 = static_of(spec, planned(dp=g, tp=2, zero=0)), static_of(spec, planned(dp=g, tp=2, zero=1))
         params = z0["weights"] // 4
         assert z0["grad_buffers"] == 0
         assert z1["grad_buffers"] == pytest.approx(8 * params / g, rel=1e-6)

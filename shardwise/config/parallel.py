@@ -1,8 +1,12 @@
-"""The degrees of every parallel axis and the per-axis options (`ParallelConfig`): plain data, validated
-together with the model and world size by `TrainConfig.validate`."""
+"""The degrees of every parallel axis and the per-axis options (`ParallelConfig`): the one type that holds
+them. The runtime's mesh is built from it, the planner's `Layout` extends it, and every world-size product
+is its `world_size`. The degrees alone are checked against a world size by `ParallelConfig.build`; the rest
+is validated together with the model by `TrainConfig.validate`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .errors import ConfigError
 
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
@@ -24,7 +28,8 @@ class ParallelConfig:
     zero: int = 0
     """ZeRO stage over dp×cp: 0 (replicated), 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)."""
     dp_shard: int | None = None
-    """Hybrid sharded DP: ZeRO 2/3 shard over this many consecutive dp ranks (× cp), replicate over dp/S; None = dp."""
+    """Hybrid sharded DP: ZeRO 2/3 shard over this many consecutive dp ranks (× cp), replicate over dp/S; None = dp
+    (no hybrid sharding; the one sentinel for it)."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb or dualpipev."""
     vp: int = 1
@@ -43,6 +48,47 @@ class ParallelConfig:
     """Full recompute of the first N layers of every stage/chunk; None = all."""
     compile: bool = False
     """torch.compile each transformer block (collectives and their ledger stay eager, between graphs)."""
+
+    @classmethod
+    def build(cls, world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
+              dp_shard: int | None = None) -> "ParallelConfig":
+        """Degrees checked against a world size (dp=-1 takes the rest); dp_shard equal to dp means no hybrid
+        sharding and is stored as None."""
+        named = f"dp={dp}, pp={pp}, cp={cp}, tp={tp}, ep={ep}, world size={world_size}"
+        for name, v in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
+            if v < 1:
+                raise ConfigError(f"{name} must be >= 1 ({named})")
+        if dp == -1:
+            if world_size % (pp * cp * tp):
+                raise ConfigError(f"world size not divisible by pp×cp×tp={pp * cp * tp} ({named})")
+            dp = world_size // (pp * cp * tp)
+        if dp < 1 or dp * pp * cp * tp != world_size:
+            raise ConfigError(f"dp×pp×cp×tp = {dp * pp * cp * tp} must equal the world size ({named})")
+        if (dp * cp) % ep:
+            raise ConfigError(f"ep={ep} must divide dp×cp={dp * cp} ({named})")
+        if dp_shard is not None and (dp_shard < 1 or dp % dp_shard):
+            raise ConfigError(f"dp_shard={dp_shard} must divide dp={dp} ({named})")
+        return cls(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, dp_shard=None if dp_shard == dp else dp_shard)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs: dp × pp × cp × tp (ep is drawn from dp×cp, so it adds none)."""
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def shard(self) -> int:
+        """dp ranks per ZeRO shard group (dp itself unless hybrid sharding)."""
+        return self.dp_shard if self.hsdp else self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each ZeRO shard across dp (1 unless hybrid sharding)."""
+        return self.dp // self.shard
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: the dp×cp ranks left once ep is carved out."""
+        return self.dp * self.cp // self.ep
 
     def describe(self) -> str:
         return ", ".join(f"{a}={getattr(self, a)}" for a in AXES)

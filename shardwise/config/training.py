@@ -107,6 +107,8 @@ class TrainConfig:
     mtp_loss_weight: float = 0.1
     """λ of multi-token prediction (`--mtp-loss-weight`, with --mtp-layers D > 0): the loss adds λ times the mean
     of the D depths' cross-entropies (DeepSeek-V3 used 0.3, then 0.1)."""
+    mtp_init: str = "checkpoint"
+    """Under --init-from-hf: MTP modules start from the checkpoint's ('checkpoint') or freshly initialised ('fresh')."""
     report: bool = True
     """Render the report PNGs (loss, tokens/s, comm per axis, timeline) into the run directory at the end."""
     attention_mask: str = "causal"
@@ -118,6 +120,8 @@ class TrainConfig:
     init_from_hf: str | None = None
     """Hugging Face model directory to fine-tune: its config.json is the model (`model` must be None, shape
     flags must agree), every rank reads its slices of the weights, its tokenizer.json is checked and recorded."""
+    allow_tokenizer_mismatch: bool = False
+    """Fine-tune even when the data's tokenizer differs from the --init-from-hf checkpoint's."""
     eval_data: str | None = None
     """Held-out data (same forms as `data`, same tokenizer): evaluated forward-only on `eval_steps` fixed global
     batches taken in order, so eval_loss depends on the weights alone."""
@@ -129,6 +133,8 @@ class TrainConfig:
     """A:B — torch.profiler traces of steps A..B (1-based, inclusive) per rank under <out>/profile/."""
     log_to: str | None = None
     """Also log metrics to 'wandb' or 'mlflow' (optional extras; offline/local unless configured)."""
+    log_every: int | None = None
+    """Print one key=value line every N steps; None = 10, or every step for runs of <= 20 steps."""
     resolved_model: ModelConfig | None = None
     """The final model, set by run assembly (`shardwise.run.assemble`) once the HF config and the data's
     vocabulary are applied; None until then."""
@@ -223,7 +229,7 @@ class TrainConfig:
                     f"world size {world_size} is not divisible by pp={p.pp} × cp={p.cp} × tp={p.tp} = {others}"
                 )
             p.dp = world_size // others
-        world = p.dp * others
+        world = p.world_size
         if world_size is not None and world != world_size:
             raise ConfigError(
                 f"dp={p.dp} × pp={p.pp} × cp={p.cp} × tp={p.tp} = {world} does not equal the world size {world_size}"

@@ -45,7 +45,7 @@ def _norm_saved(tokens: int, h: int) -> int:
     return 8 * tokens * h + 4 * tokens
 
 
-def _region_input(tokens: int, h: int, consumers: int, e: int, r: int = 4) -> int:
+def region_input(tokens: int, h: int, consumers: int, e: int, r: int = 4) -> int:
     """What the linears entering a region save of their shared input (r bytes, the residual's dtype): one
     tensor (an SP all-gather returns it contiguous) — unless autocast casts it, once per consuming linear
     (bf16 autocast over an fp32 residual, --fp32-residual)."""
@@ -97,7 +97,7 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
         attn += 8 * n * (hq + hkv) * dk + 4 * n * (hq + hkv)
     if spec.is_mla and (c == 1 or recompute == "selective") and not (c == 1 and spec.attn_dropout > 0):
         return attn + _mla_attention_bytes(spec, n, hq, e, r, recompute) + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
-    attn += r * n * h if _column_region(spec, lay) else _region_input(n, h, 2 if spec.is_mla else 3, e, r)
+    attn += r * n * h if _column_region(spec, lay) else region_input(n, h, 2 if spec.is_mla else 3, e, r)
     if spec.is_mla:
         attn += _mla_latent_bytes(spec, n, e)
     if c > 1 and recompute == "selective":  # checkpoint keeps the core's inputs q, k, v; wo keeps its input
@@ -147,7 +147,7 @@ def _mla_attention_bytes(spec: ModelSpec, n: int, hq: int, e: int, r: int, recom
     Selective recompute keeps the core's (unpadded) inputs instead."""
     dk, dv = spec.k_dim, spec.v_dim
     d = max(dk, dv)
-    out = _region_input(n, spec.dim, 2, e, r) + _mla_latent_bytes(spec, n, e)
+    out = region_input(n, spec.dim, 2, e, r) + _mla_latent_bytes(spec, n, e)
     wo_in = e * n * hq * dv
     kv_b = e * n * hq * (spec.head_dim + dv)  # an unpadded v is a view of wkv_b's output [k_nope | v]
     if recompute == "selective":  # checkpoint keeps the unpadded inputs; wo its input
@@ -162,14 +162,14 @@ def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_
     mlp = _norm_saved(n_r, h) + mask
     if not moe:
         swiglu = spec.mlp == "swiglu"
-        mlp += r * n * h if _column_region(spec, lay) else _region_input(n, h, 2 if swiglu else 1, e, r)
+        mlp += r * n * h if _column_region(spec, lay) else region_input(n, h, 2 if swiglu else 1, e, r)
         mlp += (4 if swiglu else 2) * e * n * (spec.ffn_dim // t)
         return mlp
     k, E, f_e = spec.moe_topk, spec.moe_experts, spec.expert_ffn_dim
     rows = n_r * k
     # the router's fp32 input (the norm output itself when it is fp32, else its fp32 copy) and the shared experts'
     # w1 / w3 input (the same storage in fp32)
-    mlp += 4 * n_r * h + (_region_input(n_r, h, 2, e, r) if spec.moe_shared_experts and e != 4 else 0)
+    mlp += 4 * n_r * h + (region_input(n_r, h, 2, e, r) if spec.moe_shared_experts and e != 4 else 0)
     mlp += 4 * n_r * (2 * E + 1) + 8 * rows + 4 * E  # router: logits, probs, LSE (fp32), top-k indices, counts
     if spec.moe_score == "sigmoid":  # the scores' row sums; with renormalised top-k its weights and their sums
         mlp += 4 * n_r + (4 * n_r + 4 * rows if spec.moe_norm_topk else 0)
@@ -237,7 +237,7 @@ def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload, model: str
     if model == "korthikanti":
         return softmax
     n_r = n // lay.tp if lay.sp else n
-    head_in = _region_input(n, spec.dim, 1, wl.act_bytes, wl.resid_bytes)
+    head_in = region_input(n, spec.dim, 1, wl.act_bytes, wl.resid_bytes)
     return softmax + _norm_saved(n_r, spec.dim) + head_in + 10 * n
 
 

@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 
 from shardwise.config import ConfigError
+from shardwise.hf_config import config_from_hf
 from shardwise.planner.errors import PlanError
 from shardwise.planner.estimate import Assumptions, estimate
 from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
@@ -18,7 +19,7 @@ from shardwise.planner.layout import (
     CP_IMPLS, DEFAULT_GLOBAL_BATCH, PRECISIONS, RECOMPUTE, SCHEDULES, Layout, Workload, layout_problems, parse_layout,
 )
 from shardwise.planner.command import parse_train_flags, row_command
-from shardwise.planner.memory import ACTIVATION_MODELS
+from shardwise.planner.activations import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
 from shardwise.planner.search import SearchSpace, candidates, search
 
@@ -143,8 +144,8 @@ def _explain(args, spec, cluster, wl, assume) -> int:
         wl = replace(wl, **wl_fields)
         uneven = args.uneven_pp or "--pp-layers" in text
     else:
-        base = Layout(mb=args.micro_batch or 1, zero=args.zero, recompute=args.recompute, sp=args.sequence_parallel,
-                      cp_impl=args.cp_impl)
+        base = Layout(mb=args.micro_batch or 1, zero=args.zero, recompute=args.recompute,
+                      sequence_parallel=args.sequence_parallel, cp_impl=args.cp_impl)
         lay, uneven = parse_layout(text, base, cluster.gpus, args.global_batch), args.uneven_pp
     bad = layout_problems(spec, lay, cluster.gpus, wl.seq_len, uneven)
     if bad:
@@ -169,11 +170,12 @@ def _search(args, spec, cluster, wl, assume) -> int:
     )
     results = search(spec, cluster, wl, space, assume)
     for r in results[: args.top]:
-        r |= row_command(model_flags(args), spec, cluster, Layout(**r["layout"]), wl)
+        r |= row_command(model_flags(args), spec, cluster, Layout.from_dict(r["layout"]), wl)
     if args.trace:
         from shardwise.planner.trace import trace_rows
 
-        trace_rows(results[: args.top], args.trace, model_flags(args), spec, wl)
+        model = args.model if not args.model_config or spec.untrainable else config_from_hf(args.model_config)
+        trace_rows(results[: args.top], args.trace, model, spec, wl, args.mtp_layers)
     if args.json:
         print(json.dumps(results[: args.top], indent=2))
     if not results:
@@ -196,7 +198,7 @@ def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchS
           n_fit: int, traced: bool = False) -> str:
     """Fixed-width ranking: layout, memory breakdown, bubble, per-axis traffic, step time and MFU; with
     `traced`, each simulated row's traced peak (blank for rows not simulated) and why a row no longer fits."""
-    names = [Layout(**r["layout"]).short() for r in rows]
+    names = [Layout.from_dict(r["layout"]).short() for r in rows]
     axes = [a for a in TABLE_AXES if any(r["comm_bytes_per_step_max"].get(a) for r in rows)]
     cols = [("#", 3), ("layout", max(map(len, names))), ("params/rank", 11), ("static GB", 9), ("act GB", 7),
             ("total GB", 8), ("peak GB", 7)] + [("traced GB", 9)] * traced + [("bubble", 6)]

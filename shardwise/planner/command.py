@@ -11,8 +11,10 @@ GPT-2) get no command.
 from __future__ import annotations
 
 import shlex
+from dataclasses import fields
 from functools import lru_cache
 
+from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.partition import balanced_counts
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster
@@ -42,6 +44,20 @@ def train_flags(model_flags: list[str], spec: ModelSpec, lay: Layout, wl: Worklo
     return out
 
 
+def train_config(model: str | ModelConfig, spec: ModelSpec, lay: Layout, wl: Workload, steps: int,
+                 mtp_layers: int = 0) -> TrainConfig:
+    """The TrainConfig of a row's train command (`train_flags`), built directly: `model` a preset name or the
+    ModelConfig of --model-config."""
+    parallel = ParallelConfig(**{f.name: getattr(lay, f.name) for f in fields(ParallelConfig)})
+    chunks = lay.pp * lay.vp
+    if lay.pp > 1 and spec.n_layers % chunks:
+        parallel.pp_layers = balanced_counts(spec.n_layers, chunks)
+    return TrainConfig(model=model, parallel=parallel, steps=steps, seq_len=wl.seq_len, micro_batch=lay.mb,
+                       global_batch=lay.m * lay.mb * lay.dp, dtype=wl.precision, grad_reduce_dtype=wl.grad_reduce,
+                       fp32_residual=wl.fp32_residual and wl.precision == "bf16",
+                       model_overrides={"mtp_layers": mtp_layers} if mtp_layers else {})
+
+
 def train_command(flags: list[str], cluster: Cluster) -> str:
     """The shell line: `shardwise train` on one node (one process per GPU), else torchrun on every node."""
     if cluster.gpus <= cluster.gpus_per_node:
@@ -69,9 +85,11 @@ def _raise(message: str):
 
 @lru_cache(maxsize=1)
 def _train_parser():
-    from shardwise.cli import build_parser  # at call time: cli registers the plan subcommand itself
+    """train's own parser, raising instead of exiting: a printed command and an --explain command are read
+    exactly as `shardwise train` reads them."""
+    from shardwise.cli import train_parser  # at call time: cli registers the plan subcommand itself
 
-    sub = build_parser()._sw_runs["train"]
+    sub = train_parser()
     sub.error = _raise
     return sub
 
@@ -142,8 +160,8 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
         raise PlanError(f"--explain: --pp-layers {args.pp_layers} is not the planner's balanced split "
                         f"{','.join(map(str, balanced_counts(n_layers, pp * vp)))}")
     lay = Layout(dp=dp, **deg, vp=vp, schedule=schedule, mb=args.micro_batch, m=m, zero=args.zero,
-                 recompute=args.recompute, sp=bool(args.sequence_parallel), cp_impl=args.cp_impl,
-                 dp_shard=args.dp_shard if args.dp_shard not in (None, dp) else 0)
+                 recompute=args.recompute, sequence_parallel=bool(args.sequence_parallel), cp_impl=args.cp_impl,
+                 dp_shard=args.dp_shard if args.dp_shard not in (None, dp) else None)
     seq_given = any(t == "--seq-len" or t.startswith("--seq-len=") for t in tokens)
     wl = dict(seq_len=args.seq_len if seq_given else None, precision=args.dtype,
               fp32_residual=bool(args.fp32_residual), grad_reduce=args.grad_reduce_dtype)

@@ -22,7 +22,8 @@ from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
-from shardwise.planner.memory import ACTIVATION_MODELS, stage_activation_bytes, stage_params, static_bytes, zero_buckets
+from shardwise.planner.activations import ACTIVATION_MODELS, stage_activation_bytes
+from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
 from shardwise.planner.models import ModelSpec, active_params, local_kv_heads, padded_vocab, total_params
 from shardwise.planner.mtp import mtp_flops_per_token
 from shardwise.planner.peak import peak_terms
@@ -95,10 +96,10 @@ def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none") -> float
 
 
 @lru_cache(maxsize=8192)
-def axis_links(dp: int, pp: int, cp: int, tp: int, ep: int, domain: int, dp_shard: int = 0) -> dict:
+def axis_links(dp: int, pp: int, cp: int, tp: int, ep: int, domain: int, dp_shard: int | None = None) -> dict:
     """Link each axis rides: a group crossing any scale-up domain boundary is limited by the network."""
     lay = Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, dp_shard=dp_shard)
-    if domain >= lay.world:
+    if domain >= lay.world_size:
         return {a: "nvlink" if group_size(lay, a) > 1 else None for a in AXES}
     return {a: spans_link(group_spans(lay, a), group_size(lay, a), domain) for a in AXES}
 

@@ -8,8 +8,9 @@ parallel group. Stages hold contiguous layer chunks: chunk j of pp×vp sits on s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
+from shardwise.config.parallel import ParallelConfig
 from shardwise.partition import balanced_counts
 from shardwise.planner.errors import PlanError
 from shardwise.planner.models import ModelSpec, local_kv_heads
@@ -48,49 +49,29 @@ class Workload:
         return PRECISIONS[self.grad_reduce]
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    vp: int = 1
-    """Model chunks per pipeline rank (interleaved; DualPipeV uses 2)."""
-    schedule: str = "1f1b"
+@dataclass(unsafe_hash=True)
+class Layout(ParallelConfig):
+    """A `ParallelConfig` (the degrees, defaults and `world_size` shardwise runs with) plus how the planner
+    splits each step's batch. A cache key: never mutated, derived with `dataclasses.replace`."""
+
     mb: int = 1
     """Sequences per microbatch."""
     m: int = 1
     """Microbatches per step per dp rank (gradient accumulation)."""
-    zero: int = 1
-    recompute: str = "selective"
-    sp: bool = True
-    cp_impl: str = "ring"
-    """Context-parallel attention: 'ring' (p2p K/V ring) or 'ulysses' (all-to-all to head shards)."""
-    dp_shard: int = 0
-    """Hybrid sharded DP (shardwise's --dp-shard): ZeRO 2/3 shard over this many dp ranks (× cp) and
-    all-reduce over the dp/dp_shard replicas; 0 (or dp) = shard over all of dp×cp."""
 
     @property
-    def hsdp(self) -> bool:
-        return 0 < self.dp_shard < self.dp
-
-    @property
-    def shard(self) -> int:
-        """dp ranks per ZeRO shard group."""
-        return self.dp_shard if self.hsdp else self.dp
-
-    @property
-    def replicas(self) -> int:
-        return self.dp // self.shard
+    def sp(self) -> bool:
+        """Sequence parallelism (`sequence_parallel`), under the planner's short name."""
+        return self.sequence_parallel
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        """GPUs the layout needs (`world_size`)."""
+        return self.world_size
 
     def as_dict(self) -> dict:
-        """Every field; dp_shard only under hybrid sharding (it changes nothing otherwise)."""
-        return {f: getattr(self, f) for f in _FIELDS if f != "dp_shard" or self.hsdp}
+        """The plan's JSON keys; dp_shard only under hybrid sharding (it changes nothing otherwise)."""
+        return {k: getattr(self, k) for k in PLAN_KEYS if k != "dp_shard" or self.hsdp}
 
     def short(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
@@ -104,8 +85,16 @@ class Layout:
             parts.append(f"hs{self.dp_shard}")
         return " ".join(parts) + (" sp" if self.sp else "")
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Layout":
+        """The inverse of `as_dict` (a plan row's "layout" object)."""
+        return cls(**{_FIELD_OF.get(k, k): v for k, v in d.items()})
 
-_FIELDS = tuple(f.name for f in fields(Layout))
+
+PLAN_KEYS = ("dp", "tp", "pp", "cp", "ep", "vp", "schedule", "mb", "m", "zero", "recompute", "sp", "cp_impl",
+             "dp_shard")
+"""A layout's keys in `plan --json` rows and --explain text, in order."""
+_FIELD_OF = {"sp": "sequence_parallel"}
 _INT_KEYS = ("dp", "tp", "pp", "cp", "ep", "vp", "mb", "m", "zero", "dp_shard")
 _ALIASES = {"v": "vp", "micro_batch": "mb", "microbatches": "m"}
 
@@ -135,7 +124,7 @@ def parse_layout(text: str, base: Layout, gpus: int, global_batch: int | None) -
         else:
             raise PlanError(f"--explain: unknown key {key!r}; valid: {', '.join(_INT_KEYS)}, schedule, recompute, sp, "
                             "cp_impl")
-    lay = replace(base, **{k: v for k, v in given.items() if k != "m"})
+    lay = replace(base, **{_FIELD_OF.get(k, k): v for k, v in given.items() if k != "m"})
     if "dp" not in given:
         inner = lay.tp * lay.pp * lay.cp
         if gpus % inner:
@@ -153,15 +142,15 @@ def parse_layout(text: str, base: Layout, gpus: int, global_batch: int | None) -
             raise PlanError(f"--global-batch {gb} is not divisible by mb={lay.mb} × dp={lay.dp}")
         m = gb // (lay.mb * lay.dp)
     if lay.tp == 1:
-        lay = replace(lay, sp=False)
+        lay = replace(lay, sequence_parallel=False)
     return replace(lay, m=m)
 
 
 def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneven_pp: bool = False) -> list[str]:
     """Every reason this layout cannot run (empty when it can): divisibility and schedule rules."""
     bad = []
-    if lay.world != gpus:
-        bad.append(f"dp×tp×pp×cp = {lay.world} != {gpus} GPUs")
+    if lay.world_size != gpus:
+        bad.append(f"dp×tp×pp×cp = {lay.world_size} != {gpus} GPUs")
     t = lay.tp
     if spec.n_heads % t:
         bad.append(f"tp={t} does not divide n_heads={spec.n_heads}")
@@ -205,7 +194,7 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
         bad.append(f"zero={lay.zero} unknown; valid: 0, 1, 2, 3")
     if lay.sp and t == 1:
         bad.append("sp needs tp > 1")
-    if lay.dp_shard and lay.dp % lay.dp_shard:
+    if lay.dp_shard is not None and lay.dp % lay.dp_shard:
         bad.append(f"dp_shard={lay.dp_shard} does not divide dp={lay.dp}")
     elif lay.hsdp and lay.zero < 2:
         bad.append(f"dp_shard={lay.dp_shard} shards nothing at zero={lay.zero} (needs zero 2 or 3)")
@@ -268,7 +257,7 @@ def group_spans(lay: Layout, axis: str):
     dp, pp, cp, tp, ep = lay.dp, lay.pp, lay.cp, lay.tp, lay.ep
     rank = lambda d, p, c, t: ((d * pp + p) * cp + c) * tp + t  # noqa: E731
     if axis == "tp":
-        return ((r, r + tp - 1) for r in range(0, lay.world, tp))
+        return ((r, r + tp - 1) for r in range(0, lay.world_size, tp))
     if axis == "cp":
         return ((rank(d, p, 0, t), rank(d, p, cp - 1, t)) for d in range(dp) for p in range(pp) for t in range(tp))
     if axis == "pp":
@@ -306,8 +295,8 @@ def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
     spec = ModelSpec.of(cfg.model_config())
     lay = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, vp=p.vp if p.pp > 1 else 1,
                  schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
-                 recompute=p.recompute, sp=bool(p.sequence_parallel and p.tp > 1), cp_impl=p.cp_impl,
-                 dp_shard=p.dp_shard if p.hsdp else 0)
+                 recompute=p.recompute, sequence_parallel=bool(p.sequence_parallel and p.tp > 1),
+                 cp_impl=p.cp_impl, dp_shard=p.dp_shard if p.hsdp else None)
     gb = cfg.global_batch or cfg.micro_batch * p.dp
     return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,
                                fp32_residual=cfg.fp32_residual, grad_reduce=cfg.grad_reduce_dtype)

@@ -18,11 +18,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.partition import balanced_counts
-from shardwise.planner.activations import (  # noqa: F401  (re-exported: callers import them from here)
-    ACTIVATION_MODELS, _region_input, autocast_weight_bytes, head_activation_bytes, korthikanti_layer_activation_bytes,
-    layer_activation_bytes, microbatch_activation_bytes, recompute_transient_bytes,
-    shardwise_layer_activation_bytes, stage_activation_bytes,
-)
 from shardwise.planner.layout import Layout, Stage, chunk_owners
 from shardwise.planner.models import (
     ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors,
@@ -55,7 +50,8 @@ def stage_params(spec: ModelSpec, stage: Stage, lay: Layout) -> Params:
     return p
 
 
-def _shard(n: int, group: int) -> int:
+def shard_size(n: int, group: int) -> int:
+    """Elements per rank of `n` sharded over `group` ranks (the last shard padded)."""
     return -(-n // group)
 
 
@@ -78,11 +74,11 @@ class ZeroBucket:
 
     @property
     def padded(self) -> int:
-        return _shard(self.numel, self.group) * self.group
+        return shard_size(self.numel, self.group) * self.group
 
     @property
     def shard(self) -> int:
-        return _shard(self.numel, self.group)
+        return shard_size(self.numel, self.group)
 
 
 class ZeroBuckets(tuple):
@@ -96,7 +92,7 @@ class ZeroBuckets(tuple):
         return self
 
 
-def _stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, list[tuple[Tensor, bool]]]]:
+def stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, list[tuple[Tensor, bool]]]]:
     """(chunk, [(tensor, TP-partial gradient?)]) of every ZeRO-3 unit of a stage in model order: the
     embedding, each block, the final norm, the LM head — shardwise's `model_units`."""
     t, sp = lay.tp, lay.sp and lay.tp > 1
@@ -136,7 +132,7 @@ def bucket_layout(lay: Layout) -> Layout:
     """Only what ZeRO's buckets and units depend on (dp·cp as one group, the hybrid shard group): the search's
     many layouts share their cached buckets through it."""
     return Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
-                  zero=lay.zero, sp=lay.sp, dp_shard=lay.shard * lay.cp if lay.hsdp else 0)
+                  zero=lay.zero, sequence_parallel=lay.sp, dp_shard=lay.shard * lay.cp if lay.hsdp else None)
 
 
 @lru_cache(maxsize=4096)
@@ -145,7 +141,7 @@ def _zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
     dense, gd = ("dp_shard", lay.dp_shard) if lay.hsdp else ("dp_cp", g)  # hybrid sharding: dense over S·cp
     groups: dict[tuple, list] = {}
     tied = spec.tie_embeddings and stage.embedding and stage.head
-    for u, (chunk, tensors) in enumerate(_stage_units(spec, stage, lay)):
+    for u, (chunk, tensors) in enumerate(stage_units(spec, stage, lay)):
         for x, partial in tensors:
             key = ((x.expert, x.matrix) if lay.zero <= 1 else (chunk, x.expert, x.matrix) if lay.zero == 2
                    else (chunk, u, x.expert, x.matrix))
@@ -177,7 +173,7 @@ def zero_groups(local: Params, lay: Layout) -> list[tuple[str, int, int]]:
 
 def zero_shard_numel(local: Params, lay: Layout) -> int:
     """Elements of this rank's ZeRO shard: every flat buffer padded to a multiple of its group, then split."""
-    return sum(_shard(n, g) for _, n, g in zero_groups(local, lay) if n)
+    return sum(shard_size(n, g) for _, n, g in zero_groups(local, lay) if n)
 
 
 def static_bytes(local: Params, lay: Layout, buckets: ZeroBuckets | None = None) -> dict:

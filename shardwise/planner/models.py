@@ -7,8 +7,7 @@ architecture variants only the planner models — GPT-2's GELU MLP, LayerNorm, l
 positions — so a plan for a trainer preset or a trainer-readable Hugging Face config is a plan of exactly the
 model `shardwise train` builds; `untrainable` says why train cannot build a spec. Hugging Face `config.json`
 files of the llama, mistral, mixtral, qwen2, qwen3, qwen3_moe and deepseek_v3 families are read by the trainer's
-reader (`shardwise.hf_config.config_from_hf`); shapes it refuses, and gpt2, fall back to a lenient planner-only
-reading.
+reader (`shardwise.hf_config`); shapes it refuses, and gpt2, are read leniently (`shardwise.hf_shapes`).
 
 Counting follows shardwise's TP plan: the vocabulary is padded to a
 multiple of tp and sharded, wq/wk/wv/w1/w3 are split by output rows, wo/w2 by input columns, norms are
@@ -29,14 +28,12 @@ core: `planner.activations`). Its multi-token-prediction modules (`--mtp-layers`
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from pathlib import Path
 
 from shardwise.config import MODEL_PRESETS, ConfigError, ModelConfig
-from shardwise.hf_config import SUPPORTED as TRAINER_HF_TYPES
-from shardwise.hf_config import config_from_hf
+from shardwise.hf_shapes import model_fields_from_hf
 from shardwise.planner.errors import PlanError
 
 
@@ -280,72 +277,14 @@ def get_model(name: str) -> ModelSpec:
     return PRESETS[name]
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt2")
-# Hugging Face's defaults for max_position_embeddings where a config.json leaves it out.
-_HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768, "qwen3": 32768}
-
-
 def load_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face config.json of a supported family; anything else is a `PlanError` naming why.
 
-    The trainer's reader comes first, so what it accepts is planned as exactly the model `shardwise train
-    --model-config` builds; what it refuses (and gpt2) is read leniently, marked `untrainable`.
+    The one reader (`shardwise.hf_config`), lenient: what train accepts is planned as exactly the model
+    `shardwise train --model-config` builds; what it refuses (and gpt2) is read for its shapes, marked `untrainable`.
     """
-    path = Path(path)
     try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PlanError(f"--model-config {path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PlanError(f"--model-config {path}: cannot read it as JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise PlanError(f"--model-config {path}: expected a JSON object")
-    mt = raw.get("model_type")
-    if mt not in HF_MODEL_TYPES:
-        raise PlanError(f"--model-config {path}: model_type {mt!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
-    refusal = f"shardwise train has no model_type {mt!r}"
-    if mt in TRAINER_HF_TYPES:
-        try:
-            return ModelSpec.of(config_from_hf(str(path)))
-        except ConfigError as e:
-            if mt in ("qwen3_moe", "deepseek_v3"):  # no lenient reading of their expert / attention layout
-                raise PlanError(f"--model-config {path}: {e}") from None
-            refusal = f"shardwise train refuses it: {e}"
-
-    def need(key: str) -> int:
-        v = raw.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise PlanError(f"--model-config {path}: {key!r} must be a positive integer for model_type {mt!r}, got {v!r}")
-        return v
-
-    name = str(raw.get("_name_or_path") or path.parent.name or mt)
-    if mt == "gpt2":
-        h, heads = need("n_embd"), need("n_head")
-        if h % heads:
-            raise PlanError(f"--model-config {path}: n_embd={h} is not divisible by n_head={heads}")
-        return ModelSpec(
-            name=name, vocab_size=need("vocab_size"), dim=h, n_layers=need("n_layer"), n_heads=heads,
-            n_kv_heads=heads, head_dim=h // heads, ffn_dim=raw.get("n_inner") or 4 * h,
-            max_seq_len=raw.get("n_positions", 1024), tie_embeddings=raw.get("tie_word_embeddings", True),
-            mlp="gelu", norm="layernorm", linear_bias=True, learned_pos=True,
-            dropout=float(raw.get("resid_pdrop", 0.1)), attn_dropout=float(raw.get("attn_pdrop", 0.1)),
-            untrainable=refusal,
-        )
-    h, heads = need("hidden_size"), need("num_attention_heads")
-    kv = raw.get("num_key_value_heads") or heads
-    head_dim = raw.get("head_dim") or (128 if mt == "qwen3" else h // heads)
-    if not raw.get("head_dim") and h % heads:
-        raise PlanError(f"--model-config {path}: hidden_size={h} is not divisible by num_attention_heads={heads}")
-    if heads % kv:
-        raise PlanError(f"--model-config {path}: num_attention_heads={heads} is not divisible by num_key_value_heads={kv}")
-    spec = ModelSpec(
-        name=name, vocab_size=need("vocab_size"), dim=h, n_layers=need("num_hidden_layers"), n_heads=heads,
-        n_kv_heads=kv, head_dim=head_dim, ffn_dim=need("intermediate_size"),
-        max_seq_len=raw.get("max_position_embeddings", _HF_MAX_POS[mt]),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=(mt == "qwen2"),
-        attn_dropout=float(raw.get("attention_dropout", 0.0)), qk_norm=(mt == "qwen3"), untrainable=refusal,
-    )
-    if mt == "mixtral":
-        spec = replace(spec, moe_experts=need("num_local_experts"), moe_topk=need("num_experts_per_tok"),
-                       moe_softmax_before_topk=False)
-    return spec
+        model, refusal = model_fields_from_hf(str(path), lenient=True)
+    except ConfigError as e:
+        raise PlanError(f"--model-config {path}: {e}") from None
+    return ModelSpec(**model, untrainable=refusal)

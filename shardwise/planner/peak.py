@@ -14,10 +14,11 @@ from __future__ import annotations
 from functools import lru_cache
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
-from shardwise.planner.memory import (
-    _stage_units, bucket_layout, head_activation_bytes, layer_activation_bytes, microbatch_activation_bytes,
-    recompute_transient_bytes, stage_activation_bytes, stage_params, static_bytes, zero_buckets,
+from shardwise.planner.activations import (
+    head_activation_bytes, layer_activation_bytes, microbatch_activation_bytes, recompute_transient_bytes,
+    stage_activation_bytes,
 )
+from shardwise.planner.memory import bucket_layout, stage_params, stage_units, static_bytes, zero_buckets
 from shardwise.planner.models import ModelSpec, padded_vocab
 from shardwise.planner.rank_actions import (
     backward_states, backward_then_forward, backwards_before_forward,
@@ -103,7 +104,7 @@ def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
     g = lay.dp
     gd = lay.dp_shard if lay.hsdp else g  # hybrid sharding: dense buckets pad to the shard group
     out = []
-    for chunk, tensors in _stage_units(spec, stage, lay):
+    for chunk, tensors in stage_units(spec, stage, lay):
         groups: dict[tuple, list[int]] = {}
         for x, partial in tensors:
             acc = groups.setdefault((x.expert, x.matrix), [0, 0])
@@ -168,7 +169,7 @@ def _last_launched_at_w(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload
     key = bucket_layout(lay)
     gd = key.dp_shard if key.hsdp else key.dp
     late: dict[int, list[float]] = {}
-    for u, (chunk, tensors) in enumerate(_stage_units(spec, stage, key)):
+    for u, (chunk, tensors) in enumerate(stage_units(spec, stage, key)):
         if u == 0 and stage.embedding:
             continue
         n = sum(x.numel for x, _ in tensors if x.matrix and not x.expert)
@@ -375,7 +376,7 @@ def tp_reduction_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
     if lay.tp == 1:
         return 0.0
     tp_sum = kv = 0
-    for _, tensors in _stage_units(spec, stage, lay):
+    for _, tensors in stage_units(spec, stage, lay):
         for x, partial in tensors:
             if partial:
                 tp_sum += x.numel if x.sp_replicated else 0

@@ -55,13 +55,13 @@ def _schedules(space: SearchSpace, spec: ModelSpec, pp: int) -> list[tuple[str, 
 
 
 def _dp_shards(space: SearchSpace, dp: int, pp: int, cp: int, tp: int, domain: int) -> list[int]:
-    """The dp_shard values (0 = all of dp) worth estimating for one (dp, pp, cp, tp)."""
+    """The dp_shard values (None = all of dp) worth estimating for one (dp, pp, cp, tp)."""
     if space.zero < 2 or dp == 1:
-        return [0]
+        return [None]
     if space.dp_shard is not None:
-        return [space.dp_shard if 0 < space.dp_shard < dp and dp % space.dp_shard == 0 else 0]
+        return [space.dp_shard if 0 < space.dp_shard < dp and dp % space.dp_shard == 0 else None]
     inside = [s for s in divisors(dp)[:-1] if axis_links(dp, pp, cp, tp, 1, domain, s)["dp_shard"] != "network"]
-    return [0] + inside[-1:]
+    return [None] + inside[-1:]
 
 
 def candidates(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpace):
@@ -89,7 +89,7 @@ def candidates(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpa
                         m = wl.global_batch // (dp * mb)
                         for (sched, vp), hs in product(_schedules(space, spec, pp), shards):
                             lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vp=vp, schedule=sched, mb=mb, m=m,
-                                         zero=space.zero, recompute=space.recompute, sp=space.sp and tp > 1,
+                                         zero=space.zero, recompute=space.recompute, sequence_parallel=space.sp and tp > 1,
                                          cp_impl=space.cp_impl, dp_shard=hs)
                             if not layout_problems(spec, lay, n, wl.seq_len, space.uneven_pp):
                                 yield lay

@@ -7,28 +7,30 @@ peak exceeds the usable memory no longer fits.
 """
 from __future__ import annotations
 
-from shardwise.planner.command import train_flags
+from shardwise.planner.command import train_config
 from shardwise.planner.layout import Layout
 
-
-def simulate_flags(model_flags: list[str], spec, row: dict, wl) -> list[str]:
-    """The `shardwise simulate` flags of a plan row: its train command's flags, every stage's first rank."""
-    return train_flags(model_flags, spec, Layout(**row["layout"]), wl) + ["--ranks", "stages"]
+SIMULATED_STEPS = 2
+"""`shardwise simulate`'s default: the optimizer state exists from the second step."""
 
 
-def trace_row(flags: list[str]) -> dict:
+def simulate_config(model, spec, row: dict, wl, mtp_layers: int = 0):
+    """The TrainConfig `shardwise simulate` runs for a plan row: its train command's, for SIMULATED_STEPS."""
+    return train_config(model, spec, Layout.from_dict(row["layout"]), wl, SIMULATED_STEPS, mtp_layers)
+
+
+def trace_row(cfg) -> dict:
     """{peak_bytes, planned_peak_bytes, static_bytes, activation_bytes, passed, wall_s} of one simulated row
-    (each the maximum over its simulated ranks), or {"error": why} when the trainer refuses the command."""
-    from shardwise.cli import build_parser, config_from_args
+    (each the maximum over its simulated ranks: `--ranks stages`), or {"error": why} when the trainer refuses it."""
     from shardwise.config import ConfigError
+    from shardwise.run import assemble
     from shardwise.simulate.cli import check_simulable, choose_ranks, run
 
-    args = build_parser().parse_args(["simulate", *flags])
     try:
-        cfg = config_from_args(args, None)
+        cfg = assemble(cfg)
         check_simulable(cfg)
         p = cfg.parallel
-        ranks = choose_ranks(args.ranks, p.dp * p.pp * p.cp * p.tp, p.pp, p.cp, p.tp)
+        ranks = choose_ranks("stages", p.world_size, p.pp, p.cp, p.tp)
         report = run(cfg, ranks, cfg.steps)
     except ConfigError as e:
         return {"error": str(e)}
@@ -40,13 +42,14 @@ def trace_row(flags: list[str]) -> dict:
     return out | {"passed": report["passed"], "wall_s": report["wall_s"]}
 
 
-def trace_rows(rows: list[dict], k: int, model_flags: list[str], spec, wl) -> None:
-    """Add "traced" to the first `k` rows (all when k exceeds them) and refit each by its traced peak."""
+def trace_rows(rows: list[dict], k: int, model, spec, wl, mtp_layers: int = 0) -> None:
+    """Add "traced" to the first `k` rows (all when k exceeds them) and refit each by its traced peak; `model` is
+    a preset name or the ModelConfig of --model-config."""
     for r in rows[:k]:
         if r.get("command") is None or r.get("command_refused"):
             r["traced"] = {"error": r.get("untrainable") or r.get("command_refused")}
             continue
-        r["traced"] = trace_row(simulate_flags(model_flags, spec, r, wl))
+        r["traced"] = trace_row(simulate_config(model, spec, r, wl, mtp_layers))
         if "peak_bytes" in r["traced"]:
             r["traced"]["fits"] = r["traced"]["peak_bytes"] <= r["usable_bytes_per_rank"]
             r["fits"] = r["fits"] and r["traced"]["fits"]

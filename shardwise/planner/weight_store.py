@@ -3,7 +3,7 @@ between a microbatch's B and its W, beyond the activations of the microbatches i
 live peak (`planner.peak`)."""
 from __future__ import annotations
 
-from shardwise.planner.activations import _region_input, microbatch_activation_bytes
+from shardwise.planner.activations import microbatch_activation_bytes, region_input
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.models import ModelSpec, local_kv_heads, padded_vocab
 from shardwise.planner.rank_actions import split_states
@@ -19,9 +19,9 @@ def deferred_w_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -
     hq, hkv, dk, dv = spec.n_heads // t, local_kv_heads(spec, t), spec.k_dim, spec.v_dim
     ffn = spec.ffn_dim // t
     mats = 3 if spec.mlp == "swiglu" else 2
-    layer = (_region_input(n, h, 3, e, r) + e * n * hq * dv + _region_input(n, h, mats - 1, e, r) + e * n * ffn
+    layer = (region_input(n, h, 3, e, r) + e * n * hq * dv + region_input(n, h, mats - 1, e, r) + e * n * ffn
              + e * n * (hq * dk + hkv * (dk + dv)) + 2 * e * n * h + (mats - 1) * e * n * ffn)
-    head = _region_input(n, h, 1, e, r) + e * n * (padded_vocab(spec, t) // t) if stage.head else 0
+    head = region_input(n, h, 1, e, r) + e * n * (padded_vocab(spec, t) // t) if stage.head else 0
     return float(layer * stage.n_dense + head)
 
 

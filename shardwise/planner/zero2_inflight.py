@@ -14,7 +14,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from shardwise.planner.layout import Layout, Stage, Workload
-from shardwise.planner.memory import BUCKET_BYTES, _shard, _stage_units
+from shardwise.planner.memory import BUCKET_BYTES, shard_size, stage_units
 from shardwise.planner.models import ModelSpec
 
 
@@ -26,7 +26,7 @@ def chunk_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
     gd = lay.dp_shard if lay.hsdp else lay.dp
     groups: dict[tuple, list] = {}
     counts: dict[int, int] = {}
-    for u, (chunk, tensors) in enumerate(_stage_units(spec, stage, lay)):
+    for u, (chunk, tensors) in enumerate(stage_units(spec, stage, lay)):
         j = counts.get(chunk, 0)
         counts[chunk] = j + 1
         for x, partial in tensors:
@@ -43,7 +43,7 @@ def chunk_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
             if any(p for _, p, _ in r):
                 continue  # deferred: reduced after the TP sum, once the activations are gone
             g = max(1, lay.dp // lay.ep) if key[1] else gd
-            out[key[0]].append((4 * g * _shard(sum(x.numel for x, _, _ in r), g), g, min(j for *_, j in r),
+            out[key[0]].append((4 * g * shard_size(sum(x.numel for x, _, _ in r), g), g, min(j for *_, j in r),
                                 max(j for *_, j in r)))
     return tuple((counts[c], tuple(reversed(bs))) for c, bs in sorted(out.items()))
 
@@ -78,9 +78,9 @@ def zero2_bucket_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workloa
     (what they launched last is still in flight then). `per_layer`: one microbatch's saved tensors of a
     layer, freed once its backward is over."""
     key = Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
-                 zero=2, sp=lay.sp, dp_shard=lay.shard * lay.cp if lay.hsdp else 0)
+                 zero=2, sequence_parallel=lay.sp, dp_shard=lay.shard * lay.cp if lay.hsdp else None)
     layers: dict[int, list[float]] = {}  # per chunk, what each unit's backward frees (a layer: > 2 tensors)
-    for chunk, tensors in _stage_units(spec, stage, key):
+    for chunk, tensors in stage_units(spec, stage, key):
         layers.setdefault(chunk, []).append(per_layer if len(tensors) > 2 else 0.0)
     best = after = 0.0
     chunks = chunk_buckets(spec, stage, key)

@@ -16,11 +16,10 @@ BOUNDS = {"static_bytes": 0.01, "activation_bytes": 0.02, "peak_bytes": 0.03}
 
 
 def add_parser(sub) -> None:
-    from ..cli import _add_layout, _add_run
+    from ..cli import add_run_flags
 
     p = sub.add_parser("simulate", help="run ranks of a full-size layout on fake tensors, against the planner")
-    _add_layout(p)
-    _add_run(p, steps=2)
+    add_run_flags(p, "simulate")
     p.add_argument("--ranks", default="stages",
                    help="stages (first rank of every pipeline stage; default), all, or global ranks R,R,...")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -140,7 +139,7 @@ def main(args) -> int:
         cfg = config_from_args(args, None)
         check_simulable(cfg)
         p = cfg.parallel
-        world = p.dp * p.pp * p.cp * p.tp
+        world = p.world_size
         ranks = choose_ranks(args.ranks, world, p.pp, p.cp, p.tp)
     except ConfigError as e:
         print(f"shardwise simulate: error: {e}", file=sys.stderr)

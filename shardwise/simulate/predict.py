@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..planner import Cluster, estimate, get_gpu
 from ..planner.layout import from_train_config
-from ..planner.memory import recompute_transient_bytes
+from ..planner.activations import recompute_transient_bytes
 
 
 def planned(cfg, stage: int) -> dict:

@@ -8,96 +8,88 @@ schedule, cp implementation, ep, recompute and dtype that the trainer accepts.
 """
 from __future__ import annotations
 
+import copy
 import sys
 import time
 
-S32 = ["--seq-len", "32"]
-S64 = ["--seq-len", "64"]
-BF = ["--dtype", "bf16"]
+from ..config import ParallelConfig, TrainConfig
 
-LAYOUTS: dict[str, list[str]] = {
-    # data parallel, every ZeRO stage, fp32 and bf16
-    "dp2-z0": S64 + ["--dp", "2", "--micro-batch", "2", "--microbatches", "2"],
-    "dp2-z1-bf16": S64 + BF + ["--dp", "2", "--zero", "1", "--microbatches", "2"],
-    "dp4-z2": S32 + ["--dp", "4", "--zero", "2", "--micro-batch", "2", "--microbatches", "2"],
-    "dp4-z2-bf16-sel": S64 + BF + ["--dp", "4", "--zero", "2", "--recompute", "selective", "--microbatches", "2"],
-    "dp4-z3": S32 + ["--dp", "4", "--zero", "3", "--micro-batch", "2", "--microbatches", "2"],
-    "dp4-z3-bf16-full": S64 + BF + ["--dp", "4", "--zero", "3", "--recompute", "full", "--microbatches", "2"],
-    # hybrid sharding
-    "dp4-hs2-z2": S32 + ["--dp", "4", "--dp-shard", "2", "--zero", "2", "--micro-batch", "2", "--microbatches", "2"],
-    "dp4-hs2-z3-bf16": S64 + BF + ["--dp", "4", "--dp-shard", "2", "--zero", "3", "--microbatches", "2"],
-    "dp4-hs1-z3-full": S32 + ["--dp", "4", "--dp-shard", "1", "--zero", "3", "--recompute", "full",
-                              "--micro-batch", "2", "--microbatches", "2"],
-    # tensor parallel with and without SP
-    "tp2": S64 + ["--tp", "2", "--micro-batch", "2", "--microbatches", "2"],
-    "tp2-sp-bf16-sel": S64 + BF + ["--tp", "2", "--sequence-parallel", "--recompute", "selective",
-                                   "--microbatches", "2"],
-    "dp2-tp2-sp-z2": S32 + ["--dp", "2", "--tp", "2", "--sequence-parallel", "--zero", "2", "--micro-batch", "2",
-                            "--microbatches", "2"],
-    "dp2-tp2-z3-bf16-full": S64 + BF + ["--dp", "2", "--tp", "2", "--zero", "3", "--recompute", "full",
-                                        "--microbatches", "2"],
-    "dp4-hs2-tp2-sp-z3-bf16": S32 + BF + ["--dp", "4", "--dp-shard", "2", "--tp", "2", "--sequence-parallel",
-                                          "--zero", "3", "--micro-batch", "2", "--microbatches", "2"],
-    # pipeline schedules
-    "pp2-1f1b-z1": S64 + ["--dp", "2", "--pp", "2", "--zero", "1", "--micro-batch", "2", "--microbatches", "4"],
-    "pp2-1f1b-bf16-full": S64 + BF + ["--pp", "2", "--recompute", "full", "--microbatches", "4"],
-    "pp2-int-z2": S32 + ["--dp", "2", "--pp", "2", "--schedule", "interleaved", "--vp", "2", "--zero", "2",
-                         "--micro-batch", "2", "--microbatches", "4"],
-    "pp2-int-z3-bf16-sel": S64 + BF + ["--dp", "2", "--pp", "2", "--schedule", "interleaved", "--vp", "2",
-                                       "--zero", "3", "--recompute", "selective", "--microbatches", "4"],
-    "pp2-zb-tp2-sp": S64 + ["--pp", "2", "--schedule", "zb", "--tp", "2", "--sequence-parallel",
-                            "--micro-batch", "2", "--microbatches", "2"],
-    "pp2-zb-z3-bf16": S32 + BF + ["--dp", "2", "--pp", "2", "--schedule", "zb", "--zero", "3",
-                                  "--micro-batch", "2", "--microbatches", "4"],
-    "pp2-dualpipev-z1-bf16": S64 + BF + ["--dp", "2", "--pp", "2", "--schedule", "dualpipev", "--zero", "1",
-                                         "--microbatches", "4"],
-    "pp2-dualpipev-hs1-z2": S32 + ["--dp", "2", "--dp-shard", "1", "--pp", "2", "--schedule", "dualpipev",
-                                   "--zero", "2", "--micro-batch", "2", "--microbatches", "4"],
-    "pp2-gpipe-sel": S64 + ["--pp", "2", "--schedule", "gpipe", "--recompute", "selective", "--microbatches", "2"],
-    # the lead's layout, and with hybrid sharding and full recompute
-    "dp4-tp2-sp-pp2-z3": S32 + ["--dp", "4", "--zero", "3", "--tp", "2", "--sequence-parallel", "--pp", "2",
-                                "--micro-batch", "2", "--global-batch", "16"],
-    "dp4-hs2-tp2-sp-pp2-z3": S32 + ["--dp", "4", "--dp-shard", "2", "--zero", "3", "--tp", "2",
-                                    "--sequence-parallel", "--pp", "2", "--micro-batch", "2", "--global-batch", "16"],
-    "dp4-tp2-sp-pp2-z3-full": S32 + ["--dp", "4", "--zero", "3", "--tp", "2", "--sequence-parallel", "--pp", "2",
-                                     "--recompute", "full", "--micro-batch", "2", "--global-batch", "16"],
-    # context parallel
-    "cp2-ring-dp2-z2": S64 + ["--cp", "2", "--dp", "2", "--zero", "2", "--micro-batch", "2", "--microbatches", "2"],
-    "cp2-ulysses-bf16-sel": S64 + BF + ["--cp", "2", "--cp-impl", "ulysses", "--recompute", "selective",
-                                        "--micro-batch", "2", "--microbatches", "2"],
-    "cp2-ring-tp2-sp-z3-bf16-full": S64 + BF + ["--cp", "2", "--dp", "2", "--tp", "2", "--sequence-parallel",
-                                                "--zero", "3", "--recompute", "full", "--microbatches", "2"],
-    "cp2-ulysses-hs1-z3": S64 + ["--cp", "2", "--cp-impl", "ulysses", "--dp", "2", "--dp-shard", "1",
-                                 "--zero", "3", "--micro-batch", "2", "--microbatches", "2"],
-    "cp2-ring-pp2-zb-bf16": S64 + BF + ["--cp", "2", "--pp", "2", "--schedule", "zb", "--microbatches", "2"],
-    # mixture of experts
-    "moe-ep2": S64 + ["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--micro-batch", "2", "--microbatches", "2"],
-    "moe-ep2-tp2-sp-z1-bf16-full": S32 + BF + ["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--tp", "2",
-                                               "--sequence-parallel", "--zero", "1", "--recompute", "full",
-                                               "--micro-batch", "2", "--microbatches", "2"],
-    "moe-ep2-z3-bf16-sel": S64 + BF + ["--model", "tiny-moe", "--dp", "4", "--ep", "2", "--zero", "3",
-                                       "--recompute", "selective", "--microbatches", "2"],
-    "moe-ep2-pp2-z2": S32 + ["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--pp", "2", "--zero", "2",
-                             "--micro-batch", "2", "--microbatches", "4"],
-    "moe-ep2-cp2-hs1-z3-full": S32 + ["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--cp", "2",
-                                      "--dp-shard", "1", "--zero", "3", "--recompute", "full",
-                                      "--micro-batch", "2", "--microbatches", "2"],
+
+def _run(seq_len: int, dtype: str = "fp32", model: str = "tiny", micro_batch: int = 4, microbatches: int | None = None,
+         global_batch: int | None = None, **parallel) -> TrainConfig:
+    """A `shardwise simulate` run (2 steps): `parallel` are ParallelConfig fields; `microbatches` M sets the global
+    batch to M × micro-batch × dp, as the flag does."""
+    p = ParallelConfig(**parallel)
+    if microbatches is not None:
+        global_batch = microbatches * micro_batch * p.dp
+    return TrainConfig(model=model, parallel=p, steps=2, seq_len=seq_len, micro_batch=micro_batch,
+                       global_batch=global_batch, dtype=dtype)
+
+
+LAYOUTS: dict[str, TrainConfig] = {
+    "dp2-z0": _run(64, micro_batch=2, microbatches=2, dp=2),
+    "dp2-z1-bf16": _run(64, dtype="bf16", microbatches=2, dp=2, zero=1),
+    "dp4-z2": _run(32, micro_batch=2, microbatches=2, dp=4, zero=2),
+    "dp4-z2-bf16-sel": _run(64, dtype="bf16", microbatches=2, dp=4, zero=2, recompute="selective"),
+    "dp4-z3": _run(32, micro_batch=2, microbatches=2, dp=4, zero=3),
+    "dp4-z3-bf16-full": _run(64, dtype="bf16", microbatches=2, dp=4, zero=3, recompute="full"),
+    "dp4-hs2-z2": _run(32, micro_batch=2, microbatches=2, dp=4, dp_shard=2, zero=2),
+    "dp4-hs2-z3-bf16": _run(64, dtype="bf16", microbatches=2, dp=4, dp_shard=2, zero=3),
+    "dp4-hs1-z3-full": _run(32, micro_batch=2, microbatches=2, dp=4, dp_shard=1, zero=3, recompute="full"),
+    "tp2": _run(64, micro_batch=2, microbatches=2, tp=2),
+    "tp2-sp-bf16-sel": _run(64, dtype="bf16", microbatches=2, tp=2, recompute="selective", sequence_parallel=True),
+    "dp2-tp2-sp-z2": _run(32, micro_batch=2, microbatches=2, dp=2, tp=2, zero=2, sequence_parallel=True),
+    "dp2-tp2-z3-bf16-full": _run(64, dtype="bf16", microbatches=2, dp=2, tp=2, zero=3, recompute="full"),
+    "dp4-hs2-tp2-sp-z3-bf16": _run(32, dtype="bf16", micro_batch=2, microbatches=2, dp=4, tp=2, dp_shard=2, zero=3,
+                                   sequence_parallel=True),
+    "pp2-1f1b-z1": _run(64, micro_batch=2, microbatches=4, dp=2, pp=2, zero=1),
+    "pp2-1f1b-bf16-full": _run(64, dtype="bf16", microbatches=4, pp=2, recompute="full"),
+    "pp2-int-z2": _run(32, micro_batch=2, microbatches=4, dp=2, pp=2, zero=2, schedule="interleaved", vp=2),
+    "pp2-int-z3-bf16-sel": _run(64, dtype="bf16", microbatches=4, dp=2, pp=2, zero=3, schedule="interleaved", vp=2,
+                                recompute="selective"),
+    "pp2-zb-tp2-sp": _run(64, micro_batch=2, microbatches=2, tp=2, pp=2, schedule="zb", sequence_parallel=True),
+    "pp2-zb-z3-bf16": _run(32, dtype="bf16", micro_batch=2, microbatches=4, dp=2, pp=2, zero=3, schedule="zb"),
+    "pp2-dualpipev-z1-bf16": _run(64, dtype="bf16", microbatches=4, dp=2, pp=2, zero=1, schedule="dualpipev"),
+    "pp2-dualpipev-hs1-z2": _run(32, micro_batch=2, microbatches=4, dp=2, pp=2, dp_shard=1, zero=2,
+                                 schedule="dualpipev"),
+    "pp2-gpipe-sel": _run(64, microbatches=2, pp=2, schedule="gpipe", recompute="selective"),
+    "dp4-tp2-sp-pp2-z3": _run(32, micro_batch=2, global_batch=16, dp=4, tp=2, pp=2, zero=3, sequence_parallel=True),
+    "dp4-hs2-tp2-sp-pp2-z3": _run(32, micro_batch=2, global_batch=16, dp=4, tp=2, pp=2, dp_shard=2, zero=3,
+                                  sequence_parallel=True),
+    "dp4-tp2-sp-pp2-z3-full": _run(32, micro_batch=2, global_batch=16, dp=4, tp=2, pp=2, zero=3, recompute="full",
+                                   sequence_parallel=True),
+    "cp2-ring-dp2-z2": _run(64, micro_batch=2, microbatches=2, dp=2, cp=2, zero=2),
+    "cp2-ulysses-bf16-sel": _run(64, dtype="bf16", micro_batch=2, microbatches=2, cp=2, recompute="selective",
+                                 cp_impl="ulysses"),
+    "cp2-ring-tp2-sp-z3-bf16-full": _run(64, dtype="bf16", microbatches=2, dp=2, tp=2, cp=2, zero=3,
+                                         recompute="full", sequence_parallel=True),
+    "cp2-ulysses-hs1-z3": _run(64, micro_batch=2, microbatches=2, dp=2, cp=2, dp_shard=1, zero=3,
+                               cp_impl="ulysses"),
+    "cp2-ring-pp2-zb-bf16": _run(64, dtype="bf16", microbatches=2, pp=2, cp=2, schedule="zb"),
+    "moe-ep2": _run(64, model="tiny-moe", micro_batch=2, microbatches=2, dp=2, ep=2),
+    "moe-ep2-tp2-sp-z1-bf16-full": _run(32, dtype="bf16", model="tiny-moe", micro_batch=2, microbatches=2, dp=2,
+                                        tp=2, ep=2, zero=1, recompute="full", sequence_parallel=True),
+    "moe-ep2-z3-bf16-sel": _run(64, dtype="bf16", model="tiny-moe", microbatches=2, dp=4, ep=2, zero=3,
+                                recompute="selective"),
+    "moe-ep2-pp2-z2": _run(32, model="tiny-moe", micro_batch=2, microbatches=4, dp=2, pp=2, ep=2, zero=2),
+    "moe-ep2-cp2-hs1-z3-full": _run(32, model="tiny-moe", micro_batch=2, microbatches=2, dp=2, cp=2, ep=2,
+                                    dp_shard=1, zero=3, recompute="full"),
 }
-"""Name -> `shardwise simulate` flags. Every layout's world is at most 16."""
+"""Name -> the run `shardwise simulate` checks. Every layout's world is at most 16."""
 
 FIGURES = ("peak_bytes", "static_bytes", "activation_bytes")
 
 
-def simulate(flags: list[str], ranks: str = "stages") -> dict:
-    """`shardwise simulate FLAGS --ranks RANKS` in this process: its report (`simulate.cli.run`)."""
-    from ..cli import build_parser, config_from_args
+def simulate(layout: TrainConfig, ranks: str = "stages") -> dict:
+    """`shardwise simulate` of `layout` (a copy: assembling fills it in) with --ranks RANKS in this process:
+    its report (`simulate.cli.run`)."""
+    from ..run import assemble
     from .cli import check_simulable, choose_ranks, run
 
-    args = build_parser().parse_args(["simulate", *flags, "--ranks", ranks])
-    cfg = config_from_args(args, None)
+    cfg = assemble(copy.deepcopy(layout))
     check_simulable(cfg)
     p = cfg.parallel
-    return run(cfg, choose_ranks(args.ranks, p.dp * p.pp * p.cp * p.tp, p.pp, p.cp, p.tp), cfg.steps)
+    return run(cfg, choose_ranks(ranks, p.world_size, p.pp, p.cp, p.tp), cfg.steps)
 
 
 def ratios(report: dict) -> list[dict]:

@@ -29,7 +29,7 @@ IGNORED_TAGS = ("metrics", "grad_norm")  # bookkeeping all-reduces the planner l
 
 def world_size(cfg: TrainConfig) -> int:
     p = cfg.parallel
-    return p.dp * p.pp * p.cp * p.tp
+    return p.world_size
 
 
 def routed_tokens(cfg: TrainConfig) -> int:

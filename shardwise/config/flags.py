@@ -1,0 +1,244 @@
+"""The run flags of train, verify and simulate, declared once: each names the `TrainConfig` field it sets,
+and takes its type and default from that field. The CLI builds its parsers from this table and fills a
+config from it; `docs/reference.md` is rendered from those parsers (`python -m shardwise.reference`).
+
+A flag's `field` is a path into TrainConfig ("seq_len", "parallel.zero", "model_overrides.moe_experts");
+flags with no field are read by the CLI itself (where a run comes from, how it is launched).
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+from .schedule import LR_SCHEDULES, parse_betas
+
+FROM_FIELD = object()
+"""Default marker: the flag's default is its field's default."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    """The option string, e.g. '--seq-len'."""
+    help: str | None
+    field: str | None = None
+    """Where the value goes in TrainConfig; None: read by the CLI itself."""
+    kind: str = "value"
+    """'value' (takes an argument), 'switch' (store_true), 'toggle' (--X / --no-X) or 'negate' (--no-X: the
+    field becomes False)."""
+    type: type | None = None
+    """Defaults to the field's annotation (its non-None type)."""
+    default: object = FROM_FIELD
+    choices: tuple | None = None
+    metavar: str | None = None
+    group: str | None = None
+    """Title of the argparse group it is listed under; None: the command's own options."""
+    exclusive: str | None = None
+    """Flags sharing this tag exclude each other."""
+    convert: typing.Callable | None = None
+    """Turns the parsed value into the field's (e.g. 'B1,B2' into a tuple)."""
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+
+def _pp_layers(text: str | None) -> list[int] | None:
+    from .errors import ConfigError
+
+    if not text:
+        return None
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--pp-layers {text!r} must be comma-separated integers, e.g. 3,3,2") from None
+
+
+LAYOUT = "layout"
+OPTIM = "optimizer and learning-rate schedule"
+MOE = "mixture of experts (override the preset)"
+MTP = "multi-token prediction (DeepSeek-V3 architecture; docs/mtp.md)"
+CHECKPOINTS = "checkpoints"
+OBSERVE = "evaluation and observability"
+
+_DEGREES = [Flag(f"--{axis}", f"{what}-parallel degree" + (" (-1: the rest of the world size)" if axis == "dp" else ""),
+                 f"parallel.{axis}", type=int, default=None, group=LAYOUT)
+            for axis, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"),
+                               ("ep", "expert"))]
+_MOE = [Flag(f"--moe-{flag}", what, f"model_overrides.moe_{flag.replace('-', '_')}", type=typ, default=None, group=MOE)
+        for flag, typ, what in (("experts", int, "routed experts per MoE layer (0 = dense)"),
+                                ("topk", int, "experts per token"), ("every", int, "every N-th block is MoE"),
+                                ("shared-experts", int, "dense experts applied to every token"),
+                                ("ffn-dim", int, "inner size of each expert"),
+                                ("capacity-factor", float, "cap tokens per expert per rank (default dropless)"),
+                                ("aux-loss-coef", float, "Switch load-balancing loss weight"),
+                                ("z-loss-coef", float, "router z-loss weight"),
+                                ("bias-update-rate", float, "aux-loss-free balancing bias step (DeepSeek-V3)"),
+                                ("score", str, "router scores: softmax or sigmoid"))]
+
+RUN_FLAGS: tuple[Flag, ...] = (
+    *_DEGREES,
+    Flag("--sequence-parallel", "Megatron sequence parallelism in TP regions (default off)",
+         "parallel.sequence_parallel", kind="toggle", group=LAYOUT),
+    Flag("--zero", "ZeRO stage over dp×cp: 0, 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)",
+         "parallel.zero", group=LAYOUT),
+    Flag("--dp-shard", "hybrid sharded DP: ZeRO 2/3 shard over groups of S consecutive dp ranks and all-reduce "
+         "over the dp/S replicas (default S = dp)", "parallel.dp_shard", metavar="S", group=LAYOUT),
+    Flag("--schedule", "pipeline schedule: gpipe, 1f1b, interleaved, zb, dualpipev", "parallel.schedule", group=LAYOUT),
+    Flag("--vp", "model chunks per pipeline rank (default 2 under --schedule interleaved, else 1)", "parallel.vp",
+         default=None, group=LAYOUT),
+    Flag("--microbatches", "microbatches per step per dp rank (sets global batch = M × micro-batch × dp)",
+         type=int, default=None, group=LAYOUT),
+    Flag("--pp-layers", "layers per stage, comma-separated (pp × vp counts)", "parallel.pp_layers", type=str,
+         group=LAYOUT, convert=_pp_layers),
+    Flag("--pp-scatter-gather", "under TP without SP, send 1/tp of each stage activation and all-gather it on arrival",
+         "parallel.pp_scatter_gather", kind="switch", group=LAYOUT),
+    Flag("--cp-order", "context-parallel token order: balanced or contiguous", "parallel.cp_order", group=LAYOUT),
+    Flag("--cp-impl", "context-parallel attention: ring or ulysses", "parallel.cp_impl", group=LAYOUT),
+    Flag("--recompute", "activation recompute: none, selective (attention core), full", "parallel.recompute",
+         group=LAYOUT),
+    Flag("--recompute-layers", "full recompute of the first N layers of every stage/chunk (default: all)",
+         "parallel.recompute_layers", group=LAYOUT),
+    Flag("--compile", "torch.compile each transformer block (the first step pays the compilation)", "parallel.compile",
+         kind="switch", group=LAYOUT),
+    Flag("--model", "model preset (tiny, small, llama3-8b, ...; default tiny)", type=str, default=None,
+         exclusive="source"),
+    Flag("--model-config", "a Hugging Face config.json (or model directory): llama, mistral, qwen2 or mixtral shapes",
+         type=str, default=None, metavar="HF_CONFIG.json", exclusive="source"),
+    Flag("--init-from-hf", "fine-tune a Hugging Face model directory: its config, weights (each rank reads its slices) "
+         "and tokenizer", "init_from_hf", metavar="DIR"),
+    Flag("--allow-tokenizer-mismatch", "fine-tune even when the data's tokenizer differs from --init-from-hf's",
+         "allow_tokenizer_mismatch", kind="switch"),
+    Flag("--steps", "optimizer steps to train to (a resume continues to it)", "steps"),
+    Flag("--seq-len", "tokens per sequence", "seq_len"),
+    Flag("--micro-batch", "sequences per microbatch per dp rank", "micro_batch"),
+    Flag("--global-batch", "sequences per step over all dp ranks", "global_batch"),
+    Flag("--lr", "peak learning rate", "lr", group=OPTIM),
+    Flag("--lr-schedule", f"{', '.join(LR_SCHEDULES)}. After the warm-up: cosine or linear decay to --min-lr on the "
+         "schedule's last step; wsd (constant, then a linear decay over the last --wsd-decay-fraction); constant",
+         "lr_schedule", group=OPTIM),
+    Flag("--min-lr", "LR at the schedule's end (default --lr / 10)", "min_lr", group=OPTIM),
+    Flag("--warmup-steps", "linear warm-up steps, honoured exactly (default 10%% of the schedule, 1..20)",
+         "warmup_steps", group=OPTIM),
+    Flag("--lr-decay-steps", "the schedule's length (default --steps; on resume, the checkpoint's); later steps stay "
+         "at --min-lr", "lr_decay_steps", group=OPTIM),
+    Flag("--wsd-decay-fraction", "wsd: fraction of the schedule that decays", "wsd_decay_fraction", group=OPTIM),
+    Flag("--weight-decay", "AdamW weight decay (not on norms)", "weight_decay", group=OPTIM),
+    Flag("--grad-clip", "max global gradient norm (0: no clipping)", "grad_clip", group=OPTIM),
+    Flag("--adam-betas", "AdamW betas", "adam_betas", type=str, default="0.9,0.95", metavar="B1,B2", group=OPTIM,
+         convert=parse_betas),
+    Flag("--adam-eps", "AdamW epsilon", "adam_eps", group=OPTIM),
+    Flag("--seed", "model initialisation, data order and dropout", "seed"),
+    Flag("--dtype", "fp32 or bf16 (autocast; fp32 master weights)", "dtype"),
+    Flag("--fp32-residual", "under bf16: keep the residual stream fp32 (default off)", "fp32_residual", kind="toggle"),
+    Flag("--grad-reduce-dtype", "DP gradient reduction dtype: fp32 or bf16", "grad_reduce_dtype"),
+    Flag("--no-overlap-grad-reduce", "ZeRO 0/1: reduce gradients after backward instead of overlapping with it",
+         "overlap_grad_reduce", kind="negate"),
+    Flag("--data", "text file, prepare-data directory, or a blend DIR:W,DIR:W (default: the embedded pydoc_data "
+         "corpus)", "data"),
+    Flag("--out", "run directory (default runs/<timestamp>)", "out"),
+    Flag("--dropout", "residual dropout", "dropout"),
+    Flag("--attn-dropout", "attention-probability dropout", "attn_dropout"),
+    Flag("--tie-embeddings", None, "tie_embeddings", kind="switch", default=None),
+    *_MOE,
+    Flag("--mtp-layers", "MTP modules (default 0; a config.json's num_nextn_predict_layers is not turned on by itself)",
+         "model_overrides.mtp_layers", type=int, default=None, metavar="D", group=MTP),
+    Flag("--mtp-loss-weight", "weight λ of the mean MTP cross-entropy added to the loss", "mtp_loss_weight",
+         metavar="LAMBDA", group=MTP),
+    Flag("--mtp-init", "how MTP modules start under --init-from-hf: from the checkpoint's, or freshly initialised",
+         "mtp_init", choices=("checkpoint", "fresh"), group=MTP),
+    Flag("--collective-timeout", "seconds before a stuck collective fails", "timeout_s"),
+    Flag("--device", "auto (one NCCL rank per GPU when CUDA is present), cpu or cuda", type=str, default="auto"),
+    Flag("--gloo-ifname", "network interface for gloo groups (default: GLOO_SOCKET_IFNAME, else the one that reaches "
+         "MASTER_ADDR)", type=str, default=None, metavar="IFACE"),
+    Flag("--no-progress", "no progress bar", "progress", kind="negate"),
+    Flag("--save-every", "checkpoint every N steps and at the last step (0: the last step only)", "save_every",
+         group=CHECKPOINTS),
+    Flag("--no-checkpoint", "train: write no checkpoint at all (by default the last step is saved, for hf-export)",
+         kind="switch", group=CHECKPOINTS),
+    Flag("--checkpoint-dir", "default <out>/checkpoints", "checkpoint_dir", group=CHECKPOINTS),
+    Flag("--keep", "keep the newest K checkpoints", "keep", group=CHECKPOINTS),
+    Flag("--resume", "continue from the checkpoint `latest` names (an older one only if it is damaged)", "resume",
+         kind="switch", group=CHECKPOINTS),
+    Flag("--auto-resume", "resume when the run has a checkpoint, else start fresh (requeued cluster jobs)",
+         kind="switch", group=CHECKPOINTS),
+    Flag("--overwrite", "start fresh in a non-empty --out, removing its old checkpoints", kind="switch",
+         group=CHECKPOINTS),
+    Flag("--async-save", "write checkpoints in the background (torch.distributed.checkpoint.async_save)",
+         "async_save", kind="switch", group=CHECKPOINTS),
+    Flag("--fault-inject", "make RANK crash, hang or produce NaN (KIND) at STEP — for testing recovery",
+         "fault_inject", metavar="RANK:STEP:KIND"),
+    Flag("--bad-step", "on non-finite loss/grads: skip (logged) or abort", "bad_step"),
+    Flag("--max-bad-steps", "abort once more steps than this were skipped", "max_bad_steps"),
+    Flag("--label-smoothing", "cross-entropy label smoothing in [0, 1)", "label_smoothing"),
+    Flag("--no-report", "train: do not render the report PNGs at the end", "report", kind="negate"),
+    Flag("--attention-mask", "causal, or document: attend only within each document of a packed window "
+         "(EOS-delimited)", "attention_mask"),
+    Flag("--reset-positions", "restart RoPE positions at each document start", "reset_positions", kind="switch"),
+    Flag("--eval-data", "held-out data like --data (same tokenizer): forward-only eval_loss in metrics.jsonl",
+         "eval_data", metavar="SPEC", group=OBSERVE),
+    Flag("--eval-every", "evaluate every N steps (default: at the end)", "eval_every", group=OBSERVE),
+    Flag("--eval-steps", "global batches per evaluation, taken in order", "eval_steps", group=OBSERVE),
+    Flag("--profile-steps", "torch.profiler Chrome traces of steps A..B per rank under <out>/profile/",
+         "profile_steps", metavar="A:B", group=OBSERVE),
+    Flag("--log-to", "also log metrics to W&B (offline unless configured) or MLflow (optional extras)", "log_to",
+         metavar="{wandb,mlflow}", group=OBSERVE),
+    Flag("--log-every", "print one key=value line every N steps; default 10, every step for runs of <= 20 steps",
+         "log_every", group=OBSERVE),
+)
+"""Every run flag, in --help order."""
+
+STEPS = {"train": 200, "verify": 3, "simulate": 2}
+"""--steps' default per command (train's is TrainConfig.steps)."""
+
+
+def _field(path: str) -> dataclasses.Field:
+    from .parallel import ParallelConfig
+    from .training import TrainConfig
+
+    owner, name = (ParallelConfig, path.split(".", 1)[1]) if path.startswith("parallel.") else (TrainConfig, path)
+    return next(f for f in dataclasses.fields(owner) if f.name == name)
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def flag_type(flag: Flag):
+    """The argparse type: the flag's own, else the field annotation's non-None part (None for switches)."""
+    if flag.type is not None or flag.kind != "value":
+        return flag.type
+    parts = [p.strip() for p in str(_field(flag.field).type).split("|") if p.strip() != "None"]
+    return _TYPES.get(parts[0]) if len(parts) == 1 else None
+
+
+def flag_default(flag: Flag, command: str):
+    if flag.name == "--steps":
+        return STEPS[command]
+    if flag.default is not FROM_FIELD:
+        return flag.default
+    if flag.kind == "negate" or flag.field is None:
+        return False if flag.kind != "value" else None
+    f = _field(flag.field)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def config_fields(args) -> tuple[dict, dict, dict]:
+    """(TrainConfig fields, ParallelConfig fields, model overrides) the parsed `args` set through RUN_FLAGS;
+    model overrides only where given. The CLI decides the degrees, vp and the model source itself."""
+    run, parallel, overrides = {}, {}, {}
+    for flag in RUN_FLAGS:
+        if flag.field is None:
+            continue
+        value = getattr(args, flag.dest)
+        if flag.kind == "negate":
+            value = not value
+        if flag.convert is not None:
+            value = flag.convert(value)
+        owner, _, name = flag.field.rpartition(".")
+        if owner == "model_overrides":
+            if value is not None:
+                overrides[name] = value
+        else:
+            (parallel if owner == "parallel" else run)[name] = value
+    return run, parallel, overrides
