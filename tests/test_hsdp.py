@@ -5,7 +5,7 @@ Two spawns (4 and 8 ranks):
   `--dp 4 --dp-shard 2 --zero 3`, S = 1 under ZeRO-2 (pure replication through the hybrid path, without
   overlap), dp2 × cp2 with S = 1 (the shard group is then the cp pair), `--dp 4 --dp-shard 2 --zero 2
   --tp 2 --sequence-parallel`, and pp2 with the zero-bubble schedule (deferred W) under ZeRO-3;
-* the groups are what docs/hsdp.md says (consecutive dp ranks × cp shard, the strided rest replicates),
+* the groups are what docs/data-parallel.md says (consecutive dp ranks × cp shard, the strided rest replicates),
   and a step's ledger holds the reduce-scatter / all-gather on dp_shard, one all-reduce per dense bucket
   on dp_replicate and no dp_cp gradient traffic;
 * checkpoints reshard between any S: a dp-shard 2 ZeRO-3 save continues identically (rel 1e-5) under no

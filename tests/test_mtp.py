@@ -468,7 +468,7 @@ def _check_flops():
     spec, tokens = ModelSpec.of(DEEPSEEK_MTP), 64
     grouped = 2 * DEEPSEEK_MTP.moe_topk * 3 * spec.dim * spec.expert_ffn_dim * tokens * 2  # both MTP blocks are MoE
     mm, core = mtp_flops_per_token(spec, lambda moe: layer_flops_per_token(spec, moe, 32), spec.vocab_size)
-    # MLA's core runs SDPA's flash kernel (v zero-padded, docs/mla.md), for which the counter has no CPU formula:
+    # MLA's core runs SDPA's flash kernel (v zero-padded, docs/models.md), for which the counter has no CPU formula:
     # the counter sees the matmuls, which must equal the planner's exactly; the core is the planner's unpadded count
     assert measured + grouped == tokens * mm, (measured, grouped, tokens * mm)
     assert core > 0

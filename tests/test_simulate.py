@@ -66,7 +66,7 @@ def test_llama3_70b_zero3_full_recompute_cp2_interleaved(capsys):
     """tp8 pp4 dp16 cp2, SP, ZeRO-3, full recompute, interleaved vp2, bf16 (world 1,024), the first and last
     stage: the peak is a unit's backward (its recomputed layer, the running and prefetched unit gathered,
     its gradient bucket beside the two in flight); full recompute's blocks run without autocast's weight
-    cache, so a forward no longer holds every layer's bf16 copy (docs/autocast.md)."""
+    cache, so a forward no longer holds every layer's bf16 copy (docs/recompute.md)."""
     rc, report = _simulate(capsys, ["--model", "llama3-70b", "--tp", "8", "--pp", "4", "--dp", "16", "--cp", "2",
                                      "--sequence-parallel", "--zero", "3", "--recompute", "full", "--schedule",
                                      "interleaved", "--vp", "2", "--dtype", "bf16", "--seq-len", "4096",
