@@ -59,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def layout_config(hf_dir: str, parallel: ParallelConfig, seq_len: int, batch: int, timeout_s: float = 120.0):
     """TrainConfig of the layout for `hf_dir`'s model, validated like `shardwise train` (ConfigError)."""
-    from .hf import config_from_hf
+    from .hf_config import config_from_hf
 
     model = config_from_hf(hf_dir)
     dp = parallel.dp

@@ -20,7 +20,7 @@ from .hf_init import init_record
 from .report import RunLog
 from .run import assembled
 from .run_dir import resume
-from .trainer import IGNORE_INDEX, Trainer, lr_at, make_mesh, to_device  # noqa: F401 - train's public names
+from .trainer import Trainer, make_mesh
 
 
 def _write_timeline(trainer: Trainer, out: str) -> dict | None:

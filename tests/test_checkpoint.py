@@ -18,7 +18,7 @@ from shardwise.checkpoint import (STATE_KEYS, flat_boxes, list_checkpoints, load
                                   save_checkpoint)
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.tensor_parallel.layers import get_spec
-from shardwise.train import Trainer, make_mesh
+from shardwise.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 
