@@ -16,6 +16,7 @@ from . import comm, host
 from .activation_memory import SavedActivationMeter, predicted_activation_bytes
 from .config import TrainConfig
 from .config.schedule import lr_plan
+from .faults import install_faults
 from .hf_init import init_record
 from .report import RunLog
 from .run import assembled
@@ -79,6 +80,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
         torch.set_float32_matmul_precision("high")
     mesh = make_mesh(cfg, device)
     trainer = Trainer(cfg, mesh)
+    install_faults(cfg, trainer)
     rank0 = mesh.rank == 0
     # Rank 0 names the run directory: under torchrun every process computed its own from its own clock.
     out = cfg.out = comm.all_gather_object(cfg.out, mesh["ckpt"])[0]
