@@ -105,6 +105,8 @@ def _add_run(p: argparse.ArgumentParser, steps: int) -> None:
                    help="network interface for gloo groups (default: GLOO_SOCKET_IFNAME, else the one that "
                         "reaches MASTER_ADDR)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-every", type=int, default=None, metavar="N",
+                   help="one `key=value` line every N steps (default: every step up to 20 steps, else 10)")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--save-every", type=int, default=0,
                     help="checkpoint every N steps and at the last step (0: the last step only)")
@@ -212,7 +214,7 @@ def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
                       micro_batch=args.micro_batch, global_batch=args.global_batch, seed=args.seed,
                       dtype=args.dtype, data=args.data, out=args.out, dropout=args.dropout,
                       attn_dropout=args.attn_dropout, tie_embeddings=args.tie_embeddings,
-                      timeout_s=args.collective_timeout, progress=not args.no_progress,
+                      timeout_s=args.collective_timeout, progress=not args.no_progress, log_every=args.log_every,
                       fault_inject=args.fault_inject, bad_step=args.bad_step, max_bad_steps=args.max_bad_steps,
                       save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, keep=args.keep,
                       resume=args.resume, async_save=args.async_save, fp32_residual=args.fp32_residual,
@@ -343,7 +345,8 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         if torchrun_world is None or int(os.environ["RANK"]) == 0:
-            print(f"shardwise {args.command}: {_interrupted_line(cfg)}", file=sys.stderr)
+            start = "\n" if sys.stderr.isatty() else ""  # on its own line, not after a progress bar or ^C
+            print(f"{start}shardwise {args.command}: {_interrupted_line(cfg)}", file=sys.stderr)
         return 130
     if not rank0:
         return 0
@@ -352,7 +355,9 @@ def main(argv=None) -> int:
         print(f"losses: {' '.join(f'{x:.6f}' for x in losses)}", file=sys.stderr)
         print(json.dumps(result))
         return 0 if result["passed"] else 1
-    _print_summary(result)
+    from .report import summary_lines
+
+    print("\n".join(summary_lines(result)))
     return 0
 
 
@@ -401,25 +406,6 @@ def _interrupted_line(cfg: TrainConfig) -> str:
     if last is None:
         return f"interrupted at step {step}; no checkpoint written (use --save-every N to resume later)"
     return f"interrupted at step {step}; last checkpoint {last}; continue with --resume"
-
-
-def _print_summary(s: dict) -> None:
-    lay = ", ".join(f"{k}={v}" for k, v in s["layout"].items() if v not in (1, False, 0) or k == "dp")
-    print(f"trained {s['model']} on {lay} for {s['steps']} steps: loss {s['first_loss']:.4f} -> "
-          f"{s['final_loss']:.4f}, {s['tokens_per_s']:.0f} tokens/s")
-    comm_s = ", ".join(f"{a} {b / 2**20:.2f} MiB" for a, b in s["comm_bytes_per_step"].items()) or "none"
-    print(f"communication per step (payload bytes per rank): {comm_s}")
-    if "pipeline" in s:
-        pl = s["pipeline"]
-        ana = "n/a" if pl["analytic_bubble"] is None else f"{pl['analytic_bubble']:.3f}"
-        print(f"pipeline {pl['schedule']}: bubble analytic {ana}, simulated {pl['simulated_bubble']:.3f}, "
-              f"measured {pl['measured_bubble']:.3f}; peak in-flight microbatches per stage "
-              f"{pl['peak_inflight_per_stage']} (timeline.json)")
-    if "eval_loss" in s:
-        print(f"eval loss (held out): {s['eval_loss']:.4f}")
-    print(f"run directory: {s['out']} (metrics.jsonl, comm.json, summary.json)")
-    if "report" in s:
-        print(s["report"])
 
 
 if __name__ == "__main__":

@@ -32,10 +32,7 @@ def newest_intact(root: str, world_axis=None) -> tuple[str | None, list[tuple[st
             probs = sorted({p for ps in comm.all_gather_object(probs, world_axis) for p in ps})
         if not probs:
             return path, skipped
-        reason = "; ".join(probs)
-        if rank == 0:
-            log.warning("skipping checkpoint %s: %s", path, reason)
-        skipped.append((path, reason))
+        skipped.append((path, "; ".join(probs)))  # the caller reports them, once
     return None, skipped
 
 
@@ -51,8 +48,6 @@ def load_checkpoint(root: str, trainer) -> dict | None:
     mesh = trainer.mesh
     path, skipped = newest_intact(root, mesh["ckpt"] if mesh["world"].active else None)
     if path is None:
-        if skipped and mesh.rank == 0:
-            log.warning("no intact checkpoint under %s; starting from scratch", root)
         return None
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)
