@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from . import comm, host
+from .batches import BatchSlicer
 from .comm import Ledger
 from .config import TrainConfig
 from .config.schedule import lr_at_plan, lr_plan, parse_betas
-from .batches import BatchSlicer
 from .data import IGNORE_INDEX, Loader, open_data
 from .data_parallel import GradReducer
 from .expert_parallel import metrics as moe_metrics
