@@ -183,7 +183,8 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         if rank0:
-            print(f"shardwise {args.command}: {_interrupted_line(cfg)}", file=sys.stderr)
+            start = "\n" if sys.stderr.isatty() else ""  # on its own line, not after a progress bar or ^C
+            print(f"{start}shardwise {args.command}: {_interrupted_line(cfg)}", file=sys.stderr)
         return 130
     return _report(args.command, result) if rank0 else 0
 
@@ -254,7 +255,9 @@ def _report(kind: str, result) -> int:
         print(f"losses: {' '.join(f'{x:.6f}' for x in losses)}", file=sys.stderr)
         print(json.dumps(result))
         return 0 if result["passed"] else 1
-    _print_summary(result)
+    from .report import summary_lines
+
+    print("\n".join(summary_lines(result)))
     return 0
 
 
@@ -303,25 +306,6 @@ def _interrupted_line(cfg: TrainConfig) -> str:
     if last is None:
         return f"interrupted at step {step}; no checkpoint written (use --save-every N to resume later)"
     return f"interrupted at step {step}; last checkpoint {last}; continue with --resume"
-
-
-def _print_summary(s: dict) -> None:
-    lay = ", ".join(f"{k}={v}" for k, v in s["layout"].items() if v not in (1, False, 0) or k == "dp")
-    print(f"trained {s['model']} on {lay} for {s['steps']} steps: loss {s['first_loss']:.4f} -> "
-          f"{s['final_loss']:.4f}, {s['tokens_per_s']:.0f} tokens/s")
-    comm_s = ", ".join(f"{a} {b / 2**20:.2f} MiB" for a, b in s["comm_bytes_per_step"].items()) or "none"
-    print(f"communication per step (payload bytes per rank): {comm_s}")
-    if "pipeline" in s:
-        pl = s["pipeline"]
-        ana = "n/a" if pl["analytic_bubble"] is None else f"{pl['analytic_bubble']:.3f}"
-        print(f"pipeline {pl['schedule']}: bubble analytic {ana}, simulated {pl['simulated_bubble']:.3f}, "
-              f"measured {pl['measured_bubble']:.3f}; peak in-flight microbatches per stage "
-              f"{pl['peak_inflight_per_stage']} (timeline.json)")
-    if "eval_loss" in s:
-        print(f"eval loss (held out): {s['eval_loss']:.4f}")
-    print(f"run directory: {s['out']} (metrics.jsonl, comm.json, summary.json)")
-    if "report" in s:
-        print(s["report"])
 
 
 if __name__ == "__main__":

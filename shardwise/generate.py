@@ -115,7 +115,8 @@ def load_source(source: str, device=None):
         record = meta.get("extra_state", {}).get("tokenizer") or record_from_run_dir(os.path.dirname(path)) or {}
         return model.eval(), record.get("source"), record.get("eos_id"), "checkpoint", path
     if _is_hf_dir(source):
-        from .hf import config_from_hf, load_hf_into
+        from .hf import load_hf_into
+        from .hf_config import config_from_hf
 
         model = build_model(config_from_hf(source), Mesh.single(device), seed=0)
         load_hf_into(model, source)

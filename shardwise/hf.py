@@ -1,6 +1,6 @@
 """Hugging Face interop: LlamaForCausalLM-shaped checkpoints in and out of any layout.
 
-* `config_from_hf(dir)` (in the torch-free `hf_config.py`, re-exported here) maps a `config.json` (llama,
+* `config_from_hf(dir)` (in the torch-free `hf_config.py`) maps a `config.json` (llama,
   mistral, qwen2, mixtral) to a ModelConfig and refuses, naming the field and its value, anything the
   model would silently compute differently.
 * `load_hf_into(model, dir)` fills the model `build_model` made for this rank straight from the
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .hf_config import ARCHITECTURE, SUPPORTED, config_from_hf, hf_config, read_hf_config  # noqa: F401
+from .hf_config import hf_config
 from .pipeline.tied_embedding import tied_name
 from .tensor_parallel.layers import get_spec
 
@@ -37,7 +37,7 @@ INDEX = "model.safetensors.index.json"
 
 
 # ---------------------------------------------------------------- reading slices
-class _Files:
+class WeightFiles:
     """The checkpoint's tensors by name: one lazily opened safe_open handle per file (headers only)."""
 
     def __init__(self, path: str):
@@ -75,7 +75,7 @@ class _Files:
 
 
 @dataclasses.dataclass
-class _Source:
+class TensorSource:
     """Where a shardwise global tensor comes from: one HF tensor (rows shifted by `offset` along dim 1:
     a half of Mixtral's fused gate_up_proj), q/k rows to un-permute per head, or per-expert tensors to stack."""
 
@@ -85,7 +85,7 @@ class _Source:
     offset: int = 0
     head_dim: int = 0
 
-    def read(self, files: _Files, box: tuple[slice, ...]) -> torch.Tensor:
+    def read(self, files: WeightFiles, box: tuple[slice, ...]) -> torch.Tensor:
         if self.kind == "stacked":
             return torch.stack([files.read(self.names[e], box[1:]) for e in range(box[0].start, box[0].stop)])
         if self.offset:
@@ -148,30 +148,30 @@ def _hf_name(name: str, cfg: ModelConfig) -> tuple[str, bool]:
     return f"model.layers.{m.group(1)}.{_LAYER[module]}.{m.group(3)}", heads
 
 
-def _source(name: str, cfg: ModelConfig, files: _Files) -> _Source:
+def tensor_source(name: str, cfg: ModelConfig, files: WeightFiles) -> TensorSource:
     """How to read shardwise's global tensor `name` from this checkpoint (legacy or fused Mixtral experts)."""
     name = _as_layer(name, cfg)
     m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))", name)
     if m is None:
         hf, heads = _hf_name(name, cfg)
-        return _Source([hf], files.shape(hf), "heads" if heads else "direct", head_dim=cfg.head_dim)
+        return TensorSource([hf], files.shape(hf), "heads" if heads else "direct", head_dim=cfg.head_dim)
     i, which = m.group(1), m.group(3)
     legacy = f"model.layers.{i}.block_sparse_moe"
     fused = f"model.layers.{i}.mlp"
     if which is None:
         hf = f"{legacy}.gate.weight" if f"{legacy}.gate.weight" in files else f"{fused}.gate.weight"
-        return _Source([hf], files.shape(hf))
+        return TensorSource([hf], files.shape(hf))
     per_expert = [f"{legacy}.experts.{e}.{which}.weight" for e in range(cfg.moe_experts)]  # same w1/w2/w3 names
     if per_expert[0] not in files:  # Qwen3-MoE: mlp.experts.{e}.gate_proj / up_proj / down_proj
         per_expert = [f"{fused}.experts.{e}.{_EXPERT[which]}.weight" for e in range(cfg.moe_experts)]
     if per_expert[0] in files:
-        return _Source(per_expert, (cfg.moe_experts, *files.shape(per_expert[0])), "stacked")
+        return TensorSource(per_expert, (cfg.moe_experts, *files.shape(per_expert[0])), "stacked")
     if which == "w2":
         hf = f"{fused}.experts.down_proj"
-        return _Source([hf], files.shape(hf))
+        return TensorSource([hf], files.shape(hf))
     hf = f"{fused}.experts.gate_up_proj"  # [E, 2·ffn, dim]: gate (w1) rows first, then up (w3)
     e, two_f, d = files.shape(hf)
-    return _Source([hf], (e, two_f // 2, d), offset=0 if which == "w1" else two_f // 2)
+    return TensorSource([hf], (e, two_f // 2, d), offset=0 if which == "w1" else two_f // 2)
 
 
 @torch.no_grad()
@@ -182,12 +182,12 @@ def load_hf_into(model: nn.Module, path: str, mesh=None) -> dict:
     ranges, PP-pruned stages). Returns {"tensors", "bytes_read"} for this rank. `mesh` only names
     the rank in errors.
     """
-    cfg, files = model.cfg, _Files(path)
+    cfg, files = model.cfg, WeightFiles(path)
     who = f"rank {mesh.rank}: " if mesh is not None and mesh["world"].active else ""
     n = nbytes = 0
     for name, p in model.named_parameters():
         spec = get_spec(p)
-        src = _source(tied_name(name, p), cfg, files)  # a tied LM head's PP copy reads the embedding
+        src = tensor_source(tied_name(name, p), cfg, files)  # a tied LM head's PP copy reads the embedding
         if tuple(src.shape) != tuple(spec.global_shape):
             raise ValueError(f"{who}{path}: {src.names[0]} has shape {tuple(src.shape)}, shardwise's {name} needs "
                              f"{tuple(spec.global_shape)} (config.json and weights disagree?)")

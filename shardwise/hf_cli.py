@@ -59,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def layout_config(hf_dir: str, parallel: ParallelConfig, seq_len: int, batch: int, timeout_s: float = 120.0):
     """TrainConfig of the layout for `hf_dir`'s model, validated like `shardwise train` (ConfigError)."""
-    from .hf import config_from_hf
+    from .hf_config import config_from_hf
 
     model = config_from_hf(hf_dir)
     dp = parallel.dp
@@ -112,8 +112,7 @@ def rank_forward(cfg: TrainConfig, hf_dir: str, tokens: torch.Tensor) -> dict:
         from .pipeline.schedules import build_schedule
 
         schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
-    model = build_model(model_cfg, mesh, cfg.seed, p.sequence_parallel, schedule, p.pp_layers, p.cp_order,
-                        p.cp_impl)
+    model = build_model(model_cfg, mesh, cfg.seed, p, schedule=schedule)
     model.eval()
     stats = load_hf_into(model, hf_dir, mesh)
     dp, cp, tp = mesh["dp"], mesh["cp"], mesh["tp"]

@@ -14,13 +14,13 @@ import torch
 
 from .config import ConfigError, ModelConfig
 from .data.tokenizer import ByteTokenizer, load_tokenizer
-from .hf import _Files, _source
+from .hf import WeightFiles, tensor_source
 
 def init_record(path: str) -> dict:
     """What a fine-tune started from (config.json's `init_from_hf`): the directory, its weight files and its
     tokenizer (tokenizer.json through the `tokenizers` library: vocabulary size and sha256), if it has one."""
     try:
-        files = _Files(path)
+        files = WeightFiles(path)
     except FileNotFoundError as e:
         raise ConfigError(f"--init-from-hf {e}") from None
     record = {"path": os.path.abspath(path), "weight_files": sorted({os.path.basename(f) for f in files.where.values()}),
@@ -44,12 +44,12 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokeni
     from .models.llama import Transformer
 
     record = init_record(path)
-    files = _Files(path)
+    files = WeightFiles(path)
     with torch.device("meta"):
         expected = dict(Transformer(cfg).named_parameters())
     for name, p in expected.items():
         try:
-            src = _source(name, cfg, files)
+            src = tensor_source(name, cfg, files)
         except KeyError as e:
             raise ConfigError(f"--init-from-hf {e.args[0]}") from None
         if tuple(src.shape) != tuple(p.shape):

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from .config import ConfigError, TrainConfig
+from .report import SCALARS
 
 # torch.cuda.get_device_name() substring -> planner GPU preset (longest names first: GB200 before B200).
 _GPU_NAMES = (("GB200", "gb200-nvl72"), ("B200", "b200"), ("H200", "h200"), ("H100", "h100-80gb"),
@@ -98,9 +99,7 @@ class _MLflow:
 
 def _scalars(rec: dict, ev: dict | None) -> dict:
     """The numbers worth a chart: train/<key> and eval/loss."""
-    keys = ("loss", "lr", "grad_norm", "step_time_s", "tflops_per_rank", "mfu", "moe_max_over_mean_load",
-            "moe_aux_loss")
-    out = {f"train/{k}": float(rec[k]) for k in keys if rec.get(k) is not None}
+    out = {f"train/{k}": float(rec[k]) for k in SCALARS if rec.get(k) is not None}
     out["train/tokens_per_s"] = rec["tokens"] / rec["step_time_s"]
     if ev is not None:
         out["eval/loss"] = float(ev["eval_loss"])
@@ -156,29 +155,6 @@ class Observer:
         per_rank = self.flops / rec["step_time_s"] / self.world
         rec["tflops_per_rank"] = per_rank / 1e12
         rec["mfu"] = per_rank / self.peak if self.peak else None
-
-    @staticmethod
-    def postfix(rec: dict) -> dict:
-        """Progress-bar fields: TFLOP/s per rank and, where known, MFU."""
-        out = {"tflops": f"{rec['tflops_per_rank']:.3g}"}
-        if rec.get("mfu") is not None:
-            out["mfu"] = f"{rec['mfu']:.1%}"
-        return out
-
-    def write_ready(self, metrics, bar, unwritten: list) -> list:
-        """Rank 0: write, in order, the (record, comm axes, eval) entries whose step time is known — with their
-        throughput, to metrics.jsonl, the external logger and the progress bar; returns those still waiting."""
-        while unwritten and unwritten[0][0]["step_time_s"] is not None:
-            rec, axes, ev = unwritten.pop(0)
-            self.add_throughput(rec)
-            metrics.write(rec, axes)
-            metrics.write_eval(ev)
-            self.log(rec, ev)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['step_time_s']:.0f}",
-                                **self.postfix(rec))
-        return unwritten
 
     def log(self, rec: dict, ev: dict | None) -> None:
         if self.logger is not None:

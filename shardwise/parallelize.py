@@ -13,7 +13,7 @@ import zlib
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, ParallelConfig
 from .mesh import Mesh
 from .expert_parallel.moe import MoE, share_aux_pool
 from .models.llama import Transformer, build_moe
@@ -183,17 +183,18 @@ def apply_context_parallel(model: Transformer, mesh: Mesh, order: str, impl: str
         block.attention.cp_axis, block.attention.cp_order, block.attention.cp_impl = cp, order, impl
 
 
-def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, sequence_parallel: bool = False,
-                schedule=None, pp_layers: list[int] | None = None, cp_order: str = "balanced",
-                cp_impl: str = "ring", residual_dtype: torch.dtype | None = None, recompute: str = "none",
-                recompute_layers: int | None = None, compile: bool = False) -> Transformer:
+def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfig | None = None, *, schedule=None,
+                act_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False) -> Transformer:
     """The model for this rank of `mesh` (the single-device model when every degree is 1).
 
     With a pipeline `schedule`, only this rank's stages are kept and `model.chunks` lists them in
     local-chunk order; with a split-backward schedule its linear layers defer dW to a store.
-    `residual_dtype` (bf16 activations) is the embedding's output dtype, so the residual stream and
+    `act_dtype` (bf16 activations) is the embedding's output dtype, so the residual stream and
     every activation payload downstream follow it.
     """
+    p = parallel or ParallelConfig(sequence_parallel=sequence_parallel)
+    sequence_parallel, pp_layers, cp_order, cp_impl = p.sequence_parallel, p.pp_layers, p.cp_order, p.cp_impl
+    residual_dtype, recompute, recompute_layers, compile = act_dtype, p.recompute, p.recompute_layers, p.compile
     with torch.device("meta"):
         model = Transformer(cfg)
     apply_tensor_parallel(model, mesh, sequence_parallel)

@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+
+# A step record's fields charted as train/<field> (TensorBoard, W&B, MLflow), where the record has them.
+SCALARS = ("loss", "loss_main", "loss_mtp", "lr", "grad_norm", "step_time_s", "tflops_per_rank", "mfu",
+           "moe_max_over_mean_load", "moe_aux_loss", "peak_mem_bytes")
 
 
 class RunLog:
@@ -24,10 +29,13 @@ class RunLog:
         self.file = open(path, "w")
         self.file.writelines(rows)
         self.tb = None
+        events = os.path.join(out, "tensorboard")
+        if not start:  # a fresh run (--overwrite, --auto-resume with nothing to resume): no old run's curves
+            shutil.rmtree(events, ignore_errors=True)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start + 1 if start else None)
+            self.tb = SummaryWriter(events, purge_step=start + 1 if start else None)
         except ImportError:
             pass
 
@@ -37,8 +45,7 @@ class RunLog:
         if self.tb is None:
             return
         step = rec["step"]
-        for key in ("loss", "lr", "grad_norm", "step_time_s", "moe_max_over_mean_load", "moe_aux_loss",
-                    "tflops_per_rank", "mfu"):
+        for key in SCALARS:
             if key in rec and rec[key] is not None:
                 self.tb.add_scalar(f"train/{key}", rec[key], step)
         self.tb.add_scalar("train/tokens_per_s", rec["tokens"] / rec["step_time_s"], step)
@@ -58,6 +65,42 @@ class RunLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def layout_text(layout: dict) -> str:
+    """A layout for the console: dp and every degree above 1, the options that are on; no None or default."""
+    shown = []
+    for k, v in layout.items():
+        if v is None or v is False or (v in (0, 1) and k != "dp"):
+            continue
+        shown.append(k if v is True else f"{k}={v}")
+    return ", ".join(shown)
+
+
+def summary_lines(s: dict) -> list[str]:
+    """`shardwise train`'s closing lines, about the steps this invocation ran (a resumed run: after its
+    checkpoint's step)."""
+    if "already_done" in s:  # the ranks found the checkpoint at --steps and said so
+        return []
+    run = s.get("steps_run", s["steps"])
+    start = s.get("start_step", 0)
+    steps = f"{run} steps" + (f" ({start + 1}..{start + run} of {s['steps']})" if start else "")
+    lines = [f"trained {s['model']} on {layout_text(s['layout'])} for {steps}: loss {s['first_loss']:.4f} -> "
+             f"{s['final_loss']:.4f}, {s['tokens_per_s']:.0f} tokens/s"]
+    comm_s = ", ".join(f"{a} {b / 2**20:.2f} MiB" for a, b in s["comm_bytes_per_step"].items()) or "none"
+    lines.append(f"communication per step (payload bytes per rank): {comm_s}")
+    if "pipeline" in s:
+        pl = s["pipeline"]
+        ana = "n/a" if pl["analytic_bubble"] is None else f"{pl['analytic_bubble']:.3f}"
+        lines.append(f"pipeline {pl['schedule']}: bubble analytic {ana}, simulated {pl['simulated_bubble']:.3f}, "
+                     f"measured {pl['measured_bubble']:.3f}; peak in-flight microbatches per stage "
+                     f"{pl['peak_inflight_per_stage']} (timeline.json)")
+    if "eval_loss" in s:
+        lines.append(f"eval loss (held out): {s['eval_loss']:.4f}")
+    lines.append(f"run directory: {s['out']} (metrics.jsonl, comm.json, summary.json)")
+    if "report" in s:
+        lines.append(s["report"])
+    return lines
 
 
 def _read_jsonl(path: str) -> list[dict]:

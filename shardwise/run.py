@@ -109,60 +109,99 @@ def checkpoint_root(cfg: TrainConfig) -> str:
 def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool = False) -> str | None:
     """Once, before any rank: decide fresh vs resume and protect what the user already has.
 
-    `--auto-resume` becomes `--resume` when a checkpoint exists. `--resume` without one, and a fresh run into a
-    non-empty `--out` (or a checkpoint directory holding checkpoints) without `--overwrite`, are ConfigErrors;
-    `--overwrite` removes the old checkpoints, so they never mix with the new run's. On resume the schedule's
-    length defaults to the one stored in the checkpoint. Returns a line to print (and exit 0) when the
-    checkpoint is already at --steps: nothing is touched."""
-    import contextlib
-    import json
+    `--resume` continues from the first intact checkpoint in resume order; with none (none at all, or every one
+    damaged) it is a ConfigError naming each and why it was rejected. `--auto-resume` resumes likewise, else
+    starts fresh in the run's own directory, saying so in one line when it found only damaged checkpoints. A
+    fresh run into a non-empty `--out` (or a checkpoint directory holding checkpoints) needs `--overwrite`,
+    which removes the old checkpoints, so they never mix with the new run's. On resume the schedule's length
+    defaults to the one stored in the checkpoint. Returns a line to print (and exit 0) when the checkpoint is
+    already at --steps: nothing is touched."""
     import os
-    import shutil
 
-    from .checkpoint.files import LATEST, MANIFEST, META, checkpoint_problems, resume_order
     from .config.schedule import validate_optim
 
     if overwrite and (cfg.resume or auto_resume):
         raise ConfigError(f"--overwrite replaces the run in {cfg.out}; --{'resume' if cfg.resume else 'auto-resume'} "
                           "continues it: choose one")
     root = checkpoint_root(cfg)
-    found = [path for _, path in resume_order(root)]
-    if auto_resume:
-        cfg.resume = bool(found)
-    if cfg.resume:
-        if not found:
-            raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh "
-                              "(or --auto-resume: resume when one exists)")
-        for path in found:  # the one `latest` names, unless it is unreadable
-            try:
-                with open(os.path.join(path, META)) as f:
-                    meta = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if not os.path.isfile(os.path.join(path, MANIFEST)):
-                continue
-            if meta["step"] >= cfg.steps:
-                if checkpoint_problems(path):  # damaged: the ranks will fall back past it
-                    continue
-                return (f"{path} is already at step {meta['step']} (--steps {cfg.steps}): nothing to train; "
-                        "raise --steps to continue")
-            stored = meta.get("extra_state", {}).get("lr_plan")
-            if cfg.lr_decay_steps is None and stored:
-                cfg.lr_decay_steps = stored["lr_decay_steps"]
-                validate_optim(cfg)
-            return None
-        raise ConfigError(f"--resume: no intact checkpoint under {root} (every one is unreadable or damaged)")
+    if cfg.resume or auto_resume:
+        path, meta, rejected = first_intact_checkpoint(root)
+        why = "; ".join(f"{os.path.basename(p)}: {r}" for p, r in rejected)
+        if path is None and not auto_resume:
+            if not rejected:
+                raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh "
+                                  "(or --auto-resume: resume when one exists)")
+            raise ConfigError(f"--resume: no intact checkpoint under {root} ({why}); start fresh with --overwrite")
+        cfg.resume = path is not None
+        if path is None:
+            if rejected:
+                _say(f"--auto-resume: no intact checkpoint under {root} ({why}); starting fresh")
+            return None  # a requeued job's own directory: nothing in it to protect from itself
+        if meta["step"] >= cfg.steps:
+            return (f"{path} is already at step {meta['step']} (--steps {cfg.steps}): nothing to train; "
+                    "raise --steps to continue")
+        stored = meta.get("extra_state", {}).get("lr_plan")
+        if cfg.lr_decay_steps is None and stored:
+            cfg.lr_decay_steps = stored["lr_decay_steps"]
+            validate_optim(cfg)
+        return None
     busy = [d for d in dict.fromkeys((cfg.out, root)) if os.path.isdir(d) and os.listdir(d)]
     if busy and not overwrite:
         raise ConfigError(f"--out {busy[0]} is not empty (an earlier run?); continue it with --resume or "
                           "--auto-resume, choose another --out, or pass --overwrite to replace it")
-    if overwrite and os.path.isdir(root):
-        for name in os.listdir(root):
-            if name == LATEST or name.startswith(("step-", "tmp-step-")):
-                full = os.path.join(root, name)  # under torchrun every process does this: tolerate the others
-                if os.path.isdir(full):
-                    shutil.rmtree(full, ignore_errors=True)
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(full)
+    if overwrite:
+        remove_checkpoints(root)
     return None
+
+
+def first_intact_checkpoint(root: str) -> tuple[str | None, dict | None, list[tuple[str, str]]]:
+    """The checkpoint a resume loads (the first intact one in resume order: every file checksummed) with its
+    meta.json, and the (path, reason) of each one rejected before it."""
+    import json
+    import os
+
+    from .checkpoint.files import META, checkpoint_problems, resume_order
+
+    rejected = []
+    for _, path in resume_order(root):  # the one `latest` names, unless it is damaged
+        try:
+            with open(os.path.join(path, META)) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:
+            rejected.append((path, f"unreadable {META} ({e.__class__.__name__})"))
+            continue
+        problems = checkpoint_problems(path)
+        if problems:
+            rejected.append((path, "; ".join(problems)))
+            continue
+        return path, meta, rejected
+    return None, None, rejected
+
+
+def remove_checkpoints(root: str) -> None:
+    """--overwrite: the old run's checkpoints and `latest` (TensorBoard events go when the new run starts)."""
+    import contextlib
+    import os
+    import shutil
+
+    from .checkpoint.files import LATEST
+
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        if name == LATEST or name.startswith(("step-", "tmp-step-")):
+            full = os.path.join(root, name)  # under torchrun every process does this: tolerate the others
+            if os.path.isdir(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(full)
+
+
+def _say(line: str) -> None:
+    """One line from the launching process (under torchrun: rank 0's only)."""
+    import os
+    import sys
+
+    if os.environ.get("RANK", "0") == "0":
+        print(f"shardwise train: {line}", file=sys.stderr)

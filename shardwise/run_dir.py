@@ -49,8 +49,9 @@ def resume(cfg: TrainConfig, trainer, ckpt_dir: str, rank0: bool) -> int:
         if stored and stored != plan:
             print(f"shardwise: LR schedule changes from step {start + 1}: {describe_plan(stored)} -> "
                   f"{describe_plan(plan)}", file=sys.stderr)
-        if cfg.steps > plan["lr_decay_steps"]:
-            print(f"shardwise: steps {plan['lr_decay_steps'] + 1}..{cfg.steps} run past the LR schedule's "
+        first = max(plan["lr_decay_steps"], start) + 1  # of the steps still to run
+        if cfg.steps >= first:
+            print(f"shardwise: steps {first}..{cfg.steps} run past the LR schedule's "
                   f"{plan['lr_decay_steps']} steps at {lr_at_plan(plan['lr_decay_steps'], plan):g} "
                   "(--lr-decay-steps N re-plans it)", file=sys.stderr)
     return start

@@ -1,4 +1,4 @@
-"""Step times without a host sync (the metrics rows that wait for them: `Observer.write_ready`).
+"""Step times without a host sync (the metrics rows that wait for them: `RunWriter`).
 
 On an accelerator a host clock around asynchronous launches times the launches, and waiting for a step's
 end event at the step's end would stall the queue the step just filled: the time is read a step late.

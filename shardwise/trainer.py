@@ -8,28 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
-import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from . import comm, host
+from .batches import BatchSlicer
 from .comm import Ledger
 from .config import TrainConfig
 from .config.schedule import lr_at_plan, lr_plan, parse_betas
-from .context_parallel.sharding import shard_sequence
 from .data import IGNORE_INDEX, Loader, open_data
 from .data_parallel import GradReducer
+from .expert_parallel import metrics as moe_metrics
+from .expert_parallel.metrics import MoEMetrics
 from .expert_parallel.moe import MoE
 from .mesh import Mesh, ParallelDims
-from .models.documents import document_ids, document_positions
-from .models.mtp import depth_counts, shift_inputs
 from .parallelize import build_model
 from .pipeline.tied_embedding import emb_stages
 from .step_timer import StepTimer
-from .tensor_parallel.layers import check_token_ids
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -51,9 +48,7 @@ class Trainer:
 
             self.schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
         self.act_dtype = torch.bfloat16 if cfg.residual_dtype() == "bf16" else torch.float32
-        self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel, self.schedule, p.pp_layers,
-                                 p.cp_order, p.cp_impl, self.act_dtype, p.recompute, p.recompute_layers,
-                                 p.compile)
+        self.model = build_model(self.model_cfg, mesh, cfg.seed, p, schedule=self.schedule, act_dtype=self.act_dtype)
         if cfg.init_from_hf:  # before the reducer: ZeRO's flat buffers start from the parameters' values
             from .hf import load_hf_into
 
@@ -72,11 +67,12 @@ class Trainer:
         self.moe = [m for m in self.model.modules() if isinstance(m, MoE)]
         for m in self.moe:  # every global microbatch's aux loss weighs tokens(microbatch) / tokens(step)
             m.aux_scale = 1.0 / cfg.grad_accum
-        self.group_dp = 1  # >1 only for verify's reference: microbatch i = every dp rank's microbatch i
+        self.batches = BatchSlicer(cfg, mesh, self.global_batch, self.model_cfg.vocab_size, self.eos_id)
         self.timer = StepTimer(mesh.device)
         self.step = 0
         self.bad_steps = 0
-        self._poison = False
+        self.step_hooks: list[Callable[[Trainer, int], None]] = []  # called before each step (shardwise.faults)
+        self.poison = False  # this step's loss and gradients become NaN (fault injection)
         self.executor = None
         if self.schedule is not None:
             from .pipeline.runtime import PipelineExecutor
@@ -109,11 +105,12 @@ class Trainer:
         return host.read(self._forward_backward(step), "loss")[0]
 
     def _forward_backward(self, step: int) -> torch.Tensor:
-        """`forward_backward`, leaving the global loss on the device ([1]): nothing waits for it."""
+        """`forward_backward`, leaving the global loss on the device: [loss], or [loss, MTP part] when the
+        model has MTP modules. Nothing waits for it."""
         dp = self.mesh["dp_cp"]
         n_tokens = self.loader.count_targets(step)  # every rank knows the global count: no collective
         xs, ys, side = self.microbatches(self.loader, step, mtp=True)
-        if self._poison:  # fault injection: NaN gradients enter this rank's reductions
+        if self.poison:  # fault injection: NaN gradients enter this rank's reductions
             self.reducer.poison()
         if self.executor is not None:
             loss_sum = self.executor.run(xs, ys, n_tokens, side)
@@ -125,58 +122,31 @@ class Trainer:
                 loss = self.model.loss_fn(logits, ym, IGNORE_INDEX, self.cfg.label_smoothing).sum() / n_tokens
                 loss.backward()
                 loss_sum += loss.detach()
-        if self.model.mtp_loss is not None:  # the MTP modules' loss (last stage), reported with the main loss
-            loss_sum += self.model.mtp_loss
+        parts = [loss_sum]
+        if self.model_cfg.mtp_layers:  # the MTP modules' loss (last stage), reported with the main loss
+            mtp = torch.zeros_like(loss_sum)
+            if self.model.mtp_loss is not None:
+                loss_sum += self.model.mtp_loss
+                mtp += self.model.mtp_loss
             self.model.mtp_loss = None
-        if self._poison:  # fault injection: this rank's loss and gradients become NaN
-            loss_sum.fill_(float("nan"))
-        comm.all_reduce(loss_sum, dp, tag="metrics")
-        comm.all_reduce(loss_sum, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
-        return loss_sum
+            parts.append(mtp)
+        for t in parts:  # the loss's reduction alone, as without MTP: the part is reduced on its own
+            if self.poison:  # fault injection: this rank's loss and gradients become NaN
+                t.fill_(float("nan"))
+            comm.all_reduce(t, dp, tag="metrics")
+            comm.all_reduce(t, self.mesh["pp"], tag="metrics")  # only the last stage holds a loss
+        return torch.cat(parts) if len(parts) > 1 else loss_sum
 
     def microbatches(self, loader: Loader, step: int, mtp: bool = False) -> tuple[list, list, list[dict] | None]:
         """This rank's share of `loader`'s global batch `step`: inputs and targets per microbatch on the
         device (its dp rows, its cp cut) and the per-microbatch side inputs (training and evaluation; `mtp`:
         with the MTP modules' inputs when the model has them)."""
         with self._host():
-            x, y, side = self._host_batch(loader, step, mtp and bool(self.model_cfg.mtp_layers))
+            x, y, side = self.batches.host_batch(loader, step, mtp and bool(self.model_cfg.mtp_layers))
             xs, ys = x.split(self.cfg.micro_batch), y.split(self.cfg.micro_batch)
         xs, ys = [self._to_device(t) for t in xs], [self._to_device(t) for t in ys]
         side = side and [{k: self._to_device(v) for k, v in s.items()} for s in side]
         return xs, ys, side
-
-    def _host_batch(self, loader: Loader, step: int, mtp: bool = False):
-        """This rank's inputs, targets and document side inputs of `loader`'s batch `step`, on the host."""
-        per = self.global_batch // self.mesh.dims.dp
-        dp_rank = self.mesh["dp"].rank
-        x, y = loader.batch_at(step, dp_rank * per, (dp_rank + 1) * per)  # only this rank's windows
-        check_token_ids(x, self.model_cfg.vocab_size)  # once per batch, on the host, before the copy to the device
-        if self.group_dp > 1:
-            g, mb = self.group_dp, self.cfg.micro_batch // self.group_dp
-            x, y = (t.reshape(g, -1, mb, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (x, y))
-        side = self._document_inputs(x)  # from the global sequences, before any cp cut
-        if mtp:
-            side = mtp_side_inputs(x, y, side, loader, step, self.cfg, self.mesh["cp"])
-        cp = self.mesh["cp"]
-        if cp.active:  # targets were shifted over the whole sequence; both are cut the same way
-            x = shard_sequence(x, cp.rank, cp.size, self.cfg.parallel.cp_order)
-            y = shard_sequence(y, cp.rank, cp.size, self.cfg.parallel.cp_order)
-        return x, y, side
-
-    def _document_inputs(self, x: torch.Tensor) -> list[dict] | None:
-        """Per microbatch, the model's side inputs for --attention-mask document / --reset-positions:
-        document ids and positions of the *global* (uncut) sequences; every cp rank takes its share."""
-        if self.cfg.attention_mask == "causal" and not self.cfg.reset_positions:
-            return None
-        doc = document_ids(x, self.eos_id)
-        side = [{} for _ in range(-(-x.shape[0] // self.cfg.micro_batch))]
-        if self.cfg.attention_mask == "document":
-            for s, d in zip(side, doc.split(self.cfg.micro_batch)):
-                s["doc_ids"] = d
-        if self.cfg.reset_positions:
-            for s, pos in zip(side, document_positions(doc).split(self.cfg.micro_batch)):
-                s["positions"] = pos
-        return side
 
     def finish_gradients(self) -> float:
         return self.reducer.reduce_and_clip(self.cfg.grad_clip)
@@ -192,22 +162,6 @@ class Trainer:
         self.reducer.step()
         return lr
 
-    def _inject_fault(self, step: int) -> None:
-        fault = self.cfg.fault()
-        if fault is None or fault[0] != self.mesh.rank or fault[1] != step + 1:
-            return
-        kind = fault[2]
-        if kind == "crash":
-            print(f"shardwise: fault injection: rank {self.mesh.rank} crashes at step {step + 1}", file=sys.stderr,
-                  flush=True)
-            os._exit(13)
-        if kind == "hang":
-            print(f"shardwise: fault injection: rank {self.mesh.rank} hangs at step {step + 1}", file=sys.stderr,
-                  flush=True)
-            while True:
-                time.sleep(3600)
-        self._poison = True
-
     def train_step(self, step: int) -> dict:
         """One optimizer step. Non-finite loss or gradient norm (global, so every rank agrees) skips it.
 
@@ -217,79 +171,47 @@ class Trainer:
         """
         self.timer.start()
         host.reset()
-        self._poison = False
-        self._inject_fault(step)
-        queued = [self._forward_backward(step), self._finish_gradients()]
+        self.poison = False
+        for hook in self.step_hooks:
+            hook(self, step)
+        loss_parts = self._forward_backward(step)
+        queued = [loss_parts[:1], self._finish_gradients(), loss_parts[1:]]
         moe = self.moe_step(read=False) if self.model_cfg.moe_experts else None  # every stage joins the pp reduce
         values = host.read(torch.cat(queued + ([moe] if moe is not None else [])), "loss+norm")
         loss, norm = values[0], values[1]
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
-        if skipped:
-            self.bad_steps += 1
-            self.reducer.zero_grad()
-            lr = lr_at(step, self.cfg)
-            if self.cfg.bad_step == "abort" or self.bad_steps > self.cfg.max_bad_steps:
-                raise FloatingPointError(
-                    f"step {step + 1}: non-finite loss ({loss}) or grad norm ({norm}); "
-                    + ("aborting (--bad-step abort)" if self.cfg.bad_step == "abort" else
-                       f"{self.bad_steps} bad steps exceed --max-bad-steps {self.cfg.max_bad_steps}"))
-        else:
-            lr = self.optimizer_step(step)
+        lr = self._skip(step, loss, norm) if skipped else self.optimizer_step(step)
         self.mesh.ledger.end_step(step + 1)
         rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
                "tokens": self.global_batch * self.cfg.seq_len, "host_syncs": host.count()}
         self.timer.stop(rec)  # sets rec["step_time_s"] now (host clock) or at the next step (device events)
         if skipped:
             rec["skipped"] = True
+        n_parts = len(loss_parts) - 1
+        if n_parts:  # MTP: the main loss and the MTP modules' part of `loss`
+            rec["loss_main"], rec["loss_mtp"] = loss - values[2], values[2]
         if moe is not None:
-            rec.update(_moe_metrics(values[2:], self.model_cfg.moe_experts))
+            rec.update(MoEMetrics.from_values(values[2 + n_parts:], self.model_cfg.moe_experts).record())
         return rec
 
+    def _skip(self, step: int, loss: float, norm: float) -> float:
+        """A non-finite step: its gradients are dropped; too many of them (or --bad-step abort) end the run."""
+        self.bad_steps += 1
+        self.reducer.zero_grad()
+        if self.cfg.bad_step == "abort" or self.bad_steps > self.cfg.max_bad_steps:
+            raise FloatingPointError(
+                f"step {step + 1}: non-finite loss ({loss}) or grad norm ({norm}); "
+                + ("aborting (--bad-step abort)" if self.cfg.bad_step == "abort" else
+                   f"{self.bad_steps} bad steps exceed --max-bad-steps {self.cfg.max_bad_steps}"))
+        return lr_at(step, self.cfg)
+
     def moe_step(self, read: bool = True):
-        """The loss-free bias update (the bias is no optimizer input: before or after `optimizer_step`
-        alike) and this step's global routing metrics (all dp×cp ranks, all stages). Collective over the
-        token axes and pp. `read=False` leaves the metrics on the device as one float64 vector."""
-        p = self.cfg.parallel
-        axes = (self.mesh["dp_cp"], self.mesh["tp"]) if p.sequence_parallel else (self.mesh["dp_cp"],)
+        """The loss-free bias update and this step's global routing metrics (`expert_parallel.metrics`).
+        Collective over the token axes and pp. `read=False` leaves the metrics on the device as one vector."""
+        axes = (self.mesh["dp_cp"], self.mesh["tp"]) if self.cfg.parallel.sequence_parallel else (self.mesh["dp_cp"],)
         n_exp = self.model_cfg.moe_experts
-        vec = torch.zeros(n_exp + 4, dtype=torch.float64, device=self.mesh.device)  # NCCL: on the device
-        for m in self.moe:
-            counts = m.update_bias(axes).double()  # all-reduced over the token axes; bias step
-            vec[:n_exp] += counts
-            vec[n_exp] += torch.where(counts.sum() > 0, counts.max() / counts.mean().clamp_min(1e-30), 0.0)
-            vec[n_exp + 1] += 1
-            vec[n_exp + 2] += m.step_dropped
-            vec[n_exp + 3] += m.step_aux
-            m.step_dropped, m.step_aux = 0, 0.0
-        tail = vec[n_exp + 2:]  # dropped rows and aux parts are per rank: sum them over every token axis
-        for ax in axes:
-            comm.all_reduce(tail, ax, tag="metrics")
-        comm.all_reduce(vec, self.mesh["pp"], tag="metrics")
-        return _moe_metrics(host.read(vec, "moe metrics"), n_exp) if read else vec
-
-
-def mtp_side_inputs(x, y, side, loader: Loader, step: int, cfg: TrainConfig, cp) -> list[dict]:
-    """Per microbatch, the MTP inputs (models/mtp.py): ids and labels shifted over the whole window on the host,
-    then cut for cp like the tokens; the per-depth loss scales λ / (D · n_k) from the global batch's counts."""
-    depth = cfg.model_config().mtp_layers
-    ids, labels = shift_inputs(x, y, depth)
-    if cp.active:
-        ids, labels = (shard_sequence(t, cp.rank, cp.size, cfg.parallel.cp_order, dim=2) for t in (ids, labels))
-    masked = any(getattr(s, "masked", False) for s in loader.sources)
-    counts = depth_counts(loader.global_batch_at(step)[1] if masked else None, loader.global_batch,
-                          loader.seq_len, depth)
-    scale = torch.tensor([cfg.mtp_loss_weight / (depth * n) if n else 0.0 for n in counts], device=x.device)
-    side = side or [{} for _ in range(-(-x.shape[0] // cfg.micro_batch))]
-    for mb, s in enumerate(side):
-        rows = slice(mb * cfg.micro_batch, (mb + 1) * cfg.micro_batch)
-        s.update(mtp_ids=ids[:, rows], mtp_labels=labels[:, rows], mtp_scale=scale)
-    return side
-
-
-def _moe_metrics(vec: list[float], n_exp: int) -> dict:
-    return {"moe_tokens_per_expert": [int(c) for c in vec[:n_exp]],
-            "moe_max_over_mean_load": vec[n_exp] / max(1.0, vec[n_exp + 1]),
-            "moe_dropped": int(vec[n_exp + 2]), "moe_aux_loss": vec[n_exp + 3]}
+        vec = moe_metrics.gather(self.moe, n_exp, axes, self.mesh["pp"], self.mesh.device)
+        return MoEMetrics.from_values(host.read(vec, "moe metrics"), n_exp) if read else vec
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

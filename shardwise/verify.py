@@ -63,8 +63,16 @@ def _reference(cfg: TrainConfig, device, tokens=None) -> Trainer:
     ref_cfg = dataclasses.replace(cfg, parallel=ParallelConfig(), global_batch=cfg.global_batch or
                                   cfg.micro_batch * dp, micro_batch=cfg.micro_batch * dp)
     ref = Trainer(ref_cfg, Mesh.single(device, Ledger(enabled=False)), tokens)
-    ref.group_dp = dp
+    ref.batches.reorder_rows = lambda t: dp_grouped_rows(t, dp, cfg.micro_batch)
     return ref
+
+
+def dp_grouped_rows(t: torch.Tensor, dp: int, micro_batch: int) -> torch.Tensor:
+    """The reference's batch rows regrouped so that its microbatch i holds every dp rank's microbatch i:
+    rows [rank 0's microbatches | rank 1's | ...] become [every rank's microbatch 0 | microbatch 1 | ...]."""
+    if dp == 1:
+        return t
+    return t.reshape(dp, -1, micro_batch, t.shape[-1]).transpose(0, 1).reshape(t.shape)
 
 
 def _views(trainer, views):

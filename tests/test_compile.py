@@ -29,7 +29,7 @@ def _rank(seed: int):
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
 
-    from shardwise.train import Trainer, make_mesh
+    from shardwise.trainer import Trainer, make_mesh
     from shardwise.verify import verify_main
 
     inductor_config.compile_threads = 1  # two ranks on two cores: no pool of compile workers per rank

@@ -70,7 +70,7 @@ def _tensorboard_equals_metrics_and_ledger(run):
             got[(v.tag, event.step)] = v.simple_value if v.HasField("simple_value") else float(v.tensor.float_val[0])
     want = {}
     for row in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()):
-        for key in ("loss", "lr", "grad_norm", "step_time_s", "tflops_per_rank", "mfu"):
+        for key in ("loss", "lr", "grad_norm", "step_time_s", "tflops_per_rank", "mfu", "peak_mem_bytes"):
             if row.get(key) is not None:  # mfu: null where the device's peak is unknown (CPU)
                 want[(f"train/{key}", row["step"])] = row[key]
         want[("train/tokens_per_s", row["step"])] = row["tokens"] / row["step_time_s"]

@@ -20,7 +20,7 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", 
 
 # (file, enclosing function, factory): why the tensor stays on the host and never reaches a collective.
 ALLOWED = {
-    ("checkpoint/files.py", "_unb64", "frombuffer"):
+    ("checkpoint/files.py", "from_b64", "frombuffer"):
         "RNG state bytes for torch.set_rng_state / Generator.set_state, which take CPU byte tensors",
     ("checkpoint/load.py", "load_global_tensors", "empty"):
         "full-shaped tensors read by one process for conversion/export; no process group involved",
@@ -104,7 +104,7 @@ def test_trainer_checks_token_ids_once_per_batch_on_the_host(monkeypatch):
     import shardwise.tensor_parallel.layers as layers
     from shardwise.config import TrainConfig
     from shardwise.mesh import Mesh
-    from shardwise.train import Trainer
+    from shardwise.trainer import Trainer
 
     monkeypatch.setattr(layers, "check_token_ids", lambda ids, v: None)
 

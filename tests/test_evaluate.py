@@ -28,7 +28,7 @@ def _eval_tokens() -> torch.Tensor:
 
 def _layouts_against_single(seed: int):
     """Per layout: eval_loss of the layout and of the single-device model at init and after one step."""
-    from shardwise.train import Trainer, make_mesh
+    from shardwise.trainer import Trainer, make_mesh
     from shardwise.verify import _reference
 
     out = []

@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
 from shardwise import hf  # noqa: E402
+from shardwise.hf_config import config_from_hf  # noqa: E402
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.run import assemble, resolve_model  # noqa: E402
 from shardwise.hf_cli import add_parser, compare, hf_logits, run_export  # noqa: E402
@@ -156,7 +157,7 @@ def reads(tmp_path, monkeypatch):
 
 
 def _full_numel(path):
-    files = hf._Files(path)
+    files = hf.WeightFiles(path)
     return {n: int(torch.Size(files.shape(n)).numel()) for n in files.where}
 
 
@@ -272,7 +273,7 @@ def _single_model(path):
     from shardwise.mesh import Mesh
     from shardwise.parallelize import build_model
 
-    cfg = hf.config_from_hf(path)
+    cfg = config_from_hf(path)
     model = build_model(cfg, Mesh.single(), seed=0)
     hf.load_hf_into(model, path)
     return cfg, model.eval()
@@ -290,16 +291,16 @@ def test_export_round_trip(models, tmp_path, name, as_state):
     assert torch.allclose(hf_logits(out, tokens), ref, atol=1e-6, rtol=0)
     with torch.no_grad():
         assert torch.allclose(model(tokens), ref, atol=1e-4, rtol=0)
-    back = hf.config_from_hf(out)
+    back = config_from_hf(out)
     assert dataclasses.replace(back, name=cfg.name) == cfg
 
 
 def test_hf_export_from_checkpoint(models, tmp_path):
     """A checkpoint of a model loaded from HF exports (hf-export) to the same HF logits."""
     from shardwise.checkpoint import save_checkpoint
-    from shardwise.train import Trainer, make_mesh
+    from shardwise.trainer import Trainer, make_mesh
 
-    cfg = TrainConfig(model=hf.config_from_hf(models["llama"]), steps=1, seq_len=16, micro_batch=2, progress=False)
+    cfg = TrainConfig(model=config_from_hf(models["llama"]), steps=1, seq_len=16, micro_batch=2, progress=False)
     trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")), tokens=torch.randint(0, 101, (2048,)))
     hf.load_hf_into(trainer.model, models["llama"])
     save_checkpoint(str(tmp_path / "ckpt"), 0, trainer)
@@ -311,7 +312,7 @@ def test_hf_export_from_checkpoint(models, tmp_path):
 
 def test_sliding_window_caps_sequence(models):
     with pytest.warns(UserWarning, match="sliding_window=16"):
-        cfg = hf.config_from_hf(models["mistral_window"])
+        cfg = config_from_hf(models["mistral_window"])
     assert cfg.max_seq_len == 16
     with pytest.warns(UserWarning):
         _check_result(compare(models["mistral_window"], ParallelConfig(), seq_len=16, batch=2))
@@ -341,17 +342,17 @@ def _write_config(tmp_path, **changes):
 ])
 def test_unsupported_configs_are_refused(tmp_path, changes, message):
     with pytest.raises(ConfigError, match=message):
-        hf.config_from_hf(_write_config(tmp_path, **changes))
+        config_from_hf(_write_config(tmp_path, **changes))
 
 
 def test_config_mapping_and_rope_scaling(tmp_path):
-    cfg = hf.config_from_hf(_write_config(tmp_path, rope_theta=5e5, tie_word_embeddings=True))
+    cfg = config_from_hf(_write_config(tmp_path, rope_theta=5e5, tie_word_embeddings=True))
     assert (cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.max_seq_len, cfg.rope_theta, cfg.norm_eps,
             cfg.tie_embeddings) == (32, 4, 2, 48, 64, 5e5, 1e-6, True)
     scaled = _write_config(tmp_path, rope_scaling=LLAMA3_ROPE)
-    assert hf.config_from_hf(scaled).rope_scaling == (8.0, 1.0, 4.0, 16)
+    assert config_from_hf(scaled).rope_scaling == (8.0, 1.0, 4.0, 16)
     with pytest.raises(ConfigError, match="no config.json"):
-        hf.config_from_hf(str(tmp_path / "missing"))
+        config_from_hf(str(tmp_path / "missing"))
 
 
 def test_export_refuses_what_hf_cannot_express(tmp_path):
@@ -381,7 +382,7 @@ TRAIN_TOKENS = torch.randint(0, SHAPE["vocab_size"], (4096,), generator=torch.Ge
 def _train_config(path, degrees, global_batch):
     """One fp32 step, no clipping. Mixtral and Qwen3-MoE: HF's pooled aux loss where config.json asks for it
     (output_router_logits), none otherwise."""
-    model = hf.config_from_hf(path)
+    model = config_from_hf(path)
     if model.moe_aux_loss_scope != "model":
         model = dataclasses.replace(model, moe_aux_loss_coef=0.0)
     return TrainConfig(model=model, parallel=ParallelConfig(**degrees), steps=1, seq_len=16, micro_batch=2,
@@ -392,7 +393,7 @@ def _rank_grads(jobs):
     """Inside each rank: load the HF weights into the layout, one forward+backward, and the reduced
     gradient slices this rank holds as (global name, shard dim, start, rows, values)."""
     from shardwise.tensor_parallel.layers import get_spec
-    from shardwise.train import Trainer, make_mesh
+    from shardwise.trainer import Trainer, make_mesh
 
     out = []
     for path, degrees, global_batch in jobs:
@@ -480,15 +481,15 @@ def test_training_step_matches_transformers(models, trained, tmp_path, i, layout
         copies = 1 if degrees.get("sequence_parallel") else degrees.get("tp", 1)  # without SP tp ranks share tokens
         ours = sum(r[i][2] for r in trained) / copies
         assert abs(ours - ref_aux) <= 1e-6 * ref_aux, ([r[i][2] for r in trained], ref_aux)
-    cfg = hf.config_from_hf(path)
-    files = hf._Files(str(tmp_path / "hf_grads"))
+    cfg = config_from_hf(path)
+    files = hf.WeightFiles(str(tmp_path / "hf_grads"))
     from shardwise.mesh import Mesh
     from shardwise.parallelize import build_model
 
     shapes = {n: p.shape for n, p in build_model(cfg, Mesh.single(), seed=0).named_parameters()}
     ours = _global_grads([g for r in trained for g in r[i][1]], shapes)
     for n, g in ours.items():
-        src = hf._source(n, cfg, files)
+        src = hf.tensor_source(n, cfg, files)
         ref = src.read(files, tuple(slice(0, s) for s in shapes[n]))
         assert float(ref.abs().max()) > 0, n  # every parameter gets a gradient in this step
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{layout} {n}: {m}")
@@ -535,7 +536,7 @@ def test_init_from_hf_lr0_tied_tp2_pp2_export_reproduces_weights(ft_models, tmp_
     assert rec["tokenizer"]["vocab_size"] == 280 and len(rec["weight_files"]) > 1, rec
     out = str(tmp_path / "exported")
     assert run_export(argparse.Namespace(ckpt_dir=os.path.join(run, "checkpoints"), out_dir=out)) == 0
-    files = hf._Files(path)
+    files = hf.WeightFiles(path)
     original = {n: files.read(n, tuple(slice(0, s) for s in files.shape(n))) for n in files.where}
     exported = load_file(os.path.join(out, "model.safetensors"))
     assert sorted(exported) == sorted(original) and "lm_head.weight" not in exported
@@ -549,7 +550,7 @@ def _finetune(path, ckpt):
     """Inside each rank: 5 steps of a real fine-tune on dp=2 × tp=2 with ZeRO-1, a checkpoint, and the
     loss (no update) on a held batch."""
     from shardwise.checkpoint import save_checkpoint
-    from shardwise.train import Trainer, make_mesh
+    from shardwise.trainer import Trainer, make_mesh
 
     cfg = TrainConfig(model=None, init_from_hf=path, parallel=ParallelConfig(dp=2, tp=2, zero=1), steps=5,
                       seq_len=16, micro_batch=2, global_batch=8, lr=3e-3, warmup_steps=1, progress=False)
@@ -716,7 +717,7 @@ def test_deepseek_init_from_hf_tp2_ep2_lr0_exports_the_checkpoint(tmp_path):
                  "--no-progress", "--data", str(text)]) == 0
     out = str(tmp_path / "exported")
     assert run_export(argparse.Namespace(ckpt_dir=os.path.join(run, "checkpoints"), out_dir=out)) == 0
-    files = hf._Files(path)
+    files = hf.WeightFiles(path)
     original = {n: files.read(n, tuple(slice(0, s) for s in files.shape(n))) for n in files.where}
     exported = load_file(os.path.join(out, "model.safetensors"))
     assert sorted(exported) == sorted(original)
@@ -752,7 +753,7 @@ def test_yarn_frequencies_equal_transformers(tmp_path, truncate):
 
     rope = DS_V3_REAL["rope_scaling"] | ({} if truncate else {"truncate": False, "mscale": 0.9})
     (tmp_path / "config.json").write_text(json.dumps(DS_V3_REAL | {"rope_scaling": rope}))
-    cfg = hf.config_from_hf(str(tmp_path))
+    cfg = config_from_hf(str(tmp_path))
     ref_cfg = transformers.AutoConfig.from_pretrained(str(tmp_path))
     inv, attention = ROPE_INIT_FUNCTIONS["yarn"](ref_cfg, torch.device("cpu"))
     assert cfg.rope_yarn[4] == attention and (attention == 1.0) == truncate

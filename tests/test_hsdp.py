@@ -23,7 +23,7 @@ import torch
 from shardwise.checkpoint import load_checkpoint, save_checkpoint
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.mesh import ParallelDims, axis_lines
-from shardwise.train import Trainer, make_mesh
+from shardwise.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks, verify_all
 

@@ -213,7 +213,7 @@ def test_sft_loss_counts_only_completions_on_every_layout(tmp_path):
     data = str(tmp_path / "sft")
     prepare_data([path], "byte", data, shard_tokens=500, progress=False)
     from shardwise.mesh import Mesh
-    from shardwise.train import Trainer
+    from shardwise.trainer import Trainer
 
     cfg = assemble(_sft_cfg(data), 1)
     trainer = Trainer(cfg, Mesh.single(torch.device("cpu")))

@@ -21,7 +21,8 @@ from shardwise.activation_memory import SavedActivationMeter, predicted_activati
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.planner import Cluster, estimate, get_gpu
 from shardwise.planner.layout import from_train_config
-from shardwise.train import Trainer, make_mesh, train_main
+from shardwise.train import train_main
+from shardwise.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 

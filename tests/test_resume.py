@@ -32,7 +32,7 @@ def _warm_parent(tmp_path_factory):
     import torch
 
     from shardwise.mesh import Mesh
-    from shardwise.train import Trainer
+    from shardwise.trainer import Trainer
 
     cfg = _parse(["train", "--model", "tiny-moe", "--steps", "1", "--seq-len", "32", "--micro-batch", "1",
                   "--no-progress", "--no-report", "--out", str(tmp_path_factory.mktemp("warm"))])
@@ -91,15 +91,15 @@ def _load_moe_then_step(path, cfgs):
     import torch
 
     from shardwise.checkpoint import load_checkpoint, load_global_tensors
-    from shardwise.checkpoint.boxes import _persistent_buffers
-    from shardwise.train import Trainer, make_mesh
+    from shardwise.checkpoint.boxes import persistent_buffers
+    from shardwise.trainer import Trainer, make_mesh
 
     saved = load_global_tensors(path, prefix="buffer.")
     out = []
     for cfg, drop_bias in cfgs:
         trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
         info = load_checkpoint(path, trainer)
-        bias = {n: b for n, _, b in _persistent_buffers(trainer.model) if n.endswith("expert_bias")}
+        bias = {n: b for n, _, b in persistent_buffers(trainer.model) if n.endswith("expert_bias")}
         diff = max(float((b - saved[n]).abs().max()) for n, b in bias.items())
         every = set(bias) == {n for n in saved if n.endswith("expert_bias")} and len(bias) > 0
         if drop_bias:  # the control: what the step would see had the bias not been restored

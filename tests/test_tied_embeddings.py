@@ -51,7 +51,7 @@ def _tied_local(model):
 
 def _rank(seed, ckpt_dir):
     from shardwise.checkpoint import load_checkpoint, save_checkpoint
-    from shardwise.train import Trainer, make_mesh
+    from shardwise.trainer import Trainer, make_mesh
     from shardwise.verify import _reference, verify_main
 
     out = {}

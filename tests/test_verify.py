@@ -66,7 +66,7 @@ def _smoothing_runs(pairs):
     import torch
     import torch.distributed as dist
 
-    from shardwise.train import Trainer, make_mesh
+    from shardwise.trainer import Trainer, make_mesh
 
     out = []
     for smooth_cfg, plain_cfg in pairs:
@@ -106,9 +106,9 @@ def _verify_sabotaged(runs):
     """Inside ranks: verify each (cfg, freeze, drop). `freeze` = (parameter name, TP rank or None for all):
     the layout run restores it after every optimizer step, so it never trains; `drop` names a parameter
     that verify's views leave out of every comparison."""
-    from shardwise import train, verify
+    from shardwise import trainer, verify
 
-    step, grads, params = train.Trainer.optimizer_step, verify._grad_views, verify._param_views
+    step, grads, params = trainer.Trainer.optimizer_step, verify._grad_views, verify._param_views
     out = []
     for cfg, freeze, drop in runs:
         def frozen_step(self, s, freeze=freeze):
@@ -119,7 +119,7 @@ def _verify_sabotaged(runs):
                 held.data.copy_(keep)
             return lr
 
-        train.Trainer.optimizer_step = frozen_step
+        trainer.Trainer.optimizer_step = frozen_step
         verify._grad_views = lambda t, drop=drop: (v for v in grads(t) if v[0] != drop)
         verify._param_views = lambda t, drop=drop: (v for v in params(t) if v[0] != drop)
         cfg.resolve_world()

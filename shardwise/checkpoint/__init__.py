@@ -11,7 +11,7 @@ pair of small DCP planners writes or reads them, so DCP's resharding handles any
   so each rank writes and reads its own range with no gather over dp;
 * a tied embedding's LM-head copy under PP is not written: it reads `tok_embeddings.weight`'s entries.
 Publishing is atomic (tmp-step-N → step-N rename, then `latest`), a JSON manifest of sha256 sums
-lets loading skip incomplete or corrupt saves, and nothing is unpickled freely (see _SafeReader).
+lets loading skip incomplete or corrupt saves, and nothing is unpickled freely (see SafeReader).
 
 Modules by idea: `files` (directory layout, naming, manifest checks), `boxes` (local views as global
 chunks; the DCP planners and safe reader), `save` (write and publish, sync or async), `load` (newest

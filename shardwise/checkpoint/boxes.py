@@ -72,7 +72,7 @@ def _tp_owned(named, tp) -> set[str]:
     return {n for n, key in mine.items() if next(r for r, o in enumerate(every) if o.get(n) == key) == tp.rank}
 
 
-def _persistent_buffers(model):
+def persistent_buffers(model):
     """(global name, owner module, tensor) of every persistent buffer: training state (e.g. the MoE expert_bias)."""
     for prefix, mod in model.named_modules():
         for name, b in mod.named_buffers(recurse=False):
@@ -80,7 +80,7 @@ def _persistent_buffers(model):
                 yield (f"{prefix}.{name}" if prefix else name), mod, b
 
 
-def _ensure_state(reducer, step: int | None = None) -> None:
+def ensure_state(reducer, step: int | None = None) -> None:
     """Create AdamW state AdamW would create lazily (zeros), so it can be saved or loaded into; set its step."""
     opt = reducer.optimizer
     for group in opt.param_groups:
@@ -94,7 +94,7 @@ def _ensure_state(reducer, step: int | None = None) -> None:
                 st["step"] = torch.full((), step, dtype=st["step"].dtype, device=st["step"].device)
 
 
-def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
+def state_entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
     """{global key: (global shape, boxes)}: on save only the boxes this rank owns, on load all it holds."""
     red = trainer.reducer
     owned = _tp_owned(red.named, trainer.mesh["tp"]) if save else {n for n, _ in red.named}
@@ -117,7 +117,7 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
         for kind, t in tensors.items():
             boxes = _place(spec, p.shape, t.detach().view(-1), 0, p.numel()) if mine else []  # a view, never a copy
             add(f"model.{gname[n]}" if kind == "model" else f"optim.{gname[n]}.{kind}", spec, boxes)
-    for n, mod, b in _persistent_buffers(trainer.model):
+    for n, mod, b in persistent_buffers(trainer.model):
         # Replicated like their module's parameters: the first TP rank of each dp×cp (experts: edp) group writes.
         expert = any(is_expert(q) for q in mod.parameters(recurse=False))
         dp = trainer.mesh["edp"] if expert else trainer.mesh["dp_cp"]
@@ -141,7 +141,7 @@ def _entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
 
 
 # ---------------------------------------------------------------- DCP planners over boxes
-class _BoxSavePlanner(DefaultSavePlanner):
+class BoxSavePlanner(DefaultSavePlanner):
     """Writes each owned box as a chunk of its global tensor; the default global plan validates coverage."""
 
     def __init__(self, entries):
@@ -180,7 +180,7 @@ class _BoxSavePlanner(DefaultSavePlanner):
         raise KeyError(write_item.index)
 
 
-class _BoxLoadPlanner(DefaultLoadPlanner):
+class BoxLoadPlanner(DefaultLoadPlanner):
     """Reads into each box (a view of a live tensor) whatever saved chunks overlap it."""
 
     def __init__(self, entries, path):
@@ -234,7 +234,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
 
 
-class _SafeReader(dcp.FileSystemReader):
+class SafeReader(dcp.FileSystemReader):
     """DCP's reader, minus free unpickling: tensors already load with weights_only=True; `.metadata` is a
     pickle, checksummed against the manifest before this runs and read with the allow-list above."""
 
@@ -246,7 +246,7 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def _dcp(fn, mesh=None, **kw):
+def run_dcp(fn, mesh=None, **kw):
     """dcp.save / dcp.load / dcp.async_save, in one process (no process group) unless the mesh spans
     several ranks — then on the mesh's `ckpt` group (gloo, long timeout: a slow filesystem must not trip
     the training group's watchdog, and DCP's plan exchange never touches the accelerator's

@@ -18,11 +18,11 @@ FORMAT_VERSION = 1
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 MANIFEST, META, LATEST = "manifest.json", "meta.json", "latest"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-_OWNER = re.compile(r"^__(\d+)_\d+\.distcp$")
+SHARD_OWNER = re.compile(r"^__(\d+)_\d+\.distcp$")
 RNG_AXES = ("dp", "pp", "cp", "tp", "ep")
 
 
-def _write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str) -> None:
     """Write then rename, so a reader never sees half a file."""
     with open(f"{path}.tmp", "w") as f:
         f.write(text)
@@ -31,11 +31,11 @@ def _write_text(path: str, text: str) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-def _write_json(path: str, obj) -> None:
-    _write_text(path, json.dumps(obj, indent=1, default=str))
+def write_json(path: str, obj) -> None:
+    write_text(path, json.dumps(obj, indent=1, default=str))
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -43,11 +43,11 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _b64(t: torch.Tensor) -> str:
+def to_b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.cpu().contiguous().numpy().tobytes()).decode()
 
 
-def _unb64(s: str) -> torch.Tensor:
+def from_b64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .. import comm
-from .boxes import _BoxLoadPlanner, _dcp, _ensure_state, _entries, _SafeReader
-from .files import FORMAT_VERSION, META, MANIFEST, RNG_AXES, STEP_DIR, _unb64, checkpoint_problems, log, resume_order
+from .boxes import BoxLoadPlanner, run_dcp, ensure_state, state_entries, SafeReader
+from .files import FORMAT_VERSION, META, MANIFEST, RNG_AXES, STEP_DIR, from_b64, checkpoint_problems, log, resume_order
 
 
 def newest_intact(root: str, world_axis=None) -> tuple[str | None, list[tuple[str, str]]]:
@@ -32,10 +32,7 @@ def newest_intact(root: str, world_axis=None) -> tuple[str | None, list[tuple[st
             probs = sorted({p for ps in comm.all_gather_object(probs, world_axis) for p in ps})
         if not probs:
             return path, skipped
-        reason = "; ".join(probs)
-        if rank == 0:
-            log.warning("skipping checkpoint %s: %s", path, reason)
-        skipped.append((path, reason))
+        skipped.append((path, "; ".join(probs)))  # the caller reports them, once
     return None, skipped
 
 
@@ -51,15 +48,13 @@ def load_checkpoint(root: str, trainer) -> dict | None:
     mesh = trainer.mesh
     path, skipped = newest_intact(root, mesh["ckpt"] if mesh["world"].active else None)
     if path is None:
-        if skipped and mesh.rank == 0:
-            log.warning("no intact checkpoint under %s; starting from scratch", root)
         return None
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format {meta.get('format')}, this shardwise reads {FORMAT_VERSION}")
-    _ensure_state(trainer.reducer, meta["optimizer_step"])
-    _dcp(dcp.load, mesh, storage_reader=_SafeReader(path), planner=_BoxLoadPlanner(_entries(trainer, False), path))
+    ensure_state(trainer.reducer, meta["optimizer_step"])
+    run_dcp(dcp.load, mesh, storage_reader=SafeReader(path), planner=BoxLoadPlanner(state_entries(trainer, False), path))
     step = meta["step"]
     _restore_rng(trainer, path, meta, step)
     trainer.step = step
@@ -79,11 +74,11 @@ def _restore_rng(trainer, path: str, meta: dict, step: int) -> None:
     if all(meta["layout"].get(a) == getattr(mesh.dims, a) for a in RNG_AXES) and os.path.isfile(rank_file):
         with open(rank_file) as f:
             rng = json.load(f)
-        torch.set_rng_state(_unb64(rng["torch_cpu_rng"]))
+        torch.set_rng_state(from_b64(rng["torch_cpu_rng"]))
     saved_on = (rng or {}).get("device", meta["layout"].get("device", "cpu"))  # older checkpoints: CPU runs
     if rng is not None and saved_on == here:
         for k, g in tracker.generators.items():
-            g.set_state(_unb64(rng["tracker_rng"][k]))
+            g.set_state(from_b64(rng["tracker_rng"][k]))
         return
     for g in tracker.generators.values():
         g.manual_seed((g.initial_seed() + 1_000_003 * step) % 2**63)
@@ -96,10 +91,10 @@ def _restore_rng(trainer, path: str, meta: dict, step: int) -> None:
 
 def load_global_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """Full-shaped tensors of every key under `prefix` (prefix stripped), read in this process alone."""
-    reader = _SafeReader(path)
+    reader = SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
     full = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
             for k, md in saved.items() if k.startswith(prefix)}
     entries = {k: (tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in full.items()}
-    _dcp(dcp.load, storage_reader=reader, planner=_BoxLoadPlanner(entries, path))
+    run_dcp(dcp.load, storage_reader=reader, planner=BoxLoadPlanner(entries, path))
     return {k[len(prefix):]: t for k, t in full.items()}

@@ -12,8 +12,8 @@ import torch.distributed.checkpoint as dcp
 
 from .. import comm, host
 from ..data.shards import sha256_file
-from .boxes import _BoxSavePlanner, _dcp, _ensure_state, _entries
-from .files import (FORMAT_VERSION, LATEST, MANIFEST, META, _OWNER, _b64, _fsync_dir, _write_json, _write_text,
+from .boxes import BoxSavePlanner, run_dcp, ensure_state, state_entries
+from .files import (FORMAT_VERSION, LATEST, MANIFEST, META, SHARD_OWNER, to_b64, fsync_dir, write_json, write_text,
                     list_checkpoints)
 
 
@@ -31,13 +31,13 @@ def save_checkpoint(root: str, step: int, trainer, extra_state: dict | None = No
     wait_for_save(trainer)
     mesh, ckpt = trainer.mesh, trainer.mesh["ckpt"]
     tmp, final = _begin_save(root, step, trainer, extra_state)
-    entries = _entries(trainer, True)
+    entries = state_entries(trainer, True)
     if not async_save:
-        _dcp(dcp.save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(entries))
+        run_dcp(dcp.save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=BoxSavePlanner(entries))
         _publish(root, tmp, final, step, ckpt, mesh.rank, keep)
         return final
     staged = _stage(trainer, entries)
-    future = _dcp(dcp.async_save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=_BoxSavePlanner(staged))
+    future = run_dcp(dcp.async_save, mesh, storage_writer=dcp.FileSystemWriter(tmp), planner=BoxSavePlanner(staged))
     # The publish's gathers run on the checkpoint group off the main thread: keep them out of the
     # ledger, whose per-step counts belong to the training loop.
     quiet = dataclasses.replace(ckpt, ledger=None)
@@ -111,18 +111,18 @@ def _begin_save(root: str, step: int, trainer, extra_state: dict | None) -> tupl
                 shutil.rmtree(os.path.join(root, d))
         os.makedirs(tmp)
     comm.barrier(ckpt)
-    _ensure_state(trainer.reducer)
+    ensure_state(trainer.reducer)
     state = next(iter(trainer.reducer.optimizer.state.values()))
     tracker = trainer.model.rng_tracker
     # RNG streams by device type: the host generator applies on any device; the tracker's generators
     # live on the training device (a CUDA state is 16 bytes, a CPU one 5,056) and apply only there.
-    _write_json(os.path.join(tmp, f"rank{mesh.rank}.json"), {
+    write_json(os.path.join(tmp, f"rank{mesh.rank}.json"), {
         "rank": mesh.rank, "coords": mesh.coords, "device": mesh.device.type,
-        "torch_cpu_rng": _b64(torch.get_rng_state()),
-        "tracker_rng": {k: _b64(g.get_state()) for k, g in tracker.generators.items()}})
+        "torch_cpu_rng": to_b64(torch.get_rng_state()),
+        "tracker_rng": {k: to_b64(g.get_state()) for k, g in tracker.generators.items()}})
     if rank0:
         layout = trainer.cfg.parallel.as_dict() | {"world": ckpt.size, "device": mesh.device.type}
-        _write_json(os.path.join(tmp, META), {
+        write_json(os.path.join(tmp, META), {
             "format": FORMAT_VERSION, "step": step, "optimizer_step": int(host.read(state["step"], "checkpoint step")), "layout": layout,
             "model": vars(trainer.model_cfg), "extra_state": extra_state or {},
             "bad_steps": getattr(trainer, "bad_steps", 0)})
@@ -134,7 +134,7 @@ def _publish(root: str, tmp: str, final: str, step: int, ckpt, rank: int, keep: 
     rank0 = rank == 0
     # Each rank hashes what it wrote (DCP names data files __<rank>_<n>.distcp); rank 0 merges the
     # small per-rank dicts, so no rank reads the whole checkpoint while the others wait.
-    mine = [f for f in os.listdir(tmp) if (m := _OWNER.match(f)) and int(m.group(1)) == rank]
+    mine = [f for f in os.listdir(tmp) if (m := SHARD_OWNER.match(f)) and int(m.group(1)) == rank]
     mine += [f"rank{rank}.json"] + ([META, ".metadata"] if rank0 else [])
     sums = {f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": sha256_file(os.path.join(tmp, f))} for f in mine}
     merged = comm.all_gather_object(sums, ckpt)
@@ -143,12 +143,12 @@ def _publish(root: str, tmp: str, final: str, step: int, ckpt, rank: int, keep: 
         unowned = sorted(set(os.listdir(tmp)) - set(files) - {f for f in os.listdir(tmp) if f.endswith(".tmp")})
         if unowned:
             raise RuntimeError(f"checkpoint {tmp}: files no rank hashed: {unowned}")
-        _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT_VERSION, "step": step, "files": files})
-        _fsync_dir(tmp)
+        write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT_VERSION, "step": step, "files": files})
+        fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)  # saved this step before (a resume): the older steps still stand
         os.replace(tmp, final)
-        _write_text(os.path.join(root, LATEST), f"step-{step}\n")
-        _fsync_dir(root)
+        write_text(os.path.join(root, LATEST), f"step-{step}\n")
+        fsync_dir(root)
         if keep:
             for old_step, path in list_checkpoints(root)[keep:]:
                 shutil.rmtree(path)

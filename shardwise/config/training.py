@@ -83,6 +83,9 @@ class TrainConfig:
     timeout_s: float = 300.0
     """Collective timeout: a rank stuck longer than this in a collective fails instead of hanging."""
     progress: bool = True
+    log_every: int | None = None
+    """Print one `key=value` line every N steps (and each evaluation's); None = every step for runs of at most
+    20 steps, else every 10."""
     save_every: int = 0
     """Write a checkpoint every N steps and at the last step; 0 = only the last step when final_checkpoint."""
     final_checkpoint: bool = False
@@ -318,6 +321,8 @@ class TrainConfig:
             self._validate_pipeline(m)
         elif p.vp != 1 or p.pp_layers is not None or p.pp_scatter_gather:
             raise ConfigError("--vp / --pp-layers / --pp-scatter-gather need --pp > 1")
+        if self.log_every is not None and (not isinstance(self.log_every, int) or self.log_every < 1):
+            raise ConfigError(f"--log-every {self.log_every!r} must be a positive integer")
         if not isinstance(self.save_every, int) or self.save_every < 0:
             raise ConfigError(f"--save-every {self.save_every!r} must be a non-negative integer")
         if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
