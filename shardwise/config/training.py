@@ -136,8 +136,6 @@ class TrainConfig:
     """A:B — torch.profiler traces of steps A..B (1-based, inclusive) per rank under <out>/profile/."""
     log_to: str | None = None
     """Also log metrics to 'wandb' or 'mlflow' (optional extras; offline/local unless configured)."""
-    log_every: int | None = None
-    """Print one key=value line every N steps; None = 10, or every step for runs of <= 20 steps."""
     resolved_model: ModelConfig | None = None
     """The final model, set by run assembly (`shardwise.run.assemble`) once the HF config and the data's
     vocabulary are applied; None until then."""
