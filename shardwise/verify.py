@@ -8,7 +8,8 @@ of (difference, reference) are summed over all ranks — replicas inflate both e
 exact — and the maximum norm-wise relative difference is reported. Updates, not values, are what
 catch a parameter the layout never trains: a frozen parameter's update differs by exactly 1.0, while
 its value after a few warm-up steps differs by ~1e-3. `coverage` proves every reference element was
-compared at least once.
+compared at least once. MoE layouts go through routing replay (routing_replay.py); bf16 runs are held to a
+multiple of the bf16 noise the single-device model shows against fp32 (`NoiseBudget`). docs/verify.md.
 """
 from __future__ import annotations
 
@@ -109,11 +110,6 @@ def _per_param_rel(pairs, names, world) -> torch.Tensor:
     return acc[:, 0].sqrt() / acc[:, 1].sqrt().clamp_min(1e-30)
 
 
-def _rel_diffs(pairs, names, world) -> float:
-    """max over parameters of ||x - ref|| / ||ref||, with the squared norms summed over all ranks."""
-    return float(_per_param_rel(pairs, names, world).max())
-
-
 def _coverage(view_lists, ref_params: dict[str, torch.Tensor], world) -> float:
     """Fraction of reference elements every comparison in `view_lists` reached, min over the comparisons.
 
@@ -154,8 +150,8 @@ class NoiseBudget:
     Per parameter and step: rel(layout, ref16) ≤ BF16_MULTIPLE · rel(ref16, ref32) + floor, with rel the
     norm-wise relative difference and floor BF16_FLOOR[quantity] for gradients, BF16_FLOOR[quantity]·lr / ||ref16||
     for updates and values; for the loss, |Δ| ≤ BF16_MULTIPLE · |loss16 − loss32| + BF16_FLOOR["loss"] ·
-    max(1, |loss16|). `ratios` holds the largest left/right side seen per quantity; the
-    layout passes when all are ≤ 1. Two bf16 runs that round differently stand about √2 times as far apart as
+    max(1, |loss16|). `ratios` holds the largest left/right side seen per quantity; the layout passes when all
+    are ≤ 1. Two bf16 runs that round differently stand about √2 times as far apart as
     either stands from fp32, so the multiple leaves a ~3× margin; a parameter missing a quarter of its gradient
     scores 0.5 and an eighth 0.35 against a bf16 gradient floor of ~1e-2.
     """

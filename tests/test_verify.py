@@ -182,8 +182,8 @@ def test_routing_replay_seeds_that_flipped():
 
 def _verify_broken(runs):
     """Inside ranks: verify each (cfg, zero_grad, swap_choice). `zero_grad` = (parameter name, fraction): the
-    layout zeroes every (1/fraction)-th element of every rank's share of that reduced gradient; `swap_choice`: the layout's
-    routers send each rank's first token of every forward to an expert outside its top-k."""
+    layout zeroes every (1/fraction)-th element of every rank's share of that reduced gradient; `swap_choice`: the
+    layout's routers send each rank's first token of every forward to an expert outside its top-k."""
     from shardwise import routing_replay, train, verify
 
     finish, init = train.Trainer.finish_gradients, routing_replay.RoutingReplay.__init__
