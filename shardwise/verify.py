@@ -192,7 +192,8 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
     trainer = Trainer(cfg, mesh, tokens)
     ref = _reference(cfg, device, tokens)
     bf16 = cfg.dtype == "bf16"
-    ref32 = _reference(dataclasses.replace(cfg, dtype="fp32"), device, tokens) if bf16 else None
+    fp32 = dataclasses.replace(cfg, dtype="fp32", grad_reduce_dtype="fp32")  # bf16's noise, measured in one place
+    ref32 = _reference(fp32, device, tokens) if bf16 else None
     refs = [ref] + ([ref32] if bf16 else [])
     ref_params = dict(ref.model.named_parameters(remove_duplicate=False))  # tied: output.weight too (PP's copy)
     ref32_params = dict(ref32.model.named_parameters(remove_duplicate=False)) if bf16 else {}
