@@ -182,8 +182,10 @@ def test_routing_replay_seeds_that_flipped():
 
 def _verify_broken(runs):
     """Inside ranks: verify each (cfg, zero_grad, swap_choice). `zero_grad` = (parameter name, fraction): the
-    layout zeroes every (1/fraction)-th element of every rank's share of that reduced gradient; `swap_choice`: the
+    layout zeroes that fraction of the elements (drawn at random) of every rank's share of that reduced gradient; `swap_choice`: the
     layout's routers send each rank's first token of every forward to an expert outside its top-k."""
+    import torch
+
     from shardwise import routing_replay, train, verify
 
     finish, init = train.Trainer.finish_gradients, routing_replay.RoutingReplay.__init__
@@ -194,7 +196,8 @@ def _verify_broken(runs):
             if zero_grad and self.mesh["world"].active:
                 for name, vals, _, _ in self.reducer.grad_views():
                     if name == zero_grad[0]:
-                        vals[::round(1 / zero_grad[1])] = 0.0  # strided: every expert and row loses its share
+                        drop = torch.rand(vals.numel(), generator=torch.Generator().manual_seed(0)) < zero_grad[1]
+                        vals[drop.to(vals.device)] = 0.0  # a random share of every expert, row and column
             return norm
 
         def swapped(take):
@@ -236,7 +239,7 @@ def test_bf16_catches_a_quarter_and_an_eighth_of_a_gradient():
     *broken, deepseek, swapped = run_ranks(2, _verify_broken, runs, timeout_s=300)[0]
     for (cfg, (name, part), _), r in zip(runs, broken):
         assert not r["passed"] and r["bf16_budget"]["ratios"]["grad"] > 1.0, (seed, cfg.parallel, name, r)
-        assert r["first_step_grad_rel_diff"] == pytest.approx(part ** 0.5, rel=0.1), (seed, cfg.parallel, r)
+        assert r["first_step_grad_rel_diff"] == pytest.approx(part ** 0.5, rel=0.15), (seed, cfg.parallel, r)
     assert deepseek["passed"], (seed, deepseek)
     assert deepseek["routing"]["max_flip_gap"] <= deepseek["routing"]["near_tie_bound"], (seed, deepseek["routing"])
     bad = swapped["routing"]["not_near_tie"]
