@@ -18,6 +18,9 @@ The loss-free bias (arXiv 2408.15664) is added to the selection scores (the logi
 comes after top-k) for *selection only*; the combine weights come from the unbiased scores. It
 changes only in `update_bias`, from counts all-reduced over the axes that hold different tokens,
 so every rank keeps the same bias.
+
+A `RoutingTape` (set by `shardwise verify`) records each forward's choices with their margins and can
+force the choices of another run (routing replay): the gates still come from this router's own scores.
 """
 from __future__ import annotations
 
@@ -52,6 +55,27 @@ class Routing:
     """Σ over this rank's tokens of the full probability distribution [E] (with grad)."""
 
 
+class RoutingTape:
+    """One router's choices per forward, for verify's routing replay.
+
+    `calls` gets (indices [N, k], margin [N]) per forward, in call order (microbatch order); a checkpoint
+    recomputation (which runs inside backward) is not recorded again. `margin` is how far the choice is from
+    changing: the k-th minus the (k+1)-th selection score, and under group-limited routing also the last kept
+    minus the first dropped group score. When `forced` is not empty, its next [N, k] replaces the router's own
+    top-k: the combine weights are this router's scores at the forced experts, so only the choice is borrowed.
+    """
+
+    def __init__(self):
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.forced: list[torch.Tensor] = []
+
+    def take(self, indices: torch.Tensor, margin) -> torch.Tensor:
+        if torch._C._current_graph_task_id() != -1:  # a recomputation inside backward: not a new forward
+            return indices
+        self.calls.append((indices.detach().clone(), margin().detach()))
+        return self.forced.pop(0) if self.forced else indices
+
+
 class Router(nn.Module):
     """Linear gate (no bias) → scores → top-k, in fp32.
 
@@ -83,6 +107,7 @@ class Router(nn.Module):
         # the aux loss is on, fᵢ and N are taken over the whole global microbatch (one small
         # all-reduce), so the loss — and its gradient — is the same for every layout.
         self.token_axes: tuple = ()
+        self.tape: RoutingTape | None = None  # verify's routing replay
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [N, dim] → Routing. Accumulates `pending_counts` while training (for `update_bias`)."""
@@ -95,10 +120,12 @@ class Router(nn.Module):
         else:
             scores = logits.sigmoid()
             probs = scores / scores.sum(-1, keepdim=True)
-        choice = (logits if after else scores).detach() + self.expert_bias
+        choice = raw = (logits if after else scores).detach() + self.expert_bias
         if self.n_group > 1:
             choice = self._limit_groups(choice)
         _, indices = torch.topk(choice, k, dim=-1)
+        if self.tape is not None:
+            indices = self.tape.take(indices, lambda: self._margin(raw, choice))
         weights = logits.gather(1, indices).softmax(-1) if after else scores.gather(1, indices)
         if self.score == "sigmoid" and self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # HF DeepseekV3TopkRouter's epsilon
@@ -127,15 +154,32 @@ class Router(nn.Module):
         return Routing(indices, weights, counts, aux, z, aux_term + self.z_loss_coef * z, global_counts, n_global,
                        probs.sum(0))
 
+    def _group_scores(self, choice: torch.Tensor) -> torch.Tensor:
+        """[N, groups]: each group's score, the sum of its top-`group_topk` selection scores."""
+        grouped = choice.view(choice.shape[0], self.n_group, self.n_experts // self.n_group)
+        return grouped.topk(min(self.group_topk, grouped.shape[-1]), dim=-1)[0].sum(-1)
+
     def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """DeepSeek's group-limited routing: each group scored by the sum of its top-`group_topk` selection scores
         (V3: 2, V2: 1 = the max); experts outside a token's topk_group best groups are masked out of its choice."""
         n, g = choice.shape[0], self.n_group
         grouped = choice.view(n, g, self.n_experts // g)
-        top = grouped.topk(min(self.group_topk, grouped.shape[-1]), dim=-1)[0].sum(-1)
+        top = self._group_scores(choice)
         best = torch.topk(top, self.topk_group, dim=-1)[1]
         keep = torch.zeros(n, g, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, self.n_experts)
+
+    def _margin(self, raw: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+        """[N]: the selection-score gap that keeps each token's choice (`RoutingTape`); inf where nothing competes."""
+        def gap(scores, k):
+            if k >= scores.shape[-1]:
+                return torch.full(scores.shape[:1], float("inf"), device=scores.device)
+            top = scores.topk(k + 1, dim=-1)[0]
+            return torch.nan_to_num(top[:, k - 1] - top[:, k], nan=float("inf"))  # -inf beyond the kept groups
+        margin = gap(choice, self.topk)
+        if self.n_group > 1:
+            margin = torch.minimum(margin, gap(self._group_scores(raw), self.topk_group))
+        return margin
 
     @torch.no_grad()
     def update_bias(self, axis=None, counts: torch.Tensor | None = None) -> torch.Tensor:
