@@ -51,9 +51,7 @@ class Trainer:
 
             self.schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
         self.act_dtype = torch.bfloat16 if cfg.residual_dtype() == "bf16" else torch.float32
-        self.model = build_model(self.model_cfg, mesh, cfg.seed, p.sequence_parallel, self.schedule, p.pp_layers,
-                                 p.cp_order, p.cp_impl, self.act_dtype, p.recompute, p.recompute_layers,
-                                 p.compile)
+        self.model = build_model(self.model_cfg, mesh, cfg.seed, p, schedule=self.schedule, act_dtype=self.act_dtype)
         if cfg.init_from_hf:  # before the reducer: ZeRO's flat buffers start from the parameters' values
             from .hf import load_hf_into
 

@@ -57,12 +57,24 @@ class RNGTracker:
                 torch.set_rng_state(saved)
 
 
-class ReplicatedDropout(nn.Module):
-    """Dropout on a tensor that is replicated over TP, or sequence-sharded under SP.
+def replicated_dropout(x: torch.Tensor, p: float, tracker: RNGTracker, sp_axis=None) -> torch.Tensor:
+    """Dropout (training) on a tensor replicated over TP, or sequence-sharded under SP (`sp_axis` active).
 
     Under SP the mask for the full sequence is drawn on every rank and each keeps its slice, so
     the result equals single-device dropout with the same seed.
     """
+    shape = list(x.shape)
+    sp = sp_axis is not None and sp_axis.active
+    if sp:
+        shape[1] *= sp_axis.size
+    keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1 - p, generator=tracker.generator("replicated"))
+    if sp:
+        keep = keep.chunk(sp_axis.size, dim=1)[sp_axis.rank]
+    return x * keep / (1 - p)
+
+
+class ReplicatedDropout(nn.Module):
+    """`replicated_dropout` as a module (PyTorch's dropout until a tracker is set)."""
 
     def __init__(self, p: float):
         super().__init__()
@@ -75,13 +87,4 @@ class ReplicatedDropout(nn.Module):
             return x
         if self.tracker is None:
             return nn.functional.dropout(x, self.p, True)
-        shape = list(x.shape)
-        sp = self.sp_axis is not None and self.sp_axis.active
-        if sp:
-            shape[1] *= self.sp_axis.size
-        keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1 - self.p,
-                                                                            generator=self.tracker.generator("replicated"))
-        if sp:
-            keep = keep.chunk(self.sp_axis.size, dim=1)[self.sp_axis.rank]
-        return x * keep / (1 - self.p)
-
+        return replicated_dropout(x, self.p, self.tracker, self.sp_axis)
