@@ -112,8 +112,7 @@ def rank_forward(cfg: TrainConfig, hf_dir: str, tokens: torch.Tensor) -> dict:
         from .pipeline.schedules import build_schedule
 
         schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
-    model = build_model(model_cfg, mesh, cfg.seed, p.sequence_parallel, schedule, p.pp_layers, p.cp_order,
-                        p.cp_impl)
+    model = build_model(model_cfg, mesh, cfg.seed, p, schedule=schedule)
     model.eval()
     stats = load_hf_into(model, hf_dir, mesh)
     dp, cp, tp = mesh["dp"], mesh["cp"], mesh["tp"]
