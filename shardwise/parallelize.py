@@ -40,10 +40,16 @@ def _kv_rows(cfg: ModelConfig, tp) -> tuple[tuple[int, int], int, str | None]:
     return (tp.rank // ranks_per_kv * hd, hd), ranks_per_kv, "tp_kv"
 
 
+def _unsplit_moe(cfg: ModelConfig, _layer_id: int) -> MoE:
+    return build_moe(cfg)
+
+
 def plain_model(cfg: ModelConfig) -> Transformer:
     """The unsharded model with the one-device context (MoE blocks unsplit): what HF import/export and the
     single-device tests build directly, under the caller's device (meta for names and shapes)."""
-    return Transformer(cfg, ParallelContext(moe=lambda c, _layer: build_moe(c)))
+    model = Transformer(cfg, ParallelContext(moe=_unsplit_moe))
+    share_aux_pool(model)
+    return model
 
 
 def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
@@ -207,7 +213,7 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     every activation payload downstream follow it.
     """
     p = parallel or ParallelConfig()
-    ctx = ParallelContext(moe=lambda c, _layer: build_moe(c))
+    ctx = ParallelContext(moe=_unsplit_moe)  # the TP plan below splits the experts over ep
     with torch.device("meta"):
         model = Transformer(cfg, ctx)
     apply_tensor_parallel(model, mesh, p.sequence_parallel)
