@@ -143,12 +143,12 @@ class MoE(nn.Module):
         self.router = Router(dim, n_experts, topk, score, softmax_before_topk, aux_loss_coef, z_loss_coef,
                              bias_update_rate, device=device, dtype=dtype, aux_scope=aux_scope, n_group=n_group,
                              topk_group=topk_group, norm_topk=norm_topk, scaling=routed_scaling, group_topk=group_topk)
-        self.dispatcher = AllToAllDispatcher(n_experts, ep_axis, capacity_factor, drop_policy)
         declare(self.router.weight)
+        self.dispatcher = AllToAllDispatcher(n_experts, ep_axis, capacity_factor, drop_policy)
         self.experts = GroupedExperts(n_experts, dim, ffn_dim, ep_axis, expert_replicas, grouped_mm,
                                       device=device, dtype=dtype)
-        for w in (self.experts.w1, self.experts.w3):
-            declare(w)
+        declare(self.experts.w1)
+        declare(self.experts.w3)
         declare(self.experts.w2, "residual")
         self.shared = FeedForward(dim, shared_experts * ffn_dim, device, dtype) if shared_experts else None
         self.aux_loss: torch.Tensor | None = None
