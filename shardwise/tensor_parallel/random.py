@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch import nn
 
 TP_SEED_OFFSET = 2718
 
@@ -71,20 +70,3 @@ def replicated_dropout(x: torch.Tensor, p: float, tracker: RNGTracker, sp_axis=N
     if sp:
         keep = keep.chunk(sp_axis.size, dim=1)[sp_axis.rank]
     return x * keep / (1 - p)
-
-
-class ReplicatedDropout(nn.Module):
-    """`replicated_dropout` as a module (PyTorch's dropout until a tracker is set)."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-        self.tracker: RNGTracker | None = None
-        self.sp_axis = None
-
-    def forward(self, x):
-        if self.p == 0.0 or not self.training:
-            return x
-        if self.tracker is None:
-            return nn.functional.dropout(x, self.p, True)
-        return replicated_dropout(x, self.p, self.tracker, self.sp_axis)
