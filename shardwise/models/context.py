@@ -40,4 +40,5 @@ class ParallelContext:
     """Layer ids whose attention core selective recompute replays, through `checkpoint_core(core, *inputs)`."""
     checkpoint_core: Callable | None = None
     moe: Callable | None = None
-    """(cfg, layer_id) → the MoE feed-forward of an MoE layer (its experts split as the layout says)."""
+    """(cfg, layer_id) → the MoE feed-forward of an MoE layer: routing and experts live with expert parallelism,
+    which the models do not import. Without it a model with MoE layers cannot be built."""
