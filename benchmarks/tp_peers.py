@@ -38,8 +38,9 @@ from shardwise.comm import Ledger  # noqa: E402
 from shardwise.config import ModelConfig  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
 from shardwise.mesh import Mesh, ParallelDims  # noqa: E402
-from shardwise.models.llama import Transformer, apply_rope, rope_tables  # noqa: E402
-from shardwise.parallelize import build_model, global_init  # noqa: E402
+from shardwise.models.llama import apply_rope, rope_tables  # noqa: E402
+from shardwise.models.params import init_of  # noqa: E402
+from shardwise.parallelize import build_model, global_init, plain_model  # noqa: E402
 
 TP = 2
 IMPLS = ("shardwise", "dtensor", "megatron")
@@ -48,10 +49,10 @@ IMPLS = ("shardwise", "dtensor", "megatron")
 # ---------------------------------------------------------------- peers
 def plain_block(cfg: ModelConfig, seed: int) -> nn.Module:
     """The unsharded block with the same global weights shardwise draws (names as in the full model)."""
-    model = Transformer(cfg)
+    model = plain_model(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(global_init(name, tuple(p.shape), cfg, seed))
+            p.copy_(global_init(name, tuple(p.shape), init_of(p, name), cfg, seed))
     return model.layers["0"]
 
 

@@ -177,36 +177,40 @@ class _Tok:
 
 
 # ---------------------------------------------------------------- decoding
-class _CachedCore:
-    """Stands in for one attention module's `core` while decoding: prepends the cached keys and values. The
-    prompt (nothing cached yet) runs the module's own causal core; each later single token attends to every
-    cached key, so no mask is needed (SDPA at the module's scale: MLA's, else 1/sqrt(d))."""
+def _cached_core(core):
+    """Stands in for one attention module's `core` (an AttentionCore) while decoding: prepends the cached keys
+    and values. The prompt (nothing cached yet) runs the module's own causal core; each later single token
+    attends to every cached key, so no mask is needed (SDPA at the core's scale: MLA's, else 1/sqrt(d))."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
 
-    def __init__(self, attn):
-        self.attn, self.k, self.v = attn, None, None
+    class CachedCore(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.own, self.k, self.v = [core], None, None  # a list: not registered as a child module
 
-    def __call__(self, q, k, v, doc_ids=None):
-        import torch
-        import torch.nn.functional as F
+        def forward(self, q, k, v, doc_ids=None):
+            if self.k is None:
+                self.k, self.v = k, v
+                return self.own[0](q, k, v, doc_ids)
+            if q.shape[2] != 1:
+                raise ValueError("the KV cache takes the prompt in one call and then one token per call")
+            self.k, self.v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+            return F.scaled_dot_product_attention(q, self.k, self.v, scale=self.own[0].scale,
+                                                  enable_gqa=q.shape[1] != self.k.shape[1])
 
-        if self.k is None:
-            self.k, self.v = k, v
-            return type(self.attn).core(self.attn, q, k, v, doc_ids)
-        if q.shape[2] != 1:
-            raise ValueError("the KV cache takes the prompt in one call and then one token per call")
-        self.k, self.v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
-        return F.scaled_dot_product_attention(q, self.k, self.v, scale=getattr(self.attn, "scale", None),
-                                              enable_gqa=q.shape[1] != self.k.shape[1])
+    return CachedCore()
 
 
 class KVCache:
     """Decoding state of one sequence: `forward(tokens)` runs the model's own forward (embedding, every block
     with its norms, q/k norms or MLA, dense or MoE feed-forward, head) on the new tokens at their positions,
-    with each attention's core swapped for its `_CachedCore` for the duration of the call."""
+    with each attention's core swapped for a cached one (`_cached_core`) for the duration of the call."""
 
     def __init__(self, model):
         self.model, self.length = model, 0
-        self.cores = [_CachedCore(block.attention) for block in model.layers.values()]
+        self.cores = [_cached_core(block.attention.core) for block in model.layers.values()]
 
     def forward(self, tokens):
         """Logits [b, s, vocab] (fp32) of the new `tokens` [b, s]."""
@@ -216,12 +220,12 @@ class KVCache:
         positions = torch.arange(self.length, self.length + s, device=tokens.device).expand(tokens.shape[0], s)
         blocks = list(self.model.layers.values())
         for block, core in zip(blocks, self.cores):
-            block.attention.core = core  # an instance attribute shadows the method
+            block.attention.core = core
         try:
             logits = self.model(tokens, positions=positions)
         finally:
-            for block in blocks:
-                del block.attention.core
+            for block, core in zip(blocks, self.cores):
+                block.attention.core = core.own[0]
         self.length += s
         return logits[..., :self.model.cfg.vocab_size].float()
 

@@ -238,7 +238,7 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
     """
     from safetensors.torch import save_file
 
-    from .models.llama import Transformer
+    from .parallelize import plain_model
 
     config = hf_config(cfg)
     if isinstance(source, nn.Module):
@@ -253,7 +253,7 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         if n.endswith("router.expert_bias") and cfg.moe_score != "sigmoid" and bool(t.any()):
             raise ValueError(f"export: {n} is non-zero; only DeepSeek-V3 has a selection bias (moe_bias_update_rate)")
     with torch.device("meta"):
-        expected = dict(Transformer(cfg).named_parameters())  # tied output.weight appears once, as the embedding
+        expected = dict(plain_model(cfg).named_parameters())  # tied output.weight appears once, as the embedding
     missing = [n for n in expected if n not in state]
     extra = [n for n in state if n not in expected and not n.endswith("router.expert_bias")
              and not (n == "output.weight" and cfg.tie_embeddings)]

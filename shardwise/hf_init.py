@@ -41,12 +41,12 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokeni
     vocabulary, and data prepared with a tokenizer.json used the checkpoint's (ids of another tokenizer
     fit the vocabulary and silently mean other tokens; byte-level data is allowed). ConfigError
     otherwise; returns `init_record(path)`."""
-    from .models.llama import Transformer
+    from .parallelize import plain_model
 
     record = init_record(path)
     files = WeightFiles(path)
     with torch.device("meta"):
-        expected = dict(Transformer(cfg).named_parameters())
+        expected = dict(plain_model(cfg).named_parameters())
     for name, p in expected.items():
         try:
             src = tensor_source(name, cfg, files)

@@ -1,26 +1,33 @@
 """The one entry point that turns the plain model into the layout's model.
 
-`build_model` makes the model on the meta device, swaps modules for their tensor-parallel versions
-by name (the plan below), then materialises every parameter from a layout-independent rule: the
-global tensor is drawn from a generator seeded by (seed, parameter name) and each rank keeps its
-slice. Every layout therefore starts from bit-identical global weights.
+`build_model` makes the model on the meta device with one `ParallelContext` (the model's only view of the
+layout), swaps modules for their tensor-parallel versions by name (the plan below), fills the context (CP
+attention, the vocabulary-parallel loss, dropout streams, recompute), then materialises every parameter from
+the rule declared where it was created: the global tensor is drawn from a generator seeded by
+(seed, parameter name) and each rank keeps its slice. Every layout therefore starts from bit-identical
+global weights.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import torch
 from torch import nn
 
 from .config import ModelConfig, ParallelConfig
+from .context_parallel.plan import ContextParallel
+from .expert_parallel.moe import MoE, build_moe, share_aux_pool
 from .mesh import Mesh
-from .expert_parallel.moe import MoE, share_aux_pool
-from .models.llama import Transformer, build_moe
+from .models.context import ParallelContext
+from .models.llama import Transformer
+from .models.params import carry, head_partial, init_of, init_std
 from .recompute import apply_recompute
+from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .tensor_parallel.layers import (ColumnParallelLinear, ColumnRegion, RowParallelLinear, ShardSpec,
                                      VocabParallelEmbedding, enter_region, get_spec, set_spec)
-from .tensor_parallel.random import ReplicatedDropout, RNGTracker
+from .tensor_parallel.random import RNGTracker, replicated_dropout
 
 
 def _kv_rows(cfg: ModelConfig, tp) -> tuple[tuple[int, int], int, str | None]:
@@ -33,10 +40,21 @@ def _kv_rows(cfg: ModelConfig, tp) -> tuple[tuple[int, int], int, str | None]:
     return (tp.rank // ranks_per_kv * hd, hd), ranks_per_kv, "tp_kv"
 
 
-# Replicated weights that each TP rank back-propagates through its own heads only: Qwen3's q/k norms, MLA's
-# down-projections and latent norms. Their gradients are partial sums over TP even without SP.
-PER_HEAD_PARTIAL = ("q_norm.weight", "k_norm.weight", "wq_a.weight", "q_a_norm.weight", "wkv_a.weight",
-                    "kv_a_norm.weight")
+def _unsplit_moe(cfg: ModelConfig, _layer_id: int) -> MoE:
+    return build_moe(cfg)
+
+
+def plain_model(cfg: ModelConfig) -> Transformer:
+    """The unsharded model with the one-device context (MoE blocks unsplit): what HF import/export and the
+    single-device tests build directly, under the caller's device (meta for names and shapes)."""
+    model = Transformer(cfg, ParallelContext(moe=_unsplit_moe))
+    share_aux_pool(model)
+    return model
+
+
+def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
+    """parent.name = new, carrying the old module's parameter declarations (init rule, partial-ness)."""
+    setattr(parent, name, carry(getattr(parent, name), new))
 
 
 def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool) -> None:
@@ -46,12 +64,12 @@ def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool) -> None:
     kw = dict(device="meta")
     qk, h = cfg.head_dim + cfg.qk_rope_dim, cfg.dim
     if cfg.q_lora_rank:
-        attn.wq_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * qk, tp, enter=False, **kw)
+        _swap(attn, "wq_b", ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * qk, tp, enter=False, **kw))
     else:
-        attn.wq = ColumnParallelLinear(h, cfg.n_heads * qk, tp, enter=False, **kw)
-    attn.wkv_b = ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim), tp,
-                                      enter=False, **kw)
-    attn.wo = RowParallelLinear(cfg.n_heads * cfg.v_head_dim, h, tp, sequence_parallel=sp, **kw)
+        _swap(attn, "wq", ColumnParallelLinear(h, cfg.n_heads * qk, tp, enter=False, **kw))
+    _swap(attn, "wkv_b", ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim), tp,
+                                              enter=False, **kw))
+    _swap(attn, "wo", RowParallelLinear(cfg.n_heads * cfg.v_head_dim, h, tp, sequence_parallel=sp, **kw))
     if tp.active:
         attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
 
@@ -66,12 +84,12 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     cfg, tp = model.cfg, mesh["tp"]
     sp = sequence_parallel and tp.active
     kw = dict(device="meta")
-    model.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, tp, sp, **kw)
+    _swap(model, "tok_embeddings", VocabParallelEmbedding(cfg.vocab_size, cfg.dim, tp, sp, **kw))
     for block in all_blocks(model):
         attn, ffn = block.attention, block.feed_forward
         h, hd = cfg.dim, cfg.head_dim
         if isinstance(ffn, MoE):
-            block.feed_forward = apply_expert_parallel(cfg, mesh, sp)
+            block.feed_forward = apply_expert_parallel(cfg, mesh, sp)  # declares its own parameters
             ffn = None
         if cfg.is_mla:
             _mla_tensor_parallel(attn, cfg, tp, sp)
@@ -80,16 +98,16 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
             kv_rows, kv_replicas, kv_reduce = _kv_rows(cfg, tp)
         bias = cfg.attention_bias
         if attn is not None:
-            attn.wq = ColumnParallelLinear(h, cfg.n_heads * hd, tp, bias=bias, enter=False, **kw)
-            attn.wk = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
-                                           replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
-            attn.wv = ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
-                                           replicas=kv_replicas, grad_reduce=kv_reduce, **kw)
-            attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sequence_parallel=sp, **kw)
+            _swap(attn, "wq", ColumnParallelLinear(h, cfg.n_heads * hd, tp, bias=bias, enter=False, **kw))
+            _swap(attn, "wk", ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
+                                                   replicas=kv_replicas, grad_reduce=kv_reduce, **kw))
+            _swap(attn, "wv", ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
+                                                   replicas=kv_replicas, grad_reduce=kv_reduce, **kw))
+            _swap(attn, "wo", RowParallelLinear(cfg.n_heads * hd, h, tp, sequence_parallel=sp, **kw))
         if ffn is not None:
-            ffn.w1 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
-            ffn.w3 = ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw)
-            ffn.w2 = RowParallelLinear(cfg.ffn_dim, h, tp, sequence_parallel=sp, **kw)
+            _swap(ffn, "w1", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
+            _swap(ffn, "w3", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
+            _swap(ffn, "w2", RowParallelLinear(cfg.ffn_dim, h, tp, sequence_parallel=sp, **kw))
         # One region entry per sub-block, shared by its column-parallel projections: under SP one
         # all-gather; otherwise a ColumnRegion (one f, its backward all-reduce overlapped with dW).
         for region, layers in ((attn, [attn.wq, attn.wk, attn.wv] if attn else []),
@@ -100,21 +118,25 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
                 region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
             else:
                 region.register_forward_pre_hook(ColumnRegion(layers, tp))
-    model.output = ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw)
+    _swap(model, "output", ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw))
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    model.tp_axis, model.vocab_start, model.sequence_parallel = tp, model.tok_embeddings.vocab_start, sp
+    ctx = model.ctx
+    ctx.tp_axis, ctx.sequence_parallel = tp, sp
+    ctx.cross_entropy = functools.partial(_vocab_parallel_loss, tp, model.tok_embeddings.vocab_start, cfg.vocab_size)
     share_aux_pool(model)  # the plan rebuilt the MoE blocks
-    # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens). The per-head
-    # q/k norms see only this rank's heads, so their gradients are partial under any TP.
-    for name, p in model.named_parameters():
+    # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens). Those declared
+    # head-partial (per-head q/k norms, MLA's down-projections) see only this rank's heads: partial under any TP.
+    for p in model.parameters():
         if not hasattr(p, "_sw_shard"):
-            partial = sp or (tp.active and name.endswith(PER_HEAD_PARTIAL))
+            partial = sp or (tp.active and head_partial(p))
             set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if partial else None))
-    for m in model.modules():
-        if isinstance(m, ReplicatedDropout):
-            m.sp_axis = tp if sp else None
     return model
+
+
+def _vocab_parallel_loss(tp, vocab_start: int, vocab_size: int, logits, targets, ignore_index: int = -100,
+                         label_smoothing: float = 0.0):
+    return vocab_parallel_cross_entropy(logits, targets, tp, vocab_start, vocab_size, ignore_index, label_smoothing)
 
 
 def apply_expert_parallel(cfg: ModelConfig, mesh: Mesh, sp: bool) -> MoE:
@@ -164,42 +186,39 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
             spec = get_spec(p)
             # the LM head's copy of a tied matrix (PP) draws from the embedding's name: equal at init
             init_name = getattr(p, "_sw_tied", name)
-            p.copy_(spec.local_slice(global_init(init_name, spec.global_shape, cfg, seed)).to(device))
+            p.copy_(spec.local_slice(global_init(init_name, spec.global_shape, init_of(p, name), cfg, seed)).to(device))
 
 
-def global_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    kind, std = Transformer.init_rule(name, cfg)
-    if kind in ("ones", "zeros"):
-        return torch.ones(shape) if kind == "ones" else torch.zeros(shape)
+def global_init(name: str, shape, init: str, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The global tensor `name` starts as under its declared rule `init` (models/params.py), seeded by its name."""
+    if init in ("ones", "zeros"):
+        return torch.ones(shape) if init == "ones" else torch.zeros(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
+    return torch.empty(shape).normal_(0.0, init_std(init, cfg.n_layers), generator=gen)
 
 
 def apply_context_parallel(model: Transformer, mesh: Mesh, order: str, impl: str) -> None:
-    """Point attention at the cp axis (ring or Ulysses) and RoPE at the layout's global positions."""
+    """Under cp > 1, point attention at the cp axis (ring or Ulysses) and RoPE at the layout's global positions."""
     cp = mesh["cp"]
-    model.cp_axis, model.cp_order = cp, order
-    for block in all_blocks(model):
-        block.attention.cp_axis, block.attention.cp_order, block.attention.cp_impl = cp, order, impl
+    model.ctx.cp = ContextParallel(cp, order, impl) if cp.active else None
 
 
-def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfig | None = None, *, schedule=None,
-                act_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False) -> Transformer:
-    """The model for this rank of `mesh` (the single-device model when every degree is 1).
+def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfig | None = None, *,
+                schedule=None, act_dtype: torch.dtype = torch.float32) -> Transformer:
+    """The model for this rank of `mesh` under `parallel` (None: the single-device model).
 
     With a pipeline `schedule`, only this rank's stages are kept and `model.chunks` lists them in
     local-chunk order; with a split-backward schedule its linear layers defer dW to a store.
     `act_dtype` (bf16 activations) is the embedding's output dtype, so the residual stream and
     every activation payload downstream follow it.
     """
-    p = parallel or ParallelConfig(sequence_parallel=sequence_parallel)
-    sequence_parallel, pp_layers, cp_order, cp_impl = p.sequence_parallel, p.pp_layers, p.cp_order, p.cp_impl
-    residual_dtype, recompute, recompute_layers, compile = act_dtype, p.recompute, p.recompute_layers, p.compile
+    p = parallel or ParallelConfig()
+    ctx = ParallelContext(moe=_unsplit_moe)  # the TP plan below splits the experts over ep
     with torch.device("meta"):
-        model = Transformer(cfg)
-    apply_tensor_parallel(model, mesh, sequence_parallel)
-    model.tok_embeddings.out_dtype = residual_dtype
-    apply_context_parallel(model, mesh, cp_order, cp_impl)
+        model = Transformer(cfg, ctx)
+    apply_tensor_parallel(model, mesh, p.sequence_parallel)
+    model.tok_embeddings.out_dtype = act_dtype
+    apply_context_parallel(model, mesh, p.cp_order, p.cp_impl)
     model.chunks = None
     if schedule is not None:
         from .pipeline.grad_store import WeightGradStore
@@ -207,30 +226,29 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
         from .pipeline.stage import prune_to_stages
         from .pipeline.tied_embedding import mark_mtp_embedding, mark_tied_copies
 
-        stage_layers = split_layers(cfg.n_layers, schedule.num_stages, pp_layers)
+        stage_layers = split_layers(cfg.n_layers, schedule.num_stages, p.pp_layers)
         model.chunks = prune_to_stages(model, mesh["pp"].rank, schedule.layout, stage_layers)
         mark_tied_copies(model, mesh)
-        mark_mtp_embedding(model, mesh, residual_dtype)
+        mark_mtp_embedding(model, mesh, act_dtype)
         model.grad_store = WeightGradStore() if schedule.split_bw else None
         for m in model.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                 m.grad_store = model.grad_store
     materialize(model, cfg, seed, mesh.device)
     tracker = RNGTracker(seed, mesh["tp"].rank, mesh["pp"].rank, mesh.device)
-    for m in model.modules():
-        if isinstance(m, ReplicatedDropout):
-            m.tracker = tracker
-        elif hasattr(m, "attn_dropout"):
-            m.rng = tracker
-    model.rng_tracker = tracker
-    if compile:  # before recompute, so a fully recomputed block checkpoints the compiled forward
+    ctx.rng = tracker
+    ctx.dropout = functools.partial(_dropout, tracker, ctx.tp_axis if ctx.sequence_parallel else None)
+    if p.compile:  # before recompute, so a fully recomputed block checkpoints the compiled forward
         apply_compile(model)
-    apply_recompute(model, recompute, recompute_layers)
-    if compile:  # checkpoint with our RNG-replay context_fn is not traceable: the selective core runs eagerly
-        for block in model.layers.values():
-            if block.attention.recompute_core is not None:
-                block.attention.recompute_core = torch.compiler.disable(block.attention.recompute_core)
+    apply_recompute(model, p.recompute, p.recompute_layers)
+    if p.compile and ctx.checkpoint_core is not None:
+        # checkpoint with our RNG-replay context_fn is not traceable: the selective core runs eagerly
+        ctx.checkpoint_core = torch.compiler.disable(ctx.checkpoint_core)
     return model
+
+
+def _dropout(tracker: RNGTracker, sp_axis, x: torch.Tensor, p: float) -> torch.Tensor:
+    return replicated_dropout(x, p, tracker, sp_axis)
 
 
 def apply_compile(model: Transformer) -> None:
@@ -243,10 +261,10 @@ def apply_compile(model: Transformer) -> None:
 
     comm.compile_barriers()
     for block in model.layers.values():
-        attn = block.attention
-        if attn.cp_axis is not None and attn.cp_axis.active:
+        core = block.attention.core
+        if model.ctx.cp is not None:
             # Ring / Ulysses attention: fused kernels between p2p or all-to-all steps. Traced, Dynamo would
             # fall back at the first collective and then compile each per-step helper (and recompile it per
             # block shape), so the whole context-parallel core runs eagerly instead.
-            attn.core = torch.compiler.disable(attn.core)
+            core.compute = torch.compiler.disable(core.compute)
         block.forward = torch.compile(block.forward)

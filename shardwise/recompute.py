@@ -111,13 +111,14 @@ def apply_recompute(model, mode: str, layers: int | None = None) -> None:
     if mode not in MODES:
         raise ValueError(f"recompute {mode!r}; valid: {', '.join(MODES)}")
     chunks = [ch.layer_ids for ch in model.chunks] if model.chunks else [[int(i) for i in model.layers]]
-    tracker = getattr(model, "rng_tracker", None)
-    for ids in chunks:
-        for i in ids[:layers]:
-            block = model.layers[str(i)]
-            moes = [m for m in block.modules() if isinstance(m, MoE)]
-            if mode == "full":
-                block.forward = _checkpointed(block.forward, _Replay(tracker, moes))
-            else:
-                block.attention.recompute_core = lambda core, *qkv: checkpoint(
-                    core, *qkv, use_reentrant=False, context_fn=_Replay(tracker, []), preserve_rng_state=True)
+    tracker = model.ctx.rng
+    chosen = [i for ids in chunks for i in ids[:layers]]
+    if mode == "selective":  # the attention cores read this from the model's context
+        model.ctx.selective = frozenset(chosen)
+        model.ctx.checkpoint_core = lambda core, *qkv: checkpoint(
+            core, *qkv, use_reentrant=False, context_fn=_Replay(tracker, []), preserve_rng_state=True)
+        return
+    for i in chosen:
+        block = model.layers[str(i)]
+        moes = [m for m in block.modules() if isinstance(m, MoE)]
+        block.forward = _checkpointed(block.forward, _Replay(tracker, moes))

@@ -14,7 +14,7 @@ CFG = ModelConfig(name="t", vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_
 def _layer_ledger(seed, sp):
     mesh = make_mesh(tp=4)
     tp = mesh["tp"]
-    model = build_model(CFG, mesh, seed, sequence_parallel=sp)
+    model = build_model(CFG, mesh, seed, ParallelConfig(tp=mesh["tp"].size, sequence_parallel=sp))
     block = model.layers["0"]
     b, s = 2, 16
     g = torch.Generator().manual_seed(seed)

@@ -97,19 +97,17 @@ def test_ring_plan_decisions_match_the_masks():
 
 def _logits_and_rotated_q(model, tokens, **side):
     """Logits and the first layer's rotated queries [b, h, s, d] (what RoPE's positions reach)."""
-    attn, seen = model.layers["0"].attention, {}
-    core = attn.core
+    seen = {}
 
-    def spy(q, k, v, doc_ids=None):
-        seen["q"] = q
-        return core(q, k, v, doc_ids)
+    def look(module, args):
+        seen["q"] = args[0]
 
-    attn.core = spy
+    spy = model.layers["0"].attention.core.register_forward_pre_hook(look)
     try:
         with torch.no_grad():
             return model(tokens, **side), seen["q"]
     finally:
-        attn.core = core
+        spy.remove()
 
 
 def test_packed_document_equals_it_alone():

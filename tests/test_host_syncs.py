@@ -57,11 +57,11 @@ def test_recompute_that_routes_differently_fails_loudly():
     import pytest
 
     from shardwise.config import get_model_config
-    from shardwise.models.llama import Transformer
+    from shardwise.parallelize import plain_model
     from shardwise.recompute import apply_recompute
 
     torch.manual_seed(0)
-    model = Transformer(get_model_config("tiny-moe", n_layers=1))
+    model = plain_model(get_model_config("tiny-moe", n_layers=1))
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     model.chunks = None  # one unpipelined chunk (what build_model sets without PP)

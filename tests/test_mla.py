@@ -41,7 +41,7 @@ def test_planner_matmul_flops_equal_flop_counter():
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from shardwise.models.llama import Transformer
+    from shardwise.parallelize import plain_model
     from shardwise.planner.estimate import layer_flops_per_token
     from shardwise.planner.models import ModelSpec
     from test_model_families import DEEPSEEK_NOQ, QWEN3, QWEN3_MOE
@@ -49,7 +49,7 @@ def test_planner_matmul_flops_equal_flop_counter():
     torch.manual_seed(0)
     b, s = 2, 32
     for cfg in (DEEPSEEK, DEEPSEEK_NOQ, QWEN3, QWEN3_MOE):
-        model = Transformer(cfg)
+        model = plain_model(cfg)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
         h = model.tok_embeddings(torch.randint(0, cfg.vocab_size, (b, s)))

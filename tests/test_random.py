@@ -3,7 +3,7 @@ import torch
 from torch.testing import assert_close
 
 from shardwise import comm
-from shardwise.tensor_parallel.random import ReplicatedDropout, RNGTracker
+from shardwise.tensor_parallel.random import RNGTracker, replicated_dropout
 
 from _dist import fresh_seed, make_mesh, run_ranks
 
@@ -16,12 +16,8 @@ def _masks(seed):
     with tracker.fork("tp"):
         sharded = torch.nn.functional.dropout(torch.ones(64, 64), 0.5)
     assert torch.equal(torch.get_rng_state(), before)  # fork leaves the default stream untouched
-    drop = ReplicatedDropout(0.5)
-    drop.tracker = tracker
-    replicated = drop(torch.ones(2, 8, 16))
-    drop_sp = ReplicatedDropout(0.5)
-    drop_sp.tracker, drop_sp.sp_axis = RNGTracker(seed, tp.rank), tp
-    sp_shard = drop_sp(torch.ones(2, 4, 16))
+    replicated = replicated_dropout(torch.ones(2, 8, 16), 0.5, tracker)
+    sp_shard = replicated_dropout(torch.ones(2, 4, 16), 0.5, RNGTracker(seed, tp.rank), tp)
     gather = lambda t: comm.all_gather(t.unsqueeze(0).contiguous(), tp, 0)
     return gather(sharded), gather(replicated), comm.all_gather(sp_shard, tp, 1)
 
@@ -31,7 +27,6 @@ def test_dropout_streams():
     sharded, replicated, sp_full = run_ranks(2, _masks, seed)[0]
     assert not torch.equal(sharded[0], sharded[1])  # attention heads on different ranks: independent masks
     assert torch.equal(replicated[0], replicated[1])  # replicated tensors: one mask on every rank
-    single = ReplicatedDropout(0.5)
-    single.tracker = RNGTracker(seed, 0)
-    assert_close(sp_full, single(torch.ones(2, 8, 16)))  # SP shards cut the single-device mask
+    single = replicated_dropout(torch.ones(2, 8, 16), 0.5, RNGTracker(seed, 0))
+    assert_close(sp_full, single)  # SP shards cut the single-device mask
     assert_close(replicated[0], sp_full)

@@ -20,6 +20,9 @@ COMM_LAYER = ("shardwise.mesh", "shardwise.comm", "shardwise.launch")
 NO_MODEL = ("shardwise.models", "shardwise.hf", "shardwise.hf_config", "shardwise.hf_init", "shardwise.hf_cli",
             "shardwise.data", "shardwise.run", "shardwise.train", "shardwise.parallelize", "shardwise.expert_parallel",
             "shardwise.tensor_parallel", "shardwise.context_parallel", "shardwise.checkpoint")
+# The models know only their math: a layout reaches them through their ParallelContext, never an import.
+AXIS_PACKAGES = ("shardwise.mesh", "shardwise.tensor_parallel", "shardwise.context_parallel",
+                 "shardwise.expert_parallel", "shardwise.pipeline", "shardwise.data_parallel")
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -122,6 +125,8 @@ def structure_problems(graph: dict[str, set[str]]) -> list[str]:
             bad = sorted(m for m in reach(graph, mod) if not _in(m, ("shardwise.config",)) and m not in CONFIG_MAY_REACH)
             if bad:
                 problems.append(f"{mod} reaches {bad}: configuration must sit at the bottom")
+        if _in(mod, ("shardwise.models",)) and (bad := sorted(m for m in graph[mod] if _in(m, AXIS_PACKAGES))):
+            problems.append(f"{mod} imports {bad}: the models import no axis package")
         if _in(mod, COMM_LAYER):
             bad = sorted(m for m in reach(graph, mod) if _in(m, NO_MODEL))
             if bad:
@@ -146,7 +151,8 @@ def test_the_checks_catch_what_they_guard(tmp_path):
     assert "shardwise.hf_init" in graph["shardwise.run"]  # ... including those inside functions
     for extra, message in ((("shardwise.partition", "shardwise.run"), "import circle"),
                            (("shardwise.config.training", "shardwise.data.shards"), "configuration must sit"),
-                           (("shardwise.comm.collectives", "shardwise.models.llama"), "comm layer must know")):
+                           (("shardwise.comm.collectives", "shardwise.models.llama"), "comm layer must know"),
+                           (("shardwise.models.llama", "shardwise.mesh"), "no axis package")):
         broken = {k: set(v) for k, v in graph.items()}
         broken[extra[0]].add(extra[1])
         assert any(message in p for p in structure_problems(broken)), extra

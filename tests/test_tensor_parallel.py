@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from shardwise import comm
-from shardwise.config import ModelConfig
+from shardwise.config import ModelConfig, ParallelConfig
 from shardwise.data_parallel import GradReducer
 from shardwise.mesh import Mesh
 from shardwise.parallelize import build_model
@@ -159,7 +159,7 @@ def check_cross_entropy(tp, g):
 def check_full_model(mesh, g, cfg: ModelConfig, sp: bool):
     """Whole model (GQA attention, MLP, embedding, head, CE) on tp ranks vs the single-device model."""
     seed = int(torch.randint(0, 2**31, (1,), generator=g))
-    model = build_model(cfg, mesh, seed, sequence_parallel=sp)
+    model = build_model(cfg, mesh, seed, ParallelConfig(tp=mesh["tp"].size, sequence_parallel=sp))
     ref = build_model(cfg, Mesh.single(), seed)
     if cfg.tie_embeddings:
         assert model.output.weight is model.tok_embeddings.weight

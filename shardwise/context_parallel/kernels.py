@@ -183,11 +183,13 @@ def _cut(t: torch.Tensor, d: int) -> torch.Tensor:
     return t if t.shape[-1] == d else t[..., :d].contiguous()
 
 
-def _expand(k: torch.Tensor, groups: int) -> torch.Tensor:
+def expand_heads(k: torch.Tensor, groups: int) -> torch.Tensor:
+    """GQA: repeat each K/V head for the `groups` query heads that share it (dim 1 is heads)."""
     return k if groups == 1 else k.repeat_interleave(groups, dim=1)
 
 
-def _fold(dk: torch.Tensor, groups: int) -> torch.Tensor:
+def fold_heads(dk: torch.Tensor, groups: int) -> torch.Tensor:
+    """The adjoint of `expand_heads`: sum the gradients of a K/V head's `groups` copies."""
     return dk if groups == 1 else dk.unflatten(1, (-1, groups)).sum(2)
 
 
@@ -221,7 +223,7 @@ def fused_forward(choice: Choice, q, k, v, causal: bool, scale: float, mask: tor
         out, lse = _cut(out, dv), lse.float()
         return (out, lse) if mask is None else masked_rows(mask, out, lse)
     g = q.shape[1] // k.shape[1]
-    k, v = _expand(k, g), _expand(v, g)
+    k, v = expand_heads(k, g), expand_heads(v, g)
     if choice.kernel == "flash_cuda":
         res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return _cut(res[0], dv), res[1].float()
@@ -248,7 +250,7 @@ def fused_backward(choice: Choice, dout, q, k, v, out, lse, causal: bool, scale:
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
         return _cut(dq, d), _cut(dk, d), _cut(dvv, dv)
     g = q.shape[1] // k.shape[1]
-    ke, ve = _expand(k, g), _expand(v, g)
+    ke, ve = expand_heads(k, g), expand_heads(v, g)
     no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout 0: philox state is unused
     if choice.kernel == "flash_cuda":
         dq, dk, dvv = aten._scaled_dot_product_flash_attention_backward(
@@ -259,4 +261,4 @@ def fused_backward(choice: Choice, dout, q, k, v, out, lse, causal: bool, scale:
         dq, dk, dvv, _ = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, ke, ve, bias, out, lse_p.contiguous(), no_rng, no_rng, 0.0, [True, True, True, False],
             causal, scale=scale)
-    return _cut(dq, d), _cut(_fold(dk, g), d).to(kd), _cut(_fold(dvv, g), dv).to(vd)
+    return _cut(dq, d), _cut(fold_heads(dk, g), d).to(kd), _cut(fold_heads(dvv, g), dv).to(vd)

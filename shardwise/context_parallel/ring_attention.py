@@ -46,7 +46,7 @@ import torch
 from .. import comm, host
 from ..models.documents import document_mask
 from . import kernels
-from .kernels import _expand, _fold
+from .kernels import expand_heads, fold_heads
 from .sharding import chunk_ids, check_seq_len, positions, shard_sequence
 
 
@@ -71,10 +71,10 @@ def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto", ma
     if choice.kernel != "math":
         return kernels.fused_forward(choice, q, k, v, causal, scale, mask)
     g = q.shape[1] // k.shape[1]
-    s = _math_scores(q, _expand(k, g), causal, scale, mask)
+    s = _math_scores(q, expand_heads(k, g), causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(lse.isneginf(), 0.0, lse)  # rows with no visible key: exp(−inf − 0) = 0, not NaN
-    out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), _expand(v, g).float())
+    out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), expand_heads(v, g).float())
     return out.to(q.dtype), lse
 
 
@@ -84,7 +84,7 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend:
     if choice.kernel != "math":
         return kernels.fused_backward(choice, dout, q, k, v, out, lse, causal, scale, mask)
     g = q.shape[1] // k.shape[1]
-    ke, ve = _expand(k, g).float(), _expand(v, g).float()
+    ke, ve = expand_heads(k, g).float(), expand_heads(v, g).float()
     p = torch.exp(_math_scores(q, ke, causal, scale, mask) - lse.unsqueeze(-1))
     do = dout.float()
     dv = torch.matmul(p.transpose(-1, -2), do)
@@ -92,7 +92,7 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend:
     ds = p * (dp - (do * out.float()).sum(-1, keepdim=True)) * scale
     dq = torch.matmul(ds, ke)
     dk = torch.matmul(ds.transpose(-1, -2), q.float())
-    return dq.to(q.dtype), _fold(dk, g).to(k.dtype), _fold(dv, g).to(v.dtype)
+    return dq.to(q.dtype), fold_heads(dk, g).to(k.dtype), fold_heads(dv, g).to(v.dtype)
 
 
 # ---------------------------------------------------------------- which block pairs to compute

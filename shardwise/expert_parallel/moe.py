@@ -16,26 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..config import ModelConfig
 from ..mesh import Axis
+from ..models.llama import FeedForward
+from ..models.params import declare
 from .dispatch import AllToAllDispatcher
 from .experts import GroupedExperts
 from .router import Router
-
-
-class SwiGLU(nn.Module):
-    """Dense w2(silu(w1 x) · w3 x); names match FeedForward so the TP plan and init rule apply."""
-
-    def __init__(self, dim: int, hidden: int, device=None, dtype=None):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False, device=device, dtype=dtype)
-        self.w3 = nn.Linear(dim, hidden, bias=False, device=device, dtype=dtype)
-        self.w2 = nn.Linear(hidden, dim, bias=False, device=device, dtype=dtype)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 @dataclass
@@ -113,6 +102,17 @@ class _AttachPooledAux(torch.autograd.Function):
         return g, d_sum * (router.aux_loss_coef * moe.aux_scale), None
 
 
+def build_moe(cfg: ModelConfig, ep_axis: Axis | None = None, expert_replicas: int = 1, device=None) -> "MoE":
+    """The MoE feed-forward of one block (router, E experts split over ep_axis, shared experts)."""
+    return MoE(cfg.dim, cfg.moe_ffn_dim or cfg.ffn_dim, cfg.moe_experts, cfg.moe_topk, ep_axis,
+               shared_experts=cfg.moe_shared_experts, capacity_factor=cfg.moe_capacity_factor,
+               score=cfg.moe_score, softmax_before_topk=cfg.moe_softmax_before_topk,
+               aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
+               bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device,
+               aux_scope=cfg.moe_aux_loss_scope, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
+               norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling, group_topk=cfg.moe_group_topk)
+
+
 def share_aux_pool(model: nn.Module) -> None:
     """Give every MoE block of `model.layers` one AuxPool when the model's aux loss is pooled over layers."""
     cfg = model.cfg
@@ -127,7 +127,7 @@ def share_aux_pool(model: nn.Module) -> None:
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts, E/ep per ep rank, plus `shared_experts` dense ones (DeepSeek-V3).
 
-    The shared experts are one SwiGLU of hidden size shared_experts·ffn_dim, which equals the sum
+    The shared experts are one FeedForward (SwiGLU) of hidden size shared_experts·ffn_dim, which equals the sum
     of that many ffn_dim experts applied to every token.
     """
 
@@ -143,10 +143,14 @@ class MoE(nn.Module):
         self.router = Router(dim, n_experts, topk, score, softmax_before_topk, aux_loss_coef, z_loss_coef,
                              bias_update_rate, device=device, dtype=dtype, aux_scope=aux_scope, n_group=n_group,
                              topk_group=topk_group, norm_topk=norm_topk, scaling=routed_scaling, group_topk=group_topk)
+        declare(self.router.weight)
         self.dispatcher = AllToAllDispatcher(n_experts, ep_axis, capacity_factor, drop_policy)
         self.experts = GroupedExperts(n_experts, dim, ffn_dim, ep_axis, expert_replicas, grouped_mm,
                                       device=device, dtype=dtype)
-        self.shared = SwiGLU(dim, shared_experts * ffn_dim, device, dtype) if shared_experts else None
+        declare(self.experts.w1)
+        declare(self.experts.w3)
+        declare(self.experts.w2, "residual")
+        self.shared = FeedForward(dim, shared_experts * ffn_dim, device, dtype) if shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
         self.aux_scale = 1.0  # weight of this microbatch's aux loss in the step's loss (set by the loop)

@@ -1,39 +1,33 @@
 """A Llama-style decoder in plain PyTorch: RMSNorm, RoPE, GQA attention (SDPA), SwiGLU MLP.
 
-The model knows nothing of parallelism. Head counts are read off the projection shapes at run
-time, so the tensor-parallel plan (`shardwise.parallelize`) can swap `nn.Linear`/`nn.Embedding`
-for their sharded versions by module name and the same forward runs on every layout. The loss is
-computed by `loss_fn`, a vocabulary-parallel cross-entropy that the plan points at its TP axis.
+The model knows only its math. Head counts are read off the projection shapes at run time, so the
+tensor-parallel plan (`shardwise.parallelize`) can swap `nn.Linear`/`nn.Embedding` for their sharded
+versions by module name and the same forward runs on every layout; whatever else a layout changes
+(context-parallel attention, the vocabulary-parallel loss, dropout streams, recompute, MoE blocks) the
+model reaches through its `ParallelContext` (`context.py`), which the plan fills.
 Packed windows can pass side inputs: document ids (attention stays within each document) and
 per-document positions for RoPE (see `documents.py`).
 """
 from __future__ import annotations
-
-import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..context_parallel import positions as cp_positions
-from ..context_parallel import ring_attention, shard_sequence, ulysses_attention
-from ..expert_parallel.moe import MoE, share_aux_pool
-from ..mesh import Axis
-from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from ..tensor_parallel.random import ReplicatedDropout
-from .documents import document_mask
-from .mla import MLA, attend
+from .attention import AttentionCore, attend
+from .context import ParallelContext
+from .mla import MLA
 from .mtp import MTPLayer, mtp_forward
+from .params import declare, linear
 from .rope import apply_rope, llama3_inv_freq, rope_tables  # noqa: F401  (re-exported: the model's RoPE)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, head_partial: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
+        self.weight = declare(nn.Parameter(torch.empty(dim)), "ones", head_partial)
 
     def forward(self, x):
         xf = x.float()
@@ -43,22 +37,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None, layer_id: int = 0):
         super().__init__()
         h, hd = cfg.dim, cfg.head_dim
         self.head_dim = hd
-        self.wq = nn.Linear(h, cfg.n_heads * hd, bias=cfg.attention_bias)
-        self.wk = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.wv = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.wo = nn.Linear(cfg.n_heads * hd, h, bias=False)
+        self.wq = linear(h, cfg.n_heads * hd, bias=cfg.attention_bias)
+        self.wk = linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.wv = linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.wo = linear(cfg.n_heads * hd, h, init="residual")
         # Qwen3's per-head q/k norms: one head_dim weight shared by every head, so under TP each rank applies
         # it to its own heads with no collective (its gradient is partial per rank: summed over TP).
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.attn_dropout = cfg.attn_dropout
-        self.rng = None  # RNGTracker, set by the parallel plan: attention dropout is a TP-sharded region
-        self.cp_axis, self.cp_order, self.cp_impl = None, "balanced", "ring"  # set by the plan under cp > 1
-        self.recompute_core = None  # set by shardwise.recompute under selective recompute
+        self.q_norm = RMSNorm(hd, cfg.norm_eps, head_partial=True) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps, head_partial=True) if cfg.qk_norm else None
+        self.core = AttentionCore(ctx or ParallelContext(), layer_id, cfg.attn_dropout)
 
     def forward(self, x, cos, sin, doc_ids=None):
         """`doc_ids` [b, s_global] (document masking) are the window's document ids, never sharded."""
@@ -72,54 +63,46 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         return attend(self, q, k, v, doc_ids)
 
-    def core(self, q, k, v, doc_ids=None):
-        """The attention core — QKᵀ, softmax, ·V (SDPA, or ring/Ulysses under cp): what selective recompute replays.
-
-        With `doc_ids` a token sees only earlier tokens of its own document (an explicit SDPA mask;
-        ring and Ulysses build theirs from the global ids).
-        """
-        if self.cp_axis is not None and self.cp_axis.active:
-            attend = ring_attention if self.cp_impl == "ring" else ulysses_attention
-            return attend(q, k, v, self.cp_axis, causal=True, order=self.cp_order, doc_ids=doc_ids)
-        p = self.attn_dropout if self.training else 0.0
-        gqa = q.shape[1] != k.shape[1]
-        mask = None if doc_ids is None else document_mask(doc_ids, doc_ids)
-        with self.rng.fork("tp") if p > 0 and self.rng is not None else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
-                                                  enable_gqa=gqa)
-
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """SwiGLU: w2(silu(w1 x) · w3 x). Also the MoE's shared experts (one of hidden size S × expert size)."""
+
+    def __init__(self, dim: int, hidden: int, device=None, dtype=None):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w1 = linear(dim, hidden, device=device, dtype=dtype)
+        self.w3 = linear(dim, hidden, device=device, dtype=dtype)
+        self.w2 = linear(hidden, dim, init="residual", device=device, dtype=dtype)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def build_moe(cfg: ModelConfig, ep_axis=None, expert_replicas: int = 1, device=None):
-    """The MoE feed-forward of one block (router, E experts split over ep_axis, shared experts)."""
-    return MoE(cfg.dim, cfg.moe_ffn_dim or cfg.ffn_dim, cfg.moe_experts, cfg.moe_topk, ep_axis,
-               shared_experts=cfg.moe_shared_experts, capacity_factor=cfg.moe_capacity_factor,
-               score=cfg.moe_score, softmax_before_topk=cfg.moe_softmax_before_topk,
-               aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
-               bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device,
-               aux_scope=cfg.moe_aux_loss_scope, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
-               norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling, group_topk=cfg.moe_group_topk)
+class Dropout(nn.Module):
+    """Dropout on the residual stream: through the context's `dropout` (one global mask, cut as the stream is
+    cut under SP) when the plan set one, else PyTorch's."""
+
+    def __init__(self, p: float, ctx: ParallelContext):
+        super().__init__()
+        self.p, self.ctx = p, ctx
+
+    def forward(self, x):
+        if self.p == 0.0 or not self.training:
+            return x
+        if self.ctx.dropout is None:
+            return F.dropout(x, self.p, True)
+        return self.ctx.dropout(x, self.p)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0, ctx: ParallelContext | None = None):
         super().__init__()
+        ctx = ctx or ParallelContext()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = MLA(cfg, RMSNorm) if cfg.is_mla else Attention(cfg)
-        self.attn_resid_dropout = ReplicatedDropout(cfg.dropout)
+        self.attention = MLA(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id)
+        self.attn_resid_dropout = Dropout(cfg.dropout, ctx)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = build_moe(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
-        self.ffn_resid_dropout = ReplicatedDropout(cfg.dropout)
+        self.feed_forward = _moe(cfg, layer_id, ctx) if cfg.is_moe_layer(layer_id) else FeedForward(cfg.dim, cfg.ffn_dim)
+        self.ffn_resid_dropout = Dropout(cfg.dropout, ctx)
 
     def forward(self, x, cos, sin, doc_ids=None):
         """The residual stream keeps x's dtype: each branch's output is cast to it before the add."""
@@ -127,26 +110,35 @@ class TransformerBlock(nn.Module):
         return x + self.ffn_resid_dropout(self.feed_forward(self.ffn_norm(x))).to(x.dtype)
 
 
+def _moe(cfg: ModelConfig, layer_id: int, ctx: ParallelContext) -> nn.Module:
+    if ctx.moe is None:
+        raise ValueError(f"layer {layer_id} is an MoE layer: build the model with a ParallelContext whose `moe` "
+                         "makes the block (shardwise.parallelize.build_model or plain_model)")
+    return ctx.moe(cfg, layer_id)
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None):
         super().__init__()
         self.cfg = cfg
+        self.ctx = ctx = ctx or ParallelContext()
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        declare(self.tok_embeddings.weight)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, ctx) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = linear(cfg.dim, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # DeepSeek-V3 MTP modules; module k's block is layer n_layers + k, as in DeepSeek's checkpoints.
-        self.mtp = nn.ModuleDict({str(k): MTPLayer(cfg.dim, cfg.norm_eps, TransformerBlock(cfg, cfg.n_layers + k),
+        self.mtp = nn.ModuleDict({str(k): MTPLayer(cfg.dim, cfg.norm_eps, TransformerBlock(cfg, cfg.n_layers + k, ctx),
                                                    RMSNorm) for k in range(cfg.mtp_layers)}) if cfg.mtp_layers else None
         self.mtp_embed = None  # under PP: the last stage's copy of the embedding (pipeline/tied_embedding.py)
         self.mtp_loss = None  # the MTP loss of the microbatches run since the trainer last took it
-        share_aux_pool(self)
-        self.tp_axis = Axis("tp")  # replaced by the plan; size 1 = single device
-        self.vocab_start = 0
-        self.sequence_parallel = False
-        self.cp_axis, self.cp_order = None, "balanced"
+
+    @property
+    def rng_tracker(self):
+        """The RNG tracker the plan made (checkpoints save and restore its streams)."""
+        return self.ctx.rng
 
     def rope(self, local_len: int, device, positions: torch.Tensor | None = None):
         """RoPE tables for this rank's tokens: under cp, the global positions of its chunks.
@@ -154,15 +146,10 @@ class Transformer(nn.Module):
         `positions` [b, s_global] (--reset-positions) are per-token positions of the whole window;
         this rank takes its tokens' share, cut as the tokens were.
         """
-        cp = self.cp_axis
-        cp_active = cp is not None and cp.active
-        seq_len = local_len * cp.size if cp_active else local_len
+        cp = self.ctx.cp
+        seq_len, pos = cp.rope_positions(local_len, device, positions) if cp is not None else (local_len, positions)
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-        if positions is not None:
-            pos = shard_sequence(positions, cp.rank, cp.size, self.cp_order) if cp_active else positions
-        else:
-            pos = cp_positions(seq_len, cp.rank, cp.size, self.cp_order, device) if cp_active else None
         return rope_tables(self.cfg.rope_dim, local_len, self.cfg.rope_theta, device, positions=pos,
                            scaling=self.cfg.rope_scaling, yarn=self.cfg.rope_yarn)
 
@@ -189,16 +176,4 @@ class Transformer(nn.Module):
 
     def loss_fn(self, logits, targets, ignore_index: int = -100, label_smoothing: float = 0.0):
         """Per-token losses [b, s] from (possibly vocabulary-sharded) logits."""
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_axis, self.vocab_start, self.cfg.vocab_size,
-                                            ignore_index, label_smoothing)
-
-    @staticmethod
-    def init_rule(name: str, cfg: ModelConfig) -> tuple[str, float]:
-        """How to initialise the *global* tensor called `name`: ('ones', 0), ('zeros', 0) or ('normal', std)."""
-        if name.endswith("norm.weight"):
-            return "ones", 0.0
-        if name.endswith(".bias"):
-            return "zeros", 0.0
-        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
-            return "normal", 0.02 / math.sqrt(2 * cfg.n_layers)
-        return "normal", 0.02
+        return self.ctx.cross_entropy(logits, targets, ignore_index, label_smoothing)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .params import linear
+
 IGNORE = -100  # the data loader's IGNORE_INDEX (models import no data module)
 
 
@@ -30,7 +32,7 @@ class MTPLayer(nn.Module):
         self.enorm = norm(dim, eps)
         self.hnorm = norm(dim, eps)
         # [embedding; hidden] as DeepSeek's checkpoint, vLLM's deepseek_mtp.py and Megatron concatenate them.
-        self.eh_proj = nn.Linear(2 * dim, dim, bias=False)
+        self.eh_proj = linear(2 * dim, dim)
         self.block = block
         self.head_norm = norm(dim, eps)
 

@@ -30,7 +30,7 @@ class StageChunk(nn.Module):
         positions): every stage gets them from the global batch, since later stages see no tokens.
         """
         model = self._model[0]
-        local_len = x.shape[1] * (model.tp_axis.size if model.sequence_parallel and not self.first else 1)
+        local_len = x.shape[1] * (model.ctx.tp_axis.size if model.ctx.sequence_parallel and not self.first else 1)
         cos, sin = model.rope(local_len, x.device, positions)
         h = model.tok_embeddings(x) if self.first else x
         for i in self.layer_ids:

@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from ..models.params import declare
 from ..tensor_parallel.layers import VocabParallelEmbedding, get_spec, set_spec
 from .schedules import layout_for
 
@@ -88,8 +89,9 @@ def mark_mtp_embedding(model, mesh, residual_dtype=None) -> None:
 
 
 def _embedding_like(model, residual_dtype):
-    emb = VocabParallelEmbedding(model.cfg.vocab_size, model.cfg.dim, model.tp_axis, model.sequence_parallel,
+    emb = VocabParallelEmbedding(model.cfg.vocab_size, model.cfg.dim, model.ctx.tp_axis, model.ctx.sequence_parallel,
                                  device="meta")
+    declare(emb.weight)
     emb.out_dtype = residual_dtype
     return emb
 

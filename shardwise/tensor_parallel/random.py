@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch import nn
 
 TP_SEED_OFFSET = 2718
 
@@ -57,31 +56,17 @@ class RNGTracker:
                 torch.set_rng_state(saved)
 
 
-class ReplicatedDropout(nn.Module):
-    """Dropout on a tensor that is replicated over TP, or sequence-sharded under SP.
+def replicated_dropout(x: torch.Tensor, p: float, tracker: RNGTracker, sp_axis=None) -> torch.Tensor:
+    """Dropout (training) on a tensor replicated over TP, or sequence-sharded under SP (`sp_axis` active).
 
     Under SP the mask for the full sequence is drawn on every rank and each keeps its slice, so
     the result equals single-device dropout with the same seed.
     """
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-        self.tracker: RNGTracker | None = None
-        self.sp_axis = None
-
-    def forward(self, x):
-        if self.p == 0.0 or not self.training:
-            return x
-        if self.tracker is None:
-            return nn.functional.dropout(x, self.p, True)
-        shape = list(x.shape)
-        sp = self.sp_axis is not None and self.sp_axis.active
-        if sp:
-            shape[1] *= self.sp_axis.size
-        keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1 - self.p,
-                                                                            generator=self.tracker.generator("replicated"))
-        if sp:
-            keep = keep.chunk(self.sp_axis.size, dim=1)[self.sp_axis.rank]
-        return x * keep / (1 - self.p)
-
+    shape = list(x.shape)
+    sp = sp_axis is not None and sp_axis.active
+    if sp:
+        shape[1] *= sp_axis.size
+    keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1 - p, generator=tracker.generator("replicated"))
+    if sp:
+        keep = keep.chunk(sp_axis.size, dim=1)[sp_axis.rank]
+    return x * keep / (1 - p)

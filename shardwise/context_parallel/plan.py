@@ -1,0 +1,43 @@
+"""What the model asks of context parallelism, through its `ParallelContext.cp`: attention over the whole
+sequence from this rank's tokens, and the global positions of those tokens for RoPE."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+from .ring_attention import ring_attention
+from .sharding import positions, shard_sequence
+from .ulysses import ulysses_attention
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The cp axis, the token order over it and the attention implementation ('ring' or 'ulysses')."""
+
+    axis: object
+    order: str = "balanced"
+    impl: str = "ring"
+
+    @property
+    def site(self) -> str:
+        return "ring_attention" if self.impl == "ring" else "ulysses"
+
+    def attend(self, q, k, v, scale: float | None = None, doc_ids=None) -> torch.Tensor:
+        """Causal attention of this rank's queries over every rank's keys (equal q/k and v head sizes)."""
+        fn = ring_attention if self.impl == "ring" else ulysses_attention
+        return fn(q, k, v, self.axis, causal=True, order=self.order, scale=scale, doc_ids=doc_ids)
+
+    def record_padding(self, what: str, head: int, to: int) -> None:
+        """The caller zero-padded a head to one size before `attend` (summary.json reports it)."""
+        kernels.record_padding(self.site, what, head, to)
+
+    def rope_positions(self, local_len: int, device, reset: torch.Tensor | None = None):
+        """(global sequence length, this rank's tokens' positions) for RoPE. `reset` [b, s_global]
+        (--reset-positions) are per-token positions of the whole window: this rank takes its tokens' share."""
+        axis = self.axis
+        seq_len = local_len * axis.size
+        if reset is not None:
+            return seq_len, shard_sequence(reset, axis.rank, axis.size, self.order)
+        return seq_len, positions(seq_len, axis.rank, axis.size, self.order, device)
