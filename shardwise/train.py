@@ -13,7 +13,7 @@ import sys
 import torch
 
 from . import comm, host
-from .activation_memory import SavedActivationMeter, predicted_activation_bytes
+from .activation_memory import SavedActivationMeter, predicted_activation_bytes, static_storage_bytes
 from .config import TrainConfig
 from .config.schedule import lr_plan
 from .hf_init import init_record
@@ -55,20 +55,6 @@ def _activation_summary(cfg: TrainConfig, measured: int) -> dict:
     return {"activation_bytes_measured": measured,
             "activation_bytes_predicted": None if pred is None else pred["held"],
             "activation_recompute_transient_bytes_predicted": None if pred is None else pred["recompute_transient"]}
-
-
-def static_storage_bytes(trainer: "Trainer") -> int:
-    """Bytes of the distinct storages behind this rank's parameters, gradients, AdamW moments and the
-    reducer's flat buffers (the gradients' home under ZeRO 0/1), counted once per storage at its full
-    size (padding included). Taken right after the optimizer step: the static peak. AdamW's per-tensor
-    scalar step counters are left out, as the planner leaves them out."""
-    opt = trainer.reducer.optimizer
-    tensors = list(trainer.model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
-    tensors += [p.grad for p in tensors if p.grad is not None]
-    tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
-    tensors += [t for b in trainer.reducer.buckets for t in vars(b).values() if torch.is_tensor(t)]
-    sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # by storage identity
-    return sum(sizes.values())
 
 
 def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
