@@ -81,7 +81,11 @@ def _zeros(shape: list[int]):
 class StandIns(TorchFunctionMode):
     """What the fake world says where shardwise would look at data or at a kernel fake tensors lack: host
     reads answered by `answers(what, t)`, torch._grouped_mm only in bf16 (the fake kernel accepts nothing
-    else), and no recompute routing check (fake counts hold no values). Every other call passes through."""
+    else), and no recompute routing check (fake counts hold no values). Every other call passes through.
+
+    A mode is off while it handles a call, so a call that runs shardwise code inside it would escape the
+    stand-ins: `Tensor.backward` (recomputation, gradient hooks) runs its engine with the mode back on —
+    the engine keeps its caller's modes for every node. The pipeline calls the engine itself."""
 
     def __init__(self, answers):
         super().__init__()
@@ -94,7 +98,21 @@ class StandIns(TorchFunctionMode):
             return args[0].dtype == torch.bfloat16 and func(*args)
         if func is check_same_routing:
             return None
+        if func is torch.Tensor.backward:
+            with self:
+                return _backward(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+def _backward(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    """`Tensor.backward`'s own body (torch.autograd.backward's, for one tensor), minus its torch-function check."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    grads = _make_grads((tensor,), _tensor_or_tensors_to_tuple(gradient, 1), is_grads_batched=False)
+    _engine_run_backward((tensor,), grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                         inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 class FakeTransport(Transport):
