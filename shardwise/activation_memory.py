@@ -1,4 +1,5 @@
-"""Measured activation memory: the peak bytes autograd holds in saved tensors during a step.
+"""Measured activation memory: the peak bytes autograd holds in saved tensors during a step (and, beside it,
+the static bytes it is measured against: `static_storage_bytes`).
 
 The planner's activation figure is a claim about exactly these tensors, so the trainer measures them
 the same way the planner counts them: every tensor saved for backward (seen by a saved-tensor pack
@@ -79,3 +80,17 @@ def predicted_activation_bytes(cfg) -> dict:
     stages = memory_by_stage(spec, lay, wl)
     transient = [recompute_transient_bytes(spec, s["stage"], lay, wl) for s in stages]
     return {"held": max(s["activation"] - t for s, t in zip(stages, transient)), "recompute_transient": max(transient)}
+
+
+def static_storage_bytes(trainer) -> int:
+    """Bytes of the distinct storages behind this rank's parameters, gradients, AdamW moments and the
+    reducer's flat buffers (the gradients' home under ZeRO 0/1), counted once per storage at its full
+    size (padding included). Taken right after the optimizer step: the static peak. AdamW's per-tensor
+    scalar step counters are left out, as the planner leaves them out."""
+    opt = trainer.reducer.optimizer
+    tensors = list(trainer.model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
+    tensors += [p.grad for p in tensors if p.grad is not None]
+    tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    tensors += [t for b in trainer.reducer.buckets for t in vars(b).values() if torch.is_tensor(t)]
+    sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # by storage identity
+    return sum(sizes.values())

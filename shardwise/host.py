@@ -1,27 +1,33 @@
-"""Every device→host read in shardwise goes through `read`: one place that counts them and one place that
-answers them in a fake-tensor simulation.
+"""Every device→host read in shardwise goes through `read`: one place that counts them.
 
 On a GPU a host read (`.item()`, `float(t)`, `.tolist()`, a blocking `torch.tensor(list, device=cuda)` the
 other way round) stalls the CPU until the stream drains: the host can queue no more work, so every read in
 the step loop costs overlap. `summary.json`'s `host_syncs_per_step` is measured here, and tests hold it to
-a budget. Under `FakeTensorMode` there is no data to read: `answered_by(fn)` makes `read` return
-`fn(what, tensor)` instead, a stand-in the caller states (e.g. the planner's balanced MoE split sizes).
+a budget.
+
+The read itself (`values`) is overridable as any torch function is: a `TorchFunctionMode` sees the call
+with its call-site name and may answer without touching the tensor — how a world without data (fake
+tensors) states its stand-ins, while a real run takes torch's ordinary no-override path.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
+from torch.overrides import wrap_torch_function
+
 _counts: Counter[str] = Counter()
-_answer = None  # simulation: (what, tensor) -> the value a real read would have returned
 
 
 def read(t, what: str):
     """`t.tolist()` (a Python scalar for a 0-d tensor), counted under `what` — a short name of the call site
     such as "loss+norm" or "moe split sizes". The one sanctioned device→host read in shardwise."""
     _counts[what] += 1
-    if _answer is not None:
-        return _answer(what, t)
+    return values(t, what)
+
+
+@wrap_torch_function(lambda t, what: (t,))
+def values(t, what: str):
+    """`t`'s values on the host; `what` names the call site for whoever overrides the read."""
     return t.tolist()
 
 
@@ -37,14 +43,3 @@ def counts() -> dict[str, int]:
 
 def reset() -> None:
     _counts.clear()
-
-
-@contextlib.contextmanager
-def answered_by(fn):
-    """Within the block, `read(t, what)` returns `fn(what, t)` without touching `t` (fake tensors)."""
-    global _answer
-    previous, _answer = _answer, fn
-    try:
-        yield
-    finally:
-        _answer = previous

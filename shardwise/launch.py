@@ -256,7 +256,7 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
     torch.set_num_threads(1)
     try:
         if lastop_dir is not None:
-            from .comm.collectives import set_call_hook
+            from .comm import set_call_hook
 
             set_call_hook(LastOp(lastop_dir, rank).note)
         device = None

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .comm.ledger import Ledger
+from .comm.transport import TORCH, Transport
 from .config import ConfigError, ParallelConfig
 
 GRID = ("dp", "pp", "cp", "tp")
@@ -102,6 +103,7 @@ class Axis:
     ranks: tuple[int, ...] = (0,)
     ledger: "Ledger | None" = None
     device: torch.device | None = None  # the mesh's device: comm refuses tensors elsewhere
+    transport: Transport = TORCH  # the mesh's: how this world's object gathers and p2p batches run
 
     @property
     def active(self) -> bool:
@@ -115,10 +117,10 @@ class Mesh:
     """
 
     def __init__(self, dims: ParallelDims, rank: int, axes: dict[str, Axis], device: torch.device,
-                 device_mesh=None, ledger: "Ledger | None" = None):
+                 device_mesh=None, ledger: "Ledger | None" = None, transport: Transport = TORCH):
         self.ledger = ledger if ledger is not None else Ledger()
         for axis in axes.values():
-            axis.ledger, axis.device = self.ledger, device
+            axis.ledger, axis.device, axis.transport = self.ledger, device, transport
         self.dims = dims
         self.rank = rank
         self.axes = axes
@@ -141,16 +143,16 @@ class Mesh:
 
     @classmethod
     def build(cls, dims: ParallelDims, device: torch.device, ledger: "Ledger | None" = None,
-              timeout_s: float = 300.0, emb_stages: tuple[int, int] | None = None) -> "Mesh":
+              timeout_s: float = 300.0, emb_stages: tuple[int, int] | None = None,
+              transport: Transport = TORCH) -> "Mesh":
         """Create every group, then the DeviceMesh over them. Collective: every rank calls it, in the same order.
 
         One group-creating call per axis (not per line), none for size-1 axes; the time it takes is
         `build_s` (summary.json's mesh_build_s). Groups get an explicit timeout (sub-groups would otherwise
         get gloo's 30-minute default), so a rank stuck in any collective fails within `timeout_s`.
         `emb_stages` (tied embeddings under PP): the pp ranks holding the embedding and the LM head; see `_emb_axis`.
+        `transport`: the world's side groups, object gathers and p2p batches (`comm.Transport`).
         """
-        from torch.distributed.device_mesh import DeviceMesh
-
         t0 = time.perf_counter()
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != dims.world_size:
@@ -166,21 +168,16 @@ class Mesh:
             axes["dp_shard"], axes["dp_replicate"] = Axis("dp_shard"), Axis("dp_replicate")
         axes["emb"] = _emb_axis(families["pp"], axes["pp"], rank, emb_stages, timeout)
         axes["world"] = Axis("world", world, rank, dist.group.WORLD, tuple(range(world)))
-        # Checkpoint barriers and metadata gathers: gloo (CPU objects), with a long timeout, since
-        # writing a large checkpoint legitimately outlasts the collective timeout. The fake backend of a
-        # simulation moves nothing and can host no other backend's group: its world group serves.
-        fake = dist.get_backend() == "fake"
-        ckpt = dist.group.WORLD if fake else dist.new_group(backend="gloo", timeout=timedelta(
-            seconds=max(timeout_s, CHECKPOINT_TIMEOUT_S)))
+        # Checkpoint barriers and metadata gathers, with a long timeout
+        ckpt = transport.side_group(timedelta(seconds=max(timeout_s, CHECKPOINT_TIMEOUT_S)))
         axes["ckpt"] = Axis("ckpt", world, rank, ckpt, tuple(range(world)))
         active = [n for n in GRID if axes[n].active]
         device_mesh = None
-        if active and not fake:  # a DeviceMesh over the axes that have groups (peers such as DTensor use it)
-            groups = [axes[n].group for n in active]
-            device_mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device.type,
-                                                mesh=torch.arange(world).view(*[axes[n].size for n in active]),
-                                                mesh_dim_names=tuple(active))
-        mesh = cls(dims, rank, axes, device, device_mesh, ledger)
+        if active:
+            device_mesh = transport.device_mesh([axes[n].group for n in active], device.type,
+                                                torch.arange(world).view(*[axes[n].size for n in active]),
+                                                tuple(active))
+        mesh = cls(dims, rank, axes, device, device_mesh, ledger, transport)
         mesh.build_s = time.perf_counter() - t0
         return mesh
 

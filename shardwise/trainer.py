@@ -36,10 +36,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None, fake_mode=None):
-        """`fake_mode` (shardwise simulate): the FakeTensorMode the rank runs under; the loader and each
-        batch's host-side preparation stay real, outside it, and the batch crosses in at `_to_device`."""
-        self.cfg, self.mesh, self.fake_mode = cfg, mesh, fake_mode
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None, io=None):
+        """`io`: where the loader and each batch's host-side preparation run (`io.host()`, a context) and how
+        a host batch reaches the device (`io.to_device(t)`); None: as they are, and a copy to the mesh's
+        device. A world whose rank computes on something else (shardwise simulate) passes its own."""
+        self.cfg, self.mesh, self.io = cfg, mesh, io
         self.model_cfg = cfg.model_config()
         p = cfg.parallel
         self.schedule = None
@@ -84,16 +85,12 @@ class Trainer:
                                              self.model.grad_store, self._autocast, p.pp_scatter_gather)
 
     def _host(self):
-        """The host side of the loop: real tensors even when the rank itself runs on fake ones."""
-        if self.fake_mode is None:
-            return contextlib.nullcontext()
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        return unset_fake_temporarily()
+        """The host side of the loop: the loader and each batch's preparation."""
+        return contextlib.nullcontext() if self.io is None else self.io.host()
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """The one point where batch data leaves the host: a copy to the device, or a fake tensor."""
-        return to_device(t, self.mesh.device) if self.fake_mode is None else self.fake_mode.from_tensor(t)
+        """The one point where batch data leaves the host."""
+        return to_device(t, self.mesh.device) if self.io is None else self.io.to_device(t)
 
     def _autocast(self):
         if self.cfg.dtype == "bf16":

@@ -78,3 +78,36 @@ def test_compile_unavailable_is_a_config_error(monkeypatch, capsys):
     assert main(["verify", "--tp", "2", "--compile", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--compile: torch.compile is unavailable here (Python 3.99+" in err[0], err
+
+
+def test_a_collective_bound_before_the_barriers_runs_eagerly():
+    """The barrier is the op's own: a name taken from comm before `compile_barriers` ran still breaks the
+    graph, and the op's body runs with Dynamo off (its ledger updates and c10d calls are never traced)."""
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    from torch._dynamo.utils import counters
+
+    from shardwise.comm import compile_barriers
+    from shardwise.comm.collectives import wait
+    from shardwise.mesh import Axis
+
+    eager = []
+
+    class Work:
+        def wait(self):
+            eager.append(get_eval_frame_callback() is None)
+
+    work, axis = Work(), Axis("tp")
+
+    def step(x):
+        y = x.sin()
+        wait(work, axis, "all_reduce")
+        return y.cos()
+
+    compile_barriers()
+    counters.clear()
+    compiled = torch.compile(step, backend="eager")
+    x = torch.randn(4)
+    for _ in range(2):
+        assert torch.equal(compiled(x), x.sin().cos())
+    assert eager == [True, True]  # each compiled call ran the op, with Dynamo off
+    assert counters["stats"]["unique_graphs"] == 2  # sin | the collective | cos

@@ -112,6 +112,7 @@ def test_grouped_gemm_runs_in_the_autocast_dtype_with_device_offsets(monkeypatch
 
     from shardwise.expert_parallel.experts import GroupedExperts, grouped_mm_available
     from shardwise.mesh import Axis
+    from shardwise.simulate.world import StandIns
 
     experts = GroupedExperts(4, 16, 32, Axis("ep"), grouped_mm=True)
     for w in (experts.w1, experts.w2, experts.w3):
@@ -138,7 +139,29 @@ def test_grouped_gemm_runs_in_the_autocast_dtype_with_device_offsets(monkeypatch
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = loop(rows, counts)
     assert torch.allclose(out, want.float(), atol=2e-2, rtol=2e-2)
-    with FakeTensorMode():  # simulation: the fake kernel takes bf16 only
+    x, w = torch.empty(8, 16), torch.empty(4, 32, 16)
+    assert grouped_mm_available(x, w)  # fp32 runs fused on CPU
+    with FakeTensorMode(), StandIns(answers=None):  # simulation: its stand-in says the fake kernel's bf16 only
         x, w = torch.empty(8, 16), torch.empty(4, 32, 16)
         assert not grouped_mm_available(x, w)
         assert grouped_mm_available(x.bfloat16(), w.bfloat16())
+
+
+def test_a_host_read_is_counted_and_answerable_without_its_data():
+    """`host.read` counts by call site; a TorchFunctionMode may answer it (as the simulator's stand-ins do)
+    without touching the tensor, and the count is the same either way."""
+    from torch.overrides import TorchFunctionMode
+
+    from shardwise import host
+
+    class Answer(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is host.values:
+                return f"answered {args[1]}"
+            return func(*args, **(kwargs or {}))
+
+    host.reset()
+    assert host.read(torch.tensor([1, 2]), "real") == [1, 2] and host.read(torch.tensor(3.0), "real") == 3.0
+    with Answer():
+        assert host.read(torch.empty(2, device="meta"), "stand-in") == "answered stand-in"
+    assert host.counts() == {"real": 2, "stand-in": 1} and host.count() == 3

@@ -142,7 +142,7 @@ def test_collectives_refuse_tensors_off_the_mesh_device():
     axis = Axis("tp", size=2, ranks=(0, 1), device=torch.device("cpu"))
     meta = torch.empty(4, device="meta")
     with pytest.raises(comm.DeviceError, match=r"all_reduce on axis 'tp' got a tensor on meta.*cpu"):
-        comm._guarded(axis, "all_reduce", lambda t: t, meta)
+        comm.guarded(axis, "all_reduce", lambda t: t, meta)
     with pytest.raises(comm.DeviceError, match=r"p2p send on axis 'tp'"):
         comm.p2p([("send", meta, axis, 1)])
-    comm._guarded(axis, "all_reduce", lambda t: t, torch.empty(4))  # on the device: passes through
+    comm.guarded(axis, "all_reduce", lambda t: t, torch.empty(4))  # on the device: passes through

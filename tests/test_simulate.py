@@ -117,10 +117,9 @@ def test_document_mask_under_ring_attention(capsys):
     the bounds."""
     import torch
 
-    from shardwise import host
     from shardwise.cli import build_parser, config_from_args
     from shardwise.context_parallel.ring_attention import _document_plan, block_plan
-    from shardwise.simulate.world import DOCUMENT_PLAN, Answers
+    from shardwise.simulate.world import DOCUMENT_PLAN, Answers, StandIns
 
     argv = TINY + ["--cp", "2", "--dp", "2", "--attention-mask", "document"]
     rc, report = _simulate(capsys, argv)
@@ -130,7 +129,7 @@ def test_document_mask_under_ring_attention(capsys):
     assert DOCUMENT_PLAN in capsys.readouterr().out
     cfg = config_from_args(build_parser().parse_args(["simulate", *argv]), None)
     doc_ids = torch.zeros(2, 64, dtype=torch.long)
-    with host.answered_by(Answers(cfg)):
+    with StandIns(Answers(cfg)):
         plan = _document_plan(0, 2, "balanced", True, 32, doc_ids)
     expected = [block_plan(0, (0 - step) % 2, 2, "balanced", True, 32) for step in range(2)]
     assert [[(q, k) for q, k, _, _ in pairs] for pairs in plan] == [[(q, k) for q, k, _ in p] for p in expected]

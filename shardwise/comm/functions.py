@@ -1,6 +1,5 @@
 """One autograd Function per differentiable collective pattern: Megatron's f/g operators and the
-sequence-parallel gathers/scatters, each with a "forward: X / backward: Y" docstring. They call the raw
-ops through the `collectives` module, so `compile_barriers` reaches them too."""
+sequence-parallel gathers/scatters, each with a "forward: X / backward: Y" docstring."""
 from __future__ import annotations
 
 import torch

@@ -6,7 +6,8 @@ import os
 
 import torch.distributed as dist
 
-from .collectives import _check_device, completed, _eager, _guarded, _nbytes, _record
+from .calls import check_device, eager, guarded, nbytes, record
+from .collectives import completed
 
 
 class _BatchWork:
@@ -37,7 +38,7 @@ def strict_p2p() -> bool:
 _comm_tail: dict[tuple[int, int], _BatchWork] = {}  # (rank, id of the group) -> its last batch (strict mode)
 
 
-@_eager
+@eager
 def p2p(ops, tag: str | None = None) -> list:
     """One batch of non-blocking point-to-point ops: ("send" | "recv", tensor, axis, peer_axis_rank).
 
@@ -58,17 +59,17 @@ def p2p(ops, tag: str | None = None) -> list:
             raise ValueError(f"p2p op {kind!r}: expected 'send' or 'recv'")
         if axis.group is not ops[0][2].group:
             raise ValueError(f"p2p batch mixes axes '{ops[0][2].name}' and '{axis.name}': one group per batch")
-        _check_device(axis, f"p2p {kind}", t)
-        _record(axis, kind, _nbytes(t) if kind == "send" else 0, _nbytes(t) if kind == "send" else 0, tag)
+        check_device(axis, f"p2p {kind}", t)
+        record(axis, kind, nbytes(t) if kind == "send" else 0, nbytes(t) if kind == "send" else 0, tag)
         p2p_ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, axis.ranks[peer], group=axis.group))
     if not p2p_ops:
         return []
     axis = ops[0][2]
     if not strict_p2p():
-        return _guarded(axis, "p2p", dist.batch_isend_irecv, p2p_ops)
+        return guarded(axis, "p2p", axis.transport.batch_isend_irecv, p2p_ops)
     key = (dist.get_rank(), id(axis.group))
     if key in _comm_tail:
-        _guarded(axis, "p2p (previous batch on the communicator)", _comm_tail.pop(key).wait)
-    work = _BatchWork(_guarded(axis, "p2p", dist.batch_isend_irecv, p2p_ops))
+        guarded(axis, "p2p (previous batch on the communicator)", _comm_tail.pop(key).wait)
+    work = _BatchWork(guarded(axis, "p2p", axis.transport.batch_isend_irecv, p2p_ops))
     _comm_tail[key] = work
     return [work]

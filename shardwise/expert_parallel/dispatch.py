@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch.overrides import wrap_torch_function
 
 from .. import comm, host
 
@@ -115,9 +115,15 @@ class SplitTape:
             return None
         then, synced = self.entries[self._next]
         self._next += 1
-        if not is_fake(counts):
-            torch._assert_async((counts == then).all(), "MoE recompute routed differently from its forward")
+        check_same_routing(counts, then)
         return synced
+
+
+@wrap_torch_function(lambda counts, then: (counts, then))
+def check_same_routing(counts: torch.Tensor, then: torch.Tensor) -> None:
+    """Fail on the device (no host sync on CUDA) when a recomputation's split sizes differ from its forward's.
+    Overridable as a torch function: a world without data (a simulator) has nothing to compare."""
+    torch._assert_async((counts == then).all(), "MoE recompute routed differently from its forward")
 
 
 class AllToAllDispatcher:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
+from torch.overrides import wrap_torch_function
 
 from ..tensor_parallel.layers import ShardSpec, set_spec
 
@@ -22,18 +22,17 @@ def _expert_param(n_experts, n_local, start, shape, replicas, device, dtype) -> 
     return p
 
 
+@wrap_torch_function(lambda x, *weights: (x, *weights))
 def grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """torch._grouped_mm runs fused here for rows `x` and `weights` in the dtype they are passed: torch >= 2.8
     on CPU (fp32/bf16); CUDA only in bf16 on sm90+ (in fp32 it falls back to a host copy of the offsets and
-    a per-expert loop); fake tensors (simulation) only in bf16. Rows and weights 16-byte aligned."""
+    a per-expert loop). Rows and weights 16-byte aligned. Overridable as a torch function: a world whose
+    kernel differs (a simulator's stand-in accepts bf16 only) answers for itself."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
         return False
     if any(w.dtype != x.dtype for w in weights):
         return False
-    if is_fake(x):
-        if x.dtype != torch.bfloat16:
-            return False
-    elif x.device.type == "cuda":
+    if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
             return False
     elif x.device.type != "cpu":

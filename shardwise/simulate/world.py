@@ -7,6 +7,10 @@ ledger — for a few steps, while `LiveMemory` follows every storage and the sav
 tensors autograd keeps. Host reads get stated stand-ins (`Answers`): zeros for loss, norm and token-id
 range, the planner's balanced MoE routing — every expert receives n·k/E rows of every ep rank — and for
 ring attention's document plan every block pair visible and masked (`DOCUMENT_PLAN`).
+
+The fake world enters the production code only through what it is handed: the mesh's `FakeTransport`, the
+Trainer's `FakeIO`, and `StandIns`, a TorchFunctionMode answering the few functions shardwise leaves
+overridable (host reads, the grouped-GEMM check, the recompute routing check).
 """
 from __future__ import annotations
 
@@ -16,9 +20,16 @@ import time
 import torch
 import torch.distributed as dist
 
+from torch.overrides import TorchFunctionMode
+
 from .. import host
-from ..activation_memory import SavedActivationMeter
+from ..activation_memory import SavedActivationMeter, static_storage_bytes
+from ..comm import Ledger, Transport
 from ..config import ConfigError, TrainConfig
+from ..expert_parallel.dispatch import check_same_routing
+from ..expert_parallel.experts import grouped_mm_available
+from ..mesh import Mesh, ParallelDims
+from ..pipeline.tied_embedding import emb_stages
 from .live import LiveMemory
 
 ROUTING = "balanced MoE routing (the planner's assumption): each expert receives n·k/E rows from every ep rank"
@@ -40,7 +51,7 @@ def routed_tokens(cfg: TrainConfig) -> int:
 
 
 class Answers:
-    """The stand-in each host read gets in a simulation (`host.answered_by`)."""
+    """The stand-in each host read gets in a simulation (`StandIns`)."""
 
     def __init__(self, cfg: TrainConfig):
         model = cfg.model_config()
@@ -65,6 +76,98 @@ class Answers:
 
 def _zeros(shape: list[int]):
     return 0 if not shape else [_zeros(shape[1:]) for _ in range(shape[0])]
+
+
+class StandIns(TorchFunctionMode):
+    """What the fake world says where shardwise would look at data or at a kernel fake tensors lack: host
+    reads answered by `answers(what, t)`, torch._grouped_mm only in bf16 (the fake kernel accepts nothing
+    else), and no recompute routing check (fake counts hold no values). Every other call passes through.
+
+    A mode is off while it handles a call, so a call that runs shardwise code inside it would escape the
+    stand-ins: `Tensor.backward` (recomputation, gradient hooks) runs its engine with the mode back on —
+    the engine keeps its caller's modes for every node. The pipeline calls the engine itself."""
+
+    def __init__(self, answers):
+        super().__init__()
+        self.answers = answers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is host.values:
+            return self.answers(args[1], args[0])
+        if func is grouped_mm_available:
+            return args[0].dtype == torch.bfloat16 and func(*args)
+        if func is check_same_routing:
+            return None
+        if func is torch.Tensor.backward:
+            with self:
+                return _backward(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _backward(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    """`Tensor.backward`'s own body (torch.autograd.backward's, for one tensor), minus its torch-function check."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    grads = _make_grads((tensor,), _tensor_or_tensors_to_tuple(gradient, 1), is_grads_batched=False)
+    _engine_run_backward((tensor,), grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                         inputs, allow_unreachable=True, accumulate_grad=True)
+
+
+class FakeTransport(Transport):
+    """The fake process group's world: it can host no second backend (the world group serves for checkpoint
+    metadata), builds no DeviceMesh, takes every peer to hold what this rank holds in an object gather, and
+    its p2p handles — done as soon as issued — report so (torch's FakeWork always answers False)."""
+
+    def side_group(self, timeout):
+        return dist.group.WORLD
+
+    def device_mesh(self, groups, device_type, grid, names):
+        return None
+
+    def all_gather_object(self, out: list, obj, group) -> list:
+        return [obj] * len(out)
+
+    def batch_isend_irecv(self, ops: list) -> list:
+        return [_Issued(w) for w in dist.batch_isend_irecv(ops)]
+
+
+class _Issued:
+    """A fake p2p handle that reports itself complete."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self):
+        return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class FakeIO:
+    """The Trainer's batches under FakeTensorMode: the loader and each batch's host-side preparation stay real,
+    outside the mode, and a batch crosses in as a fake tensor."""
+
+    def __init__(self, fake_mode):
+        self.fake_mode = fake_mode
+
+    def host(self):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        return unset_fake_temporarily()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return self.fake_mode.from_tensor(t)
+
+
+def fake_mesh(cfg: TrainConfig) -> Mesh:
+    """`trainer.make_mesh`'s mesh on the fake process group's transport (CPU kernels: see PLATFORM.md)."""
+    p, m = cfg.parallel, cfg.model_config()
+    dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep, p.dp_shard)
+    tied = emb_stages(p) if m.tie_embeddings or m.mtp_layers else None
+    return Mesh.build(dims, torch.device("cpu"), Ledger(), cfg.timeout_s, emb_stages=tied, transport=FakeTransport())
 
 
 def _step(trainer, live: LiveMemory, step: int) -> int:
@@ -127,8 +230,7 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
     from torch._subclasses import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..train import static_storage_bytes
-    from ..trainer import Trainer, make_mesh
+    from ..trainer import Trainer
 
     world = world_size(cfg)
     if not 0 <= rank < world:
@@ -137,10 +239,10 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with FakeTensorMode() as fake, LiveMemory() as live, host.answered_by(answers):
-            mesh = make_mesh(cfg, torch.device("cpu"))
+        with FakeTensorMode() as fake, LiveMemory() as live, StandIns(answers):
+            mesh = fake_mesh(cfg)
             answers.ep_rank = mesh["ep"].rank
-            trainer = Trainer(cfg, mesh, fake_mode=fake)
+            trainer = Trainer(cfg, mesh, io=FakeIO(fake))
             _label_statics(trainer, live)
             if trainer.reducer.units is not None:  # ZeRO-3: unit buffers gathered and freed by resizing
                 live.watch([b.flat for b in trainer.reducer.buckets])
