@@ -47,7 +47,8 @@ from .. import comm, host
 from ..models.documents import document_mask
 from . import kernels
 from .kernels import expand_heads, fold_heads
-from .sharding import chunk_ids, check_seq_len, positions, shard_sequence
+from ..partition import check_seq_len, chunk_ids
+from .sharding import positions, shard_sequence
 
 
 # ---------------------------------------------------------------- block primitive

@@ -22,7 +22,8 @@ from torch.nn.attention import sdpa_kernel
 from .. import comm
 from . import kernels
 from ..models.documents import document_mask
-from .sharding import check_seq_len, layout_positions
+from ..partition import check_seq_len
+from .sharding import layout_positions
 
 
 class _AllToAll(torch.autograd.Function):

@@ -20,7 +20,7 @@ from .context import ParallelContext
 from .mla import MLA
 from .mtp import MTPLayer, mtp_forward
 from .params import declare, linear
-from .rope import apply_rope, llama3_inv_freq, rope_tables  # noqa: F401  (re-exported: the model's RoPE)
+from .rope import apply_rope, rope_tables
 
 
 class RMSNorm(nn.Module):
