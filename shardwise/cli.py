@@ -147,9 +147,42 @@ def _torchrun() -> bool:
     return under_torchrun()
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices.get(name, parser)
+
+
+def unknown_flags_message(sub: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's "unrecognized arguments" line, with the nearest flag the subcommand knows for each unknown one."""
+    import difflib
+
+    known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for token in extras:
+        if token.startswith("--"):
+            close = difflib.get_close_matches(token.split("=", 1)[0], known, n=1)
+            hints += [(token.split("=", 1)[0], close[0])] if close else []
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    if len(hints) == 1:
+        return f"{message}; did you mean {hints[0][1]}?"
+    if hints:
+        return f"{message}; did you mean {', '.join(f'{good} for {bad}' for bad, good in hints)}?"
+    return message
+
+
+def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """parse_args, except that an unknown flag is reported by its subcommand's parser (its usage, not the
+    top-level one) with a "did you mean" suggestion; exits 2 like any argparse error."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = _subcommand(parser, getattr(args, "command", None))
+        sub.error(unknown_flags_message(sub, extras))
+    return args
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if hasattr(args, "func"):
         return args.func(args)
     torchrun_world = int(os.environ["WORLD_SIZE"]) if _torchrun() else None

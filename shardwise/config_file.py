@@ -8,6 +8,7 @@ unknown keys are errors that list the valid ones. Flags on the command line over
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import tomllib
 
@@ -63,8 +64,10 @@ def apply_config_file(parser: argparse.ArgumentParser, sub: argparse.ArgumentPar
     defaults = {}
     for key, value in _flatten(data, path).items():
         if key not in actions:
-            valid = ", ".join(sorted(k.replace("_", "-") for k in actions))
-            raise ConfigError(f"{path}: unknown key {key.replace('_', '-')!r}; valid keys: {valid}")
+            names = sorted(k.replace("_", "-") for k in actions)
+            close = difflib.get_close_matches(key.replace("_", "-"), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{path}: unknown key {key.replace('_', '-')!r}{hint}; valid keys: {', '.join(names)}")
         defaults[key] = _check(actions[key], key, value, path)
     sub.set_defaults(**defaults)
     return parser.parse_args(sys.argv[1:] if argv is None else argv)
