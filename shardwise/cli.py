@@ -189,6 +189,9 @@ def main(argv=None) -> int:
     rank0 = torchrun_world is None or int(os.environ["RANK"]) == 0
     try:
         args, cfg = _configure(parser, args, argv, torchrun_world)
+    except ConfigError as e:  # flags and world size: the same on every rank, so rank 0 alone says it
+        return _refuse(args.command, e, rank0, torchrun_world is not None)
+    try:
         if args.print_config:
             from .config_file import render_config
 
@@ -200,9 +203,8 @@ def main(argv=None) -> int:
                 print(f"shardwise train: {done}", file=sys.stderr)
             return 0
         launch = _plan_launch(args, cfg, torchrun_world)
-    except ConfigError as e:
-        print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:  # may differ between nodes (files, devices): every rank says its own
+        return _refuse(args.command, e, True, torchrun_world is not None)
     p = cfg.parallel
     if p.pp > 1 and cfg.grad_accum < p.pp and rank0:
         print(f"shardwise {args.command}: warning: {cfg.grad_accum} microbatch(es) per step for {p.pp} pipeline "
@@ -219,6 +221,19 @@ def main(argv=None) -> int:
             print(f"shardwise {args.command}: {_interrupted_line(cfg)}", file=sys.stderr)
         return 130
     return _report(args.command, result) if rank0 else 0
+
+
+def _refuse(command: str, error: ConfigError, speak: bool, torchrun: bool) -> int:
+    """Exit status 2 and one line, before any collective; under torchrun the line also goes to torchrun's error
+    file, so its failure summary names the cause instead of pointing at a traceback."""
+    line = f"shardwise {command}: error: {error}"
+    if speak:
+        print(line, file=sys.stderr)
+    if torchrun:
+        from .launch import note_torchrun_failure
+
+        note_torchrun_failure(line)
+    return 2
 
 
 def _configure(parser, args, argv, torchrun_world: int | None):
