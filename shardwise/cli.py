@@ -13,7 +13,7 @@ import os
 import sys
 
 from .config import AXES, ConfigError, ParallelConfig, TrainConfig
-from .config.flags import RUN_FLAGS, config_fields, flag_default, flag_type
+from .config.flags import GIVEN, RUN_FLAGS, config_fields, flag_default, flag_type
 from .run import assemble, check_sources, read_model_config
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -30,6 +30,14 @@ DEFAULT_LAYOUT = {"dp": 2, "tp": 2}  # `shardwise train` with no layout flags: a
 MAX_LOCAL_RANKS = 64
 
 
+class StoreGiven(argparse.Action):
+    """argparse's plain store, also noting the flag in `GIVEN`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
+
+
 def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     """The run flags (`config.flags.RUN_FLAGS`) on the parser of `command` (train, verify or simulate)."""
     groups: dict[str | None, object] = {None: p}
@@ -44,7 +52,7 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
             where = exclusive[flag.exclusive]
         kw = dict(default=flag_default(flag, command), help=flag.help)
         if flag.kind == "value":
-            kw |= dict(type=flag_type(flag), choices=flag.choices, metavar=flag.metavar)
+            kw |= dict(type=flag_type(flag), choices=flag.choices, metavar=flag.metavar, action=StoreGiven)
         else:
             kw["action"] = argparse.BooleanOptionalAction if flag.kind == "toggle" else "store_true"
         where.add_argument(flag.name, **kw)
@@ -243,9 +251,19 @@ def _configure(parser, args, argv, torchrun_world: int | None):
 
         args = apply_config_file(parser, parser._sw_runs[args.command], args.config, argv)
     cfg = config_from_args(args, torchrun_world)
+    if torchrun_world is None or int(os.environ["RANK"]) == 0:
+        for line in config_warnings(args, cfg):
+            print(f"shardwise {args.command}: warning: {line}", file=sys.stderr)
     if torchrun_world is not None:
         _check_tp_within_node(cfg)
     return args, cfg
+
+
+def config_warnings(args, cfg: TrainConfig) -> list[str]:
+    """Flags that were given but change nothing in this configuration."""
+    given = getattr(args, GIVEN, frozenset())
+    idle = [f"--{d} {getattr(args, d)}" for d in ("schedule", "vp") if d in given and cfg.parallel.pp == 1]
+    return [f"{' and '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect without --pp > 1"] if idle else []
 
 
 def _before_ranks(args, cfg: TrainConfig) -> str | None:
@@ -354,7 +372,7 @@ def _interrupted_line(cfg: TrainConfig) -> str:
 
 
 def _print_summary(s: dict) -> None:
-    lay = ", ".join(f"{k}={v}" for k, v in s["layout"].items() if v not in (1, False, 0) or k == "dp")
+    lay = ", ".join(f"{k}={v}" for k, v in s["layout"].items() if v not in (1, False, 0, None) or k == "dp")
     print(f"trained {s['model']} on {lay} for {s['steps']} steps: loss {s['first_loss']:.4f} -> "
           f"{s['final_loss']:.4f}, {s['tokens_per_s']:.0f} tokens/s")
     comm_s = ", ".join(f"{a} {b / 2**20:.2f} MiB" for a, b in s["comm_bytes_per_step"].items()) or "none"
