@@ -134,9 +134,9 @@ def _run(kind: str, cfg: TrainConfig, device=None):
     return verify_main(cfg, device)
 
 
-def _check_tp_within_node(cfg: TrainConfig) -> None:
+def _check_tp_within_node(cfg: TrainConfig) -> list[str]:
     """TP is innermost, so a TP group is `tp` consecutive ranks: it stays on one node (NVLink) exactly
-    when the processes per node are a multiple of tp. On GPUs anything else is refused."""
+    when the processes per node are a multiple of tp. On GPUs anything else is refused; on CPU, a warning."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     tp = cfg.parallel.tp
     if local and local % tp:
@@ -146,7 +146,8 @@ def _check_tp_within_node(cfg: TrainConfig) -> None:
 
         if torch.cuda.is_available():
             raise ConfigError(msg)
-        print(f"shardwise: warning: {msg}", file=sys.stderr)
+        return [msg]
+    return []
 
 
 def _torchrun() -> bool:
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
     torchrun_world = int(os.environ["WORLD_SIZE"]) if _torchrun() else None
     rank0 = torchrun_world is None or int(os.environ["RANK"]) == 0
     try:
-        args, cfg = _configure(parser, args, argv, torchrun_world)
+        args, cfg = _configure(parser, args, argv, torchrun_world, rank0)
     except ConfigError as e:  # flags and world size: the same on every rank, so rank 0 alone says it
         return _refuse(args.command, e, rank0, torchrun_world is not None)
     try:
@@ -244,18 +245,17 @@ def _refuse(command: str, error: ConfigError, speak: bool, torchrun: bool) -> in
     return 2
 
 
-def _configure(parser, args, argv, torchrun_world: int | None):
-    """(args with --config's TOML applied, the assembled TrainConfig)."""
+def _configure(parser, args, argv, torchrun_world: int | None, rank0: bool):
+    """(args with --config's TOML applied, the assembled TrainConfig); rank 0 prints the warnings."""
     if args.config:
         from .config_file import apply_config_file
 
         args = apply_config_file(parser, parser._sw_runs[args.command], args.config, argv)
     cfg = config_from_args(args, torchrun_world)
-    if torchrun_world is None or int(os.environ["RANK"]) == 0:
-        for line in config_warnings(args, cfg):
+    warnings = config_warnings(args, cfg) + (_check_tp_within_node(cfg) if torchrun_world is not None else [])
+    if rank0:
+        for line in warnings:
             print(f"shardwise {args.command}: warning: {line}", file=sys.stderr)
-    if torchrun_world is not None:
-        _check_tp_within_node(cfg)
     return args, cfg
 
 
