@@ -13,7 +13,10 @@ import pytest
 
 DRIVER = textwrap.dedent("""
     import json, os, sys, traceback
-    from shardwise.cli import main
+    import shardwise.config_file, shardwise.launch  # imported once, before the forks
+    from shardwise.cli import build_parser, main
+
+    build_parser()  # and every subcommand's module
 
     results = []
     for i, (argv, env) in enumerate(json.loads(sys.argv[1])):
