@@ -1,6 +1,8 @@
 """`shardwise` command line: train, verify, plan, schedule.
 
-Configuration errors are caught before any rank starts and exit with status 2 and one line.
+Configuration errors are caught before any rank starts and exit with status 2 and one line (under
+torchrun, from rank 0 alone when every rank would say the same); an unknown flag gets its subcommand's
+usage and the nearest known flag. Flags that change nothing in the configuration get a one-line warning.
 Without torchrun's environment the command forks the ranks it needs (gloo, CPU); under torchrun
 each process joins the job.
 """
