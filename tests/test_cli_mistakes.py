@@ -122,3 +122,19 @@ def test_print_config_shows_values_as_typed_and_no_internals(ran):
     assert "# min-lr = 0.0003  (default: --lr / 10)" in out
     assert "_head_dim_derived" not in out and "None" not in out and "\nschedule =" not in out
     assert "\nlr = 0.003\n" in out and "\nhead_dim = 12\n" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "16", "--seq-len", "100000"],
+     "no layout of llama3-8b can run this workload on any GPU count: seq_len=100000 exceeds max_seq_len=8192"),
+    (["--gpus", "8", "--global-batch", "3", "--micro-batch", "2"], "global batch 3 is not divisible by micro-batch 2"),
+    (["--gpus", "24"], "llama3-8b on 24 GPUs has dp 3, 6, 12, 24 (micro-batch 1, 2, 4, 8); nearest GPU counts that "
+                       "have a layout: 16 or 32"),
+])
+def test_plan_says_why_no_layout_exists(argv, message, capsys):
+    """The other diagnoses of an empty search, in process: the workload itself, or the micro-batch alone."""
+    from shardwise.cli import main
+
+    assert main(["plan", "--model", "llama3-8b", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise plan: error: ") and message in err[0], err
