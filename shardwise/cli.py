@@ -9,6 +9,7 @@ each process joins the job.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import os
@@ -165,8 +166,6 @@ def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.A
 
 def unknown_flags_message(sub: argparse.ArgumentParser, extras: list[str]) -> str:
     """argparse's "unrecognized arguments" line, with the nearest flag the subcommand knows for each unknown one."""
-    import difflib
-
     known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
     hints = []
     for token in extras:

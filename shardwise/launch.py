@@ -40,10 +40,10 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def note_torchrun_failure(message: str, environ=None) -> None:
+def note_torchrun_failure(message: str) -> None:
     """Leave `message` in the error file torchrun's agent reads for this rank (TORCHELASTIC_ERROR_FILE), so its
     failure summary shows it instead of "To enable traceback see ..."; nothing without torchrun's agent."""
-    path = (os.environ if environ is None else environ).get("TORCHELASTIC_ERROR_FILE")
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     try:
