@@ -1,19 +1,22 @@
 """`shardwise` command line: train, verify, plan, schedule.
 
-Configuration errors are caught before any rank starts and exit with status 2 and one line.
+Configuration errors are caught before any rank starts and exit with status 2 and one line (under
+torchrun, from rank 0 alone when every rank would say the same); an unknown flag gets its subcommand's
+usage and the nearest known flag. Flags that change nothing in the configuration get a one-line warning.
 Without torchrun's environment the command forks the ranks it needs (gloo, CPU); under torchrun
 each process joins the job.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import os
 import sys
 
 from .config import AXES, ConfigError, ParallelConfig, TrainConfig
-from .config.flags import RUN_FLAGS, config_fields, flag_default, flag_type
+from .config.flags import GIVEN, RUN_FLAGS, config_fields, flag_default, flag_type
 from .run import assemble, check_sources, read_model_config
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -30,6 +33,14 @@ DEFAULT_LAYOUT = {"dp": 2, "tp": 2}  # `shardwise train` with no layout flags: a
 MAX_LOCAL_RANKS = 64
 
 
+class StoreGiven(argparse.Action):
+    """argparse's plain store, also noting the flag in `GIVEN`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
+
+
 def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     """The run flags (`config.flags.RUN_FLAGS`) on the parser of `command` (train, verify or simulate)."""
     groups: dict[str | None, object] = {None: p}
@@ -44,7 +55,7 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
             where = exclusive[flag.exclusive]
         kw = dict(default=flag_default(flag, command), help=flag.help)
         if flag.kind == "value":
-            kw |= dict(type=flag_type(flag), choices=flag.choices, metavar=flag.metavar)
+            kw |= dict(type=flag_type(flag), choices=flag.choices, metavar=flag.metavar, action=StoreGiven)
         else:
             kw["action"] = argparse.BooleanOptionalAction if flag.kind == "toggle" else "store_true"
         where.add_argument(flag.name, **kw)
@@ -126,9 +137,9 @@ def _run(kind: str, cfg: TrainConfig, device=None):
     return verify_main(cfg, device)
 
 
-def _check_tp_within_node(cfg: TrainConfig) -> None:
+def _check_tp_within_node(cfg: TrainConfig) -> list[str]:
     """TP is innermost, so a TP group is `tp` consecutive ranks: it stays on one node (NVLink) exactly
-    when the processes per node are a multiple of tp. On GPUs anything else is refused."""
+    when the processes per node are a multiple of tp. On GPUs anything else is refused; on CPU, a warning."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     tp = cfg.parallel.tp
     if local and local % tp:
@@ -138,7 +149,8 @@ def _check_tp_within_node(cfg: TrainConfig) -> None:
 
         if torch.cuda.is_available():
             raise ConfigError(msg)
-        print(f"shardwise: warning: {msg}", file=sys.stderr)
+        return [msg]
+    return []
 
 
 def _torchrun() -> bool:
@@ -147,15 +159,49 @@ def _torchrun() -> bool:
     return under_torchrun()
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices.get(name, parser)
+
+
+def unknown_flags_message(sub: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's "unrecognized arguments" line, with the nearest flag the subcommand knows for each unknown one."""
+    known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for token in extras:
+        if token.startswith("--"):
+            close = difflib.get_close_matches(token.split("=", 1)[0], known, n=1)
+            hints += [(token.split("=", 1)[0], close[0])] if close else []
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    if len(hints) == 1:
+        return f"{message}; did you mean {hints[0][1]}?"
+    if hints:
+        return f"{message}; did you mean {', '.join(f'{good} for {bad}' for bad, good in hints)}?"
+    return message
+
+
+def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """parse_args, except that an unknown flag is reported by its subcommand's parser (its usage, not the
+    top-level one) with a "did you mean" suggestion; exits 2 like any argparse error."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = _subcommand(parser, getattr(args, "command", None))
+        sub.error(unknown_flags_message(sub, extras))
+    return args
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if hasattr(args, "func"):
         return args.func(args)
     torchrun_world = int(os.environ["WORLD_SIZE"]) if _torchrun() else None
     rank0 = torchrun_world is None or int(os.environ["RANK"]) == 0
     try:
-        args, cfg = _configure(parser, args, argv, torchrun_world)
+        args, cfg = _configure(parser, args, argv, torchrun_world, rank0)
+    except ConfigError as e:  # flags and world size: the same on every rank, so rank 0 alone says it
+        return _refuse(args.command, e, rank0, torchrun_world is not None)
+    try:
         if args.print_config:
             from .config_file import render_config
 
@@ -167,9 +213,8 @@ def main(argv=None) -> int:
                 print(f"shardwise train: {done}", file=sys.stderr)
             return 0
         launch = _plan_launch(args, cfg, torchrun_world)
-    except ConfigError as e:
-        print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:  # may differ between nodes (files, devices): every rank says its own
+        return _refuse(args.command, e, True, torchrun_world is not None)
     p = cfg.parallel
     if p.pp > 1 and cfg.grad_accum < p.pp and rank0:
         print(f"shardwise {args.command}: warning: {cfg.grad_accum} microbatch(es) per step for {p.pp} pipeline "
@@ -189,16 +234,38 @@ def main(argv=None) -> int:
     return _report(args.command, result) if rank0 else 0
 
 
-def _configure(parser, args, argv, torchrun_world: int | None):
-    """(args with --config's TOML applied, the assembled TrainConfig)."""
+def _refuse(command: str, error: ConfigError, speak: bool, torchrun: bool) -> int:
+    """Exit status 2 and one line, before any collective; under torchrun the line also goes to torchrun's error
+    file, so its failure summary names the cause instead of pointing at a traceback."""
+    line = f"shardwise {command}: error: {error}"
+    if speak:
+        print(line, file=sys.stderr)
+    if torchrun:
+        from .launch import note_torchrun_failure
+
+        note_torchrun_failure(line)
+    return 2
+
+
+def _configure(parser, args, argv, torchrun_world: int | None, rank0: bool):
+    """(args with --config's TOML applied, the assembled TrainConfig); rank 0 prints the warnings."""
     if args.config:
         from .config_file import apply_config_file
 
         args = apply_config_file(parser, parser._sw_runs[args.command], args.config, argv)
     cfg = config_from_args(args, torchrun_world)
-    if torchrun_world is not None:
-        _check_tp_within_node(cfg)
+    warnings = config_warnings(args, cfg) + (_check_tp_within_node(cfg) if torchrun_world is not None else [])
+    if rank0:
+        for line in warnings:
+            print(f"shardwise {args.command}: warning: {line}", file=sys.stderr)
     return args, cfg
+
+
+def config_warnings(args, cfg: TrainConfig) -> list[str]:
+    """Flags that were given but change nothing in this configuration."""
+    given = getattr(args, GIVEN, frozenset())
+    idle = [f"--{d} {getattr(args, d)}" for d in ("schedule", "vp") if d in given and cfg.parallel.pp == 1]
+    return [f"{' and '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect without --pp > 1"] if idle else []
 
 
 def _before_ranks(args, cfg: TrainConfig) -> str | None:

@@ -8,10 +8,13 @@ unknown keys are errors that list the valid ones. Flags on the command line over
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import sys
 import tomllib
 
 from .config import ConfigError
+from .config.flags import GIVEN
 from .config.schedule import lr_plan
 
 _SKIP = {"help", "config", "print_config", "command"}
@@ -63,16 +66,24 @@ def apply_config_file(parser: argparse.ArgumentParser, sub: argparse.ArgumentPar
     defaults = {}
     for key, value in _flatten(data, path).items():
         if key not in actions:
-            valid = ", ".join(sorted(k.replace("_", "-") for k in actions))
-            raise ConfigError(f"{path}: unknown key {key.replace('_', '-')!r}; valid keys: {valid}")
+            names = sorted(k.replace("_", "-") for k in actions)
+            close = difflib.get_close_matches(key.replace("_", "-"), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{path}: unknown key {key.replace('_', '-')!r}{hint}; valid keys: {', '.join(names)}")
         defaults[key] = _check(actions[key], key, value, path)
     sub.set_defaults(**defaults)
-    return parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    setattr(args, GIVEN, getattr(args, GIVEN, frozenset()) | set(defaults))
+    return args
 
 
-def _toml_value(v) -> str:
+def _toml_value(v, derived: bool = False) -> str:
+    """TOML for a value: a float as typed (its shortest round-tripping repr); a `derived` float (computed, e.g.
+    --lr / 10) at 15 significant digits, so 0.003 / 10 reads 0.0003, not 0.00030000000000000003."""
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, float) and derived:
+        return repr(float(f"{v:.15g}"))
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, (list, tuple)):
@@ -85,7 +96,9 @@ def render_config(sub: argparse.ArgumentParser, args, cfg) -> str:
     p = cfg.parallel
     resolved = vars(args) | {a: getattr(p, a) for a in ("dp", "pp", "cp", "tp", "ep")}
     resolved["microbatches"] = None  # folded into global-batch
-    resolved["vp"] = p.vp
+    # Pipeline-only settings change nothing on one stage (and --config would warn about them): left out there.
+    resolved["vp"] = p.vp if p.pp > 1 else None
+    resolved["schedule"] = p.schedule if p.pp > 1 else None
     # Flags whose default follows other flags stay defaults (a comment shows the value they take now).
     derived = {"min_lr": "--lr / 10", "warmup_steps": "10% of the schedule, 1..20",
                "lr_decay_steps": "--steps; on resume the checkpoint's"}
@@ -97,11 +110,13 @@ def render_config(sub: argparse.ArgumentParser, args, cfg) -> str:
         key = a.option_strings[0][2:]
         if resolved.get(a.dest) is None:
             if a.dest in derived:
-                lines.append(f"# {key} = {_toml_value(plan[a.dest])}  (default: {derived[a.dest]})")
+                lines.append(f"# {key} = {_toml_value(plan[a.dest], derived=True)}  (default: {derived[a.dest]})")
             continue
         lines.append(f"{key} = {_toml_value(resolved[a.dest])}")
     lines.append(f"\n[{INFORMATIONAL}]")
-    for k, v in vars(cfg.model_config()).items():
+    model = cfg.model_config()
+    for f in dataclasses.fields(model):  # the declared fields only: no internal bookkeeping, no None
+        v = getattr(model, f.name)
         if v is not None:
-            lines.append(f"{k} = {_toml_value(v)}")
+            lines.append(f"{f.name} = {_toml_value(v)}")
     return "\n".join(lines)

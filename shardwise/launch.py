@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib
+import json
 import mmap
 import multiprocessing as mp
 import os
@@ -37,6 +38,19 @@ class RankError(RuntimeError):
 
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def note_torchrun_failure(message: str) -> None:
+    """Leave `message` in the error file torchrun's agent reads for this rank (TORCHELASTIC_ERROR_FILE), so its
+    failure summary shows it instead of "To enable traceback see ..."; nothing without torchrun's agent."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass
 
 
 DEVICES = ("auto", "cpu", "cuda")

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 from .schedule import LR_SCHEDULES, parse_betas
 
+GIVEN = "given_flags"
+"""Namespace attribute the CLI fills: the dests of the value flags given on the command line or in --config (a
+value equal to the default is still given: `--schedule 1f1b` without `--pp` is worth a warning)."""
+
 FROM_FIELD = object()
 """Default marker: the flag's default is its field's default."""
 

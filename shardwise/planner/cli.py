@@ -1,7 +1,8 @@
 """`shardwise plan`: rank parallel layouts for a model on a cluster, or explain one layout in full.
 
 `add_parser(subparsers)` registers the subcommand on an argparse subparsers object; `run(args)` executes
-it and returns the exit status (0 ok, 1 nothing fits, 2 bad input, reported on one stderr line).
+it and returns the exit status (0 ok, 1 nothing fits in memory, 2 bad input — including a GPU count or global
+batch no layout divides — reported on one stderr line).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from shardwise.planner.layout import (
 from shardwise.planner.command import parse_train_flags, row_command
 from shardwise.planner.activations import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
-from shardwise.planner.search import SearchSpace, candidates, search
+from shardwise.planner.search import SearchSpace, candidates, no_layout_reason, search
 
 GB = 1e9
 TABLE_AXES = ("tp", "cp", "pp", "emb", "dp_cp", "dp_shard", "dp_replicate", "ep", "edp")
@@ -169,6 +170,9 @@ def _search(args, spec, cluster, wl, assume) -> int:
         uneven_pp=args.uneven_pp, vp=args.vp, cp_impl=args.cp_impl, dp_shard=args.dp_shard,
     )
     results = search(spec, cluster, wl, space, assume)
+    n_valid = sum(1 for _ in candidates(spec, cluster, wl, space)) if not results else None
+    if n_valid == 0:
+        raise PlanError(no_layout_reason(spec, cluster, wl, space))
     for r in results[: args.top]:
         r |= row_command(model_flags(args), spec, cluster, Layout.from_dict(r["layout"]), wl)
     if args.trace:
@@ -179,8 +183,7 @@ def _search(args, spec, cluster, wl, assume) -> int:
     if args.json:
         print(json.dumps(results[: args.top], indent=2))
     if not results:
-        n = sum(1 for _ in candidates(spec, cluster, wl, space))
-        print(f"shardwise plan: no layout fits ({n} valid layouts, none within "
+        print(f"shardwise plan: no layout fits ({n_valid} valid layouts, none within "
               f"{cluster.gpu.memory_bytes * assume.usable_memory / GB:.0f} GB per GPU); try more GPUs, "
               f"--zero 3, --recompute full, a smaller --micro-batch or --uneven-pp", file=sys.stderr)
         return 1

@@ -95,7 +95,12 @@ def _train_parser():
 
 
 def _train_args(tokens: list[str]):
-    args = _train_parser().parse_args(tokens)
+    from shardwise.cli import unknown_flags_message
+
+    sub = _train_parser()
+    args, extras = sub.parse_known_args(tokens)
+    if extras:
+        _raise(unknown_flags_message(sub, extras))
     args.command = "train"
     return args
 

@@ -3,12 +3,14 @@
 The degrees come from the divisors of the GPU count; each candidate must pass `layout_problems`
 (heads, KV heads, FFN, experts, layers, sequence, schedule rules) and, unless allowed, keep every TP
 group inside one NVLink domain. Under ZeRO 2/3 it also tries hybrid sharding (`_dp_shards`). Memory is checked before the (costlier) time model runs.
+When no candidate exists at all, `no_layout_reason` says why (the GPU count or the global batch) and which GPU
+counts nearby would have one: a different mistake from "none fits in memory".
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
-from math import gcd
+from math import gcd, lcm
 
 from shardwise.planner.estimate import Assumptions, axis_links, estimate, fits, memory_by_stage
 from shardwise.planner.hardware import Cluster
@@ -105,3 +107,60 @@ def search(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpace =
             results.append(estimate(spec, cluster, lay, wl, assume, mem=mem))
     results.sort(key=lambda r: (r["step_time_s"], r["total_bytes_per_rank"]))
     return results
+
+
+def _may_have_layout(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpace) -> bool:
+    """A quick necessary condition for `candidates` to yield: some dp × tp × pp × cp split of the GPUs with
+    dp × micro-batch dividing the global batch, tp dividing the heads (inside a domain), pp the layers and cp
+    the sequence. Lets `nearest_gpu_counts` skip most counts without enumerating their layouts."""
+    n = cluster.gpus
+    for dp in divisors(gcd(n, wl.global_batch)):
+        if all(wl.global_batch % (dp * mb) for mb in space.micro_batches):
+            continue
+        inner = n // dp
+        for tp in divisors(gcd(inner, spec.n_heads)):
+            if tp > cluster.domain and not space.allow_tp_cross_domain:
+                continue
+            for pp in divisors(inner // tp):
+                cp = inner // (tp * pp)
+                if pp <= spec.n_layers and (space.uneven_pp or spec.n_layers % pp == 0) and wl.seq_len % cp == 0 \
+                        and not (space.max_cp and cp > space.max_cp):
+                    return True
+    return False
+
+
+def nearest_gpu_counts(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpace) -> list[int]:
+    """The closest GPU count below `cluster.gpus` and the closest up to twice it that have at least one valid
+    layout for this model and global batch; past one node only whole nodes count (as `Cluster` requires)."""
+    n, node = cluster.gpus, cluster.gpus_per_node
+
+    def ok(g: int) -> bool:
+        if g > node and g % node:
+            return False
+        c = replace(cluster, gpus=g)
+        return _may_have_layout(spec, c, wl, space) and next(candidates(spec, c, wl, space), None) is not None
+
+    below = next((g for g in range(n - 1, 0, -1) if ok(g)), None)
+    above = next((g for g in range(n + 1, 2 * n + 1) if ok(g)), None)
+    return [g for g in (below, above) if g is not None]
+
+
+def no_layout_reason(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpace) -> str:
+    """Why `candidates` is empty: the global batch, which no dp × micro-batch of any split of these GPUs
+    divides (with the nearest GPU counts that have a layout), or the model and workload themselves."""
+    n, mbs = cluster.gpus, ", ".join(map(str, space.micro_batches))
+    if all(wl.global_batch % mb for mb in space.micro_batches):
+        return f"global batch {wl.global_batch} is not divisible by micro-batch {mbs}"
+    # A global batch every split divides (dp | n, micro-batch | lcm), with m >= 2·pp: only the split rules remain.
+    free = replace(wl, global_batch=2 * n * lcm(*space.micro_batches))
+    dps = sorted({lay.dp for lay in candidates(spec, cluster, free, space)})
+    if not dps:  # plain data parallelism passes every rule that depends on the GPU count: no count would help
+        plain = Layout(dp=n, mb=space.micro_batches[0], m=2, zero=space.zero, recompute=space.recompute,
+                       cp_impl=space.cp_impl)
+        problems = layout_problems(spec, plain, n, wl.seq_len, space.uneven_pp) or ["no split passes the search's rules"]
+        return f"no layout of {spec.name} can run this workload on any GPU count: {'; '.join(problems)}"
+    shown = ", ".join(map(str, dps[:6])) + (", ..." if len(dps) > 6 else "")
+    near = nearest_gpu_counts(spec, cluster, wl, space)
+    return (f"no layout divides {n} GPUs and global batch {wl.global_batch}: dp × micro-batch must divide it, and "
+            f"{spec.name} on {n} GPUs has dp {shown} (micro-batch {mbs})"
+            + (f"; nearest GPU counts that have a layout: {' or '.join(map(str, near))}" if near else ""))
