@@ -120,7 +120,7 @@ class TorchRunner:
 
         # The plain-linear model of the same stage layout (the zb peer must not use the deferred-W linears).
         plain = {"zb": "1f1b", "dualpipev": "dualpipev"}.get(schedule, schedule)
-        tr = Trainer(make_cfg(opts, plain, vp), mesh, tokens)
+        tr = self.trainer = Trainer(make_cfg(opts, plain, vp), mesh, tokens)
         if tr.model.grad_store is not None:
             for m in tr.model.modules():
                 if hasattr(m, "grad_store"):
@@ -176,7 +176,9 @@ def rank_main(opts: dict) -> dict:
 
     def run(name) -> float:
         r = runners[name]
-        r.model.zero_grad(set_to_none=True)
+        # The reducer's hooks count each step's backward passes: a step that is never reduced is dropped
+        # through the reducer (model.zero_grad would leave its count at the previous step's rounds).
+        r.trainer.reducer.zero_grad()
         if isinstance(r, ShardwiseRunner):
             return r.step(xs, ys, n_tokens)
         return r.step(x, y, n_tokens)
