@@ -77,6 +77,8 @@ PAIRS = {  # key -> (shardwise schedule, vp, torch schedule class name)
     "zb": ("zb", 1, "ScheduleInterleavedZeroBubble"),
     "dualpipev": ("dualpipev", 2, "ScheduleDualPipeV"),
 }
+SMOKE = {"m": 4, "mb": 1, "dim": 64, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 128, "seq": 32, "reps": 1,
+         "warmup": 0, "dualpipev": True}
 
 
 class TorchStageModule(nn.Module):
@@ -349,7 +351,11 @@ def main(argv=None) -> int:
                     help=f"comma-separated subset of {','.join(PAIRS)}")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per implementation (rank 0)")
     ap.add_argument("--profile-rows", type=int, default=15)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes, one repetition, every pair: the test of the script")
     args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     opts = vars(args)
     if args.layers % (2 * args.pp):
         ap.error(f"--layers {args.layers} must be divisible by 2 x pp = {2 * args.pp} (interleaved vp=2)")
