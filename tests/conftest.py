@@ -37,7 +37,7 @@ SLOW_TESTS = {
                          "test_sampling_is_seeded_and_a_tiny_nucleus_is_greedy", "test_cli_json_last_line",
                          "test_checkpoint_on_prepared_data_uses_its_tokenizer_and_eos"},
     "test_gpu_check.py": {"test_gpu_check_dry_run"},
-    "test_hf.py": {"test_training_step_matches_transformers",
+    "test_hf.py": {"test_training_step_matches_transformers", "test_layout_matches_transformers",
                    "test_finetune_dp2_tp2_zero1_exported_loss_matches_transformers"},
     "test_host_syncs.py": {"test_host_syncs_per_step_within_budget"},
     "test_kernel_choice.py": {"test_summary_records_the_kernel_per_call_site"},
