@@ -13,7 +13,8 @@ Three measurements, each at cp = 2 and 4 (one fork per cp degree):
     recorded as null with the reason (on CPU it has no sharding strategy for the CPU flash op).
 
     python benchmarks/cp_balance.py --seq 2048 --reps 9
-Last stdout line: one JSON object {"medians_s": ..., "ratios": ..., "config": ..., "peers": ...}.
+Last stdout line: one JSON object {"medians_s": ..., "ratios": ..., "config": ..., "peers": ..., "absent": ...}
+(`absent`: a peer that could not run, with the reason).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from shardwise.launch import run_local  # noqa: E402
 from shardwise.mesh import Mesh, ParallelDims  # noqa: E402
 
 ORDERS = ("contiguous", "balanced")
+SMOKE = {"seq": 64, "heads": 4, "kv_heads": 2, "head_dim": 8, "reps": 1}
 
 
 def _inputs(args, s_len, gen, grad=False):
@@ -129,7 +131,7 @@ def _rank(c, args):
     return res
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, default=2048, help="global sequence length (a multiple of 8)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per batch")
@@ -137,7 +139,10 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
     ap.add_argument("--head-dim", type=int, default=64, help="head dimension")
     ap.add_argument("--reps", type=int, default=9, help="timed repetitions per measurement (median)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: the test of the script")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     medians, ratios, peers = {}, {}, {}
     for c in (2, 4):
         r0 = run_local(_rank, c, c, args, timeout_s=600, wall_timeout_s=1800)[0]
@@ -159,7 +164,8 @@ def main():
     config.update(torch=torch.__version__, cores=os.cpu_count(), dtype="float32")
     print(json.dumps({"medians_s": {k: None if v is None else round(v, 5) for k, v in medians.items()},
                       "ratios": ratios,
-                      "config": config, "peers": peers}))
+                      "config": config, "peers": peers,
+                      "absent": {k: p["reason"] for k, p in peers.items() if p["step_s"] is None}}))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from shardwise.parallelize import build_model  # noqa: E402
 DP = 2
 IMPLS = ("shardwise_zero0", "ddp", "shardwise_zero3", "fsdp2")
 PEER = {"ddp": "shardwise_zero0", "fsdp2": "shardwise_zero3"}
+SMOKE = {"dim": 64, "layers": 2, "ffn": 128, "seq": 8, "bucket_mb": 1, "reps": 1, "warmup": 0}
 LR, CLIP = 1e-3, 1.0
 
 
@@ -163,7 +164,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions (a multiple of 4 balances the orders)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: the test of the script")
     args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     opts = vars(args)
     per_rank = run_local(rank_main, DP, opts, timeout_s=900.0)
     steps = {k: [max(ts) for ts in zip(*(r["times"][k] for r in per_rank))] for k in IMPLS}

@@ -14,7 +14,8 @@ and applies them on the expert side; we apply them after combine.
 Each repetition runs every implementation once after a barrier, in a rotated order; a
 repetition's time is the slower rank's; paired ratios are medians of per-repetition ratios
 (same machine noise on both sides). The ledger gives our per-rank bytes. The last stdout line
-is one JSON object (medians, ratios ours/megatron, bytes, config).
+is one JSON object (medians, ratios ours/megatron, bytes, config, and `absent`: a peer that could not
+run, with the reason).
 
     python benchmarks/ep_dispatch.py --reps 20
 """
@@ -41,6 +42,7 @@ from shardwise.launch import run_local  # noqa: E402
 from shardwise.mesh import Mesh, ParallelDims  # noqa: E402
 
 ROUTINGS = ("balanced", "skewed")
+SMOKE = {"tokens": 16, "dim": 16, "reps": 1, "warmup": 0}
 
 
 def routing(kind: str, n: int, e: int, k: int, g: torch.Generator):
@@ -81,15 +83,12 @@ class _NoStream:
 
 
 def megatron_dispatcher(e: int, k: int, dim: int, group, single_group):
-    """Megatron-Core's alltoall dispatcher for this rank (None if megatron-core is missing)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import megatron.core.transformer.moe.token_dispatcher as td
-            from megatron.core.process_groups_config import ProcessGroupCollection
-            from megatron.core.transformer.transformer_config import TransformerConfig
-    except ImportError:
-        return None
+    """Megatron-Core's alltoall dispatcher for this rank; ImportError if megatron-core is missing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.transformer.moe.token_dispatcher as td
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.transformer_config import TransformerConfig
     torch.cuda.Stream = _NoStream
     torch.cuda.current_stream = lambda *a, **kw: _NoStream()
     torch.cuda.stream = lambda s: contextlib.nullcontext()
@@ -130,7 +129,11 @@ def _rank(args, seed):
     mesh = Mesh.build(ParallelDims.build(world, ep=world), torch.device("cpu"), Ledger())
     ep_axis = mesh["ep"]
     singles = [dist.new_group([i]) for i in range(world)]  # Megatron wants an expert-TP group of size 1
-    mega = megatron_dispatcher(args.experts, args.topk, args.dim, ep_axis.group, singles[dist.get_rank()])
+    try:
+        mega, absent = megatron_dispatcher(args.experts, args.topk, args.dim, ep_axis.group,
+                                           singles[dist.get_rank()]), {}
+    except ImportError as e:  # reported in the JSON, not fatal: shardwise still runs
+        mega, absent = None, {"megatron": f"megatron-core unavailable: {type(e).__name__}: {e}"}
     ours = AllToAllDispatcher(args.experts, ep_axis)
     impls = {"shardwise": ours_step, **({"megatron": megatron_step} if mega is not None else {})}
     objs = {"shardwise": ours, "megatron": mega}
@@ -156,7 +159,7 @@ def _rank(args, seed):
                     dt = time.perf_counter() - t0
                     if rep >= args.warmup:
                         times.setdefault(f"{name}/{kind}/{phase}", []).append(dt)
-    return {"times": times, "bytes": nbytes, "diff": diff}
+    return {"times": times, "bytes": nbytes, "diff": diff, "absent": absent}
 
 
 def main(argv=None) -> int:
@@ -169,10 +172,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed repetitions per case")
     ap.add_argument("--ep", type=int, nargs="+", default=[2, 4], help="ep degrees (one rank each)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: the test of the script")
     args = ap.parse_args(argv)
-    medians, ratios, paired, bytes_out, diffs = {}, {}, {}, {}, {}
+    if args.smoke:
+        vars(args).update(SMOKE)
+    medians, ratios, paired, bytes_out, diffs, absent = {}, {}, {}, {}, {}, {}
     for ep in args.ep:
         per_rank = run_local(_rank, ep, args, args.seed, timeout_s=600)
+        absent |= per_rank[0]["absent"]
         steps = {key: [max(ts) for ts in zip(*(r["times"][key] for r in per_rank))]  # the slower rank's time
                  for key in per_rank[0]["times"]}
         for key, step in steps.items():
@@ -206,7 +213,7 @@ def main(argv=None) -> int:
     print(json.dumps({"medians_s": medians, "ratios": {"vs_megatron": ratios if have_mega else None},
                       "paired_ratios": paired if have_mega else None, "bytes": bytes_out,
                       "max_abs_diff_vs_megatron": diffs if have_mega else None,
-                      "config": config}))
+                      "config": config, "absent": absent}))
     return 0
 
 

@@ -196,7 +196,8 @@ def kernel_parity(device, dtypes, s: int, dims) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, forked gloo ranks (what CI runs)")
+    ap.add_argument("--dry-run", "--smoke", action="store_true",
+                    help="CPU, tiny shapes, forked gloo ranks (what CI runs)")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args(argv)
     gpus = 0 if args.dry_run else torch.cuda.device_count()  # NVML: no CUDA context yet

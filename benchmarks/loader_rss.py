@@ -31,6 +31,8 @@ import numpy as np  # noqa: E402
 
 from shardwise.data.shards import ShardWriter  # noqa: E402
 
+SMOKE = {"big_mb": 2, "small_mb": 1, "steps": 1, "sweep_steps": 10, "seq_len": 32}
+
 CHILD = r"""
 import json, resource, sys, time
 mode, data, out, steps, seq, dp = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
@@ -68,7 +70,7 @@ def measure(mode: str, data: str, out: str, steps: int, seq: int, dp: int) -> di
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--big-mb", type=float, default=1024)
     ap.add_argument("--small-mb", type=float, default=10)
@@ -76,7 +78,10 @@ def main() -> None:
     ap.add_argument("--sweep-steps", type=int, default=2000, help="loader steps (sweep mode)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--dp", type=int, default=8, help="sweep: the rank reads 8 of 8·dp rows per step")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: the test of the script")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     work = tempfile.mkdtemp(prefix="sw-rss-")
     try:
         sizes = {"small": args.small_mb, "big": args.big_mb}

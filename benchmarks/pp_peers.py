@@ -78,6 +78,8 @@ PAIRS = {  # key -> (shardwise schedule, vp, torch schedule class name)
     "zb": ("zb", 1, "ScheduleInterleavedZeroBubble"),
     "dualpipev": ("dualpipev", 2, "ScheduleDualPipeV"),
 }
+SMOKE = {"m": 4, "mb": 1, "dim": 64, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 128, "seq": 32, "reps": 1,
+         "warmup": 0, "dualpipev": True}
 
 
 class TorchStageModule(nn.Module):
@@ -121,7 +123,7 @@ class TorchRunner:
 
         # The plain-linear model of the same stage layout (the zb peer must not use the deferred-W linears).
         plain = {"zb": "1f1b", "dualpipev": "dualpipev"}.get(schedule, schedule)
-        tr = Trainer(make_cfg(opts, plain, vp), mesh, tokens)
+        tr = self.trainer = Trainer(make_cfg(opts, plain, vp), mesh, tokens)
         if tr.model.grad_store is not None:
             for m in tr.model.modules():
                 if hasattr(m, "grad_store"):
@@ -177,7 +179,9 @@ def rank_main(opts: dict) -> dict:
 
     def run(name) -> float:
         r = runners[name]
-        r.model.zero_grad(set_to_none=True)
+        # The reducer's hooks count each step's backward passes: a step that is never reduced is dropped
+        # through the reducer (model.zero_grad would leave its count at the previous step's rounds).
+        r.trainer.reducer.zero_grad()
         if isinstance(r, ShardwiseRunner):
             return r.step(xs, ys, n_tokens)
         return r.step(x, y, n_tokens)
@@ -348,7 +352,11 @@ def main(argv=None) -> int:
                     help=f"comma-separated subset of {','.join(PAIRS)}")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per implementation (rank 0)")
     ap.add_argument("--profile-rows", type=int, default=15)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes, one repetition, every pair: the test of the script")
     args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     opts = vars(args)
     if args.layers % (2 * args.pp):
         ap.error(f"--layers {args.layers} must be divisible by 2 x pp = {2 * args.pp} (interleaved vp=2)")

@@ -86,13 +86,19 @@ def _cpu() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def main() -> None:
+SMOKE = {"mb": 0.05, "reps": 1, "vocab": 512}
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=20.0, help="megabytes of text")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json or HF model dir (default: train a BPE)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: the test of the script")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     work = tempfile.mkdtemp(prefix="sw-prep-")
     try:
         path, docs = build_corpus(work, args.mb)

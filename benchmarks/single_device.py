@@ -225,7 +225,10 @@ def profile(name, fn, model, tokens, targets, steps: int = 3) -> None:
 
 
 # ---------------------------------------------------------------- main
-def main() -> None:
+SMOKE = {"batch": 1, "seq_tiny": 16, "seq_small": 16, "reps": 1, "warmup": 0, "threads": 1}
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,small,qwen3-moe,deepseek-v3")
     ap.add_argument("--batch", type=int, default=4)
@@ -239,7 +242,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0 = torch's default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per implementation")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes, one repetition, every model: the test of the script")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -12,7 +12,8 @@ tensor-parallel machinery.
 
 All three live in the same two processes; every repetition runs each implementation once, in a
 rotated order, after a barrier. A repetition's time is the slower rank's; medians are reported.
-The last stdout line is one JSON object (medians, ratios, config).
+The last stdout line is one JSON object (medians, ratios, config, and `absent`: a peer that could not
+run, with the reason).
 
     python benchmarks/tp_peers.py --reps 30
 """
@@ -44,6 +45,7 @@ from shardwise.parallelize import build_model, global_init, plain_model  # noqa:
 
 TP = 2
 IMPLS = ("shardwise", "dtensor", "megatron")
+SMOKE = {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn": 128, "seq": 16, "reps": 1, "warmup": 0}
 
 
 # ---------------------------------------------------------------- peers
@@ -162,12 +164,12 @@ def rank_main(opts: dict) -> dict:
     ref = plain_block(cfg, seed)  # unsharded reference, run locally for the sanity check
     blocks: dict[str, nn.Module | None] = {"shardwise": build_model(cfg, mesh, seed).layers["0"],
                                            "dtensor": dtensor_block(ref, mesh)}
-    notes = []
+    absent = {}
     try:
         blocks["megatron"] = MegatronBlock(cfg, ref, mesh["tp"].group, mesh["tp"].rank, not opts["megatron_unfused"])
     except Exception as e:  # reported, not fatal: the other two still run
         blocks["megatron"] = None
-        notes.append(f"megatron-core unavailable: {type(e).__name__}: {e}")
+        absent["megatron"] = f"megatron-core unavailable: {type(e).__name__}: {e}"
     impls = [k for k, v in blocks.items() if v is not None]
 
     gen = torch.Generator().manual_seed(seed + 1)  # same input and output-gradient on every rank
@@ -214,7 +216,7 @@ def rank_main(opts: dict) -> dict:
                     _step(blocks[name], xs, gy, cos, sin)
             if rank == 0:
                 prof[name] = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
-    return {"times": times, "diffs": diffs, "notes": notes, "profile": prof}
+    return {"times": times, "diffs": diffs, "absent": absent, "profile": prof}
 
 
 # ---------------------------------------------------------------- driver
@@ -232,14 +234,18 @@ def main(argv=None) -> int:
     ap.add_argument("--megatron-unfused", action="store_true",
                     help="separate q/k/v and w1/w3 Megatron layers (default: fused QKV and fc1, Megatron's own layout)")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per implementation (rank 0)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: the test of the script")
     args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.n_kv_heads % TP or args.n_heads % TP:
         ap.error(f"n_heads and n_kv_heads must be divisible by tp={TP}")
     opts = vars(args)
 
     per_rank = run_local(rank_main, TP, opts, timeout_s=600.0)
-    for note in per_rank[0]["notes"]:
-        print(note)
+    absent = per_rank[0]["absent"]
+    for reason in absent.values():
+        print(reason)
     impls = list(per_rank[0]["times"])
     print(f"block dim={args.dim} heads={args.n_heads}/{args.n_kv_heads} ffn={args.ffn} batch={args.batch} "
           f"seq={args.seq}, tp={TP} on {TP} gloo ranks x 1 thread, {args.warmup} warm-up + {args.reps} reps, "
@@ -278,7 +284,7 @@ def main(argv=None) -> int:
               "threads_per_rank": 1, "megatron_layout": "unfused" if args.megatron_unfused else "fused",
               "torch": torch.__version__}
     print(json.dumps({"medians_s": medians, "ratios": ratios, "config": config, "paired_ratios": paired,
-                      "max_abs_diff": sanity}))
+                      "max_abs_diff": sanity, "absent": absent}))
     return 0
 
 

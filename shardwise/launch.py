@@ -213,7 +213,9 @@ class LastOp:
     """A rank's latest collective call, kept in a 128-byte memory-mapped file the launcher can read.
 
     An NCCL hang ends in the watchdog's SIGABRT, which no Python handler survives; a page the kernel
-    owns does. Writing it costs a memcpy per collective. Format: "<count> <op> <axis>".
+    owns does. Writing it costs a memcpy per collective. Format: count, axis and op separated by tabs,
+    because an op names its tensor in words ("recv of act for microbatch 0, stage 1"); the axis comes before
+    the op so that a long op is what the 128 bytes cut.
     """
 
     SIZE = 128
@@ -228,16 +230,16 @@ class LastOp:
 
     def note(self, op: str, axis: str) -> None:
         self.count += 1
-        self._mm[:] = f"{self.count} {op} {axis}".encode()[:self.SIZE].ljust(self.SIZE)
+        self._mm[:] = f"{self.count}\t{axis}\t{op}".encode()[:self.SIZE].ljust(self.SIZE)
 
     @staticmethod
     def read(directory: str, rank: int) -> tuple[int, str, str] | None:
         try:
             with open(os.path.join(directory, f"rank{rank}.lastop"), "rb") as f:
-                parts = f.read().decode(errors="replace").split()
+                parts = f.read().decode(errors="replace").strip().split("\t")
         except OSError:
             return None
-        return (int(parts[0]), parts[1], " ".join(parts[2:])) if len(parts) >= 3 else None
+        return (int(parts[0]), parts[2], parts[1]) if len(parts) == 3 else None
 
 
 def _last_ops_report(records: dict[int, tuple[int, str, str]]) -> str:

@@ -1,1 +1,72 @@
-import sys, os; sys.path.insert(0, os.path.dirname(__file__))
+"""Test tiers. `python -m pytest -q -m "not slow"` is the edit-test loop (under 3 minutes on an idle 2-core box);
+`python -m pytest -q` (CI and the README) runs everything.
+
+A test is slow when it forks ranks or starts subprocesses: parity checks over layouts, verify runs, whole
+`shardwise train` runs, crash and resume. A file of them says so here (SLOW_FILES) or with a module-level
+`pytestmark = pytest.mark.slow`; a slow test in an otherwise fast file is named in SLOW_TESTS (every
+parametrisation of it). tests/test_tiers.py checks that every name here still exists."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+SLOW_FILES = {
+    "test_bf16_activations.py", "test_checkpoint.py", "test_comm.py", "test_comm_ops.py", "test_composition.py",
+    "test_faults.py", "test_hsdp.py", "test_pipeline.py", "test_planner_ledger.py", "test_random.py",
+    "test_recompute_planner.py", "test_resume.py", "test_strict_p2p.py", "test_tensor_parallel.py", "test_verify.py",
+    "test_zero.py", "test_moe_training.py", "test_peak_sweep.py", "test_autocast_cache.py", "test_checkpoint_io.py",
+    "test_simulate.py",
+}
+
+SLOW_TESTS = {
+    "test_async_save.py": {"test_async_save_equals_sync_and_resumes_bitwise",
+                           "test_crash_while_async_save_pending_keeps_previous_latest"},
+    "test_cli.py": {"test_bad_input_from_the_shell_exits_2_before_any_rank", "test_train_writes_run_directory",
+                    "test_verify_prints_json_last_line"},
+    "test_compile.py": {"test_verify_compile_tp2_pp2_cp2_in_one_fork"},
+    "test_config_report.py": {"test_report_renders_pngs"},
+    "test_context_parallel.py": {"test_ring_and_ulysses_match_sdpa"},
+    "test_document_mask.py": {"test_bad_attention_mask_exits_2_with_one_line",
+                              "test_verify_every_axis_with_document_mask"},
+    "test_evaluate.py": {"test_eval_loss_equal_across_layouts",
+                         "test_train_logs_eval_to_metrics_tensorboard_and_report"},
+    "test_expert_parallel.py": {"test_expert_parallel_parity_ep2_ep4"},
+    "test_generate.py": {"test_greedy_equals_transformers_generate",
+                         "test_sampling_is_seeded_and_a_tiny_nucleus_is_greedy", "test_cli_json_last_line",
+                         "test_checkpoint_on_prepared_data_uses_its_tokenizer_and_eos"},
+    "test_gpu_check.py": {"test_gpu_check_dry_run"},
+    "test_hf.py": {"test_training_step_matches_transformers", "test_layout_matches_transformers",
+                   "test_finetune_dp2_tp2_zero1_exported_loss_matches_transformers"},
+    "test_host_syncs.py": {"test_host_syncs_per_step_within_budget"},
+    "test_kernel_choice.py": {"test_summary_records_the_kernel_per_call_site"},
+    "test_launch_cluster.py": {"test_launcher_names_the_rank_and_op_where_ranks_stopped",
+                               "test_run_local_refuses_to_fork_after_cuda_init"},
+    "test_mesh.py": {"test_groups_tp_innermost", "test_one_group_call_per_axis_and_none_for_size_one"},
+    "test_mla.py": {"test_summary_states_mla_padding_under_cp"},
+    "test_model_families.py": {"test_qwen3_two_rank_layouts", "test_deepseek_layouts",
+                               "test_qwen3_four_rank_compositions"},
+    "test_mtp.py": {"test_verify_two_rank_layouts", "test_verify_four_rank_compositions",
+                    "test_hf_export_loads_in_transformers_and_round_trips", "test_planner_counts_mtp_exactly"},
+    "test_observe.py": {"test_profile_traces_throughput_and_wandb_on_two_ranks",
+                        "test_mlflow_dispatch_local_file_store"},
+    "test_p2p_nccl.py": {"test_strict_mode_returns_one_work_per_batch", "test_every_schedule_under_strict_p2p"},
+    "test_plan_commands.py": {"test_config_and_planner_import_no_torch", "test_commands_spell_out_the_row",
+                              "test_top_plan_rows_run_as_printed"},
+    "test_plan_trace.py": {"test_trace_two_rows_equals_simulate"},
+    "test_prepare_data.py": {"test_sft_loss_counts_only_completions_on_every_layout",
+                             "test_train_on_prepared_bpe_data_and_resume"},
+    "test_recompute.py": {"test_recompute_equals_no_recompute"},
+    "test_run_dir.py": {"test_ctrl_c_stops_every_rank_with_one_line", "test_resume_and_run_directory_contract",
+                        "test_resume_without_checkpoint_and_auto_resume"},
+    "test_tied_embeddings.py": {"test_tied_verify_norm_ledger_and_equal_copies",
+                                "test_tied_checkpoint_stored_once_and_resharded"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = os.path.basename(str(item.path))
+        if name in SLOW_FILES or getattr(item, "originalname", item.name) in SLOW_TESTS.get(name, ()):
+            item.add_marker(pytest.mark.slow)

@@ -81,6 +81,15 @@ def test_last_op_record_round_trip(tmp_path):
     assert LastOp.read(str(tmp_path), 4) is None
 
 
+def test_last_op_record_keeps_an_op_in_words_apart_from_its_axis(tmp_path):
+    rec = LastOp(str(tmp_path), 0)
+    rec.note("recv of act for microbatch 0, stage 1", "pp")
+    assert LastOp.read(str(tmp_path), 0) == (1, "recv of act for microbatch 0, stage 1", "pp")
+    rec.note("send of grad " + "x" * 200, "dp_cp")
+    n, op, axis = LastOp.read(str(tmp_path), 0)
+    assert (n, axis) == (2, "dp_cp") and op.startswith("send of grad x")
+
+
 def _stall_then_abort():
     """Rank 1 stops after one all-reduce (a stuck kernel); rank 0 posts the next and, when it times out,
     aborts as NCCL's watchdog would: no exception reaches the launcher."""
