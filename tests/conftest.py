@@ -21,6 +21,7 @@ SLOW_FILES = {
 }
 
 SLOW_TESTS = {
+    "test_run_logs.py": {"test_log_lines_in_a_log_file", "test_resume_with_damaged_checkpoints"},
     "test_async_save.py": {"test_async_save_equals_sync_and_resumes_bitwise",
                            "test_crash_while_async_save_pending_keeps_previous_latest"},
     "test_cli.py": {"test_bad_input_from_the_shell_exits_2_before_any_rank", "test_train_writes_run_directory",
