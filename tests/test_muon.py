@@ -1,0 +1,81 @@
+"""Muon: the single-device step against a plain Muon written here from the equations, the deal that spreads
+Newton–Schulz over ranks, and every layout against the single-device Muon (`verify --optimizer muon`)."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from shardwise.config import ConfigError, ParallelConfig, TrainConfig
+from shardwise.optim import is_muon_param
+from shardwise.optim.sharded import deal
+from shardwise.run import assemble
+from shardwise.trainer import Trainer, lr_at, make_mesh
+
+from _dist import fresh_seed, run_ranks, verify_all
+
+
+def plain_muon_update(g, steps=5):
+    """0.2·√max(r, c)·NS⁵(g / (‖g‖_F + 1e-7)), transposed while wide is not the case."""
+    x = g / (g.norm() + 1e-7)
+    if x.shape[0] > x.shape[1]:
+        return plain_muon_update(g.T, steps).T
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return 0.2 * math.sqrt(max(g.shape)) * x
+
+
+def _cfg(model="tiny", **kw):
+    return assemble(TrainConfig(model=model, optimizer="muon", steps=3, seq_len=32, micro_batch=2, progress=False,
+                                seed=kw.pop("seed", 1234), **kw))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_single_device_matches_plain_muon(model):
+    cfg = _cfg(model, weight_decay=0.1)
+    t = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
+    named = dict(t.model.named_parameters())
+    hidden = {n for n, p in named.items() if is_muon_param(n, p)}
+    assert any("experts" in n for n in hidden) == (model == "tiny-moe")
+    assert not any(k in n for n in hidden for k in ("tok_embeddings", "output", "router", "norm"))
+    momentum = {n: torch.zeros_like(named[n]) for n in hidden}
+    for step in range(3):
+        t.forward_backward(step)
+        t.finish_gradients()
+        before = {n: named[n].detach().clone() for n in hidden}
+        grads = {n: named[n].grad.detach().clone() for n in hidden}
+        t.optimizer_step(step)
+        lr = lr_at(step, cfg)
+        for n in hidden:
+            momentum[n] = 0.95 * momentum[n] + grads[n]
+            nest = grads[n] + 0.95 * momentum[n]
+            upd = (torch.stack([plain_muon_update(e) for e in nest]) if nest.ndim == 3 else plain_muon_update(nest))
+            want = before[n] * (1 - lr * 0.1) - lr * upd
+            torch.testing.assert_close(named[n].detach(), want, rtol=1e-5, atol=1e-7, msg=f"{n} step {step + 1}")
+
+
+def test_orthogonal_and_rms_matched():
+    g = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
+    from shardwise.optim.muon import orthogonalise, muon_update
+
+    s = torch.linalg.svdvals(orthogonalise(g, 5))
+    assert 0.6 < s.min() and s.max() < 1.25  # the quintic's band, not exactly 1
+    assert 0.15 < muon_update(g, 5).pow(2).mean().sqrt() < 0.25
+
+
+def test_deal_balances():
+    shapes = [(96, 96)] * 4 + [(48, 96)] * 4 + [(256, 96)] * 6 + [(96, 256)] * 3
+    owner = deal(shapes, 4)
+    load = [0] * 4
+    for s, r in zip(shapes, owner):
+        load[r] += s[0] * s[1] * min(s)
+    assert max(load) - min(load) <= max(s[0] * s[1] * min(s) for s in shapes)
+    assert set(owner) == {0, 1, 2, 3}
+
+
+def test_flags_validate():
+    with pytest.raises(ConfigError, match="--optimizer"):
+        TrainConfig(optimizer="sgd").validate(1)
+    with pytest.raises(ConfigError, match="--muon-momentum"):
+        TrainConfig(optimizer="muon", muon_momentum=1.0).validate(1)
