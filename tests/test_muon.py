@@ -115,3 +115,33 @@ def test_per_shard_orthogonalisation_fails_verify():
     cfgs = [_verify_cfg(seed=seed, tp=2)]
     for r in run_ranks(2, _per_shard_verify, cfgs)[0]:
         assert not r["passed"] and r["first_step_update_rel_diff"] > 0.05, (seed, r)
+
+
+def _families(seed):
+    from test_model_families import DEEPSEEK
+    from test_mtp import DEEPSEEK_MTP
+
+    two = [_verify_cfg(DEEPSEEK, seed, tp=2, sequence_parallel=True), _verify_cfg(DEEPSEEK, seed, cp=2),
+           _verify_cfg(DEEPSEEK, seed, dp=2, ep=2, zero=3),
+           _verify_cfg(DEEPSEEK_MTP, seed, tp=2, sequence_parallel=True)]
+    two += [dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2, schedule=s, vp=2 if s == "interleaved" else 1),
+                                global_batch=8) for s in ("1f1b", "interleaved", "zb", "dualpipev")]
+    four = [_verify_cfg(seed=seed, dp=2, tp=2, sequence_parallel=True, zero=1),
+            _verify_cfg(seed=seed, dp=4, dp_shard=2, zero=2), _verify_cfg(seed=seed, dp=4, dp_shard=2, zero=3),
+            _verify_cfg(DEEPSEEK, seed, dp=2, ep=2, tp=2, sequence_parallel=True),
+            dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2, tp=2, schedule="zb"), global_batch=8)]
+    return two, four
+
+
+@pytest.mark.slow
+def test_verify_muon_mla_mtp_pipeline_two_ranks():
+    seed = fresh_seed()
+    cfgs = _families(seed)[0]
+    _check(run_ranks(2, verify_all, cfgs, timeout_s=600)[0], cfgs)
+
+
+@pytest.mark.slow
+def test_verify_muon_four_ranks():
+    seed = fresh_seed()
+    cfgs = _families(seed)[1]
+    _check(run_ranks(4, verify_all, cfgs, timeout_s=600)[0], cfgs)
