@@ -80,6 +80,8 @@ class Muon(torch.optim.Optimizer):
         self.tp_specs = comm.all_gather_object(mine, self.tp)
         super().__init__([{"params": held, "weight_decay": weight_decay}] if held else
                          [{"params": [torch.zeros(0)], "weight_decay": weight_decay}], dict(lr=lr))
+        for t in held:  # created now, not at the first step: the static footprint and a checkpoint see it
+            self.state[t]["momentum"] = torch.zeros_like(t)
 
     def _group(self, axis) -> _Group:
         return self.groups.setdefault(id(axis), _Group(axis, []))
@@ -93,12 +95,9 @@ class Muon(torch.optim.Optimizer):
         lr, wd = group["lr"], group["weight_decay"]
         nest = {}
         for t in group["params"]:
-            if t.grad is None:
-                continue
-            st = self.state[t]
-            if "momentum" not in st:
-                st["momentum"] = torch.zeros_like(t)
-            nest[id(t)] = nesterov(st["momentum"], t.grad, self.mu)
+            if t.numel():
+                grad = t.grad if t.grad is not None else torch.zeros_like(t)
+                nest[id(t)] = nesterov(self.state[t]["momentum"], grad, self.mu)
         for g in self.groups.values():
             local = self._local(g, nest)
             names, mats = self.full_matrices(g, local)
