@@ -17,6 +17,7 @@ from .faults import install_faults
 from .run import assembled, checkpoint_root
 from .run_dir import resume
 from .run_writer import RunWriter
+from .optim import optimizers
 from .trainer import Trainer, make_mesh
 
 
@@ -25,10 +26,10 @@ def static_storage_bytes(trainer: "Trainer") -> int:
     reducer's flat buffers (the gradients' home under ZeRO 0/1), counted once per storage at its full
     size (padding included). Taken right after the optimizer step: the static peak. AdamW's per-tensor
     scalar step counters are left out, as the planner leaves them out."""
-    opt = trainer.reducer.optimizer
-    tensors = list(trainer.model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
+    opts = optimizers(trainer.reducer)
+    tensors = list(trainer.model.parameters()) + [p for o in opts for g in o.param_groups for p in g["params"]]
     tensors += [p.grad for p in tensors if p.grad is not None]
-    tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    tensors += [t for o in opts for st in o.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
     tensors += [t for b in trainer.reducer.buckets for t in vars(b).values() if torch.is_tensor(t)]
     sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # by storage identity
     return sum(sizes.values())
