@@ -127,6 +127,7 @@ def _families(seed):
     two += [dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2, schedule=s, vp=2 if s == "interleaved" else 1),
                                 global_batch=8) for s in ("1f1b", "interleaved", "zb", "dualpipev")]
     four = [_verify_cfg(seed=seed, dp=2, tp=2, sequence_parallel=True, zero=1),
+            _verify_cfg(seed=seed, tp=4, sequence_parallel=True), _verify_cfg(seed=seed, dp=2, tp=2, zero=3),
             _verify_cfg(seed=seed, dp=4, dp_shard=2, zero=2), _verify_cfg(seed=seed, dp=4, dp_shard=2, zero=3),
             _verify_cfg(DEEPSEEK, seed, dp=2, ep=2, tp=2, sequence_parallel=True),
             dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2, tp=2, schedule="zb"), global_batch=8)]
