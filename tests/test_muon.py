@@ -8,7 +8,7 @@ import torch
 
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.optim import is_muon_param
-from shardwise.optim.sharded import deal
+from shardwise.planner.muon import deal
 from shardwise.run import assemble
 from shardwise.trainer import Trainer, lr_at, make_mesh
 
@@ -182,3 +182,45 @@ def test_checkpoint_resumes_bitwise_reshards_and_refuses_adamw(tmp_path):
     r = _shardwise(*common[:1], *common[3:], *tp, "--steps", "4", "--out", str(tmp_path / "adamw"),
                    "--checkpoint-dir", str(saved), "--resume", "--no-checkpoint")
     assert r.returncode != 0 and "holds muon state; resume it with --optimizer muon" in r.stderr, r.stderr
+
+
+def _muon_ledger_and_state(cfgs):
+    """Inside ranks: per config, this rank's pp coordinate, the step's Muon-tagged ledger entries and the bytes
+    of every optimizer state tensor (after one step)."""
+    from shardwise.optim import optimizers
+
+    out = []
+    for cfg in cfgs:
+        cfg = assemble(cfg)
+        t = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
+        t.train_step(0)
+        axes = t.mesh.ledger.steps[-1]["axes"]
+        muon = {(a, op): (v["count"], v["bytes"], v["wire_bytes"]) for a, ops in axes.items()
+                for op, v in ops.items() if op.endswith(":muon")}
+        state = sum(x.numel() * x.element_size() for o in optimizers(t.reducer) for st in o.state.values()
+                    for x in st.values() if torch.is_tensor(x) and x.dim() > 0)
+        out.append((t.mesh.coords["pp"], muon, state, sum(p.numel() for p in t.model.parameters())))
+    return out
+
+
+def test_planner_counts_muon_ledger_and_state():
+    from test_model_families import DEEPSEEK
+    from shardwise.planner.comm_model import CommLedger
+    from shardwise.planner.layout import from_train_config, stages
+    from shardwise.planner.muon import muon_comm, optimizer_bytes
+
+    seed = fresh_seed()
+    cfgs = [_verify_cfg(seed=seed, tp=2, sequence_parallel=True), _verify_cfg(seed=seed, dp=2),
+            _verify_cfg("tiny-moe", seed=seed, dp=2, ep=2), _verify_cfg(DEEPSEEK, seed, tp=2),
+            dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2), global_batch=4)]
+    per_rank = run_ranks(2, _muon_ledger_and_state, cfgs)
+    for i, cfg in enumerate(cfgs):
+        spec, lay, _ = from_train_config(assemble(cfg))
+        for rank in per_rank:
+            pp, measured, state, numel = rank[i]
+            st = stages(spec, lay)[pp]
+            led = CommLedger()
+            muon_comm(led, spec, st, lay)
+            want = {(a, op): (c, b, round(w)) for a, ops in led.ops.items() for op, (c, b, w) in ops.items()}
+            assert measured == want, (cfg.parallel, pp)
+            assert state == optimizer_bytes(numel, spec, st, lay), (cfg.parallel, pp)

@@ -9,7 +9,7 @@ times tp:
 1. gather: the Nesterov shard is all-gathered over the data axis (ZeRO ≥ 1: the bucket's flat buffer),
    then TP-split matrices over tp (one flat all-gather for all of them), so every rank of the group can
    assemble any matrix of the group: Wq, Wk, Wv separately, each expert separately;
-2. orthogonalise: matrices are dealt to the group's ranks greedily by Newton–Schulz cost (rows·cols·min),
+2. orthogonalise: matrices are dealt (`planner.muon.deal`, shared with the planner) to the group's ranks greedily by Newton–Schulz cost (rows·cols·min),
    largest first, each to the least-loaded rank. Every rank runs the same deterministic deal, so no rank
    waits for an assignment, and the largest load exceeds the mean by at most one matrix's cost;
 3. scatter: each rank packs its orthogonalised matrices into one buffer padded to the largest rank's, and
@@ -22,26 +22,11 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..planner.muon import deal
 from ..tensor_parallel.layers import get_spec
 from .muon import apply_update, muon_update, nesterov
 
 TAG = "muon"
-
-
-def _cost(shape) -> int:
-    r, c = shape
-    return r * c * min(r, c)
-
-
-def deal(shapes: list[tuple[int, int]], ranks: int) -> list[int]:
-    """Owner rank of each matrix: largest first, to the least-loaded rank (ties: lowest rank, then list order)."""
-    load = [0] * ranks
-    owner = [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: (-_cost(shapes[i]), i)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += _cost(shapes[i])
-    return owner
 
 
 class _Group:
