@@ -205,22 +205,25 @@ def _muon_ledger_and_state(cfgs):
 
 def test_planner_counts_muon_ledger_and_state():
     from test_model_families import DEEPSEEK
-    from shardwise.planner.comm_model import CommLedger
+    from shardwise.planner.comm_model import step_comm
     from shardwise.planner.layout import from_train_config, stages
-    from shardwise.planner.muon import muon_comm, optimizer_bytes
+    from shardwise.planner.memory import stage_params
+    from shardwise.planner.muon import optimizer_bytes
 
     seed = fresh_seed()
     cfgs = [_verify_cfg(seed=seed, tp=2, sequence_parallel=True), _verify_cfg(seed=seed, dp=2),
             _verify_cfg("tiny-moe", seed=seed, dp=2, ep=2), _verify_cfg(DEEPSEEK, seed, tp=2),
+            _verify_cfg(seed=seed, dp=2, zero=1), _verify_cfg(DEEPSEEK, seed, dp=2, ep=2, zero=3),
             dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2), global_batch=4)]
     per_rank = run_ranks(2, _muon_ledger_and_state, cfgs)
     for i, cfg in enumerate(cfgs):
-        spec, lay, _ = from_train_config(assemble(cfg))
+        spec, lay, wl = from_train_config(assemble(cfg))
         for rank in per_rank:
             pp, measured, state, numel = rank[i]
             st = stages(spec, lay)[pp]
-            led = CommLedger()
-            muon_comm(led, spec, st, lay)
-            want = {(a, op): (c, b, round(w)) for a, ops in led.ops.items() for op, (c, b, w) in ops.items()}
+            led = step_comm(spec, st, lay, wl, stage_params(spec, st, lay))[2]
+            want = {(a, op): (c, b, round(w)) for a, ops in led.ops.items() for op, (c, b, w) in ops.items()
+                    if op.endswith(":muon")}
             assert measured == want, (cfg.parallel, pp)
-            assert state == optimizer_bytes(numel, spec, st, lay), (cfg.parallel, pp)
+            if not lay.zero:
+                assert state == optimizer_bytes(numel, spec, st, lay), (cfg.parallel, pp)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.planner.comm_model import CommLedger
 from shardwise.planner.layout import Layout, Stage
+from shardwise.planner.memory import BUCKET_BYTES
 from shardwise.planner.models import ModelSpec, local_kv_heads
 
 BYTES_MOMENTUM = 4
@@ -94,17 +94,42 @@ def mlp_matrices(spec: ModelSpec, moe: bool, tp: int, ep: int) -> list[Matrix]:
     return out
 
 
-def stage_matrices(spec: ModelSpec, stage: Stage, lay: Layout) -> list[Matrix]:
-    """The Muon parameters one rank of `stage` holds (its blocks' and, on the last stage, the MTP modules')."""
+def unit_matrices(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[Matrix]]:
+    """The Muon parameters one rank of `stage` holds, per ZeRO-3 unit: each block, then (last stage) each MTP
+    module."""
     t, ep = lay.tp, lay.ep
     out = []
     for moe in stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe:
-        out += attention_matrices(spec, t) + mlp_matrices(spec, moe, t, ep)
+        out.append(attention_matrices(spec, t) + mlp_matrices(spec, moe, t, ep))
     if stage.head:
         for k in range(spec.mtp_layers):
-            out += [Matrix(spec.dim, 2 * spec.dim, 2 * spec.dim * spec.dim)]
-            out += attention_matrices(spec, t) + mlp_matrices(spec, spec.is_moe_layer(spec.n_layers + k), t, ep)
+            out.append([Matrix(spec.dim, 2 * spec.dim, 2 * spec.dim * spec.dim)] + attention_matrices(spec, t)
+                       + mlp_matrices(spec, spec.is_moe_layer(spec.n_layers + k), t, ep))
     return out
+
+
+def stage_matrices(spec: ModelSpec, stage: Stage, lay: Layout) -> list[Matrix]:
+    return [m for unit in unit_matrices(spec, stage, lay) for m in unit]
+
+
+def bucket_shards(spec: ModelSpec, stage: Stage, lay: Layout, expert: bool, group: int) -> list[int]:
+    """Shard elements of each Muon bucket of one group (ZeRO ≥ 1), as `GradReducer` cuts them: per unit under
+    ZeRO-3, else runs closed once they reach BUCKET_BYTES (pipeline chunks under ZeRO-2 with vp > 1 are not
+    told apart)."""
+    units = unit_matrices(spec, stage, lay)
+    if lay.zero < 3:
+        units = [[m for u in units for m in u]]
+    out = []
+    for unit in units:
+        size = 0
+        for m in (m for m in unit if m.expert == expert):
+            size += m.local
+            if 4 * size >= BUCKET_BYTES and lay.zero < 3:
+                out.append(size)
+                size = 0
+        if size:
+            out.append(size)
+    return [-(-n // group) for n in out]
 
 
 def muon_numel(spec: ModelSpec, stage: Stage, lay: Layout) -> int:
@@ -118,9 +143,19 @@ def optimizer_bytes(total_local: int, spec: ModelSpec, stage: Stage, lay: Layout
     return BYTES_MOMENTUM * n + 8 * (total_local - n)
 
 
-def muon_comm(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, zero_shards: dict | None = None) -> None:
-    """Muon's collectives of one step on one rank of `stage` (see the module docstring). `zero_shards`
-    (ZeRO ≥ 1): {axis: [shard elements of each Muon bucket]}."""
+def muon_static(static: dict, spec: ModelSpec, stage: Stage, lay: Layout) -> dict:
+    """`memory.static_bytes` under Muon: each Muon element keeps 4 bytes of momentum instead of AdamW's 8. Exact
+    at ZeRO-0; at ZeRO ≥ 1 the Muon elements' share of the shard (Muon's own buckets pad differently)."""
+    n = muon_numel(spec, stage, lay)
+    if lay.zero:
+        n = -(-n // (lay.dp * lay.cp))
+    out = dict(static, optimizer=static["optimizer"] - (8 - BYTES_MOMENTUM) * n)
+    out["total"] = sum(v for k, v in out.items() if k != "total")
+    return out
+
+
+def muon_comm(led, spec: ModelSpec, stage: Stage, lay: Layout) -> None:
+    """Muon's collectives of one step on one rank of `stage` (see the module docstring), into a CommLedger."""
     g = lay.dp * lay.cp
     dense, gd = ("dp_shard", lay.shard * lay.cp) if lay.hsdp else ("dp_cp", g)
     mats = stage_matrices(spec, stage, lay)
@@ -128,7 +163,7 @@ def muon_comm(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, zero_
         group = [m for m in mats if m.expert == expert]
         if not group:
             continue
-        for shard in (zero_shards or {}).get(axis, []):
+        for shard in bucket_shards(spec, stage, lay, expert, size) if lay.zero else []:
             led.add(axis, "all_gather:muon", 4 * shard, size)
         split = sum(m.local for m in group if m.tp_split)
         if split:
