@@ -2,9 +2,10 @@
 
 The state is one momentum buffer per held tensor, laid out as AdamW's exp_avg would be (the full local
 parameter under ZeRO-0, the rank's flat shard of each bucket under ZeRO ≥ 1), so the elementwise part of
-the step (momentum, Nesterov) runs on whatever the rank holds. Then, per group of ranks that hold pieces
-or copies of the same matrices — the bucket's data axis (dp×cp, dp_shard under HSDP, edp for experts)
-times tp:
+the step (momentum, Nesterov) runs on whatever the rank holds. Then, per group of matrices — under ZeRO ≥ 1
+each Muon bucket, so only one bucket's whole matrices are live at a time; under ZeRO-0 all dense ones, all
+expert ones — over the ranks that hold pieces or copies of them — the data axis (dp×cp, dp_shard under
+HSDP, edp for experts) times tp:
 
 1. gather: the Nesterov shard is all-gathered over the data axis (ZeRO ≥ 1: the bucket's flat buffer),
    then TP-split matrices over tp (one flat all-gather for all of them), so every rank of the group can
@@ -30,7 +31,7 @@ TAG = "muon"
 
 
 class _Group:
-    """The Muon parameters that share one data axis: (name, param, bucket or None, offset, numel)."""
+    """Muon parameters stepped together over one data axis: (name, param, bucket or None, offset, numel)."""
 
     def __init__(self, axis, entries):
         self.axis, self.entries = axis, entries
@@ -51,8 +52,8 @@ class Muon(torch.optim.Optimizer):
             held = []
             for b in reducer.buckets:
                 if b.muon:
-                    held.append(b.shard)
-                    self._group(b.axis).entries += [(n, p, b, off, k) for n, p, off, k in b.offsets]
+                    held.append(b.shard)  # one bucket at a time: at most one bucket's whole matrices are live
+                    self.groups[id(b)] = _Group(b.axis, [(n, p, b, off, k) for n, p, off, k in b.offsets])
         else:
             held = [p for n, p in reducer.named if is_muon(n, p)]
             for n, p in reducer.named:

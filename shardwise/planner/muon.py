@@ -1,11 +1,12 @@
 """Muon's terms (`--optimizer muon`): which matrices it steps, its one momentum buffer, and its collectives.
 
 Mirrors shardwise/optim/sharded.py, whose deal of matrices to ranks (`deal`) lives here so that the
-runtime and the planner share it (this module imports no torch). Per group of ranks — the data axis
-(dp_cp, or dp_shard under hybrid sharding; edp for experts) times tp — one step issues, tagged `muon`:
-under ZeRO ≥ 1 an all-gather of each Muon bucket's Nesterov shard over the data axis; one all-gather over
-tp of every TP-split matrix's local piece; and the all-gathers of the orthogonalised matrices, over tp and
-then over the data axis, each rank's buffer padded to the busiest rank's load.
+runtime and the planner share it (this module imports no torch). Per group of matrices (ZeRO ≥ 1: each
+Muon bucket; ZeRO-0: the dense ones, the expert ones), over the data axis (dp_cp, or dp_shard under hybrid
+sharding; edp for experts) times tp, one step issues, tagged `muon`: under ZeRO ≥ 1 an all-gather of the
+bucket's Nesterov shard over the data axis; one all-gather over tp of the TP-split matrices' local pieces;
+and the all-gathers of the orthogonalised matrices, over tp and then over the data axis, each rank's buffer
+padded to the busiest rank's load.
 """
 from __future__ import annotations
 
@@ -112,24 +113,24 @@ def stage_matrices(spec: ModelSpec, stage: Stage, lay: Layout) -> list[Matrix]:
     return [m for unit in unit_matrices(spec, stage, lay) for m in unit]
 
 
-def bucket_shards(spec: ModelSpec, stage: Stage, lay: Layout, expert: bool, group: int) -> list[int]:
-    """Shard elements of each Muon bucket of one group (ZeRO ≥ 1), as `GradReducer` cuts them: per unit under
-    ZeRO-3, else runs closed once they reach BUCKET_BYTES (pipeline chunks under ZeRO-2 with vp > 1 are not
-    told apart)."""
+def muon_buckets(spec: ModelSpec, stage: Stage, lay: Layout, expert: bool) -> list[list[Matrix]]:
+    """The Muon buckets of one kind (ZeRO ≥ 1) as `GradReducer` cuts them: per unit under ZeRO-3, else runs
+    closed once they reach BUCKET_BYTES (pipeline chunks under ZeRO-2 with vp > 1 are not told apart)."""
     units = unit_matrices(spec, stage, lay)
     if lay.zero < 3:
         units = [[m for u in units for m in u]]
     out = []
     for unit in units:
-        size = 0
+        run, size = [], 0
         for m in (m for m in unit if m.expert == expert):
+            run.append(m)
             size += m.local
             if 4 * size >= BUCKET_BYTES and lay.zero < 3:
-                out.append(size)
-                size = 0
-        if size:
-            out.append(size)
-    return [-(-n // group) for n in out]
+                out.append(run)
+                run, size = [], 0
+        if run:
+            out.append(run)
+    return out
 
 
 def muon_numel(spec: ModelSpec, stage: Stage, lay: Layout) -> int:
@@ -160,16 +161,23 @@ def muon_comm(led, spec: ModelSpec, stage: Stage, lay: Layout) -> None:
     dense, gd = ("dp_shard", lay.shard * lay.cp) if lay.hsdp else ("dp_cp", g)
     mats = stage_matrices(spec, stage, lay)
     for axis, size, expert in ((dense, gd, False), ("edp", max(1, g // lay.ep), True)):
-        group = [m for m in mats if m.expert == expert]
-        if not group:
-            continue
-        for shard in bucket_shards(spec, stage, lay, expert, size) if lay.zero else []:
-            led.add(axis, "all_gather:muon", 4 * shard, size)
-        split = sum(m.local for m in group if m.tp_split)
-        if split:
-            led.add("tp", "all_gather:muon", 4 * split, lay.tp)
-        shapes = [(m.rows, m.cols) for m in group for _ in range(m.count)]
-        width = busiest_numel(shapes, size * lay.tp)
-        if size * lay.tp > 1:
-            led.add("tp", "all_gather:muon", 4 * width, lay.tp)
-            led.add(axis, "all_gather:muon", 4 * lay.tp * width, size)
+        groups = (muon_buckets(spec, stage, lay, expert) if lay.zero else
+                  [[m for m in mats if m.expert == expert]])
+        for group in groups:
+            if group:
+                _group_comm(led, group, axis, size, lay)
+
+
+def _group_comm(led, group: list[Matrix], axis: str, size: int, lay: Layout) -> None:
+    """One group's gathers: (ZeRO ≥ 1) the bucket's Nesterov shard over the data axis, the TP-split pieces over
+    tp, the orthogonalised results over tp and the data axis."""
+    if lay.zero:
+        led.add(axis, "all_gather:muon", 4 * -(-sum(m.local for m in group) // size), size)
+    split = sum(m.local for m in group if m.tp_split)
+    if split:
+        led.add("tp", "all_gather:muon", 4 * split, lay.tp)
+    shapes = [(m.rows, m.cols) for m in group for _ in range(m.count)]
+    width = busiest_numel(shapes, size * lay.tp)
+    if size * lay.tp > 1:
+        led.add("tp", "all_gather:muon", 4 * width, lay.tp)
+        led.add(axis, "all_gather:muon", 4 * lay.tp * width, size)
