@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .optim import optimizers
+
 
 class _Held:
     """A saved tensor on loan to autograd; its storage stops counting when autograd lets go of it."""
@@ -83,14 +85,14 @@ def predicted_activation_bytes(cfg) -> dict:
 
 
 def static_storage_bytes(trainer) -> int:
-    """Bytes of the distinct storages behind this rank's parameters, gradients, AdamW moments and the
-    reducer's flat buffers (the gradients' home under ZeRO 0/1), counted once per storage at its full
-    size (padding included). Taken right after the optimizer step: the static peak. AdamW's per-tensor
-    scalar step counters are left out, as the planner leaves them out."""
-    opt = trainer.reducer.optimizer
-    tensors = list(trainer.model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
+    """Bytes of the distinct storages behind this rank's parameters, gradients, optimizer state (AdamW moments,
+    Muon momentum) and the reducer's flat buffers (the gradients' home under ZeRO 0/1), counted once per
+    storage at its full size (padding included). Taken right after the optimizer step: the static peak.
+    AdamW's per-tensor scalar step counters are left out, as the planner leaves them out."""
+    opts = optimizers(trainer.reducer)
+    tensors = list(trainer.model.parameters()) + [p for o in opts for g in o.param_groups for p in g["params"]]
     tensors += [p.grad for p in tensors if p.grad is not None]
-    tensors += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    tensors += [t for o in opts for st in o.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
     tensors += [t for b in trainer.reducer.buckets for t in vars(b).values() if torch.is_tensor(t)]
     sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # by storage identity
     return sum(sizes.values())

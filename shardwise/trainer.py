@@ -17,13 +17,13 @@ from . import comm, host
 from .batches import BatchSlicer
 from .comm import Ledger
 from .config import TrainConfig
-from .config.schedule import lr_at_plan, lr_plan, parse_betas
+from .config.schedule import lr_at_plan, lr_plan
 from .data import IGNORE_INDEX, Loader, open_data
-from .data_parallel import GradReducer
 from .expert_parallel import metrics as moe_metrics
 from .expert_parallel.metrics import MoEMetrics
 from .expert_parallel.moe import MoE
 from .mesh import Mesh, ParallelDims
+from .optim import build_reducer, optimizers
 from .parallelize import build_model
 from .pipeline.tied_embedding import emb_stages
 from .step_timer import StepTimer
@@ -57,10 +57,7 @@ class Trainer:
         self.model.train()
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
         rounds = self.global_batch // mesh.dims.dp // cfg.micro_batch  # the microbatches forward_backward runs
-        self.reducer = GradReducer(self.model, mesh, p.zero, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                   betas=parse_betas(cfg.adam_betas), eps=cfg.adam_eps,
-                                   reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else None,
-                                   rounds=rounds, overlap=cfg.overlap_grad_reduce)
+        self.reducer = build_reducer(cfg, self.model, mesh, rounds)
         with self._host():  # a pure function of the step: the checkpoint's step is the data position
             self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
                                  cfg.seed)
@@ -154,8 +151,9 @@ class Trainer:
 
     def optimizer_step(self, step: int) -> float:
         lr = lr_at(step, self.cfg)
-        for g in self.reducer.optimizer.param_groups:
-            g["lr"] = lr
+        for opt in optimizers(self.reducer):
+            for g in opt.param_groups:
+                g["lr"] = lr
         self.reducer.step()
         return lr
 

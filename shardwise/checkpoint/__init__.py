@@ -6,12 +6,13 @@ pair of small DCP planners writes or reads them, so DCP's resharding handles any
 * only the `valid` rows of padded shards are written, and a slice held by several ranks (TP
   replicas, every dp×cp rank) by exactly one of them — DCP's save-plan check (each tensor covered
   exactly once) therefore also checks the ownership rule;
-* AdamW exp_avg / exp_avg_sq are stored like their parameter. A ZeRO-1 shard is a range of the
+* AdamW exp_avg / exp_avg_sq (Muon: momentum) are stored like their parameter. A ZeRO-1 shard is a range of the
   flattened local parameters, i.e. a few contiguous boxes (partial row, full rows, partial row),
   so each rank writes and reads its own range with no gather over dp;
 * a tied embedding's LM-head copy under PP is not written: it reads `tok_embeddings.weight`'s entries.
 Publishing is atomic (tmp-step-N → step-N rename, then `latest`), a JSON manifest of sha256 sums
-lets loading skip incomplete or corrupt saves, and nothing is unpickled freely (see SafeReader).
+lets loading skip incomplete or corrupt saves, and nothing is unpickled freely (see SafeReader). The meta names
+the optimizer: a checkpoint resumes only under the optimizer whose state it holds.
 
 Modules by idea: `files` (directory layout, naming, manifest checks), `boxes` (local views as global
 chunks; the DCP planners and safe reader), `save` (write and publish, sync or async), `load` (newest

@@ -18,7 +18,7 @@ from .. import comm
 from ..data_parallel import is_expert
 from ..pipeline.tied_embedding import is_tied_copy, tied_name
 from ..tensor_parallel.layers import get_spec
-from .files import STATE_KEYS
+from .files import MUON_STATE_KEYS, STATE_KEYS
 
 
 def flat_boxes(shape, lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
@@ -94,6 +94,13 @@ def ensure_state(reducer, step: int | None = None) -> None:
                 st["step"] = torch.full((), step, dtype=st["step"].dtype, device=st["step"].device)
 
 
+def _optimizer_state(reducer, t: torch.Tensor, muon: bool) -> dict[str, torch.Tensor]:
+    """{state key: tensor} the optimizer that steps `t` (a parameter or a ZeRO shard) keeps for it."""
+    if muon:
+        return {k: reducer.muon.state[t][k] for k in MUON_STATE_KEYS}
+    return {k: reducer.optimizer.state[t][k] for k in STATE_KEYS}
+
+
 def state_entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
     """{global key: (global shape, boxes)}: on save only the boxes this rank owns, on load all it holds."""
     red = trainer.reducer
@@ -113,7 +120,7 @@ def state_entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
         dp = trainer.mesh["edp"] if is_expert(p) else trainer.mesh["dp_cp"]
         mine = n in owned and (not save or i % dp.size == dp.rank)
         tensors = (({} if red.zero >= 3 else {"model": p}) |  # ZeRO-3: parameters exist only as shards (below)
-                   ({} if red.zero else {k: red.optimizer.state[p][k] for k in STATE_KEYS}))
+                   ({} if red.zero else _optimizer_state(red, p, red.muon is not None and red.is_muon(n, p))))
         for kind, t in tensors.items():
             boxes = _place(spec, p.shape, t.detach().view(-1), 0, p.numel()) if mine else []  # a view, never a copy
             add(f"model.{gname[n]}" if kind == "model" else f"optim.{gname[n]}.{kind}", spec, boxes)
@@ -126,14 +133,14 @@ def state_entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
         add(f"buffer.{n}", spec, _place(spec, b.shape, b.view(-1), 0, b.numel()) if mine else [])
     if red.zero:
         for g in red.flat:
-            state = red.optimizer.state[g["shard"]]
+            state = _optimizer_state(red, g["shard"], g["muon"])
             lo_s = g["axis"].rank * g["per"]
             # hybrid sharding: the dp/S replicas of a dense shard hold equal copies; the first writes it
             copy = save and not g["expert"] and trainer.mesh["dp_replicate"].rank > 0
             shard = {"model": g["shard"].detach()} if red.zero >= 3 else {}
             for n, p, off, k in g["offsets"]:
                 lo, hi = max(off, lo_s), min(off + k, lo_s + g["per"])
-                for key, t in (shard | {key: state[key] for key in STATE_KEYS}).items():
+                for key, t in (shard | state).items():
                     boxes = (_place(get_spec(p), p.shape, t[lo - lo_s:hi - lo_s], lo - off, hi - off)
                              if lo < hi and n in owned and not copy else [])
                     add(f"model.{gname[n]}" if key == "model" else f"optim.{gname[n]}.{key}", get_spec(p), boxes)

@@ -16,6 +16,8 @@ log = logging.getLogger("shardwise.checkpoint")
 
 FORMAT_VERSION = 1
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+MUON_STATE_KEYS = ("momentum",)
+"""Muon's state of a hidden matrix (shardwise.optim); AdamW's STATE_KEYS for every other parameter."""
 MANIFEST, META, LATEST = "manifest.json", "meta.json", "latest"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 SHARD_OWNER = re.compile(r"^__(\d+)_\d+\.distcp$")

@@ -39,7 +39,7 @@ def newest_intact(root: str, world_axis=None) -> tuple[str | None, list[tuple[st
 def load_checkpoint(root: str, trainer) -> dict | None:
     """Collective. Load the newest intact checkpoint under `root` into `trainer`, resharding as needed.
 
-    Restores parameters, AdamW state and step count, `trainer.step`, and — when the layout is the
+    Restores parameters, optimizer state (AdamW's moments and step count, Muon's momentum), `trainer.step`, and — when the layout is the
     one saved — every rank's RNG streams (another layout cannot replay them, so the tracker streams
     are reseeded from (seed, step) instead; so are they when the device type differs, e.g. a CPU
     checkpoint resumed on CUDA). Returns {"step", "path", "layout", "extra_state",
@@ -53,6 +53,10 @@ def load_checkpoint(root: str, trainer) -> dict | None:
         meta = json.load(f)
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format {meta.get('format')}, this shardwise reads {FORMAT_VERSION}")
+    saved_opt = meta.get("optimizer", "adamw")  # older checkpoints: AdamW, the only optimizer then
+    if saved_opt != trainer.cfg.optimizer:
+        raise ValueError(f"checkpoint {path} holds {saved_opt} state; resume it with --optimizer {saved_opt}, "
+                         f"not {trainer.cfg.optimizer}")
     ensure_state(trainer.reducer, meta["optimizer_step"])
     run_dcp(dcp.load, mesh, storage_reader=SafeReader(path), planner=BoxLoadPlanner(state_entries(trainer, False), path))
     step = meta["step"]

@@ -124,7 +124,7 @@ def _begin_save(root: str, step: int, trainer, extra_state: dict | None) -> tupl
         layout = trainer.cfg.parallel.as_dict() | {"world": ckpt.size, "device": mesh.device.type}
         write_json(os.path.join(tmp, META), {
             "format": FORMAT_VERSION, "step": step, "optimizer_step": int(host.read(state["step"], "checkpoint step")), "layout": layout,
-            "model": vars(trainer.model_cfg), "extra_state": extra_state or {},
+            "model": vars(trainer.model_cfg), "optimizer": trainer.cfg.optimizer, "extra_state": extra_state or {},
             "bad_steps": getattr(trainer, "bad_steps", 0)})
     return tmp, final
 

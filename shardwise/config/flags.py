@@ -133,6 +133,13 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--adam-betas", "AdamW betas", "adam_betas", type=str, default="0.9,0.95", metavar="B1,B2", group=OPTIM,
          convert=parse_betas),
     Flag("--adam-eps", "AdamW epsilon", "adam_eps", group=OPTIM),
+    Flag("--optimizer", "adamw, or muon: Newton–Schulz-orthogonalised momentum on the hidden matrices, AdamW (with "
+         "the --adam-* flags) on embeddings, LM head, norms, biases and routers", "optimizer",
+         choices=("adamw", "muon"), group=OPTIM),
+    Flag("--muon-momentum", "Muon: Nesterov momentum", "muon_momentum", group=OPTIM),
+    Flag("--muon-ns-steps", "Muon: Newton–Schulz iterations", "muon_ns_steps", group=OPTIM),
+    Flag("--muon-ns-fp32", "Muon: Newton–Schulz in fp32 on CUDA too (default bf16 there; fp32 on CPU)",
+         "muon_ns_fp32", kind="switch", group=OPTIM),
     Flag("--seed", "model initialisation, data order and dropout", "seed"),
     Flag("--dtype", "fp32 or bf16 (autocast; fp32 master weights)", "dtype"),
     Flag("--fp32-residual", "under bf16: keep the residual stream fp32 (default off)", "fp32_residual", kind="toggle"),

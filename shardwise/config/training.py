@@ -61,6 +61,14 @@ class TrainConfig:
     """Global grad-norm clip (0 disables)."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     adam_eps: float = 1e-8
+    optimizer: str = "adamw"
+    """adamw, or muon: orthogonalised momentum on the hidden matrices, AdamW on the rest (docs/optimizers.md)."""
+    muon_momentum: float = 0.95
+    """Muon's Nesterov momentum coefficient."""
+    muon_ns_steps: int = 5
+    """Newton–Schulz iterations that orthogonalise each matrix's momentum."""
+    muon_ns_fp32: bool = False
+    """Run the Newton–Schulz iteration in fp32 on CUDA too (it runs in bf16 there by default, fp32 on CPU)."""
     seed: int = 1234
     dtype: str = "fp32"
     """fp32 or bf16 (bf16 autocast for matmuls; master weights and optimizer state stay fp32)."""
@@ -271,6 +279,14 @@ class TrainConfig:
             raise ConfigError(f"--dp-shard {p.dp_shard} shards nothing at --zero {p.zero} (ZeRO 0/1 keep gradients "
                               "and parameters whole); use --zero 2 or 3, or drop --dp-shard")
 
+    def _validate_optimizer(self) -> None:
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"--optimizer {self.optimizer!r} is unknown; valid: adamw, muon")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"--muon-momentum {self.muon_momentum} must be in [0, 1), e.g. 0.95")
+        if not (isinstance(self.muon_ns_steps, int) and self.muon_ns_steps >= 1):
+            raise ConfigError(f"--muon-ns-steps {self.muon_ns_steps!r} must be a positive integer, e.g. 5")
+
     def validate(self, world: int) -> None:
         p = self.parallel
         m = self.model_config()
@@ -278,6 +294,7 @@ class TrainConfig:
             raise ConfigError("--async-save needs --save-every N or the final checkpoint (drop --no-checkpoint)")
         self._validate_recompute(p, m)
         self._validate_compile(p)
+        self._validate_optimizer()
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {p.zero} is not supported; valid: 0, 1, 2 or 3")
         if p.zero == 3 and p.dp * p.cp == 1:

@@ -67,8 +67,13 @@ class GradReducer:
 
     def __init__(self, model, mesh: Mesh, zero: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
                  betas=(0.9, 0.95), eps: float = 1e-8, reduce_dtype: torch.dtype | None = None,
-                 rounds: int = 1, overlap: bool = True, bucket_bytes: int | None = None):
+                 rounds: int = 1, overlap: bool = True, bucket_bytes: int | None = None, is_muon=None):
+        """`is_muon(name, param)`: the parameters another optimizer (`shardwise.optim`) steps; AdamW skips
+        them and ZeRO gives them buckets of their own, so that optimizer sees whole buckets."""
         self.mesh, self.zero = mesh, zero
+        self.is_muon = is_muon or (lambda n, p: False)
+        self.muon_buckets = is_muon is not None and zero > 0
+        self.muon = None  # set by shardwise.optim when is_muon selects parameters
         self.reduce_dtype = reduce_dtype  # --grad-reduce-dtype bf16: halve the dp×cp / edp gradient bytes
         self.named = _unique_params(model)
         self.tp = mesh["tp"]
@@ -81,6 +86,8 @@ class GradReducer:
         if zero == 0:
             groups: dict[tuple[bool, bool], list] = {}
             for n, p in self.named:  # no weight decay on norms and biases
+                if self.is_muon(n, p):
+                    continue
                 groups.setdefault((is_expert(p), p.ndim >= 2), []).append(p)
             self.optimizer = torch.optim.AdamW(
                 [{"params": ps, "weight_decay": weight_decay if decay else 0.0} for (_, decay), ps in sorted(groups.items())],
@@ -126,6 +133,8 @@ class GradReducer:
             expert, decay = is_expert(p), p.ndim >= 2
             key = ((expert,) if self.zero == 0 else (expert, decay) if self.zero == 1 else
                    (chunk, expert, decay) if self.zero == 2 else (chunk, unit, expert, decay))
+            if self.muon_buckets:
+                key += (self.is_muon(n, p),)
             groups.setdefault(key, []).append((n, p))
         out = []
         for key, named in sorted(groups.items()):
@@ -138,6 +147,7 @@ class GradReducer:
                                or getattr(p, "_sw_multi_use", False) for _, p in run), self.zero > 0,
                            self.mesh.device)
                 b.unit = key[1] if self.zero == 3 else None
+                b.muon = self.muon_buckets and key[-1]
                 out.append(b)
         return out
 
@@ -162,7 +172,8 @@ class GradReducer:
                 b.grad_full = torch.zeros_like(flat)
             if self.zero >= 3:
                 flat.untyped_storage().resize_(0)
-            opt_groups.append({"params": [b.shard], "weight_decay": b.wd})
+            if not b.muon:
+                opt_groups.append({"params": [b.shard], "weight_decay": b.wd})
         self.optimizer = torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps, fused=True)
 
     def _build_units(self, model) -> None:
@@ -317,6 +328,8 @@ class GradReducer:
 
     def step(self) -> None:
         self.optimizer.step()
+        if self.muon is not None:
+            self.muon.step()
         if self.zero in (1, 2):
             for b in self.buckets:
                 comm.all_gather_into(b.flat, b.shard.detach().clone(), b.axis)

@@ -51,6 +51,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="under bf16, keep the residual stream fp32 (train's flag; default off)")
     p.add_argument("--grad-reduce-dtype", default="fp32", choices=list(PRECISIONS),
                    help="dtype of the dp×cp / edp gradient reduction (train's flag; default fp32)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
+                   help="adamw, or muon on the hidden matrices: its gathers and one momentum buffer (default adamw)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over dp×cp (default 1)")
     p.add_argument("--dp-shard", type=int, default=None, metavar="S",
                    help="ZeRO 2/3 hybrid sharding over S dp ranks only (0: none; default: try dp and the largest S "
@@ -115,7 +117,7 @@ def _inputs(args):
     if not 0 <= args.dp_overlap <= 1:
         raise PlanError(f"--dp-overlap {args.dp_overlap} must be in [0, 1]")
     wl = Workload(args.seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, args.precision, args.fp32_residual,
-                  args.grad_reduce_dtype)
+                  args.grad_reduce_dtype, args.optimizer)
     assume = Assumptions(args.flops_efficiency, args.link_efficiency, args.dp_overlap, args.usable_memory,
                          args.activation_model)
     return spec, cluster, wl, assume

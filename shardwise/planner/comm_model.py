@@ -26,6 +26,7 @@ from functools import lru_cache
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.memory import BUCKET_BYTES, stage_tensors, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
+from shardwise.planner.muon import muon_comm
 
 
 def wire_bytes(op: str, nbytes: int, n: int) -> float:
@@ -356,6 +357,8 @@ def stage_ledgers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, loca
     dp_grad_sync(sync, spec, stage, lay, local, wl.grad_reduce_bytes)
     for st in [stage] + mtp_stages(spec, stage):
         moe_grad_sync(sync, spec, st, lay)
+    if wl.optimizer == "muon":
+        muon_comm(sync, spec, stage, lay)
     return mb, sync
 
 

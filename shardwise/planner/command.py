@@ -41,6 +41,8 @@ def train_flags(model_flags: list[str], spec: ModelSpec, lay: Layout, wl: Worklo
             "--dtype", wl.precision, "--grad-reduce-dtype", wl.grad_reduce]
     if wl.precision == "bf16":
         out.append("--fp32-residual" if wl.fp32_residual else "--no-fp32-residual")
+    if wl.optimizer != "adamw":
+        out += ["--optimizer", wl.optimizer]
     return out
 
 
@@ -54,7 +56,7 @@ def train_config(model: str | ModelConfig, spec: ModelSpec, lay: Layout, wl: Wor
         parallel.pp_layers = balanced_counts(spec.n_layers, chunks)
     return TrainConfig(model=model, parallel=parallel, steps=steps, seq_len=wl.seq_len, micro_batch=lay.mb,
                        global_batch=lay.m * lay.mb * lay.dp, dtype=wl.precision, grad_reduce_dtype=wl.grad_reduce,
-                       fp32_residual=wl.fp32_residual and wl.precision == "bf16",
+                       fp32_residual=wl.fp32_residual and wl.precision == "bf16", optimizer=wl.optimizer,
                        model_overrides={"mtp_layers": mtp_layers} if mtp_layers else {})
 
 
@@ -169,5 +171,5 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
                  dp_shard=args.dp_shard if args.dp_shard not in (None, dp) else None)
     seq_given = any(t == "--seq-len" or t.startswith("--seq-len=") for t in tokens)
     wl = dict(seq_len=args.seq_len if seq_given else None, precision=args.dtype,
-              fp32_residual=bool(args.fp32_residual), grad_reduce=args.grad_reduce_dtype)
+              fp32_residual=bool(args.fp32_residual), grad_reduce=args.grad_reduce_dtype, optimizer=args.optimizer)
     return lay, {k: v for k, v in wl.items() if v is not None}

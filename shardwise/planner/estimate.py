@@ -24,6 +24,7 @@ from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
 from shardwise.planner.activations import ACTIVATION_MODELS, stage_activation_bytes
 from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
+from shardwise.planner.muon import muon_static
 from shardwise.planner.models import ModelSpec, active_params, local_kv_heads, padded_vocab, total_params
 from shardwise.planner.mtp import mtp_flops_per_token
 from shardwise.planner.peak import peak_terms
@@ -112,6 +113,8 @@ def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload, activation_model
         if key not in seen:
             local = stage_params(spec, st, lay)
             seen[key] = local, static_bytes(local, lay, zero_buckets(spec, st, lay) if lay.zero else None)
+            if wl.optimizer == "muon":
+                seen[key] = local, muon_static(seen[key][1], spec, st, lay)
         local, static = seen[key]
         act = stage_activation_bytes(spec, st, lay, wl, activation_model)
         peak = peak_terms(spec, st, lay, wl, static["total"], act)

@@ -34,6 +34,8 @@ class Workload:
     the embedding's reduction, PP boundaries, MoE dispatch) stays fp32."""
     grad_reduce: str = "fp32"
     """Dtype of the dp×cp / edp gradient reduction (shardwise's --grad-reduce-dtype)."""
+    optimizer: str = "adamw"
+    """shardwise's --optimizer: muon adds its gathers and keeps one momentum buffer (planner/muon.py)."""
 
     @property
     def act_bytes(self) -> int:
@@ -299,4 +301,5 @@ def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
                  cp_impl=p.cp_impl, dp_shard=p.dp_shard if p.hsdp else None)
     gb = cfg.global_batch or cfg.micro_batch * p.dp
     return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,
-                               fp32_residual=cfg.fp32_residual, grad_reduce=cfg.grad_reduce_dtype)
+                               fp32_residual=cfg.fp32_residual, grad_reduce=cfg.grad_reduce_dtype,
+                               optimizer=cfg.optimizer)

@@ -29,6 +29,7 @@ from ..config import ConfigError, TrainConfig
 from ..expert_parallel.dispatch import check_same_routing
 from ..expert_parallel.experts import grouped_mm_available
 from ..mesh import Mesh, ParallelDims
+from ..optim import optimizers
 from ..pipeline.tied_embedding import emb_stages
 from .live import LiveMemory
 
@@ -200,10 +201,11 @@ def deferred_grad_bytes(trainer) -> int:
 
 def _label_statics(trainer, live: LiveMemory) -> None:
     params = list(trainer.model.parameters())
-    opt = trainer.reducer.optimizer
-    live.label(params + [p for g in opt.param_groups for p in g["params"]], "parameters")
+    opts = optimizers(trainer.reducer)
+    live.label(params + [p for o in opts for g in o.param_groups for p in g["params"]], "parameters")
     live.label([p.grad for p in params if p.grad is not None], "gradients")
-    live.label([t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)], "optimizer state")
+    live.label([t for o in opts for st in o.state.values() for t in st.values() if torch.is_tensor(t)],
+               "optimizer state")
     live.label([t for b in trainer.reducer.buckets for k, t in vars(b).items() if torch.is_tensor(t)],
                "ZeRO flat buffers")
 

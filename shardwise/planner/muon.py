@@ -1,0 +1,183 @@
+"""Muon's terms (`--optimizer muon`): which matrices it steps, its one momentum buffer, and its collectives.
+
+Mirrors shardwise/optim/sharded.py, whose deal of matrices to ranks (`deal`) lives here so that the
+runtime and the planner share it (this module imports no torch). Per group of matrices (ZeRO ≥ 1: each
+Muon bucket; ZeRO-0: the dense ones, the expert ones), over the data axis (dp_cp, or dp_shard under hybrid
+sharding; edp for experts) times tp, one step issues, tagged `muon`: under ZeRO ≥ 1 an all-gather of the
+bucket's Nesterov shard over the data axis; one all-gather over tp of the TP-split matrices' local pieces;
+and the all-gathers of the orthogonalised matrices, over tp and then over the data axis, each rank's buffer
+padded to the busiest rank's load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.planner.layout import Layout, Stage
+from shardwise.planner.memory import BUCKET_BYTES
+from shardwise.planner.models import ModelSpec, local_kv_heads
+
+BYTES_MOMENTUM = 4
+"""fp32 momentum per Muon element (AdamW keeps 8: exp_avg and exp_avg_sq)."""
+
+
+def _cost(shape) -> int:
+    r, c = shape
+    return r * c * min(r, c)
+
+
+def deal(shapes: list[tuple[int, int]], ranks: int) -> list[int]:
+    """Owner rank of each matrix: largest Newton–Schulz cost (rows·cols·min) first, to the least-loaded rank
+    (ties: lowest rank, then list order). Deterministic, so every rank of a group computes the same deal."""
+    load = [0] * ranks
+    owner = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-_cost(shapes[i]), i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += _cost(shapes[i])
+    return owner
+
+
+def busiest_numel(shapes: list[tuple[int, int]], ranks: int) -> int:
+    """Elements of the largest per-rank result buffer under `deal`."""
+    sizes = [0] * ranks
+    for s, r in zip(shapes, deal(shapes, ranks)):
+        sizes[r] += s[0] * s[1]
+    return max(sizes, default=0)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One Muon parameter as a rank holds it: whole shape (rows, cols), how many (stacked experts), the local
+    elements, and whether tp splits it."""
+
+    rows: int
+    cols: int
+    local: int
+    count: int = 1
+    tp_split: bool = False
+    expert: bool = False
+
+
+def _split(rows: int, cols: int, local: int, tp: int) -> Matrix:
+    return Matrix(rows, cols, local, tp_split=tp > 1)
+
+
+def attention_matrices(spec: ModelSpec, tp: int) -> list[Matrix]:
+    h, nh = spec.dim, spec.n_heads
+    if spec.is_mla:
+        out = []
+        if spec.q_lora_rank:
+            out += [Matrix(spec.q_lora_rank, h, spec.q_lora_rank * h),
+                    _split(nh * spec.k_dim, spec.q_lora_rank, nh // tp * spec.k_dim * spec.q_lora_rank, tp)]
+        else:
+            out.append(_split(nh * spec.k_dim, h, nh // tp * spec.k_dim * h, tp))
+        kv_a = spec.kv_lora_rank + spec.qk_rope_dim
+        kv_b = spec.head_dim + spec.v_dim
+        return out + [Matrix(kv_a, h, kv_a * h), _split(nh * kv_b, spec.kv_lora_rank, nh // tp * kv_b * spec.kv_lora_rank, tp),
+                      _split(h, nh * spec.v_dim, h * nh // tp * spec.v_dim, tp)]
+    hd, kv = spec.head_dim, spec.attn_kv_heads
+    q, kv_local = nh * hd, local_kv_heads(spec, tp) * hd
+    return [_split(q, h, q // tp * h, tp), _split(kv * hd, h, kv_local * h, tp), _split(kv * hd, h, kv_local * h, tp),
+            _split(h, q, h * q // tp, tp)]
+
+
+def mlp_matrices(spec: ModelSpec, moe: bool, tp: int, ep: int) -> list[Matrix]:
+    h = spec.dim
+    if not moe:
+        f = spec.ffn_dim
+        up = [_split(f, h, f // tp * h, tp)] * (spec.mlp_mats - 1)
+        return up + [_split(h, f, h * f // tp, tp)]
+    e, n = spec.expert_ffn_dim, spec.moe_experts // ep
+    out = [Matrix(e, h, n * e * h, n, expert=True)] * (spec.mlp_mats - 1) + [Matrix(h, e, n * h * e, n, expert=True)]
+    if spec.moe_shared_experts:
+        s = spec.moe_shared_experts * e
+        out += [Matrix(s, h, s * h)] * (spec.mlp_mats - 1) + [Matrix(h, s, h * s)]
+    return out
+
+
+def unit_matrices(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[Matrix]]:
+    """The Muon parameters one rank of `stage` holds, per ZeRO-3 unit: each block, then (last stage) each MTP
+    module."""
+    t, ep = lay.tp, lay.ep
+    out = []
+    for moe in stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe:
+        out.append(attention_matrices(spec, t) + mlp_matrices(spec, moe, t, ep))
+    if stage.head:
+        for k in range(spec.mtp_layers):
+            out.append([Matrix(spec.dim, 2 * spec.dim, 2 * spec.dim * spec.dim)] + attention_matrices(spec, t)
+                       + mlp_matrices(spec, spec.is_moe_layer(spec.n_layers + k), t, ep))
+    return out
+
+
+def stage_matrices(spec: ModelSpec, stage: Stage, lay: Layout) -> list[Matrix]:
+    return [m for unit in unit_matrices(spec, stage, lay) for m in unit]
+
+
+def muon_buckets(spec: ModelSpec, stage: Stage, lay: Layout, expert: bool) -> list[list[Matrix]]:
+    """The Muon buckets of one kind (ZeRO ≥ 1) as `GradReducer` cuts them: per unit under ZeRO-3, else runs
+    closed once they reach BUCKET_BYTES (pipeline chunks under ZeRO-2 with vp > 1 are not told apart)."""
+    units = unit_matrices(spec, stage, lay)
+    if lay.zero < 3:
+        units = [[m for u in units for m in u]]
+    out = []
+    for unit in units:
+        run, size = [], 0
+        for m in (m for m in unit if m.expert == expert):
+            run.append(m)
+            size += m.local
+            if 4 * size >= BUCKET_BYTES and lay.zero < 3:
+                out.append(run)
+                run, size = [], 0
+        if run:
+            out.append(run)
+    return out
+
+
+def muon_numel(spec: ModelSpec, stage: Stage, lay: Layout) -> int:
+    """Elements of the Muon parameters one rank of `stage` holds."""
+    return sum(m.local for m in stage_matrices(spec, stage, lay))
+
+
+def optimizer_bytes(total_local: int, spec: ModelSpec, stage: Stage, lay: Layout) -> int:
+    """ZeRO-0 optimizer state of one rank under Muon: 4 bytes of momentum per Muon element, AdamW's 8 per other."""
+    n = muon_numel(spec, stage, lay)
+    return BYTES_MOMENTUM * n + 8 * (total_local - n)
+
+
+def muon_static(static: dict, spec: ModelSpec, stage: Stage, lay: Layout) -> dict:
+    """`memory.static_bytes` under Muon: each Muon element keeps 4 bytes of momentum instead of AdamW's 8. Exact
+    at ZeRO-0; at ZeRO ≥ 1 the Muon elements' share of the shard (Muon's own buckets pad differently)."""
+    n = muon_numel(spec, stage, lay)
+    if lay.zero:
+        n = -(-n // (lay.dp * lay.cp))
+    out = dict(static, optimizer=static["optimizer"] - (8 - BYTES_MOMENTUM) * n)
+    out["total"] = sum(v for k, v in out.items() if k != "total")
+    return out
+
+
+def muon_comm(led, spec: ModelSpec, stage: Stage, lay: Layout) -> None:
+    """Muon's collectives of one step on one rank of `stage` (see the module docstring), into a CommLedger."""
+    g = lay.dp * lay.cp
+    dense, gd = ("dp_shard", lay.shard * lay.cp) if lay.hsdp else ("dp_cp", g)
+    mats = stage_matrices(spec, stage, lay)
+    for axis, size, expert in ((dense, gd, False), ("edp", max(1, g // lay.ep), True)):
+        groups = (muon_buckets(spec, stage, lay, expert) if lay.zero else
+                  [[m for m in mats if m.expert == expert]])
+        for group in groups:
+            if group:
+                _group_comm(led, group, axis, size, lay)
+
+
+def _group_comm(led, group: list[Matrix], axis: str, size: int, lay: Layout) -> None:
+    """One group's gathers: (ZeRO ≥ 1) the bucket's Nesterov shard over the data axis, the TP-split pieces over
+    tp, the orthogonalised results over tp and the data axis."""
+    if lay.zero:
+        led.add(axis, "all_gather:muon", 4 * -(-sum(m.local for m in group) // size), size)
+    split = sum(m.local for m in group if m.tp_split)
+    if split:
+        led.add("tp", "all_gather:muon", 4 * split, lay.tp)
+    shapes = [(m.rows, m.cols) for m in group for _ in range(m.count)]
+    width = busiest_numel(shapes, size * lay.tp)
+    if size * lay.tp > 1:
+        led.add("tp", "all_gather:muon", 4 * width, lay.tp)
+        led.add(axis, "all_gather:muon", 4 * lay.tp * width, size)

@@ -1,0 +1,229 @@
+"""Muon: the single-device step against a plain Muon written here from the equations, the deal that spreads
+Newton–Schulz over ranks, and every layout against the single-device Muon (`verify --optimizer muon`)."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from shardwise.config import ConfigError, ParallelConfig, TrainConfig
+from shardwise.optim import is_muon_param
+from shardwise.planner.muon import deal
+from shardwise.run import assemble
+from shardwise.trainer import Trainer, lr_at, make_mesh
+
+from _dist import fresh_seed, run_ranks, verify_all
+
+
+def plain_muon_update(g, steps=5):
+    """0.2·√max(r, c)·NS⁵(g / (‖g‖_F + 1e-7)), transposed while wide is not the case."""
+    x = g / (g.norm() + 1e-7)
+    if x.shape[0] > x.shape[1]:
+        return plain_muon_update(g.T, steps).T
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return 0.2 * math.sqrt(max(g.shape)) * x
+
+
+def _cfg(model="tiny", **kw):
+    return assemble(TrainConfig(model=model, optimizer="muon", steps=3, seq_len=32, micro_batch=2, progress=False,
+                                seed=kw.pop("seed", 1234), **kw))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_single_device_matches_plain_muon(model):
+    cfg = _cfg(model, weight_decay=0.1)
+    t = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
+    named = dict(t.model.named_parameters())
+    hidden = {n for n, p in named.items() if is_muon_param(n, p)}
+    assert any("experts" in n for n in hidden) == (model == "tiny-moe")
+    assert not any(k in n for n in hidden for k in ("tok_embeddings", "output", "router", "norm"))
+    momentum = {n: torch.zeros_like(named[n]) for n in hidden}
+    for step in range(3):
+        t.forward_backward(step)
+        t.finish_gradients()
+        before = {n: named[n].detach().clone() for n in hidden}
+        grads = {n: named[n].grad.detach().clone() for n in hidden}
+        t.optimizer_step(step)
+        lr = lr_at(step, cfg)
+        for n in hidden:
+            momentum[n] = 0.95 * momentum[n] + grads[n]
+            nest = grads[n] + 0.95 * momentum[n]
+            upd = (torch.stack([plain_muon_update(e) for e in nest]) if nest.ndim == 3 else plain_muon_update(nest))
+            want = before[n] * (1 - lr * 0.1) - lr * upd
+            torch.testing.assert_close(named[n].detach(), want, rtol=1e-5, atol=1e-7, msg=f"{n} step {step + 1}")
+
+
+def test_orthogonal_and_rms_matched():
+    g = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
+    from shardwise.optim.muon import orthogonalise, muon_update
+
+    s = torch.linalg.svdvals(orthogonalise(g, 5))
+    assert 0.6 < s.min() and s.max() < 1.25  # the quintic's band, not exactly 1
+    assert 0.15 < muon_update(g, 5).pow(2).mean().sqrt() < 0.25
+
+
+def test_deal_balances():
+    shapes = [(96, 96)] * 4 + [(48, 96)] * 4 + [(256, 96)] * 6 + [(96, 256)] * 3
+    owner = deal(shapes, 4)
+    load = [0] * 4
+    for s, r in zip(shapes, owner):
+        load[r] += s[0] * s[1] * min(s)
+    assert max(load) - min(load) <= max(s[0] * s[1] * min(s) for s in shapes)
+    assert set(owner) == {0, 1, 2, 3}
+
+
+def test_flags_validate():
+    with pytest.raises(ConfigError, match="--optimizer"):
+        TrainConfig(optimizer="sgd").validate(1)
+    with pytest.raises(ConfigError, match="--muon-momentum"):
+        TrainConfig(optimizer="muon", muon_momentum=1.0).validate(1)
+
+
+def _verify_cfg(model="tiny", seed=None, **parallel):
+    extra = {"global_batch": 4} if parallel.get("pp", 1) > 1 else {}
+    return TrainConfig(model=model, optimizer="muon", parallel=ParallelConfig(**parallel), steps=3, seq_len=32,
+                       micro_batch=2, seed=seed, progress=False, warmup_steps=20, lr_decay_steps=200, **extra)
+
+
+TWO_RANK = [dict(tp=2, sequence_parallel=True), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3),
+            dict(pp=2), dict(cp=2)]
+
+
+def _check(results, cfgs):
+    for r, c in zip(results, cfgs):
+        assert r["passed"], (c.seed, c.parallel, r)
+
+
+def test_verify_muon_two_ranks():
+    seed = fresh_seed()
+    cfgs = [_verify_cfg(seed=seed, **p) for p in TWO_RANK] + [_verify_cfg("tiny-moe", seed=seed, dp=2, ep=2)]
+    _check(run_ranks(2, verify_all, cfgs)[0], cfgs)
+
+
+def _per_shard_verify(cfgs):
+    """Inside ranks: verify with Muon broken on purpose — each rank orthogonalises its own TP pieces."""
+    from shardwise.optim.sharded import Muon
+
+    Muon._tp_split = lambda self, p: False
+    return verify_all(cfgs)
+
+
+def test_per_shard_orthogonalisation_fails_verify():
+    seed = fresh_seed()
+    cfgs = [_verify_cfg(seed=seed, tp=2)]
+    for r in run_ranks(2, _per_shard_verify, cfgs)[0]:
+        assert not r["passed"] and r["first_step_update_rel_diff"] > 0.05, (seed, r)
+
+
+def _families(seed):
+    from test_model_families import DEEPSEEK
+    from test_mtp import DEEPSEEK_MTP
+
+    two = [_verify_cfg(DEEPSEEK, seed, tp=2, sequence_parallel=True), _verify_cfg(DEEPSEEK, seed, cp=2),
+           _verify_cfg(DEEPSEEK, seed, dp=2, ep=2, zero=3),
+           _verify_cfg(DEEPSEEK_MTP, seed, tp=2, sequence_parallel=True)]
+    two += [dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2, schedule=s, vp=2 if s == "interleaved" else 1),
+                                global_batch=8) for s in ("1f1b", "interleaved", "zb", "dualpipev")]
+    four = [_verify_cfg(seed=seed, dp=2, tp=2, sequence_parallel=True, zero=1),
+            _verify_cfg(seed=seed, tp=4, sequence_parallel=True), _verify_cfg(seed=seed, dp=2, tp=2, zero=3),
+            _verify_cfg(seed=seed, dp=4, dp_shard=2, zero=2), _verify_cfg(seed=seed, dp=4, dp_shard=2, zero=3),
+            _verify_cfg(DEEPSEEK, seed, dp=2, ep=2, tp=2, sequence_parallel=True),
+            dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2, tp=2, schedule="zb"), global_batch=8)]
+    return two, four
+
+
+@pytest.mark.slow
+def test_verify_muon_mla_mtp_pipeline_two_ranks():
+    seed = fresh_seed()
+    cfgs = _families(seed)[0]
+    _check(run_ranks(2, verify_all, cfgs, timeout_s=600)[0], cfgs)
+
+
+@pytest.mark.slow
+def test_verify_muon_four_ranks():
+    seed = fresh_seed()
+    cfgs = _families(seed)[1]
+    _check(run_ranks(4, verify_all, cfgs, timeout_s=600)[0], cfgs)
+
+
+def _shardwise(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def _losses(run_dir):
+    import json
+
+    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_checkpoint_resumes_bitwise_reshards_and_refuses_adamw(tmp_path):
+    common = ["train", "--optimizer", "muon", "--seq-len", "32", "--micro-batch", "2", "--global-batch", "4",
+              "--lr-decay-steps", "4", "--no-progress", "--no-report"]
+    tp = ["--tp", "2", "--sequence-parallel"]
+    full, run = tmp_path / "full", tmp_path / "run"
+    assert _shardwise(*common, *tp, "--steps", "4", "--out", str(full), "--no-checkpoint").returncode == 0
+    r = _shardwise(*common, *tp, "--steps", "2", "--out", str(run), "--save-every", "2")
+    assert r.returncode == 0, r.stderr
+    r = _shardwise(*common, *tp, "--steps", "4", "--out", str(run), "--resume", "--no-checkpoint")
+    assert r.returncode == 0, r.stderr
+    assert _losses(run) == _losses(full)  # bitwise: the momentum came back exactly
+    saved = run / "checkpoints"
+    for name, layout in (("zero3", ["--dp", "2", "--zero", "3"]), ("zero1", ["--dp", "2", "--zero", "1"])):
+        other = tmp_path / name
+        r = _shardwise(*common, *layout, "--steps", "4", "--out", str(other), "--checkpoint-dir", str(saved),
+                       "--resume", "--no-checkpoint")
+        assert r.returncode == 0, r.stderr
+        assert _losses(other) == pytest.approx(_losses(full)[2:], rel=1e-5), name
+    r = _shardwise(*common[:1], *common[3:], *tp, "--steps", "4", "--out", str(tmp_path / "adamw"),
+                   "--checkpoint-dir", str(saved), "--resume", "--no-checkpoint")
+    assert r.returncode != 0 and "holds muon state; resume it with --optimizer muon" in r.stderr, r.stderr
+
+
+def _muon_ledger_and_state(cfgs):
+    """Inside ranks: per config, this rank's pp coordinate, the step's Muon-tagged ledger entries and the bytes
+    of every optimizer state tensor (after one step)."""
+    from shardwise.optim import optimizers
+
+    out = []
+    for cfg in cfgs:
+        cfg = assemble(cfg)
+        t = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
+        t.train_step(0)
+        axes = t.mesh.ledger.steps[-1]["axes"]
+        muon = {(a, op): (v["count"], v["bytes"], v["wire_bytes"]) for a, ops in axes.items()
+                for op, v in ops.items() if op.endswith(":muon")}
+        state = sum(x.numel() * x.element_size() for o in optimizers(t.reducer) for st in o.state.values()
+                    for x in st.values() if torch.is_tensor(x) and x.dim() > 0)
+        out.append((t.mesh.coords["pp"], muon, state, sum(p.numel() for p in t.model.parameters())))
+    return out
+
+
+def test_planner_counts_muon_ledger_and_state():
+    from test_model_families import DEEPSEEK
+    from shardwise.planner.comm_model import step_comm
+    from shardwise.planner.layout import from_train_config, stages
+    from shardwise.planner.memory import stage_params
+    from shardwise.planner.muon import optimizer_bytes
+
+    seed = fresh_seed()
+    cfgs = [_verify_cfg(seed=seed, tp=2, sequence_parallel=True), _verify_cfg(seed=seed, dp=2),
+            _verify_cfg("tiny-moe", seed=seed, dp=2, ep=2), _verify_cfg(DEEPSEEK, seed, tp=2),
+            _verify_cfg(seed=seed, dp=2, zero=1), _verify_cfg(DEEPSEEK, seed, dp=2, ep=2, zero=3),
+            dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2), global_batch=4)]
+    per_rank = run_ranks(2, _muon_ledger_and_state, cfgs)
+    for i, cfg in enumerate(cfgs):
+        spec, lay, wl = from_train_config(assemble(cfg))
+        for rank in per_rank:
+            pp, measured, state, numel = rank[i]
+            st = stages(spec, lay)[pp]
+            led = step_comm(spec, st, lay, wl, stage_params(spec, st, lay))[2]
+            want = {(a, op): (c, b, round(w)) for a, ops in led.ops.items() for op, (c, b, w) in ops.items()
+                    if op.endswith(":muon")}
+            assert measured == want, (cfg.parallel, pp)
+            if not lay.zero:
+                assert state == optimizer_bytes(numel, spec, st, lay), (cfg.parallel, pp)
