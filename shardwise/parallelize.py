@@ -79,8 +79,13 @@ def all_blocks(model: Transformer) -> list[nn.Module]:
     return list(model.layers.values()) + ([m.block for m in model.mtp.values()] if model.mtp is not None else [])
 
 
-def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False) -> Transformer:
-    """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head."""
+def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False,
+                          fused: bool = True) -> Transformer:
+    """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head.
+
+    `fused`: q/k/v and w1/w3 each run as one GEMM (`ColumnRegion`); without it they run as separate GEMMs
+    except where the region is also TP's f (no SP), as before fusion.
+    """
     cfg, tp = model.cfg, mesh["tp"]
     sp = sequence_parallel and tp.active
     kw = dict(device="meta")
@@ -108,16 +113,17 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
             _swap(ffn, "w1", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
             _swap(ffn, "w3", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
             _swap(ffn, "w2", RowParallelLinear(cfg.ffn_dim, h, tp, sequence_parallel=sp, **kw))
-        # One region entry per sub-block, shared by its column-parallel projections: under SP one
-        # all-gather; otherwise a ColumnRegion (one f, its backward all-reduce overlapped with dW).
+        # One region entry per sub-block, shared by its column-parallel projections: under SP one all-gather,
+        # then the fused GEMM; without SP a ColumnRegion that is also Megatron's f (its backward all-reduce
+        # overlapped with dW); at tp=1 just the fused GEMM.
         for region, layers in ((attn, [attn.wq, attn.wk, attn.wv] if attn else []),
                                (ffn, [ffn.w1, ffn.w3] if ffn else [])):
-            if region is None or not tp.active:
+            if region is None:
                 continue
             if sp:
                 region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
-            else:
-                region.register_forward_pre_hook(ColumnRegion(layers, tp))
+            if fused or (tp.active and not sp):
+                region.register_forward_pre_hook(ColumnRegion(layers, tp, reduce=tp.active and not sp))
     _swap(model, "output", ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw))
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight

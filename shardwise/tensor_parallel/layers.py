@@ -123,29 +123,36 @@ class ColumnParallelLinear(nn.Module):
 
 
 class _ColumnRegionFn(torch.autograd.Function):
-    """forward: y_i = x W_iᵀ + b_i for every projection reading x (Megatron's f: identity) /
-    backward: dx = Σ g_i W_i, all-reduced over TP *asynchronously* while the dW_i are computed.
+    """forward: [y_1 | y_2 | ...] = x [W_1; W_2; ...]ᵀ + [b_1 | b_2 | ...], one GEMM for every projection reading x /
+    backward: dx = Σ g_i W_i (all-reduced over TP *asynchronously* while the dW_i are computed, when `reduce`).
 
-    One autograd node for the whole region is what lets the input-gradient all-reduce overlap the
-    weight-gradient GEMMs (with separate nodes autograd finishes every dW before f runs).
+    One autograd node for the whole region fuses the GEMMs and lets the input-gradient all-reduce overlap the
+    weight-gradient GEMMs (with separate nodes autograd finishes every dW before f runs). The weights are
+    concatenated per call, so parameters, checkpoints and HF names stay per projection. Each output column of a
+    GEMM is one dot product over x's features, so the fused forward and the per-piece dW equal the separate
+    GEMMs bit for bit; dx is summed in `order` (autograd's own order for separate layers is the reverse of the
+    forward's), so the fused region keeps the unfused run's numerics.
     """
 
     @staticmethod
-    def forward(ctx, x, axis, store, *params):
+    def forward(ctx, x, axis, store, reduce, order, *params):
         ws, bs = params[0::2], params[1::2]
         ctx.save_for_backward(x)  # weights on ctx: a saved-tensor hook would hand the deferred W a copy (grad_store)
-        ctx.axis, ctx.store, ctx.ws, ctx.bs = axis, store, ws, bs
-        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs))
+        ctx.axis, ctx.store, ctx.ws, ctx.bs, ctx.reduce, ctx.order = axis, store, ws, bs, reduce, order
+        w = torch.cat(ws) if len(ws) > 1 else ws[0]
+        b = None if bs[0] is None else (torch.cat(bs) if len(bs) > 1 else bs[0])
+        y = F.linear(x, w, b)
+        return tuple(y.split([wi.shape[0] for wi in ws], dim=-1))
 
     @staticmethod
     def backward(ctx, *gs):
         (x,), ws = ctx.saved_tensors, ctx.ws
         live = [(i, g.reshape(-1, g.shape[-1])) for i, g in enumerate(gs) if g is not None]
         dx = None
-        for i, g in live:
+        for i, g in (live if ctx.order == "forward" else live[::-1]):
             part = (g @ ws[i].to(g.dtype)).to(x.dtype)
             dx = part if dx is None else dx.add_(part)
-        work = comm.all_reduce_async(dx, ctx.axis)
+        work = comm.all_reduce_async(dx, ctx.axis) if ctx.reduce else None
         grads: list = [None] * (2 * len(ws))
         capture = ctx.store is not None and ctx.store.capturing
         for i, _ in live:
@@ -153,19 +160,21 @@ class _ColumnRegionFn(torch.autograd.Function):
                 ctx.store.put(ws[i], ctx.bs[i], x, gs[i])
             else:
                 grads[2 * i], grads[2 * i + 1] = weight_grads(x, gs[i], ws[i], ctx.bs[i])
-        comm.wait(work, ctx.axis, "all_reduce of a column region's input gradient")
-        return (dx.view_as(x), None, None, *grads)
+        if work is not None:
+            comm.wait(work, ctx.axis, "all_reduce of a column region's input gradient")
+        return (dx.view_as(x), None, None, None, None, *grads)
 
 
 class ColumnRegion:
-    """Column-parallel layers that read one input (q/k/v, or w1/w3), entered once as one TP region.
+    """Column-parallel layers that read one input (q/k/v, or w1/w3): one fused GEMM, entered once as one TP region.
 
-    Installed as the parent module's forward pre-hook when TP is on without SP: it runs all the
-    projections in one `_ColumnRegionFn` and hands each layer its output when the layer is called.
+    Installed as the parent module's forward pre-hook: it runs all the projections in one `_ColumnRegionFn` and
+    hands each layer its output when the layer is called. `reduce`: the region is Megatron's f (TP without SP),
+    its input gradient all-reduced inside the region; under SP (or tp=1) the entry is the caller's.
     """
 
-    def __init__(self, layers: list[ColumnParallelLinear], axis):
-        self.layers, self.axis = layers, axis
+    def __init__(self, layers: list[ColumnParallelLinear], axis, reduce: bool = True):
+        self.layers, self.axis, self.reduce = layers, axis, reduce
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in layers:
             layer.region = self
@@ -173,7 +182,10 @@ class ColumnRegion:
     def __call__(self, module, args):
         x = args[0]
         params = [t for layer in self.layers for t in (layer.weight, layer.bias)]
-        outs = _ColumnRegionFn.apply(x, self.axis, self.layers[0].grad_store, *params)
+        # TP without SP keeps the region's historical summation order; elsewhere the fused region replaces
+        # separate layers and sums dx in autograd's order for them.
+        order = "forward" if self.reduce else "reverse"
+        outs = _ColumnRegionFn.apply(x, self.axis, self.layers[0].grad_store, self.reduce, order, *params)
         self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
 
     def take(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
