@@ -80,14 +80,16 @@ def all_blocks(model: Transformer) -> list[nn.Module]:
 
 
 def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False,
-                          fused: bool = True) -> Transformer:
+                          fused: bool = True, overlap: bool = False) -> Transformer:
     """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head.
 
     `fused`: q/k/v and w1/w3 each run as one GEMM (`ColumnRegion`); without it they run as separate GEMMs
-    except where the region is also TP's f (no SP), as before fusion.
+    except where the region is also TP's f (no SP), as before fusion. `overlap` (needs SP): every SP all-gather
+    before a column-parallel GEMM and reduce-scatter after a row-parallel one runs in tp chunks under the GEMMs.
     """
     cfg, tp = model.cfg, mesh["tp"]
     sp = sequence_parallel and tp.active
+    overlap = overlap and sp
     kw = dict(device="meta")
     _swap(model, "tok_embeddings", VocabParallelEmbedding(cfg.vocab_size, cfg.dim, tp, sp, **kw))
     for block in all_blocks(model):
@@ -120,13 +122,16 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
                                (ffn, [ffn.w1, ffn.w3] if ffn else [])):
             if region is None:
                 continue
-            if sp:
+            if sp and not overlap:
                 region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
-            if fused or (tp.active and not sp):
-                region.register_forward_pre_hook(ColumnRegion(layers, tp, reduce=tp.active and not sp))
+            if fused or overlap or (tp.active and not sp):
+                region.register_forward_pre_hook(ColumnRegion(layers, tp, reduce=tp.active and not sp, overlap=overlap))
     _swap(model, "output", ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw))
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.overlap = overlap
     ctx = model.ctx
     ctx.tp_axis, ctx.sequence_parallel = tp, sp
     ctx.cross_entropy = functools.partial(_vocab_parallel_loss, tp, model.tok_embeddings.vocab_start, cfg.vocab_size)
@@ -222,7 +227,7 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     ctx = ParallelContext(moe=_unsplit_moe)  # the TP plan below splits the experts over ep
     with torch.device("meta"):
         model = Transformer(cfg, ctx)
-    apply_tensor_parallel(model, mesh, p.sequence_parallel)
+    apply_tensor_parallel(model, mesh, p.sequence_parallel, overlap=p.tp_overlap)
     model.tok_embeddings.out_dtype = act_dtype
     apply_context_parallel(model, mesh, p.cp_order, p.cp_impl)
     model.chunks = None

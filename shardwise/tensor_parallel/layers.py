@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import comm, host
 from ..pipeline.grad_store import linear, weight_grads
+from .overlap import gather_column, row_scatter
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ class ColumnParallelLinear(nn.Module):
 
     `enter=False` when the parent module already applied the region entry once for several
     column-parallel layers sharing an input (q/k/v, w1/w3), so it is gathered or f-copied once.
-    `rows=(start, length)` overrides the even split (a K/V head held by several ranks).
+    `rows=(start, length)` overrides the even split (a K/V head held by several ranks). `overlap` (set by the
+    plan under SP with --tp-overlap): the entry all-gather runs in chunks under the GEMM (`overlap.py`).
     """
 
     def __init__(self, in_features, out_features, axis, bias=False, gather_output=False,
@@ -106,6 +108,7 @@ class ColumnParallelLinear(nn.Module):
         self.axis, self.gather_output, self.sequence_parallel, self.enter = axis, gather_output, sequence_parallel, enter
         self.grad_store = None  # a WeightGradStore when a split-backward pipeline schedule defers dW
         self.region = None  # a ColumnRegion when siblings share this layer's input (see below)
+        self.overlap = False
         start, length = rows if rows is not None else split_range(out_features, axis)
         self.weight = _sharded_param((out_features, in_features), 0, start, length, replicas, grad_reduce, device, dtype)
         self.bias = (_sharded_param((out_features,), 0, start, length, replicas, grad_reduce, device, dtype)
@@ -116,6 +119,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.region is not None:  # computed, together with its siblings, by the region's hook
             return self.region.take(self, x)
+        if self.enter and self.overlap and self.sequence_parallel and self.axis.active:
+            y = gather_column(x, self.axis, self.grad_store, [self.weight], [self.bias])[0]
+            return comm.gather_from_region(y, self.axis) if self.gather_output else y
         if self.enter:
             x = enter_region(x, self.axis, self.sequence_parallel)
         y = linear(x, self.weight, self.bias, self.grad_store)
@@ -170,17 +176,23 @@ class ColumnRegion:
 
     Installed as the parent module's forward pre-hook: it runs all the projections in one `_ColumnRegionFn` and
     hands each layer its output when the layer is called. `reduce`: the region is Megatron's f (TP without SP),
-    its input gradient all-reduced inside the region; under SP (or tp=1) the entry is the caller's.
+    its input gradient all-reduced inside the region; under SP (or tp=1) the entry is the caller's, except with
+    `overlap` (SP with --tp-overlap): the region takes the sequence shard and gathers it in chunks under the GEMM.
     """
 
-    def __init__(self, layers: list[ColumnParallelLinear], axis, reduce: bool = True):
-        self.layers, self.axis, self.reduce = layers, axis, reduce
+    def __init__(self, layers: list[ColumnParallelLinear], axis, reduce: bool = True, overlap: bool = False):
+        self.layers, self.axis, self.reduce, self.overlap = layers, axis, reduce, overlap
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in layers:
             layer.region = self
 
     def __call__(self, module, args):
         x = args[0]
+        if self.overlap:
+            outs = gather_column(x, self.axis, self.layers[0].grad_store, [layer.weight for layer in self.layers],
+                                 [layer.bias for layer in self.layers])
+            self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
+            return
         params = [t for layer in self.layers for t in (layer.weight, layer.bias)]
         # TP without SP keeps the region's historical summation order; elsewhere the fused region replaces
         # separate layers and sums dx in autograd's order for them.
@@ -206,6 +218,7 @@ class RowParallelLinear(nn.Module):
         if in_features % axis.size:
             raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={axis.size}")
         self.grad_store = None
+        self.overlap = False  # under SP with --tp-overlap: the exit reduce-scatter runs in chunks under the GEMM
         start, length = split_range(in_features, axis)
         self.weight = _sharded_param((out_features, in_features), 1, start, length, device=device, dtype=dtype)
         # Under SP the bias is added on a sequence shard, so each rank holds part of its gradient.
@@ -215,7 +228,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = comm.scatter_to_region(x, self.axis)
-        y = exit_region(linear(x, self.weight, None, self.grad_store), self.axis, self.sequence_parallel)
+        if self.overlap and self.sequence_parallel and self.axis.active:
+            y = row_scatter(x, self.weight, self.axis, self.grad_store)
+        else:
+            y = exit_region(linear(x, self.weight, None, self.grad_store), self.axis, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
 
