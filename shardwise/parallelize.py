@@ -80,11 +80,10 @@ def all_blocks(model: Transformer) -> list[nn.Module]:
 
 
 def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False,
-                          fused: bool = True, overlap: bool = False) -> Transformer:
+                          fused: bool = False, overlap: bool = False) -> Transformer:
     """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head.
 
-    `fused`: q/k/v and w1/w3 each run as one GEMM (`ColumnRegion`); without it they run as separate GEMMs
-    except where the region is also TP's f (no SP), as before fusion. `overlap` (needs SP): every SP all-gather
+    `fused`: q/k/v and w1/w3 each run as one GEMM (`ColumnRegion`); without it, separate GEMMs. `overlap` (needs SP): every SP all-gather
     before a column-parallel GEMM and reduce-scatter after a row-parallel one runs in tp chunks under the GEMMs.
     """
     cfg, tp = model.cfg, mesh["tp"]
@@ -115,9 +114,9 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
             _swap(ffn, "w1", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
             _swap(ffn, "w3", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
             _swap(ffn, "w2", RowParallelLinear(cfg.ffn_dim, h, tp, sequence_parallel=sp, **kw))
-        # One region entry per sub-block, shared by its column-parallel projections: under SP one all-gather,
-        # then the fused GEMM; without SP a ColumnRegion that is also Megatron's f (its backward all-reduce
-        # overlapped with dW); at tp=1 just the fused GEMM.
+        # One region entry per sub-block, shared by its column-parallel projections: under SP one all-gather
+        # (or, overlapped, the region's chunked one); without SP a ColumnRegion that is also Megatron's f (its
+        # backward all-reduce overlapped with dW); fused, a ColumnRegion at any tp.
         for region, layers in ((attn, [attn.wq, attn.wk, attn.wv] if attn else []),
                                (ffn, [ffn.w1, ffn.w3] if ffn else [])):
             if region is None:
@@ -125,7 +124,8 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
             if sp and not overlap:
                 region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
             if fused or overlap or (tp.active and not sp):
-                region.register_forward_pre_hook(ColumnRegion(layers, tp, reduce=tp.active and not sp, overlap=overlap))
+                region.register_forward_pre_hook(ColumnRegion(layers, tp, reduce=tp.active and not sp, overlap=overlap,
+                                                              fused=fused))
     _swap(model, "output", ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw))
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
@@ -227,7 +227,7 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     ctx = ParallelContext(moe=_unsplit_moe)  # the TP plan below splits the experts over ep
     with torch.device("meta"):
         model = Transformer(cfg, ctx)
-    apply_tensor_parallel(model, mesh, p.sequence_parallel, overlap=p.tp_overlap)
+    apply_tensor_parallel(model, mesh, p.sequence_parallel, fused=p.fused_projections, overlap=p.tp_overlap)
     model.tok_embeddings.out_dtype = act_dtype
     apply_context_parallel(model, mesh, p.cp_order, p.cp_impl)
     model.chunks = None

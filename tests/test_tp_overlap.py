@@ -60,9 +60,15 @@ def test_overlap_ledger_bytes_equal_and_loss_bitwise():
         {a: sum(v["bytes"] for v in ops.values()) for a, ops in led_off.items()}
 
 
-def test_verify_overlap_tp2_tp4():
+def test_verify_overlap_tp2_tp4_and_fused_projections():
+    """Overlap with and without fused projections, and the fused projections alone (TP's f region, no SP)."""
     seed = fresh_seed()
-    for result in run_ranks(4, verify_all, [_cfg(seed, tp=4), _cfg(seed, tp=2, dp=2)])[0]:
+    fused_tp4 = _cfg(seed, tp=4)
+    fused_tp4.parallel.fused_projections = True
+    fused_no_sp = TrainConfig(parallel=ParallelConfig(tp=2, dp=2, fused_projections=True), steps=2, seq_len=64,
+                              micro_batch=2, seed=seed, progress=False, warmup_steps=20, lr_decay_steps=200)
+    fused_no_sp.resolve_world()
+    for result in run_ranks(4, verify_all, [fused_tp4, _cfg(seed, tp=2, dp=2), fused_no_sp])[0]:
         assert result["passed"] and result["max_loss_abs_diff"] < 1e-5, (seed, result)
 
 
@@ -72,6 +78,7 @@ LAYOUTS = {
     "moe_ep2_tp2": dict(tp=2, dp=2, ep=2, model="tiny-moe"),
     "zero3_tp2": dict(tp=2, dp=2, zero=3),
     "mla_tp2": dict(tp=2, model=DEEPSEEK),
+    "bf16_tp2": dict(tp=2, dtype="bf16"),
 }
 
 

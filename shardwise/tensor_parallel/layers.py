@@ -129,26 +129,26 @@ class ColumnParallelLinear(nn.Module):
 
 
 class _ColumnRegionFn(torch.autograd.Function):
-    """forward: [y_1 | y_2 | ...] = x [W_1; W_2; ...]ᵀ + [b_1 | b_2 | ...], one GEMM for every projection reading x /
+    """forward: y_i = x W_iᵀ + b_i for every projection reading x, with `fused` as one GEMM on [W_1; W_2; ...] /
     backward: dx = Σ g_i W_i (all-reduced over TP *asynchronously* while the dW_i are computed, when `reduce`).
 
-    One autograd node for the whole region fuses the GEMMs and lets the input-gradient all-reduce overlap the
-    weight-gradient GEMMs (with separate nodes autograd finishes every dW before f runs). The weights are
-    concatenated per call, so parameters, checkpoints and HF names stay per projection. Each output column of a
-    GEMM is one dot product over x's features, so the fused forward and the per-piece dW equal the separate
-    GEMMs bit for bit; dx is summed in `order` (autograd's own order for separate layers is the reverse of the
-    forward's), so the fused region keeps the unfused run's numerics.
+    One autograd node for the whole region lets the input-gradient all-reduce overlap the weight-gradient GEMMs
+    (with separate nodes autograd finishes every dW before f runs), and lets the GEMMs fuse. The weights are
+    concatenated per call, so parameters, checkpoints and HF names stay per projection. A fused output column is
+    the same dot product over x's features, but a BLAS may pick another kernel for the wider GEMM, so fusion is
+    exact only up to rounding on some shapes. dx is summed in `order` (autograd's own order for separate layers
+    is the reverse of the forward's); dW per projection, as autograd computes it.
     """
 
     @staticmethod
-    def forward(ctx, x, axis, store, reduce, order, *params):
+    def forward(ctx, x, axis, store, reduce, order, fused, *params):
         ws, bs = params[0::2], params[1::2]
         ctx.save_for_backward(x)  # weights on ctx: a saved-tensor hook would hand the deferred W a copy (grad_store)
         ctx.axis, ctx.store, ctx.ws, ctx.bs, ctx.reduce, ctx.order = axis, store, ws, bs, reduce, order
-        w = torch.cat(ws) if len(ws) > 1 else ws[0]
-        b = None if bs[0] is None else (torch.cat(bs) if len(bs) > 1 else bs[0])
-        y = F.linear(x, w, b)
-        return tuple(y.split([wi.shape[0] for wi in ws], dim=-1))
+        if not fused or len(ws) == 1:
+            return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+        b = None if bs[0] is None else torch.cat(bs)
+        return tuple(F.linear(x, torch.cat(ws), b).split([w.shape[0] for w in ws], dim=-1))
 
     @staticmethod
     def backward(ctx, *gs):
@@ -168,20 +168,22 @@ class _ColumnRegionFn(torch.autograd.Function):
                 grads[2 * i], grads[2 * i + 1] = weight_grads(x, gs[i], ws[i], ctx.bs[i])
         if work is not None:
             comm.wait(work, ctx.axis, "all_reduce of a column region's input gradient")
-        return (dx.view_as(x), None, None, None, None, *grads)
+        return (dx.view_as(x), None, None, None, None, None, *grads)
 
 
 class ColumnRegion:
-    """Column-parallel layers that read one input (q/k/v, or w1/w3): one fused GEMM, entered once as one TP region.
+    """Column-parallel layers that read one input (q/k/v, or w1/w3), entered once as one TP region.
 
-    Installed as the parent module's forward pre-hook: it runs all the projections in one `_ColumnRegionFn` and
-    hands each layer its output when the layer is called. `reduce`: the region is Megatron's f (TP without SP),
-    its input gradient all-reduced inside the region; under SP (or tp=1) the entry is the caller's, except with
-    `overlap` (SP with --tp-overlap): the region takes the sequence shard and gathers it in chunks under the GEMM.
+    Installed as the parent module's forward pre-hook: it runs all the projections in one `_ColumnRegionFn` (one
+    GEMM with `fused`) and hands each layer its output when the layer is called. `reduce`: the region is
+    Megatron's f (TP without SP), its input gradient all-reduced inside the region; under SP (or tp=1) the entry
+    is the caller's, except with `overlap` (SP with --tp-overlap): the region takes the sequence shard and
+    gathers it in chunks under the GEMMs.
     """
 
-    def __init__(self, layers: list[ColumnParallelLinear], axis, reduce: bool = True, overlap: bool = False):
-        self.layers, self.axis, self.reduce, self.overlap = layers, axis, reduce, overlap
+    def __init__(self, layers: list[ColumnParallelLinear], axis, reduce: bool = True, overlap: bool = False,
+                 fused: bool = False):
+        self.layers, self.axis, self.reduce, self.overlap, self.fused = layers, axis, reduce, overlap, fused
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in layers:
             layer.region = self
@@ -190,14 +192,14 @@ class ColumnRegion:
         x = args[0]
         if self.overlap:
             outs = gather_column(x, self.axis, self.layers[0].grad_store, [layer.weight for layer in self.layers],
-                                 [layer.bias for layer in self.layers])
+                                 [layer.bias for layer in self.layers], self.fused)
             self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
             return
         params = [t for layer in self.layers for t in (layer.weight, layer.bias)]
         # TP without SP keeps the region's historical summation order; elsewhere the fused region replaces
         # separate layers and sums dx in autograd's order for them.
         order = "forward" if self.reduce else "reverse"
-        outs = _ColumnRegionFn.apply(x, self.axis, self.layers[0].grad_store, self.reduce, order, *params)
+        outs = _ColumnRegionFn.apply(x, self.axis, self.layers[0].grad_store, self.reduce, order, self.fused, *params)
         self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
 
     def take(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:

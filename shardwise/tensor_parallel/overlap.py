@@ -78,29 +78,36 @@ class _ReduceScatterChunks:
         return shard
 
 
+def _column_gemm(rows: torch.Tensor, ws, bs, fused: bool) -> torch.Tensor:
+    """[y_1 | y_2 | ...] for one chunk: one GEMM on the concatenated weights (`fused`) or one per weight."""
+    if fused and len(ws) > 1:
+        return F.linear(rows, torch.cat(ws), None if bs[0] is None else torch.cat(bs))
+    outs = [F.linear(rows, w, b) for w, b in zip(ws, bs)]
+    return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+
+
 class _GatherColumnFn(torch.autograd.Function):
-    """forward: all-gather the sequence in tp chunks, each chunk's fused column GEMM under the next chunk's
-    gather / backward: dx = dY W reduce-scattered in tp chunks, each chunk's reduce-scatter under the next
+    """forward: all-gather the sequence in tp chunks, each chunk's column GEMM(s) under the next chunk's
+    gather / backward: dx = Σ dY_i W_i reduce-scattered in tp chunks, each chunk's reduce-scatter under the next
     chunk's GEMM, then the dW GEMMs (on the whole gathered input) under the last reduce-scatters."""
 
     @staticmethod
-    def forward(ctx, x, axis, store, *params):
+    def forward(ctx, x, axis, store, fused, *params):
         ws, bs = params[0::2], params[1::2]
-        w = torch.cat(ws) if len(ws) > 1 else ws[0]
-        b = None if bs[0] is None else (torch.cat(bs) if len(bs) > 1 else bs[0])
         t, (bsz, local_len, h) = axis.size, x.shape
         bounds = chunk_bounds(local_len, t)
         x_full = x.new_empty((bsz, t, local_len, h))
         y = None
         for off, rows in _gathered(x, axis, bounds):
             _put(x_full, t, off, rows)
-            out = F.linear(rows, w, b)
+            out = _column_gemm(rows, ws, bs, fused)
             if y is None:
                 y = out.new_empty((bsz, t, local_len, out.shape[-1]))
             _put(y, t, off, out)
         x_full = x_full.view(bsz, t * local_len, h)
         ctx.save_for_backward(x_full)
         ctx.axis, ctx.store, ctx.ws, ctx.bs, ctx.x_dtype, ctx.local_len = axis, store, ws, bs, x.dtype, local_len
+        ctx.fused = fused
         return tuple(y.view(bsz, t * local_len, -1).split([wi.shape[0] for wi in ws], dim=-1))
 
     @staticmethod
@@ -108,11 +115,17 @@ class _GatherColumnFn(torch.autograd.Function):
         (x_full,), ws, axis = ctx.saved_tensors, ctx.ws, ctx.axis
         like = next(g for g in gs if g is not None)
         gs = [g if g is not None else like.new_zeros((*like.shape[:-1], w.shape[0])) for g, w in zip(gs, ws)]
-        g = torch.cat(gs, dim=-1) if len(gs) > 1 else gs[0]
-        w = (torch.cat(ws) if len(ws) > 1 else ws[0]).to(g.dtype)
+        if ctx.fused:
+            gs_, ws_ = [torch.cat(gs, dim=-1)], [torch.cat(ws)]
+        else:  # autograd's order for separate layers: the last projection's dx first
+            gs_, ws_ = gs[::-1], ws[::-1]
         scatter = _ReduceScatterChunks(axis)
         for off, n in chunk_bounds(ctx.local_len, axis.size):
-            scatter.start(off, (_rows(g, axis.size, off, n) @ w).to(ctx.x_dtype))
+            dx = None
+            for g, w in zip(gs_, ws_):
+                part = (_rows(g, axis.size, off, n) @ w.to(g.dtype)).to(ctx.x_dtype)
+                dx = part if dx is None else dx.add_(part)
+            scatter.start(off, dx)
         grads: list = [None] * (2 * len(ws))
         capture = ctx.store is not None and ctx.store.capturing
         for i, gi in enumerate(gs):
@@ -120,7 +133,7 @@ class _GatherColumnFn(torch.autograd.Function):
                 ctx.store.put(ws[i], ctx.bs[i], x_full, gi)
             else:
                 grads[2 * i], grads[2 * i + 1] = weight_grads(x_full, gi, ws[i], ctx.bs[i])
-        return (scatter.finish(ctx.local_len), None, None, *grads)
+        return (scatter.finish(ctx.local_len), None, None, None, *grads)
 
 
 class _RowScatterFn(torch.autograd.Function):
@@ -158,10 +171,11 @@ class _RowScatterFn(torch.autograd.Function):
         return dx.view_as(x), dw, None, None
 
 
-def gather_column(x: torch.Tensor, axis, store, weights, biases) -> tuple[torch.Tensor, ...]:
-    """SP column region, overlapped: x [b, s/tp, h] → one [b, s, n_i] output per weight (one fused GEMM per chunk)."""
+def gather_column(x: torch.Tensor, axis, store, weights, biases, fused: bool = False) -> tuple[torch.Tensor, ...]:
+    """SP column region, overlapped: x [b, s/tp, h] → one [b, s, n_i] output per weight (`fused`: one GEMM per
+    chunk for all of them)."""
     params = [t for pair in zip(weights, biases) for t in pair]
-    return _GatherColumnFn.apply(x, axis, store, *params)
+    return _GatherColumnFn.apply(x, axis, store, fused, *params)
 
 
 def row_scatter(x: torch.Tensor, weight: torch.Tensor, axis, store) -> torch.Tensor:
