@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from shardwise.config import ParallelConfig, TrainConfig
+from shardwise.planner.tp_overlap import exposed_tp, messages_per_layer
 from shardwise.tensor_parallel.overlap import chunk_bounds
 from shardwise.verify import verify_main
 
@@ -28,6 +29,18 @@ def test_chunk_bounds_cover_the_shard():
     assert chunk_bounds(8, 4) == [(0, 2), (2, 2), (4, 2), (6, 2)]
     assert chunk_bounds(5, 2) == [(0, 3), (3, 2)]
     assert chunk_bounds(2, 4) == [(0, 1), (1, 1)]  # never an empty chunk
+
+
+def test_planner_exposed_tp_time():
+    """Long GEMMs hide all but each collective's first chunk; short ones hide nothing and the extra messages'
+    latency makes the overlapped layer slower; no TP, nothing exposed."""
+    kw = dict(tokens=4096, dim=4096, act_bytes=2, rate=100e9, flops_per_s=500e12, latency=8e-6)
+    slow = exposed_tp(tp=4, projection_flops=1e13, **kw)
+    assert slow.overlap == pytest.approx(8 * (8e-6 + slow.comm / 32)) and slow.overlap < slow.plain
+    fast = exposed_tp(tp=4, projection_flops=0.0, **kw)
+    assert fast.overlap == pytest.approx(fast.comm + 32 * 8e-6) and fast.overlap > fast.plain
+    assert exposed_tp(tp=1, projection_flops=1e13, **kw).plain == 0.0
+    assert (messages_per_layer(4, False), messages_per_layer(4, True), messages_per_layer(1, True)) == (8, 32, 0)
 
 
 def _ledgers(cfgs):
