@@ -57,10 +57,11 @@ def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, name, carry(getattr(parent, name), new))
 
 
-def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool) -> None:
+def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool, overlap: bool = False, fused: bool = False) -> None:
     """MLA's plan: heads split (wq / wq_b and wkv_b column-parallel by head, wo row-parallel), down-projections
     and norms replicated; the block input enters the region once (SP all-gather, else Megatron's f, whose
-    backward sums the per-rank partial input gradients)."""
+    backward sums the per-rank partial input gradients). Under `overlap` the projections that read the block
+    input (wq_a or wq, and wkv_a) form one overlapped `ColumnRegion` instead, fused with `fused`."""
     kw = dict(device="meta")
     qk, h = cfg.head_dim + cfg.qk_rope_dim, cfg.dim
     if cfg.q_lora_rank:
@@ -70,8 +71,22 @@ def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool) -> None:
     _swap(attn, "wkv_b", ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim), tp,
                                               enter=False, **kw))
     _swap(attn, "wo", RowParallelLinear(cfg.n_heads * cfg.v_head_dim, h, tp, sequence_parallel=sp, **kw))
-    if tp.active:
+    if overlap:
+        for name in ("wq_a", "wkv_a") if cfg.q_lora_rank else ("wkv_a",):
+            old = getattr(attn, name)
+            _swap(attn, name, _replicated_column(old.in_features, old.out_features, tp))
+        first = attn.wq_a if cfg.q_lora_rank else attn.wq
+        attn.register_forward_pre_hook(ColumnRegion([first, attn.wkv_a], tp, reduce=False, overlap=True, fused=fused))
+    elif tp.active:
         attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+
+
+def _replicated_column(in_features: int, out_features: int, tp) -> ColumnParallelLinear:
+    """A replicated projection (MLA's down-projections) as a column layer holding every row, so it can join an
+    overlapped region; its gradient is a partial sum over TP, like the plain layer's under SP."""
+    layer = ColumnParallelLinear(in_features, out_features, tp, enter=False, rows=(0, out_features), device="meta")
+    set_spec(layer.weight, ShardSpec((out_features, in_features), replicas=tp.size, grad_reduce="tp_sum"))
+    return layer
 
 
 def all_blocks(model: Transformer) -> list[nn.Module]:
@@ -83,8 +98,9 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
                           fused: bool = False, overlap: bool = False) -> Transformer:
     """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head.
 
-    `fused`: q/k/v and w1/w3 each run as one GEMM (`ColumnRegion`); without it, separate GEMMs. `overlap` (needs SP): every SP all-gather
-    before a column-parallel GEMM and reduce-scatter after a row-parallel one runs in tp chunks under the GEMMs.
+    `fused`: q/k/v and w1/w3 each run as one GEMM (`ColumnRegion`); without it, separate GEMMs. `overlap`
+    (needs SP): every SP all-gather before a column-parallel GEMM and reduce-scatter after a row-parallel one
+    runs in tp chunks under the GEMMs.
     """
     cfg, tp = model.cfg, mesh["tp"]
     sp = sequence_parallel and tp.active
@@ -98,7 +114,7 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
             block.feed_forward = apply_expert_parallel(cfg, mesh, sp)  # declares its own parameters
             ffn = None
         if cfg.is_mla:
-            _mla_tensor_parallel(attn, cfg, tp, sp)
+            _mla_tensor_parallel(attn, cfg, tp, sp, overlap, fused)
             attn = None
         else:
             kv_rows, kv_replicas, kv_reduce = _kv_rows(cfg, tp)

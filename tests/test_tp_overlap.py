@@ -13,7 +13,7 @@ from shardwise.tensor_parallel.overlap import chunk_bounds
 from shardwise.verify import verify_main
 
 from _dist import fresh_seed, run_ranks, verify_all
-from test_model_families import DEEPSEEK
+from test_model_families import DEEPSEEK, DEEPSEEK_NOQ
 
 
 def _cfg(seed, **degrees):
@@ -91,6 +91,7 @@ LAYOUTS = {
     "moe_ep2_tp2": dict(tp=2, dp=2, ep=2, model="tiny-moe"),
     "zero3_tp2": dict(tp=2, dp=2, zero=3),
     "mla_tp2": dict(tp=2, model=DEEPSEEK),
+    "mla_noq_tp2_fused": dict(tp=2, model=DEEPSEEK_NOQ, fused_projections=True),
     "bf16_tp2": dict(tp=2, dtype="bf16"),
 }
 

@@ -192,7 +192,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
             t_sync += (1 - assume.dp_overlap) * sum(seconds(sync, a) for a in ("dp_cp", "edp", "dp_shard", "dp_replicate"))
             updated = s["static"]["optimizer"] / 8  # parameters this rank's Adam step touches (its ZeRO shard)
             t_opt = updated * ADAM_STEP_BYTES / cluster.gpu.hbm_bytes_per_s
-            seen[key] = {"mb": t_mb, "tail": t_sync + t_opt, "comp": t_comp, "ledgers": (mb, sync), "tp_layer": tp_layer}
+            seen[key] = {"mb": t_mb, "tail": t_sync + t_opt, "comp": t_comp, "ledgers": (mb, sync),
+                         "tp_layer": tp_layer}
         per_stage.append({**seen[key], **s})
     t_pipe = lay.m * max(p["mb"] for p in per_stage) / (1 - bubble)
     step_time = t_pipe + max(p["tail"] for p in per_stage)
