@@ -87,6 +87,8 @@ def test_verify_overlap_tp2_tp4_and_fused_projections():
 
 LAYOUTS = {
     "pp2_tp2": dict(tp=2, pp=2, global_batch=4),
+    "pp2_tp2_zb_fused": dict(tp=2, pp=2, schedule="zb", global_batch=4, fused_projections=True),
+    "tp2_recompute_full": dict(tp=2, recompute="full"),
     "cp2_tp2": dict(tp=2, cp=2),
     "moe_ep2_tp2": dict(tp=2, dp=2, ep=2, model="tiny-moe"),
     "zero3_tp2": dict(tp=2, dp=2, zero=3),
