@@ -17,6 +17,7 @@ The last stdout line is one JSON object: medians, exposed fractions, "ratios" (o
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -175,10 +176,12 @@ def main(argv=None) -> int:
         for k, v in r["ratios"].items():
             if v is not None:
                 print(f"  {k}: {v:.3f}")
-    for note in notes:
-        print(note)
     ratios = {f"tp{tp}_{k}": v for tp in args.tp for k, v in results[f"tp{tp}"]["ratios"].items()}
     ratios["vs_megatron"] = None  # Megatron-Core's TP (no SP on CPU) is timed by benchmarks/tp_peers.py
+    if importlib.util.find_spec("megatron") is None:
+        notes.append("megatron-core is not installed: no Megatron-Core timing (benchmarks/tp_peers.py has one)")
+    for note in notes:
+        print(note)
     config = {k: opts[k] for k in ("tp", "dim", "n_heads", "n_kv_heads", "ffn", "layers", "batch", "seq", "reps",
                                    "warmup")} | {"free_cores": cores, "threads_per_rank": 1,
                                                  "torch": torch.__version__, "smoke": args.smoke}
