@@ -300,7 +300,7 @@ def _tp_overlap_lines(est: dict) -> list[str]:
     t = est.get("tp_exposed_per_layer")
     if t is None:
         return []
-    used = "on" if est["assumptions"]["tp_overlap"] else "off"
+    used = "on" if est["assumptions"]["tp_overlap"] or est.get("tp_overlap") else "off"
     return [f"  exposed TP time per layer and microbatch: {t['exposed_plain_s'] * 1e3:.3f} ms without --tp-overlap "
             f"({t['messages_plain']} messages), {t['exposed_overlap_s'] * 1e3:.3f} ms with it ({t['messages_overlap']} "
             f"messages; {t['comm_s'] * 1e3:.3f} ms of bytes, {t['gemm_s'] * 1e3:.3f} ms of GEMMs to hide them); "

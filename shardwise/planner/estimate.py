@@ -48,7 +48,8 @@ class Assumptions:
     activation_model: str = "shardwise"
     """'shardwise' (what its implementation saves, checked against real runs) or 'korthikanti' (the paper)."""
     tp_overlap: bool = False
-    """Under SP, the layers' TP collectives run in tp chunks under the GEMMs (train's --tp-overlap; tp_overlap.py)."""
+    """Under SP, the layers' TP collectives run in tp chunks under the GEMMs (tp_overlap.py); a layout from a train
+    command with --tp-overlap says so itself."""
 
     def __post_init__(self):
         if self.activation_model not in ACTIVATION_MODELS:
@@ -186,7 +187,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
             t_cp = max(0.0, seconds(mb, "cp") - core / (peak * assume.flops_efficiency))
             t_mb = t_comp + t_cp + sum(seconds(mb, a) for a in ("tp", "pp", "ep"))
             tp_layer = _tp_layer(spec, lay, wl, rate["tp"], peak * assume.flops_efficiency, links["tp"])
-            if assume.tp_overlap and lay.sp:  # the layers' SP collectives: exposed time instead of their bytes' time
+            if (assume.tp_overlap or lay.tp_overlap) and lay.sp:  # the layers' SP collectives: exposed time instead of their bytes' time
                 t_mb += st.n_layers * (tp_layer.overlap - tp_layer.comm)
             t_sync = seconds(sync, "tp") + seconds(sync, "emb")
             t_sync += (1 - assume.dp_overlap) * sum(seconds(sync, a) for a in ("dp_cp", "edp", "dp_shard", "dp_replicate"))
@@ -241,6 +242,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     if detail:
         if lay.sp and lay.tp > 1:
             out["tp_exposed_per_layer"] = per_stage[0]["tp_layer"].as_dict()
+            out["tp_overlap"] = bool(assume.tp_overlap or lay.tp_overlap)
         out["stages"] = [{
             "stage": p["stage"].index, "layers": p["stage"].n_layers, "embedding": p["stage"].embedding,
             "head": p["stage"].head, "params": p["params"].total, "static_bytes": p["static"]["total"],

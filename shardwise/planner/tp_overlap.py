@@ -59,3 +59,8 @@ def exposed_tp(tokens: int, dim: int, act_bytes: int, tp: int, rate: float, proj
 def messages_per_layer(tp: int, overlap: bool) -> int:
     """TP messages (collective calls) per layer and microbatch under SP: t chunks each with --tp-overlap."""
     return COLLECTIVES_PER_LAYER * (tp if overlap else 1) if tp > 1 else 0
+
+
+def chunks(tp: int, local_len: int, overlap: bool) -> int:
+    """Messages each overlapped SP collective is cut into: tp, or fewer on a shard of fewer rows (1: not cut)."""
+    return max(1, min(tp, local_len)) if overlap and tp > 1 else 1
