@@ -24,9 +24,9 @@ from dataclasses import replace
 from functools import lru_cache
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
+from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BUCKET_BYTES, stage_tensors, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
-from shardwise.planner.tp_overlap import chunks
 
 
 def wire_bytes(op: str, nbytes: int, n: int) -> float:
