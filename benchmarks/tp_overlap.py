@@ -4,7 +4,7 @@ For each tp (2 and 4 by default) the same gloo ranks build four variants of the 
 (`ParallelConfig(tp_overlap=..., fused_projections=...)`) and time one forward+backward of the blocks on
 the same sequence shard, variants rotated per repetition after a barrier; a repetition's time is the slower rank's.
 Beside the step time, each rank measures its *exposed* TP communication: the time spent inside a TP collective call
-or waiting on one's handle (`comm.collectives._guarded`, through which every collective and wait passes). The
+or waiting on one's handle (the guard in `comm` through which every collective and wait passes). The
 overlap can only pay off where each rank has a core for its GEMMs and its collectives' progress threads; with fewer
 free cores than that the output says so, and the exposed-communication fraction is the number to read, not the
 speed-up. Megatron-Core's TP is timed in `tp_peers.py` (tp=2, no SP), not here.
@@ -42,12 +42,16 @@ VARIANTS = {"overlap_fused": (True, True), "overlap_unfused": (True, False),
             "plain_fused": (False, True), "plain_unfused": (False, False)}  # name: (tp_overlap, fused)
 
 
+_GUARD = "guarded" if hasattr(collectives, "guarded") else "_guarded"  # its name before and after comm's split
+
+
 class ExposedComm:
-    """Seconds this rank spends inside TP collective calls and waits (wraps the one function they all go through)."""
+    """Seconds this rank spends inside TP collective calls and waits (wraps the one function they all go through,
+    as `collectives` sees it)."""
 
     def __init__(self):
         self.seconds = 0.0
-        self._inner = collectives._guarded
+        self._inner = getattr(collectives, _GUARD)
 
     def __enter__(self):
         def timed(axis, what, fn, *args, **kwargs):
@@ -58,11 +62,11 @@ class ExposedComm:
                 return self._inner(axis, what, fn, *args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
-        collectives._guarded = timed
+        setattr(collectives, _GUARD, timed)
         return self
 
     def __exit__(self, *exc):
-        collectives._guarded = self._inner
+        setattr(collectives, _GUARD, self._inner)
 
 
 def rank_main(opts: dict) -> dict:
