@@ -57,10 +57,11 @@ def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, name, carry(getattr(parent, name), new))
 
 
-def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool) -> None:
+def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool, overlap: bool = False, fused: bool = False) -> None:
     """MLA's plan: heads split (wq / wq_b and wkv_b column-parallel by head, wo row-parallel), down-projections
     and norms replicated; the block input enters the region once (SP all-gather, else Megatron's f, whose
-    backward sums the per-rank partial input gradients)."""
+    backward sums the per-rank partial input gradients). Under `overlap` the projections that read the block
+    input (wq_a or wq, and wkv_a) form one overlapped `ColumnRegion` instead, fused with `fused`."""
     kw = dict(device="meta")
     qk, h = cfg.head_dim + cfg.qk_rope_dim, cfg.dim
     if cfg.q_lora_rank:
@@ -70,8 +71,22 @@ def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool) -> None:
     _swap(attn, "wkv_b", ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim), tp,
                                               enter=False, **kw))
     _swap(attn, "wo", RowParallelLinear(cfg.n_heads * cfg.v_head_dim, h, tp, sequence_parallel=sp, **kw))
-    if tp.active:
+    if overlap:
+        for name in ("wq_a", "wkv_a") if cfg.q_lora_rank else ("wkv_a",):
+            old = getattr(attn, name)
+            _swap(attn, name, _replicated_column(old.in_features, old.out_features, tp))
+        first = attn.wq_a if cfg.q_lora_rank else attn.wq
+        attn.register_forward_pre_hook(ColumnRegion([first, attn.wkv_a], tp, reduce=False, overlap=True, fused=fused))
+    elif tp.active:
         attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+
+
+def _replicated_column(in_features: int, out_features: int, tp) -> ColumnParallelLinear:
+    """A replicated projection (MLA's down-projections) as a column layer holding every row, so it can join an
+    overlapped region; its gradient is a partial sum over TP, like the plain layer's under SP."""
+    layer = ColumnParallelLinear(in_features, out_features, tp, enter=False, rows=(0, out_features), device="meta")
+    set_spec(layer.weight, ShardSpec((out_features, in_features), replicas=tp.size, grad_reduce="tp_sum"))
+    return layer
 
 
 def all_blocks(model: Transformer) -> list[nn.Module]:
@@ -79,10 +94,17 @@ def all_blocks(model: Transformer) -> list[nn.Module]:
     return list(model.layers.values()) + ([m.block for m in model.mtp.values()] if model.mtp is not None else [])
 
 
-def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False) -> Transformer:
-    """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head."""
+def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False,
+                          fused: bool = False, overlap: bool = False) -> Transformer:
+    """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head.
+
+    `fused`: q/k/v and w1/w3 each run as one GEMM (`ColumnRegion`); without it, separate GEMMs. `overlap`
+    (needs SP): every SP all-gather before a column-parallel GEMM and reduce-scatter after a row-parallel one
+    runs in tp chunks under the GEMMs.
+    """
     cfg, tp = model.cfg, mesh["tp"]
     sp = sequence_parallel and tp.active
+    overlap = overlap and sp
     kw = dict(device="meta")
     _swap(model, "tok_embeddings", VocabParallelEmbedding(cfg.vocab_size, cfg.dim, tp, sp, **kw))
     for block in all_blocks(model):
@@ -92,7 +114,7 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
             block.feed_forward = apply_expert_parallel(cfg, mesh, sp)  # declares its own parameters
             ffn = None
         if cfg.is_mla:
-            _mla_tensor_parallel(attn, cfg, tp, sp)
+            _mla_tensor_parallel(attn, cfg, tp, sp, overlap, fused)
             attn = None
         else:
             kv_rows, kv_replicas, kv_reduce = _kv_rows(cfg, tp)
@@ -108,19 +130,24 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
             _swap(ffn, "w1", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
             _swap(ffn, "w3", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
             _swap(ffn, "w2", RowParallelLinear(cfg.ffn_dim, h, tp, sequence_parallel=sp, **kw))
-        # One region entry per sub-block, shared by its column-parallel projections: under SP one
-        # all-gather; otherwise a ColumnRegion (one f, its backward all-reduce overlapped with dW).
+        # One region entry per sub-block, shared by its column-parallel projections: under SP one all-gather
+        # (or, overlapped, the region's chunked one); without SP a ColumnRegion that is also Megatron's f (its
+        # backward all-reduce overlapped with dW); fused, a ColumnRegion at any tp.
         for region, layers in ((attn, [attn.wq, attn.wk, attn.wv] if attn else []),
                                (ffn, [ffn.w1, ffn.w3] if ffn else [])):
-            if region is None or not tp.active:
+            if region is None:
                 continue
-            if sp:
+            if sp and not overlap:
                 region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
-            else:
-                region.register_forward_pre_hook(ColumnRegion(layers, tp))
+            if fused or overlap or (tp.active and not sp):
+                region.register_forward_pre_hook(ColumnRegion(layers, tp, reduce=tp.active and not sp, overlap=overlap,
+                                                              fused=fused))
     _swap(model, "output", ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw))
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.overlap = overlap
     ctx = model.ctx
     ctx.tp_axis, ctx.sequence_parallel = tp, sp
     ctx.cross_entropy = functools.partial(_vocab_parallel_loss, tp, model.tok_embeddings.vocab_start, cfg.vocab_size)
@@ -216,7 +243,7 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     ctx = ParallelContext(moe=_unsplit_moe)  # the TP plan below splits the experts over ep
     with torch.device("meta"):
         model = Transformer(cfg, ctx)
-    apply_tensor_parallel(model, mesh, p.sequence_parallel)
+    apply_tensor_parallel(model, mesh, p.sequence_parallel, fused=p.fused_projections, overlap=p.tp_overlap)
     model.tok_embeddings.out_dtype = act_dtype
     apply_context_parallel(model, mesh, p.cp_order, p.cp_impl)
     model.chunks = None

@@ -85,6 +85,12 @@ RUN_FLAGS: tuple[Flag, ...] = (
     *_DEGREES,
     Flag("--sequence-parallel", "Megatron sequence parallelism in TP regions (default off)",
          "parallel.sequence_parallel", kind="toggle", group=LAYOUT),
+    Flag("--tp-overlap", "under --sequence-parallel, split each TP all-gather and reduce-scatter into tp chunks "
+         "that travel while the GEMMs of the previous chunks run (default off)", "parallel.tp_overlap",
+         kind="toggle", group=LAYOUT),
+    Flag("--fused-projections", "one GEMM for q/k/v and one for w1/w3 on the concatenated weights; equal to the "
+         "separate GEMMs up to rounding (a BLAS may pick another kernel for the wider GEMM) (default off)",
+         "parallel.fused_projections", kind="toggle", group=LAYOUT),
     Flag("--zero", "ZeRO stage over dp×cp: 0, 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)",
          "parallel.zero", group=LAYOUT),
     Flag("--dp-shard", "hybrid sharded DP: ZeRO 2/3 shard over groups of S consecutive dp ranks and all-reduce "

@@ -25,6 +25,10 @@ class ParallelConfig:
     """Expert-parallel degree, drawn from the dp×cp ranks."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the TP regions (norms/residuals on s/tp shards)."""
+    tp_overlap: bool = False
+    """Under SP, each TP all-gather / reduce-scatter runs in tp chunks under the GEMM that reads / writes it."""
+    fused_projections: bool = False
+    """q/k/v and w1/w3 each run as one GEMM on the concatenated weights (parameters stay per projection)."""
     zero: int = 0
     """ZeRO stage over dp×cp: 0 (replicated), 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)."""
     dp_shard: int | None = None
@@ -100,6 +104,8 @@ class ParallelConfig:
 
     def as_dict(self) -> dict:
         out = {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
+        out |= {"tp_overlap": True} if self.tp_overlap else {}
+        out |= {"fused_projections": True} if self.fused_projections else {}
         if self.recompute != "none":
             out |= {"recompute": self.recompute, "recompute_layers": self.recompute_layers}
         out |= {"dp_shard": self.dp_shard} if self.hsdp else {}

@@ -303,6 +303,9 @@ class TrainConfig:
         self._validate_dp_shard(p)
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("--sequence-parallel needs --tp > 1 (it shards the TP regions' sequence)")
+        if p.tp_overlap and not p.sequence_parallel:
+            raise ConfigError("--tp-overlap needs --sequence-parallel (it chunks the SP all-gathers and "
+                              "reduce-scatters)")
         problem = _tp_problem(p.tp, m)
         if problem:
             valid = ", ".join(str(t) for t in range(1, m.n_heads + 1) if not _tp_problem(t, m))

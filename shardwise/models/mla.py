@@ -44,8 +44,8 @@ class MLA(nn.Module):
         self.core = AttentionCore(ctx or ParallelContext(), layer_id, cfg.attn_dropout, self.scale)
 
     def forward(self, x, cos, sin, doc_ids=None):
-        b, s = x.shape[:2]
         q = self.wq_b(self.q_a_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
+        b, s = q.shape[:2]  # the projections' sequence: a plan may hand x in over a sequence shard
         q = q.view(b, s, -1, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)

@@ -76,6 +76,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="assumed achievable fraction of link bandwidth (default 0.8)")
     p.add_argument("--dp-overlap", type=float, default=0.0,
                    help="fraction of gradient-reduction time hidden behind backward (default 0)")
+    p.add_argument("--tp-overlap", action="store_true",
+                   help="model train's --tp-overlap: SP collectives in tp chunks under the GEMMs (default off)")
     p.add_argument("--usable-memory", type=float, default=0.9, help="fraction of GPU memory to plan for (default 0.9)")
     p.add_argument("--activation-model", default="shardwise", choices=ACTIVATION_MODELS,
                    help="activation memory: what shardwise saves (default) or Korthikanti et al. 2022's formula")
@@ -119,7 +121,7 @@ def _inputs(args):
     wl = Workload(args.seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, args.precision, args.fp32_residual,
                   args.grad_reduce_dtype, args.optimizer)
     assume = Assumptions(args.flops_efficiency, args.link_efficiency, args.dp_overlap, args.usable_memory,
-                         args.activation_model)
+                         args.activation_model, args.tp_overlap)
     return spec, cluster, wl, assume
 
 
@@ -286,6 +288,7 @@ def explain_text(est: dict) -> str:
     out += [
         "  (tp, pp and ep time is on every microbatch's critical path; the cp ring hides behind attention;",
         "   dp_cp and edp reductions run after the last backward)",
+        *_tp_overlap_lines(est),
         "",
         f"step time {est['step_time_s']:.3f} s, MFU {est['mfu']:.3f}, {est['tokens_per_s']:,.0f} tokens/s "
         f"(assumed {a['flops_efficiency']:.0%} of peak FLOP/s, {a['link_efficiency']:.0%} of link bandwidth, "
@@ -295,6 +298,18 @@ def explain_text(est: dict) -> str:
         *command_lines(est, "  "),
     ]
     return "\n".join(out)
+
+
+def _tp_overlap_lines(est: dict) -> list[str]:
+    """Exposed TP time per layer with and without --tp-overlap (planner/tp_overlap.py), under SP."""
+    t = est.get("tp_exposed_per_layer")
+    if t is None:
+        return []
+    used = "on" if est["assumptions"]["tp_overlap"] or est.get("tp_overlap") else "off"
+    return [f"  exposed TP time per layer and microbatch: {t['exposed_plain_s'] * 1e3:.3f} ms without --tp-overlap "
+            f"({t['messages_plain']} messages), {t['exposed_overlap_s'] * 1e3:.3f} ms with it ({t['messages_overlap']} "
+            f"messages; {t['comm_s'] * 1e3:.3f} ms of bytes, {t['gemm_s'] * 1e3:.3f} ms of GEMMs to hide them); "
+            f"--tp-overlap {used} in the step time"]
 
 
 def trace_lines(row: dict, indent: str) -> list[str]:

@@ -24,6 +24,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
+from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BUCKET_BYTES, stage_tensors, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
 from shardwise.planner.muon import muon_comm
@@ -106,25 +107,29 @@ def tp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
         if stage.head:
             led.add("tp", "all_reduce", n * h * r, t)  # bwd: grad of the head's replicated input
     else:
+        # --tp-overlap cuts every region's (and the head's) collectives into k messages of the same bytes
+        k = chunks(t, wl.seq_len // lay.cp // t, lay.tp_overlap)
         if stage.embedding:
             led.add("tp", "reduce_scatter", n * h * r, t)
             led.add("tp", "all_gather", n // t * h * r, t)
-        led.add("tp", "all_gather", n // t * h * r, t, regions)  # fwd: before attention and MLP
-        led.add("tp", "all_gather", n // t * h * e, t, regions)  # bwd: mirrors of the exits
-        led.add("tp", "reduce_scatter", n * h * e, t, regions)  # fwd: wo, w2 outputs
-        led.add("tp", "reduce_scatter", n * h * r, t, regions)  # bwd: mirrors of the entries
+        led.add("tp", "all_gather", n // t * h * r, t, regions, k * regions)  # fwd: before attention and MLP
+        led.add("tp", "all_gather", n // t * h * e, t, regions, k * regions)  # bwd: mirrors of the exits
+        led.add("tp", "reduce_scatter", n * h * e, t, regions, k * regions)  # fwd: wo, w2 outputs
+        led.add("tp", "reduce_scatter", n * h * r, t, regions, k * regions)  # bwd: mirrors of the entries
         if stage.head:
-            led.add("tp", "all_gather", n // t * h * r, t)
-            led.add("tp", "reduce_scatter", n * h * r, t)
+            led.add("tp", "all_gather", n // t * h * r, t, 1, k)
+            led.add("tp", "reduce_scatter", n * h * r, t, 1, k)
     if lay.recompute == "full":
         # The recomputed forward repeats every region entry, and every exit but the block's last: torch's
         # checkpoint stops recomputing once the last saved tensor is rebuilt, and nothing after the
         # MLP's exit is saved — unless residual dropout saves its mask there (an MoE block's last TP
         # collective is its attention exit).
-        exits = regions if spec.dropout > 0 else stage.n_dense + stage.n_moe
+        # Under --tp-overlap the MLP's exit is one autograd node with the GEMM whose input it saves: replayed too.
+        exits = regions if spec.dropout > 0 or (lay.sp and lay.tp_overlap) else stage.n_dense + stage.n_moe
         if lay.sp:
-            led.add("tp", "all_gather", n // t * h * r, t, regions)
-            led.add("tp", "reduce_scatter", n * h * e, t, exits)
+            k = chunks(t, wl.seq_len // lay.cp // t, lay.tp_overlap)
+            led.add("tp", "all_gather", n // t * h * r, t, regions, k * regions)
+            led.add("tp", "reduce_scatter", n * h * e, t, exits, k * exits)
         else:
             led.add("tp", "all_reduce", n * h * e, t, exits)
     if stage.head:

@@ -168,7 +168,8 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
                         f"{','.join(map(str, balanced_counts(n_layers, pp * vp)))}")
     lay = Layout(dp=dp, **deg, vp=vp, schedule=schedule, mb=args.micro_batch, m=m, zero=args.zero,
                  recompute=args.recompute, sequence_parallel=bool(args.sequence_parallel), cp_impl=args.cp_impl,
-                 dp_shard=args.dp_shard if args.dp_shard not in (None, dp) else None)
+                 dp_shard=args.dp_shard if args.dp_shard not in (None, dp) else None,
+                 tp_overlap=bool(args.tp_overlap and args.sequence_parallel))
     seq_given = any(t == "--seq-len" or t.startswith("--seq-len=") for t in tokens)
     wl = dict(seq_len=args.seq_len if seq_given else None, precision=args.dtype,
               fp32_residual=bool(args.fp32_residual), grad_reduce=args.grad_reduce_dtype, optimizer=args.optimizer)

@@ -29,6 +29,7 @@ from shardwise.planner.models import ModelSpec, active_params, local_kv_heads, p
 from shardwise.planner.mtp import mtp_flops_per_token
 from shardwise.planner.peak import peak_terms
 from shardwise.planner.schedule import bubble_fraction
+from shardwise.planner.tp_overlap import LATENCY_S, exposed_tp
 
 AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp", "dp_shard", "dp_replicate")
 ADAM_STEP_BYTES = 28
@@ -47,6 +48,9 @@ class Assumptions:
     """Fraction of GPU memory the planner may fill (the rest: CUDA context, NCCL buffers, fragmentation)."""
     activation_model: str = "shardwise"
     """'shardwise' (what its implementation saves, checked against real runs) or 'korthikanti' (the paper)."""
+    tp_overlap: bool = False
+    """Under SP, the layers' TP collectives run in tp chunks under the GEMMs (tp_overlap.py); a layout from a train
+    command with --tp-overlap says so itself."""
 
     def __post_init__(self):
         if self.activation_model not in ACTIVATION_MODELS:
@@ -145,6 +149,14 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
     return tokens * (3 * (matmul + core + head) + extra), tokens * 3 * core
 
 
+def _tp_layer(spec: ModelSpec, lay: Layout, wl: Workload, rate: float, flops_per_s: float, link: str | None):
+    """Exposed SP communication of one layer and microbatch, with and without --tp-overlap (tp_overlap.py)."""
+    tokens = lay.mb * wl.seq_len // lay.cp
+    matmul, _ = layer_flops_per_token(spec, False, wl.seq_len, lay.tp, lay.sp)
+    latency = LATENCY_S["network" if link == "network" else "nvlink"]
+    return exposed_tp(tokens, spec.dim, wl.act_bytes, lay.tp, rate, matmul * tokens, flops_per_s, latency)
+
+
 def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assume: Assumptions = Assumptions(),
              mem: list[dict] | None = None, detail: bool = False) -> dict:
     """The machine-readable prediction for one layout: the object `shardwise plan --json` prints.
@@ -177,11 +189,15 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
             t_comp = hw / (peak * assume.flops_efficiency)
             t_cp = max(0.0, seconds(mb, "cp") - core / (peak * assume.flops_efficiency))
             t_mb = t_comp + t_cp + sum(seconds(mb, a) for a in ("tp", "pp", "ep"))
+            tp_layer = _tp_layer(spec, lay, wl, rate["tp"], peak * assume.flops_efficiency, links["tp"])
+            if (assume.tp_overlap or lay.tp_overlap) and lay.sp:  # the layers' SP collectives: exposed time instead of their bytes' time
+                t_mb += st.n_layers * (tp_layer.overlap - tp_layer.comm)
             t_sync = seconds(sync, "tp") + seconds(sync, "emb")
             t_sync += (1 - assume.dp_overlap) * sum(seconds(sync, a) for a in ("dp_cp", "edp", "dp_shard", "dp_replicate"))
             updated = s["static"]["optimizer"] / 8  # parameters this rank's Adam step touches (its ZeRO shard)
             t_opt = updated * ADAM_STEP_BYTES / cluster.gpu.hbm_bytes_per_s
-            seen[key] = {"mb": t_mb, "tail": t_sync + t_opt, "comp": t_comp, "ledgers": (mb, sync)}
+            seen[key] = {"mb": t_mb, "tail": t_sync + t_opt, "comp": t_comp, "ledgers": (mb, sync),
+                         "tp_layer": tp_layer}
         per_stage.append({**seen[key], **s})
     t_pipe = lay.m * max(p["mb"] for p in per_stage) / (1 - bubble)
     step_time = t_pipe + max(p["tail"] for p in per_stage)
@@ -227,6 +243,9 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         "assumptions": asdict(assume),
     }
     if detail:
+        if lay.sp and lay.tp > 1:
+            out["tp_exposed_per_layer"] = per_stage[0]["tp_layer"].as_dict()
+            out["tp_overlap"] = bool(assume.tp_overlap or lay.tp_overlap)
         out["stages"] = [{
             "stage": p["stage"].index, "layers": p["stage"].n_layers, "embedding": p["stage"].embedding,
             "head": p["stage"].head, "params": p["params"].total, "static_bytes": p["static"]["total"],

@@ -298,7 +298,8 @@ def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
     lay = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, vp=p.vp if p.pp > 1 else 1,
                  schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
                  recompute=p.recompute, sequence_parallel=bool(p.sequence_parallel and p.tp > 1),
-                 cp_impl=p.cp_impl, dp_shard=p.dp_shard if p.hsdp else None)
+                 cp_impl=p.cp_impl, dp_shard=p.dp_shard if p.hsdp else None,
+                 tp_overlap=bool(p.tp_overlap and p.sequence_parallel and p.tp > 1))
     gb = cfg.global_batch or cfg.micro_batch * p.dp
     return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,
                                fp32_residual=cfg.fp32_residual, grad_reduce=cfg.grad_reduce_dtype,

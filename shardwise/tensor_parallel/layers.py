@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import comm, host
 from ..pipeline.grad_store import linear, weight_grads
+from .overlap import gather_column, row_scatter
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ class ColumnParallelLinear(nn.Module):
 
     `enter=False` when the parent module already applied the region entry once for several
     column-parallel layers sharing an input (q/k/v, w1/w3), so it is gathered or f-copied once.
-    `rows=(start, length)` overrides the even split (a K/V head held by several ranks).
+    `rows=(start, length)` overrides the even split (a K/V head held by several ranks). `overlap` (set by the
+    plan under SP with --tp-overlap): the entry all-gather runs in chunks under the GEMM (`overlap.py`).
     """
 
     def __init__(self, in_features, out_features, axis, bias=False, gather_output=False,
@@ -106,6 +108,7 @@ class ColumnParallelLinear(nn.Module):
         self.axis, self.gather_output, self.sequence_parallel, self.enter = axis, gather_output, sequence_parallel, enter
         self.grad_store = None  # a WeightGradStore when a split-backward pipeline schedule defers dW
         self.region = None  # a ColumnRegion when siblings share this layer's input (see below)
+        self.overlap = False
         start, length = rows if rows is not None else split_range(out_features, axis)
         self.weight = _sharded_param((out_features, in_features), 0, start, length, replicas, grad_reduce, device, dtype)
         self.bias = (_sharded_param((out_features,), 0, start, length, replicas, grad_reduce, device, dtype)
@@ -116,6 +119,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.region is not None:  # computed, together with its siblings, by the region's hook
             return self.region.take(self, x)
+        if self.enter and self.overlap and self.sequence_parallel and self.axis.active:
+            y = gather_column(x, self.axis, self.grad_store, [self.weight], [self.bias])[0]
+            return comm.gather_from_region(y, self.axis) if self.gather_output else y
         if self.enter:
             x = enter_region(x, self.axis, self.sequence_parallel)
         y = linear(x, self.weight, self.bias, self.grad_store)
@@ -123,29 +129,36 @@ class ColumnParallelLinear(nn.Module):
 
 
 class _ColumnRegionFn(torch.autograd.Function):
-    """forward: y_i = x W_iᵀ + b_i for every projection reading x (Megatron's f: identity) /
-    backward: dx = Σ g_i W_i, all-reduced over TP *asynchronously* while the dW_i are computed.
+    """forward: y_i = x W_iᵀ + b_i for every projection reading x, with `fused` as one GEMM on [W_1; W_2; ...] /
+    backward: dx = Σ g_i W_i (all-reduced over TP *asynchronously* while the dW_i are computed, when `reduce`).
 
-    One autograd node for the whole region is what lets the input-gradient all-reduce overlap the
-    weight-gradient GEMMs (with separate nodes autograd finishes every dW before f runs).
+    One autograd node for the whole region lets the input-gradient all-reduce overlap the weight-gradient GEMMs
+    (with separate nodes autograd finishes every dW before f runs), and lets the GEMMs fuse. The weights are
+    concatenated per call, so parameters, checkpoints and HF names stay per projection. A fused output column is
+    the same dot product over x's features, but a BLAS may pick another kernel for the wider GEMM, so fusion is
+    exact only up to rounding on some shapes. dx is summed in `order` (autograd's own order for separate layers
+    is the reverse of the forward's); dW per projection, as autograd computes it.
     """
 
     @staticmethod
-    def forward(ctx, x, axis, store, *params):
+    def forward(ctx, x, axis, store, reduce, order, fused, *params):
         ws, bs = params[0::2], params[1::2]
         ctx.save_for_backward(x)  # weights on ctx: a saved-tensor hook would hand the deferred W a copy (grad_store)
-        ctx.axis, ctx.store, ctx.ws, ctx.bs = axis, store, ws, bs
-        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs))
+        ctx.axis, ctx.store, ctx.ws, ctx.bs, ctx.reduce, ctx.order = axis, store, ws, bs, reduce, order
+        if not fused or len(ws) == 1:
+            return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+        b = None if bs[0] is None else torch.cat(bs)
+        return tuple(F.linear(x, torch.cat(ws), b).split([w.shape[0] for w in ws], dim=-1))
 
     @staticmethod
     def backward(ctx, *gs):
         (x,), ws = ctx.saved_tensors, ctx.ws
         live = [(i, g.reshape(-1, g.shape[-1])) for i, g in enumerate(gs) if g is not None]
         dx = None
-        for i, g in live:
+        for i, g in (live if ctx.order == "forward" else live[::-1]):
             part = (g @ ws[i].to(g.dtype)).to(x.dtype)
             dx = part if dx is None else dx.add_(part)
-        work = comm.all_reduce_async(dx, ctx.axis)
+        work = comm.all_reduce_async(dx, ctx.axis) if ctx.reduce else None
         grads: list = [None] * (2 * len(ws))
         capture = ctx.store is not None and ctx.store.capturing
         for i, _ in live:
@@ -153,27 +166,40 @@ class _ColumnRegionFn(torch.autograd.Function):
                 ctx.store.put(ws[i], ctx.bs[i], x, gs[i])
             else:
                 grads[2 * i], grads[2 * i + 1] = weight_grads(x, gs[i], ws[i], ctx.bs[i])
-        comm.wait(work, ctx.axis, "all_reduce of a column region's input gradient")
-        return (dx.view_as(x), None, None, *grads)
+        if work is not None:
+            comm.wait(work, ctx.axis, "all_reduce of a column region's input gradient")
+        return (dx.view_as(x), None, None, None, None, None, *grads)
 
 
 class ColumnRegion:
     """Column-parallel layers that read one input (q/k/v, or w1/w3), entered once as one TP region.
 
-    Installed as the parent module's forward pre-hook when TP is on without SP: it runs all the
-    projections in one `_ColumnRegionFn` and hands each layer its output when the layer is called.
+    Installed as the parent module's forward pre-hook: it runs all the projections in one `_ColumnRegionFn` (one
+    GEMM with `fused`) and hands each layer its output when the layer is called. `reduce`: the region is
+    Megatron's f (TP without SP), its input gradient all-reduced inside the region; under SP (or tp=1) the entry
+    is the caller's, except with `overlap` (SP with --tp-overlap): the region takes the sequence shard and
+    gathers it in chunks under the GEMMs.
     """
 
-    def __init__(self, layers: list[ColumnParallelLinear], axis):
-        self.layers, self.axis = layers, axis
+    def __init__(self, layers: list[ColumnParallelLinear], axis, reduce: bool = True, overlap: bool = False,
+                 fused: bool = False):
+        self.layers, self.axis, self.reduce, self.overlap, self.fused = layers, axis, reduce, overlap, fused
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in layers:
             layer.region = self
 
     def __call__(self, module, args):
         x = args[0]
+        if self.overlap:
+            outs = gather_column(x, self.axis, self.layers[0].grad_store, [layer.weight for layer in self.layers],
+                                 [layer.bias for layer in self.layers], self.fused)
+            self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
+            return
         params = [t for layer in self.layers for t in (layer.weight, layer.bias)]
-        outs = _ColumnRegionFn.apply(x, self.axis, self.layers[0].grad_store, *params)
+        # TP without SP keeps the region's historical summation order; elsewhere the fused region replaces
+        # separate layers and sums dx in autograd's order for them.
+        order = "forward" if self.reduce else "reverse"
+        outs = _ColumnRegionFn.apply(x, self.axis, self.layers[0].grad_store, self.reduce, order, self.fused, *params)
         self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
 
     def take(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
@@ -194,6 +220,7 @@ class RowParallelLinear(nn.Module):
         if in_features % axis.size:
             raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={axis.size}")
         self.grad_store = None
+        self.overlap = False  # under SP with --tp-overlap: the exit reduce-scatter runs in chunks under the GEMM
         start, length = split_range(in_features, axis)
         self.weight = _sharded_param((out_features, in_features), 1, start, length, device=device, dtype=dtype)
         # Under SP the bias is added on a sequence shard, so each rank holds part of its gradient.
@@ -203,7 +230,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = comm.scatter_to_region(x, self.axis)
-        y = exit_region(linear(x, self.weight, None, self.grad_store), self.axis, self.sequence_parallel)
+        if self.overlap and self.sequence_parallel and self.axis.active:
+            y = row_scatter(x, self.weight, self.axis, self.grad_store)
+        else:
+            y = exit_region(linear(x, self.weight, None, self.grad_store), self.axis, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
 
