@@ -20,6 +20,10 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", 
 
 # (file, enclosing function, factory): why the tensor stays on the host and never reaches a collective.
 ALLOWED = {
+    ("optim/sharded.py", "Muon.__init__", "zeros"):
+        "an empty placeholder parameter for a rank that holds no Muon matrix; never stepped nor communicated",
+    ("routing_replay.py", "RoutingReplay._local_ids", "arange"):
+        "host token-id bookkeeping, cut like the batch and then moved to the world's device",
     ("checkpoint/files.py", "from_b64", "frombuffer"):
         "RNG state bytes for torch.set_rng_state / Generator.set_state, which take CPU byte tensors",
     ("checkpoint/load.py", "load_global_tensors", "empty"):
