@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from shardwise.bucket_plan import MAX_INFLIGHT
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.activations import (
     head_activation_bytes, layer_activation_bytes, microbatch_activation_bytes, recompute_transient_bytes,
@@ -175,12 +176,12 @@ def _last_launched_at_w(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload
         n = sum(x.numel for x, _ in tensors if x.matrix and not x.expert)
         if n and not any(d for x, d in tensors if x.matrix and not x.expert):
             late.setdefault(chunk, []).append(_in_flight(4 * _pad(n, gd), gd, wl))
-    return float(max((sum(seq[:2]) for seq in late.values()), default=0))
+    return float(max((sum(seq[:MAX_INFLIGHT]) for seq in late.values()), default=0))
 
 
 def _last_launched(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
     """ZeRO-3: the two reduce-scatters a chunk's backward launched last, in flight (the worst chunk)."""
-    return float(max((sum(_in_flight(b, g, wl) for b, g, *_ in seq[-2:]) for seq in _launch_order(spec, stage, lay)),
+    return float(max((sum(_in_flight(b, g, wl) for b, g, *_ in seq[-MAX_INFLIGHT:]) for seq in _launch_order(spec, stage, lay)),
                      default=0))
 
 
@@ -233,11 +234,11 @@ def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Work
     # what an earlier backward of the step launched last: its last one or two buckets
     prior = lay.m > 1 if prior is None else prior
     tail = [max((sum(f for _, f, *_ in seq[-k:]) for seq in seqs), default=0) if prior and k else 0
-            for k in (0, 1, 2)]
+            for k in range(MAX_INFLIGHT + 1)]
     best = (0.0, 0.0)
     for seq in seqs:
         for i, (b, _, done, at) in enumerate(seq):
-            flight = sum(f for _, f, *_ in seq[max(0, i - 2):i]) + tail[max(0, 2 - i)]
+            flight = sum(f for _, f, *_ in seq[max(0, i - MAX_INFLIGHT):i]) + tail[max(0, MAX_INFLIGHT - i)]
             if at + b + flight - done * per_layer > sum(best):
                 best = (float(at), b + flight - done * per_layer)
     return best
@@ -339,7 +340,8 @@ def layer_backward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
                                                                                 (True, stage.n_moe)) if n), default=0)
     units = _unit_bytes(spec, stage, lay)
     seqs = [[_in_flight(b, g, wl) for b, g, *_ in seq] for seq in _launch_order(spec, stage, lay)]
-    tail = [max((sum(seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0 for k in (0, 1, 2)]
+    tail = [max((sum(seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0
+            for k in range(MAX_INFLIGHT + 1)]
     best = (0.0, 0.0)
     for c in dict.fromkeys(u[0] for u in units):
         parts = [u for u in units if u[0] == c]
@@ -351,7 +353,8 @@ def layer_backward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
                 if deferred:
                     continue
                 i = len(seq)
-                moment = (b + sum(seq[max(0, i - 2):i]) + tail[max(0, 2 - i)] - done * per_layer, float(pair))
+                moment = (b + sum(seq[max(0, i - MAX_INFLIGHT):i]) + tail[max(0, MAX_INFLIGHT - i)] - done * per_layer,
+                          float(pair))
                 best = max(best, moment, key=sum)
                 seq.append(_in_flight(b, g, wl))
             done += bool(cast)
