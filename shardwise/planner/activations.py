@@ -14,7 +14,7 @@ Activations have two models (`ACTIVATION_MODELS`):
   weight — per microbatch in flight, since each microbatch runs in its own autocast region (TP without SP runs
   q/k/v and w1/w3 as one ColumnRegion function: its input once, no weight copies); the LM head's cross-entropy
   saves the fp32 softmax over the (padded) local vocabulary. MLA (DeepSeek) counts its latents and their
-  norms, and the core at one padded head size (docs/mla.md); MoE routers count their fp32 routing tensors
+  norms, and the core at one padded head size (docs/models.md); MoE routers count their fp32 routing tensors
   (softmax or sigmoid, renormalised or not). Measured equal to real runs (MoE: to a few bytes per layer).
 * "korthikanti": Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
   Models", §4), term by term, generalised to GQA, SwiGLU and MoE: with e-byte activations and 1-byte
