@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.activations import (
-    head_activation_bytes, microbatch_activation_bytes, recompute_transient_bytes, stage_activation_bytes,
+    head_activation_bytes, head_loss_saved_bytes, microbatch_activation_bytes, recompute_transient_bytes,
+    stage_activation_bytes,
 )
 from shardwise.planner.memory import stage_params, stage_units, static_bytes, zero_buckets
 from shardwise.planner.models import ModelSpec, padded_vocab
@@ -189,7 +190,7 @@ def head_forward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload
         return 0.0, 0.0
     n = lay.mb * wl.seq_len // lay.cp
     x = n * (padded_vocab(spec, lay.tp) // lay.tp)
-    transient = float(wl.act_bytes * x - (4 * x + 10 * n))
+    transient = float(wl.act_bytes * x - head_loss_saved_bytes(spec, lay, wl))
     return transient, float(unit_bytes(spec, stage, lay)[-1][1]) if lay.zero >= 3 else 0.0
 
 
