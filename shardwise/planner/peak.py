@@ -266,23 +266,26 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     if head_fwd:
         moments.append(("forward: the LM head's matmul (its logits)", head_fwd - rebuilt, at_head, fwd_buckets))
     if stage.n_layers:
-        layer = layer_backward_transient_bytes(spec, stage, lay, wl)
-        experts = expert_weight_grad_bytes(spec, stage, lay, wl)
-        what = ("backward: the experts' GEMMs (their stacks' weight gradients, an fp32 copy)" if experts > layer
-                else "backward: a layer's MLP (its inner gradients, the residual stream's)")
-        layer = max(layer, experts)
+        after_head = 0.0  # a layer's backward comes after the head's: its saved tensors are gone
         if stage.head:
             n = lay.mb * wl.seq_len // lay.cp
             logits = wl.act_bytes * n * (padded_vocab(spec, lay.tp) // lay.tp) if lay.pp == 1 else 0
-            layer -= head_activation_bytes(spec, lay, wl) - logits + head_copy_bytes(spec, stage, lay, wl)
+            after_head = head_activation_bytes(spec, lay, wl) - logits + head_copy_bytes(spec, stage, lay, wl)
         full16 = wl.act_bytes != 4 and lay.recompute == "full" and lay.zero == 3
         in_flight_now, gathered_now = (layer_backward_moment(spec, stage, lay, wl) if full16
                                        else (buckets, at_backward if lay.zero == 3 else gathered))
-        moments.append((what, layer, gathered_now, in_flight_now))
+        moments.append(("backward: a layer's MLP (its inner gradients, the residual stream's)",
+                        layer_backward_transient_bytes(spec, stage, lay, wl) - after_head, gathered_now, in_flight_now))
+        # a weight gradient precedes the ZeRO-2/3 bucket its accumulation allocates: no bucket term beside it
+        at_grads = gathered_now if lay.zero == 3 else gathered
+        experts = expert_weight_grad_bytes(spec, stage, lay, wl)
+        if experts:
+            moments.append(("backward: the experts' GEMMs (their stacks' weight gradients, an fp32 copy)",
+                            experts - after_head, at_grads, 0.0))
         embedding = embedding_weight_grad_bytes(spec, stage, lay, wl)
         if embedding:
             moments.append(("backward: the token embedding (its fp32 weight gradient)", embedding - rebuilt,
-                            gathered_now, in_flight_now))
+                            at_grads, 0.0))
     if stage.head:
         at_loss = head_loss_buffers(spec, stage, lay, wl)
         moments.append(("backward: the LM head's loss (logits' gradients)", head_transient_bytes(spec, lay, wl) - rebuilt,

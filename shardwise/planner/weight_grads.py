@@ -28,17 +28,20 @@ def expert_weight_grad_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Wor
     """During an MoE layer's backward, after its experts' GEMMs: the stacks' weight gradients in the compute
     dtype (all `mlp_mats` of them), the fp32 copy of one, and the routed rows' input gradient (n_r·k rows
     of h in the compute dtype); the residual stream's two [n, h] gradients are alive beside them. The
-    GEMMs' backwards have freed the stacks' bf16 copies they saved, which the held activations count
-    (`autocast_weight_bytes`) unless the layer is recomputed (its copies are then made in backward)."""
+    GEMMs' backwards have freed what they saved: the received rows and the four [rows, expert_ffn] tensors
+    (`_mlp_bytes`; under full recompute, of the rebuilt layer), and the stacks' bf16 copies, which the held
+    activations count (`autocast_weight_bytes`) unless the layer is recomputed (then made in backward)."""
     if not stage.n_moe:
         return 0.0
     e, r = wl.act_bytes, wl.resid_bytes
     n = lay.mb * wl.seq_len // lay.cp
     n_r = n // lay.tp if lay.sp else n
     stack = spec.moe_experts // lay.ep * spec.expert_ffn_dim * spec.dim
-    rows = n_r * spec.moe_topk * spec.dim
+    rows = n_r * spec.moe_topk
     saved_copies = spec.mlp_mats * e * stack if e != 4 and lay.recompute != "full" else 0
-    return float(spec.mlp_mats * e * stack + 4 * stack - saved_copies + e * rows + 2 * r * n * spec.dim)
+    saved_rows = e * rows * (spec.dim + 4 * spec.expert_ffn_dim)  # the GEMMs' input and four [rows, ffn] tensors
+    return float(spec.mlp_mats * e * stack + 4 * stack - saved_copies - saved_rows + e * rows * spec.dim
+                 + 2 * r * n * spec.dim)
 
 
 def head_weight_grad_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
