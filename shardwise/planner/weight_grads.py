@@ -65,7 +65,7 @@ def head_weight_grad_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
 def embedding_weight_grad_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
     """During the token embedding's backward, beyond static + the held activations: its fp32 weight gradient
     and its output's gradient (n rows of h in the residual dtype), less this microbatch's saved tensors of
-    the chunk, all freed by then (the head's too: its backward came first). 0 off the first stage."""
+    the chunk, all freed by then (a head on the same stage is not subtracted). 0 off the first stage."""
     if not stage.embedding:
         return 0.0
     n = lay.mb * wl.seq_len // lay.cp
