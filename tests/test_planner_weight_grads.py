@@ -73,9 +73,9 @@ def test_expert_and_embedding_weight_gradients():
     stack = spec.moe_experts // 8 * spec.expert_ffn_dim * spec.dim
     moe = Stage(3, 0, 2, False, False)
     got = expert_weight_grad_bytes(spec, moe, DEEPSEEK_TOP, BF16_4K)
-    assert 3 * 2 * stack + 4 * stack < got < 3 * 2 * stack + 4 * stack + 2**30  # recomputed: no saved copies
+    assert abs(got - (3 * 2 * stack + 4 * stack)) < 0.02 * got  # recomputed: its bf16 copies are made in backward
     selective = replace(DEEPSEEK_TOP, recompute="selective")
-    assert expert_weight_grad_bytes(spec, moe, selective, BF16_4K) < got - 3 * 2 * stack + 1
+    assert expert_weight_grad_bytes(spec, moe, selective, BF16_4K) == got - 3 * 2 * stack  # saved copies freed
     assert expert_weight_grad_bytes(spec, Stage(0, 2, 0, True, False), DEEPSEEK_TOP, BF16_4K) == 0
     first = stages(spec, DEEPSEEK_TOP)[0]
     assert embedding_weight_grad_bytes(spec, first, DEEPSEEK_TOP, BF16_4K) > 3.5 * padded_vocab(spec, 1) * spec.dim
