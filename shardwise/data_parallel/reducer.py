@@ -132,7 +132,7 @@ class GradReducer:
         for key, named in sorted(groups.items()):
             expert, decay = is_expert(named[0][1]), named[0][1].ndim >= 2
             axis = self.mesh["edp"] if expert else self.dense_axis
-            runs = [named] if self.zero == 3 else cut_runs(named, lambda np: np[1].numel() * np[1].element_size(),
+            runs = [named] if self.zero == 3 else cut_runs(named, lambda item: item[1].numel() * item[1].element_size(),
                                                            bucket_bytes)
             for run in runs:
                 b = Bucket(run, axis, expert, weight_decay if decay else 0.0, key[0] if self.zero >= 2 else 0,
