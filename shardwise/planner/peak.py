@@ -200,10 +200,12 @@ def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workloa
 
 
 def head_copy_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """Under bf16 full recompute without a pipeline, the LM head's weight copy (outside every checkpoint:
-    cached and saved, held with the head's activations) — freed by the head's backward, so gone during a
-    layer's backward. (On a pipeline's last stage the trace still shows it there: interleaved 70B, stage 3.)"""
-    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head or lay.pp > 1:
+    """Under bf16 full recompute, the LM head's weight copy (outside every checkpoint: cached and saved, held
+    with the head's activations) — freed by the head's backward, so gone during a layer's backward: without a
+    pipeline, and on a 1F1B pipeline's last stage (each F's autocast region clears the cache, and the head's
+    backward follows its forward at once). Other schedules keep 0: the trace of interleaved 70B (stage 3)
+    still shows the copy there, a fact not derived yet."""
+    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head or (lay.pp > 1 and lay.schedule != "1f1b"):
         return 0.0
     return float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim)
 
