@@ -237,7 +237,7 @@ def test_hf_errors(tmp_path):
 # --- communication, op by op ---------------------------------------------------------------------
 
 def tiny_tp2_sp_expected(b: int, s: int, m: int, r: int = 2) -> dict:
-    """The issue's list for `tiny`, tp=2 with SP, bf16 (e=2), m microbatches, written out by hand; r is the
+    """The collectives of `tiny`, tp=2 with SP, bf16 (e=2), m microbatches, written out by hand; r is the
     residual stream's bytes (2: bf16 activations, 4: --fp32-residual).
 
     Per microbatch: embedding RS of b·s·h·r and AG of b·(s/t)·h·r (the embedding output); per layer

@@ -67,19 +67,6 @@ class Bucket:
         return torch.zeros(self.padded, device=self.device, dtype=self.dtype)
 
 
-def cut_buckets(named, bucket_bytes: int):
-    """Consecutive runs of `named` holding at least `bucket_bytes` each (the last one may hold less)."""
-    run, size = [], 0
-    for n, p in named:
-        run.append((n, p))
-        size += p.numel() * p.element_size()
-        if size >= bucket_bytes:
-            yield run
-            run, size = [], 0
-    if run:
-        yield run
-
-
 def adopt_grad(full: torch.Tensor, p: torch.Tensor, off: int, k: int) -> None:
     """Make p.grad the view [off, off+k) of `full`: the first gradient of a step arrives as autograd's own
     fresh tensor and is copied in (cheaper than zeroing the buffer every step and adding into it); later

@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 
 from .. import comm, host
+from ..bucket_plan import BUCKET_BYTES, MAX_INFLIGHT, cut_runs
 from ..mesh import Mesh
 from ..pipeline.tied_embedding import tied_partial
 from ..tensor_parallel.layers import get_spec
-from .buckets import Bucket, OverlappedReduction, adopt_grad, cut_buckets, is_expert, tp_partial
+from .buckets import Bucket, OverlappedReduction, adopt_grad, is_expert, tp_partial
 from .zero3 import ParamUnits, Unit
 
-BUCKET_BYTES = 25 * 2**20
 NORM_ROW = 1024  # grad norm: short fp32 accumulations, summed in fp64 (see GradReducer._sq_sum)
 
 
@@ -101,7 +101,8 @@ class GradReducer:
         self.store = getattr(model, "grad_store", None)
         self._deferred_w = {id(p) for m in model.modules() if getattr(m, "grad_store", None) is not None
                             for p in m.parameters(recurse=False)}
-        self.reduction = OverlappedReduction(self.buckets, zero, reduce_dtype, max_inflight=2 if zero >= 2 else None,
+        self.reduction = OverlappedReduction(self.buckets, zero, reduce_dtype,
+                                             max_inflight=MAX_INFLIGHT if zero >= 2 else None,
                                              late=frozenset(self._deferred_w))
         self.reduction.rounds = rounds
         self._bucket_of = {id(p): (b, off, k) for b in self.buckets for _, p, off, k in b.offsets}
@@ -140,7 +141,8 @@ class GradReducer:
         for key, named in sorted(groups.items()):
             expert, decay = is_expert(named[0][1]), named[0][1].ndim >= 2
             axis = self.mesh["edp"] if expert else self.dense_axis
-            runs = [named] if self.zero == 3 else cut_buckets(named, bucket_bytes)
+            runs = [named] if self.zero == 3 else cut_runs(named, lambda item: item[1].numel() * item[1].element_size(),
+                                                           bucket_bytes)
             for run in runs:
                 b = Bucket(run, axis, expert, weight_decay if decay else 0.0, key[0] if self.zero >= 2 else 0,
                            any(tp_partial(p, self.tp) or tied_partial(p, self.mesh)

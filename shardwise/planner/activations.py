@@ -14,7 +14,7 @@ Activations have two models (`ACTIVATION_MODELS`):
   weight — per microbatch in flight, since each microbatch runs in its own autocast region (TP without SP runs
   q/k/v and w1/w3 as one ColumnRegion function: its input once, no weight copies); the LM head's cross-entropy
   saves the fp32 softmax over the (padded) local vocabulary. MLA (DeepSeek) counts its latents and their
-  norms, and the core at one padded head size (docs/mla.md); MoE routers count their fp32 routing tensors
+  norms, and the core at one padded head size (docs/models.md); MoE routers count their fp32 routing tensors
   (softmax or sigmoid, renormalised or not). Measured equal to real runs (MoE: to a few bytes per layer).
 * "korthikanti": Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
   Models", §4), term by term, generalised to GQA, SwiGLU and MoE: with e-byte activations and 1-byte
@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
-from shardwise.planner.models import ModelSpec, layer_params, local_kv_heads, padded_vocab
+from shardwise.planner.models import BOOL, INT64, ModelSpec, layer_params, local_kv_heads, padded_vocab
 from shardwise.planner.mtp import mtp_activation_bytes
 from shardwise.planner.schedule import in_flight
 
@@ -238,7 +238,14 @@ def head_activation_bytes(spec: ModelSpec, lay: Layout, wl: Workload, model: str
         return softmax
     n_r = n // lay.tp if lay.sp else n
     head_in = region_input(n, spec.dim, 1, wl.act_bytes, wl.resid_bytes)
-    return softmax + _norm_saved(n_r, spec.dim) + head_in + 10 * n
+    return softmax + _norm_saved(n_r, spec.dim) + head_in + (INT64 + 2 * BOOL) * n
+
+
+def head_loss_saved_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
+    """What the head's loss saves of `head_activation_bytes`, made only after the head's matmul: the fp32
+    softmax over the local vocabulary, the int64 targets and two bool masks."""
+    n = lay.mb * wl.seq_len // lay.cp
+    return 4.0 * n * (padded_vocab(spec, lay.tp) // lay.tp) + (INT64 + 2 * BOOL) * n
 
 
 def autocast_weight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:

@@ -22,6 +22,7 @@ from shardwise.planner.layout import (
 from shardwise.planner.command import parse_train_flags, row_command
 from shardwise.planner.activations import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
+from shardwise.planner.peak import PEAK_TERMS
 from shardwise.planner.search import SearchSpace, candidates, no_layout_reason, search
 
 GB = 1e9
@@ -269,6 +270,7 @@ def explain_text(est: dict) -> str:
                    f"static {g(st['static_bytes'])}  activations {g(st['activation_bytes'])}  "
                    f"total {g(st['total_bytes'])}  peak {g(st['peak_bytes'])}  "
                    f"{st['microbatch_time_s'] * 1e3:8.2f} ms/microbatch")
+    out += peak_lines(est, g)
     out += [
         "",
         f"compute: model {est['model_flops_per_step']:.3e} FLOP/step, hardware {est['hardware_flops_per_step']:.3e}"
@@ -310,6 +312,15 @@ def _tp_overlap_lines(est: dict) -> list[str]:
             f"({t['messages_plain']} messages), {t['exposed_overlap_s'] * 1e3:.3f} ms with it ({t['messages_overlap']} "
             f"messages; {t['comm_s'] * 1e3:.3f} ms of bytes, {t['gemm_s'] * 1e3:.3f} ms of GEMMs to hide them); "
             f"--tp-overlap {used} in the step time"]
+
+
+def peak_lines(est: dict, g) -> list[str]:
+    """The largest stage's live peak: its worst moment and the terms that make it up."""
+    st = max(est["stages"], key=lambda s: s["peak_bytes"])
+    terms = st["peak_terms"]
+    out = ["", f"live peak of stage {st['stage']}: {g(st['peak_bytes'])}, at {terms['moment']}"]
+    out += [f"  {k:23} {g(terms[k]):>12}  {what}" for k, what in PEAK_TERMS.items() if terms.get(k)]
+    return out
 
 
 def trace_lines(row: dict, indent: str) -> list[str]:

@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
+from shardwise.bucket_plan import cut_runs
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.tp_overlap import chunks
-from shardwise.planner.memory import BUCKET_BYTES, stage_tensors, zero_buckets
+from shardwise.planner.memory import BYTES_GRAD, stage_tensors, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
 from shardwise.planner.muon import muon_comm
 
@@ -160,16 +161,11 @@ def tp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
 @lru_cache(maxsize=4096)
 def zero0_buckets(spec: ModelSpec, tp: int, ep: int, kinds: tuple[bool, ...], embedding: bool, head: bool,
                   expert: bool = False) -> int:
-    """All-reduces ZeRO-0 issues for a stage's dense (or expert) grads: its tensors in order, 25 MiB buckets."""
+    """All-reduces ZeRO-0 issues for a stage's dense (or expert) grads: its tensors in order, cut by
+    `bucket_plan.cut_runs`."""
     stage = Stage(0, len(kinds) - sum(kinds), sum(kinds), embedding, head, kinds)
-    count = size = held = 0
-    for t in stage_tensors(spec, stage, Layout(tp=tp, ep=ep)):
-        if t.expert != expert:
-            continue
-        size, held = size + 4 * t.numel, held + 1
-        if size >= BUCKET_BYTES:
-            count, size, held = count + 1, 0, 0
-    return count + (1 if held else 0)
+    tensors = [t for t in stage_tensors(spec, stage, Layout(tp=tp, ep=ep)) if t.expert == expert]
+    return sum(1 for _ in cut_runs(tensors, lambda t: BYTES_GRAD * t.numel))
 
 
 def _reduce_grads(led: CommLedger, axis: str, groups: list[int], group: int, m: int, buckets: int = 1,

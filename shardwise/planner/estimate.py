@@ -251,6 +251,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
             "head": p["stage"].head, "params": p["params"].total, "static_bytes": p["static"]["total"],
             "activation_bytes": round(p["activation"]), "total_bytes": round(p["total"]),
             "peak_bytes": round(p["peak"]), "microbatch_time_s": p["mb"],
+            "peak_terms": {k: v if isinstance(v, str) else round(v) for k, v in p["peak_terms"].items()},
             "comm_bytes_per_step": led.per_axis("bytes"), "comm_ops_per_step": led.as_dict(),
         } for p, led in ((p, whole_step(*p["ledgers"], lay.m)) for p in per_stage)]
     return out

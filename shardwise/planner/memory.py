@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from shardwise.bucket_plan import cut_runs
 from shardwise.partition import balanced_counts
 from shardwise.planner.layout import Layout, Stage, chunk_owners
 from shardwise.planner.models import (
@@ -53,10 +54,6 @@ def stage_params(spec: ModelSpec, stage: Stage, lay: Layout) -> Params:
 def shard_size(n: int, group: int) -> int:
     """Elements per rank of `n` sharded over `group` ranks (the last shard padded)."""
     return -(-n // group)
-
-
-BUCKET_BYTES = 25 * 2**20
-"""shardwise.data_parallel.reducer.BUCKET_BYTES: a gradient bucket closes once it holds this much."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +120,8 @@ def stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, l
 
 def zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
     """`GradReducer`'s buckets (ZeRO ≥ 1) of one rank of `stage`: parameters grouped by (expert?, matrix?)
-    — and by pipeline chunk under ZeRO-2, by unit under ZeRO-3 — in parameter order, cut at BUCKET_BYTES
-    (not under ZeRO-3: one bucket per unit and group)."""
+    — and by pipeline chunk under ZeRO-2, by unit under ZeRO-3 — in parameter order, cut by
+    `bucket_plan.cut_runs` (not under ZeRO-3: one bucket per unit and group)."""
     return _zero_buckets(spec, stage, bucket_layout(lay))
 
 
@@ -148,13 +145,7 @@ def _zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
             groups.setdefault(key, []).append((x, partial, u == 0 and tied))
     out = []
     for key, items in sorted(groups.items()):
-        runs, run, size = [], [], 0
-        for item in items:
-            run.append(item)
-            size += 4 * item[0].numel
-            if size >= BUCKET_BYTES and lay.zero < 3:
-                runs, run, size = runs + [run], [], 0
-        for r in runs + ([run] if run else []):
+        for r in [items] if lay.zero == 3 else cut_runs(items, lambda item: BYTES_GRAD * item[0].numel):
             expert = r[0][0].expert
             out.append(ZeroBucket("edp" if expert else dense, sum(x.numel for x, _, _ in r),
                                   max(1, g // lay.ep) if expert else gd, any(p for _, p, _ in r),

@@ -36,6 +36,9 @@ from shardwise.config import MODEL_PRESETS, ConfigError, ModelConfig
 from shardwise.hf_shapes import model_fields_from_hf
 from shardwise.planner.errors import PlanError
 
+INT64, BOOL = 8, 1
+"""Bytes per element of the token ids and targets (int64) and of the masks (bool) the loss and embedding keep."""
+
 
 @dataclass(frozen=True)
 class ModelSpec(ModelConfig):

@@ -9,7 +9,7 @@ Each module runs its block, one more LM head and cross-entropy per microbatch.
 """
 from __future__ import annotations
 
-from shardwise.planner.models import ModelSpec, Tensor, embedding_tensors, mtp_module_tensors
+from shardwise.planner.models import BOOL, INT64, ModelSpec, Tensor, embedding_tensors, mtp_module_tensors
 
 
 def embedding_copy(spec: ModelSpec, embedding: bool) -> bool:
@@ -57,8 +57,8 @@ def mtp_activation_bytes(spec: ModelSpec, layer_bytes, tokens: int, tokens_local
     norms = (8 * d + 4) + ((4 if resid_bytes == 4 else 8) * d + 4) + (8 * d + 4)
     head_in = resid_bytes * tokens * d if sp else 2 * resid_bytes * n * d
     module = ((norms + act_bytes * 2 * d) * n + head_in + 4 * tokens * vocab_local + 4
-              + (19 * tokens if tp > 1 else 0) + (act_bytes * 2 * d * d if act_bytes != 4 else 0))
-    once = 8 + (0 if tp > 1 else 16 * tokens * depth)
+              + ((INT64 + BOOL + INT64 + 2 * BOOL) * tokens if tp > 1 else 0) + (act_bytes * 2 * d * d if act_bytes != 4 else 0))
+    once = 8 + (0 if tp > 1 else 2 * INT64 * tokens * depth)
     if sp and resid_bytes == 4:
         once += resid_bytes * n * d * (1 + 2 * (depth - 1))
     return sum(layer_bytes(spec.is_moe_layer(spec.n_layers + k)) + module for k in range(depth)) + once

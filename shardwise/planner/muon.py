@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.planner.layout import Layout, Stage
-from shardwise.planner.memory import BUCKET_BYTES
+from shardwise.bucket_plan import cut_runs
 from shardwise.planner.models import ModelSpec, local_kv_heads
 
 BYTES_MOMENTUM = 4
@@ -121,15 +121,11 @@ def muon_buckets(spec: ModelSpec, stage: Stage, lay: Layout, expert: bool) -> li
         units = [[m for u in units for m in u]]
     out = []
     for unit in units:
-        run, size = [], 0
-        for m in (m for m in unit if m.expert == expert):
-            run.append(m)
-            size += m.local
-            if 4 * size >= BUCKET_BYTES and lay.zero < 3:
-                out.append(run)
-                run, size = [], 0
-        if run:
-            out.append(run)
+        mats = [m for m in unit if m.expert == expert]
+        if lay.zero >= 3:
+            out += [mats] if mats else []
+        else:
+            out += list(cut_runs(mats, lambda m: 4 * m.local))  # fp32 gradients, as the reducer cuts them
     return out
 
 

@@ -7,24 +7,29 @@ backward gradients, the pipeline's send and receive buffers, the bf16 weight cop
 recompute, ZeRO-3's gathered units and in-flight reduce-scatter buckets, the TP reduction's concatenated
 gradients, and the weight-gradient store of split-backward schedules. Which of them are alive together
 depends on the moment of the step, so `peak_terms` takes the worst of a few moments (each with its own
-share); the planner's "fits" uses the total.
+share, and a name saying which runtime tensors make it); the planner's "fits" uses the total. ZeRO-2's and
+ZeRO-3's buckets are walked in `zero2_inflight` and `zero3_inflight`, the weight gradients on their way from a
+GEMM to the flat buffer are in `weight_grads`.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.activations import (
-    head_activation_bytes, layer_activation_bytes, microbatch_activation_bytes, recompute_transient_bytes,
+    head_activation_bytes, head_loss_saved_bytes, microbatch_activation_bytes, recompute_transient_bytes,
     stage_activation_bytes,
 )
-from shardwise.planner.memory import bucket_layout, stage_params, stage_units, static_bytes, zero_buckets
+from shardwise.planner.memory import stage_params, stage_units, static_bytes, zero_buckets
 from shardwise.planner.models import ModelSpec, padded_vocab
-from shardwise.planner.rank_actions import (
-    backward_states, backward_then_forward, backwards_before_forward,
+from shardwise.planner.rank_actions import backward_states, backwards_before_forward
+from shardwise.planner.weight_grads import (
+    embedding_weight_grad_bytes, expert_weight_grad_bytes, head_weight_grad_bytes,
 )
 from shardwise.planner.weight_store import weight_store_bytes
 from shardwise.planner.zero2_inflight import zero2_bucket_moments
+from shardwise.planner.zero3_inflight import (
+    backward_inflight_bytes, forward_inflight_bytes, freed_per_layer, last_launched, layer_backward_moment,
+    unit_bytes, zero3_gathered_bytes,
+)
 
 
 def head_transient_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
@@ -91,99 +96,6 @@ def layer_forward_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl
     return float(cast + e * n * ffn + e * n * h * (3 if sp else 1))
 
 
-def _unit_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, int, int, tuple]]:
-    """(chunk, fp32 bytes of its gathered flat buffers, elements of its cast weights, its buckets as (fp32
-    bytes, reduction group, deferred?) in `GradReducer`'s order) of every ZeRO-3 unit of the stage, in model order: a unit
-    has one bucket per (expert?, matrix?) group, padded to its reduction group, deferred when it holds a
-    TP-partial gradient; its layers' matrices are what autocast copies (the embedding table is not)."""
-    return _units(spec, stage, bucket_layout(lay))
-
-
-@lru_cache(maxsize=4096)
-def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
-    g = lay.dp
-    gd = lay.dp_shard if lay.hsdp else g  # hybrid sharding: dense buckets pad to the shard group
-    out = []
-    for chunk, tensors in stage_units(spec, stage, lay):
-        groups: dict[tuple, list[int]] = {}
-        for x, partial in tensors:
-            acc = groups.setdefault((x.expert, x.matrix), [0, 0])
-            acc[0] += x.numel
-            acc[1] |= partial
-        buckets = tuple((4 * _pad(n, grp), grp, bool(d))
-                        for key, (n, d) in sorted(groups.items()) for grp in [max(1, g // lay.ep) if key[0] else gd])
-        cast = sum(x.numel for x, _ in tensors if x.matrix) if len(tensors) > 2 else 0  # a layer: > 2 tensors
-        out.append((chunk, sum(b for b, _, _ in buckets), cast, buckets))
-    return tuple(out)
-
-
-def _launch_order(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[tuple[int, int, int, int]]]:
-    return _launch_order_of(_unit_bytes(spec, stage, lay))
-
-
-@lru_cache(maxsize=4096)
-def _launch_order_of(units: tuple) -> list[list[tuple[int, int, int, int]]]:
-    """Per chunk, (fp32 bytes, group, layers of the chunk whose backward is already over, ZeRO-3 bytes
-    gathered then: the unit and the one prefetched before it) of its buckets a
-    backward reduce-scatters as it goes, in launch order (reverse model order; deferred buckets wait for
-    the end of the step)."""
-    chunks: dict[int, list] = {}
-    for chunk, full, cast, buckets in units:
-        hooked = [(b, g) for b, g, deferred in buckets if not deferred]
-        chunks.setdefault(chunk, []).append((hooked, bool(cast), full))
-    out = []
-    for parts in chunks.values():
-        seq, done = [], 0
-        for j in reversed(range(len(parts))):
-            buckets, layer, full = parts[j]
-            gathered = full + (parts[j - 1][2] if j else 0)  # the unit and the one prefetched before it
-            seq += [(b, g, done, gathered) for b, g in reversed(buckets)]
-            done += layer
-        out.append(seq)
-    return out
-
-
-def _in_flight(b: int, g: int, wl: Workload) -> float:
-    """A launched reduce-scatter's buffers: the fp32 gradient it reads, its copy in the reduce dtype (when
-    that is not fp32) and the 1/g output shard."""
-    r = wl.grad_reduce_bytes
-    return b + (r * b / 4 if r != 4 else 0) + r * b / 4 / g
-
-
-def forward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """ZeRO-3, during a forward that follows a backward (any step of more than one microbatch): the two
-    reduce-scatters a chunk's backward launched last are still in flight (GradReducer waits for the oldest
-    only when a third starts) — those of the chunk's first buckets, e.g. the embedding's and the first
-    layer's, not the largest two."""
-    if lay.zero < 3 or not backward_then_forward(lay, stage.index):
-        return 0.0
-    if lay.pp > 1 and lay.schedule in ("zb", "dualpipev"):
-        return _last_launched_at_w(spec, stage, lay, wl)
-    return _last_launched(spec, stage, lay, wl)
-
-
-def _last_launched_at_w(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """ZeRO-3 under split backward: the matrix buckets of a layer or the head (their linears' dW comes at W)
-    launch in a queue of their own (`OverlappedReduction`), so a chunk's W leaves its first two such buckets
-    in flight — two matrix buckets, where a joint backward ends on a matrix and a vector bucket."""
-    key = bucket_layout(lay)
-    gd = key.dp_shard if key.hsdp else key.dp
-    late: dict[int, list[float]] = {}
-    for u, (chunk, tensors) in enumerate(stage_units(spec, stage, key)):
-        if u == 0 and stage.embedding:
-            continue
-        n = sum(x.numel for x, _ in tensors if x.matrix and not x.expert)
-        if n and not any(d for x, d in tensors if x.matrix and not x.expert):
-            late.setdefault(chunk, []).append(_in_flight(4 * _pad(n, gd), gd, wl))
-    return float(max((sum(seq[:2]) for seq in late.values()), default=0))
-
-
-def _last_launched(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """ZeRO-3: the two reduce-scatters a chunk's backward launched last, in flight (the worst chunk)."""
-    return float(max((sum(_in_flight(b, g, wl) for b, g, *_ in seq[-2:]) for seq in _launch_order(spec, stage, lay)),
-                     default=0))
-
-
 def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
     """ZeRO 2/3, during the head's loss backward (before any gradient of this backward reaches a bucket):
     (ZeRO-3 gathered: the head unit and the final norm prefetched beside it, reduce-scatters in flight:
@@ -193,8 +105,8 @@ def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) 
     again = lay.m > 1
     if lay.zero == 2:
         return 0.0, zero2_bucket_moments(spec, stage, lay, wl, 0.0, again, lay.m - 1)[1]
-    units = [full for chunk, full, _, _ in _unit_bytes(spec, stage, lay)]
-    return float(sum(units[-2:])), _last_launched(spec, stage, lay, wl) if again else 0.0
+    units = [full for chunk, full, _, _ in unit_bytes(spec, stage, lay)]
+    return float(sum(units[-2:])), last_launched(spec, stage, lay, wl) if again else 0.0
 
 
 def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
@@ -208,7 +120,7 @@ def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -
     chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
     mb = microbatch_activation_bytes(spec, stage, lay, wl)
     per = (mb["total"] - (mb["head"] if lay.pp > 1 else 0)) / chunks
-    per_layer = _freed_per_layer(spec, stage, lay, wl)
+    per_layer = freed_per_layer(spec, stage, lay, wl)
     best = (0.0, 0.0)
     for deficit, prior in states:
         if lay.zero == 3:
@@ -218,39 +130,6 @@ def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -
         if at + got - deficit * per > sum(best):
             best = (at, got - deficit * per)
     return best
-
-
-def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
-                            prior: bool | None = None) -> tuple[float, float]:
-    """ZeRO-3, during a unit's backward: its bucket filling (fp32, allocated at its first gradient) beside
-    the two launched before it — the previous units' of the chunk, or at the chunk's first unit those a
-    former backward left in flight — less what the layers already backwarded have freed (one microbatch's
-    saved tensors of each): the worst unit, as (units gathered then, reduce-scatter buffers)."""
-    if lay.zero < 3:
-        return 0.0, 0.0
-    per_layer = _freed_per_layer(spec, stage, lay, wl)
-    seqs = [[(b, _in_flight(b, g, wl), done, at) for b, g, done, at in seq] for seq in _launch_order(spec, stage, lay)]
-    # what an earlier backward of the step launched last: its last one or two buckets
-    prior = lay.m > 1 if prior is None else prior
-    tail = [max((sum(f for _, f, *_ in seq[-k:]) for seq in seqs), default=0) if prior and k else 0
-            for k in (0, 1, 2)]
-    best = (0.0, 0.0)
-    for seq in seqs:
-        for i, (b, _, done, at) in enumerate(seq):
-            flight = sum(f for _, f, *_ in seq[max(0, i - 2):i]) + tail[max(0, 2 - i)]
-            if at + b + flight - done * per_layer > sum(best):
-                best = (float(at), b + flight - done * per_layer)
-    return best
-
-
-def _freed_per_layer(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """What a layer's finished backward has freed: one microbatch's saved tensors of its smallest kind."""
-    return min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
-                                                                           (True, stage.n_moe)) if n), default=0)
-
-
-def _pad(n: int, g: int) -> int:
-    return -(-n // g) * g
 
 
 def autocast_moment_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
@@ -276,7 +155,7 @@ def autocast_moment_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     copy = float(wl.act_bytes * max(dense, moe))
     if lay.zero < 3:
         return copy, 0.0
-    units = _unit_bytes(spec, stage, lay)
+    units = unit_bytes(spec, stage, lay)
     pairs = [full + (units[j + 1][1] if j + 1 < len(units) and units[j + 1][0] == chunk else 0)
              for j, (chunk, full, cast, _) in enumerate(units) if cast]
     return copy, float(max(pairs, default=0))
@@ -289,7 +168,7 @@ def _cached_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> 
         chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
         p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
         return float(wl.act_bytes * (p.total - p.vectors) / chunks), 0.0
-    units = _unit_bytes(spec, stage, lay)
+    units = unit_bytes(spec, stage, lay)
     best, copies = (0.0, 0.0), 0.0
     for j, (chunk, full, cast, _) in enumerate(units):
         copies = copies * (j > 0 and units[j - 1][0] == chunk) + wl.act_bytes * cast
@@ -311,8 +190,8 @@ def head_forward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload
         return 0.0, 0.0
     n = lay.mb * wl.seq_len // lay.cp
     x = n * (padded_vocab(spec, lay.tp) // lay.tp)
-    transient = float(wl.act_bytes * x - (4 * x + 10 * n))
-    return transient, float(_unit_bytes(spec, stage, lay)[-1][1]) if lay.zero >= 3 else 0.0
+    transient = float(wl.act_bytes * x - head_loss_saved_bytes(spec, lay, wl))
+    return transient, float(unit_bytes(spec, stage, lay)[-1][1]) if lay.zero >= 3 else 0.0
 
 
 def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
@@ -321,51 +200,14 @@ def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workloa
 
 
 def head_copy_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
-    """Under bf16 full recompute without a pipeline, the LM head's weight copy (outside every checkpoint:
-    cached and saved, held with the head's activations) — freed by the head's backward, so gone during a
-    layer's backward. (On a pipeline's last stage the trace still shows it there: interleaved 70B, stage 3.)"""
-    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head or lay.pp > 1:
+    """Under bf16 full recompute, the LM head's weight copy (outside every checkpoint: cached and saved, held
+    with the head's activations) — freed by the head's backward, so gone during a layer's backward: without a
+    pipeline, and on a 1F1B pipeline's last stage (each F's autocast region clears the cache, and the head's
+    backward follows its forward at once). Other schedules keep 0: the trace of interleaved 70B (stage 3)
+    still shows the copy there, a fact not derived yet."""
+    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head or (lay.pp > 1 and lay.schedule != "1f1b"):
         return 0.0
     return float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim)
-
-
-def layer_backward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
-    """ZeRO-3 under bf16 full recompute (no forward moment outweighs it), (in-flight buckets less the
-    activations already freed, gathered units) at the worst unit's backward, taken together: the unit
-    running and the one before it in its chunk (prefetched by backward) gathered, beside its bucket filling
-    and the two launched before it (`backward_inflight_bytes`), less one microbatch's saved tensors of each
-    layer already backwarded."""
-    per_layer = min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
-                                                                                (True, stage.n_moe)) if n), default=0)
-    units = _unit_bytes(spec, stage, lay)
-    seqs = [[_in_flight(b, g, wl) for b, g, *_ in seq] for seq in _launch_order(spec, stage, lay)]
-    tail = [max((sum(seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0 for k in (0, 1, 2)]
-    best = (0.0, 0.0)
-    for c in dict.fromkeys(u[0] for u in units):
-        parts = [u for u in units if u[0] == c]
-        seq, done = [], 0
-        for k in reversed(range(len(parts))):
-            _, full, cast, buckets = parts[k]
-            pair = full + (parts[k - 1][1] if k else 0)
-            for b, g, deferred in reversed(buckets):
-                if deferred:
-                    continue
-                i = len(seq)
-                moment = (b + sum(seq[max(0, i - 2):i]) + tail[max(0, 2 - i)] - done * per_layer, float(pair))
-                best = max(best, moment, key=sum)
-                seq.append(_in_flight(b, g, wl))
-            done += bool(cast)
-    return best
-
-
-def zero3_gathered_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
-    """ZeRO-3, outside a chunk's forward: the unit running and the one prefetched beside it are gathered in
-    full (fp32), the largest adjacent pair of the stage's units."""
-    if lay.zero < 3:
-        return 0.0
-    sizes = [(c, full) for c, full, _, _ in _unit_bytes(spec, stage, lay)]
-    pairs = [a[1] + b[1] for a, b in zip(sizes, sizes[1:]) if a[0] == b[0]]
-    return float(max(pairs + [n for _, n in sizes] + [0]))
 
 
 def tp_reduction_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
@@ -382,6 +224,18 @@ def tp_reduction_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
                 tp_sum += x.numel if x.sp_replicated else 0
                 kv += 0 if x.sp_replicated else x.numel
     return 4.0 * (tp_sum + (kv * (spec.n_kv_heads + 1) if kv else 0))
+
+
+PEAK_TERMS = {
+    "static": "fp32 weights, gradients and Adam moments, ZeRO flat buffers",
+    "activations": "the saved tensors of the microbatches in flight, and the layer full recompute rebuilds",
+    "transient": "the short-lived tensors of that moment",
+    "zero3_gathered": "ZeRO-3 units gathered in full (fp32) at that moment",
+    "reduce_scatter_buckets": "gradient buckets filling and reduce-scatters in flight at that moment",
+    "weight_gradient_store": "inputs and output gradients the split backward keeps for W (zb, dualpipev)",
+    "pipeline_buffers": "the p2p receive buffer and an unfinished send",
+}
+"""`peak_terms`' keys (beside "total" and "moment") and the runtime tensors each stands for."""
 
 
 def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static: float, activation: float) -> dict:
@@ -407,30 +261,50 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     # during another chunk's forward no microbatch holds the head's tensors (its backward follows its
     # forward at once), except under GPipe, which holds every microbatch's head
     head = microbatch_activation_bytes(spec, stage, lay, wl)["head"] if stage.head and lay.schedule != "gpipe" else 0
-    moments = [(copies + layer_forward_transient_bytes(spec, stage, lay, wl) - rebuilt - (head if copies else 0),
+    moments = [("forward: a layer's down-projection (its operands, the weights' bf16 copies)",
+                copies + layer_forward_transient_bytes(spec, stage, lay, wl) - rebuilt - (head if copies else 0),
                 at_copies if copies else gathered, fwd_buckets)]
     head_fwd, at_head = head_forward_moment(spec, stage, lay, wl)
     if head_fwd:
-        moments.append((head_fwd - rebuilt, at_head, fwd_buckets))
+        moments.append(("forward: the LM head's matmul (its logits)", head_fwd - rebuilt, at_head, fwd_buckets))
     if stage.n_layers:
-        layer = layer_backward_transient_bytes(spec, stage, lay, wl)
+        after_head = 0.0  # a layer's backward comes after the head's: its saved tensors are gone
         if stage.head:
             n = lay.mb * wl.seq_len // lay.cp
             logits = wl.act_bytes * n * (padded_vocab(spec, lay.tp) // lay.tp) if lay.pp == 1 else 0
-            layer -= head_activation_bytes(spec, lay, wl) - logits + head_copy_bytes(spec, stage, lay, wl)
+            after_head = head_activation_bytes(spec, lay, wl) - logits + head_copy_bytes(spec, stage, lay, wl)
         full16 = wl.act_bytes != 4 and lay.recompute == "full" and lay.zero == 3
         in_flight_now, gathered_now = (layer_backward_moment(spec, stage, lay, wl) if full16
                                        else (buckets, at_backward if lay.zero == 3 else gathered))
-        moments.append((layer, gathered_now, in_flight_now))
+        moments.append(("backward: a layer's MLP (its inner gradients, the residual stream's)",
+                        layer_backward_transient_bytes(spec, stage, lay, wl) - after_head, gathered_now, in_flight_now))
+        # a weight gradient precedes the ZeRO-2/3 bucket its accumulation allocates: no bucket term beside it
+        at_grads = gathered_now if lay.zero == 3 else gathered
+        experts = expert_weight_grad_bytes(spec, stage, lay, wl)
+        if experts:
+            moments.append(("backward: the experts' GEMMs (their stacks' weight gradients, an fp32 copy)",
+                            experts - after_head, at_grads, 0.0))
+        embedding = embedding_weight_grad_bytes(spec, stage, lay, wl)
+        if embedding:
+            moments.append(("backward: the token embedding (its fp32 weight gradient)", embedding - rebuilt,
+                            at_grads, 0.0))
     if stage.head:
-        moments.append((head_transient_bytes(spec, lay, wl) - rebuilt, *head_loss_buffers(spec, stage, lay, wl)))
-    moments.append((tp_reduction_bytes(spec, stage, lay) - activation, 0.0, 0.0))
-    transient, gathered, buckets = max(moments, key=sum)
+        at_loss = head_loss_buffers(spec, stage, lay, wl)
+        moments.append(("backward: the LM head's loss (logits' gradients)", head_transient_bytes(spec, lay, wl) - rebuilt,
+                        *at_loss))
+        head_grad = head_weight_grad_bytes(spec, stage, lay, wl)
+        if head_grad:
+            moments.append(("backward: the LM head's matmul (its weight gradient and fp32 copy)", head_grad - rebuilt,
+                            *at_loss))
+    moments.append(("after backward: the TP reduction's concatenated gradients",
+                    tp_reduction_bytes(spec, stage, lay) - activation, 0.0, 0.0))
+    moment, transient, gathered, buckets = max(moments, key=lambda m: sum(m[1:]))
     out = {"static": float(static), "activations": float(activation), "transient": transient,
            "zero3_gathered": gathered, "reduce_scatter_buckets": buckets,
            "weight_gradient_store": weight_store_bytes(spec, stage, lay, wl),
            "pipeline_buffers": pipeline_buffer_bytes(spec, lay, wl)}
     out["total"] = sum(out.values())
+    out["moment"] = moment
     return out
 
 

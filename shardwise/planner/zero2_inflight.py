@@ -2,10 +2,10 @@
 
 Under ZeRO-2 a bucket's full fp32 buffer is allocated at its first gradient (the bucket's last unit in
 model order, as backward runs in reverse), filled until its first unit's gradients are in, then
-reduce-scattered and held by the collective (fp32 input, reduce-dtype copy, 1/g output) until a third
-launch makes the reducer wait for the oldest. Buckets of different groups (dense matrices, dense vectors,
-experts) fill side by side, and launch strictly in the reducer's order. A backward after an earlier one
-of the step starts with the two that earlier backward launched last still in flight — e.g. microbatch 2's
+reduce-scattered and held by the collective (fp32 input, reduce-dtype copy, 1/g output) until a launch
+beyond `bucket_plan.MAX_INFLIGHT` makes the reducer wait for the oldest. Buckets of different groups
+(dense matrices, dense vectors, experts) fill side by side, and launch strictly in the reducer's order. A
+backward after an earlier one of the step starts with the two that earlier backward launched last still in flight — e.g. microbatch 2's
 whole-chunk bucket filling beside microbatch 1's in flight: twice the stage's gradient. Under zb and
 dualpipev a chunk's first bucket is allocated in B and fills until its W, through other forwards.
 """
@@ -13,16 +13,17 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from shardwise.bucket_plan import MAX_INFLIGHT, cut_runs
 from shardwise.planner.layout import Layout, Stage, Workload
-from shardwise.planner.memory import BUCKET_BYTES, shard_size, stage_units
+from shardwise.planner.memory import BYTES_GRAD, shard_size, stage_units
 from shardwise.planner.models import ModelSpec
 
 
 @lru_cache(maxsize=4096)
 def chunk_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
     """Per chunk, (units, [(fp32 bytes, group, first unit, last unit)] in launch order) of its non-deferred
-    ZeRO-2 buckets: `GradReducer._make_buckets`' runs (key (chunk, expert, matrix), cut at BUCKET_BYTES),
-    reversed. `lay` as `zero_buckets` keys it (dp = dp·cp, dp_shard = S·cp)."""
+    ZeRO-2 buckets: `GradReducer._make_buckets`' runs (key (chunk, expert, matrix), cut by
+    `bucket_plan.cut_runs`), reversed. `lay` as `zero_buckets` keys it (dp = dp·cp, dp_shard = S·cp)."""
     gd = lay.dp_shard if lay.hsdp else lay.dp
     groups: dict[tuple, list] = {}
     counts: dict[int, int] = {}
@@ -33,13 +34,7 @@ def chunk_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
             groups.setdefault((chunk, x.expert, x.matrix), []).append((x, partial, j))
     out: dict[int, list] = {c: [] for c in counts}
     for key, items in sorted(groups.items()):
-        runs, run, size = [], [], 0
-        for item in items:
-            run.append(item)
-            size += 4 * item[0].numel
-            if size >= BUCKET_BYTES:
-                runs, run, size = runs + [run], [], 0
-        for r in runs + ([run] if run else []):
+        for r in cut_runs(items, lambda item: BYTES_GRAD * item[0].numel):
             if any(p for _, p, _ in r):
                 continue  # deferred: reduced after the TP sum, once the activations are gone
             g = max(1, lay.dp // lay.ep) if key[1] else gd
@@ -64,7 +59,7 @@ def _walk(units: int, buckets: tuple, flight: list[float], wl: Workload, per_uni
         while nxt in ready:
             filling.discard(nxt)
             flight.append(size[nxt])
-            flight = flight[-2:]  # a third launch waits for the oldest
+            flight = flight[-MAX_INFLIGHT:]  # a further launch waits for the oldest
             nxt += 1
         freed += per_unit[j]
     return best, flight

@@ -1,7 +1,7 @@
 """A sweep of `shardwise simulate` over small layouts, in this one process: the planner's live peak, static
-and saved-activation bytes and comm bytes against the trace of real steps (issue 20: peak within 3%, static
-1%, activations 2%, comm bytes equal) for every pairing of ZeRO stage, hybrid sharding, tp/SP, pipeline
-schedule, cp implementation, ep, recompute and dtype that the trainer accepts.
+and saved-activation bytes and comm bytes against the trace of real steps (the planner's bounds: peak
+within 3%, static 1%, activations 2%, comm bytes equal) for every pairing of ZeRO stage, hybrid sharding,
+tp/SP, pipeline schedule, cp implementation, ep, recompute and dtype that the trainer accepts.
 
 `python -m shardwise.simulate.sweep [NAME ...]` prints one line per layout (all layouts, or those named);
 `tests/test_peak_sweep.py` asserts every bound for every layout.
