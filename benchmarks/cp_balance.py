@@ -36,7 +36,8 @@ from shardwise.comm import Ledger  # noqa: E402
 from shardwise.context_parallel import block_plan, ring_attention, shard_sequence, ulysses_attention  # noqa: E402
 from shardwise.context_parallel.ring_attention import block_backward, block_forward  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
-from shardwise.mesh import Mesh, ParallelDims  # noqa: E402
+from shardwise.config import ParallelConfig  # noqa: E402
+from shardwise.mesh import Mesh  # noqa: E402
 
 ORDERS = ("contiguous", "balanced")
 SMOKE = {"seq": 64, "heads": 4, "kv_heads": 2, "head_dim": 8, "reps": 1}
@@ -98,7 +99,7 @@ def _torch_peer(mesh, args, gen, reps):
 
 def _rank(c, args):
     torch.manual_seed(0)
-    mesh = Mesh.build(ParallelDims.build(dist.get_world_size(), cp=c), torch.device("cpu"), Ledger(enabled=False))
+    mesh = Mesh.build(ParallelConfig.build(dist.get_world_size(), cp=c), torch.device("cpu"), Ledger(enabled=False))
     axis, world = mesh["cp"], mesh["world"]
     gen = torch.Generator().manual_seed(1)
     q, k, v = _inputs(args, args.seq, gen)

@@ -39,7 +39,8 @@ from shardwise.comm import Ledger  # noqa: E402
 from shardwise.config import ModelConfig  # noqa: E402
 from shardwise.data_parallel import GradReducer  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
-from shardwise.mesh import Mesh, ParallelDims  # noqa: E402
+from shardwise.config import ParallelConfig  # noqa: E402
+from shardwise.mesh import Mesh  # noqa: E402
 from shardwise.parallelize import build_model  # noqa: E402
 
 DP = 2
@@ -108,7 +109,7 @@ def rank_main(opts):
     rank = dist.get_rank()
     cfg = ModelConfig(name="wide", vocab_size=257, dim=opts["dim"], n_layers=opts["layers"], n_heads=8, n_kv_heads=8,
                       ffn_dim=opts["ffn"], max_seq_len=max(64, opts["seq"]))
-    mesh = Mesh.build(ParallelDims.build(DP, dp=DP), torch.device("cpu"), Ledger(enabled=False), 600.0)
+    mesh = Mesh.build(ParallelConfig.build(DP, dp=DP), torch.device("cpu"), Ledger(enabled=False), 600.0)
     base = build_model(cfg, mesh, opts["seed"])
     bucket = opts["bucket_mb"] * 2**20
     n_global = DP * opts["batch"] * opts["seq"]

@@ -39,7 +39,8 @@ from shardwise import comm  # noqa: E402
 from shardwise.comm import Ledger  # noqa: E402
 from shardwise.expert_parallel import AllToAllDispatcher  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
-from shardwise.mesh import Mesh, ParallelDims  # noqa: E402
+from shardwise.config import ParallelConfig  # noqa: E402
+from shardwise.mesh import Mesh  # noqa: E402
 
 ROUTINGS = ("balanced", "skewed")
 SMOKE = {"tokens": 16, "dim": 16, "reps": 1, "warmup": 0}
@@ -126,7 +127,7 @@ def megatron_step(d, x, idx, w, backward: bool):
 # ---------------------------------------------------------------- one rank
 def _rank(args, seed):
     world = dist.get_world_size()
-    mesh = Mesh.build(ParallelDims.build(world, ep=world), torch.device("cpu"), Ledger())
+    mesh = Mesh.build(ParallelConfig.build(world, ep=world), torch.device("cpu"), Ledger())
     ep_axis = mesh["ep"]
     singles = [dist.new_group([i]) for i in range(world)]  # Megatron wants an expert-TP group of size 1
     try:

@@ -34,7 +34,8 @@ from shardwise.comm import Ledger  # noqa: E402
 from shardwise.comm import collectives  # noqa: E402
 from shardwise.config import ModelConfig, ParallelConfig  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
-from shardwise.mesh import Mesh, ParallelDims  # noqa: E402
+from shardwise.config import ParallelConfig  # noqa: E402
+from shardwise.mesh import Mesh  # noqa: E402
 from shardwise.models.rope import rope_tables  # noqa: E402
 from shardwise.parallelize import build_model  # noqa: E402
 
@@ -73,7 +74,7 @@ def rank_main(opts: dict) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     tp = dist.get_world_size()
-    mesh = Mesh.build(ParallelDims.build(tp, dp=1, tp=tp), torch.device("cpu"), Ledger(enabled=False))
+    mesh = Mesh.build(ParallelConfig.build(tp, dp=1, tp=tp), torch.device("cpu"), Ledger(enabled=False))
     cfg = ModelConfig(name="bench", dim=opts["dim"], n_layers=opts["layers"], n_heads=opts["n_heads"],
                       n_kv_heads=opts["n_kv_heads"], ffn_dim=opts["ffn"], max_seq_len=opts["seq"])
     cfg.validate()

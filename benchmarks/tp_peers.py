@@ -38,7 +38,8 @@ from torch import nn  # noqa: E402
 from shardwise.comm import Ledger  # noqa: E402
 from shardwise.config import ModelConfig  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
-from shardwise.mesh import Mesh, ParallelDims  # noqa: E402
+from shardwise.config import ParallelConfig  # noqa: E402
+from shardwise.mesh import Mesh  # noqa: E402
 from shardwise.models.llama import apply_rope, rope_tables  # noqa: E402
 from shardwise.models.params import init_of  # noqa: E402
 from shardwise.parallelize import build_model, global_init, plain_model  # noqa: E402
@@ -155,7 +156,7 @@ def rank_main(opts: dict) -> dict:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     rank = dist.get_rank()
-    mesh = Mesh.build(ParallelDims.build(TP, dp=1, tp=TP), torch.device("cpu"), Ledger())
+    mesh = Mesh.build(ParallelConfig.build(TP, dp=1, tp=TP), torch.device("cpu"), Ledger())
     cfg = ModelConfig(name="bench", dim=opts["dim"], n_layers=1, n_heads=opts["n_heads"],
                       n_kv_heads=opts["n_kv_heads"], ffn_dim=opts["ffn"], max_seq_len=opts["seq"])
     cfg.validate()

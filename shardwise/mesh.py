@@ -52,7 +52,7 @@ def _emb_axis(pp_lines: list[list[int]], pp: "Axis", rank: int, stages: tuple[in
     return Axis("emb") if line is None else Axis("emb", 2, line.index(rank), group, tuple(line))
 
 
-def axis_lines(dims: "ParallelDims") -> dict[str, list[list[int]]]:
+def axis_lines(dims: "ParallelConfig") -> dict[str, list[list[int]]]:
     """Every group of every axis as lists of global ranks, computed in plain Python (no tensor, so no
     tensor mode — fake or meta — can touch the layout). Rank = ((d·pp + p)·cp + c)·tp + t.
 
@@ -87,11 +87,6 @@ def axis_lines(dims: "ParallelDims") -> dict[str, list[list[int]]]:
     return families
 
 
-ParallelDims = ParallelConfig
-"""The mesh's degrees are a `ParallelConfig` (checked against the world by `ParallelConfig.build`): one type
-holds them, one sentinel (dp_shard None) means no hybrid sharding."""
-
-
 @dataclass
 class Axis:
     """One parallel axis as seen by this rank: its group, size and this rank's index in it."""
@@ -116,7 +111,7 @@ class Mesh:
     Single-device runs use `Mesh.single()` — the same object with every degree 1 and no groups.
     """
 
-    def __init__(self, dims: ParallelDims, rank: int, axes: dict[str, Axis], device: torch.device,
+    def __init__(self, dims: ParallelConfig, rank: int, axes: dict[str, Axis], device: torch.device,
                  device_mesh=None, ledger: "Ledger | None" = None, transport: Transport = TORCH):
         self.ledger = ledger if ledger is not None else Ledger()
         for axis in axes.values():
@@ -137,12 +132,12 @@ class Mesh:
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu", ledger: "Ledger | None" = None) -> "Mesh":
-        dims = ParallelDims()
+        dims = ParallelConfig()
         axes = {n: Axis(n) for n in (*GRID, "dp_cp", "dp_shard", "dp_replicate", "ep", "edp", "emb", "world", "ckpt")}
         return cls(dims, 0, axes, torch.device(device), ledger=ledger)
 
     @classmethod
-    def build(cls, dims: ParallelDims, device: torch.device, ledger: "Ledger | None" = None,
+    def build(cls, dims: ParallelConfig, device: torch.device, ledger: "Ledger | None" = None,
               timeout_s: float = 300.0, emb_stages: tuple[int, int] | None = None,
               transport: Transport = TORCH) -> "Mesh":
         """Create every group, then the DeviceMesh over them. Collective: every rank calls it, in the same order.

@@ -16,13 +16,13 @@ import torch.distributed as dist
 from . import comm, host
 from .batches import BatchSlicer
 from .comm import Ledger
-from .config import TrainConfig
+from .config import ParallelConfig, TrainConfig
 from .config.schedule import lr_at_plan, lr_plan
 from .data import IGNORE_INDEX, Loader, open_data
 from .expert_parallel import metrics as moe_metrics
 from .expert_parallel.metrics import MoEMetrics
 from .expert_parallel.moe import MoE
-from .mesh import Mesh, ParallelDims
+from .mesh import Mesh
 from .optim import build_reducer, optimizers
 from .parallelize import build_model
 from .pipeline.tied_embedding import emb_stages
@@ -221,7 +221,7 @@ def make_mesh(cfg: TrainConfig, device: torch.device) -> Mesh:
     p = cfg.parallel
     if not dist.is_initialized():
         return Mesh.single(device)
-    dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep, p.dp_shard)
+    dims = ParallelConfig.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep, p.dp_shard)
     m = cfg.model_config()
     tied = emb_stages(p) if m.tie_embeddings or m.mtp_layers else None  # MTP reads the embedding on the last stage
     return Mesh.build(dims, device, Ledger(), cfg.timeout_s, emb_stages=tied)

@@ -7,7 +7,8 @@ import torch
 
 from shardwise.comm import Ledger
 from shardwise.launch import run_local
-from shardwise.mesh import Mesh, ParallelDims
+from shardwise.config import ParallelConfig
+from shardwise.mesh import Mesh
 from shardwise.run import assemble
 
 
@@ -25,7 +26,7 @@ def make_mesh(timeout_s: float = 120.0, **degrees) -> Mesh:
     """Inside a rank: the mesh for the given degrees (dp fills the rest)."""
     import torch.distributed as dist
 
-    dims = ParallelDims.build(dist.get_world_size(), **degrees)
+    dims = ParallelConfig.build(dist.get_world_size(), **degrees)
     return Mesh.build(dims, torch.device("cpu"), Ledger(), timeout_s)
 
 

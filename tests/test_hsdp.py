@@ -22,7 +22,8 @@ import torch
 
 from shardwise.checkpoint import load_checkpoint, save_checkpoint
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.mesh import ParallelDims, axis_lines
+from shardwise.config import ParallelConfig
+from shardwise.mesh import axis_lines
 from shardwise.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks, verify_all
@@ -117,11 +118,11 @@ def test_groups_and_ledger_rows(runs):
 
 
 def test_axis_lines_with_cp_and_pp():
-    lines = axis_lines(ParallelDims.build(16, dp=4, pp=2, cp=2, dp_shard=2))
+    lines = axis_lines(ParallelConfig.build(16, dp=4, pp=2, cp=2, dp_shard=2))
     # rank = ((d·pp + p)·cp + c): the shard group is dp ranks {0,1} (or {2,3}) × both cp ranks
     assert [0, 1, 4, 5] in lines["dp_shard"] and [2, 3, 6, 7] in lines["dp_shard"]
     assert [0, 8] in lines["dp_replicate"] and [5, 13] in lines["dp_replicate"]
-    assert "dp_shard" not in axis_lines(ParallelDims.build(8, dp=4, pp=2, dp_shard=4))  # S = dp: nothing new
+    assert "dp_shard" not in axis_lines(ParallelConfig.build(8, dp=4, pp=2, dp_shard=4))  # S = dp: nothing new
 
 
 def test_checkpoints_reshard_between_dp_shard_degrees(runs):

@@ -5,21 +5,21 @@ import torch
 from shardwise import comm
 
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
-from shardwise.mesh import ParallelDims
+from shardwise.config import ParallelConfig
 
 from _dist import make_mesh, run_ranks
 
 
 def test_degrees_validated_with_every_degree_named():
-    assert ParallelDims.build(8, dp=-1, tp=2, pp=2) == ParallelDims(dp=2, pp=2, cp=1, tp=2, ep=1)
+    assert ParallelConfig.build(8, dp=-1, tp=2, pp=2) == ParallelConfig(dp=2, pp=2, cp=1, tp=2, ep=1)
     with pytest.raises(ConfigError, match=r"dp=3, pp=1, cp=1, tp=2, ep=1, world size=8"):
-        ParallelDims.build(8, dp=3, tp=2)
+        ParallelConfig.build(8, dp=3, tp=2)
     with pytest.raises(ConfigError, match="world size not divisible"):
-        ParallelDims.build(6, dp=-1, tp=4)
+        ParallelConfig.build(6, dp=-1, tp=4)
     with pytest.raises(ConfigError, match="ep=4 must divide dp×cp=2"):
-        ParallelDims.build(4, dp=2, tp=2, ep=4)
+        ParallelConfig.build(4, dp=2, tp=2, ep=4)
     with pytest.raises(ConfigError, match="tp must be >= 1"):
-        ParallelDims.build(4, tp=0)
+        ParallelConfig.build(4, tp=0)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -25,10 +25,10 @@ from torch.overrides import TorchFunctionMode
 from .. import host
 from ..activation_memory import SavedActivationMeter, static_storage_bytes
 from ..comm import Ledger, Transport
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, ParallelConfig, TrainConfig
 from ..expert_parallel.dispatch import check_same_routing
 from ..expert_parallel.experts import grouped_mm_available
-from ..mesh import Mesh, ParallelDims
+from ..mesh import Mesh
 from ..optim import optimizers
 from ..pipeline.tied_embedding import emb_stages
 from .live import LiveMemory
@@ -166,7 +166,7 @@ class FakeIO:
 def fake_mesh(cfg: TrainConfig) -> Mesh:
     """`trainer.make_mesh`'s mesh on the fake process group's transport (CPU kernels: see PLATFORM.md)."""
     p, m = cfg.parallel, cfg.model_config()
-    dims = ParallelDims.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep, p.dp_shard)
+    dims = ParallelConfig.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep, p.dp_shard)
     tied = emb_stages(p) if m.tie_embeddings or m.mtp_layers else None
     return Mesh.build(dims, torch.device("cpu"), Ledger(), cfg.timeout_s, emb_stages=tied, transport=FakeTransport())
 
