@@ -54,6 +54,8 @@ CASES = {
     "torchrun_world_rank1": (["train", "--tp", "2", "--steps", "1"], TORCHRUN | {"RANK": "1", "LOCAL_RANK": "1"}),
     "schedule_without_pp": (["train", "--schedule", "1f1b", "--print-config"], {}),
     "print_config": (["train", "--print-config"], {}),
+    "checkpoint_list_missing": (["checkpoint", "list", "runs/nope"], {}),
+    "convert_onto_existing_file": (["checkpoint", "convert", "runs/nope", "--to-safetensors", "model.safetensors"], {}),
 }
 
 
@@ -61,11 +63,13 @@ CASES = {
 def ran(tmp_path_factory):
     where = tmp_path_factory.mktemp("mistakes")
     (where / "typo.toml").write_text("stpes = 5\n")
+    (where / "model.safetensors").write_text("the user's earlier export")
     r = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(list(CASES.values()))], capture_output=True,
                        text=True, timeout=300, cwd=where)
     assert r.returncode == 0, r.stderr
     results = dict(zip(CASES, json.loads(r.stdout)))
     results["error_file"] = (where / "error.json").read_text() if (where / "error.json").exists() else None
+    results["untouched"] = (where / "model.safetensors").read_text() == "the user's earlier export"
     return results
 
 
@@ -122,6 +126,19 @@ def test_print_config_shows_values_as_typed_and_no_internals(ran):
     assert "# min-lr = 0.0003  (default: --lr / 10)" in out
     assert "_head_dim_derived" not in out and "None" not in out and "\nschedule =" not in out
     assert "\nlr = 0.003\n" in out and "\nhead_dim = 12\n" in out
+
+
+def test_checkpoint_list_of_a_missing_directory_is_an_error(ran):
+    line = one_line(ran["checkpoint_list_missing"])
+    assert line.startswith("shardwise checkpoint list: error: runs/nope is not a directory"), line
+    assert ran["checkpoint_list_missing"]["out"] == ""  # no `[]` to mistake for an empty root
+
+
+def test_checkpoint_convert_refuses_to_overwrite_without_the_flag(ran):
+    line = one_line(ran["convert_onto_existing_file"])
+    assert line == ("shardwise checkpoint convert: error: model.safetensors already exists; choose a new file or pass "
+                    "--overwrite to replace it"), line
+    assert ran["untouched"]
 
 
 @pytest.mark.parametrize("argv, message", [
