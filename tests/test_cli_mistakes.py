@@ -207,7 +207,7 @@ def test_init_from_hf_mtp_and_tokenizer_mistakes(tmp_path):
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": " ".join(f"t{(i * 7 + j) % 250}" for j in range(40))})
                                                  + "\n" for i in range(20)))
     data = str(tmp_path / "data")
-    prepare_data([str(tmp_path / "docs.jsonl")], other, data, progress=False)
+    prepare_data([str(tmp_path / "docs.jsonl")], other, data, no_eos=True, progress=False)
     (tmp_path / "bytes.txt").write_text("multi-token prediction from a checkpoint without it. " * 20)
     small = ["--steps", "1", "--seq-len", "16", "--micro-batch", "1", "--global-batch", "1", "--lr", "0",
              "--no-report", "--no-progress"]
