@@ -209,7 +209,7 @@ def test_init_from_hf_mtp_and_tokenizer_mistakes(tmp_path):
     data = str(tmp_path / "data")
     prepare_data([str(tmp_path / "docs.jsonl")], other, data, no_eos=True, progress=False)
     (tmp_path / "bytes.txt").write_text("multi-token prediction from a checkpoint without it. " * 20)
-    small = ["--steps", "1", "--seq-len", "16", "--micro-batch", "1", "--global-batch", "1", "--lr", "0",
+    small = ["--dp", "1", "--steps", "1", "--seq-len", "16", "--micro-batch", "1", "--global-batch", "1", "--lr", "0",
              "--no-report", "--no-progress"]
     cases = {
         "mtp_missing": (["train", "--init-from-hf", model_dir, "--mtp-layers", "1", "--data", "bytes.txt", *small,
