@@ -61,7 +61,7 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokeni
             if name.startswith("mtp."):
                 missing = re.search(r"'([^']+)'", e.args[0])
                 raise ConfigError(f"--init-from-hf {path} has no weights for the {cfg.mtp_layers} MTP module(s) of "
-                                  f"--mtp-layers {cfg.mtp_layers} (no tensor {missing.group(1) if missing else name}"
+                                  f"--mtp-layers {cfg.mtp_layers} (no tensor {missing.group(0) if missing else repr(name)}"
                                   "; transformers' save_pretrained does not write them): pass --mtp-init fresh to "
                                   "initialise them as in training from scratch") from None
             raise ConfigError(f"--init-from-hf {e.args[0]}") from None
