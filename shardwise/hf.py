@@ -175,18 +175,23 @@ def tensor_source(name: str, cfg: ModelConfig, files: WeightFiles) -> TensorSour
 
 
 @torch.no_grad()
-def load_hf_into(model: nn.Module, path: str, mesh=None) -> dict:
+def load_hf_into(model: nn.Module, path: str, mesh=None, mtp_init: str = "checkpoint") -> dict:
     """Fill every parameter this rank holds from the HF checkpoint in `path`, reading only its slices.
 
     Works on any layout's model from `build_model` (TP/SP shards, padded vocabulary, EP expert
     ranges, PP-pruned stages). Returns {"tensors", "bytes_read"} for this rank. `mesh` only names
-    the rank in errors.
+    the rank in errors. `mtp_init="fresh"` (`--mtp-init fresh`) reads none of the MTP modules' own
+    tensors: they keep `build_model`'s seeded initialisation, as in training from scratch, while the
+    embedding and head they use are the main model's, read from the checkpoint.
     """
     cfg, files = model.cfg, WeightFiles(path)
     who = f"rank {mesh.rank}: " if mesh is not None and mesh["world"].active else ""
     n = nbytes = 0
+    fresh = mtp_init == "fresh"
     for name, p in model.named_parameters():
         spec = get_spec(p)
+        if fresh and tied_name(name, p).startswith("mtp."):
+            continue
         src = tensor_source(tied_name(name, p), cfg, files)  # a tied LM head's PP copy reads the embedding
         if tuple(src.shape) != tuple(spec.global_shape):
             raise ValueError(f"{who}{path}: {src.names[0]} has shape {tuple(src.shape)}, shardwise's {name} needs "
@@ -205,6 +210,8 @@ def load_hf_into(model: nn.Module, path: str, mesh=None) -> dict:
             nbytes += t.numel() * t.element_size()
         n += 1
     for name, buf in model.named_buffers():  # DeepSeek-V3's selection bias (replicated; absent elsewhere)
+        if fresh and name.startswith("mtp."):
+            continue
         m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", _as_layer(name, cfg))
         hf = m and f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
         if hf and hf in files:

@@ -9,6 +9,7 @@ run started from, tokenizer included, is recorded in the run's config.json.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -35,12 +36,16 @@ def init_record(path: str) -> dict:
     return record
 
 
-def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokenizer_sha256: str | None = None) -> dict:
+def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokenizer_sha256: str | None = None, *,
+                       data_tokenizer: dict | None = None, allow_tokenizer_mismatch: bool = False,
+                       mtp_init: str = "checkpoint") -> dict:
     """Before any rank starts: the weights match config.json (shapes from the safetensors headers only),
     the tokenizer's ids and the training data's ids (`data_vocab` = largest id + 1) fit the model's
     vocabulary, and data prepared with a tokenizer.json used the checkpoint's (ids of another tokenizer
-    fit the vocabulary and silently mean other tokens; byte-level data is allowed). ConfigError
-    otherwise; returns `init_record(path)`."""
+    fit the vocabulary and silently mean other tokens; byte-level data is allowed) unless
+    `allow_tokenizer_mismatch`. `data_tokenizer` is the data manifest's {"tokenizer", "vocab_size"} (names it
+    in the error). The MTP modules' tensors must be in the checkpoint unless `mtp_init` is "fresh" (then
+    none is read). ConfigError otherwise; returns `init_record(path)`."""
     from .parallelize import plain_model
 
     record = init_record(path)
@@ -48,9 +53,17 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokeni
     with torch.device("meta"):
         expected = dict(plain_model(cfg).named_parameters())
     for name, p in expected.items():
+        if name.startswith("mtp.") and mtp_init == "fresh":
+            continue
         try:
             src = tensor_source(name, cfg, files)
         except KeyError as e:
+            if name.startswith("mtp."):
+                missing = re.search(r"'([^']+)'", e.args[0])
+                raise ConfigError(f"--init-from-hf {path} has no weights for the {cfg.mtp_layers} MTP module(s) of "
+                                  f"--mtp-layers {cfg.mtp_layers} (no tensor {missing.group(0) if missing else repr(name)}"
+                                  "; transformers' save_pretrained does not write them): pass --mtp-init fresh to "
+                                  "initialise them as in training from scratch") from None
             raise ConfigError(f"--init-from-hf {e.args[0]}") from None
         if tuple(src.shape) != tuple(p.shape):
             raise ConfigError(f"--init-from-hf {path}: {src.names[0]} has shape {tuple(src.shape)}, but its "
@@ -59,10 +72,20 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokeni
     if tok is not None and tok["vocab_size"] > cfg.vocab_size:
         raise ConfigError(f"--init-from-hf {tok['file']}: the tokenizer has {tok['vocab_size']} ids, more than the "
                           f"model's vocab_size={cfg.vocab_size}")
-    if tok is not None and data_tokenizer_sha256 not in (None, ByteTokenizer.sha256, tok["sha256"]):
-        raise ConfigError(f"--data was prepared with a tokenizer whose sha256 is {data_tokenizer_sha256[:12]}…, not "
-                          f"--init-from-hf {tok['file']} ({tok['sha256'][:12]}…); prepare it with "
-                          f"--tokenizer {path}")
+    data_name = (data_tokenizer or {}).get("tokenizer") or "another tokenizer"
+    if tok is not None and data_tokenizer_sha256 not in (None, ByteTokenizer.sha256, tok["sha256"]) \
+            and not allow_tokenizer_mismatch:
+        raise ConfigError(f"--data was prepared with a tokenizer whose sha256 is {data_tokenizer_sha256[:12]}… "
+                          f"({data_name}), not --init-from-hf's {tok['file']} ({tok['sha256'][:12]}…): its ids mean "
+                          f"other tokens to the model; prepare it with --tokenizer {path}, or pass "
+                          "--allow-tokenizer-mismatch")
+    data_ids = (data_tokenizer or {}).get("vocab_size")
+    if tok is None and data_tokenizer_sha256 not in (None, ByteTokenizer.sha256) and data_ids is not None \
+            and int(data_ids) != cfg.vocab_size and not allow_tokenizer_mismatch:
+        raise ConfigError(f"--data was prepared with {data_name} ({data_ids} ids), but --init-from-hf {path} has no "
+                          f"tokenizer.json and a vocabulary of {cfg.vocab_size}: another tokenizer's ids mean other "
+                          f"tokens to the model; prepare the data with the model's tokenizer, or pass "
+                          "--allow-tokenizer-mismatch")
     if data_vocab > cfg.vocab_size:
         raise ConfigError(f"--data: token ids up to {data_vocab - 1} exceed the vocab_size={cfg.vocab_size} of "
                           f"--init-from-hf {path}; tokenize the data with the model's tokenizer")

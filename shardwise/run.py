@@ -91,8 +91,14 @@ def check_sources(cfg: TrainConfig) -> None:
         from .hf_init import check_init_from_hf
 
         data_vocab = max(int(s.tokens.max()) + 1 if hasattr(s, "tokens") else s.vocab_size for s in sources)
-        check_init_from_hf(cfg.init_from_hf, cfg.model_config(), data_vocab,
-                           getattr(sources[0], "tokenizer_sha256", None))
+        manifest = getattr(sources[0], "manifest", None) or {}
+        model = cfg.model_config()
+        check_init_from_hf(cfg.init_from_hf, model, data_vocab, getattr(sources[0], "tokenizer_sha256", None),
+                           data_tokenizer=manifest, allow_tokenizer_mismatch=cfg.allow_tokenizer_mismatch,
+                           mtp_init=cfg.mtp_init)
+        if model.mtp_layers and cfg.mtp_init == "fresh":
+            _say(f"--mtp-init fresh: the {model.mtp_layers} MTP module(s) start as in training from scratch (--seed "
+                 f"{cfg.seed}), not from --init-from-hf {cfg.init_from_hf}; their embedding and head are its own")
     if (cfg.attention_mask == "document" or cfg.reset_positions) and cfg.eos_id is None \
             and sources[0].eos_id is None:
         raise ConfigError(f"--attention-mask {cfg.attention_mask} / --reset-positions find documents by their "

@@ -53,7 +53,7 @@ class Trainer:
         if cfg.init_from_hf:  # before the reducer: ZeRO's flat buffers start from the parameters' values
             from .hf import load_hf_into
 
-            load_hf_into(self.model, cfg.init_from_hf, mesh)
+            load_hf_into(self.model, cfg.init_from_hf, mesh, cfg.mtp_init)
         self.model.train()
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
         rounds = self.global_batch // mesh.dims.dp // cfg.micro_batch  # the microbatches forward_backward runs

@@ -54,18 +54,27 @@ CASES = {
     "torchrun_world_rank1": (["train", "--tp", "2", "--steps", "1"], TORCHRUN | {"RANK": "1", "LOCAL_RANK": "1"}),
     "schedule_without_pp": (["train", "--schedule", "1f1b", "--print-config"], {}),
     "print_config": (["train", "--print-config"], {}),
+    "checkpoint_list_missing": (["checkpoint", "list", "runs/nope"], {}),
+    "convert_onto_existing_file": (["checkpoint", "convert", "runs/nope", "--to-safetensors", "model.safetensors"], {}),
 }
+
+
+def _drive(cases: dict, cwd) -> dict:
+    """Each case's {"code", "out", "err"}, run in order by one forked driver in `cwd`."""
+    r = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(list(cases.values()))], capture_output=True,
+                       text=True, timeout=300, cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    return dict(zip(cases, json.loads(r.stdout)))
 
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     where = tmp_path_factory.mktemp("mistakes")
     (where / "typo.toml").write_text("stpes = 5\n")
-    r = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(list(CASES.values()))], capture_output=True,
-                       text=True, timeout=300, cwd=where)
-    assert r.returncode == 0, r.stderr
-    results = dict(zip(CASES, json.loads(r.stdout)))
+    (where / "model.safetensors").write_text("the user's earlier export")
+    results = _drive(CASES, where)
     results["error_file"] = (where / "error.json").read_text() if (where / "error.json").exists() else None
+    results["untouched"] = (where / "model.safetensors").read_text() == "the user's earlier export"
     return results
 
 
@@ -124,6 +133,19 @@ def test_print_config_shows_values_as_typed_and_no_internals(ran):
     assert "\nlr = 0.003\n" in out and "\nhead_dim = 12\n" in out
 
 
+def test_checkpoint_list_of_a_missing_directory_is_an_error(ran):
+    line = one_line(ran["checkpoint_list_missing"])
+    assert line.startswith("shardwise checkpoint list: error: runs/nope is not a directory"), line
+    assert ran["checkpoint_list_missing"]["out"] == ""  # no `[]` to mistake for an empty root
+
+
+def test_checkpoint_convert_refuses_to_overwrite_without_the_flag(ran):
+    line = one_line(ran["convert_onto_existing_file"])
+    assert line == ("shardwise checkpoint convert: error: model.safetensors already exists; choose a new file or pass "
+                    "--overwrite to replace it"), line
+    assert ran["untouched"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--gpus", "16", "--seq-len", "100000"],
      "no layout of llama3-8b can run this workload on any GPU count: seq_len=100000 exceeds max_seq_len=8192"),
@@ -138,3 +160,90 @@ def test_plan_says_why_no_layout_exists(argv, message, capsys):
     assert main(["plan", "--model", "llama3-8b", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("shardwise plan: error: ") and message in err[0], err
+
+
+def _word_tokenizer(folder, n_ids: int) -> str:
+    """A whitespace-split WordLevel tokenizer.json of `n_ids` words t0.. (the `tokenizers` library)."""
+    import os
+
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(n_ids)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    return os.path.join(folder, "tokenizer.json")
+
+
+def test_init_from_hf_mtp_and_tokenizer_mistakes(tmp_path):
+    """A DeepSeek-V3 folder as transformers' save_pretrained writes it (num_nextn_predict_layers=1, no MTP tensors)
+    with its own tokenizer: `--mtp-layers 1` alone and data of another tokenizer each exit 2 with one line;
+    `--mtp-init fresh --allow-tokenizer-mismatch` trains (lr 0, one step), saying so once, and hf-export writes the
+    checkpoint's weights unchanged and the MTP module exactly as training from scratch initialises it."""
+    import os
+
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from shardwise import hf
+    from shardwise.config import TrainConfig
+    from shardwise.data.prepare import prepare_data
+    from shardwise.hf_config import init_model_config
+    from shardwise.mesh import Mesh
+    from shardwise.parallelize import build_model
+
+    config = json.loads((__import__("pathlib").Path(__file__).parent / "data" / "deepseek_tiny_config.json").read_text())
+    config.pop("rope_parameters", None)
+    torch.manual_seed(0)
+    model_dir = str(tmp_path / "ds")
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config)).save_pretrained(model_dir)
+    original = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert not any(n.startswith("model.layers.4.") for n in original)  # no MTP layer written
+    _word_tokenizer(model_dir, 257)
+    other = _word_tokenizer(str(tmp_path / "other"), 250)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": " ".join(f"t{(i * 7 + j) % 250}" for j in range(40))})
+                                                 + "\n" for i in range(20)))
+    data = str(tmp_path / "data")
+    prepare_data([str(tmp_path / "docs.jsonl")], other, data, no_eos=True, progress=False)
+    (tmp_path / "bytes.txt").write_text("multi-token prediction from a checkpoint without it. " * 20)
+    small = ["--dp", "1", "--steps", "1", "--seq-len", "16", "--micro-batch", "1", "--global-batch", "1", "--lr", "0",
+             "--no-report", "--no-progress"]
+    cases = {
+        "mtp_missing": (["train", "--init-from-hf", model_dir, "--mtp-layers", "1", "--data", "bytes.txt", *small,
+                         "--out", "r1"], {}),
+        "tokenizer_mismatch": (["train", "--init-from-hf", model_dir, "--data", data, *small, "--out", "r2"], {}),
+        "fresh": (["train", "--init-from-hf", model_dir, "--mtp-layers", "1", "--mtp-init", "fresh",
+                   "--allow-tokenizer-mismatch", "--data", data, *small, "--out", "run"], {}),
+        "export": (["hf-export", "run/checkpoints", "exported"], {}),
+    }
+    got = _drive(cases, tmp_path)
+    line = one_line(got["mtp_missing"])
+    assert line.startswith(f"shardwise train: error: --init-from-hf {model_dir} has no weights for the 1 MTP module(s)"
+                           " of --mtp-layers 1 (no tensor 'model.layers.4."), line
+    assert line.endswith("pass --mtp-init fresh to initialise them as in training from scratch"), line
+    line = one_line(got["tokenizer_mismatch"])
+    assert f"({other})" in line and os.path.join(model_dir, "tokenizer.json") in line, line
+    assert line.endswith("or pass --allow-tokenizer-mismatch"), line
+
+    assert got["fresh"]["code"] == 0 and "Traceback" not in got["fresh"]["err"], got["fresh"]
+    said = [x for x in got["fresh"]["err"].splitlines() if "--mtp-init fresh" in x]
+    assert said == [f"shardwise train: --mtp-init fresh: the 1 MTP module(s) start as in training from scratch "
+                    f"(--seed {TrainConfig().seed}), not from --init-from-hf {model_dir}; their embedding and head are "
+                    "its own"], got["fresh"]["err"]
+    assert got["export"]["code"] == 0, got["export"]
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    for n, t in original.items():  # lr 0: the checkpoint's weights come back unchanged
+        torch.testing.assert_close(exported[n], t, atol=0, rtol=0, msg=lambda m: f"{n}: {m}")
+    cfg = init_model_config(model_dir, None, {"mtp_layers": 1})
+    scratch = build_model(cfg, Mesh.single(torch.device("cpu")), TrainConfig().seed)
+    mtp = {k: v for n, t in scratch.named_parameters() if n.startswith("mtp.")
+           for k, v in hf._hf_tensors(n, t, cfg).items()}
+    assert {"model.layers.4.enorm.weight", "model.layers.4.hnorm.weight", "model.layers.4.eh_proj.weight",
+            "model.layers.4.shared_head.norm.weight", "model.layers.4.self_attn.q_a_proj.weight"} <= set(mtp)
+    for n, t in mtp.items():  # DeepSeek's names, initialised as training from scratch does
+        torch.testing.assert_close(exported[n], t.float(), atol=0, rtol=0, msg=lambda m: f"{n}: {m}")
+    torch.testing.assert_close(exported["model.layers.4.shared_head.head.weight"], original["lm_head.weight"],
+                               atol=0, rtol=0)
