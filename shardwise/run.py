@@ -42,7 +42,14 @@ def resolve_model(cfg: TrainConfig) -> ModelConfig:
     """The run's final model: the preset, the given ModelConfig or `--init-from-hf`'s config.json, with the
     flags' overrides, and the vocabulary fitted to `--data`'s tokenizer."""
     if cfg.init_from_hf:
-        model = init_model_config(cfg.init_from_hf, cfg.model, cfg.model_flag_overrides())
+        overrides = cfg.model_flag_overrides()
+        fresh_mtp = overrides.get("mtp_layers") if cfg.mtp_init == "fresh" else None
+        if fresh_mtp:  # --mtp-init fresh reads no MTP tensor: any depth, whatever num_nextn_predict_layers says
+            overrides = {k: v for k, v in overrides.items() if k != "mtp_layers"}
+        model = init_model_config(cfg.init_from_hf, cfg.model, overrides)
+        if fresh_mtp:
+            model = dataclasses.replace(model, mtp_layers=fresh_mtp)
+            model.validate()
     else:
         model = cfg.preset_model()
     if cfg.data is not None:

@@ -238,6 +238,10 @@ def test_init_from_hf_mtp_and_tokenizer_mistakes(tmp_path):
     for n, t in original.items():  # lr 0: the checkpoint's weights come back unchanged
         torch.testing.assert_close(exported[n], t, atol=0, rtol=0, msg=lambda m: f"{n}: {m}")
     cfg = init_model_config(model_dir, None, {"mtp_layers": 1})
+    from shardwise.run import resolve_model  # fresh modules need no num_nextn_predict_layers in the checkpoint
+
+    assert resolve_model(TrainConfig(model=None, init_from_hf=model_dir, model_overrides={"mtp_layers": 2},
+                                     mtp_init="fresh")).mtp_layers == 2
     scratch = build_model(cfg, Mesh.single(torch.device("cpu")), TrainConfig().seed)
     mtp = {k: v for n, t in scratch.named_parameters() if n.startswith("mtp.")
            for k, v in hf._hf_tensors(n, t, cfg).items()}
