@@ -183,14 +183,18 @@ def main(argv=None) -> int:
                 print(f"  {k}: {v:.3f}")
     ratios = {f"tp{tp}_{k}": v for tp in args.tp for k, v in results[f"tp{tp}"]["ratios"].items()}
     ratios["vs_megatron"] = None  # Megatron-Core's TP (no SP on CPU) is timed by benchmarks/tp_peers.py
+    absent = {"megatron": "not timed here: Megatron-Core's TP runs without SP on CPU; benchmarks/tp_peers.py "
+                          "times it" + ("" if importlib.util.find_spec("megatron") else " (megatron-core is not installed)")}
     if importlib.util.find_spec("megatron") is None:
         notes.append("megatron-core is not installed: no Megatron-Core timing (benchmarks/tp_peers.py has one)")
+    medians = {f"tp{tp}_{name}": t for tp in args.tp for name, t in results[f"tp{tp}"]["medians_s"].items()}
     for note in notes:
         print(note)
     config = {k: opts[k] for k in ("tp", "dim", "n_heads", "n_kv_heads", "ffn", "layers", "batch", "seq", "reps",
                                    "warmup")} | {"free_cores": cores, "threads_per_rank": 1,
                                                  "torch": torch.__version__, "smoke": args.smoke}
-    print(json.dumps({"results": results, "ratios": ratios, "notes": notes, "config": config}))
+    print(json.dumps({"medians_s": medians, "ratios": ratios, "absent": absent, "results": results, "notes": notes,
+                      "config": config}))
     return 0
 
 

@@ -25,6 +25,7 @@ PROMISED = {
     "prepare_data.py": {"medians_s", "ratios", "config"},
     "single_device.py": {"medians_s", "ratios", "max_abs_diff", "config"},
     "tp_peers.py": {"medians_s", "ratios", "paired_ratios", "max_abs_diff", "config", "absent"},
+    "tp_overlap.py": {"medians_s", "ratios", "absent", "results", "config"},
     "verify_stress.py": {"layouts", "seeds_per_layout", "medians_s", "ratios"},
 }
 NO_PEER = {"verify_stress.py"}  # compares nothing against a peer: its "ratios" is empty
@@ -61,6 +62,9 @@ def test_benchmark_smoke_ends_in_one_json_line(script):
         assert not MEGATRON and "megatron" in absent["megatron"]
     if script in ("tp_peers.py", "ep_dispatch.py"):
         assert ("megatron" in absent) == (not MEGATRON), absent
+    if script == "tp_overlap.py":  # overlap on/off and fused/unfused, each exact against the plain run
+        assert {"tp2_overlap_vs_plain", "tp2_fused_vs_unfused", "vs_megatron"} <= out["ratios"].keys()
+        assert max(out["results"]["tp2"]["max_abs_diff"].values()) < 1e-5, out["results"]
     if script == "pp_peers.py":  # every pair ran its correctness step and a timed one on the same models
         assert set(out["loss_diff"]) == {"1f1b", "interleaved", "zb", "dualpipev"}
         assert max(out["loss_diff"].values()) < 1e-5 and max(out["max_grad_diff"].values()) < 1e-5, out
