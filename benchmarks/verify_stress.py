@@ -51,8 +51,21 @@ def config(name: str, seed: int) -> TrainConfig:
     return dataclasses.replace(cfg, **extra)
 
 
-def run_seeds(cfgs):
-    """Inside ranks: verify each config; (result, seconds) per config."""
+def seed_line(name: str, seed: int, r: dict, secs: float) -> str:
+    routing = r.get("routing", {})
+    line = (f"{name} seed {seed}: {'pass' if r['passed'] else 'FAIL'} flipped {routing.get('flipped_tokens', 0)} "
+            f"first_flip_step {routing.get('first_flip_step')} max_gap {routing.get('max_flip_gap', 0.0):.3g} "
+            f"{secs:.1f}s")
+    if not r["passed"]:
+        line += f"\n  {json.dumps({k: v for k, v in r.items() if k != 'losses'})}"
+    return line
+
+
+def run_seeds(name, cfgs):
+    """Inside ranks: verify each config; (result, seconds) per config. Rank 0 prints each seed's line as it
+    ends, so a run of hundreds of seeds can be followed (and a killed run keeps what it printed)."""
+    import torch.distributed as dist
+
     from shardwise.run import assemble
     from shardwise.verify import verify_main
 
@@ -60,23 +73,21 @@ def run_seeds(cfgs):
     for cfg in cfgs:
         t0 = time.perf_counter()
         result = verify_main(assemble(cfg))
-        out.append((result, time.perf_counter() - t0))
+        secs = time.perf_counter() - t0
+        out.append((result, secs))
+        if dist.get_rank() == 0:
+            print(seed_line(name, cfg.seed, result, secs), flush=True)
     return out
 
 
 def stress(name: str, seeds: list[int]) -> dict:
     cfgs = [config(name, s) for s in seeds]
-    results = run_local(run_seeds, cfgs[0].resolve_world(), cfgs, timeout_s=600, wall_timeout_s=3600 * 24)[0]
+    results = run_local(run_seeds, cfgs[0].resolve_world(), name, cfgs, timeout_s=600, wall_timeout_s=3600 * 24)[0]
     failed, flipped, with_flip, times = [], 0, 0, []
     for seed, (r, secs) in zip(seeds, results):
-        routing = r.get("routing", {})
-        flips = routing.get("flipped_tokens", 0)
-        print(f"{name} seed {seed}: {'pass' if r['passed'] else 'FAIL'} flipped {flips} "
-              f"first_flip_step {routing.get('first_flip_step')} max_gap {routing.get('max_flip_gap', 0.0):.3g} "
-              f"{secs:.1f}s", flush=True)
+        flips = r.get("routing", {}).get("flipped_tokens", 0)
         if not r["passed"]:
             failed.append(seed)
-            print(f"  {json.dumps({k: v for k, v in r.items() if k != 'losses'})}", flush=True)
         flipped += flips
         with_flip += flips > 0
         times.append(secs)
