@@ -1,8 +1,8 @@
 """`shardwise verify` on fresh seeds of every MoE layout: does it ever flake, and how often does routing flip?
 
-Each layout runs N fresh seeds (3 steps, the test suite's warm-up schedule) on forked CPU gloo ranks; one
-spawn per layout runs all its seeds. A seed's line gives pass/fail, the tokens whose top-k choice flipped
-(near-ties replayed on the reference), the first step that flipped, and the largest flip gap. Layouts:
+Each layout runs N fresh seeds (3 steps, the test suite's warm-up schedule) on forked CPU gloo ranks; each fork
+of a layout's ranks runs up to 20 of its seeds. A seed's line gives pass/fail, the tokens whose top-k choice
+flipped (near-ties replayed on the reference), the first step that flipped, and the largest flip gap. Layouts:
 
   tiny-moe dp4×ep4 ZeRO-1, dp2×ep2×tp2×SP, dp2×ep2×pp2 with loss-free bias updates (fp32);
   DeepSeek-tiny dp4×ep4 ZeRO-1 (fp32), tp2×SP and cp2 (bf16: checked against the fp32 noise budget).
@@ -42,6 +42,7 @@ LAYOUTS = {  # name: (model, parallel degrees, extra TrainConfig fields)
     "deepseek_cp2_bf16": (DEEPSEEK, dict(cp=2), dict(seq_len=32, dtype="bf16")),
 }
 SMOKE = "deepseek_tp2_sp_bf16"  # the fewest ranks
+SEEDS_PER_FORK = 20
 
 
 def config(name: str, seed: int) -> TrainConfig:
@@ -82,7 +83,11 @@ def run_seeds(name, cfgs):
 
 def stress(name: str, seeds: list[int]) -> dict:
     cfgs = [config(name, s) for s in seeds]
-    results = run_local(run_seeds, cfgs[0].resolve_world(), name, cfgs, timeout_s=600, wall_timeout_s=3600 * 24)[0]
+    results = []
+    for i in range(0, len(cfgs), SEEDS_PER_FORK):  # fresh ranks now and then: a rank's RSS grows seed by seed
+        chunk = cfgs[i:i + SEEDS_PER_FORK]
+        results += run_local(run_seeds, chunk[0].resolve_world(), name, chunk, timeout_s=600,
+                             wall_timeout_s=3600 * 24)[0]
     failed, flipped, with_flip, times = [], 0, 0, []
     for seed, (r, secs) in zip(seeds, results):
         flips = r.get("routing", {}).get("flipped_tokens", 0)
