@@ -87,14 +87,19 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
                              "100000", "--seq-len", "16", "--micro-batch", "1", "--save-every", "2", "--out", str(run),
                              "--no-progress", "--no-report"], stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (run / "checkpoints" / "latest").exists():
-        time.sleep(0.5)
-    assert (run / "checkpoints" / "latest").exists(), "no checkpoint within 120 s"
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
-    t0 = time.monotonic()
-    _, err = proc.communicate(timeout=60)
-    assert time.monotonic() - t0 < 20, "ranks did not stop within seconds"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (run / "checkpoints" / "latest").exists():
+            time.sleep(0.5)
+        assert (run / "checkpoints" / "latest").exists(), "no checkpoint within 120 s"
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 20, "ranks did not stop within seconds"
+    finally:  # a failed check must not leave a 100,000-step run behind
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     line = err.strip().splitlines()[-1]
