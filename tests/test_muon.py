@@ -31,28 +31,88 @@ def _cfg(model="tiny", **kw):
                                 seed=kw.pop("seed", 1234), **kw))
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
-def test_single_device_matches_plain_muon(model):
-    cfg = _cfg(model, weight_decay=0.1)
+def plain_max_logits(q, k, scale):
+    """Per query head, the largest causal q·kᵀ·scale (GQA: K heads repeated over their query heads)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = q @ k.transpose(-1, -2) * scale
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s.amax(dim=(0, 2, 3))
+
+
+def plain_qk_clip(model, seen, tau, want):
+    """MuonClip from its equations on the updated weights `want`: η = min(1, τ / S_max) per head (GQA: per K head,
+    over its query heads); q rows × η^½, k rows × η^½ (MLA: q_nope η^½, q_rope η, k_nope η^½, shared k_rope and
+    v as they are). Returns how many heads (groups) were clipped."""
+    clipped = 0
+    for name, attn in model.named_modules():
+        if not hasattr(attn, "core"):
+            continue
+        q, k = seen[name]
+        scale = attn.core.scale or q[0].shape[-1] ** -0.5
+        smax = torch.stack([plain_max_logits(qi, ki, scale) for qi, ki in zip(q, k)]).amax(0)
+        if hasattr(attn, "wkv_b"):
+            eta = torch.clamp(tau / smax, max=1.0)
+            wq = f"{name}.wq_b.weight" if hasattr(attn, "wq_b") else f"{name}.wq.weight"
+            nope, rope, vd = attn.nope, attn.rope, attn.v_dim
+            wq_rows = torch.stack([eta.sqrt()] * nope + [eta] * rope, 1).reshape(-1)
+            kv_rows = torch.stack([eta.sqrt()] * nope + [torch.ones_like(eta)] * vd, 1).reshape(-1)
+            want[wq] = want[wq] * wq_rows[:, None]
+            want[f"{name}.wkv_b.weight"] = want[f"{name}.wkv_b.weight"] * kv_rows[:, None]
+        else:
+            g = attn.wq.weight.shape[0] // attn.wk.weight.shape[0]
+            eta = torch.clamp(tau / smax.view(-1, g).amax(1), max=1.0)
+            hd = attn.head_dim
+            want[f"{name}.wq.weight"] = want[f"{name}.wq.weight"] * eta.sqrt().repeat_interleave(g * hd)[:, None]
+            want[f"{name}.wk.weight"] = want[f"{name}.wk.weight"] * eta.sqrt().repeat_interleave(hd)[:, None]
+        clipped += int((eta < 1).sum())
+    return clipped
+
+
+@pytest.mark.parametrize("model,tau", [("tiny", 0.0), ("tiny-moe", 0.0), ("tiny", 0.13), ("deepseek", 0.045)])
+def test_single_device_matches_plain_muon(model, tau):
+    """The trainer's Muon (and with τ, MuonClip) step against the equations; τ sits among the heads' logits, so
+    some heads clip and some do not."""
+    from test_model_families import DEEPSEEK
+
+    cfg = _cfg(DEEPSEEK if model == "deepseek" else model, weight_decay=0.1, muon_qk_clip=tau)
     t = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
     named = dict(t.model.named_parameters())
     hidden = {n for n, p in named.items() if is_muon_param(n, p)}
-    assert any("experts" in n for n in hidden) == (model == "tiny-moe")
+    assert any("experts" in n for n in hidden) == (model in ("tiny-moe", "deepseek"))
     assert not any(k in n for n in hidden for k in ("tok_embeddings", "output", "router", "norm"))
+    seen = {}
+
+    def keep(name):
+        def hook(module, args):
+            q, k = seen.setdefault(name, ([], []))
+            q.append(args[0].detach())
+            k.append(args[1].detach())
+        return hook
+
+    for name, attn in t.model.named_modules():
+        if hasattr(attn, "core"):
+            attn.core.register_forward_pre_hook(keep(name))
     momentum = {n: torch.zeros_like(named[n]) for n in hidden}
+    clipped = 0
     for step in range(3):
+        seen.clear()
         t.forward_backward(step)
         t.finish_gradients()
         before = {n: named[n].detach().clone() for n in hidden}
         grads = {n: named[n].grad.detach().clone() for n in hidden}
         t.optimizer_step(step)
         lr = lr_at(step, cfg)
+        want = {}
         for n in hidden:
             momentum[n] = 0.95 * momentum[n] + grads[n]
             nest = grads[n] + 0.95 * momentum[n]
             upd = (torch.stack([plain_muon_update(e) for e in nest]) if nest.ndim == 3 else plain_muon_update(nest))
-            want = before[n] * (1 - lr * 0.1) - lr * upd
-            torch.testing.assert_close(named[n].detach(), want, rtol=1e-5, atol=1e-7, msg=f"{n} step {step + 1}")
+            want[n] = before[n] * (1 - lr * 0.1) - lr * upd
+        if tau:
+            clipped += plain_qk_clip(t.model, seen, tau, want)
+        for n in hidden:
+            torch.testing.assert_close(named[n].detach(), want[n], rtol=1e-5, atol=1e-7, msg=f"{n} step {step + 1}")
+    assert (clipped > 0) == bool(tau)
 
 
 def test_orthogonal_and_rms_matched():

@@ -47,6 +47,7 @@ class Muon(torch.optim.Optimizer):
                  ns_dtype: torch.dtype):
         self.reducer, self.mu, self.ns_steps, self.ns_dtype = reducer, momentum, ns_steps, ns_dtype
         self.tp = reducer.tp
+        self.clip = None  # MuonClip (qk_clip.QKClip), run after every step when --muon-qk-clip is set
         self.groups: dict[int, _Group] = {}
         if reducer.zero:
             held = []
@@ -89,6 +90,8 @@ class Muon(torch.optim.Optimizer):
             names, mats = self.full_matrices(g, local)
             updates = self._orthogonalise_spread(g.axis, mats)
             self._apply(g, names, updates, lr, wd)
+        if self.clip is not None:
+            self.clip.apply()
 
     def _local(self, g: _Group, nest) -> dict[str, torch.Tensor]:
         """Each parameter's Nesterov gradient as the rank's TP shard of it (ZeRO: gathered over the data axis)."""
