@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from shardwise.config import ConfigError, ParallelConfig, TrainConfig
+from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from shardwise.optim import is_muon_param
 from shardwise.planner.muon import deal
 from shardwise.run import assemble
@@ -141,8 +141,9 @@ def test_flags_validate():
         TrainConfig(optimizer="muon", muon_momentum=1.0).validate(1)
 
 
-def _verify_cfg(model="tiny", seed=None, **parallel):
+def _verify_cfg(model="tiny", seed=None, muon_qk_clip=0.0, **parallel):
     extra = {"global_batch": 4} if parallel.get("pp", 1) > 1 else {}
+    extra["muon_qk_clip"] = muon_qk_clip
     return TrainConfig(model=model, optimizer="muon", parallel=ParallelConfig(**parallel), steps=3, seq_len=32,
                        micro_batch=2, seed=seed, progress=False, warmup_steps=20, lr_decay_steps=200, **extra)
 
@@ -162,19 +163,59 @@ def test_verify_muon_two_ranks():
     _check(run_ranks(2, verify_all, cfgs)[0], cfgs)
 
 
-def _per_shard_verify(cfgs):
-    """Inside ranks: verify with Muon broken on purpose — each rank orthogonalises its own TP pieces."""
+def _clip_cfgs(seed):
+    """MuonClip on every axis it touches: heads over tp (and a K head shared by both TP ranks, so a group's
+    S_max spans them), S_max over cp's blocks (ring, and MLA's q/k rows under Ulysses), ZeRO-3 shards, pp."""
+    from test_model_families import DEEPSEEK
+
+    mqa = dataclasses.replace(ModelConfig(), name="tiny-mqa", n_kv_heads=1)
+    clip = dict(muon_qk_clip=0.12)
+    return [_verify_cfg(seed=seed, tp=2, sequence_parallel=True, **clip), _verify_cfg(mqa, seed, tp=2, **clip),
+            _verify_cfg(seed=seed, cp=2, **clip), _verify_cfg(seed=seed, dp=2, zero=3, **clip),
+            _verify_cfg(seed=seed, pp=2, **clip),
+            _verify_cfg(DEEPSEEK, seed, cp=2, cp_impl="ulysses", muon_qk_clip=0.045),
+            _verify_cfg(DEEPSEEK, seed, tp=2, zero=1, muon_qk_clip=0.045)]
+
+
+def test_verify_muon_qk_clip_two_ranks():
+    seed = fresh_seed()
+    cfgs = _clip_cfgs(seed)
+    _check(run_ranks(2, verify_all, cfgs, timeout_s=600)[0], cfgs)
+
+
+def _broken_verify(cfgs):
+    """Inside ranks: verify each config with one part of Muon broken on purpose: each rank orthogonalising its own
+    TP pieces; MuonClip scaling the wrong heads (η in reverse head order); S_max not completed over cp."""
+    from shardwise.optim import qk_clip
     from shardwise.optim.sharded import Muon
 
-    Muon._tp_split = lambda self, p: False
-    return verify_all(cfgs)
+    row_scales, init = qk_clip._Layer.row_scales, qk_clip.QKClip.__init__
+
+    def one_rank_s_max(self, *args):
+        init(self, *args)
+        self.data = self.reducer.mesh["dp_replicate"]  # an inactive axis: the all-reduce over dp×cp is skipped
+
+    breaks = [(Muon, "_tp_split", lambda self, p: False),
+              (qk_clip._Layer, "row_scales", lambda self, m, tau: row_scales(self, m.flip(0), tau)),
+              (qk_clip.QKClip, "__init__", one_rank_s_max)]
+    out = []
+    for cfg, (owner, name, broken) in zip(cfgs, breaks):
+        kept = owner.__dict__[name]
+        setattr(owner, name, broken)
+        try:
+            out.append(verify_all([cfg])[0])
+        finally:
+            setattr(owner, name, kept)
+    return out
 
 
-def test_per_shard_orthogonalisation_fails_verify():
+def test_broken_muon_fails_verify():
+    """A per-shard orthogonalisation, a clip of the wrong heads, and a clip from one cp rank's S_max each fail."""
     seed = fresh_seed()
-    cfgs = [_verify_cfg(seed=seed, tp=2)]
-    for r in run_ranks(2, _per_shard_verify, cfgs)[0]:
-        assert not r["passed"] and r["first_step_update_rel_diff"] > 0.05, (seed, r)
+    cfgs = [_verify_cfg(seed=seed, tp=2), _verify_cfg(seed=seed, tp=2, muon_qk_clip=0.12),
+            _verify_cfg(seed=seed, cp=2, muon_qk_clip=0.12)]
+    for cfg, r in zip(cfgs, run_ranks(2, _broken_verify, cfgs)[0]):
+        assert not r["passed"] and r["first_step_update_rel_diff"] > 0.05, (seed, cfg.parallel, cfg.muon_qk_clip, r)
 
 
 def _families(seed):
