@@ -139,6 +139,12 @@ def test_flags_validate():
         TrainConfig(optimizer="sgd").validate(1)
     with pytest.raises(ConfigError, match="--muon-momentum"):
         TrainConfig(optimizer="muon", muon_momentum=1.0).validate(1)
+    with pytest.raises(ConfigError, match="--muon-qk-clip -1.0 must be a logit threshold > 0"):
+        TrainConfig(optimizer="muon", muon_qk_clip=-1.0).validate(1)
+    with pytest.raises(ConfigError, match="clips after Muon's step: add --optimizer muon"):
+        TrainConfig(muon_qk_clip=50.0).validate(1)
+    with pytest.raises(ConfigError, match="'qwen3-0.6b' normalises each head's q and k"):
+        TrainConfig(model="qwen3-0.6b", optimizer="muon", muon_qk_clip=50.0).validate(1)
 
 
 def _verify_cfg(model="tiny", seed=None, muon_qk_clip=0.0, **parallel):

@@ -302,6 +302,9 @@ class TrainConfig:
         self._validate_recompute(p, m)
         self._validate_compile(p)
         self._validate_optimizer()
+        if self.muon_qk_clip and m.qk_norm and not m.is_mla:
+            raise ConfigError(f"--muon-qk-clip: model {m.name!r} normalises each head's q and k (qk_norm), which "
+                              "undoes a scaling of Wq and Wk; run it without --muon-qk-clip")
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {p.zero} is not supported; valid: 0, 1, 2 or 3")
         if p.zero == 3 and p.dp * p.cp == 1:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..config import ConfigError
 from ..models.attention import AttentionCore, MaxLogits
 from ..tensor_parallel.layers import get_spec
 
@@ -46,9 +45,6 @@ class _Layer:
             self.targets = [(wq.weight, *_rows(heads, [(nope, ALPHA), (rope, 1.0)])),
                             (attn.wkv_b.weight, *_rows(heads, [(nope, 1.0 - ALPHA), (vd, 0.0)]))]
             return
-        if getattr(attn, "q_norm", None) is not None:
-            raise ConfigError("--muon-qk-clip: a model with per-head q/k norms (qk_norm) cannot clip by scaling "
-                              "Wq and Wk (the norm undoes it); run it without --muon-qk-clip")
         hd = attn.head_dim
         sq, sk = get_spec(attn.wq.weight), get_spec(attn.wk.weight)
         self.heads = attn.wq.weight.shape[0] // hd
