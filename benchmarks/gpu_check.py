@@ -3,11 +3,12 @@
 Order matters: every multi-rank run starts before this process makes any CUDA call (forked ranks cannot
 use a CUDA context inherited from their parent; `run_local` refuses to fork after one). GPUs are counted
 through NVML (`torch.cuda.device_count`), which initialises nothing. With ≥ 2 GPUs the layouts (tp2, pp2 ×
-every schedule, cp2 ring and Ulysses, ep2, ZeRO-3) verify over NCCL, one spawned rank per GPU; with one GPU
+every schedule, cp2 ring and Ulysses, ep2, ZeRO-3, tp2 under Muon with MuonClip) verify over NCCL, one spawned rank per GPU; with one GPU
 the same layouts run as two forked gloo ranks sharing it with CUDA tensors (gloo moves CUDA tensors only
 for some collectives: what fails is reported, not raised). Then, in this process: ring-attention kernel
 parity against SDPA for head dims 12, 128 and MLA's 192/128 (q/k 192, v 128), fp32 and bf16, with and
-without document masks, and training throughput of `small` and a ~1B Llama.
+without document masks, Muon's Newton–Schulz in bf16 (its CUDA default) against fp32, and training
+throughput of `small` and a ~1B Llama (and `tiny` under Muon, bf16 Newton–Schulz on CUDA).
 
 `--dry-run` runs the same code on CPU with tiny shapes and forked gloo ranks (CI runs it).
 Last line: one JSON object.
@@ -102,12 +103,22 @@ def vocab_ce_vs_torch(device) -> float:
     return _rel(ours, F.cross_entropy(logits, target, reduction="none"))
 
 
-def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype: str, compile_: bool) -> dict:
+def muon_ns_bf16_vs_fp32(device) -> dict:
+    """Muon's update of one [256, 704] matrix with Newton–Schulz in bf16 (the CUDA default) against fp32."""
+    from shardwise.optim.muon import muon_update
+
+    g = torch.randn(256, 704, generator=torch.Generator().manual_seed(0)).to(device)
+    u16, u32 = muon_update(g, 5, torch.bfloat16), muon_update(g, 5, torch.float32)
+    return {"rel_diff": _rel(u16, u32), "dtype": str(u16.dtype).split(".")[-1], "device": u16.device.type}
+
+
+def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype: str, compile_: bool,
+               optimizer: str = "adamw") -> dict:
     from shardwise.train import train_main
 
     cfg = TrainConfig(model=model, parallel=ParallelConfig(compile=compile_), steps=steps, seq_len=seq_len,
                       micro_batch=micro_batch, dtype=dtype, out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False,
-                      report=False)
+                      report=False, optimizer=optimizer)
     cfg.resolve_world()
     planned = planner_memory(cfg)
     if device.type == "cuda":
@@ -118,7 +129,7 @@ def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype:
     n_params = m.n_layers * (2 * m.dim * m.dim + 2 * m.dim * m.dim * m.n_kv_heads // m.n_heads + 3 * m.dim * m.ffn_dim)
     flops_per_token = 6 * (n_params + m.dim * m.vocab_size) + 6 * m.n_layers * m.dim * seq_len  # causal attention
     tflops = s["tokens_per_s"] * flops_per_token / 1e12
-    out = {"model": m.name, "dtype": dtype, "tokens_per_s": s["tokens_per_s"], "model_tflops": tflops,
+    out = {"model": m.name, "dtype": dtype, "optimizer": optimizer, "tokens_per_s": s["tokens_per_s"], "model_tflops": tflops,
            "first_loss": s["first_loss"], "final_loss": s["final_loss"]} | planned
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device).lower()
@@ -148,8 +159,14 @@ def layouts() -> list[tuple[str, str, dict]]:
     out = [("tp2", "tiny", {"tp": 2})]
     out += [(f"pp2-{s}", "tiny", {"pp": 2, "schedule": s, "vp": 2 if s == "interleaved" else 1}) for s in PP_SCHEDULES]
     out += [("cp2-ring", "tiny", {"cp": 2}), ("cp2-ulysses", "tiny", {"cp": 2, "cp_impl": "ulysses"}),
-            ("ep2", "tiny-moe", {"dp": 2, "ep": 2}), ("zero3", "tiny", {"dp": 2, "zero": 3})]
+            ("ep2", "tiny-moe", {"dp": 2, "ep": 2}), ("zero3", "tiny", {"dp": 2, "zero": 3}),
+            ("tp2-muon-clip", "tiny", {"tp": 2})]
     return out
+
+
+RUN_OPTIONS = {"tp2-muon-clip": {"optimizer": "muon", "muon_qk_clip": 0.12, "muon_ns_fp32": True}}
+"""Run flags beyond the layout. Muon's verify keeps Newton–Schulz in fp32 (bf16 rounding of two differently
+reduced inputs is not verify's fp32 bound); its bf16 path is `muon_ns_bf16_vs_fp32` and the Muon training run."""
 
 
 def verify_layouts(mode: str, seq_len: int = 64) -> list[dict]:
@@ -163,7 +180,7 @@ def verify_layouts(mode: str, seq_len: int = 64) -> list[dict]:
     for name, model, par in layouts():
         pp = par.get("pp", 1)
         cfg = TrainConfig(model=model, parallel=ParallelConfig(**par), steps=2, seq_len=seq_len, micro_batch=2,
-                          progress=False, global_batch=8 if pp > 1 else None)
+                          progress=False, global_batch=8 if pp > 1 else None, **RUN_OPTIONS.get(name, {}))
         cfg.resolve_world()
         world = cfg.parallel.world_size
         args = (cfg, torch.device("cuda", 0)) if mode == "gloo-cuda" else (cfg,)
@@ -224,15 +241,17 @@ def main(argv=None) -> int:
                                              [(12, 12), (128, 128), (192, 128)])
     res["attention_kernels"] = kernels.used()
     res["vocab_ce_rel_diff"] = vocab_ce_vs_torch(device)
+    res["muon_ns_bf16_vs_fp32"] = muon_ns_bf16_vs_fp32(device)
     res["seconds"]["kernel_parity"] = round(time.perf_counter() - t1, 1)
     t2 = time.perf_counter()
     steps = 2 if args.dry_run else args.steps
     # tiny fp32 then bf16 (residual stream and payloads bf16): the same seed and data, so their first
     # losses differ only by bf16 rounding — the bf16-vs-fp32 model parity check, on either device.
-    runs = [("tiny", 64, 2, "fp32", False), ("tiny", 64, 2, "bf16", False)]
+    runs = [("tiny", 64, 2, "fp32", False, "adamw"), ("tiny", 64, 2, "bf16", False, "adamw"),
+            ("tiny", 64, 2, "bf16", False, "muon")]
     if not args.dry_run:
-        runs += [("small", 1024, 8, "bf16", True), (LLAMA_1B, 2048, 4, "bf16", True)]
-    res["train"] = [train_once(m, device, steps, sl, mb, dt, compile_=c) for m, sl, mb, dt, c in runs]
+        runs += [("small", 1024, 8, "bf16", True, "adamw"), (LLAMA_1B, 2048, 4, "bf16", True, "adamw")]
+    res["train"] = [train_once(m, device, steps, sl, mb, dt, compile_=c, optimizer=o) for m, sl, mb, dt, c, o in runs]
     res["bf16_vs_fp32_first_loss_diff"] = abs(res["train"][1]["first_loss"] - res["train"][0]["first_loss"])
     res["seconds"]["train"] = round(time.perf_counter() - t2, 1)
     res["seconds"]["total"] = round(time.perf_counter() - t0, 1)

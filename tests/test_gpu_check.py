@@ -23,7 +23,7 @@ def test_gpu_check_dry_run():
     res = json.loads(r.stdout.strip().splitlines()[-1])
     names = [v["layout"] for v in res["verify"]]
     assert names == ["tp2", "pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2-dualpipev", "cp2-ring",
-                     "cp2-ulysses", "ep2", "zero3"]
+                     "cp2-ulysses", "ep2", "zero3", "tp2-muon-clip"]
     assert all(v["passed"] and v["mode"] == "gloo" for v in res["verify"]), res["verify"]
     dims = {(k["qk_dim"], k["v_dim"], k["document_mask"]) for k in res["kernel_parity"]}
     assert dims == {(d, dv, m) for d, dv in ((12, 12), (16, 16), (24, 16)) for m in (False, True)}
@@ -31,8 +31,10 @@ def test_gpu_check_dry_run():
         assert k["kernel"] == "flash_cpu" and max(k[x] for x in ("out", "dq", "dk", "dv")) < 1e-5, k
     assert next(k for k in res["kernel_parity"] if k["v_dim"] == 16 and k["qk_dim"] == 24)["padded_to"] == [24, 24]
     assert res["attention_kernels"] == {"ring_attention": "flash_cpu"} and res["vocab_ce_rel_diff"] < 1e-6
-    assert [t["dtype"] for t in res["train"]] == ["fp32", "bf16"] and res["bf16_vs_fp32_first_loss_diff"] < 5e-2
-    fp32, bf16 = res["train"]
+    assert [t["dtype"] for t in res["train"]] == ["fp32", "bf16", "bf16"] and res["bf16_vs_fp32_first_loss_diff"] < 5e-2
+    fp32, bf16, muon = res["train"]
+    assert muon["optimizer"] == "muon" and muon["final_loss"] < muon["first_loss"] + 0.5, muon
+    assert res["muon_ns_bf16_vs_fp32"]["dtype"] == "float32" and res["muon_ns_bf16_vs_fp32"]["rel_diff"] < 5e-2
     assert 0 < bf16["planner_activation_gib"] < fp32["planner_activation_gib"] < fp32["planner_peak_gib"]
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from shardwise.config import ConfigError, ParallelConfig, TrainConfig
+from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from shardwise.optim import is_muon_param
 from shardwise.planner.muon import deal
 from shardwise.run import assemble
@@ -31,28 +31,88 @@ def _cfg(model="tiny", **kw):
                                 seed=kw.pop("seed", 1234), **kw))
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
-def test_single_device_matches_plain_muon(model):
-    cfg = _cfg(model, weight_decay=0.1)
+def plain_max_logits(q, k, scale):
+    """Per query head, the largest causal q·kᵀ·scale (GQA: K heads repeated over their query heads)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = q @ k.transpose(-1, -2) * scale
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s.amax(dim=(0, 2, 3))
+
+
+def plain_qk_clip(model, seen, tau, want):
+    """MuonClip from its equations on the updated weights `want`: η = min(1, τ / S_max) per head (GQA: per K head,
+    over its query heads); q rows × η^½, k rows × η^½ (MLA: q_nope η^½, q_rope η, k_nope η^½, shared k_rope and
+    v as they are). Returns how many heads (groups) were clipped."""
+    clipped = 0
+    for name, attn in model.named_modules():
+        if not hasattr(attn, "core"):
+            continue
+        q, k = seen[name]
+        scale = attn.core.scale or q[0].shape[-1] ** -0.5
+        smax = torch.stack([plain_max_logits(qi, ki, scale) for qi, ki in zip(q, k)]).amax(0)
+        if hasattr(attn, "wkv_b"):
+            eta = torch.clamp(tau / smax, max=1.0)
+            wq = f"{name}.wq_b.weight" if hasattr(attn, "wq_b") else f"{name}.wq.weight"
+            nope, rope, vd = attn.nope, attn.rope, attn.v_dim
+            wq_rows = torch.stack([eta.sqrt()] * nope + [eta] * rope, 1).reshape(-1)
+            kv_rows = torch.stack([eta.sqrt()] * nope + [torch.ones_like(eta)] * vd, 1).reshape(-1)
+            want[wq] = want[wq] * wq_rows[:, None]
+            want[f"{name}.wkv_b.weight"] = want[f"{name}.wkv_b.weight"] * kv_rows[:, None]
+        else:
+            g = attn.wq.weight.shape[0] // attn.wk.weight.shape[0]
+            eta = torch.clamp(tau / smax.view(-1, g).amax(1), max=1.0)
+            hd = attn.head_dim
+            want[f"{name}.wq.weight"] = want[f"{name}.wq.weight"] * eta.sqrt().repeat_interleave(g * hd)[:, None]
+            want[f"{name}.wk.weight"] = want[f"{name}.wk.weight"] * eta.sqrt().repeat_interleave(hd)[:, None]
+        clipped += int((eta < 1).sum())
+    return clipped
+
+
+@pytest.mark.parametrize("model,tau", [("tiny", 0.0), ("tiny-moe", 0.0), ("tiny", 0.13), ("deepseek", 0.045)])
+def test_single_device_matches_plain_muon(model, tau):
+    """The trainer's Muon (and with τ, MuonClip) step against the equations; τ sits among the heads' logits, so
+    some heads clip and some do not."""
+    from test_model_families import DEEPSEEK
+
+    cfg = _cfg(DEEPSEEK if model == "deepseek" else model, weight_decay=0.1, muon_qk_clip=tau)
     t = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
     named = dict(t.model.named_parameters())
     hidden = {n for n, p in named.items() if is_muon_param(n, p)}
-    assert any("experts" in n for n in hidden) == (model == "tiny-moe")
+    assert any("experts" in n for n in hidden) == (model in ("tiny-moe", "deepseek"))
     assert not any(k in n for n in hidden for k in ("tok_embeddings", "output", "router", "norm"))
+    seen = {}
+
+    def keep(name):
+        def hook(module, args):
+            q, k = seen.setdefault(name, ([], []))
+            q.append(args[0].detach())
+            k.append(args[1].detach())
+        return hook
+
+    for name, attn in t.model.named_modules():
+        if hasattr(attn, "core"):
+            attn.core.register_forward_pre_hook(keep(name))
     momentum = {n: torch.zeros_like(named[n]) for n in hidden}
+    clipped = 0
     for step in range(3):
+        seen.clear()
         t.forward_backward(step)
         t.finish_gradients()
         before = {n: named[n].detach().clone() for n in hidden}
         grads = {n: named[n].grad.detach().clone() for n in hidden}
         t.optimizer_step(step)
         lr = lr_at(step, cfg)
+        want = {}
         for n in hidden:
             momentum[n] = 0.95 * momentum[n] + grads[n]
             nest = grads[n] + 0.95 * momentum[n]
             upd = (torch.stack([plain_muon_update(e) for e in nest]) if nest.ndim == 3 else plain_muon_update(nest))
-            want = before[n] * (1 - lr * 0.1) - lr * upd
-            torch.testing.assert_close(named[n].detach(), want, rtol=1e-5, atol=1e-7, msg=f"{n} step {step + 1}")
+            want[n] = before[n] * (1 - lr * 0.1) - lr * upd
+        if tau:
+            clipped += plain_qk_clip(t.model, seen, tau, want)
+        for n in hidden:
+            torch.testing.assert_close(named[n].detach(), want[n], rtol=1e-5, atol=1e-7, msg=f"{n} step {step + 1}")
+    assert (clipped > 0) == bool(tau)
 
 
 def test_orthogonal_and_rms_matched():
@@ -79,10 +139,17 @@ def test_flags_validate():
         TrainConfig(optimizer="sgd").validate(1)
     with pytest.raises(ConfigError, match="--muon-momentum"):
         TrainConfig(optimizer="muon", muon_momentum=1.0).validate(1)
+    with pytest.raises(ConfigError, match="--muon-qk-clip -1.0 must be a logit threshold > 0"):
+        TrainConfig(optimizer="muon", muon_qk_clip=-1.0).validate(1)
+    with pytest.raises(ConfigError, match="clips after Muon's step: add --optimizer muon"):
+        TrainConfig(muon_qk_clip=50.0).validate(1)
+    with pytest.raises(ConfigError, match="'qwen3-0.6b' normalises each head's q and k"):
+        TrainConfig(model="qwen3-0.6b", optimizer="muon", muon_qk_clip=50.0).validate(1)
 
 
-def _verify_cfg(model="tiny", seed=None, **parallel):
+def _verify_cfg(model="tiny", seed=None, muon_qk_clip=0.0, **parallel):
     extra = {"global_batch": 4} if parallel.get("pp", 1) > 1 else {}
+    extra["muon_qk_clip"] = muon_qk_clip
     return TrainConfig(model=model, optimizer="muon", parallel=ParallelConfig(**parallel), steps=3, seq_len=32,
                        micro_batch=2, seed=seed, progress=False, warmup_steps=20, lr_decay_steps=200, **extra)
 
@@ -102,19 +169,59 @@ def test_verify_muon_two_ranks():
     _check(run_ranks(2, verify_all, cfgs)[0], cfgs)
 
 
-def _per_shard_verify(cfgs):
-    """Inside ranks: verify with Muon broken on purpose — each rank orthogonalises its own TP pieces."""
+def _clip_cfgs(seed):
+    """MuonClip on every axis it touches: heads over tp (and a K head shared by both TP ranks, so a group's
+    S_max spans them), S_max over cp's blocks (ring, and MLA's q/k rows under Ulysses), pp, and MLA's rows cut
+    across two ZeRO-3 shards."""
+    from test_model_families import DEEPSEEK
+
+    mqa = dataclasses.replace(ModelConfig(), name="tiny-mqa", n_kv_heads=1)
+    clip = dict(muon_qk_clip=0.12)
+    return [_verify_cfg(seed=seed, tp=2, sequence_parallel=True, **clip), _verify_cfg(mqa, seed, tp=2, **clip),
+            _verify_cfg(seed=seed, cp=2, **clip), _verify_cfg(seed=seed, pp=2, **clip),
+            _verify_cfg(DEEPSEEK, seed, cp=2, cp_impl="ulysses", muon_qk_clip=0.045),
+            _verify_cfg(DEEPSEEK, seed, dp=2, zero=3, muon_qk_clip=0.045)]
+
+
+def test_verify_muon_qk_clip_two_ranks():
+    seed = fresh_seed()
+    cfgs = _clip_cfgs(seed)
+    _check(run_ranks(2, verify_all, cfgs, timeout_s=600)[0], cfgs)
+
+
+def _broken_verify(cfgs):
+    """Inside ranks: verify each config with one part of Muon broken on purpose: each rank orthogonalising its own
+    TP pieces; MuonClip scaling the wrong heads (η in reverse head order); S_max not completed over cp."""
+    from shardwise.optim import qk_clip
     from shardwise.optim.sharded import Muon
 
-    Muon._tp_split = lambda self, p: False
-    return verify_all(cfgs)
+    row_scales, init = qk_clip._Layer.row_scales, qk_clip.QKClip.__init__
+
+    def one_rank_s_max(self, *args):
+        init(self, *args)
+        self.data = self.reducer.mesh["dp_replicate"]  # an inactive axis: the all-reduce over dp×cp is skipped
+
+    breaks = [(Muon, "_tp_split", lambda self, p: False),
+              (qk_clip._Layer, "row_scales", lambda self, m, tau: row_scales(self, m.flip(0), tau)),
+              (qk_clip.QKClip, "__init__", one_rank_s_max)]
+    out = []
+    for cfg, (owner, name, broken) in zip(cfgs, breaks):
+        kept = owner.__dict__[name]
+        setattr(owner, name, broken)
+        try:
+            out.append(verify_all([cfg])[0])
+        finally:
+            setattr(owner, name, kept)
+    return out
 
 
-def test_per_shard_orthogonalisation_fails_verify():
+def test_broken_muon_fails_verify():
+    """A per-shard orthogonalisation, a clip of the wrong heads, and a clip from one cp rank's S_max each fail."""
     seed = fresh_seed()
-    cfgs = [_verify_cfg(seed=seed, tp=2)]
-    for r in run_ranks(2, _per_shard_verify, cfgs)[0]:
-        assert not r["passed"] and r["first_step_update_rel_diff"] > 0.05, (seed, r)
+    cfgs = [_verify_cfg(seed=seed, tp=2), _verify_cfg(seed=seed, tp=2, muon_qk_clip=0.12),
+            _verify_cfg(seed=seed, cp=2, muon_qk_clip=0.12)]
+    for cfg, r in zip(cfgs, run_ranks(2, _broken_verify, cfgs)[0]):
+        assert not r["passed"] and r["first_step_update_rel_diff"] > 0.05, (seed, cfg.parallel, cfg.muon_qk_clip, r)
 
 
 def _families(seed):
@@ -227,3 +334,24 @@ def test_planner_counts_muon_ledger_and_state():
             assert measured == want, (cfg.parallel, pp)
             if not lay.zero:
                 assert state == optimizer_bytes(numel, spec, st, lay), (cfg.parallel, pp)
+
+
+def test_simulate_bounds_hold_for_muon(capsys):
+    """`simulate --optimizer muon`: static 1%, saved activations 2%, live peak 3% and every ledger row equal on
+    tp2×dp2 ZeRO-1 (where Muon's step is the peak: without its transients the plan is 0.62× the trace) and
+    tiny-moe dp4×ep2 ZeRO-1 (experts over edp; Muon's and AdamW's buckets pad apart)."""
+    import json
+
+    from shardwise.cli import main
+
+    tiny = ["--seq-len", "64", "--micro-batch", "2", "--optimizer", "muon"]
+    for flags in (["--dp", "2", "--tp", "2", "--sequence-parallel", "--zero", "1"],
+                  ["--model", "tiny-moe", "--dp", "4", "--ep", "2", "--zero", "1"]):
+        rc = main(["simulate", *tiny, *flags, "--json"])
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        for r in report["ranks"]:
+            for key, tol in (("static_bytes", 0.01), ("activation_bytes", 0.02), ("peak_bytes", 0.03)):
+                m, p = r[key]["measured"], r[key]["planned"]
+                assert abs(m - p) <= tol * p, (flags, r["rank"], key, m, p)
+            assert all(v["measured"] == v["planned"] for v in r["comm_bytes"].values()), (flags, r["comm_bytes"])
+        assert rc == 0 and report["passed"], flags

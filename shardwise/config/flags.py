@@ -146,6 +146,9 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--muon-ns-steps", "Muon: Newton–Schulz iterations", "muon_ns_steps", group=OPTIM),
     Flag("--muon-ns-fp32", "Muon: Newton–Schulz in fp32 on CUDA too (default bf16 there; fp32 on CPU)",
          "muon_ns_fp32", kind="switch", group=OPTIM),
+    Flag("--muon-qk-clip", "Muon: MuonClip threshold τ: after each step, scale down the query and key weights of "
+         "every head whose largest attention logit of the step exceeded τ (Kimi K2's per-head rule; 0: off)",
+         "muon_qk_clip", metavar="TAU", group=OPTIM),
     Flag("--seed", "model initialisation, data order and dropout", "seed"),
     Flag("--dtype", "fp32 or bf16 (autocast; fp32 master weights)", "dtype"),
     Flag("--fp32-residual", "under bf16: keep the residual stream fp32 (default off)", "fp32_residual", kind="toggle"),

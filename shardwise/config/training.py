@@ -69,6 +69,9 @@ class TrainConfig:
     """Newton–Schulz iterations that orthogonalise each matrix's momentum."""
     muon_ns_fp32: bool = False
     """Run the Newton–Schulz iteration in fp32 on CUDA too (it runs in bf16 there by default, fp32 on CPU)."""
+    muon_qk_clip: float = 0.0
+    """MuonClip's τ: after each step, scale the query and key weights of every head whose largest attention logit
+    of the step exceeded τ so it would have been τ (0: off)."""
     seed: int = 1234
     dtype: str = "fp32"
     """fp32 or bf16 (bf16 autocast for matmuls; master weights and optimizer state stay fp32)."""
@@ -286,6 +289,10 @@ class TrainConfig:
             raise ConfigError(f"--muon-momentum {self.muon_momentum} must be in [0, 1), e.g. 0.95")
         if not (isinstance(self.muon_ns_steps, int) and self.muon_ns_steps >= 1):
             raise ConfigError(f"--muon-ns-steps {self.muon_ns_steps!r} must be a positive integer, e.g. 5")
+        if not (isinstance(self.muon_qk_clip, (int, float)) and self.muon_qk_clip >= 0):
+            raise ConfigError(f"--muon-qk-clip {self.muon_qk_clip!r} must be a logit threshold > 0 (e.g. 100), or 0 for off")
+        if self.muon_qk_clip and self.optimizer != "muon":
+            raise ConfigError(f"--muon-qk-clip {self.muon_qk_clip} clips after Muon's step: add --optimizer muon")
 
     def validate(self, world: int) -> None:
         p = self.parallel
@@ -295,6 +302,9 @@ class TrainConfig:
         self._validate_recompute(p, m)
         self._validate_compile(p)
         self._validate_optimizer()
+        if self.muon_qk_clip and m.qk_norm and not m.is_mla:
+            raise ConfigError(f"--muon-qk-clip: model {m.name!r} normalises each head's q and k (qk_norm), which "
+                              "undoes a scaling of Wq and Wk; run it without --muon-qk-clip")
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {p.zero} is not supported; valid: 0, 1, 2 or 3")
         if p.zero == 3 and p.dp * p.cp == 1:

@@ -24,10 +24,13 @@ class ContextParallel:
     def site(self) -> str:
         return "ring_attention" if self.impl == "ring" else "ulysses"
 
-    def attend(self, q, k, v, scale: float | None = None, doc_ids=None) -> torch.Tensor:
-        """Causal attention of this rank's queries over every rank's keys (equal q/k and v head sizes)."""
+    def attend(self, q, k, v, scale: float | None = None, doc_ids=None, report=None) -> torch.Tensor:
+        """Causal attention of this rank's queries over every rank's keys (equal q/k and v head sizes).
+
+        `report` (MuonClip): called with each local query head's largest logit over the block pairs this rank
+        computed, −inf for heads it computed none of; the max over cp is taken with dp's, after the step."""
         fn = ring_attention if self.impl == "ring" else ulysses_attention
-        return fn(q, k, v, self.axis, causal=True, order=self.order, scale=scale, doc_ids=doc_ids)
+        return fn(q, k, v, self.axis, causal=True, order=self.order, scale=scale, doc_ids=doc_ids, report=report)
 
     def record_padding(self, what: str, head: int, to: int) -> None:
         """The caller zero-padded a head to one size before `attend` (summary.json reports it)."""

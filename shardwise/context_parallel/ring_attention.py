@@ -44,6 +44,7 @@ import weakref
 import torch
 
 from .. import comm, host
+from ..models.attention import max_logits
 from ..models.documents import document_mask
 from . import kernels
 from .kernels import expand_heads, fold_heads
@@ -223,24 +224,30 @@ class _RingAttention(torch.autograd.Function):
     backward: K/V ring again with dK/dV accumulators one step behind, block recompute."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis, causal, order, scale, backend, doc_ids):
+    def forward(ctx, q, k, v, axis, causal, order, scale, backend, doc_ids, report):
         c, r, s_local = axis.size, axis.rank, q.shape[2]
         plans = document_plan(r, c, order, causal, s_local, doc_ids)
         k, v = k.contiguous(), v.contiguous()  # p2p needs contiguous buffers
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         cur = (k, v)
+        best = torch.full(q.shape[1:2], float("-inf"), device=q.device) if report else None
         for step in range(c):
             works, nxt = [], None
             if step < c - 1:  # post the next transfer first: it overlaps this step's compute
                 nxt = (torch.empty_like(k), torch.empty_like(v))
                 works = _pass_on(cur, nxt, axis)
             for qs, ks, is_causal, make_mask in plans[step]:
+                mask = make_mask and make_mask()
                 o_blk, l_blk = block_forward(_rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks),
-                                             is_causal, scale, backend, make_mask and make_mask())
+                                             is_causal, scale, backend, mask)
                 _merge(out, lse, qs, o_blk, l_blk)
+                if report:  # MuonClip: the block's largest logits (the kernels return only the LSE)
+                    best = torch.maximum(best, max_logits(_rows(q, qs), _rows(cur[0], ks), scale, is_causal, mask))
             comm.wait_all(works, axis, "ring attention K/V p2p")
             cur = nxt if nxt is not None else cur
+        if report:
+            report(best)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.axis, ctx.causal, ctx.order, ctx.scale, ctx.backend = axis, causal, order, scale, backend
@@ -288,17 +295,18 @@ class _RingAttention(torch.autograd.Function):
         if acc_in is not None:  # after c − 1 hops the accumulator of this rank's own K/V is back
             dk.add_(acc_in[0])
             dv.add_(acc_in[1])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, causal: bool = True,
                    order: str = "balanced", scale: float | None = None, backend: str = "auto",
-                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   doc_ids: torch.Tensor | None = None, report=None) -> torch.Tensor:
     """Exact attention over the whole sequence for this rank's queries; out [b, hq, s_local, d].
 
     q/k/v are this rank's shard in `order` (see `sharding.shard_sequence(..., dim=2)`); `axis` is the
     cp axis. backend "auto" uses a fused kernel where one applies, "math" forces the fallback.
-    `doc_ids` [b, s] (global, unsharded): document masking (see the module docstring).
+    `doc_ids` [b, s] (global, unsharded): document masking (see the module docstring). `report` (MuonClip):
+    called with each query head's largest logit over the block pairs this rank computed.
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"ring_attention: expected q [b, hq, s, d] and k, v [b, hkv, s, d], got "
@@ -310,4 +318,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, caus
     if doc_ids is not None and doc_ids.shape != (q.shape[0], q.shape[2] * axis.size):
         raise ValueError(f"ring_attention: doc_ids {tuple(doc_ids.shape)} must be the global [b, s] = "
                          f"[{q.shape[0]}, {q.shape[2] * axis.size}]")
-    return _RingAttention.apply(q, k, v, axis, causal, order, scale, backend, doc_ids)
+    return _RingAttention.apply(q, k, v, axis, causal, order, scale, backend, doc_ids, report)

@@ -21,6 +21,7 @@ from torch.nn.attention import sdpa_kernel
 
 from .. import comm
 from . import kernels
+from ..models.attention import max_logits
 from ..models.documents import document_mask
 from ..partition import check_seq_len
 from .sharding import layout_positions
@@ -80,10 +81,11 @@ def _kv_replication(hq: int, hkv: int, c: int) -> int:
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, causal: bool = True,
                       order: str = "balanced", scale: float | None = None,
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      doc_ids: torch.Tensor | None = None, report=None) -> torch.Tensor:
     """Exact attention for this rank's tokens via head-sharded full-sequence SDPA; out [b, hq, s_local, d].
 
-    `doc_ids` [b, s] (global, unsharded): a token attends only within its own document.
+    `doc_ids` [b, s] (global, unsharded): a token attends only within its own document. `report` (MuonClip):
+    called with each query head's largest logit, −inf for the heads another cp rank attends for.
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"ulysses_attention: expected q [b, hq, s, d] and k, v [b, hkv, s, d], got "
@@ -96,6 +98,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
                          f"[{q.shape[0]}, {seq_len}]")
     mask = None if doc_ids is None else document_mask(doc_ids, doc_ids, causal=causal)
     if not axis.active:
+        if report:
+            report(max_logits(q, k, q.shape[-1] ** -0.5 if scale is None else scale, causal and mask is None, mask))
         with sdpa_kernel(kernels.sdpa_backends(kernels.pick("ulysses", q, v, mask=kernels.mask_kind(causal, mask),
                                                             entry="sdpa"))):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
@@ -109,6 +113,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
     scatter_index = layout_positions(seq_len, c, order, q.device) if reorder else None
     gather_index = torch.argsort(scatter_index) if reorder else None
     qh, kh, vh = (_seq_to_heads(t, axis, gather_index) for t in (q, k, v))
+    if report:  # this rank's head group over the whole sequence
+        best = torch.full(q.shape[1:2], float("-inf"), device=q.device)
+        group = max_logits(qh, kh, q.shape[-1] ** -0.5 if scale is None else scale, causal and mask is None, mask)
+        best[axis.rank * group.numel():(axis.rank + 1) * group.numel()] = group
+        report(best)
     choice = kernels.pick("ulysses", qh, vh, mask=kernels.mask_kind(causal, mask), entry="sdpa")
     with sdpa_kernel(kernels.sdpa_backends(choice)):
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None,

@@ -3,16 +3,65 @@
 Written once for GQA (`Attention`) and MLA: local SDPA (attention dropout on the RNG tracker's "tp" stream, an
 explicit mask under document masking), or the layout's context-parallel attention; zero-padding when the q/k
 and v head sizes differ; selective recompute of exactly this part. Then `attend` adds the output projection.
+
+With a `MaxLogits` recorder in the context (MuonClip), training forwards also report each local query head's
+largest logit, q·k·scale over the keys it sees: the fused kernels return only the log-sum-exp, so the scores'
+maximum costs one extra no-grad QKᵀ, in query-row chunks (never the whole s×s at once).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .context import ParallelContext
 from .documents import document_mask
+
+
+SCORE_CHUNK = 1 << 22
+"""Score elements per chunk of `max_logits` (16 MB in fp32): its transient, whatever the sequence length."""
+
+
+class MaxLogits:
+    """Per attention layer id, the largest logit each of this rank's query heads reached in the training
+    forwards since the last `take` (a [heads] fp32 tensor; −inf for a head this rank computed nothing of)."""
+
+    def __init__(self):
+        self.by_layer: dict[int, torch.Tensor] = {}
+
+    def record(self, layer_id: int, per_head: torch.Tensor) -> None:
+        old = self.by_layer.get(layer_id)
+        self.by_layer[layer_id] = per_head if old is None else torch.maximum(old, per_head)
+
+    def take(self) -> dict[int, torch.Tensor]:
+        out, self.by_layer = self.by_layer, {}
+        return out
+
+
+@torch.no_grad()
+def max_logits(q, k, scale: float, causal: bool, mask=None) -> torch.Tensor:
+    """Per query head, max of q·kᵀ·scale over the visible (query, key) pairs, fp32 [hq].
+
+    q [b, hq, s_q, d], k [b, hkv, s_k, d] (GQA: query head h uses K head h // (hq/hkv)); `causal` needs
+    s_q == s_k (query i sees keys ≤ i); `mask` boolean [b, 1, s_q, s_k] (True = attend)."""
+    b, hq, s_q, _ = q.shape
+    hkv, s_k = k.shape[1], k.shape[2]
+    qg = q.float().unflatten(1, (hkv, hq // hkv))  # [b, hkv, g, s_q, d]: K broadcasts over its group
+    kt = k.float().transpose(-1, -2).unsqueeze(2)  # [b, hkv, 1, d, s_k]
+    best = torch.full((hq,), float("-inf"), device=q.device)
+    rows = max(1, SCORE_CHUNK // max(1, b * hq * s_k))
+    cols = torch.arange(s_k, device=q.device)
+    for i in range(0, s_q, rows):
+        s = qg[:, :, :, i:i + rows] @ kt * scale
+        if causal:
+            s.masked_fill_(cols > torch.arange(i, i + s.shape[3], device=q.device).unsqueeze(-1), float("-inf"))
+        if mask is not None:
+            s.masked_fill_(~mask[:, :, i:i + rows].unsqueeze(2), float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(0, 3, 4)).flatten())
+    return best
 
 
 class AttentionCore(nn.Module):
@@ -33,6 +82,9 @@ class AttentionCore(nn.Module):
         cp = self.ctx.cp
         p = self.dropout if self.training and cp is None else 0.0
         dk, dv = q.shape[-1], v.shape[-1]
+        scale = dk ** -0.5 if self.scale is None else self.scale
+        rec = self.ctx.max_logits if self.training else None
+        report = None if rec is None else functools.partial(rec.record, self.layer_id)
         if dk != dv and (cp is not None or p == 0):
             # One head size for q, k and v: ring and Ulysses move K and V as one shape, and SDPA's fused kernels
             # (CPU flash, CUDA flash) otherwise fall back to the math path, which stores the s×s scores. Zero
@@ -45,9 +97,11 @@ class AttentionCore(nn.Module):
             if cp is not None:
                 cp.record_padding("v" if dv < dk else "q/k", min(dk, dv), max(dk, dv))
         if cp is not None:
-            out = cp.attend(q, k, v, scale=self.scale, doc_ids=doc_ids)
+            out = cp.attend(q, k, v, scale=self.scale, doc_ids=doc_ids, report=report)
         else:
             mask = None if doc_ids is None else document_mask(doc_ids, doc_ids)
+            if report is not None:
+                report(max_logits(q, k, scale, mask is None, mask))
             rng = self.ctx.rng
             with rng.fork("tp") if p > 0 and rng is not None else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,

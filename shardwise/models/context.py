@@ -39,6 +39,9 @@ class ParallelContext:
     selective: frozenset[int] = frozenset()
     """Layer ids whose attention core selective recompute replays, through `checkpoint_core(core, *inputs)`."""
     checkpoint_core: Callable | None = None
+    max_logits: Any = None
+    """A `MaxLogits` recorder (attention.py) the attention cores report each head's largest logit to in training
+    (MuonClip); None: not measured."""
     moe: Callable | None = None
     """(cfg, layer_id) → the MoE feed-forward of an MoE layer: routing and experts live with expert parallelism,
     which the models do not import. Without it a model with MoE layers cannot be built."""

@@ -8,6 +8,7 @@ from ..config import TrainConfig
 from ..config.schedule import parse_betas
 from ..data_parallel import GradReducer
 from .muon import ns_dtype
+from .qk_clip import QKClip
 from .sharded import Muon
 
 NOT_HIDDEN = ("tok_embeddings", "output", "router", "mtp_embed")
@@ -30,6 +31,8 @@ def build_reducer(cfg: TrainConfig, model, mesh, rounds: int) -> GradReducer:
     if muon:
         red.muon = Muon(red, is_muon_param, cfg.lr, cfg.weight_decay, cfg.muon_momentum, cfg.muon_ns_steps,
                         ns_dtype(mesh.device, cfg.muon_ns_fp32))
+        if cfg.muon_qk_clip:
+            red.muon.clip = QKClip(model, red, cfg.muon_qk_clip)
     return red
 
 

@@ -47,6 +47,7 @@ class Muon(torch.optim.Optimizer):
                  ns_dtype: torch.dtype):
         self.reducer, self.mu, self.ns_steps, self.ns_dtype = reducer, momentum, ns_steps, ns_dtype
         self.tp = reducer.tp
+        self.clip = None  # MuonClip (qk_clip.QKClip), run after every step when --muon-qk-clip is set
         self.groups: dict[int, _Group] = {}
         if reducer.zero:
             held = []
@@ -85,10 +86,17 @@ class Muon(torch.optim.Optimizer):
                 grad = t.grad if t.grad is not None else torch.zeros_like(t)
                 nest[id(t)] = nesterov(self.state[t]["momentum"], grad, self.mu)
         for g in self.groups.values():
-            local = self._local(g, nest)
-            names, mats = self.full_matrices(g, local)
-            updates = self._orthogonalise_spread(g.axis, mats)
-            self._apply(g, names, updates, lr, wd)
+            self._step_group(g, nest, lr, wd)
+        if self.clip is not None:
+            self.clip.apply()
+
+    def _step_group(self, g: _Group, nest, lr: float, wd: float) -> None:
+        """One group, gather to apply; its whole matrices and buffers are freed on return, before the next
+        group's are made (the planner's `muon.step_transient_bytes` counts one group's)."""
+        local = self._local(g, nest)
+        names, mats = self.full_matrices(g, local)
+        updates = self._orthogonalise_spread(g.axis, mats)
+        self._apply(g, names, updates, lr, wd)
 
     def _local(self, g: _Group, nest) -> dict[str, torch.Tensor]:
         """Each parameter's Nesterov gradient as the rank's TP shard of it (ZeRO: gathered over the data axis)."""

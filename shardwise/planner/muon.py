@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 from shardwise.planner.layout import Layout, Stage
 from shardwise.bucket_plan import cut_runs
+from shardwise.planner.memory import (
+    BYTES_ADAM, BYTES_GRAD, ZeroBucket, ZeroBuckets, bucket_layout, stage_params, stage_units, static_bytes,
+)
 from shardwise.planner.models import ModelSpec, local_kv_heads
 
 BYTES_MOMENTUM = 4
@@ -137,17 +140,51 @@ def muon_numel(spec: ModelSpec, stage: Stage, lay: Layout) -> int:
 def optimizer_bytes(total_local: int, spec: ModelSpec, stage: Stage, lay: Layout) -> int:
     """ZeRO-0 optimizer state of one rank under Muon: 4 bytes of momentum per Muon element, AdamW's 8 per other."""
     n = muon_numel(spec, stage, lay)
-    return BYTES_MOMENTUM * n + 8 * (total_local - n)
+    return BYTES_MOMENTUM * n + BYTES_ADAM * (total_local - n)
 
 
 def muon_static(static: dict, spec: ModelSpec, stage: Stage, lay: Layout) -> dict:
-    """`memory.static_bytes` under Muon: each Muon element keeps 4 bytes of momentum instead of AdamW's 8. Exact
-    at ZeRO-0; at ZeRO ≥ 1 the Muon elements' share of the shard (Muon's own buckets pad differently)."""
-    n = muon_numel(spec, stage, lay)
+    """`memory.static_bytes` under Muon: each Muon element keeps 4 bytes of momentum instead of AdamW's 8. At
+    ZeRO ≥ 1 with the buckets `GradReducer` cuts under Muon (`split_zero_buckets`): Muon's and AdamW's parameters
+    in buckets of their own, each padded to its group, so the shard, its padding and the momentum are exact."""
     if lay.zero:
-        n = -(-n // (lay.dp * lay.cp))
-    out = dict(static, optimizer=static["optimizer"] - (8 - BYTES_MOMENTUM) * n)
+        adam, muon = split_zero_buckets(spec, stage, lay)
+        static = static_bytes(stage_params(spec, stage, lay), lay, ZeroBuckets(adam + muon))
+        n = sum(b.shard for b in muon)
+    else:
+        n = muon_numel(spec, stage, lay)
+    out = dict(static, optimizer=static["optimizer"] - (BYTES_ADAM - BYTES_MOMENTUM) * n)
     out["total"] = sum(v for k, v in out.items() if k != "total")
+    return out
+
+
+def split_zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple[list, list]:
+    """(AdamW's, Muon's) ZeRO buckets of one rank of `stage`: `memory.zero_buckets` with the runtime's extra key,
+    whether Muon steps the tensor. A tensor is Muon's when it is a matrix matching (expert?, elements) one of the
+    stage's Muon matrices not yet claimed, in model order."""
+    lay_b = bucket_layout(lay)
+    g = lay_b.dp
+    dense, gd = ("dp_shard", lay_b.dp_shard) if lay_b.hsdp else ("dp_cp", g)
+    left: dict[tuple[bool, int], int] = {}
+    for m in stage_matrices(spec, stage, lay):
+        left[(m.expert, m.local)] = left.get((m.expert, m.local), 0) + 1
+    groups: dict[tuple, list] = {}
+    tied = spec.tie_embeddings and stage.embedding and stage.head
+    for u, (chunk, tensors) in enumerate(stage_units(spec, stage, lay_b)):
+        for x, partial in tensors:
+            muon = x.matrix and left.get((x.expert, x.numel), 0) > 0
+            if muon:
+                left[(x.expert, x.numel)] -= 1
+            key = ((x.expert, x.matrix) if lay.zero <= 1 else (chunk, x.expert, x.matrix) if lay.zero == 2
+                   else (chunk, u, x.expert, x.matrix)) + (muon,)
+            groups.setdefault(key, []).append((x, partial, u == 0 and tied))
+    out: tuple[list, list] = ([], [])
+    for key, items in sorted(groups.items()):
+        for r in [items] if lay.zero == 3 else cut_runs(items, lambda item: BYTES_GRAD * item[0].numel):
+            expert = r[0][0].expert
+            out[key[-1]].append(ZeroBucket("edp" if expert else dense, sum(x.numel for x, _, _ in r),
+                                           max(1, g // lay.ep) if expert else gd, any(p for _, p, _ in r),
+                                           2 if any(tie for *_, tie in r) else 1))
     return out
 
 
@@ -177,3 +214,53 @@ def _group_comm(led, group: list[Matrix], axis: str, size: int, lay: Layout) -> 
     if size * lay.tp > 1:
         led.add("tp", "all_gather:muon", 4 * width, lay.tp)
         led.add(axis, "all_gather:muon", 4 * lay.tp * width, size)
+
+
+def _ns_work(rows: int, cols: int) -> int:
+    """Elements Newton–Schulz holds for one matrix (m = min side, M = max): X, and within an iteration
+    X ← aX + (bA + cA²)X either aX, (bA + cA²)X and the sum beside X and A (4mM + m²), or A, A², cA², bA and
+    their sum beside X and aX (2mM + 4m²)."""
+    m, big = min(rows, cols), max(rows, cols)
+    return max(4 * m * big + m * m, 2 * m * big + 4 * m * m)
+
+
+def _group_step_numel(group: list[Matrix], size: int, lay: Layout) -> int:
+    """Elements one group's step holds at its worst moment on one rank (`optim/sharded.py`, fp32): under ZeRO ≥ 1
+    the bucket's gathered Nesterov buffer P; the TP-split pieces gathered (tp·S) and their whole matrices (G);
+    then the result buffer W (the busiest rank's), one matrix's Newton–Schulz work and the results gathered over
+    tp and the group (tp·W, R·W; one rank alone keeps every update instead); then, applying, the bucket's flat
+    update (P) and two consecutive stacked expert updates."""
+    zero = bool(lay.zero)
+    numel = sum(m.local for m in group)
+    p = -(-numel // size) * size if zero else 0
+    split = sum(m.local for m in group if m.tp_split)
+    whole = sum(m.rows * m.cols for m in group if m.tp_split)
+    ranks = size * lay.tp
+    shapes = [(m.rows, m.cols) for m in group for _ in range(m.count)]
+    width = busiest_numel(shapes, ranks)
+    ns = max(_ns_work(r, c) for r, c in shapes)
+    results = ranks * width if ranks > 1 else sum(r * c for r, c in shapes)
+    gathered = width + lay.tp * width + ranks * width if ranks > 1 else results + ns
+    stacks = sorted((m.local for m in group if m.count > 1), reverse=True)[:2]
+    moments = [split + lay.tp * split, lay.tp * split + whole,
+               whole + (width + ns if ranks > 1 else results + ns), whole + gathered,
+               whole + results + (p if zero else 0) + sum(stacks)]
+    return p + max(moments)
+
+
+def step_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
+    """Muon's step on one rank of `stage` beyond its static state: every held Nesterov gradient (one per
+    momentum element) and the worst group's buffers (`_group_step_numel`), one group at a time, fp32 (the
+    Newton–Schulz dtype on CPU, or with --muon-ns-fp32)."""
+    g = lay.dp * lay.cp
+    gd = lay.shard * lay.cp if lay.hsdp else g
+    mats = stage_matrices(spec, stage, lay)
+    held, worst = 0, 0
+    for size, expert in ((gd, False), (max(1, g // lay.ep), True)):
+        groups = (muon_buckets(spec, stage, lay, expert) if lay.zero else [[m for m in mats if m.expert == expert]])
+        for group in groups:
+            if group:
+                n = sum(m.local for m in group)
+                held += -(-n // size) if lay.zero else n
+                worst = max(worst, _group_step_numel(group, size, lay))
+    return float(BYTES_MOMENTUM * (held + worst))

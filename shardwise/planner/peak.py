@@ -20,6 +20,7 @@ from shardwise.planner.activations import (
 )
 from shardwise.planner.memory import stage_params, stage_units, static_bytes, zero_buckets
 from shardwise.planner.models import ModelSpec, padded_vocab
+from shardwise.planner.muon import step_transient_bytes
 from shardwise.planner.rank_actions import backward_states, backwards_before_forward
 from shardwise.planner.weight_grads import (
     embedding_weight_grad_bytes, expert_weight_grad_bytes, head_weight_grad_bytes,
@@ -298,6 +299,9 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
                             *at_loss))
     moments.append(("after backward: the TP reduction's concatenated gradients",
                     tp_reduction_bytes(spec, stage, lay) - activation, 0.0, 0.0))
+    if wl.optimizer == "muon":
+        moments.append(("optimizer: Muon's step (Nesterov gradients, one group's whole matrices and Newton–Schulz)",
+                        step_transient_bytes(spec, stage, lay) - activation, 0.0, 0.0))
     moment, transient, gathered, buckets = max(moments, key=lambda m: sum(m[1:]))
     out = {"static": float(static), "activations": float(activation), "transient": transient,
            "zero3_gathered": gathered, "reduce_scatter_buckets": buckets,
