@@ -24,10 +24,12 @@ class ContextParallel:
     def site(self) -> str:
         return "ring_attention" if self.impl == "ring" else "ulysses"
 
-    def attend(self, q, k, v, scale: float | None = None, doc_ids=None) -> torch.Tensor:
-        """Causal attention of this rank's queries over every rank's keys (equal q/k and v head sizes)."""
+    def attend(self, q, k, v, scale: float | None = None, doc_ids=None, sinks=None, window: int = 0) -> torch.Tensor:
+        """Causal attention of this rank's queries over every rank's keys (equal q/k and v head sizes); `sinks` and
+        `window`: gpt-oss's per-head sink logits and sliding window."""
         fn = ring_attention if self.impl == "ring" else ulysses_attention
-        return fn(q, k, v, self.axis, causal=True, order=self.order, scale=scale, doc_ids=doc_ids)
+        extra = {} if sinks is None and not window else dict(sinks=sinks, window=window)
+        return fn(q, k, v, self.axis, causal=True, order=self.order, scale=scale, doc_ids=doc_ids, **extra)
 
     def record_padding(self, what: str, head: int, to: int) -> None:
         """The caller zero-padded a head to one size before `attend` (summary.json reports it)."""

@@ -23,6 +23,7 @@ from .. import comm
 from . import kernels
 from ..models.documents import document_mask
 from ..partition import check_seq_len
+from .local import local_attention
 from .sharding import layout_positions
 
 
@@ -80,10 +81,13 @@ def _kv_replication(hq: int, hkv: int, c: int) -> int:
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, causal: bool = True,
                       order: str = "balanced", scale: float | None = None,
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      doc_ids: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                      window: int = 0) -> torch.Tensor:
     """Exact attention for this rank's tokens via head-sharded full-sequence SDPA; out [b, hq, s_local, d].
 
-    `doc_ids` [b, s] (global, unsharded): a token attends only within its own document.
+    `doc_ids` [b, s] (global, unsharded): a token attends only within its own document. `sinks` [hq] and
+    `window` (gpt-oss): the sinks follow the heads (rank g keeps head group g's), and the full sequence runs
+    `local.local_attention`, which merges them through the LSE and masks the window.
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"ulysses_attention: expected q [b, hq, s, d] and k, v [b, hkv, s, d], got "
@@ -94,7 +98,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
     if doc_ids is not None and doc_ids.shape != (q.shape[0], seq_len):
         raise ValueError(f"ulysses_attention: doc_ids {tuple(doc_ids.shape)} must be the global [b, s] = "
                          f"[{q.shape[0]}, {seq_len}]")
+    if (sinks is not None or window) and not causal:
+        raise ValueError("ulysses_attention: sinks and sliding windows need causal attention")
     mask = None if doc_ids is None else document_mask(doc_ids, doc_ids, causal=causal)
+    if (sinks is not None or window) and not axis.active:
+        return local_attention(q, k, v, scale, sinks, window, doc_ids, site="ulysses")
     if not axis.active:
         with sdpa_kernel(kernels.sdpa_backends(kernels.pick("ulysses", q, v, mask=kernels.mask_kind(causal, mask),
                                                             entry="sdpa"))):
@@ -109,6 +117,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
     scatter_index = layout_positions(seq_len, c, order, q.device) if reorder else None
     gather_index = torch.argsort(scatter_index) if reorder else None
     qh, kh, vh = (_seq_to_heads(t, axis, gather_index) for t in (q, k, v))
+    if sinks is not None or window:
+        per = q.shape[1] // c  # this rank's query heads are head group `rank`
+        own = None if sinks is None else sinks.narrow(0, axis.rank * per, per)
+        return _heads_to_seq(local_attention(qh, kh, vh, scale, own, window, doc_ids, site="ulysses"), axis,
+                             scatter_index)
     choice = kernels.pick("ulysses", qh, vh, mask=kernels.mask_kind(causal, mask), entry="sdpa")
     with sdpa_kernel(kernels.sdpa_backends(choice)):
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None,

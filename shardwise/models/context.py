@@ -39,6 +39,9 @@ class ParallelContext:
     selective: frozenset[int] = frozenset()
     """Layer ids whose attention core selective recompute replays, through `checkpoint_core(core, *inputs)`."""
     checkpoint_core: Callable | None = None
+    attention: Callable | None = None
+    """(q, k, v, scale, sinks, window, doc_ids) → out: one-device attention with what SDPA cannot express (gpt-oss's
+    learned sinks, sliding windows) on the fused kernels; the plan fills it. None: a model with either cannot run."""
     moe: Callable | None = None
     """(cfg, layer_id) → the MoE feed-forward of an MoE layer: routing and experts live with expert parallelism,
     which the models do not import. Without it a model with MoE layers cannot be built."""

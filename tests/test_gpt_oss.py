@@ -1,0 +1,270 @@
+"""gpt-oss against transformers' GptOssForCausalLM, and its parts on their own.
+
+The attention core (learned sinks merged through the fused kernel's LSE, sliding windows, document masks) is
+checked against an explicit softmax with the sink as an extra column (transformers' eager formula), forward and
+every gradient sinks included. The model, on a small random GptOss saved with `save_pretrained` (biases and sinks
+drawn at 0.5, weights at 0.2, YaRN with truncate false, a 5-token window on layer 0 of a 16-token sequence):
+logits, loss and every gradient equal transformers' on one device; MXFP4 expert tensors (`*_blocks`,
+`*_scales`) quantised here dequantise exactly and load into the same model; export loads back into transformers.
+Multi-rank (one 2-rank fork, one 4-rank fork): tp2, dp2×ep2, cp2 ring and Ulysses, pp2 against transformers'
+loss and every gradient; cp4 ring and Ulysses attention with sinks, windows and documents against one device,
+and the windowed ring's ledger equal to the blocks it sends.
+"""
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+from shardwise import hf  # noqa: E402
+from shardwise.config import MODEL_PRESETS, ConfigError, ParallelConfig, TrainConfig  # noqa: E402
+from shardwise.context_parallel import ring_attention, shard_sequence, ulysses_attention  # noqa: E402
+from shardwise.context_parallel.local import local_attention  # noqa: E402
+from shardwise.context_parallel.ring_attention import ring_steps, window_cut  # noqa: E402
+from shardwise.hf_config import config_from_hf, hf_config  # noqa: E402
+from shardwise.hf_mxfp4 import FP4_VALUES, dequantize  # noqa: E402
+from shardwise.models.documents import document_ids  # noqa: E402
+from shardwise.parallelize import plain_model  # noqa: E402
+
+from _dist import fresh_seed, make_mesh, run_ranks  # noqa: E402
+
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 8}
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+             max_position_embeddings=32, initializer_range=0.2, rope_parameters=YARN)
+SEQ = 16
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _save(path, **changes):
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**(SHAPE | changes)))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or n.endswith("sinks"):  # HF zero-initialises the expert biases
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return _save(str(tmp_path_factory.mktemp("gpt_oss")))
+
+
+# ---------------------------------------------------------------- the attention core, no model
+def _explicit(q, k, v, sinks, window, doc):
+    """transformers' eager_attention_forward: scores, masked, the sink as one more column, softmax, dropped."""
+    s, g = q.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    i = torch.arange(s)
+    keep = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < window) if window else True)
+    if doc is not None:
+        keep = keep & (doc[:, None, :, None] == doc[:, None, None, :])
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], -1)
+    return (scores.softmax(-1)[..., :s]) @ v
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_local_attention_equals_explicit_softmax(window, docs, sinks):
+    g = torch.Generator().manual_seed(fresh_seed())
+    b, s, d = 2, 12, 8
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (4, 2, 2))
+    sink = torch.randn(4, generator=g) * 2 if sinks else None
+    tokens = torch.randint(0, 4, (b, s), generator=g)
+    doc = document_ids(tokens, eos=0) if docs else None
+    dout = torch.randn(b, 4, s, d, generator=g)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if sinks else [])
+    ref_ins = [t.detach().clone().requires_grad_() for t in ins]
+    out = local_attention(*ins[:3], sinks=ins[3] if sinks else None, window=window, doc_ids=doc)
+    ref = _explicit(*ref_ins[:3], ref_ins[3] if sinks else None, window, doc)
+    out.backward(dout)
+    ref.backward(dout)
+    assert_close(out, ref, **TOL)
+    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), ins, ref_ins):
+        assert_close(a.grad, r.grad, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_window_arithmetic_and_ring_steps():
+    assert window_cut([(10, 12)], [(0, 4)], 8) == (True, True)  # nearest 10 − 3 = 7 < 8, farthest 11 − 0 ≥ 8
+    assert window_cut([(10, 12)], [(0, 4)], 7) == (False, True)  # nearest pair 10 − 3 = 7 ≥ 7: nothing visible
+    assert window_cut([(4, 8)], [(0, 4)], 8) == (True, False)  # farthest pair 7 − 0 = 7 < 8: window cuts nothing
+    # cp 4, 8 tokens per rank (chunks of 4, balanced): rank r holds chunks r and 7 − r
+    assert ring_steps(4, "balanced", 8, 0) == 4 and ring_steps(4, "balanced", 8, 32) == 4
+    assert ring_steps(4, "contiguous", 8, 5) == 2  # a 5-token window reaches only the previous rank's block
+    assert ring_steps(4, "contiguous", 8, 9) == 2 and ring_steps(4, "contiguous", 8, 10) == 3
+    # balanced: chunk 7 − r sees chunk 6 − r, rank r + 1's, which the ring brings last: every step is sent
+    assert ring_steps(4, "balanced", 8, 3) == 4
+
+
+# ---------------------------------------------------------------- the model on one device
+def _grads_by_hf_name(model, cfg, tmp):
+    """shardwise's gradients under transformers' names: exported as if they were weights."""
+    from safetensors.torch import load_file
+
+    hf.export_hf({n: p.grad for n, p in model.named_parameters()}, cfg, tmp)
+    return load_file(os.path.join(tmp, "model.safetensors"))
+
+
+def _hf_step(path, tokens, targets):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref.train()
+    logits = ref(tokens).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    return ref, logits.detach(), loss.detach()
+
+
+def test_single_device_matches_transformers(gpt_oss, tmp_path):
+    cfg = config_from_hf(gpt_oss)
+    assert cfg.sliding_layers == (0,) and cfg.sliding_window == 5 and cfg.rope_yarn[-1] is False
+    g = torch.Generator().manual_seed(fresh_seed())
+    tokens, targets = (torch.randint(0, 64, (2, SEQ), generator=g) for _ in range(2))
+    ref, ref_logits, ref_loss = _hf_step(gpt_oss, tokens, targets)
+    model = plain_model(cfg)
+    hf.load_hf_into(model, gpt_oss)
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    grads = _grads_by_hf_name(model, cfg, str(tmp_path / "grads"))
+    names = dict(ref.named_parameters())
+    assert set(grads) == set(names)
+    for n, p in names.items():
+        assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------- MXFP4
+def _quantise(w):
+    """[..., rows, cols] values of the form FP4 · 2^e per 32-block → (blocks uint8 [..., G, 16], scales [..., G])."""
+    *lead, cols = w.shape
+    blk = w.reshape(*lead, cols // 32, 32)
+    exp = torch.floor(torch.log2(blk.abs().amax(-1).clamp_min(2.0 ** -100))) - 2  # 6 = 1.5·2² is FP4's top
+    mant = blk / torch.ldexp(torch.ones_like(exp), exp.int()).unsqueeze(-1)
+    lut = torch.tensor(FP4_VALUES)
+    codes = (mant.unsqueeze(-1) - lut).abs().argmin(-1).to(torch.uint8)
+    assert torch.equal(lut[codes.long()], mant.where(mant != 0, lut[codes.long()])), "not representable"
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)), (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_dequantises_exactly(gpt_oss, tmp_path):
+    g = torch.Generator().manual_seed(fresh_seed())
+    lut = torch.tensor(FP4_VALUES)
+    scale = torch.ldexp(torch.ones(3, 6, 2), torch.randint(-8, 4, (3, 6, 2), generator=g))
+    exact = lut[torch.randint(0, 16, (3, 6, 64), generator=g)] * scale.repeat_interleave(32, -1)
+    blocks, scales = _quantise(exact)
+    assert blocks.shape == (3, 6, 2, 16) and scales.shape == (3, 6, 2)
+    assert torch.equal(dequantize(blocks, scales), exact)
+    assert torch.equal(dequantize(blocks, scales, torch.bfloat16).float(), exact)  # exact in bf16 too
+    # A checkpoint whose experts are MXFP4: rounded to representable values, then stored as blocks and scales
+    # ([E, out, in], rows interleaved like the plain tensor's columns): it loads as the same model.
+    from safetensors.torch import load_file, save_file
+
+    mx, plain = str(tmp_path / "mx"), str(tmp_path / "plain")
+    shutil.copytree(gpt_oss, mx)
+    shutil.copytree(gpt_oss, plain)
+    tensors = load_file(os.path.join(gpt_oss, "model.safetensors"))
+    for n in [n for n in tensors if n.endswith("gate_up_proj") or n.endswith("down_proj")]:
+        w = tensors[n].transpose(1, 2)  # [E, out, in]
+        rounded = dequantize(*_quantise(_round_fp4(w)))
+        tensors[n] = rounded.transpose(1, 2).contiguous()
+    save_file(tensors, os.path.join(plain, "model.safetensors"))
+    quant = {}
+    for n, t in tensors.items():
+        if n.endswith("gate_up_proj") or n.endswith("down_proj"):
+            quant[f"{n}_blocks"], quant[f"{n}_scales"] = _quantise(t.transpose(1, 2).contiguous())
+        else:
+            quant[n] = t
+    save_file(quant, os.path.join(mx, "model.safetensors"))
+    with open(os.path.join(mx, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    with open(os.path.join(mx, "config.json"), "w") as f:
+        json.dump(config, f)
+    cfg = config_from_hf(mx)
+    a, b = plain_model(cfg), plain_model(cfg)
+    hf.load_hf_into(a, plain)
+    hf.load_hf_into(b, mx)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+    with pytest.raises(ConfigError, match="quantization_config"):
+        config["model_type"], config["architectures"] = "mixtral", ["MixtralForCausalLM"]
+        with open(os.path.join(mx, "config.json"), "w") as f:
+            json.dump(config | {"num_local_experts": 4}, f)
+        config_from_hf(mx)
+
+
+def _round_fp4(w):
+    """Each 32-block rounded to FP4 values times a power of two (the MXFP4 grid)."""
+    *lead, cols = w.shape
+    blk = w.reshape(*lead, cols // 32, 32)
+    exp = torch.floor(torch.log2(blk.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -100))) - 2
+    scale = torch.ldexp(torch.ones_like(exp), exp.int())
+    lut = torch.tensor(FP4_VALUES)
+    return lut[((blk / scale).unsqueeze(-1) - lut).abs().argmin(-1)].mul(scale).reshape(w.shape)
+
+
+# ---------------------------------------------------------------- configs, presets, export
+PUBLISHED = {  # openai/gpt-oss-{20b,120b} config.json (the fields shardwise reads)
+    "gpt-oss-20b": dict(num_hidden_layers=24, num_local_experts=32),
+    "gpt-oss-120b": dict(num_hidden_layers=36, num_local_experts=128),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_config_json_equals_the_preset(name, tmp_path):
+    n = PUBLISHED[name]["num_hidden_layers"]
+    config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+              "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+              "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+              "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * (n // 2),
+              "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+              "num_key_value_heads": 8, "output_router_logits": False, "pad_token_id": 199999,
+              "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                 "model.embed_tokens", "lm_head"],
+                                      "quant_method": "mxfp4"},
+              "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                      "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                      "truncate": False},
+              "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+              "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True,
+              "vocab_size": 201088, **PUBLISHED[name]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    got = config_from_hf(str(tmp_path))
+    want = dataclasses.replace(MODEL_PRESETS[name], name=got.name, moe_aux_loss_coef=0.0, moe_aux_loss_scope="model")
+    assert got == want
+
+
+def test_published_sizes():
+    """Totals as published (model card: 116.83B / 20.91B); active as published counts no input embedding."""
+    for name, total, active in (("gpt-oss-120b", 116.83e9, 5.13e9), ("gpt-oss-20b", 20.91e9, 3.61e9)):
+        cfg = MODEL_PRESETS[name]
+        assert abs(cfg.num_params() / total - 1) < 1e-3, (name, cfg.num_params())
+        assert abs((cfg.num_active_params() - cfg.vocab_size * cfg.dim) / active - 1) < 1e-3, name
+
+
+def test_export_loads_in_transformers_with_the_same_logits(gpt_oss, tmp_path):
+    cfg = config_from_hf(gpt_oss)
+    model = plain_model(cfg)
+    hf.load_hf_into(model, gpt_oss)
+    out = hf.export_hf(model, cfg, str(tmp_path / "export"))
+    tokens = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(fresh_seed()))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert_close(ref(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+    assert config_from_hf(out) == cfg
+    with pytest.raises(ConfigError, match="attention_sinks"):
+        hf_config(dataclasses.replace(cfg, attention_sinks=False))
