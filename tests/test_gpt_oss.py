@@ -421,3 +421,28 @@ def test_generate_decodes_with_windows_and_sinks_as_transformers(gpt_oss):
         cache = KVCache(model)
         steps = [cache.forward(tokens[:, :4])] + [cache.forward(tokens[:, i:i + 1]) for i in range(4, 16)]
         assert_close(torch.cat(steps, 1), model(tokens)[..., :64], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- planner
+def test_planner_tensors_totals_and_windowed_flops(gpt_oss):
+    """The planner's tensors are the model's, in order (biases and sinks included); its totals the published ones
+    (within 0.1%); a sliding layer's attention core counts min(W, s) keys."""
+    from shardwise.planner.estimate import model_flops
+    from shardwise.planner.layout import Workload
+    from shardwise.planner.models import ModelSpec, active_params, layer_tensors, total_params
+
+    cfg = config_from_hf(gpt_oss)
+    spec = ModelSpec.of(cfg)
+    model = plain_model(cfg)
+    assert [t.numel for t in layer_tensors(spec, True)] == [p.numel() for p in model.layers["0"].parameters()]
+    assert total_params(spec) == cfg.num_params() == sum(p.numel() for p in model.parameters())
+    for name, total, active in (("gpt-oss-120b", 116.83e9, 5.13e9), ("gpt-oss-20b", 20.91e9, 3.61e9)):
+        big = ModelSpec.of(MODEL_PRESETS[name])
+        assert abs(total_params(big) / total - 1) < 1e-3, name
+        assert abs((active_params(big) - big.vocab_size * big.dim) / active - 1) < 1e-3, name
+    big = ModelSpec.of(MODEL_PRESETS["gpt-oss-120b"])
+    full = dataclasses.replace(big, sliding_layers=(), sliding_window=0)
+    wl = Workload(seq_len=4096, global_batch=8)
+    core_per_layer = 3 * 8 * 4096 * 2.0 * 4096 * big.n_heads * 2 * big.head_dim  # fwd + bwd, every key
+    saved = core_per_layer * (1 - 128 / 4096) * len(big.sliding_layers)
+    assert model_flops(full, wl) - model_flops(big, wl) == pytest.approx(saved, rel=1e-12)
