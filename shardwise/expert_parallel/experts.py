@@ -106,9 +106,9 @@ class GroupedExperts(nn.Module):
             x = rows.to(dtype)
             with torch.autocast(rows.device.type, enabled=False):  # already in the compute dtype
                 b1, b3, b2 = self._row_biases(device_counts, rows.shape[0], dtype)
-                h = self.glu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs) + b1,
-                             torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs) + b3)
-                return (torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs) + b2).to(rows.dtype)
+                h = self.glu(_plus(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs), b1),
+                             _plus(torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs), b3))
+                return _plus(torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs), b2).to(rows.dtype)
         # unbind, not w[e]: indexing's backward builds a zero-filled gradient of all local experts per expert;
         # unbind's stacks the experts' gradients once
         none = [None] * self.n_local
@@ -123,9 +123,13 @@ class GroupedExperts(nn.Module):
     def _row_biases(self, device_counts: torch.Tensor, n_rows: int, dtype) -> tuple:
         """Each row's expert biases for the grouped GEMMs (0 without biases), repeated on the device: no host read."""
         if self.b1 is None:
-            return 0.0, 0.0, 0.0
+            return None, None, None
         return tuple(torch.repeat_interleave(b.to(dtype), device_counts, dim=0, output_size=n_rows)
                      for b in (self.b1, self.b3, self.b2))
 
     def extra_repr(self) -> str:
         return f"experts [{self.first}, {self.first + self.n_local}) of {self.n_experts}"
+
+
+def _plus(t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return t if bias is None else t + bias
