@@ -446,3 +446,15 @@ def test_planner_tensors_totals_and_windowed_flops(gpt_oss):
     core_per_layer = 3 * 8 * 4096 * 2.0 * 4096 * big.n_heads * 2 * big.head_dim  # fwd + bwd, every key
     saved = core_per_layer * (1 - 128 / 4096) * len(big.sliding_layers)
     assert model_flops(full, wl) - model_flops(big, wl) == pytest.approx(saved, rel=1e-12)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(sliding_window=-1), "sliding_window=-1 must be an integer >= 0"),
+    (dict(sliding_layers=(0, 30)), "sliding_layers entry 30 is not a layer index in \\[0, 24\\)"),
+    (dict(sliding_window=0), "sliding_layers=.* need sliding_window > 0"),
+    (dict(attn_dropout=0.1), "attn_dropout=0.1 with attention sinks or sliding windows is not supported"),
+    (dict(moe_swiglu_limit=-1.0), "moe_swiglu_limit=-1.0 must be >= 0"),
+])
+def test_bad_gpt_oss_fields_are_refused(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(MODEL_PRESETS["gpt-oss-20b"], **changes).validate()
