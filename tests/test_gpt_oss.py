@@ -404,22 +404,22 @@ def test_cp4_sinks_windows_and_documents_match_one_device():
 
 def test_generate_decodes_with_windows_and_sinks_as_transformers(gpt_oss):
     """The KV-cache decode (a sliding layer's newest token sees its window's latest keys, the sinks join every
-    softmax) equals the full forward and transformers' greedy `generate`, step by step, past the 5-token window."""
+    softmax) equals transformers' greedy `generate` step by step and the full forward, past the 5-token window."""
     from shardwise.generate import KVCache, generate_ids, load_source
 
     model, *_ = load_source(gpt_oss)
     prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(fresh_seed()))
     scores = []
-    ids, _ = generate_ids(model, prompt[0].tolist(), 12, None, scores=scores)
+    ids, _ = generate_ids(model, prompt[0].tolist(), 6, None, scores=scores)
     ref = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+        out = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
                            output_logits=True, return_dict_in_generate=True, pad_token_id=0)
         assert ids == out.sequences[0, 4:].tolist()
         assert_close(torch.stack(scores), torch.cat(out.logits).float(), rtol=1e-4, atol=1e-4)
-        tokens = out.sequences[:, :16]
+        tokens = torch.cat([out.sequences, prompt], 1)  # 14 tokens: the window slides past the prompt
         cache = KVCache(model)
-        steps = [cache.forward(tokens[:, :4])] + [cache.forward(tokens[:, i:i + 1]) for i in range(4, 16)]
+        steps = [cache.forward(tokens[:, :4])] + [cache.forward(tokens[:, i:i + 1]) for i in range(4, 14)]
         assert_close(torch.cat(steps, 1), model(tokens)[..., :64], rtol=1e-5, atol=1e-5)
 
 
