@@ -458,3 +458,33 @@ def test_planner_tensors_totals_and_windowed_flops(gpt_oss):
 def test_bad_gpt_oss_fields_are_refused(changes, message):
     with pytest.raises(ConfigError, match=message):
         dataclasses.replace(MODEL_PRESETS["gpt-oss-20b"], **changes).validate()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planner_expert_activations_equal_what_autograd_saves(dtype):
+    """The clamped SwiGLU's and the expert biases' saved bytes (the grouped GEMM path) are the planner's hook."""
+    from shardwise.expert_parallel.experts import GroupedExperts
+    from shardwise.mesh import Axis
+    from shardwise.planner import gpt_oss as planner_gpt_oss
+
+    def saved(**kw):
+        experts = GroupedExperts(4, 32, 64, Axis("ep"), grouped_mm=True, **kw)
+        for p in experts.parameters():
+            torch.nn.init.normal_(p)
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        rows = torch.randn(40, 32, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                experts(rows, [10] * 4, torch.tensor([10] * 4))
+        return sum(storages.values())
+
+    cfg = dataclasses.replace(MODEL_PRESETS["gpt-oss-20b"], moe_ffn_dim=64)
+    from shardwise.planner.models import ModelSpec
+
+    spec = ModelSpec.of(cfg)
+    e = 4 if dtype == torch.float32 else 2
+    assert saved(bias=True, swiglu_limit=7.0) - saved() == planner_gpt_oss.expert_activation_bytes(spec, e, 40)

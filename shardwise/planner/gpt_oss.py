@@ -43,3 +43,11 @@ def window_share(spec, layer: int, seq_len: int) -> float:
     """The fraction of a full layer's attention-core FLOPs layer `layer` does at `seq_len` tokens."""
     w = spec.window(layer)
     return min(w, seq_len) / seq_len if w else 1.0
+
+
+def expert_activation_bytes(spec, act_bytes: int, rows: int) -> int:
+    """What the grouped experts save beyond silu(w1 x)·w3 x for `rows` routed rows: the clamped SwiGLU keeps three
+    more [rows, ffn] tensors (the clamped gate, up + 1, the gate's sigmoid), and each of the three row-bias
+    gathers its int64 index (one per row)."""
+    clamp = 3 * act_bytes * rows * spec.expert_ffn_dim if spec.moe_swiglu_limit else 0
+    return clamp + (3 * 8 * rows if spec.moe_expert_bias else 0)
