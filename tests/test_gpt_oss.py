@@ -6,9 +6,11 @@ every gradient sinks included. The model, on a small random GptOss saved with `s
 drawn at 0.5, weights at 0.2, YaRN with truncate false, a 5-token window on layer 0 of a 16-token sequence):
 logits, loss and every gradient equal transformers' on one device; MXFP4 expert tensors (`*_blocks`,
 `*_scales`) quantised here dequantise exactly and load into the same model; export loads back into transformers.
-Multi-rank (one 2-rank fork, one 4-rank fork): tp2, dp2×ep2, cp2 ring and Ulysses, pp2 against transformers'
+Multi-rank (one 2-rank fork, one 4-rank fork): tp2×SP, dp2×ep2, cp2 ring and Ulysses, pp2 against transformers'
 loss and every gradient; cp4 ring and Ulysses attention with sinks, windows and documents against one device,
-and the windowed ring's ledger equal to the blocks it sends.
+and the windowed ring's ledger equal to the blocks it sends. Also: greedy `generate` against transformers', the
+published config.json against the presets, the planner's tensors, totals, windowed FLOPs and expert activations,
+and bad config fields refused.
 """
 import dataclasses
 import json
