@@ -136,6 +136,14 @@ FAMILIES = {
                                         n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                                         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                                         max_position_embeddings=1024)),
+    # gpt-oss: sinks, 128-token windows on even layers, q/k/v/o biases, 16 experts top-4 with biases and the
+    # clamped SwiGLU, YaRN; transformers runs it with eager attention (GptOss has no SDPA path: sinks)
+    "gpt-oss": ("GptOss", dict(vocab_size=512, hidden_size=256, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_local_experts=16,
+                               num_experts_per_tok=4, sliding_window=128, max_position_embeddings=1024,
+                               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": 128})),
 }
 
 
@@ -152,7 +160,8 @@ def family_models(name: str, seed: int, folder: str):
     cls, kw = FAMILIES[name]
     torch.manual_seed(seed)
     hcfg = getattr(transformers, f"{cls}Config")(**kw)
-    hcfg._attn_implementation = "sdpa"
+    attn = "eager" if cls == "GptOss" else "sdpa"
+    hcfg._attn_implementation = attn
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf = getattr(transformers, f"{cls}ForCausalLM")(hcfg).to(torch.float32)
@@ -160,7 +169,10 @@ def family_models(name: str, seed: int, folder: str):
         for n, b in hf.named_buffers():  # DeepSeek's selection bias: random, so group-limited routing matters
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.3)
-    hf.config._attn_implementation = "sdpa"
+        for n, p in hf.named_parameters():  # gpt-oss's biases and sinks: random, so their paths do work
+            if n.endswith("bias") or n.endswith("sinks"):
+                p.normal_(0.0, 0.1)
+    hf.config._attn_implementation = attn
     hf.save_pretrained(folder, safe_serialization=True)
     cfg = dataclasses.replace(config_from_hf(folder), moe_aux_loss_coef=0.0)
     sw = build_model(cfg, Mesh.single(), seed=seed)
@@ -230,7 +242,7 @@ SMOKE = {"batch": 1, "seq_tiny": 16, "seq_small": 16, "reps": 1, "warmup": 0, "t
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,small,qwen3-moe,deepseek-v3")
+    ap.add_argument("--models", default="tiny,small,qwen3-moe,deepseek-v3,gpt-oss")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-tiny", type=int, default=128)
     ap.add_argument("--seq-small", type=int, default=256, help="small and the MoE families")

@@ -180,7 +180,8 @@ class _Tok:
 def _cached_core(core):
     """Stands in for one attention module's `core` (an AttentionCore) while decoding: prepends the cached keys
     and values. The prompt (nothing cached yet) runs the module's own causal core; each later single token
-    attends to every cached key, so no mask is needed (SDPA at the core's scale: MLA's, else 1/sqrt(d))."""
+    attends to every cached key (a sliding layer's: its window's latest), so no mask is needed (SDPA at the core's
+    scale: MLA's, else 1/sqrt(d); with gpt-oss's sinks an explicit softmax with the sink column)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -190,15 +191,25 @@ def _cached_core(core):
             super().__init__()
             self.own, self.k, self.v = [core], None, None  # a list: not registered as a child module
 
-        def forward(self, q, k, v, doc_ids=None):
+        def forward(self, q, k, v, doc_ids=None, sinks=None):
             if self.k is None:
                 self.k, self.v = k, v
-                return self.own[0](q, k, v, doc_ids)
+                return self.own[0](q, k, v, doc_ids, sinks)
             if q.shape[2] != 1:
                 raise ValueError("the KV cache takes the prompt in one call and then one token per call")
             self.k, self.v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
-            return F.scaled_dot_product_attention(q, self.k, self.v, scale=self.own[0].scale,
-                                                  enable_gqa=q.shape[1] != self.k.shape[1])
+            window = self.own[0].window  # gpt-oss's sliding layers: the newest token sees its `window` latest keys
+            keys, values = (self.k, self.v) if not window else (self.k[:, :, -window:], self.v[:, :, -window:])
+            if sinks is None:
+                return F.scaled_dot_product_attention(q, keys, values, scale=self.own[0].scale,
+                                                      enable_gqa=q.shape[1] != keys.shape[1])
+            # gpt-oss's sinks: one more logit per head in the softmax, with no value (one query row: explicit)
+            g = q.shape[1] // keys.shape[1]
+            scale = self.own[0].scale or q.shape[-1] ** -0.5
+            scores = q.float() @ keys.float().repeat_interleave(g, 1).transpose(-1, -2) * scale
+            scores = torch.cat((scores, sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)), -1)
+            probs = scores.softmax(-1)[..., :-1]
+            return (probs @ values.float().repeat_interleave(g, 1)).to(q.dtype)
 
     return CachedCore()
 

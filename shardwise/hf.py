@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .hf_config import hf_config
+from .hf_config import hf_config, is_gpt_oss
+from .hf_gpt_oss import EXPERT as GPT_OSS_EXPERT, expert_source, export_tensors as gpt_oss_tensors
 from .pipeline.tied_embedding import tied_name
 from .tensor_parallel.layers import get_spec
 
@@ -139,6 +140,9 @@ def _hf_name(name: str, cfg: ModelConfig) -> tuple[str, bool]:
     m = re.fullmatch(r"mtp\.(\d+)\.(enorm|hnorm|eh_proj|head_norm)\.weight", name)
     if m is not None:  # DeepSeek's MTP-only tensors of layer n_layers + k
         return f"model.layers.{cfg.n_layers + int(m.group(1))}.{_MTP[m.group(2)]}.weight", False
+    m = re.fullmatch(r"layers\.(\d+)\.attention\.sinks", name)
+    if m is not None:  # gpt-oss: one logit per head, no rows to permute
+        return f"model.layers.{m.group(1)}.self_attn.sinks", False
     m = re.fullmatch(r"layers\.(\d+)\.(\w+(?:\.\w+)*)\.(weight|bias)", name)
     if m is None or m.group(2) not in _LAYER:
         raise KeyError(f"shardwise parameter {name!r} has no Hugging Face counterpart")
@@ -151,6 +155,9 @@ def _hf_name(name: str, cfg: ModelConfig) -> tuple[str, bool]:
 def tensor_source(name: str, cfg: ModelConfig, files: WeightFiles) -> TensorSource:
     """How to read shardwise's global tensor `name` from this checkpoint (legacy or fused Mixtral experts)."""
     name = _as_layer(name, cfg)
+    gpt_oss = expert_source(name, cfg, files) if is_gpt_oss(cfg) else None
+    if gpt_oss is not None:  # gpt-oss's router and experts (plain or MXFP4): hf_gpt_oss.py
+        return gpt_oss
     m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))", name)
     if m is None:
         hf, heads = _hf_name(name, cfg)
@@ -266,12 +273,17 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
              and not (n == "output.weight" and cfg.tie_embeddings)]
     if missing or extra:
         raise KeyError(f"export: the state does not match the config: missing {missing[:3]}, unexpected {extra[:3]}")
-    tensors = {}
+    tensors, gpt_oss = {}, {}
     for n, ref in expected.items():
         t = state[n].detach().to("cpu", torch.float32)
         if tuple(t.shape) != tuple(ref.shape):
             raise ValueError(f"export: {n} has shape {tuple(t.shape)}, the config needs {tuple(ref.shape)}")
+        if is_gpt_oss(cfg) and GPT_OSS_EXPERT.fullmatch(n):  # gate and up interleave into one tensor: below
+            gpt_oss[n] = t
+            continue
         tensors.update({k: v.contiguous().clone() for k, v in _hf_tensors(n, t, cfg).items()})
+    if gpt_oss:
+        tensors.update({k: v.contiguous().clone() for k, v in gpt_oss_tensors(gpt_oss, cfg).items()})
     if cfg.is_mla and cfg.moe_score == "sigmoid":  # DeepSeek-V3 keeps the selection bias as e_score_correction_bias
         for n, t in state.items():
             m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", _as_layer(n, cfg))

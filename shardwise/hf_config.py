@@ -15,13 +15,13 @@ import warnings
 
 from .config import ConfigError, ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Each model class's rope_theta when config.json omits it (HF's class defaults).
 DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
-                 "qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "deepseek_v3": 10000.0}
+                 "qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "deepseek_v3": 10000.0, "gpt_oss": 150000.0}
 ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                "deepseek_v2": "DeepseekV2ForCausalLM"}
+                "deepseek_v2": "DeepseekV2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 QWEN3 = ("qwen3", "qwen3_moe")  # per-head q/k RMSNorm, explicit head_dim
 # ModelConfig fields that newer shardwise versions add; a config needing a missing one is refused.
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -111,6 +111,8 @@ def _max_positions(hf: dict, where: str, mt: str) -> int:
     window = hf.get("sliding_window")
     if mt in ("qwen2", *QWEN3) and not hf.get("use_sliding_window", False):
         window = None
+    if mt == "gpt_oss":  # its windows are computed (ModelConfig.sliding_window), so the context is not capped
+        window = None
     if window is not None and int(window) < n:
         warnings.warn(f"{where}: sliding_window={window} < max_position_embeddings={n}: sequences are limited to "
                       f"{window} tokens, where full causal attention equals sliding-window attention", stacklevel=3)
@@ -143,8 +145,9 @@ def config_from_hf(path: str) -> ModelConfig:
         refuse("hidden_act", "shardwise's MLP is SwiGLU with silu")
     if hf.get("mlp_bias"):
         refuse("mlp_bias", "shardwise's MLP has no biases")
-    if hf.get("quantization_config"):
-        refuse("quantization_config", "load an unquantized checkpoint")
+    quant = hf.get("quantization_config")
+    if quant and not (mt == "gpt_oss" and quant.get("quant_method") == "mxfp4"):  # gpt-oss's MXFP4 is dequantised
+        refuse("quantization_config", "load an unquantized checkpoint (or gpt-oss's MXFP4 experts)")
     dim, heads = int(_req(hf, "hidden_size", where)), int(_req(hf, "num_attention_heads", where))
     head_dim = 0
     if mt in QWEN3:  # Qwen3Attention: getattr(config, "head_dim", ...); Qwen3Config's default is 128, Qwen3-MoE's
@@ -156,10 +159,12 @@ def config_from_hf(path: str) -> ModelConfig:
             refuse("layer_types", "only full_attention layers are supported")
     elif mt in ("deepseek_v2", "deepseek_v3"):
         head_dim = int(_req(hf, "qk_nope_head_dim", where))  # its head_dim key is the rotary size
+    elif mt == "gpt_oss":  # GptOssConfig: head_dim 64 by default, independent of hidden_size
+        head_dim = int(hf.get("head_dim") or 64)
     elif hf.get("head_dim") is not None and int(hf["head_dim"]) * heads != dim:
         refuse("head_dim", f"shardwise needs head_dim = hidden_size / num_attention_heads = {dim // heads}")
     # Qwen2 always has q/k/v biases; Llama's and Qwen3's attention_bias also put one on o_proj, which shardwise lacks.
-    if mt != "qwen2" and hf.get("attention_bias"):
+    if mt not in ("qwen2", "gpt_oss") and hf.get("attention_bias"):
         refuse("attention_bias", "only q/k/v biases (model_type qwen2) are supported")
     theta, scaling, yarn, mla_mscale = _rope(hf, where, mt)
     kw = dict(name=f"hf-{mt}", vocab_size=int(_req(hf, "vocab_size", where)), dim=dim,
@@ -186,6 +191,8 @@ def config_from_hf(path: str) -> ModelConfig:
         _qwen3_moe(hf, kw, where)
     if mt in ("deepseek_v2", "deepseek_v3"):
         _deepseek(mt, hf, kw, where, refuse)
+    if mt == "gpt_oss":
+        _gpt_oss(hf, kw, where, refuse)
     if mt == "mixtral":
         # HF Mixtral: softmax over all experts, top-k, renormalise = softmax over the top-k logits; dropless. Its
         # aux loss is Qwen3-MoE's (`load_balancing_loss_func`, pooled over all layers), added only when
@@ -217,6 +224,63 @@ def _qwen3_moe(hf: dict, kw: dict, where: str) -> None:
               moe_dense_layers=dense, moe_ffn_dim=int(hf.get("moe_intermediate_size", 768)), moe_shared_experts=0,
               moe_softmax_before_topk=not hf.get("norm_topk_prob", False), moe_score="softmax",
               moe_aux_loss_coef=coef, moe_aux_loss_scope="model")
+
+
+def _gpt_oss(hf: dict, kw: dict, where: str, refuse) -> None:
+    """GptOssForCausalLM: q/k/v/o biases (attention_bias, default true), per-head sinks, `layer_types` of
+    sliding_attention (window `sliding_window`) and full_attention (default: even layers sliding), every layer MoE
+    (router with a bias, top-k logits softmaxed, experts with biases and the clamped SwiGLU); HF's pooled aux loss
+    only with output_router_logits."""
+    n = kw["n_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
+        refuse("layer_types", f"need {n} entries of sliding_attention / full_attention")
+    window = int(hf.get("sliding_window") or 0)
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+    bias = bool(hf.get("attention_bias", True))
+    coef = float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
+    kw.update(attention_bias=bias, attention_out_bias=bias, attention_sinks=True, sliding_window=window,
+              sliding_layers=sliding, moe_experts=int(_req(hf, "num_local_experts", where)),
+              moe_topk=int(hf.get("num_experts_per_tok", 4)), moe_every=1, moe_ffn_dim=kw["ffn_dim"],
+              moe_softmax_before_topk=False, moe_score="softmax", moe_router_bias=True, moe_expert_bias=True,
+              moe_swiglu_limit=float(hf.get("swiglu_limit", 7.0)), moe_swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+              moe_aux_loss_coef=coef, moe_aux_loss_scope="model")
+
+
+def is_gpt_oss(cfg: ModelConfig) -> bool:
+    """A model with any of gpt-oss's parts: exported as gpt_oss, its tensors under GptOss's names."""
+    return bool(cfg.attention_sinks or cfg.sliding_layers or cfg.attention_out_bias or cfg.moe_router_bias
+                or cfg.moe_expert_bias or cfg.moe_swiglu_limit)
+
+
+def _gpt_oss_config(cfg: ModelConfig, refuse) -> dict:
+    """config.json of a GptOssForCausalLM: every part gpt-oss has, none it lacks."""
+    checks = [("attention_sinks", True), ("attention_bias", True), ("attention_out_bias", True),
+              ("moe_router_bias", True), ("moe_expert_bias", True), ("moe_every", 1), ("moe_dense_layers", ()),
+              ("moe_shared_experts", 0), ("moe_score", "softmax"), ("moe_softmax_before_topk", False),
+              ("qk_norm", False), ("tie_embeddings", False), ("rope_scaling", None)]
+    for field, want in checks:
+        if getattr(cfg, field) != want:
+            refuse(field, f"GptOssForCausalLM has {field}={want!r}")
+    if not cfg.moe_experts or (cfg.moe_ffn_dim or cfg.ffn_dim) != cfg.ffn_dim or not cfg.moe_swiglu_limit:
+        refuse("moe_experts", "GptOssForCausalLM's every layer is MoE of intermediate_size, with the clamped SwiGLU")
+    out = {"architectures": [ARCHITECTURE["gpt_oss"]], "model_type": "gpt_oss", "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+           "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+           "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+           "rope_theta": cfg.rope_theta, "tie_word_embeddings": False, "attention_dropout": cfg.attn_dropout,
+           "attention_bias": True, "sliding_window": cfg.sliding_window or None,
+           "layer_types": ["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)],
+           "num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_topk,
+           "swiglu_limit": cfg.moe_swiglu_limit, "swiglu_alpha": cfg.moe_swiglu_alpha,
+           "router_aux_loss_coef": cfg.moe_aux_loss_coef,
+           "output_router_logits": bool(cfg.moe_aux_loss_coef) and cfg.moe_aux_loss_scope == "model",
+           "torch_dtype": "float32"}
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_yarn is not None:
+        rope.update(_yarn_json(cfg))
+    out["rope_parameters"] = rope
+    return out
 
 
 def _deepseek(mt: str, hf: dict, kw: dict, where: str, refuse) -> None:
@@ -266,6 +330,8 @@ def hf_config(cfg: ModelConfig) -> dict:
         refuse("attention_bias", "Qwen3 (q/k norms) has no q/k/v-only biases")
     if cfg.is_mla:
         return _deepseek_config(cfg, refuse)
+    if is_gpt_oss(cfg):
+        return _gpt_oss_config(cfg, refuse)
     mt = ("qwen3_moe" if cfg.moe_experts else "qwen3") if cfg.qk_norm else \
         "mixtral" if cfg.moe_experts else "qwen2" if bias else "llama"
     if cfg.moe_experts:

@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, ParallelConfig
+from .context_parallel.local import local_attention
 from .context_parallel.plan import ContextParallel
 from .expert_parallel.moe import MoE, build_moe, share_aux_pool
 from .mesh import Mesh
 from .models.context import ParallelContext
 from .models.llama import Transformer
-from .models.params import carry, head_partial, init_of, init_std
+from .models.params import carry, declare, head_partial, init_of, init_std
 from .recompute import apply_recompute
 from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .tensor_parallel.layers import (ColumnParallelLinear, ColumnRegion, RowParallelLinear, ShardSpec,
@@ -47,7 +48,7 @@ def _unsplit_moe(cfg: ModelConfig, _layer_id: int) -> MoE:
 def plain_model(cfg: ModelConfig) -> Transformer:
     """The unsharded model with the one-device context (MoE blocks unsplit): what HF import/export and the
     single-device tests build directly, under the caller's device (meta for names and shapes)."""
-    model = Transformer(cfg, ParallelContext(moe=_unsplit_moe))
+    model = Transformer(cfg, ParallelContext(moe=_unsplit_moe, attention=local_attention))
     share_aux_pool(model)
     return model
 
@@ -125,7 +126,10 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
                                                    replicas=kv_replicas, grad_reduce=kv_reduce, **kw))
             _swap(attn, "wv", ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
                                                    replicas=kv_replicas, grad_reduce=kv_reduce, **kw))
-            _swap(attn, "wo", RowParallelLinear(cfg.n_heads * hd, h, tp, sequence_parallel=sp, **kw))
+            _swap(attn, "wo", RowParallelLinear(cfg.n_heads * hd, h, tp, bias=cfg.attention_out_bias,
+                                                sequence_parallel=sp, **kw))
+            if attn.sinks is not None:
+                attn.sinks = _head_sinks(cfg, tp)
         if ffn is not None:
             _swap(ffn, "w1", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
             _swap(ffn, "w3", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
@@ -159,6 +163,13 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
             partial = sp or (tp.active and head_partial(p))
             set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if partial else None))
     return model
+
+
+def _head_sinks(cfg: ModelConfig, tp) -> nn.Parameter:
+    """gpt-oss's sinks split with the query heads: this rank's heads' logits (their gradient is complete here)."""
+    per = cfg.n_heads // tp.size
+    p = declare(nn.Parameter(torch.empty(per, device="meta")), "normal")
+    return set_spec(p, ShardSpec((cfg.n_heads,), 0, tp.rank * per, per, per))
 
 
 def _vocab_parallel_loss(tp, vocab_start: int, vocab_size: int, logits, targets, ignore_index: int = -100,
@@ -240,7 +251,7 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     every activation payload downstream follow it.
     """
     p = parallel or ParallelConfig()
-    ctx = ParallelContext(moe=_unsplit_moe)  # the TP plan below splits the experts over ep
+    ctx = ParallelContext(moe=_unsplit_moe, attention=local_attention)  # the TP plan splits the experts over ep
     with torch.device("meta"):
         model = Transformer(cfg, ctx)
     apply_tensor_parallel(model, mesh, p.sequence_parallel, fused=p.fused_projections, overlap=p.tp_overlap)

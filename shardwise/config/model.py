@@ -98,6 +98,24 @@ class ModelConfig:
     mtp_layers: int = 0
     """DeepSeek-V3 multi-token prediction depth D (`--mtp-layers`): D extra modules, module k predicting token i+k+1
     (docs/mtp.md). 0 = off, also when a config.json has num_nextn_predict_layers."""
+    # gpt-oss (OpenAI's open-weight MoE): attention sinks, sliding windows, output bias, biased router and experts.
+    attention_sinks: bool = False
+    """A learned logit per query head in every softmax's denominator (gpt-oss's sinks): a head may attend to nothing."""
+    sliding_window: int = 0
+    """Keys a query of a `sliding_layers` layer sees, itself included (key k visible from query q iff q − W < k ≤ q,
+    transformers' sliding_window); 0 = no windowed layer."""
+    sliding_layers: tuple[int, ...] = ()
+    """Layers that attend within `sliding_window` (gpt-oss: the even ones); the others see every earlier token."""
+    attention_out_bias: bool = False
+    """A bias on the output projection wo too (gpt-oss's attention_bias covers q, k, v and o)."""
+    moe_router_bias: bool = False
+    """A learned bias on the router logits, in the selection and in the weights alike (gpt-oss)."""
+    moe_expert_bias: bool = False
+    """Biases on every routed expert's three projections (gpt-oss)."""
+    moe_swiglu_limit: float = 0.0
+    """> 0: gpt-oss's clamped expert SwiGLU, (min(up, ±limit) + 1) · g·σ(α·g) with g = min(gate, limit); 0: silu SwiGLU."""
+    moe_swiglu_alpha: float = 1.702
+    """α of the clamped SwiGLU's gate (gpt-oss: 1.702, the sigmoid approximation of GELU)."""
 
     def __post_init__(self):
         # head_dim 0 means "derived": resolve it, and remember so overrides of dim / n_heads re-derive it.
@@ -107,6 +125,8 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if isinstance(self.moe_dense_layers, list):
             object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))
+        if isinstance(self.sliding_layers, list):
+            object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
 
     def with_overrides(self, **changes) -> ModelConfig:
         """dataclasses.replace that re-derives a derived head_dim (so `--dim` on a preset keeps dim // n_heads)."""
@@ -116,6 +136,10 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe_experts > 0 and i % self.moe_every == 0 and i not in self.moe_dense_layers
+
+    def window(self, i: int) -> int:
+        """Layer i's sliding window (0: it sees every earlier token)."""
+        return self.sliding_window if i in self.sliding_layers else 0
 
     @property
     def has_mtp_architecture(self) -> bool:
@@ -192,12 +216,33 @@ class ModelConfig:
             v = getattr(self, f)
             if not 0.0 <= v < 1.0:
                 raise ConfigError(f"model {self.name!r}: {f}={v} must be in [0, 1)")
+        self._validate_gpt_oss()
+
+    def _validate_gpt_oss(self) -> None:
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ConfigError(f"model {self.name!r}: sliding_window={self.sliding_window!r} must be an integer >= 0 "
+                              "(0 = no sliding window)")
+        bad = [i for i in self.sliding_layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
+        if bad:
+            raise ConfigError(f"model {self.name!r}: sliding_layers entry {bad[0]!r} is not a layer index in "
+                              f"[0, {self.n_layers})")
+        if self.sliding_layers and not self.sliding_window:
+            raise ConfigError(f"model {self.name!r}: sliding_layers={self.sliding_layers} need sliding_window > 0")
+        if self.attn_dropout and (self.attention_sinks or self.sliding_layers):
+            raise ConfigError(f"model {self.name!r}: attn_dropout={self.attn_dropout} with attention sinks or sliding "
+                              "windows is not supported (their kernels run without dropout); valid: attn_dropout=0")
+        if self.attention_sinks and self.is_mla:
+            raise ConfigError(f"model {self.name!r}: attention_sinks with MLA is not supported")
+        if not self.moe_swiglu_limit >= 0:
+            raise ConfigError(f"model {self.name!r}: moe_swiglu_limit={self.moe_swiglu_limit} must be >= 0 (0 = silu "
+                              "SwiGLU)")
 
     def num_params(self) -> int:
         """Total parameter count (embedding and LM head counted once each unless tied)."""
         h, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.attention_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
+        attn += (h if self.attention_out_bias else 0) + (self.n_heads if self.attention_sinks else 0)
         if self.is_mla:
             qk, r = self.head_dim + self.qk_rope_dim, self.q_lora_rank
             q_proj = (h * r + r + r * self.n_heads * qk) if r else h * self.n_heads * qk
@@ -206,6 +251,7 @@ class ModelConfig:
         dense_mlp = 3 * h * self.ffn_dim
         moe_ffn = self.moe_ffn_dim or self.ffn_dim
         moe_mlp = 3 * h * moe_ffn * (self.moe_experts + self.moe_shared_experts) + self.moe_experts * h
+        moe_mlp += self.moe_experts * (self.moe_expert_bias * (2 * moe_ffn + h) + self.moe_router_bias)
         blocks = range(self.n_layers + self.mtp_layers)  # MTP module k's block is layer n_layers + k (DeepSeek's)
         mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in blocks)
         emb = self.vocab_size * h
@@ -217,7 +263,8 @@ class ModelConfig:
         top-k routed experts (the "active" size MoE model cards quote)."""
         moe_ffn = self.moe_ffn_dim or self.ffn_dim
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers + self.mtp_layers))
-        return self.num_params() - n_moe * 3 * self.dim * moe_ffn * (self.moe_experts - self.moe_topk)
+        expert = 3 * self.dim * moe_ffn + self.moe_expert_bias * (2 * moe_ffn + self.dim)
+        return self.num_params() - n_moe * expert * (self.moe_experts - self.moe_topk)
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
@@ -288,6 +335,26 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         name="deepseek-v2-lite", vocab_size=102400, dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, head_dim=128,
         ffn_dim=10944, max_seq_len=4096, norm_eps=1e-6, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
         moe_experts=64, moe_topk=6, moe_ffn_dim=1408, moe_shared_experts=2, moe_dense_layers=(0,),
+    ),
+    # openai/gpt-oss-20b and gpt-oss-120b config.json: head_dim 64 (64·64 = 4096 > hidden 2880), q/k/v/o biases,
+    # sinks, 128-token windows on the even layers, every layer MoE (top-4, softmax over the chosen four biased
+    # logits) with biased experts and the clamped SwiGLU, YaRN 32× over 4096 tokens (truncate false, cos/sin ×
+    # 0.1 ln 32 + 1). The released weights' experts are MXFP4 (dequantised on import, hf_mxfp4.py).
+    "gpt-oss-20b": ModelConfig(
+        name="gpt-oss-20b", vocab_size=201088, dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
+        ffn_dim=2880, max_seq_len=131072, rope_theta=150000.0,
+        rope_yarn=(32.0, 4096, 32.0, 1.0, 0.1 * math.log(32.0) + 1.0, False), attention_bias=True,
+        attention_out_bias=True, attention_sinks=True, sliding_window=128, sliding_layers=tuple(range(0, 24, 2)),
+        moe_experts=32, moe_topk=4, moe_ffn_dim=2880, moe_softmax_before_topk=False, moe_router_bias=True,
+        moe_expert_bias=True, moe_swiglu_limit=7.0, moe_aux_loss_coef=0.001,
+    ),
+    "gpt-oss-120b": ModelConfig(
+        name="gpt-oss-120b", vocab_size=201088, dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64,
+        ffn_dim=2880, max_seq_len=131072, rope_theta=150000.0,
+        rope_yarn=(32.0, 4096, 32.0, 1.0, 0.1 * math.log(32.0) + 1.0, False), attention_bias=True,
+        attention_out_bias=True, attention_sinks=True, sliding_window=128, sliding_layers=tuple(range(0, 36, 2)),
+        moe_experts=128, moe_topk=4, moe_ffn_dim=2880, moe_softmax_before_topk=False, moe_router_bias=True,
+        moe_expert_bias=True, moe_swiglu_limit=7.0, moe_aux_loss_coef=0.001,
     ),
 }
 

@@ -24,13 +24,17 @@ class ContextParallel:
     def site(self) -> str:
         return "ring_attention" if self.impl == "ring" else "ulysses"
 
-    def attend(self, q, k, v, scale: float | None = None, doc_ids=None, report=None) -> torch.Tensor:
-        """Causal attention of this rank's queries over every rank's keys (equal q/k and v head sizes).
+    def attend(self, q, k, v, scale: float | None = None, doc_ids=None, sinks=None, window: int = 0,
+               report=None) -> torch.Tensor:
+        """Causal attention of this rank's queries over every rank's keys (equal q/k and v head sizes); `sinks` and
+        `window`: gpt-oss's per-head sink logits and sliding window.
 
         `report` (MuonClip): called with each local query head's largest logit over the block pairs this rank
         computed, −inf for heads it computed none of; the max over cp is taken with dp's, after the step."""
         fn = ring_attention if self.impl == "ring" else ulysses_attention
-        return fn(q, k, v, self.axis, causal=True, order=self.order, scale=scale, doc_ids=doc_ids, report=report)
+        extra = {} if sinks is None and not window else dict(sinks=sinks, window=window)
+        return fn(q, k, v, self.axis, causal=True, order=self.order, scale=scale, doc_ids=doc_ids, report=report,
+                  **extra)
 
     def record_padding(self, what: str, head: int, to: int) -> None:
         """The caller zero-padded a head to one size before `attend` (summary.json reports it)."""

@@ -50,6 +50,7 @@ from . import kernels
 from .kernels import expand_heads, fold_heads
 from ..partition import check_seq_len, chunk_ids
 from .sharding import positions, shard_sequence
+from .sinks import merge_sink, sink_grad, window_mask
 
 
 # ---------------------------------------------------------------- block primitive
@@ -64,12 +65,13 @@ def _math_scores(q, k, causal, scale, mask=None):
     return s
 
 
-def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto", mask=None):
+def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto", mask=None, site: str = "ring_attention"):
     """Attention of one block pair → (out in q's dtype, lse fp32 [b, hq, s_q]). Causal needs s_q == s_k.
 
-    `mask` boolean [b, 1, s_q, s_k] (True = attend): rows that see nothing give out 0, LSE −inf.
+    `mask` boolean [b, 1, s_q, s_k] (True = attend): rows that see nothing give out 0, LSE −inf. `site` names the
+    caller in the kernel record (summary.json's "attention_kernel").
     """
-    choice = kernels.pick("ring_attention", q, v, backend, kernels.mask_kind(causal, mask))
+    choice = kernels.pick(site, q, v, backend, kernels.mask_kind(causal, mask))
     if choice.kernel != "math":
         return kernels.fused_forward(choice, q, k, v, causal, scale, mask)
     g = q.shape[1] // k.shape[1]
@@ -80,9 +82,10 @@ def block_forward(q, k, v, causal: bool, scale: float, backend: str = "auto", ma
     return out.to(q.dtype), lse
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str = "auto", mask=None):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str = "auto", mask=None,
+                   site: str = "ring_attention"):
     """(dq, dk, dv) of one block pair, given the *global* out and LSE of these query rows."""
-    choice = kernels.pick("ring_attention", q, v, backend, kernels.mask_kind(causal, mask))
+    choice = kernels.pick(site, q, v, backend, kernels.mask_kind(causal, mask))
     if choice.kernel != "math":
         return kernels.fused_backward(choice, dout, q, k, v, out, lse, causal, scale, mask)
     g = q.shape[1] // k.shape[1]
@@ -130,16 +133,19 @@ _MAX_PLANS = 64  # more than the microbatches a pipeline rank holds in flight
 
 
 def document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local: int,
-                  doc_ids: torch.Tensor | None) -> list[list[tuple]]:
+                  doc_ids: torch.Tensor | None, window: int = 0, batch: int = 1) -> list[list[tuple]]:
     """`_document_plan`, computed once per `doc_ids` tensor: every layer of a microbatch (forward,
-    backward, recomputation) attends over the same documents, and the plan costs a host sync."""
+    backward, recomputation) attends over the same documents, and the plan costs a host sync.
+    `window` > 0 (gpt-oss's sliding window) cuts it further: `window_plan`."""
     if doc_ids is None:
-        return _document_plan(q_rank, cp_size, order, causal, s_local, None)
-    key = (id(doc_ids), doc_ids._version, q_rank, cp_size, order, causal, s_local)
+        return window_plan(_document_plan(q_rank, cp_size, order, causal, s_local, None), q_rank, cp_size, order,
+                           s_local, window, batch, None)
+    key = (id(doc_ids), doc_ids._version, q_rank, cp_size, order, causal, s_local, window)
     hit = _PLANS.get(key)
     if hit is not None and hit[0]() is doc_ids:
         return hit[1]
-    plan = _document_plan(q_rank, cp_size, order, causal, s_local, doc_ids)
+    plan = window_plan(_document_plan(q_rank, cp_size, order, causal, s_local, doc_ids), q_rank, cp_size, order,
+                       s_local, window, batch, doc_ids)
     for k in [k for k, (ref, _) in _PLANS.items() if ref() is None]:  # microbatches already gone
         del _PLANS[k]
     while len(_PLANS) >= _MAX_PLANS:  # the masks' closures hold views of doc_ids, which keep it alive
@@ -196,6 +202,81 @@ def _document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local:
     return out
 
 
+def _intervals(rank: int, cp_size: int, order: str, s_local: int, sl: slice) -> list[tuple[int, int]]:
+    """Global positions [a, b) of this rank's local rows `sl`: one interval per chunk the slice touches."""
+    chunks = chunk_ids(rank, cp_size, order)
+    length = s_local // len(chunks)
+    out = []
+    for i, c in enumerate(chunks):
+        lo, hi = max(sl.start, i * length), min(sl.stop, (i + 1) * length)
+        if lo < hi:
+            out.append((c * length + lo - i * length, c * length + hi - i * length))
+    return out
+
+
+def window_cut(q_iv, k_iv, window: int) -> tuple[bool, bool]:
+    """(some query sees a key, the window hides some key causality alone would show) for position intervals:
+    query q sees key k iff 0 <= q − k < window. Interval arithmetic, no tensors."""
+    visible = cut = False
+    for qa, qb in q_iv:
+        for ka, kb in k_iv:
+            lo, hi = qa - (kb - 1), (qb - 1) - ka  # every difference q − k between the two lies in [lo, hi]
+            visible |= hi >= 0 and lo < window
+            cut |= hi >= window
+    return visible, cut
+
+
+def ring_steps(cp_size: int, order: str, s_local: int, window: int) -> int:
+    """Ring steps any rank needs under a sliding window (pure layout arithmetic, equal on every rank): K/V blocks
+    farther round the ring than every window reaches are neither computed nor sent."""
+    if not window or window >= s_local * cp_size:
+        return cp_size
+    whole = slice(0, s_local)
+    need = 1
+    for r in range(cp_size):
+        for step in range(1, cp_size):
+            kv = (r - step) % cp_size
+            if window_cut(_intervals(r, cp_size, order, s_local, whole), _intervals(kv, cp_size, order, s_local, whole),
+                          window)[0]:
+                need = max(need, step + 1)
+    return need
+
+
+def window_plan(plans: list[list[tuple]], q_rank: int, cp_size: int, order: str, s_local: int, window: int,
+                batch: int, doc_ids: torch.Tensor | None) -> list[list[tuple]]:
+    """The block pairs of `plans` under a sliding window: a pair no query's window reaches is skipped, one the
+    window cuts gets a mask (its document mask, if any, and the window), the rest run as planned; steps past
+    `ring_steps` are dropped (nothing there is visible to any rank)."""
+    if not window or window >= s_local * cp_size:
+        return plans
+    out = []
+    for step, plan in enumerate(plans[:ring_steps(cp_size, order, s_local, window)]):
+        kv_rank = (q_rank - step) % cp_size
+        pairs = []
+        for qs, ks, is_causal, make_mask in plan:
+            visible, cut = window_cut(_intervals(q_rank, cp_size, order, s_local, qs),
+                                      _intervals(kv_rank, cp_size, order, s_local, ks), window)
+            if not visible:
+                continue
+            if cut:
+                seq = s_local * cp_size
+                q_pos = positions(seq, q_rank, cp_size, order)[qs]
+                k_pos = positions(seq, kv_rank, cp_size, order)[ks]
+                device = doc_ids.device if doc_ids is not None else None
+                make_mask = functools.partial(_window_block_mask, q_pos, k_pos, window, batch, make_mask, device)
+                is_causal = False
+            pairs.append((qs, ks, is_causal, make_mask))
+        out.append(pairs)
+    return out
+
+
+def _window_block_mask(q_pos, k_pos, window: int, batch: int, doc_mask, device) -> torch.Tensor:
+    """[b, 1, s_q, s_k]: the block's window (causal included), and its document mask when it has one."""
+    mask = window_mask(q_pos, k_pos, window)
+    mask = mask.to(device) if device is not None else mask
+    return mask.expand(batch, 1, *mask.shape) if doc_mask is None else doc_mask() & mask
+
+
 def _rows(t: torch.Tensor, sl: slice) -> torch.Tensor:
     return t[:, :, sl]
 
@@ -212,9 +293,10 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, sl: slice, o_blk: torch.Tensor,
     l_acc.copy_(new)
 
 
-def _pass_on(send: tuple, recv: tuple, axis) -> list:
-    """Non-blocking: send `send` to the next cp rank, receive `recv` from the previous one."""
-    nxt, prv = (axis.rank + 1) % axis.size, (axis.rank - 1) % axis.size
+def _pass_on(send: tuple, recv: tuple, axis, hops: int = 1) -> list:
+    """Non-blocking: send `send` to the cp rank `hops` ahead, receive `recv` from the one `hops` behind (the next
+    and previous rank; a windowed ring's last dK/dV hop goes straight back to the block's owner)."""
+    nxt, prv = (axis.rank + hops) % axis.size, (axis.rank - hops) % axis.size
     return comm.p2p([("send", t, axis, nxt) for t in send] + [("recv", t, axis, prv) for t in recv])
 
 
@@ -224,17 +306,18 @@ class _RingAttention(torch.autograd.Function):
     backward: K/V ring again with dK/dV accumulators one step behind, block recompute."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis, causal, order, scale, backend, doc_ids, report):
+    def forward(ctx, q, k, v, axis, causal, order, scale, backend, doc_ids, report, sinks=None, window=0):
         c, r, s_local = axis.size, axis.rank, q.shape[2]
-        plans = document_plan(r, c, order, causal, s_local, doc_ids)
+        plans = document_plan(r, c, order, causal, s_local, doc_ids, window, q.shape[0])
         k, v = k.contiguous(), v.contiguous()  # p2p needs contiguous buffers
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         cur = (k, v)
         best = torch.full(q.shape[1:2], float("-inf"), device=q.device) if report else None
-        for step in range(c):
+        steps = len(plans)  # fewer than c under a sliding window (`ring_steps`)
+        for step in range(steps):
             works, nxt = [], None
-            if step < c - 1:  # post the next transfer first: it overlaps this step's compute
+            if step < steps - 1:  # post the next transfer first: it overlaps this step's compute
                 nxt = (torch.empty_like(k), torch.empty_like(v))
                 works = _pass_on(cur, nxt, axis)
             for qs, ks, is_causal, make_mask in plans[step]:
@@ -248,25 +331,28 @@ class _RingAttention(torch.autograd.Function):
             cur = nxt if nxt is not None else cur
         if report:
             report(best)
+        if sinks is not None:  # once, on the merged rows (sinks.py): a per-block merge would count it c times
+            out, lse = merge_sink(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.axis, ctx.causal, ctx.order, ctx.scale, ctx.backend = axis, causal, order, scale, backend
-        ctx.doc_ids = doc_ids  # masks are rebuilt in backward: b·s_local·s bytes are not worth keeping
+        ctx.doc_ids, ctx.window = doc_ids, window  # masks are rebuilt in backward: b·s_local·s bytes are not worth keeping
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         axis, c, r, s_local = ctx.axis, ctx.axis.size, ctx.axis.rank, q.shape[2]
         dout = dout.contiguous()
-        plans = document_plan(r, c, ctx.order, ctx.causal, s_local, ctx.doc_ids)
+        plans = document_plan(r, c, ctx.order, ctx.causal, s_local, ctx.doc_ids, ctx.window, q.shape[0])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         own = None  # this rank's share of its own dK/dV (step 0), added when the accumulator returns
         acc_works, acc_in, acc_out = [], None, None  # acc_out stays referenced until its send completes
         cur = (k, v)
-        for step in range(c):
+        steps = len(plans)
+        for step in range(steps):
             kv_works, nxt = [], None
-            if step < c - 1:
+            if step < steps - 1:
                 nxt = (torch.empty_like(k), torch.empty_like(v))
                 kv_works = _pass_on(cur, nxt, axis)
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -287,26 +373,32 @@ class _RingAttention(torch.autograd.Function):
                     dk.add_(acc_in[0])
                     dv.add_(acc_in[1])
                 acc_in, acc_out = (torch.empty_like(k), torch.empty_like(v)), (dk.to(k.dtype), dv.to(v.dtype))
-                acc_works = _pass_on(acc_out, acc_in, axis)
+                # on to the next holder of this block; at the last step home to its owner (`step` ranks back), and
+                # receive this rank's own accumulator from its last holder (the neighbours when steps == c)
+                last = step == steps - 1
+                acc_works = _pass_on(acc_out, acc_in, axis, -step % c if last else 1)
             comm.wait_all(kv_works, axis, "ring attention K/V p2p")
             cur = nxt if nxt is not None else cur
         comm.wait_all(acc_works, axis, "ring attention dK/dV p2p")
         dk, dv = own
-        if acc_in is not None:  # after c − 1 hops the accumulator of this rank's own K/V is back
+        if acc_in is not None:  # after steps − 1 hops the accumulator of this rank's own K/V is back
             dk.add_(acc_in[0])
             dv.add_(acc_in[1])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, dsinks, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, causal: bool = True,
                    order: str = "balanced", scale: float | None = None, backend: str = "auto",
-                   doc_ids: torch.Tensor | None = None, report=None) -> torch.Tensor:
+                   doc_ids: torch.Tensor | None = None, report=None, sinks: torch.Tensor | None = None,
+                   window: int = 0) -> torch.Tensor:
     """Exact attention over the whole sequence for this rank's queries; out [b, hq, s_local, d].
 
     q/k/v are this rank's shard in `order` (see `sharding.shard_sequence(..., dim=2)`); `axis` is the
     cp axis. backend "auto" uses a fused kernel where one applies, "math" forces the fallback.
     `doc_ids` [b, s] (global, unsharded): document masking (see the module docstring). `report` (MuonClip):
-    called with each query head's largest logit over the block pairs this rank computed.
+    called with each query head's largest logit over the block pairs this rank computed. `sinks` [hq] (gpt-oss):
+    merged once through the final LSE; `window` > 0: a sliding window, blocks outside every window skipped.
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"ring_attention: expected q [b, hq, s, d] and k, v [b, hkv, s, d], got "
@@ -318,4 +410,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, caus
     if doc_ids is not None and doc_ids.shape != (q.shape[0], q.shape[2] * axis.size):
         raise ValueError(f"ring_attention: doc_ids {tuple(doc_ids.shape)} must be the global [b, s] = "
                          f"[{q.shape[0]}, {q.shape[2] * axis.size}]")
-    return _RingAttention.apply(q, k, v, axis, causal, order, scale, backend, doc_ids, report)
+    if window and not causal:
+        raise ValueError("ring_attention: a sliding window needs causal attention")
+    return _RingAttention.apply(q, k, v, axis, causal, order, scale, backend, doc_ids, report, sinks, window)

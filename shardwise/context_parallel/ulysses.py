@@ -24,6 +24,7 @@ from . import kernels
 from ..models.attention import max_logits
 from ..models.documents import document_mask
 from ..partition import check_seq_len
+from .local import local_attention
 from .sharding import layout_positions
 
 
@@ -81,11 +82,14 @@ def _kv_replication(hq: int, hkv: int, c: int) -> int:
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, causal: bool = True,
                       order: str = "balanced", scale: float | None = None,
-                      doc_ids: torch.Tensor | None = None, report=None) -> torch.Tensor:
+                      doc_ids: torch.Tensor | None = None, report=None, sinks: torch.Tensor | None = None,
+                      window: int = 0) -> torch.Tensor:
     """Exact attention for this rank's tokens via head-sharded full-sequence SDPA; out [b, hq, s_local, d].
 
     `doc_ids` [b, s] (global, unsharded): a token attends only within its own document. `report` (MuonClip):
-    called with each query head's largest logit, −inf for the heads another cp rank attends for.
+    called with each query head's largest logit, −inf for the heads another cp rank attends for. `sinks` [hq]
+    and `window` (gpt-oss): the sinks follow the heads (rank g keeps head group g's), and the full sequence runs
+    `local.local_attention`, which merges them through the LSE and masks the window.
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"ulysses_attention: expected q [b, hq, s, d] and k, v [b, hkv, s, d], got "
@@ -96,7 +100,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
     if doc_ids is not None and doc_ids.shape != (q.shape[0], seq_len):
         raise ValueError(f"ulysses_attention: doc_ids {tuple(doc_ids.shape)} must be the global [b, s] = "
                          f"[{q.shape[0]}, {seq_len}]")
+    if (sinks is not None or window) and not causal:
+        raise ValueError("ulysses_attention: sinks and sliding windows need causal attention")
     mask = None if doc_ids is None else document_mask(doc_ids, doc_ids, causal=causal)
+    if (sinks is not None or window) and not axis.active:
+        return local_attention(q, k, v, scale, sinks, window, doc_ids, site="ulysses")
     if not axis.active:
         if report:
             report(max_logits(q, k, q.shape[-1] ** -0.5 if scale is None else scale, causal and mask is None, mask))
@@ -118,6 +126,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
         group = max_logits(qh, kh, q.shape[-1] ** -0.5 if scale is None else scale, causal and mask is None, mask)
         best[axis.rank * group.numel():(axis.rank + 1) * group.numel()] = group
         report(best)
+    if sinks is not None or window:
+        per = q.shape[1] // c  # this rank's query heads are head group `rank`
+        own = None if sinks is None else sinks.narrow(0, axis.rank * per, per)
+        return _heads_to_seq(local_attention(qh, kh, vh, scale, own, window, doc_ids, site="ulysses"), axis,
+                             scatter_index)
     choice = kernels.pick("ulysses", qh, vh, mask=kernels.mask_kind(causal, mask), entry="sdpa")
     with sdpa_kernel(kernels.sdpa_backends(choice)):
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None,

@@ -49,7 +49,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class GroupedExperts(nn.Module):
-    """w1, w3 [E_l, ffn, dim] and w2 [E_l, dim, ffn]: expert e computes w2ₑ(silu(w1ₑ x) · w3ₑ x).
+    """w1, w3 [E_l, ffn, dim] and w2 [E_l, dim, ffn]: expert e computes w2ₑ(silu(w1ₑ x) · w3ₑ x) (with `bias`, b1, b3
+    [E_l, ffn] and b2 [E_l, dim] added to the three projections; `swiglu_limit` > 0: `glu`'s clamped form).
 
     `grouped_mm`: None picks torch._grouped_mm when it runs here, else a per-expert loop; the loop
     also visits empty experts so every weight stays in the graph (gradient zeros, never None).
@@ -58,7 +59,8 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, n_experts: int, dim: int, ffn_dim: int, ep_axis, replicas: int = 1,
-                 grouped_mm: bool | None = None, device=None, dtype=None):
+                 grouped_mm: bool | None = None, device=None, dtype=None, bias: bool = False,
+                 swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702):
         super().__init__()
         if n_experts % ep_axis.size:
             raise ValueError(f"n_experts={n_experts} not divisible by ep={ep_axis.size}")
@@ -69,6 +71,19 @@ class GroupedExperts(nn.Module):
         self.w1 = _expert_param(*args, (ffn_dim, dim), replicas, device, dtype)
         self.w3 = _expert_param(*args, (ffn_dim, dim), replicas, device, dtype)
         self.w2 = _expert_param(*args, (dim, ffn_dim), replicas, device, dtype)
+        # gpt-oss: biases on the three projections and the clamped SwiGLU (`glu`)
+        self.b1 = _expert_param(*args, (ffn_dim,), replicas, device, dtype) if bias else None
+        self.b3 = _expert_param(*args, (ffn_dim,), replicas, device, dtype) if bias else None
+        self.b2 = _expert_param(*args, (dim,), replicas, device, dtype) if bias else None
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up; with `swiglu_limit` gpt-oss's clamped form (min(up, ±limit) + 1) · g·σ(α·g), g = min(gate,
+        limit) (transformers' GptOssExperts)."""
+        if not self.swiglu_limit:
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
 
     def forward(self, rows: torch.Tensor, counts: list[int], device_counts: torch.Tensor | None = None) -> torch.Tensor:
         """rows [M, dim], contiguous per local expert with `counts` rows each → [M, dim].
@@ -90,16 +105,31 @@ class GroupedExperts(nn.Module):
             offs = device_counts.cumsum(0).to(torch.int32)
             x = rows.to(dtype)
             with torch.autocast(rows.device.type, enabled=False):  # already in the compute dtype
-                h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-                h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-                return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs).to(rows.dtype)
+                b1, b3, b2 = self._row_biases(device_counts, rows.shape[0], dtype)
+                h = self.glu(_plus(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs), b1),
+                             _plus(torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs), b3))
+                return _plus(torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs), b2).to(rows.dtype)
         # unbind, not w[e]: indexing's backward builds a zero-filled gradient of all local experts per expert;
         # unbind's stacks the experts' gradients once
+        none = [None] * self.n_local
+        b1, b3, b2 = (none if b is None else b.unbind(0) for b in (self.b1, self.b3, self.b2))
         outs = []
-        for part, a, c, b in zip(rows.split(counts), self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)):
-            h = F.silu(F.linear(part, a)) * F.linear(part, c)
-            outs.append(F.linear(h, b))
+        for e, (part, a, c, b) in enumerate(zip(rows.split(counts), self.w1.unbind(0), self.w3.unbind(0),
+                                                self.w2.unbind(0))):
+            h = self.glu(F.linear(part, a, b1[e]), F.linear(part, c, b3[e]))
+            outs.append(F.linear(h, b, b2[e]))
         return torch.cat(outs)
+
+    def _row_biases(self, device_counts: torch.Tensor, n_rows: int, dtype) -> tuple:
+        """Each row's expert biases for the grouped GEMMs (0 without biases), repeated on the device: no host read."""
+        if self.b1 is None:
+            return None, None, None
+        return tuple(torch.repeat_interleave(b.to(dtype), device_counts, dim=0, output_size=n_rows)
+                     for b in (self.b1, self.b3, self.b2))
 
     def extra_repr(self) -> str:
         return f"experts [{self.first}, {self.first + self.n_local}) of {self.n_experts}"
+
+
+def _plus(t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return t if bias is None else t + bias

@@ -110,7 +110,9 @@ def build_moe(cfg: ModelConfig, ep_axis: Axis | None = None, expert_replicas: in
                aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
                bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device,
                aux_scope=cfg.moe_aux_loss_scope, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
-               norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling, group_topk=cfg.moe_group_topk)
+               norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling, group_topk=cfg.moe_group_topk,
+               router_bias=cfg.moe_router_bias, expert_bias=cfg.moe_expert_bias, swiglu_limit=cfg.moe_swiglu_limit,
+               swiglu_alpha=cfg.moe_swiglu_alpha)
 
 
 def share_aux_pool(model: nn.Module) -> None:
@@ -137,19 +139,25 @@ class MoE(nn.Module):
                  z_loss_coef: float = 0.0, bias_update_rate: float = 0.0, expert_replicas: int = 1,
                  grouped_mm: bool | None = None, device=None, dtype=None, aux_scope: str = "layer",
                  n_group: int = 1, topk_group: int = 1, norm_topk: bool = True, routed_scaling: float = 1.0,
-                 group_topk: int = 2):
+                 group_topk: int = 2, router_bias: bool = False, expert_bias: bool = False,
+                 swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702):
         super().__init__()
         ep_axis = ep_axis if ep_axis is not None else Axis("ep")
         self.router = Router(dim, n_experts, topk, score, softmax_before_topk, aux_loss_coef, z_loss_coef,
                              bias_update_rate, device=device, dtype=dtype, aux_scope=aux_scope, n_group=n_group,
-                             topk_group=topk_group, norm_topk=norm_topk, scaling=routed_scaling, group_topk=group_topk)
+                             topk_group=topk_group, norm_topk=norm_topk, scaling=routed_scaling, group_topk=group_topk,
+                             bias=router_bias)
         declare(self.router.weight)
         self.dispatcher = AllToAllDispatcher(n_experts, ep_axis, capacity_factor, drop_policy)
         self.experts = GroupedExperts(n_experts, dim, ffn_dim, ep_axis, expert_replicas, grouped_mm,
-                                      device=device, dtype=dtype)
+                                      device=device, dtype=dtype, bias=expert_bias, swiglu_limit=swiglu_limit,
+                                      swiglu_alpha=swiglu_alpha)
         declare(self.experts.w1)
         declare(self.experts.w3)
         declare(self.experts.w2, "residual")
+        for p in (self.router.bias, self.experts.b1, self.experts.b3, self.experts.b2):  # gpt-oss's biases
+            if p is not None:
+                declare(p, "zeros")
         self.shared = FeedForward(dim, shared_experts * ffn_dim, device, dtype) if shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None

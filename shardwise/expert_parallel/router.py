@@ -77,7 +77,7 @@ class RoutingTape:
 
 
 class Router(nn.Module):
-    """Linear gate (no bias) → scores → top-k, in fp32.
+    """Linear gate (a bias only with `bias`: gpt-oss) → scores → top-k, in fp32.
 
     score="softmax": softmax_before_topk=True takes the top-k of softmax(logits) and uses those
     probabilities as weights (Switch/DeepSeek-V2); False takes the top-k logits and softmaxes over
@@ -88,7 +88,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, topk: int, score: str = "softmax", softmax_before_topk: bool = True,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
                  device=None, dtype=None, aux_scope: str = "layer", n_group: int = 1, topk_group: int = 1,
-                 norm_topk: bool = True, scaling: float = 1.0, group_topk: int = 2):
+                 norm_topk: bool = True, scaling: float = 1.0, group_topk: int = 2, bias: bool = False):
         super().__init__()
         if not 1 <= topk <= n_experts:
             raise ValueError(f"topk={topk} must be in [1, n_experts={n_experts}]")
@@ -100,6 +100,8 @@ class Router(nn.Module):
         self.softmax_before_topk = softmax_before_topk
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.weight = nn.Parameter(torch.empty(n_experts, dim, device=device, dtype=dtype))
+        # gpt-oss: a learned logit bias, part of the scores (selection and weights), unlike the selection-only one
+        self.bias = nn.Parameter(torch.empty(n_experts, device=device, dtype=dtype)) if bias else None
         # Selection-only bias (fp32, in checkpoints) and the selected counts since the last update.
         self.register_buffer("expert_bias", torch.zeros(n_experts, device=device))
         self.register_buffer("pending_counts", torch.zeros(n_experts, device=device), persistent=False)
@@ -112,7 +114,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """x [N, dim] → Routing. Accumulates `pending_counts` while training (for `update_bias`)."""
         with torch.autocast(x.device.type, enabled=False):  # routing math stays fp32 under bf16 autocast
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         n, e, k = logits.shape[0], self.n_experts, self.topk
         after = self.score == "softmax" and not self.softmax_before_topk
         if self.score == "softmax":

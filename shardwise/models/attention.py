@@ -68,18 +68,30 @@ class AttentionCore(nn.Module):
     """The part of attention that holds no weights: what selective recompute replays (`layer_id` in the context's
     `selective` set) and what context parallelism distributes. `scale` None is 1/√(q's head size)."""
 
-    def __init__(self, ctx: ParallelContext, layer_id: int, dropout: float, scale: float | None = None):
+    def __init__(self, ctx: ParallelContext, layer_id: int, dropout: float, scale: float | None = None,
+                 window: int = 0):
         super().__init__()
         self.ctx, self.layer_id, self.dropout, self.scale = ctx, layer_id, dropout, scale
+        self.window = window  # gpt-oss's sliding window: a query sees its `window` latest keys (0: all earlier ones)
 
-    def forward(self, q, k, v, doc_ids=None):
-        """`doc_ids` [b, s_global] (document masking): a token sees only earlier tokens of its own document."""
+    def forward(self, q, k, v, doc_ids=None, sinks=None):
+        """`doc_ids` [b, s_global] (document masking): a token sees only earlier tokens of its own document.
+        `sinks` [heads] (gpt-oss): one learned logit per query head added to each softmax's denominator."""
         if self.layer_id in self.ctx.selective:
-            return self.ctx.checkpoint_core(self.compute, q, k, v, doc_ids)
-        return self.compute(q, k, v, doc_ids)
+            return self.ctx.checkpoint_core(self.compute, q, k, v, doc_ids, sinks)
+        return self.compute(q, k, v, doc_ids, sinks)
 
-    def compute(self, q, k, v, doc_ids=None):
+    def compute(self, q, k, v, doc_ids=None, sinks=None):
         cp = self.ctx.cp
+        if sinks is not None or self.window:
+            # SDPA has no sink logit and no window: the plan's kernels (or the cp path) merge the sink through the
+            # log-sum-exp and mask the window (context_parallel/sinks.py).
+            if cp is not None:
+                return cp.attend(q, k, v, scale=self.scale, doc_ids=doc_ids, sinks=sinks, window=self.window)
+            if self.ctx.attention is None:
+                raise ValueError(f"layer {self.layer_id}: attention sinks or sliding windows need a ParallelContext "
+                                 "whose `attention` runs them (shardwise.parallelize.build_model or plain_model)")
+            return self.ctx.attention(q, k, v, self.scale, sinks, self.window, doc_ids)
         p = self.dropout if self.training and cp is None else 0.0
         dk, dv = q.shape[-1], v.shape[-1]
         scale = dk ** -0.5 if self.scale is None else self.scale
@@ -112,4 +124,5 @@ class AttentionCore(nn.Module):
 def attend(attn: nn.Module, q, k, v, doc_ids):
     """The attention core on [b, heads, s, d], then `wo`: the tail both attention kinds share."""
     b, s = q.shape[0], q.shape[2]
-    return attn.wo(attn.core(q, k, v, doc_ids).transpose(1, 2).reshape(b, s, -1))
+    out = attn.core(q, k, v, doc_ids, getattr(attn, "sinks", None))
+    return attn.wo(out.transpose(1, 2).reshape(b, s, -1))

@@ -44,12 +44,14 @@ class Attention(nn.Module):
         self.wq = linear(h, cfg.n_heads * hd, bias=cfg.attention_bias)
         self.wk = linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.wv = linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.wo = linear(cfg.n_heads * hd, h, init="residual")
+        self.wo = linear(cfg.n_heads * hd, h, bias=cfg.attention_out_bias, init="residual")
+        # gpt-oss's sinks: one logit per query head (under TP split with the heads)
+        self.sinks = declare(nn.Parameter(torch.empty(cfg.n_heads)), "normal") if cfg.attention_sinks else None
         # Qwen3's per-head q/k norms: one head_dim weight shared by every head, so under TP each rank applies
         # it to its own heads with no collective (its gradient is partial per rank: summed over TP).
         self.q_norm = RMSNorm(hd, cfg.norm_eps, head_partial=True) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps, head_partial=True) if cfg.qk_norm else None
-        self.core = AttentionCore(ctx or ParallelContext(), layer_id, cfg.attn_dropout)
+        self.core = AttentionCore(ctx or ParallelContext(), layer_id, cfg.attn_dropout, window=cfg.window(layer_id))
 
     def forward(self, x, cos, sin, doc_ids=None):
         """`doc_ids` [b, s_global] (document masking) are the window's document ids, never sharded."""

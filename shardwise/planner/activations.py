@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardwise.planner import gpt_oss
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.models import BOOL, INT64, ModelSpec, layer_params, local_kv_heads, padded_vocab
 from shardwise.planner.mtp import mtp_activation_bytes
@@ -181,6 +182,7 @@ def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_
     if lay.ep > 1 and E // lay.ep > 1:
         mlp += 2 * 8 * rows  # regroup permutation and its inverse
     mlp += 4 * e * rows * f_e  # w1 out, silu out, w3 out, product
+    mlp += gpt_oss.expert_activation_bytes(spec, e, rows)  # gpt-oss: the clamped SwiGLU's and biases' extras
     mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
     mlp += 4 * e * n_r * spec.moe_shared_experts * f_e
     return mlp

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from shardwise.planner import gpt_oss
 from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
@@ -92,7 +93,7 @@ def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none") -> float
     per_kind = {moe: layer_flops_per_token(spec, moe, wl.seq_len) for moe in (False, True)}
     kinds = [spec.is_moe_layer(i) for i in range(spec.n_layers)]
     matmul = sum(per_kind[k][0] for k in kinds)
-    core = sum(per_kind[k][1] for k in kinds)
+    core = sum(per_kind[k][1] * gpt_oss.window_share(spec, i, wl.seq_len) for i, k in enumerate(kinds))
     mm, cc = mtp_flops_per_token(spec, lambda moe: per_kind[moe], spec.vocab_size)
     matmul, core = matmul + mm, core + cc
     fwd = tokens * (matmul + core + 2.0 * spec.dim * spec.vocab_size)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from shardwise.config import MODEL_PRESETS, ConfigError, ModelConfig
 from shardwise.hf_shapes import model_fields_from_hf
+from shardwise.planner import gpt_oss
 from shardwise.planner.errors import PlanError
 
 INT64, BOOL = 8, 1
@@ -190,9 +191,11 @@ def attention_tensors(spec: ModelSpec, tp: int) -> list[Tensor]:
         return out
     q, kv = hq * spec.head_dim, local_kv_heads(spec, tp) * spec.head_dim
     bias = spec.attention_bias or spec.linear_bias
+    out += [Tensor(n, **kw) for n, kw in gpt_oss.attention_sinks(spec, tp)]  # gpt-oss: its sinks, wo's bias below
     for rows in (q, kv, kv):
         out += [Tensor(rows * h)] + ([Tensor(rows, matrix=False)] if bias else [])
     out.append(Tensor(q * h))
+    out += [Tensor(n, **kw) for n, kw in gpt_oss.out_bias(spec)]
     if spec.linear_bias:
         out.append(Tensor(h, matrix=False, sp_replicated=True))
     if spec.qk_norm:  # Qwen3's per-head q/k norms (after wo, as in shardwise's module): partial grads under any tp
@@ -218,7 +221,9 @@ def mlp_tensors(spec: ModelSpec, moe: bool, tp: int, ep: int) -> list[Tensor]:
     routed = [Tensor(spec.moe_experts // ep * h * spec.expert_ffn_dim, expert=True, **rep)] * spec.mlp_mats
     shared = [Tensor(h * spec.moe_shared_experts * spec.expert_ffn_dim, **rep)] * spec.mlp_mats \
         if spec.moe_shared_experts else []
-    return out + [Tensor(h * spec.moe_experts, **rep)] + routed + shared
+    router = [Tensor(h * spec.moe_experts, **rep)] + [Tensor(n, **kw) for n, kw in gpt_oss.router_extras(spec)]
+    biases = [Tensor(n, **kw) for n, kw in gpt_oss.expert_extras(spec, ep)]  # gpt-oss's expert biases
+    return out + router + routed + biases + shared
 
 
 @lru_cache(maxsize=4096)
@@ -268,6 +273,7 @@ def total_params(spec: ModelSpec) -> int:
 def active_params(spec: ModelSpec) -> int:
     """Parameters one token uses: `total_params` less the routed experts it is not sent to (E − k per MoE layer)."""
     idle = spec.n_moe_layers * spec.mlp_mats * spec.dim * spec.expert_ffn_dim * (spec.moe_experts - spec.moe_topk)
+    idle += spec.n_moe_layers * gpt_oss.idle_expert_bias(spec)
     return total_params(spec) - idle - mtp_params(spec)[1]
 
 
