@@ -23,7 +23,7 @@ SLOW_FILES = {
 SLOW_TESTS = {
     "test_cli_mistakes.py": {"test_init_from_hf_mtp_and_tokenizer_mistakes"},
     "test_tp_overlap.py": {"test_overlap_ledger_bytes_equal_and_loss_bitwise", "test_verify_overlap_tp2_tp4_and_fused_projections",
-                           "test_planner_predicts_the_overlapped_ledger"},
+                           "test_planner_predicts_the_overlapped_ledger", "test_fused_storage_and_checkpoints_interchange"},
     "test_muon.py": {"test_verify_muon_two_ranks", "test_per_shard_orthogonalisation_fails_verify",
                      "test_checkpoint_resumes_bitwise_reshards_and_refuses_adamw", "test_planner_counts_muon_ledger_and_state"},
     "test_run_logs.py": {"test_log_lines_in_a_log_file", "test_resume_with_damaged_checkpoints"},

@@ -75,6 +75,22 @@ def _rehome(layers: list[nn.Module], attr: str) -> None:
             off += p.shape[0]
 
 
+def _register_together(parent: nn.Module) -> None:
+    """Reorder `parent`'s children so each fused region's layers sit together in the region's order (MLA registers
+    wq_b between wq_a and wkv_a): parameters are then listed, and ZeRO buckets them, back to back."""
+    names = {id(c): n for n, c in parent._modules.items()}
+    order: list[str] = []
+    for name, child in parent._modules.items():
+        region = getattr(child, "region", None)
+        if name in order:
+            continue
+        if region is not None and region.fused and all(id(layer) in names for layer in region.layers):
+            order += [names[id(layer)] for layer in region.layers]
+        else:
+            order.append(name)
+    parent._modules = {name: parent._modules[name] for name in order}
+
+
 def store_fused(model: nn.Module) -> int:
     """Store each fused region's weights (and biases) in one buffer, in the region's order; returns the count.
 
@@ -84,6 +100,9 @@ def store_fused(model: nn.Module) -> int:
         region = getattr(m, "region", None)
         if region is not None and region.fused:
             regions.setdefault(id(region), region)
+    for m in list(model.modules()):
+        if any(getattr(c, "region", None) in regions.values() for c in m.children()):
+            _register_together(m)
     for region in regions.values():
         _rehome(region.layers, "weight")
         if region.layers[0].bias is not None:
