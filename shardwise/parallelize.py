@@ -157,7 +157,7 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
                 region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
             if fused or overlap or (tp.active and not sp):
                 region.register_forward_pre_hook(ColumnRegion(layers, tp, reduce=tp.active and not sp, overlap=overlap,
-                                                              fused=fused))
+                                                              fused=fused, own=(2,) if region is attn else ()))
     _swap(model, "output", ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw))
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight

@@ -29,9 +29,9 @@ def adjacent(ts: list[torch.Tensor]) -> bool:
     first = ts[0]
     if not all(t.is_contiguous() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:] for t in ts):
         return False
-    ptr, off = first.untyped_storage().data_ptr(), first.storage_offset()
-    for t in ts:
-        if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != off:
+    storage, off = first.untyped_storage(), first.storage_offset()
+    for t in ts:  # torch keeps one Python object per storage, so identity is storage identity (fake ones too)
+        if t.untyped_storage() is not storage or t.storage_offset() != off:
             return False
         off += t.numel()
     return True

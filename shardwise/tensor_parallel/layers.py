@@ -201,12 +201,15 @@ class ColumnRegion:
     GEMM with `fused`) and hands each layer its output when the layer is called. `reduce`: the region is
     Megatron's f (TP without SP), its input gradient all-reduced inside the region; under SP (or tp=1) the entry
     is the caller's, except with `overlap` (SP with --tp-overlap): the region takes the sequence shard and
-    gathers it in chunks under the GEMMs.
+    gathers it in chunks under the GEMMs. `own`: indices of outputs a fused GEMM hands back as copies, because a
+    later op saves them past their siblings (attention's v, saved by SDPA after q and k are rotated) and a column
+    block of the fused output would keep the whole output alive.
     """
 
     def __init__(self, layers: list[ColumnParallelLinear], axis, reduce: bool = True, overlap: bool = False,
-                 fused: bool = False):
+                 fused: bool = False, own: tuple[int, ...] = ()):
         self.layers, self.axis, self.reduce, self.overlap, self.fused = layers, axis, reduce, overlap, fused
+        self.own = own
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in layers:
             layer.region = self
@@ -223,6 +226,8 @@ class ColumnRegion:
         # separate layers and sums dx in autograd's order for them.
         order = "forward" if self.reduce else "reverse"
         outs = _ColumnRegionFn.apply(x, self.axis, self.layers[0].grad_store, self.reduce, order, self.fused, *params)
+        if self.fused:
+            outs = [y.clone() if i in self.own else y for i, y in enumerate(outs)]
         self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
 
     def take(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:

@@ -79,12 +79,13 @@ class _ReduceScatterChunks:
         return shard
 
 
-def _column_gemm(rows: torch.Tensor, ws, bs, fused: bool) -> torch.Tensor:
-    """[y_1 | y_2 | ...] for one chunk: one GEMM on the concatenated weights (`fused`) or one per weight."""
+def _column_gemm(rows: torch.Tensor, ws, bs, fused: bool) -> list[torch.Tensor]:
+    """y_1, y_2, ... for one chunk: one GEMM on the joined weights (`fused`, the outputs its column blocks) or one
+    per weight."""
     if fused and len(ws) > 1:
-        return F.linear(rows, joined(list(ws)), None if bs[0] is None else joined(list(bs)))
-    outs = [F.linear(rows, w, b) for w, b in zip(ws, bs)]
-    return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+        y = F.linear(rows, joined(list(ws)), None if bs[0] is None else joined(list(bs)))
+        return list(y.split([w.shape[0] for w in ws], dim=-1))
+    return [F.linear(rows, w, b) for w, b in zip(ws, bs)]
 
 
 class _GatherColumnFn(torch.autograd.Function):
@@ -98,18 +99,19 @@ class _GatherColumnFn(torch.autograd.Function):
         t, (bsz, local_len, h) = axis.size, x.shape
         bounds = chunk_bounds(local_len, t)
         x_full = x.new_empty((bsz, t, local_len, h))
-        y = None
+        ys = None  # one tensor per projection, so an output kept by a later op (attention's v) keeps only itself
         for off, rows in _gathered(x, axis, bounds):
             _put(x_full, t, off, rows)
-            out = _column_gemm(rows, ws, bs, fused)
-            if y is None:
-                y = out.new_empty((bsz, t, local_len, out.shape[-1]))
-            _put(y, t, off, out)
+            outs = _column_gemm(rows, ws, bs, fused)
+            if ys is None:
+                ys = [o.new_empty((bsz, t, local_len, o.shape[-1])) for o in outs]
+            for y, out in zip(ys, outs):
+                _put(y, t, off, out)
         x_full = x_full.view(bsz, t * local_len, h)
         ctx.save_for_backward(x_full)
         ctx.axis, ctx.store, ctx.ws, ctx.bs, ctx.x_dtype, ctx.local_len = axis, store, ws, bs, x.dtype, local_len
         ctx.fused = fused and len(ws) > 1
-        return tuple(y.view(bsz, t * local_len, -1).split([wi.shape[0] for wi in ws], dim=-1))
+        return tuple(y.view(bsz, t * local_len, -1) for y in ys)
 
     @staticmethod
     def backward(ctx, *gs):
