@@ -49,6 +49,7 @@ from shardwise.launch import run_local  # noqa: E402
 from shardwise.mesh import Mesh  # noqa: E402
 from shardwise.models.rope import apply_rope, rope_tables  # noqa: E402
 from shardwise.parallelize import build_model  # noqa: E402
+from shardwise.tensor_parallel.fused import region_stored  # noqa: E402
 
 VARIANTS = {"overlap_fused": (True, True), "overlap_unfused": (True, False),
             "plain_fused": (False, True), "plain_unfused": (False, False)}  # name: (tp_overlap, fused)
@@ -200,6 +201,9 @@ def rank_main(opts: dict) -> dict:
         model = build_model(cfg, mesh, opts["seed"], ParallelConfig(tp=tp, sequence_parallel=True, tp_overlap=overlap,
                                                                     fused_projections=fused))
         blocks[name] = list(model.layers.values())
+    regions = {id(m.region): m.region for name in ("plain_fused", "overlap_fused") for b in blocks[name]
+               for m in b.modules() if getattr(m, "region", None) is not None}
+    stored = all(region_stored(r) for r in regions.values())  # the fused variants run on stored fused weights
     mega, absent = megatron_blocks(cfg, blocks["plain_unfused"], mesh)
     gen = torch.Generator().manual_seed(opts["seed"] + 1)
     local = opts["seq"] // tp
@@ -247,7 +251,7 @@ def rank_main(opts: dict) -> dict:
             if it >= opts["warmup"]:
                 times[name].append(dt)
                 exposed[name].append(comm_time.seconds)
-    return {"times": times, "exposed": exposed, "diffs": diffs, "absent": absent}
+    return {"times": times, "exposed": exposed, "diffs": diffs, "absent": absent, "stored": stored}
 
 
 def free_cores() -> int:
@@ -259,7 +263,8 @@ def free_cores() -> int:
 
 def run(tp: int, opts: dict) -> dict:
     per_rank = run_local(rank_main, tp, opts, timeout_s=600.0)
-    out = {"medians_s": {}, "exposed_fraction": {}, "max_abs_diff": {}, "absent": per_rank[0]["absent"]}
+    out = {"medians_s": {}, "exposed_fraction": {}, "max_abs_diff": {}, "absent": per_rank[0]["absent"],
+           "fused_stored": all(r["stored"] for r in per_rank)}
     for name in per_rank[0]["times"]:
         steps = [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
         frac = [e / t for r in per_rank for e, t in zip(r["exposed"][name], r["times"][name])]
