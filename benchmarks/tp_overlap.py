@@ -327,9 +327,10 @@ def main(argv=None) -> int:
             if v is not None:
                 print(f"  {k}: {v:.3f}")
     ratios = {f"tp{tp}_{k}": v for tp in args.tp for k, v in results[f"tp{tp}"]["ratios"].items()}
-    first = results[f"tp{args.tp[0]}"]["ratios"]
-    ratios["vs_megatron"] = first["plain_fused_vs_megatron"]  # shardwise's fused block / Megatron's, first tp
-    why = next((r["absent"] for r in results.values() if r["absent"]), None)
+    split = [tp for tp in args.tp if tp > 1]  # Megatron-Core refuses sequence parallelism at tp=1
+    first = results[f"tp{split[0]}"]["ratios"] if split else {}
+    ratios["vs_megatron"] = first.get("plain_fused_vs_megatron")  # shardwise's fused block / Megatron's, first tp > 1
+    why = next((results[f"tp{tp}"]["absent"] for tp in split if results[f"tp{tp}"]["absent"]), None)
     absent = {"megatron": why} if why else {}
     if why:
         notes.append(f"no Megatron-Core timing: {why}")
