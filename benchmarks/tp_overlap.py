@@ -7,9 +7,22 @@ Beside the step time, each rank measures its *exposed* TP communication: the tim
 or waiting on one's handle (the guard in `comm` through which every collective and wait passes). The
 overlap can only pay off where each rank has a core for its GEMMs and its collectives' progress threads; with fewer
 free cores than that the output says so, and the exposed-communication fraction is the number to read, not the
-speed-up. Megatron-Core's TP is timed in `tp_peers.py` (tp=2, no SP), not here.
+speed-up.
 
-The last stdout line is one JSON object: medians, exposed fractions, "ratios" (overlap on/off, fused/unfused), config.
+Megatron-Core runs in the same ranks when it is installed (`pip install megatron-core --no-deps`): the same block
+from its ColumnParallelLinear / RowParallelLinear with `sequence_parallel=True` (fused QKV and gate/up, the
+sequence-first [s, b, h] shard its SP expects), holding the very weights of shardwise's variants. Its TP comm
+overlap proper (`tp_comm_overlap`, TransformerEngine's userbuffers) needs CUDA; on CPU its layers run their built-in
+SP overlap only: the backward re-gathers the input under the input-gradient GEMM and reduce-scatters that gradient
+under the weight-gradient GEMM. Its exposed time is measured the same way, around the collectives and waits its
+layers call. Megatron allocates its SP buffers on `torch.cuda.current_device()`: on a CPU-only torch the ranks
+point that at "cpu".
+
+Beside wall time each variant reports the CPU seconds of all its ranks' processes: on a box shared with other jobs the
+wall time swings with their load, the CPU time much less (fused against unfused GEMMs is read there).
+
+The last stdout line is one JSON object: medians, exposed fractions, "ratios" (overlap on/off, fused/unfused,
+shardwise vs Megatron-Core), config, and "absent" with the reason when Megatron-Core is not timed.
 
     python benchmarks/tp_overlap.py            # tp 2 and 4, dim 512, seq 512
     python benchmarks/tp_overlap.py --smoke    # a few seconds: tiny shapes, tp 2, 2 reps
@@ -29,15 +42,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 from shardwise.comm import Ledger  # noqa: E402
 from shardwise.comm import collectives  # noqa: E402
 from shardwise.config import ModelConfig, ParallelConfig  # noqa: E402
 from shardwise.launch import run_local  # noqa: E402
-from shardwise.config import ParallelConfig  # noqa: E402
 from shardwise.mesh import Mesh  # noqa: E402
-from shardwise.models.rope import rope_tables  # noqa: E402
+from shardwise.models.rope import apply_rope, rope_tables  # noqa: E402
 from shardwise.parallelize import build_model  # noqa: E402
+from shardwise.tensor_parallel.fused import region_stored  # noqa: E402
 
 VARIANTS = {"overlap_fused": (True, True), "overlap_unfused": (True, False),
             "plain_fused": (False, True), "plain_unfused": (False, False)}  # name: (tp_overlap, fused)
@@ -70,6 +85,112 @@ class ExposedComm:
         setattr(collectives, _GUARD, self._inner)
 
 
+class _TimedWork:
+    """An async collective's handle whose wait() adds to the meter."""
+
+    def __init__(self, work, meter):
+        self.work, self.meter = work, meter
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.work.wait(*args, **kwargs)
+        finally:
+            self.meter.seconds += time.perf_counter() - t0
+
+
+class MegatronComm:
+    """Seconds this rank spends inside the collectives Megatron-Core's TP layers call, and in their waits."""
+
+    NAMES = ("dist_all_gather_func", "dist_reduce_scatter_func")
+
+    def __init__(self):
+        from megatron.core.tensor_parallel import layers, mappings
+
+        self.seconds, self.modules, self.saved = 0.0, (layers, mappings), []
+
+    def _timed(self, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+            return _TimedWork(out, self) if out is not None else None
+        return call
+
+    def __enter__(self):
+        for mod in self.modules:
+            for name in self.NAMES:
+                self.saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, self._timed(getattr(mod, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, fn in reversed(self.saved):
+            setattr(mod, name, fn)
+        self.saved.clear()
+
+
+class MegatronSPBlock(nn.Module):
+    """The benchmark's block from Megatron-Core's TP linears with sequence parallelism, on [s/tp, b, h] shards.
+
+    Weights are this rank's shards of a shardwise block (fused [q_r; k_r; v_r] and [gate_r; up_r], Megatron's own
+    GPT layout), so its output is comparable with the shardwise variants'."""
+
+    def __init__(self, cfg: ModelConfig, block: nn.Module, group, tp: int):
+        super().__init__()
+        from megatron.core import parallel_state
+        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        torch.cuda.current_device = lambda: "cpu"  # Megatron allocates its SP buffers there (CPU-only torch here)
+        if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+            parallel_state._set_global_memory_buffer()
+        mcfg = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=True, use_cpu_initialization=True,
+                                   perform_initialization=False, params_dtype=torch.float32)
+        kw = dict(config=mcfg, init_method=nn.init.zeros_, bias=False, tp_group=group)
+        a, m = block.attention, block.feed_forward
+        self.hd, self.nq, self.nkv = cfg.head_dim, a.wq.weight.shape[0], a.wk.weight.shape[0]
+        h, hd = cfg.dim, cfg.head_dim
+        self.linear_qkv = ColumnParallelLinear(h, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, gather_output=False, **kw)
+        self.linear_proj = RowParallelLinear(cfg.n_heads * hd, h, input_is_parallel=True, skip_bias_add=False, **kw)
+        self.linear_fc1 = ColumnParallelLinear(h, 2 * cfg.ffn_dim, gather_output=False, **kw)
+        self.linear_fc2 = RowParallelLinear(cfg.ffn_dim, h, input_is_parallel=True, skip_bias_add=False, **kw)
+        with torch.no_grad():
+            self.linear_qkv.weight.copy_(torch.cat([a.wq.weight, a.wk.weight, a.wv.weight]))
+            self.linear_fc1.weight.copy_(torch.cat([m.w1.weight, m.w3.weight]))
+            self.linear_proj.weight.copy_(a.wo.weight)
+            self.linear_fc2.weight.copy_(m.w2.weight)
+        self.attention_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
+
+    def forward(self, x, cos, sin):
+        """x [s/tp, b, h] → [s/tp, b, h]."""
+        q, k, v = self.linear_qkv(self.attention_norm(x))[0].split([self.nq, self.nkv, self.nkv], dim=-1)
+        s, b = q.shape[:2]
+
+        def heads(t):
+            return t.transpose(0, 1).reshape(b, s, -1, self.hd)
+
+        q = apply_rope(heads(q), cos, sin).transpose(1, 2)
+        k = apply_rope(heads(k), cos, sin).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, heads(v).transpose(1, 2), is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        x = x + self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))[0]
+        gate, up = self.linear_fc1(self.ffn_norm(x))[0].chunk(2, dim=-1)
+        return x + self.linear_fc2(F.silu(gate) * up)[0]
+
+
+def megatron_blocks(cfg: ModelConfig, blocks: list[nn.Module], mesh: Mesh) -> tuple[list | None, str | None]:
+    """Megatron-Core's version of `blocks` (an unfused shardwise variant's), or None and why not."""
+    if importlib.util.find_spec("megatron") is None:
+        return None, "megatron-core is not installed (pip install megatron-core --no-deps)"
+    try:
+        return [MegatronSPBlock(cfg, b, mesh["tp"].group, mesh["tp"].size) for b in blocks], None
+    except Exception as e:  # reported, not fatal: shardwise's variants still run
+        return None, f"megatron-core unavailable: {type(e).__name__}: {e}"
+
+
 def rank_main(opts: dict) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -83,6 +204,10 @@ def rank_main(opts: dict) -> dict:
         model = build_model(cfg, mesh, opts["seed"], ParallelConfig(tp=tp, sequence_parallel=True, tp_overlap=overlap,
                                                                     fused_projections=fused))
         blocks[name] = list(model.layers.values())
+    regions = {id(m.region): m.region for name in ("plain_fused", "overlap_fused") for b in blocks[name]
+               for m in b.modules() if getattr(m, "region", None) is not None}
+    stored = all(region_stored(r) for r in regions.values())  # the fused variants run on stored fused weights
+    mega, absent = megatron_blocks(cfg, blocks["plain_unfused"], mesh)
     gen = torch.Generator().manual_seed(opts["seed"] + 1)
     local = opts["seq"] // tp
     x0 = torch.randn(opts["batch"], opts["seq"], cfg.dim, generator=gen)[:, mesh["tp"].rank * local:][:, :local]
@@ -95,15 +220,26 @@ def rank_main(opts: dict) -> dict:
         x.backward(gy)
         return x
 
+    def mega_step(layers, x):  # Megatron's SP shard is sequence-first: [s/tp, b, h]
+        y = x.transpose(0, 1)
+        for layer in layers:
+            y = layer(y, cos, sin)
+        y.backward(gy.transpose(0, 1))
+        return y.transpose(0, 1)
+
+    steps = {name: step for name in blocks}
+    if mega is not None:
+        blocks["megatron"], steps["megatron"] = mega, mega_step
     outs = {}
     for name, layers in blocks.items():  # sanity: every variant computes the same block
         x = x0.clone().requires_grad_(True)
-        outs[name] = (step(layers, x).detach(), x.grad.clone())
+        outs[name] = (steps[name](layers, x).detach(), x.grad.clone())
     base = outs["plain_unfused"]
     diffs = {n: max((o - base[0]).abs().max().item(), (g - base[1]).abs().max().item()) for n, (o, g) in outs.items()}
 
     times = {n: [] for n in blocks}
     exposed = {n: [] for n in blocks}
+    cpus = {n: [] for n in blocks}  # CPU seconds of this rank's process (its GEMMs and gloo's threads)
     names = list(blocks)
     xs = x0.clone().requires_grad_(True)
     for it in range(opts["warmup"] + opts["reps"]):
@@ -112,14 +248,15 @@ def rank_main(opts: dict) -> dict:
                 layer.zero_grad(set_to_none=True)
             xs.grad = None
             dist.barrier()
-            with ExposedComm() as comm_time:
-                t0 = time.perf_counter()
-                step(blocks[name], xs)
-                dt = time.perf_counter() - t0
+            with (MegatronComm() if name == "megatron" else ExposedComm()) as comm_time:
+                t0, c0 = time.perf_counter(), time.process_time()
+                steps[name](blocks[name], xs)
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             if it >= opts["warmup"]:
                 times[name].append(dt)
+                cpus[name].append(cpu)
                 exposed[name].append(comm_time.seconds)
-    return {"times": times, "exposed": exposed, "diffs": diffs}
+    return {"times": times, "cpus": cpus, "exposed": exposed, "diffs": diffs, "absent": absent, "stored": stored}
 
 
 def free_cores() -> int:
@@ -131,19 +268,26 @@ def free_cores() -> int:
 
 def run(tp: int, opts: dict) -> dict:
     per_rank = run_local(rank_main, tp, opts, timeout_s=600.0)
-    out = {"medians_s": {}, "exposed_fraction": {}, "max_abs_diff": {}}
-    for name in VARIANTS:
+    out = {"medians_s": {}, "cpu_medians_s": {}, "exposed_fraction": {}, "max_abs_diff": {},
+           "absent": per_rank[0]["absent"],
+           "fused_stored": all(r["stored"] for r in per_rank)}
+    for name in per_rank[0]["times"]:
         steps = [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
         frac = [e / t for r in per_rank for e, t in zip(r["exposed"][name], r["times"][name])]
         out["medians_s"][name] = statistics.median(steps)
+        # CPU seconds of every rank together: the work done, which a box shared with other jobs does not inflate
+        out["cpu_medians_s"][name] = statistics.median([sum(cs) for cs in zip(*(r["cpus"][name] for r in per_rank))])
         out["exposed_fraction"][name] = statistics.median(frac)
         out["max_abs_diff"][name] = max(r["diffs"][name] for r in per_rank)
     m = out["medians_s"]
     e = out["exposed_fraction"]
     out["ratios"] = {"overlap_vs_plain": m["overlap_fused"] / m["plain_fused"],
                      "fused_vs_unfused": m["plain_fused"] / m["plain_unfused"],
+                     "fused_vs_unfused_cpu": out["cpu_medians_s"]["plain_fused"] / out["cpu_medians_s"]["plain_unfused"],
                      "overlap_fused_vs_plain_unfused": m["overlap_fused"] / m["plain_unfused"],
                      "exposed_overlap_vs_plain": (e["overlap_fused"] / e["plain_fused"]) if e["plain_fused"] else None}
+    for name in ("plain_fused", "overlap_fused"):  # Megatron's layout is fused: compare like with like
+        out["ratios"][f"{name}_vs_megatron"] = m[name] / m["megatron"] if "megatron" in m else None
     return out
 
 
@@ -175,18 +319,24 @@ def main(argv=None) -> int:
             notes.append(f"tp{tp}: {cores} free cores for {tp} ranks plus their communication threads: the overlap "
                          "cannot run beside the GEMMs here; read the exposed-communication fraction, not the speed-up")
         print(f"tp={tp} (SP) dim={args.dim} seq={args.seq} layers={args.layers}, {cores} free cores")
-        for name in VARIANTS:
-            print(f"  {name:16s} median {r['medians_s'][name] * 1e3:8.2f} ms  exposed TP comm "
+        for name in r["medians_s"]:
+            print(f"  {name:16s} median {r['medians_s'][name] * 1e3:8.2f} ms  CPU {r['cpu_medians_s'][name] * 1e3:8.2f} ms"
+                  f"  exposed TP comm "
                   f"{r['exposed_fraction'][name] * 100:5.1f}%  max diff {r['max_abs_diff'][name]:.1e}")
         for k, v in r["ratios"].items():
             if v is not None:
                 print(f"  {k}: {v:.3f}")
     ratios = {f"tp{tp}_{k}": v for tp in args.tp for k, v in results[f"tp{tp}"]["ratios"].items()}
-    ratios["vs_megatron"] = None  # Megatron-Core's TP (no SP on CPU) is timed by benchmarks/tp_peers.py
-    absent = {"megatron": "not timed here: Megatron-Core's TP runs without SP on CPU; benchmarks/tp_peers.py "
-                          "times it" + ("" if importlib.util.find_spec("megatron") else " (megatron-core is not installed)")}
-    if importlib.util.find_spec("megatron") is None:
-        notes.append("megatron-core is not installed: no Megatron-Core timing (benchmarks/tp_peers.py has one)")
+    split = [tp for tp in args.tp if tp > 1]  # Megatron-Core refuses sequence parallelism at tp=1
+    first = results[f"tp{split[0]}"]["ratios"] if split else {}
+    ratios["vs_megatron"] = first.get("plain_fused_vs_megatron")  # shardwise's fused block / Megatron's, first tp > 1
+    why = next((results[f"tp{tp}"]["absent"] for tp in split if results[f"tp{tp}"]["absent"]), None)
+    absent = {"megatron": why} if why else {}
+    if why:
+        notes.append(f"no Megatron-Core timing: {why}")
+    else:
+        notes.append("Megatron-Core: sequence_parallel=True with its built-in backward overlap; tp_comm_overlap "
+                     "(TransformerEngine userbuffers) needs CUDA and is not available on CPU")
     medians = {f"tp{tp}_{name}": t for tp in args.tp for name, t in results[f"tp{tp}"]["medians_s"].items()}
     for note in notes:
         print(note)

@@ -26,6 +26,7 @@ from .models.llama import Transformer
 from .models.params import carry, declare, head_partial, init_of, init_std
 from .recompute import apply_recompute
 from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from .tensor_parallel.fused import store_fused
 from .tensor_parallel.layers import (ColumnParallelLinear, ColumnRegion, RowParallelLinear, ShardSpec,
                                      VocabParallelEmbedding, enter_region, get_spec, set_spec)
 from .tensor_parallel.random import RNGTracker, replicated_dropout
@@ -61,8 +62,8 @@ def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
 def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool, overlap: bool = False, fused: bool = False) -> None:
     """MLA's plan: heads split (wq / wq_b and wkv_b column-parallel by head, wo row-parallel), down-projections
     and norms replicated; the block input enters the region once (SP all-gather, else Megatron's f, whose
-    backward sums the per-rank partial input gradients). Under `overlap` the projections that read the block
-    input (wq_a or wq, and wkv_a) form one overlapped `ColumnRegion` instead, fused with `fused`."""
+    backward sums the per-rank partial input gradients). Under `overlap` or `fused` the projections that read the
+    block input (wq_a or wq, and wkv_a) form one `ColumnRegion` (overlapped with `overlap`, one GEMM with `fused`)."""
     kw = dict(device="meta")
     qk, h = cfg.head_dim + cfg.qk_rope_dim, cfg.dim
     if cfg.q_lora_rank:
@@ -72,22 +73,37 @@ def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool, overlap: bool = F
     _swap(attn, "wkv_b", ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim), tp,
                                               enter=False, **kw))
     _swap(attn, "wo", RowParallelLinear(cfg.n_heads * cfg.v_head_dim, h, tp, sequence_parallel=sp, **kw))
-    if overlap:
+    if overlap or fused:
         for name in ("wq_a", "wkv_a") if cfg.q_lora_rank else ("wkv_a",):
             old = getattr(attn, name)
             _swap(attn, name, _replicated_column(old.in_features, old.out_features, tp))
         first = attn.wq_a if cfg.q_lora_rank else attn.wq
-        attn.register_forward_pre_hook(ColumnRegion([first, attn.wkv_a], tp, reduce=False, overlap=True, fused=fused))
+        if tp.active and not overlap:
+            attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+        attn.register_forward_pre_hook(ColumnRegion([first, attn.wkv_a], tp, reduce=False, overlap=overlap,
+                                                    fused=fused))
     elif tp.active:
         attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
 
 
-def _replicated_column(in_features: int, out_features: int, tp) -> ColumnParallelLinear:
-    """A replicated projection (MLA's down-projections) as a column layer holding every row, so it can join an
-    overlapped region; its gradient is a partial sum over TP, like the plain layer's under SP."""
+def _replicated_column(in_features: int, out_features: int, tp, partial: bool | None = None) -> ColumnParallelLinear:
+    """A replicated projection as a column layer holding every row, so it can join a region. `partial`: its
+    gradient is a partial sum over TP (default: under any TP, as MLA's down-projections, whose ranks each
+    back-propagate their own heads)."""
     layer = ColumnParallelLinear(in_features, out_features, tp, enter=False, rows=(0, out_features), device="meta")
-    set_spec(layer.weight, ShardSpec((out_features, in_features), replicas=tp.size, grad_reduce="tp_sum"))
+    partial = tp.active if partial is None else partial
+    set_spec(layer.weight, ShardSpec((out_features, in_features), replicas=tp.size,
+                                     grad_reduce="tp_sum" if partial else None))
     return layer
+
+
+def _fuse_shared_experts(ffn: nn.Module, tp, sp: bool) -> None:
+    """The MoE's shared experts (replicated over TP, on this rank's tokens) with w1/w3 as one fused region; no TP
+    entry: their input is already this rank's. Under SP each rank sees its own tokens, so gradients are partial."""
+    for name in ("w1", "w3"):
+        old = getattr(ffn, name)
+        _swap(ffn, name, _replicated_column(old.in_features, old.out_features, tp, partial=sp))
+    ffn.register_forward_pre_hook(ColumnRegion([ffn.w1, ffn.w3], tp, reduce=False, fused=True))
 
 
 def all_blocks(model: Transformer) -> list[nn.Module]:
@@ -112,7 +128,7 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
         attn, ffn = block.attention, block.feed_forward
         h, hd = cfg.dim, cfg.head_dim
         if isinstance(ffn, MoE):
-            block.feed_forward = apply_expert_parallel(cfg, mesh, sp)  # declares its own parameters
+            block.feed_forward = apply_expert_parallel(cfg, mesh, sp, fused)  # declares its own parameters
             ffn = None
         if cfg.is_mla:
             _mla_tensor_parallel(attn, cfg, tp, sp, overlap, fused)
@@ -145,7 +161,7 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
                 region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
             if fused or overlap or (tp.active and not sp):
                 region.register_forward_pre_hook(ColumnRegion(layers, tp, reduce=tp.active and not sp, overlap=overlap,
-                                                              fused=fused))
+                                                              fused=fused, own=(2,) if region is attn else ()))
     _swap(model, "output", ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw))
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
@@ -177,12 +193,12 @@ def _vocab_parallel_loss(tp, vocab_start: int, vocab_size: int, logits, targets,
     return vocab_parallel_cross_entropy(logits, targets, tp, vocab_start, vocab_size, ignore_index, label_smoothing)
 
 
-def apply_expert_parallel(cfg: ModelConfig, mesh: Mesh, sp: bool) -> MoE:
+def apply_expert_parallel(cfg: ModelConfig, mesh: Mesh, sp: bool, fused: bool = False) -> MoE:
     """An MoE block whose experts are split over ep; router, shared experts and experts are replicated over TP.
 
     Without SP every TP rank routes the same tokens, so replicas compute identical gradients. Under
     SP each TP rank routes its own sequence shard: gradients are partial and summed over TP, and the
-    aux loss statistics span tp as well as dp×cp.
+    aux loss statistics span tp as well as dp×cp. `fused`: the shared experts' w1/w3 run as one GEMM.
     """
     tp = mesh["tp"]
     moe = build_moe(cfg, mesh["ep"], expert_replicas=tp.size, device="meta")
@@ -190,6 +206,8 @@ def apply_expert_parallel(cfg: ModelConfig, mesh: Mesh, sp: bool) -> MoE:
     for p in moe.experts.parameters():
         if sp:
             set_spec(p, dataclasses.replace(get_spec(p), grad_reduce="tp_sum"))
+    if fused and moe.shared is not None:
+        _fuse_shared_experts(moe.shared, tp, sp)
     return moe
 
 
@@ -273,6 +291,8 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                 m.grad_store = model.grad_store
     materialize(model, cfg, seed, mesh.device)
+    if p.fused_projections:
+        store_fused(model)
     tracker = RNGTracker(seed, mesh["tp"].rank, mesh["pp"].rank, mesh.device)
     ctx.rng = tracker
     ctx.dropout = functools.partial(_dropout, tracker, ctx.tp_axis if ctx.sequence_parallel else None)

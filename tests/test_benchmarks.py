@@ -60,11 +60,12 @@ def test_benchmark_smoke_ends_in_one_json_line(script):
     assert bool(out["ratios"]) == (script not in NO_PEER), out["ratios"]
     if "megatron" in absent:
         assert not MEGATRON and "megatron" in absent["megatron"]
-    if script in ("tp_peers.py", "ep_dispatch.py"):
+    if script in ("tp_peers.py", "ep_dispatch.py", "tp_overlap.py"):
         assert ("megatron" in absent) == (not MEGATRON), absent
     if script == "tp_overlap.py":  # overlap on/off and fused/unfused, each exact against the plain run
         assert {"tp2_overlap_vs_plain", "tp2_fused_vs_unfused", "vs_megatron"} <= out["ratios"].keys()
         assert max(out["results"]["tp2"]["max_abs_diff"].values()) < 1e-5, out["results"]
+        assert out["results"]["tp2"]["fused_stored"], out["results"]
     if script == "pp_peers.py":  # every pair ran its correctness step and a timed one on the same models
         assert set(out["loss_diff"]) == {"1f1b", "interleaved", "zb", "dualpipev"}
         assert max(out["loss_diff"].values()) < 1e-5 and max(out["max_grad_diff"].values()) < 1e-5, out

@@ -74,15 +74,76 @@ def test_overlap_ledger_bytes_equal_and_loss_bitwise():
 
 
 def test_verify_overlap_tp2_tp4_and_fused_projections():
-    """Overlap with and without fused projections, and the fused projections alone (TP's f region, no SP)."""
+    """Overlap with and without fused projections; the fused projections alone (TP's f region, no SP); fused under
+    SP without overlap on DeepSeek's shape (MLA's fused down-projections, fused shared experts) with ZeRO-3."""
     seed = fresh_seed()
     fused_tp4 = _cfg(seed, tp=4)
     fused_tp4.parallel.fused_projections = True
     fused_no_sp = TrainConfig(parallel=ParallelConfig(tp=2, dp=2, fused_projections=True), steps=2, seq_len=64,
                               micro_batch=2, seed=seed, progress=False, warmup_steps=20, lr_decay_steps=200)
     fused_no_sp.resolve_world()
-    for result in run_ranks(4, verify_all, [fused_tp4, _cfg(seed, tp=2, dp=2), fused_no_sp])[0]:
+    mla_zero3 = _cfg(seed, tp=2, dp=2, zero=3, model=DEEPSEEK, global_batch=4)
+    mla_zero3.parallel.tp_overlap, mla_zero3.parallel.fused_projections = False, True
+    for result in run_ranks(4, verify_all, [fused_tp4, _cfg(seed, tp=2, dp=2), fused_no_sp, mla_zero3])[0]:
         assert result["passed"] and result["max_loss_abs_diff"] < 1e-5, (seed, result)
+
+
+def _fused_storage_and_checkpoints(fused, unfused, zero3, root):
+    """Inside ranks: whether every fused region is one storage (built, after a step, after loading, under ZeRO-3),
+    and a checkpoint of the fused run loaded by the unfused one (and back) gives the same parameters."""
+    import torch
+
+    from shardwise.checkpoint import load_checkpoint, save_checkpoint
+    from shardwise.tensor_parallel.fused import region_stored
+    from shardwise.trainer import Trainer, make_mesh
+
+    def trainer(cfg):
+        return Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
+
+    def stored(t):
+        regions = {id(m.region): m.region for m in t.model.modules() if getattr(m, "region", None) is not None}
+        return [region_stored(r) for r in regions.values() if r.fused]
+
+    def same(a, b):
+        pb = dict(b.model.named_parameters())
+        return [n for n, p in a.model.named_parameters() if not torch.equal(p, pb[n])]
+
+    out = {}
+    a = trainer(fused)
+    out["built"] = stored(a)
+    a.train_step(0)
+    out["trained"] = stored(a)
+    save_checkpoint(f"{root}/fused", 1, a)
+    b = trainer(unfused)
+    load_checkpoint(f"{root}/fused", b)
+    out["fused_to_unfused_differ"] = same(a, b)
+    out["next_losses"] = (a.train_step(1)["loss"], b.train_step(1)["loss"])
+    save_checkpoint(f"{root}/unfused", 2, b)
+    c = trainer(fused)
+    load_checkpoint(f"{root}/unfused", c)
+    out["unfused_to_fused_differ"], out["loaded"] = same(b, c), stored(c)
+    z = trainer(zero3)
+    z.train_step(0)
+    out["zero3"] = stored(z)
+    return out
+
+
+def test_fused_storage_and_checkpoints_interchange(tmp_path):
+    """tp2 + SP + overlap: each fused region is one storage when built, after a step and after a checkpoint load;
+    a fused run's checkpoint loads into an unfused run and back, parameter for parameter; ZeRO-3's flat buckets
+    keep the regions contiguous."""
+    seed = fresh_seed()
+    fused = _cfg(seed, tp=2)
+    fused.parallel.fused_projections = True
+    unfused = _cfg(seed, tp=2)
+    zero3 = dataclasses.replace(unfused, model=DEEPSEEK, global_batch=4,
+                                parallel=ParallelConfig(dp=2, zero=3, fused_projections=True))
+    zero3.resolve_world()
+    for out in run_ranks(2, _fused_storage_and_checkpoints, fused, unfused, zero3, str(tmp_path)):
+        assert len(out["built"]) == 2 * 8 and all(out["built"]) and all(out["trained"]) and all(out["loaded"]), out
+        assert out["fused_to_unfused_differ"] == [] and out["unfused_to_fused_differ"] == [], (seed, out)
+        assert abs(out["next_losses"][0] - out["next_losses"][1]) < 1e-5, (seed, out)
+        assert len(out["zero3"]) == 8 and all(out["zero3"]), (seed, out)  # 4 MLA, 1 dense MLP, 3 shared experts
 
 
 LAYOUTS = {

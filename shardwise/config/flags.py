@@ -88,8 +88,9 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--tp-overlap", "under --sequence-parallel, split each TP all-gather and reduce-scatter into tp chunks "
          "that travel while the GEMMs of the previous chunks run (default off)", "parallel.tp_overlap",
          kind="toggle", group=LAYOUT),
-    Flag("--fused-projections", "one GEMM for q/k/v and one for w1/w3 on the concatenated weights; equal to the "
-         "separate GEMMs up to rounding (a BLAS may pick another kernel for the wider GEMM) (default off)",
+    Flag("--fused-projections", "q/k/v (MLA: the down-projections) and w1/w3 (shared experts too) stored back to "
+         "back in one buffer per rank, one GEMM each; checkpoints and HF files unchanged; equal to the separate "
+         "GEMMs up to rounding (default off)",
          "parallel.fused_projections", kind="toggle", group=LAYOUT),
     Flag("--zero", "ZeRO stage over dp×cp: 0, 1 (AdamW state sharded), 2 (+ gradients), 3 (+ parameters)",
          "parallel.zero", group=LAYOUT),

@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import comm, host
 from ..pipeline.grad_store import linear, weight_grads
+from .fused import joined, split_weight_grads
 from .overlap import gather_column, row_scatter
 
 
@@ -133,11 +134,11 @@ class _ColumnRegionFn(torch.autograd.Function):
     backward: dx = Σ g_i W_i (all-reduced over TP *asynchronously* while the dW_i are computed, when `reduce`).
 
     One autograd node for the whole region lets the input-gradient all-reduce overlap the weight-gradient GEMMs
-    (with separate nodes autograd finishes every dW before f runs), and lets the GEMMs fuse. The weights are
-    concatenated per call, so parameters, checkpoints and HF names stay per projection. A fused output column is
-    the same dot product over x's features, but a BLAS may pick another kernel for the wider GEMM, so fusion is
-    exact only up to rounding on some shapes. dx is summed in `order` (autograd's own order for separate layers
-    is the reverse of the forward's); dW per projection, as autograd computes it.
+    (with separate nodes autograd finishes every dW before f runs), and lets the GEMMs fuse. Fused, the weights are
+    one storage (`fused.py`) and the region runs one GEMM each for y, dx and dW; a fused GEMM sums over the same
+    features but a BLAS may pick another kernel for the wider matrix, and dx sums over every projection's columns
+    in one GEMM, so fusion is exact only up to rounding. Unfused, dx is summed in `order` (autograd's own order for
+    separate layers is the reverse of the forward's) and dW per projection, as autograd computes them.
     """
 
     @staticmethod
@@ -145,13 +146,16 @@ class _ColumnRegionFn(torch.autograd.Function):
         ws, bs = params[0::2], params[1::2]
         ctx.save_for_backward(x)  # weights on ctx: a saved-tensor hook would hand the deferred W a copy (grad_store)
         ctx.axis, ctx.store, ctx.ws, ctx.bs, ctx.reduce, ctx.order = axis, store, ws, bs, reduce, order
-        if not fused or len(ws) == 1:
+        ctx.fused = fused and len(ws) > 1
+        if not ctx.fused:
             return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
-        b = None if bs[0] is None else torch.cat(bs)
-        return tuple(F.linear(x, torch.cat(ws), b).split([w.shape[0] for w in ws], dim=-1))
+        b = None if bs[0] is None else joined(list(bs))
+        return tuple(F.linear(x, joined(list(ws)), b).split([w.shape[0] for w in ws], dim=-1))
 
     @staticmethod
     def backward(ctx, *gs):
+        if ctx.fused:
+            return _ColumnRegionFn.fused_backward(ctx, gs)
         (x,), ws = ctx.saved_tensors, ctx.ws
         live = [(i, g.reshape(-1, g.shape[-1])) for i, g in enumerate(gs) if g is not None]
         dx = None
@@ -170,6 +174,25 @@ class _ColumnRegionFn(torch.autograd.Function):
             comm.wait(work, ctx.axis, "all_reduce of a column region's input gradient")
         return (dx.view_as(x), None, None, None, None, None, *grads)
 
+    @staticmethod
+    def fused_backward(ctx, gs):
+        """One GEMM for dx on the joined weight, then one for every dW (under the all-reduce when `reduce`)."""
+        (x,), ws = ctx.saved_tensors, ctx.ws
+        like = next(g for g in gs if g is not None)
+        gs = [g if g is not None else like.new_zeros((*like.shape[:-1], w.shape[0])) for g, w in zip(gs, ws)]
+        g = torch.cat(gs, dim=-1)
+        dx = (g @ joined(list(ws)).to(g.dtype)).to(x.dtype)
+        work = comm.all_reduce_async(dx, ctx.axis) if ctx.reduce else None
+        if ctx.store is not None and ctx.store.capturing:  # zero-bubble: dW runs later, at this microbatch's W action
+            for w, b, gi in zip(ws, ctx.bs, gs):
+                ctx.store.put(w, b, x, gi)
+            grads = [None] * (2 * len(ws))
+        else:
+            grads = split_weight_grads(x, g, ws, ctx.bs)
+        if work is not None:
+            comm.wait(work, ctx.axis, "all_reduce of a column region's input gradient")
+        return (dx, None, None, None, None, None, *grads)
+
 
 class ColumnRegion:
     """Column-parallel layers that read one input (q/k/v, or w1/w3), entered once as one TP region.
@@ -178,12 +201,15 @@ class ColumnRegion:
     GEMM with `fused`) and hands each layer its output when the layer is called. `reduce`: the region is
     Megatron's f (TP without SP), its input gradient all-reduced inside the region; under SP (or tp=1) the entry
     is the caller's, except with `overlap` (SP with --tp-overlap): the region takes the sequence shard and
-    gathers it in chunks under the GEMMs.
+    gathers it in chunks under the GEMMs. `own`: indices of outputs a fused GEMM hands back as copies, because a
+    later op saves them past their siblings (attention's v, saved by SDPA after q and k are rotated) and a column
+    block of the fused output would keep the whole output alive.
     """
 
     def __init__(self, layers: list[ColumnParallelLinear], axis, reduce: bool = True, overlap: bool = False,
-                 fused: bool = False):
+                 fused: bool = False, own: tuple[int, ...] = ()):
         self.layers, self.axis, self.reduce, self.overlap, self.fused = layers, axis, reduce, overlap, fused
+        self.own = own
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in layers:
             layer.region = self
@@ -200,6 +226,8 @@ class ColumnRegion:
         # separate layers and sums dx in autograd's order for them.
         order = "forward" if self.reduce else "reverse"
         outs = _ColumnRegionFn.apply(x, self.axis, self.layers[0].grad_store, self.reduce, order, self.fused, *params)
+        if self.fused:
+            outs = [y.clone() if i in self.own else y for i, y in enumerate(outs)]
         self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
 
     def take(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:

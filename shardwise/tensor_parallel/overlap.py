@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..pipeline.grad_store import weight_grads
+from .fused import joined, split_weight_grads
 
 
 def chunk_bounds(local_len: int, steps: int) -> list[tuple[int, int]]:
@@ -78,12 +79,13 @@ class _ReduceScatterChunks:
         return shard
 
 
-def _column_gemm(rows: torch.Tensor, ws, bs, fused: bool) -> torch.Tensor:
-    """[y_1 | y_2 | ...] for one chunk: one GEMM on the concatenated weights (`fused`) or one per weight."""
+def _column_gemm(rows: torch.Tensor, ws, bs, fused: bool) -> list[torch.Tensor]:
+    """y_1, y_2, ... for one chunk: one GEMM on the joined weights (`fused`, the outputs its column blocks) or one
+    per weight."""
     if fused and len(ws) > 1:
-        return F.linear(rows, torch.cat(ws), None if bs[0] is None else torch.cat(bs))
-    outs = [F.linear(rows, w, b) for w, b in zip(ws, bs)]
-    return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+        y = F.linear(rows, joined(list(ws)), None if bs[0] is None else joined(list(bs)))
+        return list(y.split([w.shape[0] for w in ws], dim=-1))
+    return [F.linear(rows, w, b) for w, b in zip(ws, bs)]
 
 
 class _GatherColumnFn(torch.autograd.Function):
@@ -97,18 +99,19 @@ class _GatherColumnFn(torch.autograd.Function):
         t, (bsz, local_len, h) = axis.size, x.shape
         bounds = chunk_bounds(local_len, t)
         x_full = x.new_empty((bsz, t, local_len, h))
-        y = None
+        ys = None  # one tensor per projection, so an output kept by a later op (attention's v) keeps only itself
         for off, rows in _gathered(x, axis, bounds):
             _put(x_full, t, off, rows)
-            out = _column_gemm(rows, ws, bs, fused)
-            if y is None:
-                y = out.new_empty((bsz, t, local_len, out.shape[-1]))
-            _put(y, t, off, out)
+            outs = _column_gemm(rows, ws, bs, fused)
+            if ys is None:
+                ys = [o.new_empty((bsz, t, local_len, o.shape[-1])) for o in outs]
+            for y, out in zip(ys, outs):
+                _put(y, t, off, out)
         x_full = x_full.view(bsz, t * local_len, h)
         ctx.save_for_backward(x_full)
         ctx.axis, ctx.store, ctx.ws, ctx.bs, ctx.x_dtype, ctx.local_len = axis, store, ws, bs, x.dtype, local_len
-        ctx.fused = fused
-        return tuple(y.view(bsz, t * local_len, -1).split([wi.shape[0] for wi in ws], dim=-1))
+        ctx.fused = fused and len(ws) > 1
+        return tuple(y.view(bsz, t * local_len, -1) for y in ys)
 
     @staticmethod
     def backward(ctx, *gs):
@@ -116,7 +119,7 @@ class _GatherColumnFn(torch.autograd.Function):
         like = next(g for g in gs if g is not None)
         gs = [g if g is not None else like.new_zeros((*like.shape[:-1], w.shape[0])) for g, w in zip(gs, ws)]
         if ctx.fused:
-            gs_, ws_ = [torch.cat(gs, dim=-1)], [torch.cat(ws)]
+            gs_, ws_ = [torch.cat(gs, dim=-1)], [joined(list(ws))]
         else:  # autograd's order for separate layers: the last projection's dx first
             gs_, ws_ = gs[::-1], ws[::-1]
         scatter = _ReduceScatterChunks(axis)
@@ -128,10 +131,12 @@ class _GatherColumnFn(torch.autograd.Function):
             scatter.start(off, dx)
         grads: list = [None] * (2 * len(ws))
         capture = ctx.store is not None and ctx.store.capturing
+        if ctx.fused and not capture:  # one dW GEMM for every projection
+            grads = split_weight_grads(x_full, gs_[0], ws, ctx.bs)
         for i, gi in enumerate(gs):
             if capture:  # zero-bubble: dW runs later, at this microbatch's W action
                 ctx.store.put(ws[i], ctx.bs[i], x_full, gi)
-            else:
+            elif not ctx.fused:
                 grads[2 * i], grads[2 * i + 1] = weight_grads(x_full, gi, ws[i], ctx.bs[i])
         return (scatter.finish(ctx.local_len), None, None, None, *grads)
 
