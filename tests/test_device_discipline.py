@@ -38,6 +38,7 @@ ALLOWED = {
     ("mesh.py", "Mesh.build", "arange"): "the rank grid: integer bookkeeping that derives the group lists",
     ("models/llama.py", "RMSNorm.__init__", "empty"):
         "created under build_model's torch.device('meta') context and materialised on mesh.device",
+    ("models/llama.py", "Attention.__init__", "empty"): "gpt-oss's sinks: as RMSNorm's weight",
     ("parallelize.py", "global_init", "ones"):
         "the global initial tensor, built on the host so every layout draws the same numbers; "
         "materialize copies the rank's slice to mesh.device",

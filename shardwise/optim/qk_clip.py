@@ -42,8 +42,9 @@ class _Layer:
             self.heads = wq.weight.shape[0] // (nope + rope)
             self.groups, self.spans_tp = 1, False
             heads = range(self.heads)
-            self.targets = [(wq.weight, *_rows(heads, [(nope, ALPHA), (rope, 1.0)])),
-                            (attn.wkv_b.weight, *_rows(heads, [(nope, 1.0 - ALPHA), (vd, 0.0)]))]
+            dev = wq.weight.device
+            self.targets = [(wq.weight, *_rows(heads, [(nope, ALPHA), (rope, 1.0)], dev)),
+                            (attn.wkv_b.weight, *_rows(heads, [(nope, 1.0 - ALPHA), (vd, 0.0)], dev))]
             return
         hd = attn.head_dim
         sq, sk = get_spec(attn.wq.weight), get_spec(attn.wk.weight)
@@ -53,8 +54,9 @@ class _Layer:
         # group index of each local head: among every query head of the layer when a group spans TP ranks (S_max
         # is then gathered over tp), else among this rank's (its K heads are exactly its groups)
         q0, k0 = (sq.start // hd, sk.start // hd) if self.spans_tp else (0, 0)
-        q_rows = _rows([(q0 + h) // self.groups for h in range(self.heads)], [(hd, ALPHA)])
-        k_rows = _rows(range(k0, k0 + attn.wk.weight.shape[0] // hd), [(hd, 1.0 - ALPHA)])
+        dev = attn.wq.weight.device
+        q_rows = _rows([(q0 + h) // self.groups for h in range(self.heads)], [(hd, ALPHA)], dev)
+        k_rows = _rows(range(k0, k0 + attn.wk.weight.shape[0] // hd), [(hd, 1.0 - ALPHA)], dev)
         self.targets = [(attn.wq.weight, *q_rows), (attn.wk.weight, *k_rows)]
         for lin, rows in ((attn.wq, q_rows), (attn.wk, k_rows)):
             if lin.bias is not None:
@@ -65,17 +67,18 @@ class _Layer:
         `spans_tp` every query head of the layer in TP order)."""
         m = per_head.view(-1, self.groups).amax(1)
         eta = torch.where(m > tau, tau / m, torch.ones_like(m))
-        return [(p, eta[group.to(eta.device)].pow(exp.to(eta.device))) for p, group, exp in self.targets]
+        return [(p, eta[group].pow(exp)) for p, group, exp in self.targets]
 
 
-def _rows(groups, parts: list[tuple[int, float]]):
-    """(group per row, exponent per row) for heads in `groups` order, each laid out as `parts` (rows, exponent)."""
+def _rows(groups, parts: list[tuple[int, float]], device):
+    """(group per row, exponent per row) for heads in `groups` order, each laid out as `parts` (rows, exponent);
+    made once, on the weights' device, so a step's clip copies nothing from the host."""
     idx, exp = [], []
     for g in groups:
         for n, e in parts:
             idx += [g] * n
             exp += [e] * n
-    return torch.tensor(idx), torch.tensor(exp)
+    return torch.tensor(idx, device=device), torch.tensor(exp, device=device)
 
 
 class QKClip:
