@@ -86,12 +86,13 @@ def layer_forward_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl
     projection: the residual input cast to the activation dtype, the down-projection's input product
     ([n, ffn/tp]) and output ([n, h]); under SP also the all-gathered MLP input and the contiguous copy the
     output's reduce-scatter sends (n = mb·s/cp rows, 1/tp of them in the residual stream under SP)."""
-    if lay.recompute != "full" or not stage.n_layers:
+    (dense, moe), _ = stage.recompute_split(lay)
+    if lay.recompute != "full" or not dense + moe:
         return 0.0
     e, h = wl.act_bytes, spec.dim
     n = lay.mb * wl.seq_len // lay.cp
     sp = lay.sp and lay.tp > 1
-    ffn = spec.ffn_dim // lay.tp if stage.n_dense else spec.moe_topk * spec.expert_ffn_dim
+    ffn = spec.ffn_dim // lay.tp if dense else spec.moe_topk * spec.expert_ffn_dim
     cast = e * (n // lay.tp if sp else n) * h if e != 4 else 0
     return float(cast + e * n * ffn + e * n * h * (3 if sp else 1))
 
@@ -150,8 +151,9 @@ def autocast_moment_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
         return 0.0, 0.0
     if lay.recompute != "full":
         return _cached_copies(spec, stage, lay, wl)
-    dense = spec.ffn_dim // lay.tp * spec.dim if stage.n_dense else 0
-    moe = spec.mlp_mats * spec.moe_experts // lay.ep * spec.expert_ffn_dim * spec.dim if stage.n_moe else 0
+    (n_dense, n_moe), _ = stage.recompute_split(lay)  # the recomputed layers' kinds (--recompute-layers)
+    dense = spec.ffn_dim // lay.tp * spec.dim if n_dense else 0
+    moe = spec.mlp_mats * spec.moe_experts // lay.ep * spec.expert_ffn_dim * spec.dim if n_moe else 0
     copy = float(wl.act_bytes * max(dense, moe))
     if lay.zero < 3:
         return copy, 0.0
