@@ -81,7 +81,9 @@ def pipeline_buffer_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
         return 0.0, 0.0
     n = lay.mb * wl.seq_len // lay.cp
     one = wl.resid_bytes * (n // lay.tp if lay.sp else n) * spec.dim
-    at_f, at_b = boundary_buffers(lay.schedule, lay.pp, lay.m, lay.vp, stage.index, wl.resid_bytes == 4)
+    # the count repeats from the steady state on: walked at no more than 4·pp microbatches (`schedule.simulated`)
+    at_f, at_b = boundary_buffers(lay.schedule, lay.pp, min(lay.m, 4 * lay.pp), lay.vp, stage.index,
+                                  wl.resid_bytes == 4)
     return float(one * at_f), float(one * at_b)
 
 
