@@ -320,8 +320,24 @@ def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
     mb = microbatch_activation_bytes(spec, stage, lay, wl, model)
     flight = in_flight(lay, stage.index)
     heads = flight if lay.schedule == "gpipe" and lay.pp > 1 else 1
-    held = (mb["total"] - mb["head"]) * flight + mb["head"] * heads
+    once = mb["head"] + (head_weight_copies(spec, stage, lay, wl) if model == "shardwise" else 0.0)
+    held = (mb["total"] - once) * flight + once * heads
     return held + recompute_transient_bytes(spec, stage, lay, wl, model)
+
+
+def head_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """The bf16 weight copies of `microbatch_activation_bytes`' "weights" that the LM head and the MTP modules
+    save: held, like the head's other tensors, only by a microbatch between the last chunk's F and its B — one
+    at a time outside GPipe (on an interleaved last stage more chunks are in flight, not more heads)."""
+    if not stage.head or wl.act_bytes == 4 or lay.recompute == "full":
+        return 0.0  # under full recompute the head's copy is counted with the head already
+    split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")  # the head keeps its fp32 weight on ctx
+    out = 0.0 if split else float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim)
+    if spec.mtp_layers:
+        blocks = [spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers)]
+        mtp_stage = Stage(stage.index, blocks.count(False), blocks.count(True), False, False, tuple(blocks))
+        out += autocast_weight_bytes(spec, mtp_stage, dataclasses.replace(lay, recompute="none"), wl)
+    return out
 
 
 def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
