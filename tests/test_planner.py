@@ -495,3 +495,31 @@ def test_activation_model_option(capsys):
     # microbatch in flight: several times the paper's figure for Megatron
     assert korthikanti["activation_bytes_per_rank"] < shardwise["activation_bytes_per_rank"] / 2
     assert korthikanti["static_bytes_per_rank"] == shardwise["static_bytes_per_rank"]
+
+
+def test_recompute_layers_modelled():
+    """--recompute-layers N: the first N layers of every chunk are recomputed (`apply_recompute`), the rest are
+    not. N = every layer of a chunk is full recompute; fewer layers save more and recompute less (activations,
+    the repeated TP collectives, hardware FLOPs between none and full); the row's command spells the flag out
+    and --explain reads it back from a train command."""
+    from shardwise.planner.command import parse_train_flags, train_flags
+
+    spec, wl = get_model("llama3-8b"), Workload(seq_len=4096, global_batch=64)
+    base = Layout(dp=2, tp=4, pp=4, m=32, mb=1, zero=1, sequence_parallel=True, recompute="full")
+    per_chunk = spec.n_layers // 4
+    est = {n: estimate(spec, Cluster(H100, 32, 8), replace(base, recompute_layers=n), wl, detail=True)
+           for n in (None, per_chunk, 2)}
+    none = estimate(spec, Cluster(H100, 32, 8), replace(base, recompute="none"), wl, detail=True)
+    for key in ("activation_bytes_per_rank", "hardware_flops_per_step", "comm_bytes_per_step"):
+        assert est[per_chunk][key] == est[None][key], key
+    assert est[None]["activation_bytes_per_rank"] < est[2]["activation_bytes_per_rank"] < \
+        none["activation_bytes_per_rank"]
+    assert none["hardware_flops_per_step"] < est[2]["hardware_flops_per_step"] < est[None]["hardware_flops_per_step"]
+    assert none["comm_bytes_per_step"]["tp"] < est[2]["comm_bytes_per_step"]["tp"] < est[None]["comm_bytes_per_step"]["tp"]
+    lay = replace(base, recompute_layers=2)
+    flags = train_flags(["--model", "llama3-8b"], spec, lay, wl)
+    assert flags[flags.index("--recompute-layers") + 1] == "2"
+    back, _ = parse_train_flags(" ".join(flags), 32, None, "llama3-8b", spec.n_layers)
+    assert back.recompute_layers == 2 and back.recompute == "full"
+    st = stages(spec, lay)[0]
+    assert st.recomputed == (True, True) + (False,) * (per_chunk - 2)

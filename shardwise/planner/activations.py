@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwise.planner import gpt_oss
-from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
+from shardwise.planner.layout import Layout, Stage, Workload, chunk_layer_ids, chunk_owners
 from shardwise.planner.models import BOOL, INT64, ModelSpec, layer_params, local_kv_heads, padded_vocab
 from shardwise.planner.mtp import mtp_activation_bytes
 from shardwise.planner.schedule import in_flight
@@ -254,10 +254,15 @@ def autocast_weight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     """bf16 autocast: every linear saves a bf16 copy of its (fp32 master) weight for backward, once per
     microbatch, since each microbatch's forward runs in its own autocast region. Norms and the embedding
     table are not cast, nor the MoE router (fp32 routing); routed experts are (the grouped GEMM runs in the
-    compute dtype). 0 for fp32 runs, and under full recompute (the copies would be recomputed with the layer; the LM
-    head, outside every checkpoint, still saves its copy: `microbatch_activation_bytes` counts it with the head)."""
-    if wl.act_bytes == 4 or lay.recompute == "full":
+    compute dtype). 0 for fp32 runs, and for the layers full recompute reaches (the copies would be recomputed with
+    the layer; the LM head, outside every checkpoint, still saves its copy: `microbatch_activation_bytes` counts it
+    with the head)."""
+    if wl.act_bytes == 4:
         return 0.0
+    if lay.recompute == "full":  # --recompute-layers: the layers not recomputed save theirs (the head's: see above)
+        _, (dense, moe) = stage.recompute_split(lay)
+        plain = Stage(stage.index, dense, moe, False, False)
+        return autocast_weight_bytes(spec, plain, dataclasses.replace(lay, recompute="none"), wl) if dense + moe else 0.0
     p = layer_params(spec, False, lay.tp, lay.ep) * stage.n_dense + layer_params(spec, True, lay.tp, lay.ep) * stage.n_moe
     if lay.pp > 1 and lay.schedule in ("zb", "dualpipev"):  # split backward: every tp linear keeps its fp32
         return float(wl.act_bytes * p.expert)  # weight on ctx for B and W (grad_store); routed experts still cast
@@ -276,10 +281,14 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
     """What one microbatch's forward through this stage's chunks saves for backward, by part:
     {layers, head, embedding, rope, weights, total}. The "shardwise" embedding part is its int64 token ids
     (under tp: the shifted local ids and the out-of-shard mask), rope the fp32 cos/sin tables of each chunk."""
-    per = {moe: layer_activation_bytes(spec, moe, lay, wl, recompute, model) for moe in (False, True)}
+    # under --recompute-layers the rest of each chunk's layers run without recompute
+    (dense, moe), plain = stage.recompute_split(lay) if recompute is None else ((stage.n_dense, stage.n_moe), (0, 0))
+    layers = sum(n * layer_activation_bytes(spec, k, lay, wl, recompute, model)
+                 for k, n in ((False, dense), (True, moe)) if n)
+    layers += sum(n * layer_activation_bytes(spec, k, lay, wl, "none", model) for k, n in zip((False, True), plain) if n)
     n = lay.mb * wl.seq_len // lay.cp
     head = head_activation_bytes(spec, lay, wl, model) if stage.head else 0.0
-    out = {"layers": stage.n_dense * per[False] + stage.n_moe * per[True],
+    out = {"layers": layers,
            "head": head, "embedding": 0.0, "rope": 0.0, "weights": 0.0}
     if stage.head and spec.mtp_layers:  # the MTP modules run after the head, on the last stage: held like it;
         # recompute does not reach their blocks, and bf16 autocast saves their linears' weight copies
@@ -313,15 +322,53 @@ def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workl
     mb = microbatch_activation_bytes(spec, stage, lay, wl, model)
     flight = in_flight(lay, stage.index)
     heads = flight if lay.schedule == "gpipe" and lay.pp > 1 else 1
-    held = (mb["total"] - mb["head"]) * flight + mb["head"] * heads
+    once = mb["head"] + (head_weight_copies(spec, stage, lay, wl) if model == "shardwise" else 0.0)
+    held = (mb["total"] - once) * flight + once * heads
     return held + recompute_transient_bytes(spec, stage, lay, wl, model)
+
+
+def head_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """The bf16 weight copies of `microbatch_activation_bytes`' "weights" that the LM head and the MTP modules
+    save: held, like the head's other tensors, only by a microbatch between the last chunk's F and its B — one
+    at a time outside GPipe (on an interleaved last stage more chunks are in flight, not more heads)."""
+    if not stage.head or wl.act_bytes == 4 or lay.recompute == "full":
+        return 0.0  # under full recompute the head's copy is counted with the head already
+    split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")  # the head keeps its fp32 weight on ctx
+    out = 0.0 if split else float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim)
+    if spec.mtp_layers:
+        blocks = [spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers)]
+        mtp_stage = Stage(stage.index, blocks.count(False), blocks.count(True), False, False, tuple(blocks))
+        out += autocast_weight_bytes(spec, mtp_stage, dataclasses.replace(lay, recompute="none"), wl)
+    return out
 
 
 def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
                               model: str = "shardwise") -> float:
-    """Under full recompute, the layer being recomputed materialises its full activations once more
-    (during its backward only: checkpoint holds them in its own frame, not as saved tensors)."""
-    if lay.recompute != "full" or not stage.n_layers:
+    """Under full recompute, the layer being recomputed (the largest kind recomputed) materialises its full
+    activations once more (during its backward only: checkpoint holds them in its own frame, not as saved
+    tensors). Under --recompute-layers N the recomputed layers are each chunk's first N, so their backward
+    comes after the chunk's other layers' backward has freed that microbatch's saved tensors of them (with
+    their weight copies): the net growth over the held activations, at least 0."""
+    (dense, moe), plain = stage.recompute_split(lay)
+    if lay.recompute != "full" or not dense + moe:
         return 0.0
-    kinds = [moe for moe, n in ((False, stage.n_dense), (True, stage.n_moe)) if n]
-    return max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
+    kinds = [k for k, n in ((False, dense), (True, moe)) if n]
+    rebuilt = max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
+    if not sum(plain):
+        return rebuilt
+    return max(0.0, rebuilt - min(_plain_chunk_bytes(spec, lay, wl, ids, model)
+                                  for j, ids in _stage_chunks(spec, lay, stage)))
+
+
+def _stage_chunks(spec: ModelSpec, lay: Layout, stage: Stage) -> list[tuple[int, range]]:
+    """(chunk, its global layer ids) of every chunk `stage` holds."""
+    return [(j, ids) for j, (o, ids) in enumerate(zip(chunk_owners(lay), chunk_layer_ids(spec, lay))) if o == stage.index]
+
+
+def _plain_chunk_bytes(spec: ModelSpec, lay: Layout, wl: Workload, ids: range, model: str) -> float:
+    """One microbatch's saved tensors (and bf16 weight copies) of a chunk's layers that are not recomputed."""
+    kinds = [spec.is_moe_layer(i) for i in ids[lay.recompute_layers:]]
+    plain = Stage(0, kinds.count(False), kinds.count(True), False, False)
+    eager = dataclasses.replace(lay, recompute="none", recompute_layers=None)
+    acts = sum(layer_activation_bytes(spec, k, lay, wl, "none", model) for k in kinds)
+    return acts + (autocast_weight_bytes(spec, plain, eager, wl) if model == "shardwise" and kinds else 0.0)

@@ -120,13 +120,16 @@ def tp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
         if stage.head:
             led.add("tp", "all_gather", n // t * h * r, t, 1, k)
             led.add("tp", "reduce_scatter", n * h * r, t, 1, k)
-    if lay.recompute == "full":
-        # The recomputed forward repeats every region entry, and every exit but the block's last: torch's
+    (dense, moe), _ = stage.recompute_split(lay)
+    if lay.recompute == "full" and dense + moe:
+        # The recomputed forward (of every layer, or under --recompute-layers of the first N of each chunk)
+        # repeats every region entry, and every exit but the block's last: torch's
         # checkpoint stops recomputing once the last saved tensor is rebuilt, and nothing after the
         # MLP's exit is saved — unless residual dropout saves its mask there (an MoE block's last TP
         # collective is its attention exit).
         # Under --tp-overlap the MLP's exit is one autograd node with the GEMM whose input it saves: replayed too.
-        exits = regions if spec.dropout > 0 or (lay.sp and lay.tp_overlap) else stage.n_dense + stage.n_moe
+        regions = 2 * dense + moe
+        exits = regions if spec.dropout > 0 or (lay.sp and lay.tp_overlap) else dense + moe
         if lay.sp:
             k = chunks(t, wl.seq_len // lay.cp // t, lay.tp_overlap)
             led.add("tp", "all_gather", n // t * h * r, t, regions, k * regions)
@@ -259,8 +262,8 @@ def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     blocks = _tokens(lay, wl) * local_kv_heads(spec, lay.tp) * wl.act_bytes
     dk, dv = _cp_head_dims(spec)
     k_blk, v_blk = blocks * dk, blocks * dv
-    rings = 3 + (lay.recompute != "none")  # fwd K/V, bwd K/V, bwd dK/dV (+ recomputed fwd)
-    n = rings * (c - 1) * stage.n_layers
+    again = sum(stage.recompute_split(lay)[0]) if lay.recompute != "none" else 0
+    n = (3 * stage.n_layers + again) * (c - 1)  # fwd K/V, bwd K/V, bwd dK/dV (+ the recomputed layers' fwd)
     led.add("cp", "send", k_blk, c, n)
     led.add("cp", "send", v_blk, c, n)
     led.add("cp", "recv", 0, c, 2 * n)
@@ -277,13 +280,14 @@ def ulysses_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layo
     n, e = _tokens(lay, wl), wl.act_bytes
     hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
     rep = c // hkv if hkv % c else 1
-    qkv = 2 + (lay.recompute != "none")  # fwd, bwd (+ recomputed fwd)
     L = stage.n_layers
+    again = sum(stage.recompute_split(lay)[0]) if lay.recompute != "none" else 0
+    qkv = 2 * L + again  # fwd, bwd (+ the recomputed layers' fwd)
     dk, dv = _cp_head_dims(spec)
-    led.add("cp", "all_to_all", n * hq * dk * e, c, qkv * L)  # q, dq
-    led.add("cp", "all_to_all", n * hkv * rep * dk * e, c, qkv * L)  # k, dk
-    led.add("cp", "all_to_all", n * hkv * rep * dv * e, c, qkv * L)  # v, dv
-    led.add("cp", "all_to_all", n * hq * dv * e, c, (2 + (lay.recompute == "full")) * L)  # out, d_out
+    led.add("cp", "all_to_all", n * hq * dk * e, c, qkv)  # q, dq
+    led.add("cp", "all_to_all", n * hkv * rep * dk * e, c, qkv)  # k, dk
+    led.add("cp", "all_to_all", n * hkv * rep * dv * e, c, qkv)  # v, dv
+    led.add("cp", "all_to_all", n * hq * dv * e, c, 2 * L + (again if lay.recompute == "full" else 0))  # out, d_out
 
 
 def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> None:
@@ -299,17 +303,18 @@ def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     if not stage.n_moe:
         return
     tokens = _tokens(lay, wl) // (lay.tp if lay.sp else 1)
-    fwd = 1 + (lay.recompute == "full")  # full recompute repeats the block's forward, router statistics included
+    L = stage.n_moe
+    # full recompute repeats the recomputed blocks' forward, router statistics included
+    fwd = L + (stage.recompute_split(lay)[0][1] if lay.recompute == "full" else 0)
     if spec.aux_loss:
         for axis, group in (("dp_cp", lay.dp * lay.cp), ("tp", lay.tp if lay.sp else 1)):
-            led.add(axis, "all_reduce:aux_loss", (spec.moe_experts + 1) * 4, group, fwd * stage.n_moe)
+            led.add(axis, "all_reduce:aux_loss", (spec.moe_experts + 1) * 4, group, fwd)
     if lay.ep < 2:
         return
     rows = spec.moe_topk * tokens * spec.dim
-    L = stage.n_moe
-    led.add("ep", "all_to_all:counts", spec.moe_experts * 8, lay.ep, fwd * L)
-    led.add("ep", "all_to_all:dispatch", rows * wl.resid_bytes, lay.ep, fwd * L)
-    led.add("ep", "all_to_all:combine", rows * wl.act_bytes, lay.ep, fwd * L)
+    led.add("ep", "all_to_all:counts", spec.moe_experts * 8, lay.ep, fwd)
+    led.add("ep", "all_to_all:dispatch", rows * wl.resid_bytes, lay.ep, fwd)
+    led.add("ep", "all_to_all:combine", rows * wl.act_bytes, lay.ep, fwd)
     led.add("ep", "all_to_all:combine_grad", rows * wl.act_bytes, lay.ep, L)
     led.add("ep", "all_to_all:dispatch_grad", rows * wl.resid_bytes, lay.ep, L)
 

@@ -22,7 +22,7 @@ from shardwise.planner.layout import Layout, Workload
 from shardwise.planner.models import ModelSpec
 
 TORCHRUN_RDZV = "--rdzv-backend c10d --rdzv-endpoint HEAD_NODE_IP:29500 --rdzv-id shardwise"
-UNMODELLED = ("--pp-scatter-gather", "--recompute-layers", "--dropout", "--attn-dropout", "--tie-embeddings")
+UNMODELLED = ("--pp-scatter-gather", "--dropout", "--attn-dropout", "--tie-embeddings")
 """Train flags that change what runs in ways a plan row does not describe (refused by --explain)."""
 
 
@@ -34,6 +34,8 @@ def train_flags(model_flags: list[str], spec: ModelSpec, lay: Layout, wl: Worklo
             "--recompute", lay.recompute, "--schedule", lay.schedule, "--vp", str(lay.vp), "--cp-impl", lay.cp_impl]
     if lay.hsdp:
         out += ["--dp-shard", str(lay.dp_shard)]
+    if lay.recompute_layers is not None and lay.recompute != "none":
+        out += ["--recompute-layers", str(lay.recompute_layers)]
     chunks = lay.pp * lay.vp
     if lay.pp > 1 and spec.n_layers % chunks:
         out += ["--pp-layers", ",".join(map(str, balanced_counts(spec.n_layers, chunks)))]
@@ -168,6 +170,7 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
                         f"{','.join(map(str, balanced_counts(n_layers, pp * vp)))}")
     lay = Layout(dp=dp, **deg, vp=vp, schedule=schedule, mb=args.micro_batch, m=m, zero=args.zero,
                  recompute=args.recompute, sequence_parallel=bool(args.sequence_parallel), cp_impl=args.cp_impl,
+                 recompute_layers=args.recompute_layers if args.recompute != "none" else None,
                  dp_shard=args.dp_shard if args.dp_shard not in (None, dp) else None,
                  tp_overlap=bool(args.tp_overlap and args.sequence_parallel))
     seq_given = any(t == "--seq-len" or t.startswith("--seq-len=") for t in tokens)

@@ -22,7 +22,9 @@ from shardwise.planner import gpt_oss
 from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
-from shardwise.planner.layout import Layout, Workload, chunk_owners, group_size, group_spans, stages
+from shardwise.planner.layout import (
+    Layout, Workload, chunk_owners, group_size, group_spans, recomputed_layer_ids, stages,
+)
 from shardwise.planner.activations import ACTIVATION_MODELS, stage_activation_bytes
 from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
 from shardwise.planner.muon import muon_static
@@ -87,17 +89,21 @@ def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1,
 
 
 @lru_cache(maxsize=256)
-def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none") -> float:
-    """FLOPs of one optimizer step over the whole cluster (3× forward, plus recomputation if asked)."""
+def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none", recomputed: frozenset | None = None) -> float:
+    """FLOPs of one optimizer step over the whole cluster (3× forward, plus the recomputation of the layers
+    `recomputed`, every layer when None; the MTP modules are never recomputed)."""
     tokens = wl.global_batch * wl.seq_len
     per_kind = {moe: layer_flops_per_token(spec, moe, wl.seq_len) for moe in (False, True)}
     kinds = [spec.is_moe_layer(i) for i in range(spec.n_layers)]
     matmul = sum(per_kind[k][0] for k in kinds)
     core = sum(per_kind[k][1] * gpt_oss.window_share(spec, i, wl.seq_len) for i, k in enumerate(kinds))
+    again = [(i, k) for i, k in enumerate(kinds) if recomputed is None or i in recomputed]
+    rec_mm = sum(per_kind[k][0] for _, k in again)
+    rec_core = sum(per_kind[k][1] * gpt_oss.window_share(spec, i, wl.seq_len) for i, k in again)
     mm, cc = mtp_flops_per_token(spec, lambda moe: per_kind[moe], spec.vocab_size)
     matmul, core = matmul + mm, core + cc
     fwd = tokens * (matmul + core + 2.0 * spec.dim * spec.vocab_size)
-    extra = {"none": 0.0, "selective": tokens * core, "full": tokens * (matmul + core)}[recompute]
+    extra = {"none": 0.0, "selective": tokens * rec_core, "full": tokens * (rec_mm + rec_core)}[recompute]
     return 3.0 * fwd + extra
 
 
@@ -136,17 +142,18 @@ def fits(mem: list[dict], cluster: Cluster, assume: Assumptions) -> bool:
 def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float, float]:
     """(hardware FLOPs, attention-core FLOPs fwd+bwd) of one microbatch on one rank of stage `st`."""
     tokens = lay.mb * wl.seq_len // lay.cp
-    matmul = core = 0.0
-    for moe, n in ((False, st.n_dense), (True, st.n_moe)):
+    matmul = core = rec_mm = rec_core = 0.0
+    for moe, n, again in zip((False, True), (st.n_dense, st.n_moe), st.recompute_split(lay)[0]):
         if n:
             mm, cc = layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp)
             matmul, core = matmul + n * mm, core + n * cc
+            rec_mm, rec_core = rec_mm + again * mm, rec_core + again * cc
     head = 2.0 * spec.dim * (padded_vocab(spec, lay.tp) // lay.tp) if st.head else 0.0
     if st.head and spec.mtp_layers:
         mm, cc = mtp_flops_per_token(spec, lambda moe: layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp),
                                      padded_vocab(spec, lay.tp) // lay.tp)
         matmul, core = matmul + mm, core + cc
-    extra = {"none": 0.0, "selective": core, "full": matmul + core}[lay.recompute]
+    extra = {"none": 0.0, "selective": rec_core, "full": rec_mm + rec_core}[lay.recompute]  # MTP: never recomputed
     return tokens * (3 * (matmul + core + head) + extra), tokens * 3 * core
 
 
@@ -183,7 +190,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     for s in mem:
         st = s["stage"]
         # Stages that hold the same kind of work share one cost evaluation (only memory differs).
-        key = (st.kinds, st.embedding, st.head, edges[st.index])
+        key = (st.kinds, st.recomputed, st.embedding, st.head, edges[st.index])
         if key not in seen:
             mb, sync = stage_ledgers(spec, st, lay, wl, s["params"])
             hw, core = _stage_flops(spec, st, lay, wl)
@@ -202,7 +209,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         per_stage.append({**seen[key], **s})
     t_pipe = lay.m * max(p["mb"] for p in per_stage) / (1 - bubble)
     step_time = t_pipe + max(p["tail"] for p in per_stage)
-    model_f, hw_f = model_flops(spec, wl), model_flops(spec, wl, lay.recompute)
+    chosen = frozenset(recomputed_layer_ids(spec, lay)) if lay.recompute_layers is not None else None
+    model_f, hw_f = model_flops(spec, wl), model_flops(spec, wl, lay.recompute, chosen)
     rank0 = whole_step(*per_stage[0]["ledgers"], lay.m)
     busiest: dict[str, float] = {}
     for led in {id(p["ledgers"]): whole_step(*p["ledgers"], lay.m) for p in per_stage}.values():

@@ -216,10 +216,22 @@ class Stage:
     head: bool
     kinds: tuple[bool, ...] = ()
     """MoE flag of each held layer in model order (shardwise's parameter order); () = dense first, then MoE."""
+    recomputed: tuple[bool, ...] = ()
+    """Under --recompute-layers N, whether each held layer (as `kinds`) is one the runtime recomputes: the first N
+    of every chunk (`shardwise.recompute.apply_recompute`); () = every layer follows the layout's recompute."""
 
     @property
     def n_layers(self) -> int:
         return self.n_dense + self.n_moe
+
+    def recompute_split(self, lay: "Layout") -> tuple[tuple[int, int], tuple[int, int]]:
+        """((dense, MoE) layers run under `lay.recompute`, (dense, MoE) layers run without recompute)."""
+        if not self.recomputed or lay.recompute == "none":
+            return ((self.n_dense, self.n_moe), (0, 0)) if lay.recompute != "none" else ((0, 0), (self.n_dense, self.n_moe))
+        kinds = self.kinds or (False,) * self.n_dense + (True,) * self.n_moe
+        rec = [moe for moe, r in zip(kinds, self.recomputed) if r]
+        plain = [moe for moe, r in zip(kinds, self.recomputed) if not r]
+        return (rec.count(False), rec.count(True)), (plain.count(False), plain.count(True))
 
 
 def chunk_owners(lay: Layout) -> list[int]:
@@ -230,24 +242,38 @@ def chunk_owners(lay: Layout) -> list[int]:
     return [j % p for j in range(p * v)]
 
 
+def chunk_layer_ids(spec: ModelSpec, lay: Layout) -> list[range]:
+    """Global layer indices of every model chunk, in model order (`partition.balanced_counts`' split)."""
+    out, start = [], 0
+    for size in balanced_counts(spec.n_layers, len(chunk_owners(lay))):
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
 def stage_layer_ids(spec: ModelSpec, lay: Layout) -> list[list[int]]:
     """Global layer indices each stage holds, in model order (its chunks' contiguous runs)."""
-    owner = chunk_owners(lay)
     held: list[list[int]] = [[] for _ in range(lay.pp)]
-    start = 0
-    for j, size in enumerate(balanced_counts(spec.n_layers, len(owner))):
-        held[owner[j]] += range(start, start + size)
-        start += size
+    for owner, ids in zip(chunk_owners(lay), chunk_layer_ids(spec, lay)):
+        held[owner] += ids
     return [sorted(ids) for ids in held]
+
+
+def recomputed_layer_ids(spec: ModelSpec, lay: Layout) -> set[int]:
+    """The layers the runtime recomputes: every layer, or under --recompute-layers N the first N of each chunk."""
+    if lay.recompute == "none":
+        return set()
+    return {i for ids in chunk_layer_ids(spec, lay) for i in ids[:lay.recompute_layers]}
 
 
 def stages(spec: ModelSpec, lay: Layout) -> list[Stage]:
     owner = chunk_owners(lay)
+    chosen = recomputed_layer_ids(spec, lay) if lay.recompute_layers is not None else None
     out = []
     for k, ids in enumerate(stage_layer_ids(spec, lay)):
         kinds = tuple(spec.is_moe_layer(i) for i in ids)
         out.append(Stage(k, len(kinds) - sum(kinds), sum(kinds), embedding=owner[0] == k, head=owner[-1] == k,
-                         kinds=kinds))
+                         kinds=kinds, recomputed=tuple(i in chosen for i in ids) if chosen is not None else ()))
     return out
 
 
@@ -291,13 +317,14 @@ def group_size(lay: Layout, axis: str) -> int:
 def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
     """The planner's (model, layout, workload) for a shardwise `TrainConfig` (after `resolve_world`).
 
-    Recompute is the run's (--recompute-layers is not modelled: all layers); m is the config's gradient-accumulation count.
+    Recompute is the run's (with --recompute-layers); m is the config's gradient-accumulation count.
     """
     p = cfg.parallel
     spec = ModelSpec.of(cfg.model_config())
     lay = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, vp=p.vp if p.pp > 1 else 1,
                  schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
-                 recompute=p.recompute, sequence_parallel=bool(p.sequence_parallel and p.tp > 1),
+                 recompute=p.recompute, recompute_layers=p.recompute_layers if p.recompute != "none" else None,
+                 sequence_parallel=bool(p.sequence_parallel and p.tp > 1),
                  cp_impl=p.cp_impl, dp_shard=p.dp_shard if p.hsdp else None,
                  tp_overlap=bool(p.tp_overlap and p.sequence_parallel and p.tp > 1))
     gb = cfg.global_batch or cfg.micro_batch * p.dp

@@ -21,7 +21,7 @@ from shardwise.planner.activations import (
 from shardwise.planner.memory import stage_params, stage_units, static_bytes, zero_buckets
 from shardwise.planner.models import ModelSpec, padded_vocab
 from shardwise.planner.muon import step_transient_bytes
-from shardwise.planner.rank_actions import backward_states, backwards_before_forward
+from shardwise.planner.rank_actions import backward_states, backwards_before_forward, boundary_buffers
 from shardwise.planner.weight_grads import (
     embedding_weight_grad_bytes, expert_weight_grad_bytes, head_weight_grad_bytes,
 )
@@ -73,13 +73,19 @@ def layer_backward_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, w
     return out + 2 * r * n * spec.dim
 
 
-def pipeline_buffer_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
-    """A pipeline rank's p2p buffers beside its activations: the receive buffer of the next input and an
-    output whose send has not completed (each mb·s/cp tokens of the residual dtype; 1/tp under SP)."""
+def pipeline_buffer_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """A pipeline rank's boundary tensors beside its saved activations, (during a forward, during a backward):
+    the executor's posted receives, chunk inputs and handed-over outputs it holds from F to B, sends not yet
+    complete and gradients its loop still refers to — the most at any F, and at any B or W, of the rank's
+    actions (`rank_actions.boundary_buffers`), each mb·s/cp tokens (1/tp under SP) of the residual dtype."""
     if lay.pp == 1:
-        return 0.0
+        return 0.0, 0.0
     n = lay.mb * wl.seq_len // lay.cp
-    return 2.0 * wl.resid_bytes * (n // lay.tp if lay.sp else n) * spec.dim
+    one = wl.resid_bytes * (n // lay.tp if lay.sp else n) * spec.dim
+    # the count repeats from the steady state on: walked at no more than 4·pp microbatches (`schedule.simulated`)
+    at_f, at_b = boundary_buffers(lay.schedule, lay.pp, min(lay.m, 4 * lay.pp), lay.vp, stage.index,
+                                  wl.resid_bytes == 4)
+    return float(one * at_f), float(one * at_b)
 
 
 def layer_forward_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
@@ -87,12 +93,13 @@ def layer_forward_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl
     projection: the residual input cast to the activation dtype, the down-projection's input product
     ([n, ffn/tp]) and output ([n, h]); under SP also the all-gathered MLP input and the contiguous copy the
     output's reduce-scatter sends (n = mb·s/cp rows, 1/tp of them in the residual stream under SP)."""
-    if lay.recompute != "full" or not stage.n_layers:
+    (dense, moe), _ = stage.recompute_split(lay)
+    if lay.recompute != "full" or not dense + moe:
         return 0.0
     e, h = wl.act_bytes, spec.dim
     n = lay.mb * wl.seq_len // lay.cp
     sp = lay.sp and lay.tp > 1
-    ffn = spec.ffn_dim // lay.tp if stage.n_dense else spec.moe_topk * spec.expert_ffn_dim
+    ffn = spec.ffn_dim // lay.tp if dense else spec.moe_topk * spec.expert_ffn_dim
     cast = e * (n // lay.tp if sp else n) * h if e != 4 else 0
     return float(cast + e * n * ffn + e * n * h * (3 if sp else 1))
 
@@ -151,8 +158,9 @@ def autocast_moment_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
         return 0.0, 0.0
     if lay.recompute != "full":
         return _cached_copies(spec, stage, lay, wl)
-    dense = spec.ffn_dim // lay.tp * spec.dim if stage.n_dense else 0
-    moe = spec.mlp_mats * spec.moe_experts // lay.ep * spec.expert_ffn_dim * spec.dim if stage.n_moe else 0
+    (n_dense, n_moe), _ = stage.recompute_split(lay)  # the recomputed layers' kinds (--recompute-layers)
+    dense = spec.ffn_dim // lay.tp * spec.dim if n_dense else 0
+    moe = spec.mlp_mats * spec.moe_experts // lay.ep * spec.expert_ffn_dim * spec.dim if n_moe else 0
     copy = float(wl.act_bytes * max(dense, moe))
     if lay.zero < 3:
         return copy, 0.0
@@ -234,7 +242,8 @@ PEAK_TERMS = {
     "zero3_gathered": "ZeRO-3 units gathered in full (fp32) at that moment",
     "reduce_scatter_buckets": "gradient buckets filling and reduce-scatters in flight at that moment",
     "weight_gradient_store": "inputs and output gradients the split backward keeps for W (zb, dualpipev)",
-    "pipeline_buffers": "the p2p receive buffer and an unfinished send",
+    "pipeline_buffers": "boundary tensors the executor holds: posted receives, chunk inputs autograd does not save, "
+                        "outputs handed to the next chunk, unfinished sends, the gradients its loop refers to",
 }
 """`peak_terms`' keys (beside "total" and "moment") and the runtime tensors each stands for."""
 
@@ -246,7 +255,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     gathered units and in-flight reduce-scatters: a chunk's forward (a layer's down-projection), the LM head's
     matmul, a layer's backward, the head's loss, the TP reduction after backward; `transient`,
     `zero3_gathered` and `reduce_scatter_buckets` are the worst moment's. The weight-gradient store and
-    the pipeline's send and receive buffers are added to every moment."""
+    the pipeline's boundary tensors are added to every moment of a forward or a backward."""
     # Relative to static + `activation` (which includes the layer full recompute rebuilds in backward): a
     # forward, the head's matmul and loss come before anything is rebuilt; a layer's backward comes after
     # the head's saved tensors were freed (the non-pipelined loop still holds the logits); the TP
@@ -302,11 +311,14 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     if wl.optimizer == "muon":
         moments.append(("optimizer: Muon's step (Nesterov gradients, one group's whole matrices and Newton–Schulz)",
                         step_transient_bytes(spec, stage, lay) - activation, 0.0, 0.0))
-    moment, transient, gathered, buckets = max(moments, key=lambda m: sum(m[1:]))
+    at_f, at_b = pipeline_buffer_bytes(spec, stage, lay, wl)  # none after backward: the executor has returned
+    buffers = {"forward": at_f, "backward": at_b}
+    moment, transient, gathered, buckets, pipe = max(
+        ((*m, buffers.get(m[0].split(":")[0], 0.0)) for m in moments), key=lambda m: sum(m[1:]))
     out = {"static": float(static), "activations": float(activation), "transient": transient,
            "zero3_gathered": gathered, "reduce_scatter_buckets": buckets,
            "weight_gradient_store": weight_store_bytes(spec, stage, lay, wl),
-           "pipeline_buffers": pipeline_buffer_bytes(spec, lay, wl)}
+           "pipeline_buffers": pipe}
     out["total"] = sum(out.values())
     out["moment"] = moment
     return out

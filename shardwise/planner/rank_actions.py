@@ -76,3 +76,73 @@ def split_states(schedule: str, p: int, m: int, v: int, k: int) -> tuple[tuple[i
         pending -= a.kind == "W"
         states.add((held, pending))
     return tuple(sorted(states))
+
+
+@lru_cache(maxsize=64)
+def _programs(schedule: str, p: int, m: int, v: int):
+    from shardwise.pipeline.p2p_program import build_programs
+
+    return build_programs(_schedule(schedule, p, m, v))
+
+
+@lru_cache(maxsize=1024)
+def boundary_buffers(schedule: str, p: int, m: int, v: int, k: int, saved_inputs: bool) -> tuple[int, int]:
+    """(during an F, during a B or W — before the action's own output or input gradient exists, which the
+    peak's moments count as the running action's): the most boundary-sized tensors ([mb, s/cp(/tp under SP), h], the residual's dtype) rank k's executor
+    (`pipeline.runtime`) holds beside the saved activations during one action, walked over its actions and its
+    p2p program (`pipeline.p2p_program`):
+    * a receive posted at a boundary, until its action takes it;
+    * a chunk's input, held in the executor's state from its F to its B (autograd saves it only when the
+      residual is fp32, `saved_inputs`: otherwise the block's fp32 norm saves its own cast), then by the loop's
+      variable until the next F or B; an output handed to this rank's next chunk (dualpipev's turn), held
+      with its producer's state and as that chunk's input;
+    * an output or input gradient sent to another rank, until the reap after the next action (the send done);
+    * the output gradient a B took, held by the loop's variable until the next B; the input gradient it made,
+      as the input's `.grad`, and handed over until the B that takes it."""
+    try:
+        from shardwise.pipeline.p2p_program import message_in, message_out
+
+        sched, program = _schedule(schedule, p, m, v), _programs(schedule, p, m, v)[k]
+    except (ImportError, ValueError):
+        return 2, 2
+    inbox, local = set(), set()
+    state: dict[tuple, tuple] = {}  # (mb, chunk) -> (input, handed-over output)
+    grads: dict[tuple, tuple] = {}  # input -> the input gradient its B made (its .grad)
+    var_x = var_out = var_grad = None
+    sending: list[tuple] = []  # (buffer, last action index it lives through)
+    best = {"F": 0, "B": 0}
+    for i, a in enumerate(sched.actions[k]):
+        inbox |= {("recv",) + op.key for ops in program[i].batches for op in ops if op.kind == "recv"}
+        src, dst = message_in(sched, k, a), message_out(sched, k, a)
+        key = (a.microbatch, a.chunk)
+        made = None  # what the action makes at its end: F's output, B's input gradient
+        incoming = None
+        if src is not None:
+            incoming = ("recv",) + src[1] if src[0] != k else ("local",) + src[1]
+            (inbox if src[0] != k else local).discard(incoming)
+        if a.kind == "F":
+            var_x, var_out = incoming, None
+            if dst is not None and dst[0] == k:
+                var_out = made = ("local",) + dst[1]
+                local.add(var_out)
+            elif dst is not None:
+                made = ("out",) + key
+                sending.append((made, i + 1))
+            state[key] = (var_x, var_out)
+        elif a.kind == "B":
+            var_x, var_out = state.pop(key)
+            var_grad = incoming
+            if var_x is not None:
+                made = ("local",) + dst[1] if dst is not None and dst[0] == k else ("xgrad",) + key
+                grads[var_x] = made
+                if dst is not None and dst[0] == k:
+                    local.add(made)
+                elif dst is not None:
+                    sending.append((made, i + 1))
+        held = {b for pair in state.values() for b in pair} | inbox | local | {var_x, var_out, var_grad}
+        held |= {grads[b] for b in held if b in grads} | {b for b, _ in sending}
+        saved = {x for x, _ in state.values()} if saved_inputs else set()
+        kind = "F" if a.kind == "F" else "B"
+        best[kind] = max(best[kind], len(held - saved - {None, made}))
+        sending = [(b, last) for b, last in sending if last > i]
+    return best["F"], best["B"]

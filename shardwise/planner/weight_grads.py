@@ -38,7 +38,8 @@ def expert_weight_grad_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Wor
     n_r = n // lay.tp if lay.sp else n
     stack = spec.moe_experts // lay.ep * spec.expert_ffn_dim * spec.dim
     rows = n_r * spec.moe_topk
-    saved_copies = spec.mlp_mats * e * stack if e != 4 and lay.recompute != "full" else 0
+    recomputed = lay.recompute == "full" and stage.recompute_split(lay)[0][1]  # some MoE layer rebuilt in backward
+    saved_copies = spec.mlp_mats * e * stack if e != 4 and not recomputed else 0
     saved_rows = e * rows * (spec.dim + 4 * spec.expert_ffn_dim)  # the GEMMs' input and four [rows, ffn] tensors
     return float(spec.mlp_mats * e * stack + 4 * stack - saved_copies - saved_rows + e * rows * spec.dim
                  + 2 * r * n * spec.dim)

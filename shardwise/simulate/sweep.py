@@ -1,7 +1,8 @@
 """A sweep of `shardwise simulate` over small layouts, in this one process: the planner's live peak, static
 and saved-activation bytes and comm bytes against the trace of real steps (the planner's bounds: peak
 within 3%, static 1%, activations 2%, comm bytes equal) for every pairing of ZeRO stage, hybrid sharding,
-tp/SP, pipeline schedule, cp implementation, ep, recompute and dtype that the trainer accepts.
+tp/SP, pipeline schedule, cp implementation, ep, recompute (--recompute-layers too) and dtype that the trainer
+accepts.
 
 `python -m shardwise.simulate.sweep [NAME ...]` prints one line per layout (all layouts, or those named);
 `tests/test_peak_sweep.py` asserts every bound for every layout.
@@ -74,6 +75,15 @@ LAYOUTS: dict[str, TrainConfig] = {
     "moe-ep2-pp2-z2": _run(32, model="tiny-moe", micro_batch=2, microbatches=4, dp=2, pp=2, ep=2, zero=2),
     "moe-ep2-cp2-hs1-z3-full": _run(32, model="tiny-moe", micro_batch=2, microbatches=2, dp=2, cp=2, ep=2,
                                     dp_shard=1, zero=3, recompute="full"),
+    # --recompute-layers: the first N layers of each chunk recomputed, the rest saved as without recompute
+    "pp2-1f1b-bf16-full-rl1": _run(64, dtype="bf16", microbatches=4, pp=2, recompute="full", recompute_layers=1),
+    "pp2-int-z3-bf16-full-rl1": _run(64, dtype="bf16", microbatches=4, dp=2, pp=2, zero=3, schedule="interleaved",
+                                     vp=2, recompute="full", recompute_layers=1),
+    "moe-ep2-tp2-sp-z1-bf16-full-rl1": _run(32, dtype="bf16", model="tiny-moe", micro_batch=2, microbatches=2, dp=2,
+                                            tp=2, ep=2, zero=1, recompute="full", sequence_parallel=True,
+                                            recompute_layers=1),
+    "cp2-ring-sel-rl2-z3": _run(64, micro_batch=2, microbatches=2, dp=2, cp=2, zero=3, recompute="selective",
+                                recompute_layers=2),
 }
 """Name -> the run `shardwise simulate` checks. Every layout's world is at most 16."""
 
