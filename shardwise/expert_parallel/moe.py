@@ -21,7 +21,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..mesh import Axis
 from ..models.llama import FeedForward
-from ..models.params import declare
+from ..models.params import declare, linear
 from .dispatch import AllToAllDispatcher
 from .experts import GroupedExperts
 from .router import Router
@@ -110,7 +110,8 @@ def build_moe(cfg: ModelConfig, ep_axis: Axis | None = None, expert_replicas: in
                aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
                bias_update_rate=cfg.moe_bias_update_rate, expert_replicas=expert_replicas, device=device,
                aux_scope=cfg.moe_aux_loss_scope, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
-               norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling, group_topk=cfg.moe_group_topk)
+               norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling, group_topk=cfg.moe_group_topk,
+               shared_gate=cfg.moe_shared_gate)
 
 
 def share_aux_pool(model: nn.Module) -> None:
@@ -137,7 +138,7 @@ class MoE(nn.Module):
                  z_loss_coef: float = 0.0, bias_update_rate: float = 0.0, expert_replicas: int = 1,
                  grouped_mm: bool | None = None, device=None, dtype=None, aux_scope: str = "layer",
                  n_group: int = 1, topk_group: int = 1, norm_topk: bool = True, routed_scaling: float = 1.0,
-                 group_topk: int = 2):
+                 group_topk: int = 2, shared_gate: bool = False):
         super().__init__()
         ep_axis = ep_axis if ep_axis is not None else Axis("ep")
         self.router = Router(dim, n_experts, topk, score, softmax_before_topk, aux_loss_coef, z_loss_coef,
@@ -151,6 +152,8 @@ class MoE(nn.Module):
         declare(self.experts.w3)
         declare(self.experts.w2, "residual")
         self.shared = FeedForward(dim, shared_experts * ffn_dim, device, dtype) if shared_experts else None
+        # Qwen3-Next: the shared expert's output times sigmoid(w·x), a per-token scalar gate
+        self.shared_gate = linear(dim, 1, device=device, dtype=dtype) if shared_gate and shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
         self.aux_scale = 1.0  # weight of this microbatch's aux loss in the step's loss (set by the loop)
@@ -166,7 +169,8 @@ class MoE(nn.Module):
         rows, handle = self.dispatcher.dispatch(flat, routing.indices, routing.weights)
         out = self.dispatcher.combine(self.experts(rows, handle.tokens_per_local_expert, handle.local_counts), handle)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
         self.aux_loss = routing.loss
         self.stats = MoEStats(handle.tokens_per_expert, handle.dropped, routing.aux_loss.detach(),
                               routing.z_loss.detach())
