@@ -189,7 +189,7 @@ def config_from_hf(path: str) -> ModelConfig:
     if mt == "qwen3_moe" or (mt in QWEN3_NEXT and int(hf.get("num_experts") or 0)):
         _qwen3_moe(hf, kw, where)
     if mt in QWEN3_NEXT:
-        _qwen3_next(hf, kw, where, refuse)
+        _qwen3_next(mt, hf, kw, refuse)
     if mt in ("deepseek_v2", "deepseek_v3"):
         _deepseek(mt, hf, kw, where, refuse)
     if mt == "mixtral":
@@ -225,7 +225,7 @@ def _qwen3_moe(hf: dict, kw: dict, where: str) -> None:
               moe_aux_loss_coef=coef, moe_aux_loss_scope="model")
 
 
-def _qwen3_next(hf: dict, kw: dict, where: str, refuse) -> None:
+def _qwen3_next(mt: str, hf: dict, kw: dict, refuse) -> None:
     """Qwen3-Next / Qwen3.5: `layer_types` (or every full_attention_interval-th layer full) say which layers are
     Gated DeltaNet; full-attention layers are gated, with partial rotary; the MoE's shared expert (one SwiGLU of
     shared_expert_intermediate_size, a multiple of the expert size here) has a sigmoid gate."""
@@ -249,6 +249,8 @@ def _qwen3_next(hf: dict, kw: dict, where: str, refuse) -> None:
               linear_k_dim=int(hf.get("linear_key_head_dim", 128)), linear_v_dim=int(hf.get("linear_value_head_dim", 128)),
               linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), attn_output_gate=True,
               partial_rotary=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))))
+    if kw.get("moe_experts"):  # Qwen3.5-MoE always renormalises the top-k; Qwen3-Next's norm_topk_prob defaults on
+        kw["moe_softmax_before_topk"] = not (mt == "qwen3_5_moe_text" or hf.get("norm_topk_prob", True))
     shared = int(hf.get("shared_expert_intermediate_size") or 0)
     if kw.get("moe_experts") and shared:
         expert = kw["moe_ffn_dim"]

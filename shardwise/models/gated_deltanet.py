@@ -52,7 +52,8 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, halo: torch.Tensor | None
     """silu of the causal depthwise convolution of x [b, s, C] with weight [C, K]: out_t = Σ_j w_j x_{t−K+1+j}.
 
     `halo` [b, K−1, C] are the K−1 inputs before x (a context-parallel rank's left neighbour's tail; zeros at the
-    sequence start). `resets` [b, s]: a token starting a document sees no input before it.
+    sequence start). `resets` [b, K−1+s] (halo positions first) mark document starts: input t−d reaches output t
+    only if no document starts in (t−d, t].
     """
     b, s, c = x.shape
     kw = weight.shape[-1]
@@ -60,12 +61,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, halo: torch.Tensor | None
     if resets is None:
         out = F.conv1d(xp.transpose(1, 2), weight.unsqueeze(1), groups=c).transpose(1, 2)
         return F.silu(out)
-    # Shift by d: input t−d reaches output t only if no document starts in (t−d, t].
-    started = torch.cumsum(resets.to(torch.int32), dim=1)  # documents started up to t (inclusive)
-    startedp = torch.cat((started.new_zeros(b, kw - 1), started), dim=1)
+    started = torch.cumsum(resets.to(torch.int32), dim=1)  # documents started up to each position (inclusive)
     out = x.new_zeros(b, s, c)
     for d in range(kw):
-        same = (startedp[:, kw - 1 - d: kw - 1 - d + s] == started).unsqueeze(-1)
+        same = (started[:, kw - 1 - d: kw - 1 - d + s] == started[:, kw - 1:]).unsqueeze(-1)
         out = out + xp[:, kw - 1 - d: kw - 1 - d + s] * weight[:, kw - 1 - d] * same
     return F.silu(out)
 
@@ -74,8 +73,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, resets=None, ch
                            transition: bool = False):
     """The gated delta rule over [b, h, s, ·] inputs (q already normalised and scaled), chunk by chunk.
 
-    Returns (o [b, h, s, d_v], final state [b, h, d_k, d_v], M [b, h, d_k, d_k] or None): M is the segment's
-    state transition (S_end = M S_0 + B, with B the final state from a zero start), asked for with `transition`.
+    Returns (o, final state [b, h, d_k, d_v], (M, Q) or None). With `transition`: M [b, h, d_k, d_k] is the
+    segment's state map (S_end = M S_0 + B, B the final state from a zero start) and Q [b, h, s, d_k] the
+    effective queries (o(S_0) = o(0) + Q S_0), so a later-known initial state is applied without a rerun.
     `resets` [b, s] bool zero the state before a document's first token.
     All arithmetic in fp32; padded tail tokens carry β = 0, g = 0 (no write, no decay).
     """
@@ -110,16 +110,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, resets=None, ch
     kd = k * to_end.unsqueeze(-1)
     state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
     m = torch.eye(dk, device=q.device).expand(b, h, dk, dk) if transition else None
-    outs = []
+    outs, reads = [], []
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
         outs.append(qd[:, :, i] @ state + intra[:, :, i] @ v_new)
         decay = whole[:, :, i, None, None]
         state = state * decay + kd[:, :, i].transpose(-1, -2) @ v_new
-        if m is not None:
+        if m is not None:  # how the segment's initial state reaches this chunk's outputs, then its end
+            reads.append((qd[:, :, i] - intra[:, :, i] @ w[:, :, i]) @ m)
             m = m * decay - kd[:, :, i].transpose(-1, -2) @ (w[:, :, i] @ m)
     o = torch.stack(outs, dim=2).reshape(b, h, n * chunk, dv)[:, :, :s]
-    return o, state, m
+    if m is None:
+        return o, state, None
+    return o, state, (m, torch.stack(reads, dim=2).reshape(b, h, n * chunk, dk)[:, :, :s])
 
 
 class GatedRMSNorm(nn.Module):
@@ -170,7 +173,7 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat((q, k, v), dim=-1)
         if cp is None:
             resets = None if doc_ids is None else resets_from_documents(doc_ids)
-            qkv = causal_conv(qkv, weight, resets=resets)
+            qkv = causal_conv(qkv, weight, resets=None if resets is None else F.pad(resets, (weight.shape[-1] - 1, 0)))
         else:
             qkv = cp.linear_conv(qkv, weight, doc_ids)
         q, k, v = qkv.split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
