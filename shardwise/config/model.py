@@ -344,6 +344,24 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         ffn_dim=10944, max_seq_len=4096, norm_eps=1e-6, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
         moe_experts=64, moe_topk=6, moe_ffn_dim=1408, moe_shared_experts=2, moe_dense_layers=(0,),
     ),
+    # Qwen/Qwen3-Next-80B-A3B config.json: 3 Gated DeltaNet layers to 1 gated full-attention layer (full every 4th),
+    # head_dim 256 with a quarter rotary, 512 experts top-10 renormalised plus one gated shared expert of the expert
+    # size, every layer MoE. Its MTP layer is not modelled. Qwen3.5-35B-A3B (text part): the same mixer with 256
+    # experts top-8 and the 248320-token vocabulary.
+    "qwen3-next-80b-a3b": ModelConfig(
+        name="qwen3-next-80b-a3b", vocab_size=151936, dim=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256,
+        ffn_dim=5120, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
+        partial_rotary=0.25, linear_layers=tuple(i for i in range(48) if (i + 1) % 4), linear_k_heads=16,
+        linear_v_heads=32, moe_experts=512, moe_topk=10, moe_ffn_dim=512, moe_shared_experts=1, moe_shared_gate=True,
+        moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
+    ),
+    "qwen3.5-35b-a3b": ModelConfig(
+        name="qwen3.5-35b-a3b", vocab_size=248320, dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, head_dim=256,
+        ffn_dim=512, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
+        partial_rotary=0.25, linear_layers=tuple(i for i in range(40) if (i + 1) % 4), linear_k_heads=16,
+        linear_v_heads=32, moe_experts=256, moe_topk=8, moe_ffn_dim=512, moe_shared_experts=1, moe_shared_gate=True,
+        moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
+    ),
 }
 
 

@@ -35,6 +35,13 @@ def _global_order(gathered: torch.Tensor, axis, order: str) -> list[torch.Tensor
     return [out[c] for c in range(len(out))]
 
 
+def _zero_start(gathered_piece: torch.Tensor) -> torch.Tensor:
+    """The sequence's zero start, computed from a gathered tensor: every rank's output then depends on each
+    all-gather, so every rank runs its backward reduce-scatter. Otherwise a rank holding only the first chunk
+    (contiguous order) would skip it while the others wait in theirs."""
+    return gathered_piece * 0
+
+
 def _chunk_resets(doc_ids, axis, order: str, length: int, extra: int = 0) -> list[torch.Tensor] | None:
     """This rank's chunks' reset flags from the global document ids, each with the `extra` positions before it."""
     if doc_ids is None:
@@ -58,7 +65,7 @@ def conv_halo(x: torch.Tensor, weight: torch.Tensor, axis, order: str, doc_ids=N
     resets = _chunk_resets(doc_ids, axis, order, length, kw - 1)
     out = []
     for j, (c, p) in enumerate(zip(ids, parts)):
-        halo = halos[c - 1] if c > 0 else torch.zeros_like(halos[0])
+        halo = halos[c - 1] if c > 0 else _zero_start(halos[0])
         out.append(causal_conv(p, weight, halo, None if resets is None else resets[j]))
     return torch.cat(out, dim=1)
 
@@ -80,7 +87,7 @@ def delta_rule(q, k, v, g, beta, axis, order: str, doc_ids=None) -> torch.Tensor
         maps.append(torch.cat((m, final), dim=-1))  # [b, h, d_k, d_k + d_v]
     dk = q.shape[-1]
     every = _global_order(comm.gather_from_sequence(torch.cat(maps, dim=0), axis, 0), axis, order)
-    state = torch.zeros_like(every[0][..., dk:])
+    state = _zero_start(every[0][..., dk:])
     states = [state]
     for c in range(max(ids)):  # the state entering chunk c + 1
         state = every[c][..., :dk] @ state + every[c][..., dk:]
