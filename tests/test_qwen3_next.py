@@ -49,7 +49,7 @@ FAMILIES = {  # name -> (config class, model class, extra config)
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", MOE | dict(shared_expert_intermediate_size=16)),
 }
 # A small hybrid for layouts: 3 linear : 1 full, heads divisible by tp 2 and cp chunks of ≥ 3 tokens.
-HYBRID = ModelConfig(name="hybrid", vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+HYBRID = ModelConfig(name="hybrid", vocab_size=257, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
                      ffn_dim=48, max_seq_len=64, qk_norm=True, attn_output_gate=True, partial_rotary=0.5,
                      linear_layers=(0, 1, 2), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=8)
 
@@ -286,7 +286,7 @@ def _rank_all(seed, hf_dir):
     base = dict(model=HYBRID, seq_len=32, micro_batch=2, steps=2, progress=False, seed=seed % 10_000)
     layouts = {
         "tp2_sp": dict(parallel=ParallelConfig(dp=2, tp=2, sequence_parallel=True), global_batch=4),
-        "cp2_doc": dict(parallel=ParallelConfig(dp=2, cp=2), global_batch=4, attention_mask="document", eos_id=0),
+        "cp2_doc": dict(parallel=ParallelConfig(dp=2, cp=2), global_batch=4, attention_mask="document"),
         "cp2_tp2": dict(parallel=ParallelConfig(cp=2, tp=2), global_batch=2),
         "pp2_zero1_full": dict(parallel=ParallelConfig(dp=2, pp=2, zero=1, recompute="full"), global_batch=8),
     }
@@ -310,3 +310,21 @@ def test_layouts_match_single_device_and_transformers(tmp_path):
             assert result["passed"], (seed, name, result)
     x = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(seed))
     assert_close(per_rank[0]["tp2_logits"], ref_model(x).logits, rtol=1e-5, atol=1e-4)
+
+
+def test_generate_carries_the_linear_state(tmp_path):
+    """Greedy decoding with the linear layers' conv window and recurrent state carried token by token gives
+    transformers' logits for the whole generated sequence at every step."""
+    from shardwise.generate import generate_ids
+
+    ref_model = _save(tmp_path, "qwen3_next")
+    cfg = config_from_hf(str(tmp_path))
+    model = build_model(cfg, Mesh.single(), seed=0).eval()
+    hf.load_hf_into(model, str(tmp_path))
+    prompt = [5, 17, 3, 99, 42, 8, 61]
+    scores = []
+    out, why = generate_ids(model, prompt, 6, eos_id=None, scores=scores)
+    assert why == "max_new_tokens" and len(out) == 6
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+    assert_close(torch.stack(scores), ref, rtol=1e-5, atol=5e-5)

@@ -161,6 +161,9 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = declare(nn.Parameter(torch.empty(nv)), "ones")
         self.norm = GatedRMSNorm(self.dv, cfg.norm_eps)
         self.wo = linear(nv * self.dv, h, init="residual")
+        self.decode_state: dict | None = None
+        """While decoding (`generate`): {"conv": the last K−1 convolution inputs, "state": S}, read and advanced by
+        each call, so a new token costs one recurrence step instead of a rerun of the window."""
 
     def forward(self, x, cos=None, sin=None, doc_ids=None):
         """`cos`/`sin` are unused (no RoPE); `doc_ids` [b, s_global] reset the state at document starts."""
@@ -169,9 +172,15 @@ class GatedDeltaNet(nn.Module):
         z, beta_in, a = self.wz(x), self.wb(x), self.wa(x)
         nk, nv = q.shape[-1] // self.dk, v.shape[-1] // self.dv  # this rank's heads
         weight = torch.cat((self.conv_q, self.conv_k, self.conv_v), dim=0)
-        cp = self.ctx.cp
+        cp, cache = self.ctx.cp, self.decode_state
         qkv = torch.cat((q, k, v), dim=-1)
-        if cp is None:
+        if cache is not None:  # decoding one sequence: continue from the cached window and state
+            halo = cache.get("conv")
+            cache["conv"] = torch.cat((halo if halo is not None else qkv.new_zeros(b, weight.shape[-1] - 1,
+                                                                                   qkv.shape[-1]), qkv), dim=1)
+            qkv, resets = causal_conv(qkv, weight, halo), None
+            cache["conv"] = cache["conv"][:, -(weight.shape[-1] - 1):]
+        elif cp is None:
             resets = None if doc_ids is None else resets_from_documents(doc_ids)
             qkv = causal_conv(qkv, weight, resets=None if resets is None else F.pad(resets, (weight.shape[-1] - 1, 0)))
         else:
@@ -185,7 +194,9 @@ class GatedDeltaNet(nn.Module):
         beta = beta_in.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         args = [t.transpose(1, 2) for t in (q, k, v, g, beta)]
-        if cp is None:
+        if cache is not None:
+            o, cache["state"], _ = chunk_gated_delta_rule(*args, initial_state=cache.get("state"))
+        elif cp is None:
             o = chunk_gated_delta_rule(*args, resets=resets)[0]
         else:
             o = cp.delta_rule(*args, doc_ids)
