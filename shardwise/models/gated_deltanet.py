@@ -87,12 +87,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, resets=None, ch
     n = (s + pad) // chunk
     q, k, v = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v))
     g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
-    cum = g.cumsum(-1)
+    # Decay sums in fp64: a strongly decaying head's Σg reaches −10³ within a chunk, where an fp32 difference of two
+    # such sums keeps only ~1e-4 of the decay between nearby tokens (and of its gradient).
+    cum = g.double().cumsum(-1)
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    pair = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # exp(Σ g over (j, i])
-    read_old = cum.exp()  # the decay from the chunk's start to t: how token t sees the state before the chunk
-    to_end = (cum[..., -1:] - cum).exp()  # the decay from t to the chunk's end
-    whole = cum[..., -1].exp()  # the chunk's total decay
+    diff = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).float()
+    pair = diff.masked_fill(~lower, float("-inf")).exp()  # exp(Σ g over (j, i])
+    read_old = cum.float().exp()  # the decay from the chunk's start to t: how token t sees the state before the chunk
+    to_end = (cum[..., -1:] - cum).float().exp()  # the decay from t to the chunk's end
+    whole = cum[..., -1].float().exp()  # the chunk's total decay
     if resets is not None:
         r = F.pad(resets.to(torch.int32), (0, pad)).reshape(b, 1, n, chunk).cumsum(-1)  # starts since chunk start
         pair = pair * (r.unsqueeze(-1) == r.unsqueeze(-2))
