@@ -70,7 +70,7 @@ def _save(path, family, seed=0):
 def _inputs(g, b=2, h=3, s=150, dk=8, dv=6):
     q, k = l2norm(torch.randn(b, h, s, dk, generator=g)), l2norm(torch.randn(b, h, s, dk, generator=g))
     v = torch.randn(b, h, s, dv, generator=g)
-    decay = -torch.rand(b, h, s, generator=g) * 0.5
+    decay = -torch.rand(b, h, s, generator=g) * 0.05  # weak: a state that leaks past a reset stays visible
     beta = torch.rand(b, h, s, generator=g)
     return q * dk ** -0.5, k, v, decay, beta
 
@@ -105,15 +105,18 @@ def test_chunked_rule_matches_transformers_recurrence():
 def test_document_resets_equal_separate_documents():
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    q, k, v, decay, beta = _inputs(g, b=1, s=100)
-    cuts = [0, 30, 31, 90, 100]  # a one-token document, a boundary inside a chunk and one across chunks
+    q, k, v, decay, beta = _inputs(g, b=1, s=150)
+    # a one-token document, a start inside chunk 0, one inside chunk 1 followed by chunk 2 (the chunk's decay and
+    # state pass must be cut there), a document spanning chunks 1 and 2
+    cuts = [0, 30, 31, 90, 150]
     doc = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]).unsqueeze(0)
     resets = resets_from_documents(doc)
-    o = chunk_gated_delta_rule(q, k, v, decay, beta, resets=resets)[0]
-    alone = torch.cat([chunk_gated_delta_rule(*(t[:, :, a:b] for t in (q, k, v, decay, beta)))[0]
-                       for a, b in zip(cuts, cuts[1:])], dim=2)
+    o, final, _ = chunk_gated_delta_rule(q, k, v, decay, beta, resets=resets)
+    runs = [chunk_gated_delta_rule(*(t[:, :, a:b] for t in (q, k, v, decay, beta))) for a, b in zip(cuts, cuts[1:])]
+    alone = torch.cat([r[0] for r in runs], dim=2)
     assert_close(o, alone, rtol=1e-5, atol=1e-6, msg=lambda e: f"seed {seed}: {e}")
-    x, w = torch.randn(1, 100, 5, generator=g), torch.randn(5, 4, generator=g)
+    assert_close(final, runs[-1][1], rtol=1e-5, atol=1e-6)
+    x, w = torch.randn(1, 150, 5, generator=g), torch.randn(5, 4, generator=g)
     conv = causal_conv(x, w, resets=torch.nn.functional.pad(resets, (3, 0)))
     conv_alone = torch.cat([causal_conv(x[:, a:b], w) for a, b in zip(cuts, cuts[1:])], dim=1)
     assert_close(conv, conv_alone, rtol=1e-6, atol=1e-6)
