@@ -157,9 +157,12 @@ def test_single_device_matches_transformers(tmp_path, family):
     cfg = config_from_hf(str(tmp_path))
     model = build_model(cfg, Mesh.single(), seed=0)
     hf.load_hf_into(model, str(tmp_path))
-    x = torch.randint(0, 101, (2, 25), generator=torch.Generator().manual_seed(fresh_seed()))
+    # MoE: fixed tokens, as tests/test_hf.py's: a fresh batch may hold a top-k near-tie the two fp32 sums resolve
+    # differently (a routing flip, not a mapping error); the dense families draw fresh ones
+    seed = 0 if "moe" in family else fresh_seed()
+    x = torch.randint(0, 101, (2, 25), generator=torch.Generator().manual_seed(seed))
     logits, ref_logits = model(x[:, :-1]), ref_model(x[:, :-1]).logits
-    assert_close(logits, ref_logits, rtol=1e-5, atol=5e-5)
+    assert_close(logits, ref_logits, rtol=1e-5, atol=5e-5, msg=lambda e: f"{family} seed {seed}: {e}")
     loss = model.loss_fn(logits, x[:, 1:]).mean()
     ref_loss = torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), x[:, 1:].flatten())
     assert abs(float(loss.detach()) - float(ref_loss.detach())) < 1e-6 * float(ref_loss.detach())
