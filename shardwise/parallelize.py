@@ -317,8 +317,8 @@ def apply_compile(model: Transformer) -> None:
 
     comm.compile_barriers()
     for block in model.layers.values():
-        core = block.attention.core
-        if model.ctx.cp is not None:
+        core = getattr(block.attention, "core", None)  # a Gated DeltaNet layer has none: it compiles whole
+        if model.ctx.cp is not None and core is not None:
             # Ring / Ulysses attention: fused kernels between p2p or all-to-all steps. Traced, Dynamo would
             # fall back at the first collective and then compile each per-step helper (and recompile it per
             # block shape), so the whole context-parallel core runs eagerly instead.
