@@ -60,10 +60,6 @@ def _join_grouped(parts: dict[str, torch.Tensor], cfg: ModelConfig, names: str) 
     return torch.cat([parts[n].reshape(nk, -1, *parts[n].shape[1:]) for n in names], dim=1).flatten(0, 1)
 
 
-def _hf_layer(cfg: ModelConfig) -> str:
-    return "model.layers"
-
-
 def source(name: str, cfg: ModelConfig, files, offset: float = 1.0
            ) -> tuple[str, tuple[int, ...], Callable] | None:
     """(HF name, shardwise global shape, read(files) → the global tensor) for a tensor this family lays out
@@ -78,7 +74,7 @@ def source(name: str, cfg: ModelConfig, files, offset: float = 1.0
     if m is None:
         return None
     i, module, leaf = int(m.group(1)), m.group(2), m.group(3)
-    base = f"{_hf_layer(cfg)}.{i}"
+    base = f"model.layers.{i}"
     if module in _NORMS:
         hf = f"{base}.{_NORMS[module]}.weight"
         return hf, files.shape(hf), lambda f: whole(hf) + offset
@@ -150,7 +146,7 @@ def export_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, offset: flo
         out["model.norm.weight"] = take("norm.weight") - offset
     hd, rd = cfg.head_dim, cfg.rope_dim
     for i in range(cfg.n_layers):
-        lay, base = f"layers.{i}", f"{_hf_layer(cfg)}.{i}"
+        lay, base = f"layers.{i}", f"model.layers.{i}"
         for ours, theirs in _NORMS.items():
             out[f"{base}.{theirs}.weight"] = take(f"{lay}.{ours}.weight") - offset
         for w, proj in _FFN.items():
