@@ -144,6 +144,14 @@ FAMILIES = {
                                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
                                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                 "original_max_position_embeddings": 128})),
+    # Qwen3-Next: layers 0-2 Gated DeltaNet (4 key / 8 value heads of 64), layer 3 gated attention (8/2 heads of 64,
+    # a quarter rotary), 16 experts top-4 plus a gated shared expert, every layer MoE
+    "qwen3-next": ("Qwen3Next", dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                      linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                                      linear_value_head_dim=64, num_experts=16, num_experts_per_tok=4,
+                                      moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                                      norm_topk_prob=True, output_router_logits=False, max_position_embeddings=1024)),
 }
 
 
@@ -242,7 +250,7 @@ SMOKE = {"batch": 1, "seq_tiny": 16, "seq_small": 16, "reps": 1, "warmup": 0, "t
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,small,qwen3-moe,deepseek-v3,gpt-oss")
+    ap.add_argument("--models", default="tiny,small,qwen3-moe,deepseek-v3,gpt-oss,qwen3-next")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-tiny", type=int, default=128)
     ap.add_argument("--seq-small", type=int, default=256, help="small and the MoE families")

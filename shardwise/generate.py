@@ -221,7 +221,11 @@ class KVCache:
 
     def __init__(self, model):
         self.model, self.length = model, 0
-        self.cores = [_cached_core(block.attention.core) for block in model.layers.values()]
+        # attention layers get a cached core; a linear-attention (Gated DeltaNet) layer keeps its conv window and
+        # recurrent state in a dict it advances itself (its `decode_state`)
+        self.blocks = [b for b in model.layers.values() if hasattr(b.attention, "core")]
+        self.cores = [_cached_core(block.attention.core) for block in self.blocks]
+        self.linear = {id(b): {} for b in model.layers.values() if hasattr(b.attention, "decode_state")}
 
     def forward(self, tokens):
         """Logits [b, s, vocab] (fp32) of the new `tokens` [b, s]."""
@@ -229,14 +233,19 @@ class KVCache:
 
         s = tokens.shape[1]
         positions = torch.arange(self.length, self.length + s, device=tokens.device).expand(tokens.shape[0], s)
-        blocks = list(self.model.layers.values())
+        blocks = self.blocks
+        linear = [b for b in self.model.layers.values() if id(b) in self.linear]
         for block, core in zip(blocks, self.cores):
             block.attention.core = core
+        for block in linear:
+            block.attention.decode_state = self.linear[id(block)]
         try:
             logits = self.model(tokens, positions=positions)
         finally:
             for block, core in zip(blocks, self.cores):
                 block.attention.core = core.own[0]
+            for block in linear:
+                block.attention.decode_state = None
         self.length += s
         return logits[..., :self.model.cfg.vocab_size].float()
 

@@ -24,10 +24,12 @@ import glob
 import json
 import os
 import re
+from typing import Callable
 
 import torch
 from torch import nn
 
+from . import hf_qwen3_next
 from .config import ModelConfig
 from .hf_config import hf_config, is_gpt_oss
 from .hf_gpt_oss import EXPERT as GPT_OSS_EXPERT, expert_source, export_tensors as gpt_oss_tensors
@@ -78,15 +80,19 @@ class WeightFiles:
 @dataclasses.dataclass
 class TensorSource:
     """Where a shardwise global tensor comes from: one HF tensor (rows shifted by `offset` along dim 1:
-    a half of Mixtral's fused gate_up_proj), q/k rows to un-permute per head, or per-expert tensors to stack."""
+    a half of Mixtral's fused gate_up_proj), q/k rows to un-permute per head, per-expert tensors to stack, or a
+    tensor `derive(files)` computes whole (Qwen3-Next's fused and zero-centred tensors, hf_qwen3_next.py)."""
 
     names: list[str]
     shape: tuple[int, ...]
-    kind: str = "direct"  # direct | heads | stacked
+    kind: str = "direct"  # direct | heads | stacked | derived
     offset: int = 0
     head_dim: int = 0
+    derive: Callable | None = None
 
     def read(self, files: WeightFiles, box: tuple[slice, ...]) -> torch.Tensor:
+        if self.kind == "derived":
+            return self.derive(files)[box]
         if self.kind == "stacked":
             return torch.stack([files.read(self.names[e], box[1:]) for e in range(box[0].start, box[0].stop)])
         if self.offset:
@@ -158,6 +164,10 @@ def tensor_source(name: str, cfg: ModelConfig, files: WeightFiles) -> TensorSour
     gpt_oss = expert_source(name, cfg, files) if is_gpt_oss(cfg) else None
     if gpt_oss is not None:  # gpt-oss's router and experts (plain or MXFP4): hf_gpt_oss.py
         return gpt_oss
+    derived = hf_qwen3_next.source(name, cfg, files) if hf_qwen3_next.is_family(cfg) else None
+    if derived is not None:
+        hf, shape, derive = derived
+        return TensorSource([hf], tuple(shape), "derived", derive=derive)
     m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))", name)
     if m is None:
         hf, heads = _hf_name(name, cfg)
@@ -273,8 +283,12 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
              and not (n == "output.weight" and cfg.tie_embeddings)]
     if missing or extra:
         raise KeyError(f"export: the state does not match the config: missing {missing[:3]}, unexpected {extra[:3]}")
-    tensors, gpt_oss = {}, {}
+    tensors, done, gpt_oss = {}, set(), {}
+    if hf_qwen3_next.is_family(cfg):
+        tensors, done = hf_qwen3_next.export_tensors(state, cfg, fused=config["model_type"] == "qwen3_next")
     for n, ref in expected.items():
+        if n in done:
+            continue
         t = state[n].detach().to("cpu", torch.float32)
         if tuple(t.shape) != tuple(ref.shape):
             raise ValueError(f"export: {n} has shape {tuple(t.shape)}, the config needs {tuple(ref.shape)}")

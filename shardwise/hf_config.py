@@ -15,14 +15,19 @@ import warnings
 
 from .config import ConfigError, ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
+             "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Each model class's rope_theta when config.json omits it (HF's class defaults).
 DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
-                 "qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "deepseek_v3": 10000.0, "gpt_oss": 150000.0}
+                 "qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "deepseek_v3": 10000.0, "gpt_oss": 150000.0,
+                 "qwen3_next": 10000.0, "qwen3_5_text": 10000.0, "qwen3_5_moe_text": 10000.0}
 ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                "deepseek_v2": "DeepseekV2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
-QWEN3 = ("qwen3", "qwen3_moe")  # per-head q/k RMSNorm, explicit head_dim
+                "deepseek_v2": "DeepseekV2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+QWEN3_NEXT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # Gated DeltaNet + gated attention hybrids
+QWEN3 = ("qwen3", "qwen3_moe", *QWEN3_NEXT)  # per-head q/k RMSNorm, explicit head_dim
 # ModelConfig fields that newer shardwise versions add; a config needing a missing one is refused.
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
@@ -151,11 +156,11 @@ def config_from_hf(path: str) -> ModelConfig:
     dim, heads = int(_req(hf, "hidden_size", where)), int(_req(hf, "num_attention_heads", where))
     head_dim = 0
     if mt in QWEN3:  # Qwen3Attention: getattr(config, "head_dim", ...); Qwen3Config's default is 128, Qwen3-MoE's
-        head_dim = int(hf.get("head_dim") or (128 if mt == "qwen3" else dim // heads))
+        head_dim = int(hf.get("head_dim") or (128 if mt == "qwen3" else 256 if mt in QWEN3_NEXT else dim // heads))
         if hf.get("use_sliding_window"):
             refuse("use_sliding_window", "shardwise has no sliding-window attention")
         types = hf.get("layer_types")
-        if types and any(t != "full_attention" for t in types):
+        if mt not in QWEN3_NEXT and types and any(t != "full_attention" for t in types):
             refuse("layer_types", "only full_attention layers are supported")
     elif mt in ("deepseek_v2", "deepseek_v3"):
         head_dim = int(_req(hf, "qk_nope_head_dim", where))  # its head_dim key is the rotary size
@@ -187,8 +192,10 @@ def config_from_hf(path: str) -> ModelConfig:
             raise ConfigError(f"{where}: model_type='qwen2' has q/k/v biases, which need ModelConfig.attention_bias "
                               "(not in this shardwise)")
         kw["attention_bias"] = True
-    if mt == "qwen3_moe":
+    if mt == "qwen3_moe" or (mt in QWEN3_NEXT and int(hf.get("num_experts") or 0)):
         _qwen3_moe(hf, kw, where)
+    if mt in QWEN3_NEXT:
+        _qwen3_next(mt, hf, kw, refuse)
     if mt in ("deepseek_v2", "deepseek_v3"):
         _deepseek(mt, hf, kw, where, refuse)
     if mt == "gpt_oss":
@@ -283,6 +290,40 @@ def _gpt_oss_config(cfg: ModelConfig, refuse) -> dict:
     return out
 
 
+def _qwen3_next(mt: str, hf: dict, kw: dict, refuse) -> None:
+    """Qwen3-Next / Qwen3.5: `layer_types` (or every full_attention_interval-th layer full) say which layers are
+    Gated DeltaNet; full-attention layers are gated, with partial rotary; the MoE's shared expert (one SwiGLU of
+    shared_expert_intermediate_size, a multiple of the expert size here) has a sigmoid gate."""
+    n = kw["n_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        every = int(hf.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if len(types) != n or any(t not in ("linear_attention", "full_attention") for t in types):
+        refuse("layer_types", f"valid: {n} entries, each linear_attention or full_attention")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "the Gated DeltaNet convolution and the MLP use silu")
+    params = hf.get("rope_parameters") or {}
+    rope = params.get("rope_type", "default")
+    if rope != "default" and rope is not None:
+        refuse("rope_parameters", "only the default RoPE of Qwen3-Next is supported")
+    if params.get("mrope_section") and not params.get("mrope_interleaved", True):
+        refuse("rope_parameters", "text-only positions need the interleaved M-RoPE (equal to plain RoPE)")
+    kw.update(linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+              linear_k_heads=int(hf.get("linear_num_key_heads", 16)), linear_v_heads=int(hf.get("linear_num_value_heads", 32)),
+              linear_k_dim=int(hf.get("linear_key_head_dim", 128)), linear_v_dim=int(hf.get("linear_value_head_dim", 128)),
+              linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), attn_output_gate=True,
+              partial_rotary=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))))
+    if kw.get("moe_experts"):  # Qwen3.5-MoE always renormalises the top-k; Qwen3-Next's norm_topk_prob defaults on
+        kw["moe_softmax_before_topk"] = not (mt == "qwen3_5_moe_text" or hf.get("norm_topk_prob", True))
+    shared = int(hf.get("shared_expert_intermediate_size") or 0)
+    if kw.get("moe_experts") and shared:
+        expert = kw["moe_ffn_dim"]
+        if shared % expert:
+            refuse("shared_expert_intermediate_size", f"must be a multiple of moe_intermediate_size={expert}")
+        kw.update(moe_shared_experts=shared // expert, moe_shared_gate=True)
+
+
 def _deepseek(mt: str, hf: dict, kw: dict, where: str, refuse) -> None:
     """DeepseekV3ForCausalLM / DeepseekV2ForCausalLM: MLA, first_k_dense_replace dense layers, then MoE layers
     with n_shared_experts (one SwiGLU of n_shared · moe_intermediate_size) and routed_scaling_factor.
@@ -332,6 +373,8 @@ def hf_config(cfg: ModelConfig) -> dict:
         return _deepseek_config(cfg, refuse)
     if is_gpt_oss(cfg):
         return _gpt_oss_config(cfg, refuse)
+    if cfg.attn_output_gate:
+        return _qwen3_next_config(cfg, refuse)
     mt = ("qwen3_moe" if cfg.moe_experts else "qwen3") if cfg.qk_norm else \
         "mixtral" if cfg.moe_experts else "qwen2" if bias else "llama"
     if cfg.moe_experts:
@@ -378,6 +421,38 @@ def hf_config(cfg: ModelConfig) -> dict:
                    moe_intermediate_size=cfg.moe_ffn_dim or cfg.ffn_dim,
                    norm_topk_prob=not cfg.moe_softmax_before_topk, router_aux_loss_coef=cfg.moe_aux_loss_coef,
                    output_router_logits=bool(cfg.moe_aux_loss_coef) and cfg.moe_aux_loss_scope == "model")
+    return out
+
+
+def _qwen3_next_config(cfg: ModelConfig, refuse) -> dict:
+    """config.json of a Qwen3NextForCausalLM (MoE, or dense with num_experts 0): its layer_types, gated attention,
+    partial rotary and the gated shared expert."""
+    if not cfg.qk_norm or cfg.attention_bias or cfg.rope_scaling is not None or cfg.rope_yarn is not None:
+        refuse("qk_norm" if not cfg.qk_norm else "attention_bias" if cfg.attention_bias else "rope_scaling",
+               "Qwen3-Next has q/k norms, no attention biases and plain RoPE")
+    moe = cfg.moe_experts > 0
+    if moe and (cfg.moe_score != "softmax" or cfg.moe_shared_experts and not cfg.moe_shared_gate):
+        refuse("moe_score" if cfg.moe_score != "softmax" else "moe_shared_gate",
+               "Qwen3-Next routes by softmax and gates its shared expert")
+    out = {"architectures": [ARCHITECTURE["qwen3_next"]], "model_type": "qwen3_next", "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+           "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+           "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+           "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.partial_rotary,
+           "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                               "partial_rotary_factor": cfg.partial_rotary},
+           "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "attention_dropout": cfg.attn_dropout,
+           "layer_types": ["linear_attention" if cfg.is_linear_layer(i) else "full_attention"
+                           for i in range(cfg.n_layers)],
+           "linear_num_key_heads": cfg.linear_k_heads, "linear_num_value_heads": cfg.linear_v_heads,
+           "linear_key_head_dim": cfg.linear_k_dim, "linear_value_head_dim": cfg.linear_v_dim,
+           "linear_conv_kernel_dim": cfg.linear_conv_kernel, "torch_dtype": "float32",
+           "num_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_topk, "decoder_sparse_step": 1,
+           "mlp_only_layers": [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)] if moe else [],
+           "moe_intermediate_size": cfg.moe_ffn_dim or cfg.ffn_dim,
+           "shared_expert_intermediate_size": cfg.moe_shared_experts * (cfg.moe_ffn_dim or cfg.ffn_dim),
+           "norm_topk_prob": not cfg.moe_softmax_before_topk, "router_aux_loss_coef": cfg.moe_aux_loss_coef,
+           "output_router_logits": bool(cfg.moe_aux_loss_coef) and cfg.moe_aux_loss_scope == "model"}
     return out
 
 

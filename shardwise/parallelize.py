@@ -22,8 +22,9 @@ from .context_parallel.plan import ContextParallel
 from .expert_parallel.moe import MoE, build_moe, share_aux_pool
 from .mesh import Mesh
 from .models.context import ParallelContext
+from .models.gated_deltanet import GatedDeltaNet
 from .models.llama import Transformer
-from .models.params import carry, declare, head_partial, init_of, init_std
+from .models.params import carry, carry_param, declare, head_partial, init_of, init_std
 from .recompute import apply_recompute
 from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .tensor_parallel.fused import store_fused
@@ -106,6 +107,26 @@ def _fuse_shared_experts(ffn: nn.Module, tp, sp: bool) -> None:
     ffn.register_forward_pre_hook(ColumnRegion([ffn.w1, ffn.w3], tp, reduce=False, fused=True))
 
 
+def _linear_attention_tensor_parallel(mixer: GatedDeltaNet, cfg: ModelConfig, tp, sp: bool) -> None:
+    """Gated DeltaNet's plan: its key heads, and the value heads each serves, split evenly over tp. The q/k/v/z/b/a
+    projections are column-parallel by those heads, the convolution's channels, A_log and dt_bias are cut the same
+    way, `wo` is row-parallel; the gated norm's weight (one head's width) stays replicated with a head-partial
+    gradient. The recurrence needs no communication: each rank runs its own heads."""
+    nk, nv, dk, dv, h = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim, cfg.dim
+    if nk % tp.size:
+        raise ValueError(f"tp={tp.size} must divide the Gated DeltaNet key heads linear_k_heads={nk}")
+    kw = dict(device="meta")
+    for name, rows in (("wq", nk * dk), ("wk", nk * dk), ("wv", nv * dv), ("wz", nv * dv), ("wb", nv), ("wa", nv)):
+        _swap(mixer, name, ColumnParallelLinear(h, rows, tp, enter=False, **kw))
+    _swap(mixer, "wo", RowParallelLinear(nv * dv, h, tp, sequence_parallel=sp, **kw))
+    for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
+        old = getattr(mixer, name)
+        rows = old.shape[0] // tp.size
+        new = nn.Parameter(torch.empty(rows, *old.shape[1:], device="meta"))
+        set_spec(new, ShardSpec(tuple(old.shape), 0, tp.rank * rows, rows, rows))
+        setattr(mixer, name, carry_param(old, new))
+
+
 def all_blocks(model: Transformer) -> list[nn.Module]:
     """Every transformer block: the model's layers, then the MTP modules' blocks (same kind, same plan)."""
     return list(model.layers.values()) + ([m.block for m in model.mtp.values()] if model.mtp is not None else [])
@@ -130,14 +151,19 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
         if isinstance(ffn, MoE):
             block.feed_forward = apply_expert_parallel(cfg, mesh, sp, fused)  # declares its own parameters
             ffn = None
-        if cfg.is_mla:
+        linear_layers = None
+        if isinstance(attn, GatedDeltaNet):
+            _linear_attention_tensor_parallel(attn, cfg, tp, sp)
+            linear_layers = [attn.wq, attn.wk, attn.wv, attn.wz, attn.wb, attn.wa]
+        elif cfg.is_mla:
             _mla_tensor_parallel(attn, cfg, tp, sp, overlap, fused)
             attn = None
         else:
             kv_rows, kv_replicas, kv_reduce = _kv_rows(cfg, tp)
         bias = cfg.attention_bias
-        if attn is not None:
-            _swap(attn, "wq", ColumnParallelLinear(h, cfg.n_heads * hd, tp, bias=bias, enter=False, **kw))
+        if attn is not None and linear_layers is None:
+            q_rows = cfg.n_heads * hd * (2 if cfg.attn_output_gate else 1)  # gated: each head's [q | gate] rows
+            _swap(attn, "wq", ColumnParallelLinear(h, q_rows, tp, bias=bias, enter=False, **kw))
             _swap(attn, "wk", ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
                                                    replicas=kv_replicas, grad_reduce=kv_reduce, **kw))
             _swap(attn, "wv", ColumnParallelLinear(h, cfg.n_kv_heads * hd, tp, bias=bias, enter=False, rows=kv_rows,
@@ -153,7 +179,7 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
         # One region entry per sub-block, shared by its column-parallel projections: under SP one all-gather
         # (or, overlapped, the region's chunked one); without SP a ColumnRegion that is also Megatron's f (its
         # backward all-reduce overlapped with dW); fused, a ColumnRegion at any tp.
-        for region, layers in ((attn, [attn.wq, attn.wk, attn.wv] if attn else []),
+        for region, layers in ((attn, linear_layers or ([attn.wq, attn.wk, attn.wv] if attn else [])),
                                (ffn, [ffn.w1, ffn.w3] if ffn else [])):
             if region is None:
                 continue
@@ -250,7 +276,10 @@ def global_init(name: str, shape, init: str, cfg: ModelConfig, seed: int) -> tor
     if init in ("ones", "zeros"):
         return torch.ones(shape) if init == "ones" else torch.zeros(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return torch.empty(shape).normal_(0.0, init_std(init, cfg.n_layers), generator=gen)
+    if init == "a_log":
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+    std = shape[-1] ** -0.5 if init == "conv" else init_std(init, cfg.n_layers)
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
 def apply_context_parallel(model: Transformer, mesh: Mesh, order: str, impl: str) -> None:
@@ -319,8 +348,8 @@ def apply_compile(model: Transformer) -> None:
 
     comm.compile_barriers()
     for block in model.layers.values():
-        core = block.attention.core
-        if model.ctx.cp is not None:
+        core = getattr(block.attention, "core", None)  # a Gated DeltaNet layer has none: it compiles whole
+        if model.ctx.cp is not None and core is not None:
             # Ring / Ulysses attention: fused kernels between p2p or all-to-all steps. Traced, Dynamo would
             # fall back at the first collective and then compile each per-step helper (and recompile it per
             # block shape), so the whole context-parallel core runs eagerly instead.

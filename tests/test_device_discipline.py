@@ -39,6 +39,9 @@ ALLOWED = {
     ("models/llama.py", "RMSNorm.__init__", "empty"):
         "created under build_model's torch.device('meta') context and materialised on mesh.device",
     ("models/llama.py", "Attention.__init__", "empty"): "gpt-oss's sinks: as RMSNorm's weight",
+    ("models/gated_deltanet.py", "GatedDeltaNet.__init__", "empty"):
+        "the conv, A_log and dt_bias parameters: as RMSNorm's weight",
+    ("models/gated_deltanet.py", "GatedRMSNorm.__init__", "empty"): "as RMSNorm's weight",
     ("parallelize.py", "global_init", "ones"):
         "the global initial tensor, built on the host so every layout draws the same numbers; "
         "materialize copies the rank's slice to mesh.device",

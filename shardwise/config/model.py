@@ -116,6 +116,24 @@ class ModelConfig:
     """> 0: gpt-oss's clamped expert SwiGLU, (min(up, ±limit) + 1) · g·σ(α·g) with g = min(gate, limit); 0: silu SwiGLU."""
     moe_swiglu_alpha: float = 1.702
     """α of the clamped SwiGLU's gate (gpt-oss: 1.702, the sigmoid approximation of GELU)."""
+    # Qwen3-Next / Qwen3.5 hybrids: Gated DeltaNet layers between gated full-attention ones (models/gated_deltanet.py).
+    linear_layers: tuple[int, ...] = ()
+    """Layers whose token mixer is Gated DeltaNet linear attention instead of softmax attention (HF layer_types
+    "linear_attention"; Qwen3-Next: three of every four)."""
+    linear_k_heads: int = 0
+    """Gated DeltaNet query/key heads (linear_num_key_heads); each serves linear_v_heads / linear_k_heads value heads."""
+    linear_v_heads: int = 0
+    linear_k_dim: int = 128
+    linear_v_dim: int = 128
+    linear_conv_kernel: int = 4
+    """Width of the causal depthwise convolution on q/k/v (linear_conv_kernel_dim)."""
+    attn_output_gate: bool = False
+    """Qwen3-Next's gated attention: q_proj also yields a per-head gate, the attention output times sigmoid(gate)
+    before wo; its RMSNorms are HF's zero-centred (1 + w) kind (stored here as 1 + w)."""
+    partial_rotary: float = 1.0
+    """Fraction of each head RoPE rotates (HF partial_rotary_factor; Qwen3-Next 0.25); the rest passes unrotated."""
+    moe_shared_gate: bool = False
+    """The shared expert's output times sigmoid(w·x), one scalar gate per token (Qwen3-Next's shared_expert_gate)."""
 
     def __post_init__(self):
         # head_dim 0 means "derived": resolve it, and remember so overrides of dim / n_heads re-derive it.
@@ -127,6 +145,8 @@ class ModelConfig:
             object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))
         if isinstance(self.sliding_layers, list):
             object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
+        if isinstance(self.linear_layers, list):
+            object.__setattr__(self, "linear_layers", tuple(self.linear_layers))
 
     def with_overrides(self, **changes) -> ModelConfig:
         """dataclasses.replace that re-derives a derived head_dim (so `--dim` on a preset keeps dim // n_heads)."""
@@ -141,6 +161,10 @@ class ModelConfig:
         """Layer i's sliding window (0: it sees every earlier token)."""
         return self.sliding_window if i in self.sliding_layers else 0
 
+    def is_linear_layer(self, i: int) -> bool:
+        """Layer i mixes tokens with Gated DeltaNet (an MTP block, i >= n_layers, keeps attention)."""
+        return i in self.linear_layers
+
     @property
     def has_mtp_architecture(self) -> bool:
         """DeepSeek-V3's architecture (MLA with sigmoid-routed experts): the only family with MTP modules."""
@@ -152,8 +176,8 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Dimensions RoPE rotates per head: MLA's rotary part, else the whole head."""
-        return self.qk_rope_dim if self.is_mla else self.head_dim
+        """Dimensions RoPE rotates per head: MLA's rotary part, else the head's rotary fraction (whole by default)."""
+        return self.qk_rope_dim if self.is_mla else int(self.head_dim * self.partial_rotary)
 
     def validate(self) -> None:
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -217,6 +241,7 @@ class ModelConfig:
             if not 0.0 <= v < 1.0:
                 raise ConfigError(f"model {self.name!r}: {f}={v} must be in [0, 1)")
         self._validate_gpt_oss()
+        self._validate_linear()
 
     def _validate_gpt_oss(self) -> None:
         if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
@@ -237,12 +262,32 @@ class ModelConfig:
             raise ConfigError(f"model {self.name!r}: moe_swiglu_limit={self.moe_swiglu_limit} must be >= 0 (0 = silu "
                               "SwiGLU)")
 
+    def _validate_linear(self) -> None:
+        if not 0.0 < self.partial_rotary <= 1.0:
+            raise ConfigError(f"model {self.name!r}: partial_rotary={self.partial_rotary} must be in (0, 1]")
+        if not self.linear_layers:
+            return
+        bad = [i for i in self.linear_layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
+        if bad:
+            raise ConfigError(f"model {self.name!r}: linear_layers entry {bad[0]!r} is not a layer index in "
+                              f"[0, {self.n_layers})")
+        for f in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv_kernel"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ConfigError(f"model {self.name!r}: {f}={getattr(self, f)!r} must be a positive integer "
+                                  "(the Gated DeltaNet layers need it)")
+        if self.linear_v_heads % self.linear_k_heads:
+            raise ConfigError(f"model {self.name!r}: linear_v_heads={self.linear_v_heads} is not divisible by "
+                              f"linear_k_heads={self.linear_k_heads}")
+        if self.is_mla:
+            raise ConfigError(f"model {self.name!r}: Gated DeltaNet layers with MLA are not supported")
+
     def num_params(self) -> int:
         """Total parameter count (embedding and LM head counted once each unless tied)."""
         h, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.attention_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
         attn += (h if self.attention_out_bias else 0) + (self.n_heads if self.attention_sinks else 0)
+        attn += h * q if self.attn_output_gate else 0
         if self.is_mla:
             qk, r = self.head_dim + self.qk_rope_dim, self.q_lora_rank
             q_proj = (h * r + r + r * self.n_heads * qk) if r else h * self.n_heads * qk
@@ -252,11 +297,21 @@ class ModelConfig:
         moe_ffn = self.moe_ffn_dim or self.ffn_dim
         moe_mlp = 3 * h * moe_ffn * (self.moe_experts + self.moe_shared_experts) + self.moe_experts * h
         moe_mlp += self.moe_experts * (self.moe_expert_bias * (2 * moe_ffn + h) + self.moe_router_bias)
+        moe_mlp += h if self.moe_shared_gate else 0
         blocks = range(self.n_layers + self.mtp_layers)  # MTP module k's block is layer n_layers + k (DeepSeek's)
         mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in blocks)
+        mlps += len(self.linear_layers) * (self.linear_params() - attn)
         emb = self.vocab_size * h
         mtp = self.mtp_layers * (3 * h + 2 * h * h)  # enorm, hnorm, shared_head.norm, eh_proj; embedding/head shared
         return len(blocks) * (attn + 2 * h) + mlps + mtp + h + emb * (1 if self.tie_embeddings else 2)
+
+    def linear_params(self) -> int:
+        """Parameters of one Gated DeltaNet mixer: q/k/v/z/b/a projections, the conv kernels, A_log and dt_bias,
+        the gated norm and wo."""
+        nk, nv, dk, dv = self.linear_k_heads, self.linear_v_heads, self.linear_k_dim, self.linear_v_dim
+        channels = 2 * nk * dk + nv * dv
+        return (self.dim * (channels + nv * dv + 2 * nv) + channels * self.linear_conv_kernel + 2 * nv + dv
+                + nv * dv * self.dim)
 
     def num_active_params(self) -> int:
         """Parameters one token uses: embedding and head, attention, dense MLPs, shared experts, the router and its
@@ -355,6 +410,24 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         attention_out_bias=True, attention_sinks=True, sliding_window=128, sliding_layers=tuple(range(0, 36, 2)),
         moe_experts=128, moe_topk=4, moe_ffn_dim=2880, moe_softmax_before_topk=False, moe_router_bias=True,
         moe_expert_bias=True, moe_swiglu_limit=7.0, moe_aux_loss_coef=0.001,
+    ),
+    # Qwen/Qwen3-Next-80B-A3B config.json: 3 Gated DeltaNet layers to 1 gated full-attention layer (full every 4th),
+    # head_dim 256 with a quarter rotary, 512 experts top-10 renormalised plus one gated shared expert of the expert
+    # size, every layer MoE. Its MTP layer is not modelled. Qwen3.5-35B-A3B (text part): the same mixer with 256
+    # experts top-8 and the 248320-token vocabulary.
+    "qwen3-next-80b-a3b": ModelConfig(
+        name="qwen3-next-80b-a3b", vocab_size=151936, dim=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256,
+        ffn_dim=5120, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
+        partial_rotary=0.25, linear_layers=tuple(i for i in range(48) if (i + 1) % 4), linear_k_heads=16,
+        linear_v_heads=32, moe_experts=512, moe_topk=10, moe_ffn_dim=512, moe_shared_experts=1, moe_shared_gate=True,
+        moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
+    ),
+    "qwen3.5-35b-a3b": ModelConfig(
+        name="qwen3.5-35b-a3b", vocab_size=248320, dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, head_dim=256,
+        ffn_dim=512, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
+        partial_rotary=0.25, linear_layers=tuple(i for i in range(40) if (i + 1) % 4), linear_k_heads=16,
+        linear_v_heads=32, moe_experts=256, moe_topk=8, moe_ffn_dim=512, moe_shared_experts=1, moe_shared_gate=True,
+        moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
     ),
 }
 

@@ -1,5 +1,6 @@
 """What the model asks of context parallelism, through its `ParallelContext.cp`: attention over the whole
-sequence from this rank's tokens, and the global positions of those tokens for RoPE."""
+sequence from this rank's tokens, Gated DeltaNet's convolution and recurrence across chunks, and the global
+positions of those tokens for RoPE."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
+from . import linear_attention
 from .ring_attention import ring_attention
 from .sharding import positions, shard_sequence
 from .ulysses import ulysses_attention
@@ -35,6 +37,14 @@ class ContextParallel:
         extra = {} if sinks is None and not window else dict(sinks=sinks, window=window)
         return fn(q, k, v, self.axis, causal=True, order=self.order, scale=scale, doc_ids=doc_ids, report=report,
                   **extra)
+
+    def linear_conv(self, x, weight, doc_ids=None) -> torch.Tensor:
+        """Gated DeltaNet's causal convolution over this rank's tokens, with each chunk's left halo."""
+        return linear_attention.conv_halo(x, weight, self.axis, self.order, doc_ids)
+
+    def delta_rule(self, q, k, v, g, beta, doc_ids=None) -> torch.Tensor:
+        """Gated DeltaNet's recurrence over this rank's tokens, from the state the earlier chunks leave."""
+        return linear_attention.delta_rule(q, k, v, g, beta, self.axis, self.order, doc_ids)
 
     def record_padding(self, what: str, head: int, to: int) -> None:
         """The caller zero-padded a head to one size before `attend` (summary.json reports it)."""

@@ -21,7 +21,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..mesh import Axis
 from ..models.llama import FeedForward
-from ..models.params import declare
+from ..models.params import declare, linear
 from .dispatch import AllToAllDispatcher
 from .experts import GroupedExperts
 from .router import Router
@@ -112,7 +112,7 @@ def build_moe(cfg: ModelConfig, ep_axis: Axis | None = None, expert_replicas: in
                aux_scope=cfg.moe_aux_loss_scope, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
                norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling, group_topk=cfg.moe_group_topk,
                router_bias=cfg.moe_router_bias, expert_bias=cfg.moe_expert_bias, swiglu_limit=cfg.moe_swiglu_limit,
-               swiglu_alpha=cfg.moe_swiglu_alpha)
+               swiglu_alpha=cfg.moe_swiglu_alpha, shared_gate=cfg.moe_shared_gate)
 
 
 def share_aux_pool(model: nn.Module) -> None:
@@ -140,7 +140,7 @@ class MoE(nn.Module):
                  grouped_mm: bool | None = None, device=None, dtype=None, aux_scope: str = "layer",
                  n_group: int = 1, topk_group: int = 1, norm_topk: bool = True, routed_scaling: float = 1.0,
                  group_topk: int = 2, router_bias: bool = False, expert_bias: bool = False,
-                 swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702):
+                 swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702, shared_gate: bool = False):
         super().__init__()
         ep_axis = ep_axis if ep_axis is not None else Axis("ep")
         self.router = Router(dim, n_experts, topk, score, softmax_before_topk, aux_loss_coef, z_loss_coef,
@@ -159,6 +159,8 @@ class MoE(nn.Module):
             if p is not None:
                 declare(p, "zeros")
         self.shared = FeedForward(dim, shared_experts * ffn_dim, device, dtype) if shared_experts else None
+        # Qwen3-Next: the shared expert's output times sigmoid(w·x), a per-token scalar gate
+        self.shared_gate = linear(dim, 1, device=device, dtype=dtype) if shared_gate and shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
         self.aux_scale = 1.0  # weight of this microbatch's aux loss in the step's loss (set by the loop)
@@ -174,7 +176,8 @@ class MoE(nn.Module):
         rows, handle = self.dispatcher.dispatch(flat, routing.indices, routing.weights)
         out = self.dispatcher.combine(self.experts(rows, handle.tokens_per_local_expert, handle.local_counts), handle)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
         self.aux_loss = routing.loss
         self.stats = MoEStats(handle.tokens_per_expert, handle.dropped, routing.aux_loss.detach(),
                               routing.z_loss.detach())

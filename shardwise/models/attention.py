@@ -121,8 +121,9 @@ class AttentionCore(nn.Module):
         return out if out.shape[-1] == dv else out[..., :dv]
 
 
-def attend(attn: nn.Module, q, k, v, doc_ids):
-    """The attention core on [b, heads, s, d], then `wo`: the tail both attention kinds share."""
+def attend(attn: nn.Module, q, k, v, doc_ids, gate=None):
+    """The attention core on [b, heads, s, d], then `wo`: the tail both attention kinds share. `gate` [b, s, heads·d]
+    (gated attention, Qwen3-Next): the core's output times sigmoid(gate) before `wo`."""
     b, s = q.shape[0], q.shape[2]
-    out = attn.core(q, k, v, doc_ids, getattr(attn, "sinks", None))
-    return attn.wo(out.transpose(1, 2).reshape(b, s, -1))
+    out = attn.core(q, k, v, doc_ids, getattr(attn, "sinks", None)).transpose(1, 2).reshape(b, s, -1)
+    return attn.wo(out if gate is None else out * torch.sigmoid(gate))

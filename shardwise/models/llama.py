@@ -17,6 +17,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import AttentionCore, attend
 from .context import ParallelContext
+from .gated_deltanet import GatedDeltaNet
 from .mla import MLA
 from .mtp import MTPLayer, mtp_forward
 from .params import declare, linear
@@ -40,8 +41,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None, layer_id: int = 0):
         super().__init__()
         h, hd = cfg.dim, cfg.head_dim
-        self.head_dim = hd
-        self.wq = linear(h, cfg.n_heads * hd, bias=cfg.attention_bias)
+        self.head_dim, self.rope_dim, self.gated = hd, cfg.rope_dim, cfg.attn_output_gate
+        # Gated attention (Qwen3-Next): each head's q rows are followed by its gate rows, [q_h | gate_h], so TP's
+        # split by whole heads keeps a head's gate with it.
+        self.wq = linear(h, cfg.n_heads * hd * (2 if self.gated else 1), bias=cfg.attention_bias)
         self.wk = linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.wv = linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.wo = linear(cfg.n_heads * hd, h, bias=cfg.attention_out_bias, init="residual")
@@ -57,13 +60,24 @@ class Attention(nn.Module):
         """`doc_ids` [b, s_global] (document masking) are the window's document ids, never sharded."""
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         b, s = q.shape[:2]
-        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
+        gate = None
+        if self.gated:
+            q, gate = q.view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, s, -1)
+        q, k = q.reshape(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin).transpose(1, 2)
-        k = apply_rope(k, cos, sin).transpose(1, 2)
+        q = partial_rope(q, cos, sin, self.rope_dim).transpose(1, 2)
+        k = partial_rope(k, cos, sin, self.rope_dim).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
-        return attend(self, q, k, v, doc_ids)
+        return attend(self, q, k, v, doc_ids, gate)
+
+
+def partial_rope(x, cos, sin, rope_dim: int):
+    """RoPE on each head's first `rope_dim` dimensions (partial rotary); the rest passes unrotated."""
+    if rope_dim == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat((apply_rope(x[..., :rope_dim], cos, sin), x[..., rope_dim:]), dim=-1)
 
 
 class FeedForward(nn.Module):
@@ -100,7 +114,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         ctx = ctx or ParallelContext()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = MLA(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id)
+        self.attention = (GatedDeltaNet(cfg, ctx, layer_id) if cfg.is_linear_layer(layer_id) else
+                          MLA(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id))
         self.attn_resid_dropout = Dropout(cfg.dropout, ctx)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = _moe(cfg, layer_id, ctx) if cfg.is_moe_layer(layer_id) else FeedForward(cfg.dim, cfg.ffn_dim)

@@ -10,9 +10,11 @@ import math
 
 from torch import nn
 
-INITS = ("normal", "residual", "ones", "zeros")
+INITS = ("normal", "residual", "ones", "zeros", "conv", "a_log")
 """normal: N(0, 0.02); residual: a residual branch's output projection, N(0, 0.02/√(2·layers)) (GPT-2's scaling,
-so the stream's variance does not grow with depth); ones / zeros: norm scales and biases."""
+so the stream's variance does not grow with depth); ones / zeros: norm scales and biases; conv: a depthwise
+convolution [channels, kernel], N(0, 1/√kernel) (PyTorch's Conv1d scale); a_log: Gated DeltaNet's log decay
+rates, log U(1, 16) (Mamba-2's and Megatron's range)."""
 
 
 def declare(p: nn.Parameter, init: str = "normal", head_partial: bool = False) -> nn.Parameter:
@@ -43,6 +45,11 @@ def carry(old: nn.Module, new: nn.Module) -> nn.Module:
         if isinstance(q, nn.Parameter) and hasattr(p, "_sw_init"):
             declare(q, p._sw_init, p._sw_head_partial)
     return new
+
+
+def carry_param(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
+    """`new` with `old`'s declaration (a bare parameter a plan replaced by its shard)."""
+    return declare(new, old._sw_init, old._sw_head_partial)
 
 
 def init_std(init: str, n_layers: int) -> float:

@@ -107,7 +107,7 @@ def stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, l
             multi = bool(spec.mtp_layers) and lay.pp > 1  # copy, or (dualpipev) accumulated by two chunks
             units.append((chunk, [(x, multi) for x in embedding_tensors(spec, t)]))
         for i in ids:
-            layer = layer_tensors(spec, spec.is_moe_layer(i), t, lay.ep)
+            layer = layer_tensors(spec, spec.is_moe_layer(i), t, lay.ep, spec.is_linear_layer(i))
             units.append((chunk, [(x, (sp and x.sp_replicated) or k in kv) for k, x in enumerate(layer)]))
         if j == len(owner) - 1:
             head = head_tensors(spec, t, separate_copy=not stage.embedding)

@@ -36,6 +36,7 @@ from shardwise.config import MODEL_PRESETS, ConfigError, ModelConfig
 from shardwise.hf_shapes import model_fields_from_hf
 from shardwise.planner import gpt_oss
 from shardwise.planner.errors import PlanError
+from shardwise.planner.linear_attention import linear_attention_tensors
 
 INT64, BOOL = 8, 1
 """Bytes per element of the token ids and targets (int64) and of the masks (bool) the loss and embedding keep."""
@@ -192,7 +193,7 @@ def attention_tensors(spec: ModelSpec, tp: int) -> list[Tensor]:
     q, kv = hq * spec.head_dim, local_kv_heads(spec, tp) * spec.head_dim
     bias = spec.attention_bias or spec.linear_bias
     out += [Tensor(n, **kw) for n, kw in gpt_oss.attention_sinks(spec, tp)]  # gpt-oss: its sinks, wo's bias below
-    for rows in (q, kv, kv):
+    for rows in (q * (2 if spec.attn_output_gate else 1), kv, kv):  # gated attention: wq also yields the gate
         out += [Tensor(rows * h)] + ([Tensor(rows, matrix=False)] if bias else [])
     out.append(Tensor(q * h))
     out += [Tensor(n, **kw) for n, kw in gpt_oss.out_bias(spec)]
@@ -223,17 +224,20 @@ def mlp_tensors(spec: ModelSpec, moe: bool, tp: int, ep: int) -> list[Tensor]:
         if spec.moe_shared_experts else []
     router = [Tensor(h * spec.moe_experts, **rep)] + [Tensor(n, **kw) for n, kw in gpt_oss.router_extras(spec)]
     biases = [Tensor(n, **kw) for n, kw in gpt_oss.expert_extras(spec, ep)]  # gpt-oss's expert biases
-    return out + router + routed + biases + shared
+    gate = [Tensor(h, **rep)] if spec.moe_shared_gate and spec.moe_shared_experts else []  # Qwen3-Next
+    return out + router + routed + biases + shared + gate
 
 
 @lru_cache(maxsize=4096)
-def layer_tensors(spec: ModelSpec, moe: bool, tp: int = 1, ep: int = 1) -> tuple[Tensor, ...]:
-    return tuple(attention_tensors(spec, tp) + mlp_tensors(spec, moe, tp, ep))
+def layer_tensors(spec: ModelSpec, moe: bool, tp: int = 1, ep: int = 1, linear: bool = False) -> tuple[Tensor, ...]:
+    """`linear`: a Gated DeltaNet layer (Qwen3-Next), its mixer's tensors from planner/linear_attention.py."""
+    mixer = linear_attention_tensors(spec, tp, Tensor, _norm(spec)) if linear else attention_tensors(spec, tp)
+    return tuple(mixer + mlp_tensors(spec, moe, tp, ep))
 
 
 @lru_cache(maxsize=4096)
-def layer_params(spec: ModelSpec, moe: bool, tp: int = 1, ep: int = 1) -> Params:
-    return Params.of(layer_tensors(spec, moe, tp, ep))
+def layer_params(spec: ModelSpec, moe: bool, tp: int = 1, ep: int = 1, linear: bool = False) -> Params:
+    return Params.of(layer_tensors(spec, moe, tp, ep, linear))
 
 
 def embedding_tensors(spec: ModelSpec, tp: int = 1) -> list[Tensor]:
@@ -265,7 +269,8 @@ def mtp_params(spec: ModelSpec) -> tuple[int, int]:
 @lru_cache(maxsize=256)
 def total_params(spec: ModelSpec) -> int:
     """Unsharded parameter count (no vocab padding), comparable to `ModelConfig.num_params()`."""
-    layers = sum(layer_params(spec, spec.is_moe_layer(i)).total for i in range(spec.n_layers))
+    layers = sum(layer_params(spec, spec.is_moe_layer(i), linear=spec.is_linear_layer(i)).total
+                 for i in range(spec.n_layers))
     return Params.of(embedding_tensors(spec) + head_tensors(spec)).total + layers + mtp_params(spec)[0]
 
 

@@ -1,0 +1,208 @@
+"""Gated DeltaNet (Yang et al. 2024), the linear-attention layer of Qwen3-Next and Qwen3.5, as transformers'
+`Qwen3NextGatedDeltaNet` computes it with its torch fallback (`torch_chunk_gated_delta_rule`).
+
+Per value head the layer keeps a state S [d_k, d_v]. Token t decays it by exp(g_t), removes what S already
+predicts for k_t and writes the correction with strength β_t (the delta rule), then reads it with q_t:
+
+    S_t = exp(g_t) (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,    o_t = S_tᵀ q_t
+
+q, k, v come from a short causal depthwise convolution (silu) of their projections; q and k are L2-normalised
+(q also scaled by d_k^−½); β = sigmoid(w_b x), g = −exp(A_log)·softplus(w_a x + dt_bias). The output of each
+head goes through an RMSNorm gated by silu(w_z x), then `wo`. Key heads serve n_v/n_k consecutive value heads.
+
+The recurrence is computed chunk-wise (`chunk_gated_delta_rule`): within a chunk of C tokens the WY/UT form
+turns C rank-one updates into triangular solves and matmuls, and only the chunk-to-chunk state passes
+sequentially. The state after a segment is affine in the state before it, S_end = M S_0 + B: context parallelism
+composes the per-rank (M, B) maps (`context_parallel/linear_attention.py`). Document masks reset the state and
+the convolution window at each document's first token.
+
+Under TP the heads split: q/k/w_z/w_b/w_a/v projections column-parallel by heads (key heads and the value heads
+they serve stay together), the convolution's channels, A_log and dt_bias with them, `wo` row-parallel; the
+gated norm's weight is one head's width shared by all heads (a head-partial gradient).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .context import ParallelContext
+from .params import declare, linear
+
+CHUNK = 64
+"""Tokens per chunk of the chunked form (transformers' and FLA's default)."""
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / √(Σx² + eps) over the last dim, as FLA and transformers normalise q and k."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def resets_from_documents(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] bool: token t starts a new document (its id differs from token t−1's); token 0 is False (the state
+    and the convolution window before it are empty anyway)."""
+    r = torch.zeros_like(doc_ids, dtype=torch.bool)
+    r[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return r
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, halo: torch.Tensor | None = None,
+                resets: torch.Tensor | None = None) -> torch.Tensor:
+    """silu of the causal depthwise convolution of x [b, s, C] with weight [C, K]: out_t = Σ_j w_j x_{t−K+1+j}.
+
+    `halo` [b, K−1, C] are the K−1 inputs before x (a context-parallel rank's left neighbour's tail; zeros at the
+    sequence start). `resets` [b, K−1+s] (halo positions first) mark document starts: input t−d reaches output t
+    only if no document starts in (t−d, t].
+    """
+    b, s, c = x.shape
+    kw = weight.shape[-1]
+    xp = torch.cat((halo if halo is not None else x.new_zeros(b, kw - 1, c), x), dim=1)
+    if resets is None:
+        out = F.conv1d(xp.transpose(1, 2), weight.unsqueeze(1), groups=c).transpose(1, 2)
+        return F.silu(out)
+    started = torch.cumsum(resets.to(torch.int32), dim=1)  # documents started up to each position (inclusive)
+    out = x.new_zeros(b, s, c)
+    for d in range(kw):
+        same = (started[:, kw - 1 - d: kw - 1 - d + s] == started[:, kw - 1:]).unsqueeze(-1)
+        out = out + xp[:, kw - 1 - d: kw - 1 - d + s] * weight[:, kw - 1 - d] * same
+    return F.silu(out)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, resets=None, chunk: int = CHUNK,
+                           transition: bool = False):
+    """The gated delta rule over [b, h, s, ·] inputs (q already normalised and scaled), chunk by chunk.
+
+    Returns (o, final state [b, h, d_k, d_v], (M, Q) or None). With `transition`: M [b, h, d_k, d_k] is the
+    segment's state map (S_end = M S_0 + B, B the final state from a zero start) and Q [b, h, s, d_k] the
+    effective queries (o(S_0) = o(0) + Q S_0), so a later-known initial state is applied without a rerun.
+    `resets` [b, s] bool zero the state before a document's first token.
+    All arithmetic in fp32; padded tail tokens carry β = 0, g = 0 (no write, no decay).
+    """
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    pad = (chunk - s % chunk) % chunk
+    q, k, v = (F.pad(x.float(), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.float(), (0, pad)) for x in (g, beta))
+    n = (s + pad) // chunk
+    q, k, v = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v))
+    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
+    # Decay sums in fp64: a strongly decaying head's Σg reaches −10³ within a chunk, where an fp32 difference of two
+    # such sums keeps only ~1e-4 of the decay between nearby tokens (and of its gradient).
+    cum = g.double().cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    diff = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).float()
+    pair = diff.masked_fill(~lower, float("-inf")).exp()  # exp(Σ g over (j, i])
+    read_old = cum.float().exp()  # the decay from the chunk's start to t: how token t sees the state before the chunk
+    to_end = (cum[..., -1:] - cum).float().exp()  # the decay from t to the chunk's end
+    whole = cum[..., -1].float().exp()  # the chunk's total decay
+    if resets is not None:
+        r = F.pad(resets.to(torch.int32), (0, pad)).reshape(b, 1, n, chunk).cumsum(-1)  # starts since chunk start
+        pair = pair * (r.unsqueeze(-1) == r.unsqueeze(-2))
+        read_old = read_old * (r == 0)
+        to_end = to_end * (r[..., -1:] == r)
+        whole = whole * (r[..., -1] == 0)
+    kb = k * beta.unsqueeze(-1)
+    # UT transform: (I + tril(β k kᵀ ⊙ decay, −1)) U = β v, W = β k ⊙ decay-from-start.
+    system = (kb @ k.transpose(-1, -2)) * pair
+    system = system.masked_fill(~lower.tril(-1), 0.0) + torch.eye(chunk, device=q.device)
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * read_old.unsqueeze(-1), upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * pair
+    qd = q * read_old.unsqueeze(-1)
+    kd = k * to_end.unsqueeze(-1)
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    m = torch.eye(dk, device=q.device).expand(b, h, dk, dk) if transition else None
+    outs, reads = [], []
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        outs.append(qd[:, :, i] @ state + intra[:, :, i] @ v_new)
+        decay = whole[:, :, i, None, None]
+        state = state * decay + kd[:, :, i].transpose(-1, -2) @ v_new
+        if m is not None:  # how the segment's initial state reaches this chunk's outputs, then its end
+            reads.append((qd[:, :, i] - intra[:, :, i] @ w[:, :, i]) @ m)
+            m = m * decay - kd[:, :, i].transpose(-1, -2) @ (w[:, :, i] @ m)
+    o = torch.stack(outs, dim=2).reshape(b, h, n * chunk, dv)[:, :, :s]
+    if m is None:
+        return o, state, None
+    return o, state, (m, torch.stack(reads, dim=2).reshape(b, h, n * chunk, dk)[:, :, :s])
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over one head's values, times silu(z): one d_v weight shared by every head (head-partial under TP)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = declare(nn.Parameter(torch.empty(dim)), "ones", head_partial=True)
+
+    def forward(self, x, z):
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """A Qwen3-Next / Qwen3.5 `linear_attention` mixer; forward(x, cos, sin, doc_ids) like attention's."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None, layer_id: int = 0):
+        super().__init__()
+        h, nk, nv = cfg.dim, cfg.linear_k_heads, cfg.linear_v_heads
+        self.dk, self.dv, self.ctx, self.layer_id = cfg.linear_k_dim, cfg.linear_v_dim, ctx or ParallelContext(), layer_id
+        self.wq = linear(h, nk * self.dk)
+        self.wk = linear(h, nk * self.dk)
+        self.wv = linear(h, nv * self.dv)
+        self.wz = linear(h, nv * self.dv)
+        self.wb = linear(h, nv)
+        self.wa = linear(h, nv)
+        kw = cfg.linear_conv_kernel
+        # Depthwise kernels of q, k and v kept apart, so TP cuts each by heads like its projection.
+        self.conv_q = declare(nn.Parameter(torch.empty(nk * self.dk, kw)), "conv")
+        self.conv_k = declare(nn.Parameter(torch.empty(nk * self.dk, kw)), "conv")
+        self.conv_v = declare(nn.Parameter(torch.empty(nv * self.dv, kw)), "conv")
+        self.A_log = declare(nn.Parameter(torch.empty(nv)), "a_log")
+        self.dt_bias = declare(nn.Parameter(torch.empty(nv)), "ones")
+        self.norm = GatedRMSNorm(self.dv, cfg.norm_eps)
+        self.wo = linear(nv * self.dv, h, init="residual")
+        self.decode_state: dict | None = None
+        """While decoding (`generate`): {"conv": the last K−1 convolution inputs, "state": S}, read and advanced by
+        each call, so a new token costs one recurrence step instead of a rerun of the window."""
+
+    def forward(self, x, cos=None, sin=None, doc_ids=None):
+        """`cos`/`sin` are unused (no RoPE); `doc_ids` [b, s_global] reset the state at document starts."""
+        b, s = x.shape[:2]
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        z, beta_in, a = self.wz(x), self.wb(x), self.wa(x)
+        nk, nv = q.shape[-1] // self.dk, v.shape[-1] // self.dv  # this rank's heads
+        weight = torch.cat((self.conv_q, self.conv_k, self.conv_v), dim=0)
+        cp, cache = self.ctx.cp, self.decode_state
+        qkv = torch.cat((q, k, v), dim=-1)
+        if cache is not None:  # decoding one sequence: continue from the cached window and state
+            halo = cache.get("conv")
+            cache["conv"] = torch.cat((halo if halo is not None else qkv.new_zeros(b, weight.shape[-1] - 1,
+                                                                                   qkv.shape[-1]), qkv), dim=1)
+            qkv, resets = causal_conv(qkv, weight, halo), None
+            cache["conv"] = cache["conv"][:, -(weight.shape[-1] - 1):]
+        elif cp is None:
+            resets = None if doc_ids is None else resets_from_documents(doc_ids)
+            qkv = causal_conv(qkv, weight, resets=None if resets is None else F.pad(resets, (weight.shape[-1] - 1, 0)))
+        else:
+            qkv = cp.linear_conv(qkv, weight, doc_ids)
+        q, k, v = qkv.split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
+        q = l2norm(q.reshape(b, s, nk, self.dk).float()) * self.dk ** -0.5
+        k = l2norm(k.reshape(b, s, nk, self.dk).float())
+        v = v.reshape(b, s, nv, self.dv)
+        if nv != nk:
+            q, k = q.repeat_interleave(nv // nk, dim=2), k.repeat_interleave(nv // nk, dim=2)
+        beta = beta_in.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        args = [t.transpose(1, 2) for t in (q, k, v, g, beta)]
+        if cache is not None:
+            o, cache["state"], _ = chunk_gated_delta_rule(*args, initial_state=cache.get("state"))
+        elif cp is None:
+            o = chunk_gated_delta_rule(*args, resets=resets)[0]
+        else:
+            o = cp.delta_rule(*args, doc_ids)
+        o = o.transpose(1, 2).to(x.dtype)  # [b, s, nv, dv]
+        o = self.norm(o, z.view(b, s, nv, self.dv))
+        return self.wo(o.reshape(b, s, nv * self.dv))
