@@ -5,7 +5,8 @@ Two spawns (2 and 4 ranks) run `verify` for every ZeRO-2/3 layout the issue name
   collective during backward (the ledger holds them before `finish_gradients`), and gradients, norm
   and the next loss equal the non-overlapped path bit for bit;
 * ZeRO 1, 2 and 3 give bitwise-identical losses at one micro-batch (same sums, same order), ZeRO-2
-  holds no full gradient after backward, ZeRO-3 holds no full parameter between steps;
+  holds no full gradient after backward, ZeRO-3 holds no full parameter between steps, nor after the
+  backward of an MTP model (whose embedding runs once per depth);
 * checkpoints: a ZeRO-3 × tp2 save resumes bitwise on its layout and loads into ZeRO 0/1/2 dp2 and
   one device (with tied embeddings); a ZeRO-1 save loads into ZeRO-3.
 """
@@ -21,6 +22,7 @@ from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks, verify_all
+from test_mtp import DEEPSEEK_MTP
 
 TIED = ModelConfig(name="tied", vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
                    max_seq_len=64, tie_embeddings=True)
@@ -74,6 +76,11 @@ def _overlap_and_memory(seed):
             t.optimizer_step(step)
         out[("m1", zero)] = dict(losses=losses, held=held,
                                  after=sum(p.untyped_storage().nbytes() for _, p in t.reducer.named))
+    # MTP calls the embedding once per depth: every use's backward hold must go when its gradients are in, or the
+    # embedding stays gathered for the rest of the step (two microbatches: the second would find it still whole)
+    t = _trainer(dataclasses.replace(_cfg(seed, gb=8, dp=2, zero=3), model=DEEPSEEK_MTP))
+    t.forward_backward(0)
+    out["mtp_params_after_backward"] = sum(p.untyped_storage().nbytes() for _, p in t.reducer.named)
     return out
 
 
@@ -150,6 +157,7 @@ def test_zero_stages_agree_and_hold_only_shards(runs):
     for held in ex[2]["held"]:  # after backward: no .grad, no bucket buffer; at most 2 in flight
         assert held["grads"] == 0 and held["buffers"] == 0 and held["inflight"] <= 2, held
     assert all(h["params"] == 0 for h in ex[3]["held"]) and ex[3]["after"] == 0  # params freed after use
+    assert two[0]["exact"]["mtp_params_after_backward"] == 0  # MTP's D + 1 embedding uses all released
     assert all(h["params"] > 0 for h in ex[2]["held"])
 
 

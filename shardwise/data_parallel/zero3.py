@@ -41,6 +41,7 @@ class Unit:
         self.module, self.buckets, self.chunk = module, buckets, chunk
         self.next = self.prev = None
         self.release_on_grads = False  # no input gradient to hook (the embedding): released by its grads
+        self.backward_holds = 0  # holds its output hooks took in this backward (one per use: MTP reuses the embedding)
 
 
 class ParamUnits:
@@ -125,10 +126,14 @@ class ParamUnits:
 
     def _pre_backward(self, u: Unit) -> None:
         self.hold(u)
+        u.backward_holds += 1
         if u.prev is not None:
             self._start(u.prev)
 
     def grads_done(self, u: Unit) -> None:
-        """Every gradient of a unit without an input gradient arrived: its backward is over."""
+        """Every gradient of a unit without an input gradient arrived: its backward is over, so every hold its
+        uses took in it goes (a unit called D + 1 times, as MTP's depths call the embedding, took D + 1)."""
         if u.release_on_grads:
-            self.release(u)
+            for _ in range(u.backward_holds):
+                self.release(u)
+        u.backward_holds = 0
