@@ -39,7 +39,8 @@ def test_the_shortened_list_repeated_is_the_full_list(name, p, v):
 
 
 def test_counts_for_128_microbatches_are_small():
-    """The issue's rows: interleaved pp4 vp2 with 128 microbatches runs 12 per step; 1f1b pp8 runs 9 on its first rank, 3 on its last."""
+    """128 microbatches: interleaved pp4 vp2 (the best rows of the 70B plan) runs 12 per step; 1f1b pp8 runs
+    9 on its first rank, 3 on its last."""
     assert {shorten("interleaved", 4, 2, 128, r).run for r in range(4)} == {12}
     assert [shorten("1f1b", 8, 1, 128, r).run for r in (0, 7)] == [9, 3]
     assert shorten("1f1b", 1, 1, 128, 0).run == 3  # no pipeline: first, one middle and last microbatch
