@@ -190,14 +190,14 @@ SHORTENED = {  # layout, the stage compared; tiny shapes, with ZeRO/CP/EP/recomp
     # ring every attention, MoE's token-count-dependent all-to-alls every MoE layer)
     "no-pp-zero3-cp2-full": (["--dp", "2", "--cp", "2", "--zero", "3", "--recompute", "full",
                               "--microbatches", "5"], 0),
-    "1f1b-moe-ep2-tp-sp-zero3": (["--model", "tiny-moe", "--pp", "2", "--dp", "2", "--ep", "2", "--tp", "2",
-                                  "--sequence-parallel", "--zero", "3", "--microbatches", "5"], 1),
+    "1f1b-moe-ep2-tp-sp-zero3-bf16": (["--model", "tiny-moe", "--pp", "2", "--dp", "2", "--ep", "2", "--tp", "2",
+                                  "--sequence-parallel", "--zero", "3", "--dtype", "bf16", "--microbatches", "5"], 1),
     "interleaved-cp2-zero2": (["--pp", "2", "--schedule", "interleaved", "--vp", "2", "--cp", "2", "--zero", "2",
                                "--microbatches", "10"], 0),
     "zb-zero2-bf16-selective": (["--pp", "2", "--schedule", "zb", "--dp", "2", "--zero", "2", "--dtype", "bf16",
                                  "--recompute", "selective", "--microbatches", "6"], 1),
-    "dualpipev-moe-ep2": (["--model", "tiny-moe", "--pp", "2", "--schedule", "dualpipev", "--dp", "2", "--ep", "2",
-                           "--zero", "1", "--microbatches", "7"], 0),
+    "dualpipev-moe-ep2-bf16": (["--model", "tiny-moe", "--pp", "2", "--schedule", "dualpipev", "--dp", "2", "--ep", "2",
+                           "--zero", "1", "--dtype", "bf16", "--microbatches", "7"], 0),
 }
 SAME = ("peak_bytes", "peak_phase", "top_live", "static_bytes", "activation_bytes", "build_peak_bytes", "ledger",
         "comm_bytes", "stage")
