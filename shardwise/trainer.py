@@ -36,18 +36,22 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None, io=None):
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, tokens: torch.Tensor | None = None, io=None,
+                 microbatches: int | None = None):
         """`io`: where the loader and each batch's host-side preparation run (`io.host()`, a context) and how
         a host batch reaches the device (`io.to_device(t)`); None: as they are, and a copy to the mesh's
-        device. A world whose rank computes on something else (shardwise simulate) passes its own."""
+        device. A world whose rank computes on something else (shardwise simulate) passes its own.
+        `microbatches`: run only that many of each step's microbatches — the schedule and the reducer's
+        rounds for that count, on the whole step's batch (shardwise simulate runs a shortened step); None: all."""
         self.cfg, self.mesh, self.io = cfg, mesh, io
         self.model_cfg = cfg.model_config()
         p = cfg.parallel
         self.schedule = None
+        self.microbatches_run = microbatches or cfg.grad_accum
         if p.pp > 1:
             from .pipeline.schedules import build_schedule
 
-            self.schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
+            self.schedule = build_schedule(p.schedule, p.pp, self.microbatches_run, p.vp)
         self.act_dtype = torch.bfloat16 if cfg.residual_dtype() == "bf16" else torch.float32
         self.model = build_model(self.model_cfg, mesh, cfg.seed, p, schedule=self.schedule, act_dtype=self.act_dtype)
         if cfg.init_from_hf:  # before the reducer: ZeRO's flat buffers start from the parameters' values
@@ -56,7 +60,7 @@ class Trainer:
             load_hf_into(self.model, cfg.init_from_hf, mesh, cfg.mtp_init)
         self.model.train()
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
-        rounds = self.global_batch // mesh.dims.dp // cfg.micro_batch  # the microbatches forward_backward runs
+        rounds = microbatches or self.global_batch // mesh.dims.dp // cfg.micro_batch  # the microbatches run
         self.reducer = build_reducer(cfg, self.model, mesh, rounds)
         with self._host():  # a pure function of the step: the checkpoint's step is the data position
             self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
@@ -110,7 +114,7 @@ class Trainer:
             loss_sum = self.executor.run(xs, ys, n_tokens, side)
         else:
             loss_sum = torch.zeros(1, device=self.mesh.device)
-            for mb, (xm, ym) in enumerate(zip(xs, ys)):
+            for mb, (xm, ym) in enumerate(zip(xs[:self.microbatches_run], ys)):
                 with self._autocast():
                     logits = self.model(xm, **(side[mb] if side else {}))
                 loss = self.model.loss_fn(logits, ym, IGNORE_INDEX, self.cfg.label_smoothing).sum() / n_tokens

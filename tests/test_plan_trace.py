@@ -29,6 +29,7 @@ def test_trace_two_rows_equals_simulate(capsys):
         for key in ("peak_bytes", "static_bytes", "activation_bytes"):
             assert t[key] == max(x[key]["measured"] for x in report["ranks"]), key
         assert t["planned_peak_bytes"] == max(x["peak_bytes"]["planned"] for x in report["ranks"])
+        assert t["microbatches_run"] == max(x["microbatches_run"] for x in report["ranks"])
         assert abs(t["peak_bytes"] - t["planned_peak_bytes"]) <= 0.03 * t["planned_peak_bytes"]
 
     assert main(PLAN + ["--trace", "1"]) == 0

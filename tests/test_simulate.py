@@ -177,3 +177,44 @@ def test_plan_shows_the_peak_and_fits_by_it(capsys):
                         "dp=16,tp=8,pp=4,cp=2,schedule=interleaved,vp=2", "--json"]) in (0, 1)
     tight = json.loads(capsys.readouterr().out)
     assert not tight["fits"]  # static + activations would fit; the peak does not
+
+
+def _config(argv: list[str]):
+    from shardwise.cli import build_parser, config_from_args
+
+    return config_from_args(build_parser().parse_args(["simulate", *argv]), None)
+
+
+SHORTENED = {  # layout, the stage compared; tiny shapes, with ZeRO/CP/EP/recompute where they change the
+    # per-microbatch work and traffic (ZeRO-2/3 reduce-scatters and ZeRO-3 gathers every microbatch, the cp
+    # ring every attention, MoE's token-count-dependent all-to-alls every MoE layer)
+    "no-pp-zero3-cp2-full": (["--dp", "2", "--cp", "2", "--zero", "3", "--recompute", "full",
+                              "--microbatches", "5"], 0),
+    "1f1b-moe-ep2-tp-sp-zero3-bf16": (["--model", "tiny-moe", "--pp", "2", "--dp", "2", "--ep", "2", "--tp", "2",
+                                  "--sequence-parallel", "--zero", "3", "--dtype", "bf16", "--microbatches", "5"], 1),
+    "interleaved-cp2-zero2": (["--pp", "2", "--schedule", "interleaved", "--vp", "2", "--cp", "2", "--zero", "2",
+                               "--microbatches", "10"], 0),
+    "zb-zero2-bf16-selective": (["--pp", "2", "--schedule", "zb", "--dp", "2", "--zero", "2", "--dtype", "bf16",
+                                 "--recompute", "selective", "--microbatches", "6"], 1),
+    "dualpipev-moe-ep2-bf16": (["--model", "tiny-moe", "--pp", "2", "--schedule", "dualpipev", "--dp", "2", "--ep", "2",
+                           "--zero", "1", "--dtype", "bf16", "--microbatches", "7"], 1),
+}
+SAME = ("peak_bytes", "peak_phase", "top_live", "static_bytes", "activation_bytes", "build_peak_bytes", "ledger",
+        "comm_bytes", "stage")
+
+
+@pytest.mark.parametrize("name", sorted(SHORTENED))
+def test_a_shortened_step_equals_the_full_step(name):
+    """A stage's shortened run (warm-up, one steady period, cool-down; the period's traffic scaled to the full
+    count) has exactly the full run's live peak, its moment, the largest groups there, static and activation
+    bytes, and the ledger — count, bytes and wire bytes per axis and op."""
+    from shardwise.simulate.world import simulate_rank
+
+    argv, stage = SHORTENED[name]
+    cfg = _config(["--seq-len", "16", "--micro-batch", "1", "--steps", "2", *argv])
+    rank = stage * cfg.parallel.cp * cfg.parallel.tp
+    short, full = simulate_rank(cfg, rank), simulate_rank(cfg, rank, every_microbatch=True)
+    assert short["microbatches_scaled"] >= 2 and full["microbatches_scaled"] == 0
+    assert short["microbatches_run"] + short["microbatches_scaled"] == full["microbatches_run"]
+    for key in SAME:
+        assert short[key] == full[key], key

@@ -3,7 +3,9 @@ process, one row after another) and set each row's traced live peak beside its p
 
 A row's "traced" figures are the largest over its simulated ranks (`--ranks stages`: the first rank of
 every pipeline stage), exactly what `shardwise simulate` prints for the row's command; a row whose traced
-peak exceeds the usable memory no longer fits.
+peak exceeds the usable memory no longer fits. Like `simulate`, each rank runs only the microbatches its
+schedule needs to show every moment of the step (`simulate.shorten`), so a row with 128 microbatches costs
+about what one with a dozen does.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ def simulate_config(model, spec, row: dict, wl, mtp_layers: int = 0):
 
 
 def trace_row(cfg) -> dict:
-    """{peak_bytes, planned_peak_bytes, static_bytes, activation_bytes, passed, wall_s} of one simulated row
-    (each the maximum over its simulated ranks: `--ranks stages`), or {"error": why} when the trainer refuses it."""
+    """{peak_bytes, planned_peak_bytes, static_bytes, activation_bytes, microbatches_run, passed, wall_s} of one
+    simulated row (each the maximum over its simulated ranks: `--ranks stages`), or {"error": why} when the
+    trainer refuses it."""
     from shardwise.config import ConfigError
     from shardwise.run import assemble
     from shardwise.simulate.cli import check_simulable, choose_ranks, run
@@ -38,7 +41,8 @@ def trace_row(cfg) -> dict:
     out = {"peak_bytes": max(r["peak_bytes"]["measured"] for r in rows),
            "planned_peak_bytes": max(r["peak_bytes"]["planned"] for r in rows),
            "static_bytes": max(r["static_bytes"]["measured"] for r in rows),
-           "activation_bytes": max(r["activation_bytes"]["measured"] for r in rows)}
+           "activation_bytes": max(r["activation_bytes"]["measured"] for r in rows),
+           "microbatches_run": max(r["microbatches_run"] for r in rows)}
     return out | {"passed": report["passed"], "wall_s": report["wall_s"]}
 
 

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import host
 from ..activation_memory import SavedActivationMeter, static_storage_bytes
-from ..comm import Ledger, Transport
+from ..comm import Transport
 from ..config import ConfigError, ParallelConfig, TrainConfig
 from ..expert_parallel.dispatch import check_same_routing
 from ..expert_parallel.experts import grouped_mm_available
@@ -32,6 +32,7 @@ from ..mesh import Mesh
 from ..optim import optimizers
 from ..pipeline.tied_embedding import emb_stages
 from .live import LiveMemory
+from .shorten import ScaledLedger, Shortening, shorten
 
 ROUTING = "balanced MoE routing (the planner's assumption): each expert receives n·k/E rows from every ep rank"
 DOCUMENT_PLAN = ("document mask: every ring block pair computed with its mask (documents taken to cross every "
@@ -86,11 +87,15 @@ class StandIns(TorchFunctionMode):
 
     A mode is off while it handles a call, so a call that runs shardwise code inside it would escape the
     stand-ins: `Tensor.backward` (recomputation, gradient hooks) runs its engine with the mode back on —
-    the engine keeps its caller's modes for every node. The pipeline calls the engine itself."""
+    the engine keeps its caller's modes for every node. The pipeline calls the engine itself.
+
+    `position()`: where a step without a pipeline is — 2i in microbatch i's forward, 2i + 1 in its backward
+    (the trainer's F0 B0 F1 B1 …), counted from the outermost `Tensor.backward` calls."""
 
     def __init__(self, answers):
         super().__init__()
         self.answers = answers
+        self.backwards = self.depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is host.values:
@@ -100,9 +105,20 @@ class StandIns(TorchFunctionMode):
         if func is check_same_routing:
             return None
         if func is torch.Tensor.backward:
-            with self:
-                return _backward(*args, **(kwargs or {}))
+            self.depth += 1
+            try:
+                with self:
+                    return _backward(*args, **(kwargs or {}))
+            finally:
+                self.depth -= 1
+                self.backwards += self.depth == 0
         return func(*args, **(kwargs or {}))
+
+    def position(self) -> int:
+        return 2 * self.backwards + (self.depth > 0)
+
+    def new_step(self) -> None:
+        self.backwards = 0
 
 
 def _backward(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
@@ -168,7 +184,8 @@ def fake_mesh(cfg: TrainConfig) -> Mesh:
     p, m = cfg.parallel, cfg.model_config()
     dims = ParallelConfig.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep, p.dp_shard)
     tied = emb_stages(p) if m.tie_embeddings or m.mtp_layers else None
-    return Mesh.build(dims, torch.device("cpu"), Ledger(), cfg.timeout_s, emb_stages=tied, transport=FakeTransport())
+    return Mesh.build(dims, torch.device("cpu"), ScaledLedger(), cfg.timeout_s, emb_stages=tied,
+                      transport=FakeTransport())
 
 
 def _step(trainer, live: LiveMemory, step: int) -> int:
@@ -220,8 +237,13 @@ def comm_bytes(axes: dict) -> dict[str, int]:
     return out
 
 
-def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
+def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch: bool = False) -> dict:
     """Run `steps` training steps of global rank `rank` on fake tensors; its measured memory and traffic.
+
+    Each step runs only the microbatches the rank's schedule needs to show every moment of the full step
+    (`shorten`: the warm-up, a steady period, the cool-down), on the full step's batch; the ledger counts the
+    repeated period's ops as often as the full step runs them (`ScaledLedger`). `every_microbatch`: run the
+    whole step.
 
     Static bytes are taken after the first optimizer step (as `shardwise train` does), plus the deferred
     TP-partial gradients the step held until its TP sum (`deferred_grad_bytes`), saved activations
@@ -238,13 +260,20 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is outside the world of {world} ranks")
     answers = Answers(cfg)
+    stand = StandIns(answers)
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with FakeTensorMode() as fake, LiveMemory() as live, StandIns(answers):
+        with FakeTensorMode() as fake, LiveMemory() as live, stand:
             mesh = fake_mesh(cfg)
             answers.ep_rank = mesh["ep"].rank
-            trainer = Trainer(cfg, mesh, io=FakeIO(fake))
+            p = cfg.parallel
+            cut = Shortening(cfg.grad_accum, cfg.grad_accum) if every_microbatch else \
+                shorten(p.schedule, p.pp, p.vp, cfg.grad_accum, mesh["pp"].rank)
+            trainer = Trainer(cfg, mesh, io=FakeIO(fake), microbatches=cut.run)
+            mesh.ledger.shortening = cut
+            mesh.ledger.position = stand.position if trainer.executor is None else \
+                (lambda clock=trainer.executor.clock: len(clock.raw))
             _label_statics(trainer, live)
             if trainer.reducer.units is not None:  # ZeRO-3: unit buffers gathered and freed by resizing
                 live.watch([b.flat for b in trainer.reducer.buckets])
@@ -253,6 +282,7 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
             static = activation = None
             for step in range(steps):
                 meter = SavedActivationMeter(trainer.model.parameters()) if step == 0 else None
+                stand.new_step()
                 with meter or contextlib.nullcontext():
                     held = _step(trainer, live, step)
                 if meter is not None:
@@ -267,4 +297,5 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2) -> dict:
         dist.destroy_process_group()
     return {"rank": rank, "stage": stage, "static_bytes": static, "activation_bytes": activation,
             "peak_bytes": live.peak, "peak_phase": live.peak_phase, "build_peak_bytes": build_peak, "top_live": live.top(5),
-            "comm_bytes": comm_bytes(axes), "wall_s": time.perf_counter() - t0}
+            "comm_bytes": comm_bytes(axes), "ledger": axes, "microbatches_run": cut.run,
+            "microbatches_scaled": cut.scaled, "wall_s": time.perf_counter() - t0}
