@@ -305,7 +305,7 @@ def _muon_ledger_and_state(cfgs):
         t.train_step(0)
         axes = t.mesh.ledger.steps[-1]["axes"]
         muon = {(a, op): (v["count"], v["bytes"], v["wire_bytes"]) for a, ops in axes.items()
-                for op, v in ops.items() if op.endswith(":muon")}
+                for op, v in ops.items() if op.endswith((":muon", ":qk_clip"))}
         state = sum(x.numel() * x.element_size() for o in optimizers(t.reducer) for st in o.state.values()
                     for x in st.values() if torch.is_tensor(x) and x.dim() > 0)
         out.append((t.mesh.coords["pp"], muon, state, sum(p.numel() for p in t.model.parameters())))
@@ -323,7 +323,7 @@ def test_planner_counts_muon_ledger_and_state():
     cfgs = [_verify_cfg(seed=seed, tp=2, sequence_parallel=True), _verify_cfg(seed=seed, dp=2),
             _verify_cfg("tiny-moe", seed=seed, dp=2, ep=2), _verify_cfg(DEEPSEEK, seed, tp=2),
             _verify_cfg(seed=seed, dp=2, zero=1), _verify_cfg(DEEPSEEK, seed, dp=2, ep=2, zero=3),
-            dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2), global_batch=4)]
+            dataclasses.replace(_verify_cfg(DEEPSEEK, seed, pp=2), global_batch=4)] + _clip_cfgs(seed)
     per_rank = run_ranks(2, _muon_ledger_and_state, cfgs)
     for i, cfg in enumerate(cfgs):
         spec, lay, wl = from_train_config(assemble(cfg))
@@ -332,7 +332,7 @@ def test_planner_counts_muon_ledger_and_state():
             st = stages(spec, lay)[pp]
             led = step_comm(spec, st, lay, wl, stage_params(spec, st, lay))[2]
             want = {(a, op): (c, b, round(w)) for a, ops in led.ops.items() for op, (c, b, w) in ops.items()
-                    if op.endswith(":muon")}
+                    if op.endswith((":muon", ":qk_clip"))}
             assert measured == want, (cfg.parallel, pp)
             if not lay.zero:
                 assert state == optimizer_bytes(numel, spec, st, lay), (cfg.parallel, pp)

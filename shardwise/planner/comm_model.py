@@ -28,7 +28,7 @@ from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BYTES_GRAD, stage_tensors, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
-from shardwise.planner.muon import muon_comm
+from shardwise.planner.muon import muon_comm, qk_clip_comm
 
 
 def wire_bytes(op: str, nbytes: int, n: int) -> float:
@@ -365,6 +365,8 @@ def stage_ledgers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, loca
         moe_grad_sync(sync, spec, st, lay)
     if wl.optimizer == "muon":
         muon_comm(sync, spec, stage, lay)
+    if wl.muon_qk_clip:
+        qk_clip_comm(sync, spec, stage.n_dense + stage.n_moe + len(mtp_stages(spec, stage)), lay)
     return mb, sync
 
 

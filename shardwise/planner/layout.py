@@ -36,6 +36,8 @@ class Workload:
     """Dtype of the dp×cp / edp gradient reduction (shardwise's --grad-reduce-dtype)."""
     optimizer: str = "adamw"
     """shardwise's --optimizer: muon adds its gathers and keeps one momentum buffer (planner/muon.py)."""
+    muon_qk_clip: float = 0.0
+    """shardwise's --muon-qk-clip τ (0: off): MuonClip completes each head's largest logit over dp×cp (and tp)."""
 
     @property
     def act_bytes(self) -> int:
@@ -330,4 +332,4 @@ def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
     gb = cfg.global_batch or cfg.micro_batch * p.dp
     return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,
                                fp32_residual=cfg.fp32_residual, grad_reduce=cfg.grad_reduce_dtype,
-                               optimizer=cfg.optimizer)
+                               optimizer=cfg.optimizer, muon_qk_clip=cfg.muon_qk_clip)

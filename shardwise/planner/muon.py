@@ -201,6 +201,18 @@ def muon_comm(led, spec: ModelSpec, stage: Stage, lay: Layout) -> None:
                 _group_comm(led, group, axis, size, lay)
 
 
+def qk_clip_comm(led, spec: ModelSpec, attention_layers: int, lay: Layout) -> None:
+    """MuonClip's collectives of one step (optim/qk_clip.py): the fp32 largest logit of each local query head
+    (n_heads / tp per attention layer this rank holds, MTP blocks included), all-reduced (MAX) over dp×cp, then
+    all-gathered over tp when a GQA group spans TP ranks (n_kv_heads < tp; never for MLA)."""
+    flat = 4 * attention_layers * (spec.n_heads // lay.tp)
+    if not flat:
+        return
+    led.add("dp_cp", "all_reduce:qk_clip", flat, lay.dp * lay.cp)
+    if not spec.is_mla and spec.n_kv_heads < lay.tp:
+        led.add("tp", "all_gather:qk_clip", flat, lay.tp)
+
+
 def _group_comm(led, group: list[Matrix], axis: str, size: int, lay: Layout) -> None:
     """One group's gathers: (ZeRO ≥ 1) the bucket's Nesterov shard over the data axis, the TP-split pieces over
     tp, the orthogonalised results over tp and the data axis."""
