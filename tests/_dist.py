@@ -38,3 +38,21 @@ def verify_all(cfgs):
     for cfg in cfgs:
         out.append(verify_main(assemble(cfg)))
     return out
+
+
+def global_grads(per_rank, shapes):
+    """Assemble global gradients from every rank's (name, dim, start, rows, values) slices; replicas (a
+    TP-replicated norm, a dp copy) must agree, and every element must be covered."""
+    full = {n: torch.zeros(s) for n, s in shapes.items()}
+    seen = {n: torch.zeros(s, dtype=torch.bool) for n, s in shapes.items()}
+    for name, dim, start, rows, vals in per_rank:
+        vals = torch.from_numpy(vals)
+        dst = full[name] if dim is None else full[name].narrow(dim, start, rows)
+        mask = seen[name] if dim is None else seen[name].narrow(dim, start, rows)
+        if mask.any():
+            torch.testing.assert_close(vals[mask], dst[mask], rtol=1e-6, atol=1e-9)
+        dst.copy_(vals)
+        mask.fill_(True)
+    missing = [n for n, m in seen.items() if not m.all()]
+    assert not missing, f"gradient elements no rank holds: {missing}"
+    return full

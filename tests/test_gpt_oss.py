@@ -34,7 +34,7 @@ from shardwise.hf_mxfp4 import FP4_VALUES, dequantize  # noqa: E402
 from shardwise.models.documents import document_ids  # noqa: E402
 from shardwise.parallelize import plain_model  # noqa: E402
 
-from _dist import fresh_seed, make_mesh, run_ranks  # noqa: E402
+from _dist import fresh_seed, global_grads, make_mesh, run_ranks  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 8}
@@ -309,21 +309,6 @@ def _rank_steps(path):
     return out
 
 
-def _assemble(per_rank, shapes):
-    """Global gradients from every rank's slices; replicas agree and every element is covered."""
-    full = {n: torch.zeros(s) for n, s in shapes.items()}
-    seen = {n: torch.zeros(s, dtype=torch.bool) for n, s in shapes.items()}
-    for name, dim, start, rows, vals in per_rank:
-        vals = torch.from_numpy(vals)
-        dst = full[name] if dim is None else full[name].narrow(dim, start, rows)
-        mask = seen[name] if dim is None else seen[name].narrow(dim, start, rows)
-        if mask.any():
-            assert_close(vals[mask], dst[mask], rtol=1e-6, atol=1e-9)
-        dst.copy_(vals)
-        mask.fill_(True)
-    assert all(m.all() for m in seen.values()), [n for n, m in seen.items() if not m.all()]
-    return full
-
 
 def test_layouts_match_transformers(gpt_oss, tmp_path):
     from safetensors.torch import save_file
@@ -342,7 +327,7 @@ def test_layouts_match_transformers(gpt_oss, tmp_path):
     shapes = {n: p.shape for n, p in plain_model(cfg).named_parameters()}
     for i, layout in enumerate(LAYOUTS):
         assert abs(per_rank[0][i][0] - float(ref_loss)) <= 1e-6 * float(ref_loss), (layout, per_rank[0][i][0])
-        ours = _assemble([g for r in per_rank for g in r[i][1]], shapes)
+        ours = global_grads([g for r in per_rank for g in r[i][1]], shapes)
         for n, g in ours.items():
             want = hf.tensor_source(n, cfg, files).read(files, tuple(slice(0, s) for s in shapes[n]))
             assert float(want.abs().max()) > 0, n

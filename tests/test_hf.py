@@ -31,6 +31,7 @@ from shardwise.hf_config import config_from_hf  # noqa: E402
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.run import assemble, resolve_model  # noqa: E402
 from shardwise.hf_cli import add_parser, compare, hf_logits, run_export  # noqa: E402
+from _dist import global_grads  # noqa: E402
 
 SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
@@ -415,22 +416,6 @@ def _rank_grads(jobs):
     return out
 
 
-def _global_grads(per_rank, shapes):
-    """Assemble global gradients from every rank's slices; replicas must agree, every element covered."""
-    full = {n: torch.zeros(s) for n, s in shapes.items()}
-    seen = {n: torch.zeros(s, dtype=torch.bool) for n, s in shapes.items()}
-    for name, dim, start, rows, vals in per_rank:
-        vals = torch.from_numpy(vals)
-        dst = full[name] if dim is None else full[name].narrow(dim, start, rows)
-        mask = seen[name] if dim is None else seen[name].narrow(dim, start, rows)
-        if mask.any():  # a replica (TP-replicated norm, dp copy): reduced gradients are identical
-            torch.testing.assert_close(vals[mask], dst[mask], rtol=1e-6, atol=1e-9)
-        dst.copy_(vals)
-        mask.fill_(True)
-    missing = [n for n, m in seen.items() if not m.all()]
-    assert not missing, f"gradient elements no rank holds: {missing}"
-    return full
-
 
 def _hf_loss_and_grads(path, global_batch, out_dir):
     """transformers in training mode: mean token cross-entropy of the same global batch, its gradients
@@ -487,7 +472,7 @@ def test_training_step_matches_transformers(models, trained, tmp_path, i, layout
     from shardwise.parallelize import build_model
 
     shapes = {n: p.shape for n, p in build_model(cfg, Mesh.single(), seed=0).named_parameters()}
-    ours = _global_grads([g for r in trained for g in r[i][1]], shapes)
+    ours = global_grads([g for r in trained for g in r[i][1]], shapes)
     for n, g in ours.items():
         src = hf.tensor_source(n, cfg, files)
         ref = src.read(files, tuple(slice(0, s) for s in shapes[n]))
