@@ -1,0 +1,78 @@
+"""How many times ZeRO-3 all-gathers each unit of a stage in one step, as shardwise/data_parallel/zero3.py runs it.
+
+A unit is gathered when a hold or a prefetch finds its buffer freed; it is freed when its last hold goes. Without
+MTP every unit is used once per forward and once per backward, so it is gathered twice per microbatch and chunk (a
+prefetch only moves the gather earlier). DeepSeek-V3's MTP (planner/mtp.py) calls the LM head and an embedding once
+more per depth, which changes three units:
+* the head: freed between its 1 + D forward uses and between its 1 + D backward holds (its input has a gradient,
+  so each backward releases it), so it is gathered 2(1 + D) times per microbatch, whoever prefetches it;
+* the stage's own embedding (no pipeline): gathered for each of its 1 + D forward uses; in backward its first hold
+  (depth D's) gathers it and it stays held until all its gradients are in (`grads_done`), so 2 + D;
+* an embedding whose gradients all wait for the step's end (under PP: the first stage's embedding and the last
+  stage's copy, summed over the "emb" group) has no hooked gradient, so `grads_done` never releases it: from its
+  first backward hold it stays gathered until `free_all`, and only the forwards the rank runs before that first
+  backward gather it — the first stage's embedding once each, plus once in that backward (its next layer's
+  prefetch); the copy, prefetched by the head after each of the head's forward uses, 1 + D in the first forward
+  and D in each later one, its first backward hold finding the last prefetch.
+The stale prefetches the extra uses leave (the embedding's of the first layer, the head's of the next unit, the
+head's backward one of the final norm) are each consumed by that unit's next hold, so its count stays 2.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from shardwise.planner.layout import Layout, Stage
+from shardwise.planner.memory import stage_units, zero_buckets
+from shardwise.planner.models import ModelSpec
+from shardwise.planner.mtp import embedding_copy
+
+
+def forwards_before_backward(lay: Layout, k: int, chunk: int) -> int:
+    """Forwards rank k runs of its local `chunk` before that chunk's first backward (without a pipeline: 1)."""
+    if lay.pp == 1:
+        return 1
+    return _forwards_before_backward(lay.schedule, lay.pp, lay.m, lay.vp, k, chunk)
+
+
+@lru_cache(maxsize=1024)
+def _forwards_before_backward(schedule: str, p: int, m: int, v: int, k: int, chunk: int) -> int:
+    try:
+        from shardwise.pipeline.schedules import build_schedule
+
+        kinds = [a.kind for a in build_schedule(schedule, p, m, v).actions[k] if a.chunk == chunk]
+    except (ImportError, ValueError):
+        return m
+    first_b = kinds.index("B") if "B" in kinds else len(kinds)
+    return kinds[:first_b].count("F")
+
+
+def unit_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
+    """All-gathers per step of each unit of `stage_units`, in its order (a tied bucket's second unit aside)."""
+    units = stage_units(spec, stage, lay)
+    out = [2 * lay.m] * len(units)
+    d = spec.mtp_layers
+    if not d:
+        return out
+    if stage.embedding:
+        if lay.pp == 1:
+            out[0] = lay.m * (2 + d) if stage.head else out[0]
+        else:  # its gradient waits for the emb sum: held from its first backward to the step's end
+            out[0] = forwards_before_backward(lay, stage.index, 0) + 1
+    if stage.head:
+        copy = embedding_copy(spec, stage.embedding)
+        head = len(units) - d - copy - 1
+        out[head] = lay.m * 2 * (1 + d)
+        if copy:
+            out[head + 1] = 1 + d * forwards_before_backward(lay, stage.index, units[head][0])
+    return out
+
+
+def bucket_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
+    """All-gathers per step of each of `zero_buckets`' ZeRO-3 buckets: its unit's (one bucket per (expert?,
+    matrix?) group of a unit, in unit order), twice for a bucket tied to a second unit (the head's)."""
+    per_unit = unit_gathers(spec, stage, lay)
+    counts = [n for (_, tensors), n in zip(stage_units(spec, stage, lay), per_unit)
+              for _ in sorted({(x.expert, x.matrix) for x, _ in tensors})]
+    buckets = zero_buckets(spec, stage, lay)
+    assert len(counts) == len(buckets), (len(counts), len(buckets))
+    return [n * b.uses for n, b in zip(counts, buckets)]
