@@ -27,23 +27,24 @@ from shardwise.planner.models import ModelSpec
 from shardwise.planner.mtp import embedding_copy
 
 
-def forwards_before_backward(lay: Layout, k: int, chunk: int) -> int:
-    """Forwards rank k runs of its local `chunk` before that chunk's first backward (without a pipeline: 1)."""
+def forwards_before_backward(lay: Layout, k: int, chunk: int, until: int | None = None) -> int:
+    """Forwards rank k runs of its local `chunk` before the first backward of its chunk `until` (default the same
+    chunk; without a pipeline: 1)."""
     if lay.pp == 1:
         return 1
-    return _forwards_before_backward(lay.schedule, lay.pp, lay.m, lay.vp, k, chunk)
+    return _forwards_before(lay.schedule, lay.pp, lay.m, lay.vp, k, chunk, chunk if until is None else until)
 
 
 @lru_cache(maxsize=1024)
-def _forwards_before_backward(schedule: str, p: int, m: int, v: int, k: int, chunk: int) -> int:
+def _forwards_before(schedule: str, p: int, m: int, v: int, k: int, chunk: int, until: int) -> int:
     try:
         from shardwise.pipeline.schedules import build_schedule
 
-        kinds = [a.kind for a in build_schedule(schedule, p, m, v).actions[k] if a.chunk == chunk]
+        actions = build_schedule(schedule, p, m, v).actions[k]
     except (ImportError, ValueError):
         return m
-    first_b = kinds.index("B") if "B" in kinds else len(kinds)
-    return kinds[:first_b].count("F")
+    first_b = next((i for i, a in enumerate(actions) if a.kind == "B" and a.chunk == until), len(actions))
+    return sum(1 for a in actions[:first_b] if a.kind == "F" and a.chunk == chunk)
 
 
 def unit_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
@@ -53,14 +54,18 @@ def unit_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
     d = spec.mtp_layers
     if not d:
         return out
-    if stage.embedding:
-        if lay.pp == 1:
-            out[0] = lay.m * (2 + d) if stage.head else out[0]
-        else:  # its gradient waits for the emb sum: held from its first backward to the step's end
-            out[0] = forwards_before_backward(lay, stage.index, 0) + 1
+    copy = embedding_copy(spec, stage.embedding)
+    head = len(units) - d - copy - 1
+    if stage.embedding and lay.pp == 1:
+        out[0] = lay.m * (2 + d)
+    elif stage.embedding:
+        # its gradient waits for the emb sum: held from its first backward hold (in the backward of the last chunk
+        # using it: the MTP's under dualpipev) to the step's end; each forward use before that gathers it
+        last = units[head][0] if stage.head else 0
+        out[0] = forwards_before_backward(lay, stage.index, 0, last) + 1
+        if stage.head:
+            out[0] += d * forwards_before_backward(lay, stage.index, last)
     if stage.head:
-        copy = embedding_copy(spec, stage.embedding)
-        head = len(units) - d - copy - 1
         out[head] = lay.m * 2 * (1 + d)
         if copy:
             out[head + 1] = 1 + d * forwards_before_backward(lay, stage.index, units[head][0])
@@ -70,9 +75,10 @@ def unit_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
 def bucket_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
     """All-gathers per step of each of `zero_buckets`' ZeRO-3 buckets: its unit's (one bucket per (expert?,
     matrix?) group of a unit, in unit order), twice for a bucket tied to a second unit (the head's)."""
+    buckets = zero_buckets(spec, stage, lay)
+    if not spec.mtp_layers:
+        return [2 * lay.m * b.uses for b in buckets]
     per_unit = unit_gathers(spec, stage, lay)
     counts = [n for (_, tensors), n in zip(stage_units(spec, stage, lay), per_unit)
               for _ in sorted({(x.expert, x.matrix) for x, _ in tensors})]
-    buckets = zero_buckets(spec, stage, lay)
-    assert len(counts) == len(buckets), (len(counts), len(buckets))
     return [n * b.uses for n, b in zip(counts, buckets)]
