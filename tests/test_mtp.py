@@ -352,7 +352,8 @@ def par_key(par):
 
 def test_planner_counts_mtp_exactly():
     """Parameters per rank, static weight and AdamW bytes (ZeRO-3: the shards) and every collective of the step
-    (the MTP blocks' TP, EP and router ones, the emb all-reduce of the embedding copy) equal the planner's; total and active counts equal ModelConfig's (DeepSeek-V3 with one MTP
+    (the MTP blocks' TP, EP and router ones, the emb all-reduce of the embedding copy, ZeRO-3's per-depth
+    all-gathers of the head and the embeddings) equal the planner's; total and active counts equal ModelConfig's (DeepSeek-V3 with one MTP
     module: 682.6B, 671B + 11.6B; DeepSeek counts 14B with the module's embedding and head copies)."""
     from shardwise.config import get_model_config
     from shardwise.planner import Cluster, estimate, get_gpu

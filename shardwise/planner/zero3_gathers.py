@@ -11,8 +11,9 @@ more per depth, which changes three units:
 * an embedding whose gradients all wait for the step's end (under PP: the first stage's embedding and the last
   stage's copy, summed over the "emb" group) has no hooked gradient, so `grads_done` never releases it: from its
   first backward hold it stays gathered until `free_all`, and only the forwards the rank runs before that first
-  backward gather it — the first stage's embedding once each, plus once in that backward (its next layer's
-  prefetch); the copy, prefetched by the head after each of the head's forward uses, 1 + D in the first forward
+  backward gather it (`forwards_before_backward`, from the executor's schedule) — the first stage's embedding
+  once each (D more per MTP forward under dualpipev, where its rank runs the MTP too), plus once in that
+  backward; the copy, prefetched by the head after each of the head's forward uses, 1 + D in the first forward
   and D in each later one, its first backward hold finding the last prefetch.
 The stale prefetches the extra uses leave (the embedding's of the first layer, the head's of the next unit, the
 head's backward one of the final norm) are each consumed by that unit's next hold, so its count stays 2.
