@@ -14,7 +14,9 @@ more per depth, which changes three units:
   backward gather it (`forwards_before_backward`, from the executor's schedule) — the first stage's embedding
   once each (D more per MTP forward under dualpipev, where its rank runs the MTP too), plus once in that
   backward; the copy, prefetched by the head after each of the head's forward uses, 1 + D in the first forward
-  and D in each later one, its first backward hold finding the last prefetch.
+  and D in each later one, its first backward hold finding the last prefetch. Tied under PP the head is the
+  copy (one bucket, two units): 1 + 2D gathers per forward before the first backward (the head's and the copy's
+  uses alternate, each freeing it), then 2 in that backward (the head's hold, the copy's), held after.
 The stale prefetches the extra uses leave (the embedding's of the first layer, the head's of the next unit, the
 head's backward one of the final norm) are each consumed by that unit's next hold, so its count stays 2.
 """
@@ -66,7 +68,11 @@ def unit_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
         out[0] = forwards_before_backward(lay, stage.index, 0, last) + 1
         if stage.head:
             out[0] += d * forwards_before_backward(lay, stage.index, last)
-    if stage.head:
+    if stage.head and spec.tie_embeddings and not stage.embedding:
+        # the head is the copy: one bucket held by the head's and the copy's units, freed between their alternating
+        # forward uses (1 + 2D), gathered again by the head's first backward hold and the copy's, then held
+        out[head] = (1 + 2 * d) * forwards_before_backward(lay, stage.index, units[head][0]) + 2
+    elif stage.head:
         out[head] = lay.m * 2 * (1 + d)
         if copy:
             out[head + 1] = 1 + d * forwards_before_backward(lay, stage.index, units[head][0])
