@@ -286,12 +286,13 @@ def test_init_from_hf_refuses_more_mtp_layers_than_the_checkpoint(tmp_path, caps
 # SP-partial eh_proj and norms (and without SP: MLA's per-head partial grads), EP experts in the MTP blocks, ring
 # attention in them, ZeRO-1 and ZeRO-3 units (the head and the embedding re-gathered per depth; under PP the copy as
 # a unit and the embeddings held from their first backward, which 1f1b and interleaved reach after different
-# numbers of forwards); bf16 (the MTP linears' weight copies, bf16 hnorm inputs) on tp2×SP and on pp2
+# numbers of forwards; tied, one bucket for the embedding and the head); bf16 (the MTP linears' weight copies, bf16 hnorm inputs) on tp2×SP and on pp2
 # with full recompute (which does not reach the MTP blocks).
 PLANNER_LAYOUTS = [(2, dict(pp=2), 4), (2, dict(tp=2, sequence_parallel=True), 4), (2, dict(dp=2, ep=2, zero=1), 8),
                    (2, dict(cp=2), 4), (2, dict(tp=2), 4), (2, dict(tp=2, sequence_parallel=True, dtype="bf16"), 4),
                    (2, dict(pp=2, recompute="full", dtype="bf16"), 4),
-                   (2, dict(dp=2, zero=3), 8), (4, dict(dp=2, pp=2, zero=3), 16),
+                   (2, dict(dp=2, zero=3), 8), (2, dict(dp=2, zero=3, model=dataclasses.replace(DEEPSEEK_MTP, tie_embeddings=True)), 8),
+                   (4, dict(dp=2, pp=2, zero=3), 16),
                    (4, dict(dp=2, pp=2, zero=3, schedule="interleaved", vp=2), 16),
                    (4, dict(dp=2, pp=2, tp=1, schedule="dualpipev", zero=1), 16)]
 

@@ -16,7 +16,9 @@ more per depth, which changes three units:
   backward; the copy, prefetched by the head after each of the head's forward uses, 1 + D in the first forward
   and D in each later one, its first backward hold finding the last prefetch. Tied under PP the head is the
   copy (one bucket, two units): 1 + 2D gathers per forward before the first backward (the head's and the copy's
-  uses alternate, each freeing it), then 2 in that backward (the head's hold, the copy's), held after.
+  uses alternate, each freeing it), then 2 in that backward (the head's hold, the copy's), held after; the same
+  with the embedding and the head tied on one stage (no PP: 4 + 2D per microbatch; dualpipev: its chunk-0
+  forwards before the MTP's first backward, once each, added).
 The stale prefetches the extra uses leave (the embedding's of the first layer, the head's of the next unit, the
 head's backward one of the final norm) are each consumed by that unit's next hold, so its count stays 2.
 """
@@ -51,7 +53,8 @@ def _forwards_before(schedule: str, p: int, m: int, v: int, k: int, chunk: int, 
 
 
 def unit_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
-    """All-gathers per step of each unit of `stage_units`, in its order (a tied bucket's second unit aside)."""
+    """All-gathers per step of each unit of `stage_units`, in its order; a bucket tied to the head's unit is
+    counted whole on the embedding's (with MTP; without, each unit gathers it 2·m times)."""
     units = stage_units(spec, stage, lay)
     out = [2 * lay.m] * len(units)
     d = spec.mtp_layers
@@ -59,15 +62,16 @@ def unit_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
         return out
     copy = embedding_copy(spec, stage.embedding)
     head = len(units) - d - copy - 1
+    tied = spec.tie_embeddings and stage.head  # with the embedding here: one bucket for the embedding and the head
     if stage.embedding and lay.pp == 1:
-        out[0] = lay.m * (2 + d)
+        out[0] = lay.m * ((4 + 2 * d) if tied else (2 + d))
     elif stage.embedding:
         # its gradient waits for the emb sum: held from its first backward hold (in the backward of the last chunk
         # using it: the MTP's under dualpipev) to the step's end; each forward use before that gathers it
         last = units[head][0] if stage.head else 0
-        out[0] = forwards_before_backward(lay, stage.index, 0, last) + 1
-        if stage.head:
-            out[0] += d * forwards_before_backward(lay, stage.index, last)
+        first = forwards_before_backward(lay, stage.index, 0, last)
+        mtp = forwards_before_backward(lay, stage.index, last) if stage.head else 0
+        out[0] = first + (1 + 2 * d) * mtp + 2 if tied else first + 1 + d * mtp
     if stage.head and spec.tie_embeddings and not stage.embedding:
         # the head is the copy: one bucket held by the head's and the copy's units, freed between their alternating
         # forward uses (1 + 2D), gathered again by the head's first backward hold and the copy's, then held
@@ -81,11 +85,10 @@ def unit_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
 
 def bucket_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
     """All-gathers per step of each of `zero_buckets`' ZeRO-3 buckets: its unit's (one bucket per (expert?,
-    matrix?) group of a unit, in unit order), twice for a bucket tied to a second unit (the head's)."""
+    matrix?) group of a unit, in unit order); without MTP twice that for a bucket tied to the head's unit."""
     buckets = zero_buckets(spec, stage, lay)
     if not spec.mtp_layers:
         return [2 * lay.m * b.uses for b in buckets]
-    per_unit = unit_gathers(spec, stage, lay)
-    counts = [n for (_, tensors), n in zip(stage_units(spec, stage, lay), per_unit)
-              for _ in sorted({(x.expert, x.matrix) for x, _ in tensors})]
-    return [n * b.uses for n, b in zip(counts, buckets)]
+    per_unit = unit_gathers(spec, stage, lay)  # with MTP a tied bucket's count is the embedding unit's
+    return [n for (_, tensors), n in zip(stage_units(spec, stage, lay), per_unit)
+            for _ in sorted({(x.expert, x.matrix) for x, _ in tensors})]
