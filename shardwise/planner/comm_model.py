@@ -29,6 +29,7 @@ from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BYTES_GRAD, stage_tensors, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
 from shardwise.planner.muon import muon_comm, qk_clip_comm
+from shardwise.planner.zero3_gathers import bucket_gathers
 
 
 def wire_bytes(op: str, nbytes: int, n: int) -> float:
@@ -195,14 +196,16 @@ def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
         _reduce_grads(led, "dp_cp", [local.dense - local.vectors, local.vectors], g, lay.m, buckets(False, g), gb)
         _reduce_grads(led, "edp", [local.expert], ge, lay.m, buckets(True, ge), gb)
         return
-    for b in zero_buckets(spec, stage, lay):
+    buckets = zero_buckets(spec, stage, lay)
+    gathers = bucket_gathers(spec, stage, lay) if lay.zero >= 3 else [1] * len(buckets)
+    for b, n in zip(buckets, gathers):
         if not b.numel:
             continue
         # ZeRO 2/3 reduce-scatter every micro-batch, except buckets waiting for a TP sum (once per step)
         led.add(b.axis, "reduce_scatter", b.padded * gb, b.group, 1 if lay.zero == 1 or b.deferred else lay.m)
-        # ZeRO 1/2 gather the updated parameters once; ZeRO-3 gathers every unit that uses a bucket before
-        # its forward and again before its backward, every micro-batch (so a chunk's layers twice per m)
-        led.add(b.axis, "all_gather", b.shard * 4, b.group, 1 if lay.zero < 3 else 2 * lay.m * b.uses)
+        # ZeRO 1/2 gather the updated parameters once; ZeRO-3 gathers a unit whenever a hold or prefetch finds it
+        # freed: twice per micro-batch and chunk, more for MTP's head and embedding (`zero3_gathers`)
+        led.add(b.axis, "all_gather", b.shard * 4, b.group, n)
         if b.axis == "dp_shard":  # hybrid sharding: the fp32 shard gradient summed over the replicas, once
             led.add("dp_replicate", "all_reduce", b.shard * 4, lay.replicas)
 
