@@ -81,12 +81,18 @@ def test_resume_without_checkpoint_and_auto_resume(tmp_path, capsys):
     assert [r["step"] for r in _rows(fresh)] == [1, 2, 3]
 
 
+def _default_sigint():
+    """The run's SIGINT as a terminal's foreground job has it: a suite started in the background by a shell
+    without job control inherits SIGINT ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", "--dp", "2", "--tp", "1", "--steps",
                              "100000", "--seq-len", "16", "--micro-batch", "1", "--save-every", "2", "--out", str(run),
                              "--no-progress", "--no-report"], stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (run / "checkpoints" / "latest").exists():
