@@ -40,6 +40,22 @@ def verify_all(cfgs):
     return out
 
 
+def grad_slices(trainer) -> list[tuple]:
+    """This rank's reduced gradients after `finish_gradients`, as (global name, shard dim, start, rows, values)
+    for `global_grads`; values as numpy, pickled by value rather than as shared memory the exiting rank owns.
+    Whole local gradients only (no ZeRO)."""
+    from shardwise.tensor_parallel.layers import get_spec
+
+    params = dict(trainer.model.named_parameters())
+    out = []
+    for name, vals, lo, hi in trainer.reducer.grad_views():
+        spec = get_spec(params[name])
+        assert (lo, hi) == (0, params[name].numel()), name  # no ZeRO: every rank holds whole local grads
+        out.append((name, spec.dim, spec.start, spec.valid,
+                    spec.valid_part(vals.reshape(params[name].shape)).numpy().copy()))
+    return out
+
+
 def global_grads(per_rank, shapes):
     """Assemble global gradients from every rank's (name, dim, start, rows, values) slices; replicas (a
     TP-replicated norm, a dp copy) must agree, and every element must be covered."""

@@ -34,7 +34,7 @@ from shardwise.hf_mxfp4 import FP4_VALUES, dequantize  # noqa: E402
 from shardwise.models.documents import document_ids  # noqa: E402
 from shardwise.parallelize import plain_model  # noqa: E402
 
-from _dist import fresh_seed, global_grads, make_mesh, run_ranks  # noqa: E402
+from _dist import fresh_seed, global_grads, grad_slices, make_mesh, run_ranks  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 8}
@@ -287,7 +287,6 @@ TRAIN_TOKENS = torch.randint(0, SHAPE["vocab_size"], (2048,), generator=torch.Ge
 def _rank_steps(path):
     """Inside each rank, for every layout: load the checkpoint, one forward+backward, the loss and this rank's
     reduced gradient slices (global name, shard dim, start, rows, values)."""
-    from shardwise.tensor_parallel.layers import get_spec
     from shardwise.trainer import Trainer, make_mesh as trainer_mesh
 
     out = []
@@ -299,13 +298,7 @@ def _rank_steps(path):
         hf.load_hf_into(trainer.model, path)
         loss = trainer.forward_backward(0)
         trainer.finish_gradients()
-        params = dict(trainer.model.named_parameters())
-        grads = []
-        for name, vals, lo, hi in trainer.reducer.grad_views():
-            spec = get_spec(params[name])
-            grads.append((name, spec.dim, spec.start, spec.valid,
-                          spec.valid_part(vals.reshape(params[name].shape)).numpy().copy()))
-        out.append((loss, grads))
+        out.append((loss, grad_slices(trainer)))
     return out
 
 

@@ -31,7 +31,7 @@ from shardwise.hf_config import config_from_hf  # noqa: E402
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.run import assemble, resolve_model  # noqa: E402
 from shardwise.hf_cli import add_parser, compare, hf_logits, run_export  # noqa: E402
-from _dist import global_grads  # noqa: E402
+from _dist import global_grads, grad_slices  # noqa: E402
 
 SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
@@ -393,7 +393,6 @@ def _train_config(path, degrees, global_batch):
 def _rank_grads(jobs):
     """Inside each rank: load the HF weights into the layout, one forward+backward, and the reduced
     gradient slices this rank holds as (global name, shard dim, start, rows, values)."""
-    from shardwise.tensor_parallel.layers import get_spec
     from shardwise.trainer import Trainer, make_mesh
 
     out = []
@@ -404,15 +403,8 @@ def _rank_grads(jobs):
         hf.load_hf_into(trainer.model, path)
         loss = trainer.forward_backward(0)
         trainer.finish_gradients()
-        params = dict(trainer.model.named_parameters())
-        grads = []
-        for name, vals, lo, hi in trainer.reducer.grad_views():
-            spec = get_spec(params[name])
-            assert (lo, hi) == (0, params[name].numel())  # no ZeRO here: every rank holds whole local grads
-            grads.append((name, spec.dim, spec.start, spec.valid,
-                          spec.valid_part(vals.reshape(params[name].shape)).numpy().copy()))
         aux = sum(float(m.step_aux) for m in trainer.moe)  # this rank's tokens' share of the pooled aux loss
-        out.append((loss, grads, aux))  # numpy: pickled by value, not as shared memory the exiting rank owns
+        out.append((loss, grad_slices(trainer), aux))
     return out
 
 
