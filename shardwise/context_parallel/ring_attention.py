@@ -133,19 +133,19 @@ _MAX_PLANS = 64  # more than the microbatches a pipeline rank holds in flight
 
 
 def document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local: int,
-                  doc_ids: torch.Tensor | None, window: int = 0, batch: int = 1) -> list[list[tuple]]:
+                  doc_ids: torch.Tensor | None, window: int = 0, batch: int = 1, device=None) -> list[list[tuple]]:
     """`_document_plan`, computed once per `doc_ids` tensor: every layer of a microbatch (forward,
     backward, recomputation) attends over the same documents, and the plan costs a host sync.
-    `window` > 0 (gpt-oss's sliding window) cuts it further: `window_plan`."""
+    `window` > 0 (gpt-oss's sliding window) cuts it further: `window_plan`, its masks made on `device`."""
     if doc_ids is None:
         return window_plan(_document_plan(q_rank, cp_size, order, causal, s_local, None), q_rank, cp_size, order,
-                           s_local, window, batch, None)
+                           s_local, window, batch, None, device)
     key = (id(doc_ids), doc_ids._version, q_rank, cp_size, order, causal, s_local, window)
     hit = _PLANS.get(key)
     if hit is not None and hit[0]() is doc_ids:
         return hit[1]
     plan = window_plan(_document_plan(q_rank, cp_size, order, causal, s_local, doc_ids), q_rank, cp_size, order,
-                       s_local, window, batch, doc_ids)
+                       s_local, window, batch, doc_ids, doc_ids.device)
     for k in [k for k, (ref, _) in _PLANS.items() if ref() is None]:  # microbatches already gone
         del _PLANS[k]
     while len(_PLANS) >= _MAX_PLANS:  # the masks' closures hold views of doc_ids, which keep it alive
@@ -243,7 +243,7 @@ def ring_steps(cp_size: int, order: str, s_local: int, window: int) -> int:
 
 
 def window_plan(plans: list[list[tuple]], q_rank: int, cp_size: int, order: str, s_local: int, window: int,
-                batch: int, doc_ids: torch.Tensor | None) -> list[list[tuple]]:
+                batch: int, doc_ids: torch.Tensor | None, device=None) -> list[list[tuple]]:
     """The block pairs of `plans` under a sliding window: a pair no query's window reaches is skipped, one the
     window cuts gets a mask (its document mask, if any, and the window), the rest run as planned; steps past
     `ring_steps` are dropped (nothing there is visible to any rank)."""
@@ -260,20 +260,19 @@ def window_plan(plans: list[list[tuple]], q_rank: int, cp_size: int, order: str,
                 continue
             if cut:
                 seq = s_local * cp_size
-                q_pos = positions(seq, q_rank, cp_size, order)[qs]
-                k_pos = positions(seq, kv_rank, cp_size, order)[ks]
-                device = doc_ids.device if doc_ids is not None else None
-                make_mask = functools.partial(_window_block_mask, q_pos, k_pos, window, batch, make_mask, device)
+                q_pos = positions(seq, q_rank, cp_size, order, device)[qs]
+                k_pos = positions(seq, kv_rank, cp_size, order, device)[ks]
+                make_mask = functools.partial(_window_block_mask, q_pos, k_pos, window, batch, make_mask)
                 is_causal = False
             pairs.append((qs, ks, is_causal, make_mask))
         out.append(pairs)
     return out
 
 
-def _window_block_mask(q_pos, k_pos, window: int, batch: int, doc_mask, device) -> torch.Tensor:
-    """[b, 1, s_q, s_k]: the block's window (causal included), and its document mask when it has one."""
+def _window_block_mask(q_pos, k_pos, window: int, batch: int, doc_mask) -> torch.Tensor:
+    """[b, 1, s_q, s_k]: the block's window (causal included), on the positions' device, and its document mask
+    when it has one."""
     mask = window_mask(q_pos, k_pos, window)
-    mask = mask.to(device) if device is not None else mask
     return mask.expand(batch, 1, *mask.shape) if doc_mask is None else doc_mask() & mask
 
 
@@ -308,7 +307,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, axis, causal, order, scale, backend, doc_ids, report, sinks=None, window=0):
         c, r, s_local = axis.size, axis.rank, q.shape[2]
-        plans = document_plan(r, c, order, causal, s_local, doc_ids, window, q.shape[0])
+        plans = document_plan(r, c, order, causal, s_local, doc_ids, window, q.shape[0], q.device)
         k, v = k.contiguous(), v.contiguous()  # p2p needs contiguous buffers
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -344,7 +343,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         axis, c, r, s_local = ctx.axis, ctx.axis.size, ctx.axis.rank, q.shape[2]
         dout = dout.contiguous()
-        plans = document_plan(r, c, ctx.order, ctx.causal, s_local, ctx.doc_ids, ctx.window, q.shape[0])
+        plans = document_plan(r, c, ctx.order, ctx.causal, s_local, ctx.doc_ids, ctx.window, q.shape[0], q.device)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         own = None  # this rank's share of its own dK/dV (step 0), added when the accumulator returns
         acc_works, acc_in, acc_out = [], None, None  # acc_out stays referenced until its send completes
