@@ -37,6 +37,12 @@ def split_layers(n_layers: int, n_stages: int, pp_layers: list[int] | None = Non
     return out
 
 
+def recomputed_layers(chunks, layers: int | None) -> list[int]:
+    """--recompute-layers N: the first N layers of each pipeline chunk (`chunks`: each chunk's layer ids in model
+    order; N None: every layer). The runtime applies it, the planner counts it."""
+    return [i for ids in chunks for i in list(ids)[:layers]]
+
+
 def _check_order(order: str) -> None:
     if order not in ORDERS:
         raise ValueError(f"context-parallel order {order!r}: expected one of {', '.join(ORDERS)}")

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .expert_parallel.dispatch import SplitTape
 from .expert_parallel.moe import MoE
+from .partition import recomputed_layers
 
 MODES = ("none", "selective", "full")
 
@@ -112,7 +113,7 @@ def apply_recompute(model, mode: str, layers: int | None = None) -> None:
         raise ValueError(f"recompute {mode!r}; valid: {', '.join(MODES)}")
     chunks = [ch.layer_ids for ch in model.chunks] if model.chunks else [[int(i) for i in model.layers]]
     tracker = model.ctx.rng
-    chosen = [i for ids in chunks for i in ids[:layers]]
+    chosen = recomputed_layers(chunks, layers)
     if mode == "selective":  # the attention cores read this from the model's context
         model.ctx.selective = frozenset(chosen)
         model.ctx.checkpoint_core = lambda core, *qkv: checkpoint(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardwise.config.parallel import ParallelConfig
-from shardwise.partition import balanced_counts
+from shardwise.partition import balanced_counts, recomputed_layers
 from shardwise.planner.errors import PlanError
 from shardwise.planner.models import ModelSpec, local_kv_heads
 
@@ -265,7 +265,7 @@ def recomputed_layer_ids(spec: ModelSpec, lay: Layout) -> set[int]:
     """The layers the runtime recomputes: every layer, or under --recompute-layers N the first N of each chunk."""
     if lay.recompute == "none":
         return set()
-    return {i for ids in chunk_layer_ids(spec, lay) for i in ids[:lay.recompute_layers]}
+    return set(recomputed_layers(chunk_layer_ids(spec, lay), lay.recompute_layers))
 
 
 def stages(spec: ModelSpec, lay: Layout) -> list[Stage]:
