@@ -226,6 +226,8 @@ def main(argv=None) -> int:
     except RankError as e:
         print(f"shardwise {args.command}: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # decided by the ranks together (a resume whose every checkpoint fails its checksum)
+        return _refuse(args.command, e, rank0, torchrun_world is not None)
     except KeyboardInterrupt:
         if rank0:
             start = "\n" if sys.stderr.isatty() else ""  # on its own line, not after a progress bar or ^C

@@ -288,7 +288,10 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
         results.put((rank, True, pickle.dumps(out)))
         dist.destroy_process_group()
     except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
-        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        from .config import ConfigError  # the user's input, said in one line: no traceback to read past
+
+        tb = "" if isinstance(e, ConfigError) else f"\n{traceback.format_exc()}"
+        results.put((rank, False, f"{type(e).__name__}: {e}{tb}"))
         results.close()
         results.join_thread()  # the report must reach the parent before this process vanishes
         sys.stdout.flush()
@@ -383,8 +386,13 @@ def _failure_report(procs, out, errors, lastops: str | None = None) -> str:
         lines.append(f"rank {r} died with exit code {procs[r].exitcode}{last(r)}")
     for r in hung:
         lines.append(f"rank {r} hung: alive but reported nothing while its peers failed{last(r)}")
+    same: dict[str, list[int]] = {}  # a decision every rank made together (a refused resume) is said once
     for r, msg in sorted(errors.items()):
-        lines.append(f"rank {r} failed: {msg.splitlines()[0]}")
+        same.setdefault(msg.splitlines()[0], []).append(r)
+    for first, ranks in same.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        lines.append(f"{who} failed: {first}")
     first_tb = next(iter(sorted(errors.items())), (None, ""))[1]
+    traced = "\n" in first_tb  # a ConfigError comes without a traceback (`_worker`)
     return ("; ".join(lines) + _last_ops_report(records)
-            + ("\n" + first_tb if first_tb and not dead and not hung else ""))
+            + ("\n" + first_tb if traced and not dead and not hung else ""))

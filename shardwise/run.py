@@ -168,8 +168,12 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
 
 
 def first_intact_checkpoint(root: str) -> tuple[str | None, dict | None, list[tuple[str, str]]]:
-    """The checkpoint a resume loads (the first intact one in resume order: every file checksummed) with its
-    meta.json, and the (path, reason) of each one rejected before it."""
+    """The checkpoint a resume loads (the first in resume order whose manifest, meta.json and files are all there
+    at their sizes) with its meta.json, and the (path, reason) of each one rejected before it.
+
+    No checksums here: this runs in one process before the ranks (and in every process under torchrun), where
+    reading a 671B model's terabytes would take hours. The ranks checksum every file between them when they
+    load (`checkpoint.load.newest_intact`) and fall back past one that fails, saying so in one line."""
     import json
     import os
 
@@ -183,7 +187,7 @@ def first_intact_checkpoint(root: str) -> tuple[str | None, dict | None, list[tu
         except (OSError, ValueError) as e:
             rejected.append((path, f"unreadable {META} ({e.__class__.__name__})"))
             continue
-        problems = checkpoint_problems(path)
+        problems = checkpoint_problems(path, checksum=False)
         if problems:
             rejected.append((path, "; ".join(problems)))
             continue

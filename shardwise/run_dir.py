@@ -33,9 +33,7 @@ def resume(cfg: TrainConfig, trainer, ckpt_dir: str, rank0: bool) -> int:
     from .checkpoint import load_checkpoint
     from .config.schedule import validate_optim
 
-    info = load_checkpoint(ckpt_dir, trainer)
-    if info is None:
-        raise FileNotFoundError(f"--resume: no intact checkpoint under {ckpt_dir}")
+    info = load_checkpoint(ckpt_dir, trainer, required=True)
     start = info["step"]
     stored = info["extra_state"].get("lr_plan")
     if stored and cfg.lr_decay_steps is None:

@@ -71,17 +71,41 @@ def test_crash_then_resume_equals_uninterrupted(tmp_path):
         assert losses(other) == pytest.approx(losses(full)[4:], rel=1e-5), name
 
 
-def test_truncated_checkpoint_falls_back(tmp_path):
+def test_damaged_checkpoints_fall_back(tmp_path):
+    """A truncated checkpoint is passed over before any rank starts (sizes only: no checksums there, which for
+    a 671B model would read terabytes in one process); one with a flipped byte at its full size is caught by the
+    ranks' split checksum. Both are named in one line each, and the resume takes the older intact one; with
+    every checkpoint damaged, one line says so."""
     run = tmp_path / "run"
-    common = ["train", "--steps", "4", "--seq-len", "64", "--no-progress", "--out", str(run), "--save-every", "2"]
+    common = ["train", "--steps", "6", "--seq-len", "64", "--no-progress", "--out", str(run), "--save-every", "2"]
     assert shardwise(*common).returncode == 0
-    newest = run / "checkpoints" / "step-4"
-    victim = next(p for p in sorted(newest.iterdir()) if p.suffix == ".distcp")
+    ckpts = run / "checkpoints"
+
+    def data_file(step):
+        return next(p for p in sorted((ckpts / f"step-{step}").iterdir()) if p.suffix == ".distcp")
+
+    def flip_byte(step):
+        victim = data_file(step)
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        victim.write_bytes(bytes(raw))
+
+    victim = data_file(6)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    flip_byte(4)
     r = shardwise(*common, "--resume")
     assert r.returncode == 0, r.stderr
-    assert "skipped checkpoint" in r.stderr and "step-4" in r.stderr and "resuming from" in r.stderr
+    skipped = [line for line in r.stderr.splitlines() if "skipped checkpoint" in line]
+    assert len(skipped) == 2 and "step-6" in skipped[0] and "truncated" in skipped[0], r.stderr
+    assert "step-4" in skipped[1] and "sha256" in skipped[1], r.stderr
     assert "step-2" in r.stderr.split("resuming from")[1]
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()][-4:] == [3, 4, 5, 6]
+    for step in (2, 4, 6):
+        flip_byte(step)  # step-6 and step-4 as they were resaved, step-2 newly
+    r = shardwise(*common, "--steps", "8", "--resume")
+    assert r.returncode != 0
+    line = [x for x in r.stderr.strip().splitlines() if "no intact checkpoint" in x]
+    assert len(line) == 1 and "step-2" in line[0] and "sha256" in line[0] and "--overwrite" in line[0], r.stderr
 
 
 def _load_moe_then_step(path, cfgs):

@@ -9,6 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .. import comm
+from ..config import ConfigError
 from .boxes import BoxLoadPlanner, run_dcp, ensure_state, state_entries, SafeReader
 from .files import FORMAT_VERSION, META, MANIFEST, RNG_AXES, STEP_DIR, from_b64, checkpoint_problems, log, resume_order
 
@@ -36,8 +37,10 @@ def newest_intact(root: str, world_axis=None) -> tuple[str | None, list[tuple[st
     return None, skipped
 
 
-def load_checkpoint(root: str, trainer) -> dict | None:
+def load_checkpoint(root: str, trainer, required: bool = False) -> dict | None:
     """Collective. Load the newest intact checkpoint under `root` into `trainer`, resharding as needed.
+    `required`: with none intact, a ConfigError naming each checkpoint and why it was rejected (a resume whose
+    every checkpoint failed its checksum on the ranks) instead of None.
 
     Restores parameters, optimizer state (AdamW's moments and step count, Muon's momentum), `trainer.step`, and — when the layout is the
     one saved — every rank's RNG streams (another layout cannot replay them, so the tracker streams
@@ -47,6 +50,9 @@ def load_checkpoint(root: str, trainer) -> dict | None:
     """
     mesh = trainer.mesh
     path, skipped = newest_intact(root, mesh["ckpt"] if mesh["world"].active else None)
+    if path is None and required:
+        why = "; ".join(f"{os.path.basename(p)}: {r}" for p, r in skipped) or "none found"
+        raise ConfigError(f"--resume: no intact checkpoint under {root} ({why}); start fresh with --overwrite")
     if path is None:
         return None
     with open(os.path.join(path, META)) as f:
