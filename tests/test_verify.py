@@ -167,7 +167,7 @@ def test_routing_replay_seeds_that_flipped():
     """Seeds that once failed the MoE layouts pass with the 1e-3 later-update bound. tiny-moe dp4×ep4 ZeRO-1 seed
     493366588 flips one exactly tied token at step 3 (a 0.033 gradient error before replay); DeepSeek-tiny
     dp4×ep4 ZeRO-1 seed 1629419864 routes identically but one embedding element's step-2 AdamW update nearly
-    cancels its momentum (1.3e-3 of the update norm, inside the lr/64 floor). Their bias buffers agree exactly."""
+    cancels its momentum (1.3e-3 of the update norm, inside the lr/16 floor). Their bias buffers agree exactly."""
     flipped = _moe_cfg(493366588, dp=4, ep=4, zero=1)
     deepseek = TrainConfig(model=DEEPSEEK_NOQ, parallel=ParallelConfig(dp=4, ep=4, zero=1), steps=2, seq_len=32,
                            micro_batch=2, global_batch=8, seed=1629419864, progress=False)
