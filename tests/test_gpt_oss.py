@@ -6,7 +6,8 @@ every gradient sinks included. The model, on a small random GptOss saved with `s
 drawn at 0.5, weights at 0.2, YaRN with truncate false, a 5-token window on layer 0 of a 16-token sequence):
 logits, loss and every gradient equal transformers' on one device; MXFP4 expert tensors (`*_blocks`,
 `*_scales`) quantised here dequantise exactly and load into the same model; export loads back into transformers.
-Multi-rank (one 2-rank fork, one 4-rank fork): tp2×SP, dp2×ep2, cp2 ring and Ulysses, pp2 against transformers'
+Multi-rank (one 2-rank fork, two 4-rank forks): `verify` on dp2×tp2×SP, dp4×ep2 ZeRO-1, dp2×cp2 ring×ep2 ZeRO-3,
+dp2×cp2 Ulysses and dp2×pp2 (three steps each); tp2×SP, dp2×ep2, cp2 ring and Ulysses, pp2 against transformers'
 loss and every gradient; cp4 ring and Ulysses attention with sinks, windows and documents against one device,
 and the windowed ring's ledger equal to the blocks it sends. Also: greedy `generate` against transformers', the
 published config.json against the presets, the planner's tensors, totals, windowed FLOPs and expert activations,
@@ -34,7 +35,7 @@ from shardwise.hf_mxfp4 import FP4_VALUES, dequantize  # noqa: E402
 from shardwise.models.documents import document_ids  # noqa: E402
 from shardwise.parallelize import plain_model  # noqa: E402
 
-from _dist import fresh_seed, global_grads, grad_slices, make_mesh, run_ranks  # noqa: E402
+from _dist import fresh_seed, global_grads, grad_slices, make_mesh, run_ranks, verify_all  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 8}
@@ -380,6 +381,32 @@ def test_cp4_sinks_windows_and_documents_match_one_device():
             assert sent["count"] == 6 and sent["bytes"] == 6 * blk, sent
         # balanced: rank r + 1's block arrives last, so every step is sent: 3 hops of K, V forward, of K, V, dK, dV back
         assert ledgers[("ring_attention", "balanced", False)]["send"]["bytes"] == 6 * 3 * blk
+
+
+# ---------------------------------------------------------------- verify on every axis (one 4-rank fork)
+VERIFY_LAYOUTS = {  # three steps each on seeded weights; the degrees fill a world of 4
+    "dp2_tp2_sp": ParallelConfig(dp=2, tp=2, sequence_parallel=True),  # heads and their sinks split
+    "dp4_ep2_zero1": ParallelConfig(dp=4, ep=2, zero=1),  # experts' biases and clamp, the router's bias
+    # ring with layer 0's window and the sinks merged after the ring; experts on dp×cp; every parameter sharded
+    "dp2_cp2_ring_ep2_zero3": ParallelConfig(dp=2, cp=2, ep=2, zero=3),
+    "dp2_cp2_ulysses": ParallelConfig(dp=2, cp=2, cp_impl="ulysses"),  # sinks follow the heads
+    "dp2_pp2": ParallelConfig(dp=2, pp=2),
+}
+
+
+def test_verify_every_axis(gpt_oss):
+    """`verify` (loss, every reduced gradient, every parameter and update, three AdamW steps, routing replay) of the
+    small gpt-oss on each layout of VERIFY_LAYOUTS in one fork; vocabulary 257 for verify's byte data."""
+    seed = fresh_seed()
+    model = dataclasses.replace(config_from_hf(gpt_oss), vocab_size=257)
+    cfgs = [TrainConfig(model=model, parallel=p, seq_len=SEQ, micro_batch=2, global_batch=2 * p.dp, steps=3,
+                        seed=seed, progress=False) for p in VERIFY_LAYOUTS.values()]
+    try:
+        results = run_ranks(4, verify_all, cfgs, timeout_s=300)[0]
+    except Exception as e:
+        raise AssertionError(f"seed {seed}: {e}") from e
+    for name, result in zip(VERIFY_LAYOUTS, results):
+        assert result["passed"], (seed, name, result)
 
 
 def test_generate_decodes_with_windows_and_sinks_as_transformers(gpt_oss):
