@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 from shardwise import hf  # noqa: E402
 from shardwise.config import MODEL_PRESETS, ConfigError, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.context_parallel import ring_attention, shard_sequence, ulysses_attention  # noqa: E402
-from shardwise.context_parallel.local import local_attention  # noqa: E402
+from shardwise.context_parallel.local import bands, local_attention  # noqa: E402
 from shardwise.context_parallel.ring_attention import ring_steps, window_cut  # noqa: E402
 from shardwise.hf_config import config_from_hf, hf_config  # noqa: E402
 from shardwise.hf_mxfp4 import FP4_VALUES, dequantize  # noqa: E402
@@ -79,7 +79,7 @@ def _explicit(q, k, v, sinks, window, doc):
     return (scores.softmax(-1)[..., :s]) @ v
 
 
-@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("window", [0, 3, 7])  # 3: four bands of 3 rows over 12 tokens; 7 > 12/2: one masked call
 @pytest.mark.parametrize("docs", [False, True])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_local_attention_equals_explicit_softmax(window, docs, sinks):
@@ -99,6 +99,17 @@ def test_local_attention_equals_explicit_softmax(window, docs, sinks):
     assert_close(out, ref, **TOL)
     for name, a, r in zip(("dq", "dk", "dv", "dsinks"), ins, ref_ins):
         assert_close(a.grad, r.grad, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_bands_cover_every_row_once_and_every_window():
+    """Each query row in one band, whose keys hold its whole window and nothing past the band's last row."""
+    for s, w in ((12, 3), (13, 4), (40, 5), (9, 4)):
+        rows = torch.zeros(s, dtype=torch.int64)
+        for qs, ks in bands(s, w):
+            rows[qs] += 1
+            assert ks.start == max(0, qs.start - w + 1) and ks.stop == qs.stop and ks.stop - ks.start <= 2 * w - 1
+        assert bool((rows == 1).all()), (s, w)
+    assert bands(12, 0) is None and bands(12, 6) is None  # no window, or s ≤ 2W: one call
 
 
 def test_window_arithmetic_and_ring_steps():
