@@ -29,7 +29,7 @@ from shardwise import hf  # noqa: E402
 from shardwise.config import MODEL_PRESETS, ConfigError, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.context_parallel import ring_attention, shard_sequence, ulysses_attention  # noqa: E402
 from shardwise.context_parallel.local import bands, local_attention  # noqa: E402
-from shardwise.context_parallel.ring_attention import ring_steps, window_cut  # noqa: E402
+from shardwise.context_parallel.ring_attention import ring_step_list, ring_steps, window_cut  # noqa: E402
 from shardwise.hf_config import config_from_hf, hf_config  # noqa: E402
 from shardwise.hf_mxfp4 import FP4_VALUES, dequantize  # noqa: E402
 from shardwise.models.documents import document_ids  # noqa: E402
@@ -120,8 +120,12 @@ def test_window_arithmetic_and_ring_steps():
     assert ring_steps(4, "balanced", 8, 0) == 4 and ring_steps(4, "balanced", 8, 32) == 4
     assert ring_steps(4, "contiguous", 8, 5) == 2  # a 5-token window reaches only the previous rank's block
     assert ring_steps(4, "contiguous", 8, 9) == 2 and ring_steps(4, "contiguous", 8, 10) == 3
-    # balanced: chunk 7 − r sees chunk 6 − r, rank r + 1's, which the ring brings last: every step is sent
+    # balanced: chunk 7 − r sees chunk 6 − r, rank r + 1's, which the ring brings last; chunk r sees rank r − 1's:
+    # steps 1 and 3 run, step 2 (rank r − 2's chunks, out of every window) is neither computed nor sent
     assert ring_steps(4, "balanced", 8, 3) == 4
+    assert ring_step_list(4, "balanced", 8, 3) == [0, 1, 3] and ring_step_list(4, "balanced", 8, 5) == [0, 1, 3]
+    assert ring_step_list(4, "balanced", 8, 6) == [0, 1, 2, 3]  # 6 > a 4-token chunk: reaches chunk 5 − r too
+    assert ring_step_list(4, "contiguous", 8, 5) == [0, 1] and ring_step_list(4, "balanced", 8, 0) == [0, 1, 2, 3]
 
 
 # ---------------------------------------------------------------- the model on one device
@@ -390,8 +394,11 @@ def test_cp4_sinks_windows_and_documents_match_one_device():
         for docs in (False, True):
             sent = ledgers[("ring_attention", "contiguous", docs)]["send"]
             assert sent["count"] == 6 and sent["bytes"] == 6 * blk, sent
-        # balanced: rank r + 1's block arrives last, so every step is sent: 3 hops of K, V forward, of K, V, dK, dV back
-        assert ledgers[("ring_attention", "balanced", False)]["send"]["bytes"] == 6 * 3 * blk
+        # balanced: steps 1 and 3 only (rank r − 1's block passed on, rank r + 1's sent straight); forward K, V twice;
+        # backward K, V twice and dK, dV home from each step (a run of one step each): 12 sends, not the full ring's 18
+        for docs in (False, True):
+            sent = ledgers[("ring_attention", "balanced", docs)]["send"]
+            assert sent["count"] == 12 and sent["bytes"] == 12 * blk, sent
 
 
 # ---------------------------------------------------------------- verify on every axis (one 4-rank fork)
