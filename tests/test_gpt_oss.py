@@ -6,7 +6,8 @@ every gradient sinks included. The model, on a small random GptOss saved with `s
 drawn at 0.5, weights at 0.2, YaRN with truncate false, a 5-token window on layer 0 of a 16-token sequence):
 logits, loss and every gradient equal transformers' on one device; MXFP4 expert tensors (`*_blocks`,
 `*_scales`) quantised here dequantise exactly and load into the same model; export loads back into transformers.
-Multi-rank (one 2-rank fork, one 4-rank fork): tp2×SP, dp2×ep2, cp2 ring and Ulysses, pp2 against transformers'
+Multi-rank (one 2-rank fork, two 4-rank forks): `verify` on dp2×tp2×SP, dp4×ep2 ZeRO-1, dp2×cp2 ring×ep2 ZeRO-3,
+dp2×cp2 Ulysses and dp2×pp2 (three steps each); tp2×SP, dp2×ep2, cp2 ring and Ulysses, pp2 against transformers'
 loss and every gradient; cp4 ring and Ulysses attention with sinks, windows and documents against one device,
 and the windowed ring's ledger equal to the blocks it sends. Also: greedy `generate` against transformers', the
 published config.json against the presets, the planner's tensors, totals, windowed FLOPs and expert activations,
@@ -27,14 +28,14 @@ transformers = pytest.importorskip("transformers")
 from shardwise import hf  # noqa: E402
 from shardwise.config import MODEL_PRESETS, ConfigError, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.context_parallel import ring_attention, shard_sequence, ulysses_attention  # noqa: E402
-from shardwise.context_parallel.local import local_attention  # noqa: E402
-from shardwise.context_parallel.ring_attention import ring_steps, window_cut  # noqa: E402
+from shardwise.context_parallel.local import bands, local_attention  # noqa: E402
+from shardwise.context_parallel.ring_attention import ring_step_list, ring_steps, window_cut  # noqa: E402
 from shardwise.hf_config import config_from_hf, hf_config  # noqa: E402
 from shardwise.hf_mxfp4 import FP4_VALUES, dequantize  # noqa: E402
 from shardwise.models.documents import document_ids  # noqa: E402
 from shardwise.parallelize import plain_model  # noqa: E402
 
-from _dist import fresh_seed, global_grads, grad_slices, make_mesh, run_ranks  # noqa: E402
+from _dist import fresh_seed, global_grads, grad_slices, make_mesh, run_ranks, verify_all  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 8}
@@ -78,7 +79,7 @@ def _explicit(q, k, v, sinks, window, doc):
     return (scores.softmax(-1)[..., :s]) @ v
 
 
-@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("window", [0, 3, 7])  # 3: four bands of 3 rows over 12 tokens; 7 > 12/2: one masked call
 @pytest.mark.parametrize("docs", [False, True])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_local_attention_equals_explicit_softmax(window, docs, sinks):
@@ -100,6 +101,17 @@ def test_local_attention_equals_explicit_softmax(window, docs, sinks):
         assert_close(a.grad, r.grad, **TOL, msg=lambda m: f"{name}: {m}")
 
 
+def test_bands_cover_every_row_once_and_every_window():
+    """Each query row in one band, whose keys hold its whole window and nothing past the band's last row."""
+    for s, w in ((12, 3), (13, 4), (40, 5), (9, 4)):
+        rows = torch.zeros(s, dtype=torch.int64)
+        for qs, ks in bands(s, w):
+            rows[qs] += 1
+            assert ks.start == max(0, qs.start - w + 1) and ks.stop == qs.stop and ks.stop - ks.start <= 2 * w - 1
+        assert bool((rows == 1).all()), (s, w)
+    assert bands(12, 0) is None and bands(12, 6) is None  # no window, or s ≤ 2W: one call
+
+
 def test_window_arithmetic_and_ring_steps():
     assert window_cut([(10, 12)], [(0, 4)], 8) == (True, True)  # nearest 10 − 3 = 7 < 8, farthest 11 − 0 ≥ 8
     assert window_cut([(10, 12)], [(0, 4)], 7) == (False, True)  # nearest pair 10 − 3 = 7 ≥ 7: nothing visible
@@ -108,8 +120,12 @@ def test_window_arithmetic_and_ring_steps():
     assert ring_steps(4, "balanced", 8, 0) == 4 and ring_steps(4, "balanced", 8, 32) == 4
     assert ring_steps(4, "contiguous", 8, 5) == 2  # a 5-token window reaches only the previous rank's block
     assert ring_steps(4, "contiguous", 8, 9) == 2 and ring_steps(4, "contiguous", 8, 10) == 3
-    # balanced: chunk 7 − r sees chunk 6 − r, rank r + 1's, which the ring brings last: every step is sent
+    # balanced: chunk 7 − r sees chunk 6 − r, rank r + 1's, which the ring brings last; chunk r sees rank r − 1's:
+    # steps 1 and 3 run, step 2 (rank r − 2's chunks, out of every window) is neither computed nor sent
     assert ring_steps(4, "balanced", 8, 3) == 4
+    assert ring_step_list(4, "balanced", 8, 3) == [0, 1, 3] and ring_step_list(4, "balanced", 8, 5) == [0, 1, 3]
+    assert ring_step_list(4, "balanced", 8, 6) == [0, 1, 2, 3]  # 6 > a 4-token chunk: reaches chunk 5 − r too
+    assert ring_step_list(4, "contiguous", 8, 5) == [0, 1] and ring_step_list(4, "balanced", 8, 0) == [0, 1, 2, 3]
 
 
 # ---------------------------------------------------------------- the model on one device
@@ -378,8 +394,37 @@ def test_cp4_sinks_windows_and_documents_match_one_device():
         for docs in (False, True):
             sent = ledgers[("ring_attention", "contiguous", docs)]["send"]
             assert sent["count"] == 6 and sent["bytes"] == 6 * blk, sent
-        # balanced: rank r + 1's block arrives last, so every step is sent: 3 hops of K, V forward, of K, V, dK, dV back
-        assert ledgers[("ring_attention", "balanced", False)]["send"]["bytes"] == 6 * 3 * blk
+        # balanced: steps 1 and 3 only (rank r − 1's block passed on, rank r + 1's sent straight); forward K, V twice;
+        # backward K, V twice and dK, dV home from each step (a run of one step each): 12 sends, not the full ring's 18
+        for docs in (False, True):
+            sent = ledgers[("ring_attention", "balanced", docs)]["send"]
+            assert sent["count"] == 12 and sent["bytes"] == 12 * blk, sent
+
+
+# ---------------------------------------------------------------- verify on every axis (one 4-rank fork)
+VERIFY_LAYOUTS = {  # three steps each on seeded weights; the degrees fill a world of 4
+    "dp2_tp2_sp": ParallelConfig(dp=2, tp=2, sequence_parallel=True),  # heads and their sinks split
+    "dp4_ep2_zero1": ParallelConfig(dp=4, ep=2, zero=1),  # experts' biases and clamp, the router's bias
+    # ring with layer 0's window and the sinks merged after the ring; experts on dp×cp; every parameter sharded
+    "dp2_cp2_ring_ep2_zero3": ParallelConfig(dp=2, cp=2, ep=2, zero=3),
+    "dp2_cp2_ulysses": ParallelConfig(dp=2, cp=2, cp_impl="ulysses"),  # sinks follow the heads
+    "dp2_pp2": ParallelConfig(dp=2, pp=2),
+}
+
+
+def test_verify_every_axis(gpt_oss):
+    """`verify` (loss, every reduced gradient, every parameter and update, three AdamW steps, routing replay) of the
+    small gpt-oss on each layout of VERIFY_LAYOUTS in one fork; vocabulary 257 for verify's byte data."""
+    seed = fresh_seed()
+    model = dataclasses.replace(config_from_hf(gpt_oss), vocab_size=257)
+    cfgs = [TrainConfig(model=model, parallel=p, seq_len=SEQ, micro_batch=2, global_batch=2 * p.dp, steps=3,
+                        seed=seed, progress=False) for p in VERIFY_LAYOUTS.values()]
+    try:
+        results = run_ranks(4, verify_all, cfgs, timeout_s=300)[0]
+    except Exception as e:
+        raise AssertionError(f"seed {seed}: {e}") from e
+    for name, result in zip(VERIFY_LAYOUTS, results):
+        assert result["passed"], (seed, name, result)
 
 
 def test_generate_decodes_with_windows_and_sinks_as_transformers(gpt_oss):

@@ -12,8 +12,8 @@ Fast (one process):
 
 Slow (one 4-rank fork): a Gated DeltaNet layer under cp 2 and 4 (contiguous and balanced order, with and without
 document masks) equals the single-device layer in outputs and every gradient, and the ledger holds exactly the
-two all-gathers' bytes (and their reduce-scatters); TP 2 of a whole hybrid model equals transformers' loss and
-gradients; `verify` passes tp2×SP and pp2 with ZeRO-1 and full recompute.
+two all-gathers' bytes (and their reduce-scatters); TP 2 of a whole hybrid model equals transformers' logits;
+`verify` (three steps) passes tp2×SP, cp2×tp2, tp2 with ZeRO-3 and pp2 with ZeRO-1 and full recompute.
 """
 import dataclasses
 import json
@@ -291,21 +291,39 @@ def _rank_all(seed, hf_dir):
                      micro_batch=1, global_batch=2, steps=1, progress=False)
     tc.resolve_world()
     out["tp2_logits"] = rank_forward(tc, hf_dir, _hf_tokens())["logits"]
-    # One step: first-step gradients come from bit-identical weights (layout arithmetic alone, bound 1e-5). Later
-    # steps are not tight on this model: AdamW's first update is lr·sign(g), and the L2-normalised q/k leave many
-    # near-zero wq/wk gradient entries whose sign the layout's rounding flips (first update 3e-3 apart on
-    # layers.1.attention.wq at cp2×tp2, second-step gradients then 3e-3 apart, over verify's 1e-3).
-    base = dict(model=HYBRID, seq_len=32, micro_batch=2, steps=1, progress=False, seed=seed % 10_000)
+    base = dict(model=HYBRID, seq_len=32, micro_batch=2, steps=3, progress=False, seed=seed % 10_000)
     layouts = {
         "tp2_sp": dict(parallel=ParallelConfig(dp=2, tp=2, sequence_parallel=True), global_batch=4),
-        # cp layouts are checked layer by layer above: at cp2×tp2 under verify's init the decay rates' gradients
-        # (a sum over tokens with heavy cancellation) were 1.8e-5 and 3.8e-5 from one device on 2 of 4 seeds
-        # (docs/models.md, known gaps)
+        "cp2_tp2": dict(parallel=ParallelConfig(cp=2, tp=2), global_batch=2),  # balanced order
+        "tp2_zero3": dict(parallel=ParallelConfig(dp=2, tp=2, zero=3), global_batch=4),
         "pp2_zero1_full": dict(parallel=ParallelConfig(dp=2, pp=2, zero=1, recompute="full"), global_batch=8),
     }
     for name, kw in layouts.items():
         out["verify"].append((name, verify_main(assemble(TrainConfig(**(base | kw))))))
     return out
+
+
+# First-step gradients of the hybrid: verify's 1e-5 (first_grad) assumes fp32 rounds a gradient to ~1e-6 of its norm.
+# The Gated DeltaNet decay parameters A_log and dt_bias break that assumption at their initialisation
+# (A = exp(A_log) ~ U(1, 16), so g ≈ −1.3·A per token and exp(g) ≤ 0.15): their gradients Σ_t dg_t·g_t are 1e-8–1e-5
+# (a wq gradient is ~5e-2) and cancel — Σ|terms| / |Σ terms| reached 101 (seed 1, layer 2) and 175 (seed 211,
+# layer 1). Against the same model run entirely in fp64 the fp32 single device is itself 1.1e-5 (seed 1) and 3.2e-5
+# (seed 211) off, cp2×tp2 6.4e-6 and 1.9e-5; an fp64 layer fed the fp32 run's own inputs and output gradient is
+# still 5e-6 off: no arithmetic inside the layer or order of sums brings two fp32 runs within 1e-5 there. Layout
+# gaps seen at cp2×tp2: 1.3e-5 and 1.8e-5 on 2 of 37 fresh seeds (3.8e-5 reported before); a dropped conv halo
+# scores 1.3–19. docs/models.md, "verify of the hybrid" (also: what whole-model verify cannot see).
+HYBRID_FIRST_GRAD = 1e-4
+
+
+def _hybrid_passed(result) -> bool:
+    """verify's own fp32 verdict, with HYBRID_FIRST_GRAD for the first step's gradients; every other bound as verify's."""
+    from shardwise.verify import TOLERANCE
+
+    tol = TOLERANCE["fp32"]
+    return (result["coverage"] == 1.0 and result["max_loss_abs_diff"] <= tol["loss"] * max(1.0, abs(result["losses"][0]))
+            and result["first_step_grad_rel_diff"] <= HYBRID_FIRST_GRAD and result["max_grad_rel_diff"] <= tol["grad"]
+            and result["param_ratio"] <= 1.0 and result["first_step_update_rel_diff"] <= tol["first_update"]
+            and result["later_update_ratio"] <= 1.0)
 
 
 def test_layouts_match_single_device_and_transformers(tmp_path):
@@ -320,7 +338,7 @@ def test_layouts_match_single_device_and_transformers(tmp_path):
         for what, fwd, total, cp, order in r["layer"]:
             _check_cp_ledger(fwd, total, cp, order)
         for name, result in r["verify"]:
-            assert result["passed"], (seed, name, result)
+            assert _hybrid_passed(result), (seed, name, result)
     assert_close(per_rank[0]["tp2_logits"], ref_model(_hf_tokens()).logits, rtol=1e-5, atol=1e-4)
 
 

@@ -1,9 +1,14 @@
 """Attention over a whole local sequence with what SDPA cannot express: gpt-oss's sinks and sliding windows.
 
-One fused kernel call that returns the LSE (the ring's block primitive, `kernels.choose_kernel` picks it), the
-sink merged through the LSE (`sinks.py`), the window and any document mask as one boolean mask. The one-device
+Fused kernel calls that return the LSE (the ring's block primitive, `kernels.choose_kernel` picks it), the
+sink merged through the LSE (`sinks.py`), the window and any document mask as boolean masks. The one-device
 model calls it through its `ParallelContext.attention`, and Ulysses after its all-to-all (each rank then holds
 the whole sequence of its heads, and the sinks of those heads).
+
+A sliding window W over a sequence longer than 2W runs banded (`bands`): the queries in blocks of W rows, each
+block against the keys its windows reach (at most 2W − 1), so the blocks wholly outside every window are never
+computed — s·(2W − 1) scores instead of s². Each query row lives in exactly one band, so a band's (out, LSE) is
+the row's whole attention (no merge), and the backward adds each band's dK, dV into the keys it read.
 """
 from __future__ import annotations
 
@@ -26,14 +31,63 @@ def attention_mask(b: int, s: int, window: int, doc_ids: torch.Tensor | None, de
     return mask.expand(b, 1, s, s) if doc_ids is None else document_mask(doc_ids, doc_ids) & mask
 
 
+def bands(s: int, window: int) -> list[tuple[slice, slice]] | None:
+    """(query rows, key columns) per band of a windowed sequence: rows [a, a + W) read keys [a − W + 1, a + W);
+    None where banding saves nothing (no window, or s ≤ 2W: one masked call is as cheap)."""
+    if not window or s <= 2 * window:
+        return None
+    return [(slice(a, min(a + window, s)), slice(max(0, a - window + 1), min(a + window, s)))
+            for a in range(0, s, window)]
+
+
+def _band_mask(b: int, qs: slice, ks: slice, window: int, doc_ids, device) -> torch.Tensor:
+    """[b, 1, rows, keys] boolean: the window (causal included) by global position, and the documents if any."""
+    mask = window_mask(torch.arange(qs.start, qs.stop, device=device), torch.arange(ks.start, ks.stop, device=device),
+                       window)
+    return mask.expand(b, 1, *mask.shape) if doc_ids is None else document_mask(doc_ids[:, qs], doc_ids[:, ks]) & mask
+
+
+def _forward(q, k, v, scale, window, doc_ids, site):
+    """(out, LSE) of the window and documents over the whole sequence: one call, or one per band."""
+    per_band = bands(q.shape[2], window)
+    if per_band is None:
+        mask = attention_mask(q.shape[0], q.shape[2], window, doc_ids, q.device)
+        return block_forward(q, k, v, mask is None, scale, mask=mask, site=site)
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for qs, ks in per_band:
+        mask = _band_mask(q.shape[0], qs, ks, window, doc_ids, q.device)
+        out[:, :, qs], lse[:, :, qs] = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], False, scale, mask=mask,
+                                                     site=site)
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, scale, window, doc_ids, site):
+    """(dq, dk, dv) at the merged (out, LSE): one call, or one per band with dK, dV summed over the bands."""
+    per_band = bands(q.shape[2], window)
+    if per_band is None:
+        mask = attention_mask(q.shape[0], q.shape[2], window, doc_ids, q.device)
+        return block_backward(dout, q, k, v, out, lse, mask is None, scale, mask=mask, site=site)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for qs, ks in per_band:
+        mask = _band_mask(q.shape[0], qs, ks, window, doc_ids, q.device)
+        dq[:, :, qs], dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks],
+                                                  out[:, :, qs], lse[:, :, qs].contiguous(), False, scale, mask=mask,
+                                                  site=site)
+        dk[:, :, ks] += dk_b
+        dv[:, :, ks] += dv_b
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _LocalAttention(torch.autograd.Function):
-    """forward: one fused kernel call → (out, LSE), the sink merged through the LSE /
+    """forward: fused kernel calls (one, or one per band) → (out, LSE), the sink merged through the LSE /
     backward: the fused backward at the merged (out, LSE); the sinks' gradient from the row term."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, scale, window, doc_ids, site):
-        mask = attention_mask(q.shape[0], q.shape[2], window, doc_ids, q.device)
-        out, lse = block_forward(q, k, v, mask is None, scale, mask=mask, site=site)
+        out, lse = _forward(q, k, v, scale, window, doc_ids, site)
         if sinks is not None:
             out, lse = merge_sink(out, lse, sinks)
             out = out.to(q.dtype)
@@ -44,10 +98,8 @@ class _LocalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        mask = attention_mask(q.shape[0], q.shape[2], ctx.window, ctx.doc_ids, q.device)
         dout = dout.contiguous()
-        dq, dk, dv = block_backward(dout, q, k, v, out, lse.contiguous(), mask is None, ctx.scale, mask=mask,
-                                    site=ctx.site)
+        dq, dk, dv = _backward(dout, q, k, v, out, lse.contiguous(), ctx.scale, ctx.window, ctx.doc_ids, ctx.site)
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None
         return dq, dk, dv, dsinks, None, None, None, None
 

@@ -18,6 +18,9 @@ Per rank and call, in ledger rows on the cp axis (B = b·hkv·s_local·d·elem b
   forward:  2(c−1) sends, 2(c−1)·B bytes (c−1 K blocks, c−1 V blocks);
   backward: 4(c−1) sends, 4(c−1)·B bytes (c−1 K, c−1 V, c−1 dK, c−1 dV; the accumulators travel in
             K/V's dtype, as the planner's comm model assumes).
+Under a sliding window only the steps some window reaches run (`ring_step_list`): c − 1 becomes their count.
+A step that follows a skipped one gets its block straight from the owner, and a dK/dV accumulator goes home
+from the last step of each run of consecutive steps.
 
 Causal masking comes from the layout (`sharding.chunk_ids`): a rank's own block is causal as a
 whole (local positions increase), every other block pair is either fully visible or skipped, chunk
@@ -242,6 +245,20 @@ def ring_steps(cp_size: int, order: str, s_local: int, window: int) -> int:
     return need
 
 
+def ring_step_list(cp_size: int, order: str, s_local: int, window: int) -> list[int]:
+    """The ring steps that run: 0 (the own block) and every step i at which some rank's window reaches the block
+    of the rank i behind it (pure layout arithmetic, equal on every rank). Without a window, or where every step
+    is reached, 0 … c − 1; the balanced order under a window within a chunk needs only 1 and c − 1 (rank r's
+    chunk r reaches rank r − 1's, its chunk 2c − 1 − r rank r + 1's)."""
+    if not window or window >= s_local * cp_size:
+        return list(range(cp_size))
+    whole = slice(0, s_local)
+    return [0] + [step for step in range(1, cp_size) if any(
+        window_cut(_intervals(r, cp_size, order, s_local, whole),
+                   _intervals((r - step) % cp_size, cp_size, order, s_local, whole), window)[0]
+        for r in range(cp_size))]
+
+
 def window_plan(plans: list[list[tuple]], q_rank: int, cp_size: int, order: str, s_local: int, window: int,
                 batch: int, doc_ids: torch.Tensor | None, device=None) -> list[list[tuple]]:
     """The block pairs of `plans` under a sliding window: a pair no query's window reaches is skipped, one the
@@ -299,6 +316,15 @@ def _pass_on(send: tuple, recv: tuple, axis, hops: int = 1) -> list:
     return comm.p2p([("send", t, axis, nxt) for t in send] + [("recv", t, axis, prv) for t in recv])
 
 
+def _fetch(cur: tuple, own: tuple, nxt: tuple, axis, step: int, next_step: int) -> list:
+    """Non-blocking: receive into `nxt` the K/V of the rank `next_step` behind. The next step on the ring passes
+    `cur` (the block of `step` behind) one rank on; past steps no window reaches, the owner sends its own block
+    straight to the rank `next_step` ahead. Either way one block per step, so the ledger counts the steps run."""
+    if next_step == step + 1:
+        return _pass_on(cur, nxt, axis)
+    return _pass_on(own, nxt, axis, next_step)
+
+
 # ---------------------------------------------------------------- the autograd Function
 class _RingAttention(torch.autograd.Function):
     """forward: K/V ring over cp, LSE-merged block attention /
@@ -313,12 +339,12 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         cur = (k, v)
         best = torch.full(q.shape[1:2], float("-inf"), device=q.device) if report else None
-        steps = len(plans)  # fewer than c under a sliding window (`ring_steps`)
-        for step in range(steps):
+        steps = ring_step_list(c, order, s_local, window)  # under a sliding window only the steps it reaches
+        for j, step in enumerate(steps):
             works, nxt = [], None
-            if step < steps - 1:  # post the next transfer first: it overlaps this step's compute
+            if j < len(steps) - 1:  # post the next transfer first: it overlaps this step's compute
                 nxt = (torch.empty_like(k), torch.empty_like(v))
-                works = _pass_on(cur, nxt, axis)
+                works = _fetch(cur, (k, v), nxt, axis, step, steps[j + 1])
             for qs, ks, is_causal, make_mask in plans[step]:
                 mask = make_mask and make_mask()
                 o_blk, l_blk = block_forward(_rows(q, qs), _rows(cur[0], ks), _rows(cur[1], ks),
@@ -345,15 +371,16 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         plans = document_plan(r, c, ctx.order, ctx.causal, s_local, ctx.doc_ids, ctx.window, q.shape[0], q.device)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        own = None  # this rank's share of its own dK/dV (step 0), added when the accumulator returns
+        own = None  # this rank's share of its own dK/dV (step 0), added when the accumulators return
         acc_works, acc_in, acc_out = [], None, None  # acc_out stays referenced until its send completes
+        home_works, home = [], []  # accumulators of this rank's own block, back from where their runs of steps end
         cur = (k, v)
-        steps = len(plans)
-        for step in range(steps):
+        steps = ring_step_list(c, ctx.order, s_local, ctx.window)
+        for j, step in enumerate(steps):
             kv_works, nxt = [], None
-            if step < steps - 1:
+            if j < len(steps) - 1:
                 nxt = (torch.empty_like(k), torch.empty_like(v))
-                kv_works = _pass_on(cur, nxt, axis)
+                kv_works = _fetch(cur, (k, v), nxt, axis, step, steps[j + 1])
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             for qs, ks, is_causal, make_mask in plans[step]:
@@ -366,23 +393,27 @@ class _RingAttention(torch.autograd.Function):
                 _rows(dv, ks).add_(g_v)
             if step == 0:
                 own = (dk, dv)
-            else:  # add to the accumulator of this block (from the previous rank) and hand it on
+            else:  # add to the accumulator of this block (from the previous rank, if it held it a step ago) ...
                 comm.wait_all(acc_works, axis, "ring attention dK/dV p2p")
                 if acc_in is not None:
                     dk.add_(acc_in[0])
                     dv.add_(acc_in[1])
-                acc_in, acc_out = (torch.empty_like(k), torch.empty_like(v)), (dk.to(k.dtype), dv.to(v.dtype))
-                # on to the next holder of this block; at the last step home to its owner (`step` ranks back), and
-                # receive this rank's own accumulator from its last holder (the neighbours when steps == c)
-                last = step == steps - 1
-                acc_works = _pass_on(acc_out, acc_in, axis, -step % c if last else 1)
+                acc_out = (dk.to(k.dtype), dv.to(v.dtype))
+                if j < len(steps) - 1 and steps[j + 1] == step + 1:  # ... and on to its next holder, rank r + 1
+                    acc_in = (torch.empty_like(k), torch.empty_like(v))
+                    acc_works = _pass_on(acc_out, acc_in, axis)
+                else:  # ... or home to its owner (`step` ranks back); this rank's own comes from `step` ahead
+                    back = (torch.empty_like(k), torch.empty_like(v))
+                    home_works += _pass_on(acc_out, back, axis, -step % c)
+                    home.append(back)
+                    acc_works, acc_in = [], None
             comm.wait_all(kv_works, axis, "ring attention K/V p2p")
             cur = nxt if nxt is not None else cur
-        comm.wait_all(acc_works, axis, "ring attention dK/dV p2p")
+        comm.wait_all(home_works, axis, "ring attention dK/dV p2p")
         dk, dv = own
-        if acc_in is not None:  # after steps − 1 hops the accumulator of this rank's own K/V is back
-            dk.add_(acc_in[0])
-            dv.add_(acc_in[1])
+        for back_k, back_v in home:  # one accumulator per run of consecutive steps, from the rank where it ended
+            dk.add_(back_k)
+            dv.add_(back_v)
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, dsinks, None
 
