@@ -285,16 +285,23 @@ def test_init_from_hf_refuses_more_mtp_layers_than_the_checkpoint(tmp_path, caps
 # (world, ParallelConfig kwargs, global batch): the embedding copy (pp2, untied), tp-sharded MTP blocks with
 # SP-partial eh_proj and norms (and without SP: MLA's per-head partial grads), EP experts in the MTP blocks, ring
 # attention in them, ZeRO-1 and ZeRO-3 units (the head and the embedding re-gathered per depth; under PP the copy as
-# a unit and the embeddings held from their first backward, which 1f1b and interleaved reach after different
-# numbers of forwards; tied, one bucket for the embedding and the head); bf16 (the MTP linears' weight copies, bf16 hnorm inputs) on tp2×SP and on pp2
-# with full recompute (which does not reach the MTP blocks).
+# a unit, the embeddings reduced at the step's end but released after each backward; tied, one bucket for the
+# embedding and the head, or under PP for the head and the copy); bf16 (the MTP linears' weight copies, bf16 hnorm
+# inputs) on tp2×SP and on pp2 with full recompute (which does not reach the MTP blocks). Under ZeRO-3 and PP: zb
+# and dualpipev (the head's deferred dW, used 1 + D times per microbatch, reduce-scattered once per microbatch),
+# tied 1f1b and dualpipev (the tied copies reduce-scattered once, after the emb sum), and tied without MTP.
+TIED_MTP = dataclasses.replace(DEEPSEEK_MTP, tie_embeddings=True)
 PLANNER_LAYOUTS = [(2, dict(pp=2), 4), (2, dict(tp=2, sequence_parallel=True), 4), (2, dict(dp=2, ep=2, zero=1), 8),
                    (2, dict(cp=2), 4), (2, dict(tp=2), 4), (2, dict(tp=2, sequence_parallel=True, dtype="bf16"), 4),
                    (2, dict(pp=2, recompute="full", dtype="bf16"), 4),
-                   (2, dict(dp=2, zero=3), 8), (2, dict(dp=2, zero=3, model=dataclasses.replace(DEEPSEEK_MTP, tie_embeddings=True)), 8),
+                   (2, dict(dp=2, zero=3), 8), (2, dict(dp=2, zero=3, model=TIED_MTP), 8),
                    (4, dict(dp=2, pp=2, zero=3), 16),
                    (4, dict(dp=2, pp=2, zero=3, schedule="interleaved", vp=2), 16),
-                   (4, dict(dp=2, pp=2, tp=1, schedule="dualpipev", zero=1), 16)]
+                   (4, dict(dp=2, pp=2, tp=1, schedule="dualpipev", zero=1), 16),
+                   (4, dict(dp=2, pp=2, zero=3, schedule="zb"), 16), (4, dict(dp=2, pp=2, zero=3, schedule="dualpipev"), 16),
+                   (4, dict(dp=2, pp=2, zero=3, model=TIED_MTP), 16),
+                   (4, dict(dp=2, pp=2, zero=3, schedule="dualpipev", model=TIED_MTP), 16),
+                   (4, dict(dp=2, pp=2, zero=3, model=dataclasses.replace(TIED_MTP, mtp_layers=0)), 16)]
 
 
 def _measure(layouts, seed):
@@ -327,7 +334,7 @@ def _microbatch_activation(trainer) -> int:
     from test_planner_ledger import _saved_bytes
 
     xs, ys, side = trainer.microbatches(trainer.loader, 0, mtp=True)
-    x, y, kw = xs[0].clone(), ys[0].clone(), {k: v.clone() for k, v in side[0].items()}
+    x, y, kw = xs[0].clone(), ys[0].clone(), {k: v.clone() for k, v in (side[0] if side else {}).items()}
     params, total = list(trainer.model.parameters()), 0
     for chunk in trainer.model.chunks or [None]:
         if chunk is None:
