@@ -483,3 +483,51 @@ def _check_flops():
     # the counter sees the matmuls, which must equal the planner's exactly; the core is the planner's unpadded count
     assert measured + grouped == tokens * mm, (measured, grouped, tokens * mm)
     assert core > 0
+
+
+def test_planner_zero3_mtp_held_equals_the_traced_gathers():
+    """ZeRO-3 units gathered at the traced peak (`simulate`, fake tensors) equal the planner's at its peak moment:
+    the pair running plus `zero3_mtp_held` — without a pipeline the final norm the head's backward prefetched and
+    the first layer the embedding's MTP calls prefetched (the embedding itself, held to the backward's end, beside
+    every main layer); on a pipeline's last stage the norm and the embedding copy the head's last forward use left
+    prefetched."""
+    from shardwise.planner import Cluster, estimate, get_gpu
+    from shardwise.planner.layout import from_train_config, stages
+    from shardwise.planner.zero3_inflight import unit_bytes
+    from shardwise.simulate import world
+    from shardwise.simulate.live import LiveMemory
+
+    at_peak = {}
+
+    class Live(LiveMemory):
+        """Records the bytes of ZeRO-3 unit buffers gathered whenever the peak rises."""
+
+        def watch(self, tensors):
+            self.flats = list(tensors)
+            super().watch(tensors)
+
+        def _check_peak(self):
+            peak = self.peak
+            super()._check_peak()
+            if self.peak != peak and hasattr(self, "flats"):
+                at_peak["gathered"] = sum(t.untyped_storage().nbytes() for t in self.flats)
+
+    # (layout, global batch, rank, the units held beside the pair: names of planner units by role)
+    layouts = [(dict(dp=2, zero=3), 8, 0, ("first layer", "norm")), (dict(dp=2, pp=2, zero=3), 16, 1, ("copy", "norm"))]
+    original = world.LiveMemory
+    world.LiveMemory = Live
+    try:
+        for par, gb, rank, held in layouts:
+            cfg = assemble(_cfg(1, global_batch=gb, **par))
+            world.simulate_rank(cfg, rank, steps=1)
+            cfg.resolve_world(2 * par.get("pp", 1))
+            spec, lay, wl = from_train_config(cfg)
+            est = estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl, detail=True)
+            terms = est["stages"][rank]["peak_terms"]
+            units = [full for _, full, _, _ in unit_bytes(spec, stages(spec, lay)[rank], lay)]
+            head = len(units) - spec.mtp_layers - (lay.pp > 1) - 1
+            role = {"first layer": units[1], "norm": units[head - 1], "copy": units[head + 1]}
+            assert terms["zero3_mtp_held"] == sum(role[r] for r in held), (par, terms)
+            assert terms["zero3_gathered"] + terms["zero3_mtp_held"] == at_peak["gathered"], (par, terms, at_peak)
+    finally:
+        world.LiveMemory = original
