@@ -241,7 +241,7 @@ PEAK_TERMS = {
     "activations": "the saved tensors of the microbatches in flight, and the layer full recompute rebuilds",
     "transient": "the short-lived tensors of that moment",
     "zero3_gathered": "ZeRO-3 units gathered in full (fp32) at that moment",
-    "zero3_mtp_held": "ZeRO-3 units MTP's extra uses keep gathered beside a main layer's backward (zero3_mtp_held)",
+    "zero3_mtp_held": "ZeRO-3 units MTP's extra uses keep gathered beside a layer's backward (zero3_mtp_held)",
     "reduce_scatter_buckets": "gradient buckets filling and reduce-scatters in flight at that moment",
     "weight_gradient_store": "inputs and output gradients the split backward keeps for W (zb, dualpipev)",
     "pipeline_buffers": "boundary tensors the executor holds: posted receives, chunk inputs autograd does not save, "
@@ -288,7 +288,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
         full16 = wl.act_bytes != 4 and lay.recompute == "full" and lay.zero == 3
         in_flight_now, gathered_now = (layer_backward_moment(spec, stage, lay, wl) if full16
                                        else (buckets, at_backward if lay.zero == 3 else gathered))
-        gathered_now += mtp_held_bytes(spec, stage, lay)  # beside every main layer's backward (zero3_mtp_held)
+        gathered_now += mtp_held_bytes(spec, stage, lay)  # MTP under ZeRO-3: units held beside a backward
         moments.append(("backward: a layer's MLP (its inner gradients, the residual stream's)",
                         layer_backward_transient_bytes(spec, stage, lay, wl) - after_head, gathered_now, in_flight_now))
         # a weight gradient precedes the ZeRO-2/3 bucket its accumulation allocates: no bucket term beside it
