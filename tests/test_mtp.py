@@ -490,7 +490,8 @@ def test_planner_zero3_mtp_held_equals_the_traced_gathers():
     the pair running plus `zero3_mtp_held` — without a pipeline the final norm the head's backward prefetched and
     the first layer the embedding's MTP calls prefetched (the embedding itself, held to the backward's end, beside
     every main layer); on a pipeline's last stage the norm and the embedding copy the head's last forward use left
-    prefetched."""
+    prefetched, and beside the head's own backward (a large vocabulary: the peak) that copy and the first MTP
+    module the copy's second call prefetched."""
     from shardwise.planner import Cluster, estimate, get_gpu
     from shardwise.planner.layout import from_train_config, stages
     from shardwise.planner.zero3_inflight import unit_bytes
@@ -513,7 +514,9 @@ def test_planner_zero3_mtp_held_equals_the_traced_gathers():
                 at_peak["gathered"] = sum(t.untyped_storage().nbytes() for t in self.flats)
 
     # (layout, global batch, rank, the units held beside the pair: names of planner units by role)
-    layouts = [(dict(dp=2, zero=3), 8, 0, ("first layer", "norm")), (dict(dp=2, pp=2, zero=3), 16, 1, ("copy", "norm"))]
+    big = dataclasses.replace(DEEPSEEK_MTP, vocab_size=16384)  # the head's backward is the peak
+    layouts = [(dict(dp=2, zero=3), 8, 0, ("first layer", "norm")), (dict(dp=2, pp=2, zero=3), 16, 1, ("copy", "norm")),
+               (dict(dp=2, pp=2, zero=3, model=big), 16, 1, ("copy", "first module"))]
     original = world.LiveMemory
     world.LiveMemory = Live
     try:
@@ -526,7 +529,7 @@ def test_planner_zero3_mtp_held_equals_the_traced_gathers():
             terms = est["stages"][rank]["peak_terms"]
             units = [full for _, full, _, _ in unit_bytes(spec, stages(spec, lay)[rank], lay)]
             head = len(units) - spec.mtp_layers - (lay.pp > 1) - 1
-            role = {"first layer": units[1], "norm": units[head - 1], "copy": units[head + 1]}
+            role = {"first layer": units[1], "norm": units[head - 1], "copy": units[head + 1], "first module": units[head + 2]}
             assert terms["zero3_mtp_held"] == sum(role[r] for r in held), (par, terms)
             assert terms["zero3_gathered"] + terms["zero3_mtp_held"] == at_peak["gathered"], (par, terms, at_peak)
     finally:

@@ -27,7 +27,7 @@ from shardwise.planner.weight_grads import (
 )
 from shardwise.planner.weight_store import weight_store_bytes
 from shardwise.planner.zero2_inflight import zero2_bucket_moments
-from shardwise.planner.zero3_mtp_held import mtp_held_bytes
+from shardwise.planner.zero3_mtp_held import head_backward_units, head_held_bytes, mtp_held_bytes
 from shardwise.planner.zero3_inflight import (
     backward_inflight_bytes, forward_inflight_bytes, freed_per_layer, last_launched, layer_backward_moment,
     unit_bytes, zero3_gathered_bytes,
@@ -115,7 +115,8 @@ def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) 
     if lay.zero == 2:
         return 0.0, zero2_bucket_moments(spec, stage, lay, wl, 0.0, again, lay.m - 1)[1]
     units = [full for chunk, full, _, _ in unit_bytes(spec, stage, lay)]
-    return float(sum(units[-2:])), last_launched(spec, stage, lay, wl) if again else 0.0
+    norm, head = head_backward_units(spec, stage, lay)  # MTP: modules follow the head, and hold units beside it
+    return units[norm] + units[head] + head_held_bytes(spec, stage, lay), last_launched(spec, stage, lay, wl) if again else 0.0
 
 
 def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
@@ -319,7 +320,8 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     moment, transient, gathered, buckets, pipe = max(
         ((*m, buffers.get(m[0].split(":")[0], 0.0)) for m in moments), key=lambda m: sum(m[1:]))
     held = mtp_held_bytes(spec, stage, lay) if moment.startswith(
-        ("backward: a layer", "backward: the experts'", "backward: the token embedding")) else 0.0
+        ("backward: a layer", "backward: the experts'", "backward: the token embedding")) else \
+        head_held_bytes(spec, stage, lay) if moment.startswith("backward: the LM head") else 0.0
     out = {"static": float(static), "activations": float(activation), "transient": transient,
            "zero3_gathered": gathered - held, "zero3_mtp_held": held, "reduce_scatter_buckets": buckets,
            "weight_gradient_store": weight_store_bytes(spec, stage, lay, wl),

@@ -62,3 +62,39 @@ def mtp_held_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
     plain = max(sum(units[j][1] for j in pair(i)) for i in range(len(units)))
     worst = max(sum(units[j][1] for j in pair(i) | held.get(i, set())) for i in range(len(units)))
     return float(max(0, worst - plain))
+
+
+def head_backward_units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple[int, int]:
+    """(the final norm, the LM head) as indexes into `stage_units`: with MTP the head is not the last unit."""
+    n = len(unit_bytes(spec, stage, lay))
+    head = n - spec.mtp_layers - embedding_copy(spec, stage.embedding) - 1
+    return head - 1, head
+
+
+def head_held_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
+    """fp32 bytes MTP keeps gathered beside the LM head's backward (its running unit and the final norm it
+    prefetched), the worst of its 1 + D backwards. Depth k's (k = D … 1, then 0, the main head's) finds: the
+    unit after the head its last forward use prefetched — a last stage's copy (then held by the copy's own
+    backward until its gradient is complete, after depth 1's) or the first MTP module (until its backward, after
+    depth 1's head) — while k ≥ 1, with (D > 1) the first MTP module the copy's later calls prefetched; without PP
+    the first layer the embedding's MTP calls prefetched; and the embedding the MTP reads on its rank, held from
+    depth k + 1's embedding backward (under dualpipev only until the MTP's uses are back-propagated, before the
+    main head's)."""
+    d = spec.mtp_layers
+    if lay.zero < 3 or not d or not stage.head:
+        return 0.0
+    units = [full for _, full, _, _ in unit_bytes(spec, stage, lay)]
+    copy = embedding_copy(spec, stage.embedding)
+    _, head = head_backward_units(spec, stage, lay)
+    own = stage.embedding
+    # the unit after the head: under PP with tied embeddings the copy's unit shares the head's bucket (nothing more)
+    after = None if spec.tie_embeddings and not own else head + 1
+    worst = 0.0
+    for k in range(d + 1):
+        held = ({after} if k >= 1 and after is not None else set()) | ({1} if own and lay.pp == 1 else set())
+        if copy and d > 1 and k >= 1:  # the copy's later calls prefetch its next unit, the first MTP module, again
+            held.add(head + 2)
+        if own and k < d and (lay.pp == 1 or k >= 1) and not spec.tie_embeddings:
+            held.add(0)
+        worst = max(worst, float(sum(units[i] for i in held)))
+    return worst
