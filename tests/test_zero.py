@@ -3,7 +3,8 @@
 Two spawns (2 and 4 ranks) run `verify` for every ZeRO-2/3 layout the issue names, plus:
 * overlap is real and exact: with small buckets and two micro-batches, ZeRO 0/1 start every bucket's
   collective during backward (the ledger holds them before `finish_gradients`), and gradients, norm
-  and the next loss equal the non-overlapped path bit for bit;
+  and the next loss equal the non-overlapped path bit for bit, also for MTP's head under zb (its 1 + D
+  deferred dW of a microbatch count once);
 * ZeRO 1, 2 and 3 give bitwise-identical losses at one micro-batch (same sums, same order), ZeRO-2
   holds no full gradient after backward, ZeRO-3 holds no full parameter between steps, nor after the
   backward of an MTP model (whose embedding runs once per depth), nor under PP after the backward of an
@@ -83,6 +84,17 @@ def _overlap_and_memory(seed):
     t = _trainer(dataclasses.replace(_cfg(seed, gb=8, dp=2, zero=3), model=DEEPSEEK_MTP))
     t.forward_backward(0)
     out["mtp_params_after_backward"] = sum(p.untyped_storage().nbytes() for _, p in t.reducer.named)
+    # zb with MTP: W accumulates the head's dW once per depth and must call its hook once (a call per dW completed
+    # the head's bucket, here one of its own, a microbatch early, and the next dW raised)
+    zb = {}
+    for overlap in (True, False):
+        t = _trainer(dataclasses.replace(_cfg(seed, gb=8, pp=2, schedule="zb", overlap_grad_reduce=overlap),
+                                         model=DEEPSEEK_MTP))
+        t.forward_backward(0)
+        t.finish_gradients()
+        zb[overlap] = {(n, lo): v.clone() for n, v, lo, _ in t.reducer.grad_views()}
+    out["zb_mtp_bitwise"] = zb[True].keys() == zb[False].keys() and all(
+        torch.equal(g, zb[False][k]) for k, g in zb[True].items())
     return out
 
 
@@ -170,6 +182,7 @@ def test_overlap_starts_every_bucket_in_backward_and_is_bitwise_exact(runs):
         r = ex[zero]
         assert r["buckets_on"] >= 4 and r["early_on"] == r["buckets_on"] and r["early_off"] == 0, (zero, r)
         assert r["bitwise"] and r["norm_on"] == r["norm_off"] and r["loss_on"] == r["loss_off"], (seed, zero, r)
+    assert ex["zb_mtp_bitwise"], seed  # MTP's head under zb, in a bucket of its own: launched once, complete
 
 
 def test_zero_stages_agree_and_hold_only_shards(runs):
