@@ -298,7 +298,8 @@ PLANNER_LAYOUTS = [(2, dict(pp=2), 4), (2, dict(tp=2, sequence_parallel=True), 4
                    (4, dict(dp=2, pp=2, zero=3), 16),
                    (4, dict(dp=2, pp=2, zero=3, schedule="interleaved", vp=2), 16),
                    (4, dict(dp=2, pp=2, tp=1, schedule="dualpipev", zero=1), 16),
-                   (4, dict(dp=2, pp=2, zero=3, schedule="zb"), 16), (4, dict(dp=2, pp=2, zero=3, schedule="dualpipev"), 16),
+                   (4, dict(dp=2, pp=2, zero=3, schedule="zb"), 16),
+                   (4, dict(dp=2, pp=2, zero=3, schedule="dualpipev"), 16),
                    (4, dict(dp=2, pp=2, zero=3, model=TIED_MTP), 16),
                    (4, dict(dp=2, pp=2, zero=3, schedule="dualpipev", model=TIED_MTP), 16),
                    (4, dict(dp=2, pp=2, zero=3, model=dataclasses.replace(TIED_MTP, mtp_layers=0)), 16)]
@@ -529,7 +530,8 @@ def test_planner_zero3_mtp_held_equals_the_traced_gathers():
             terms = est["stages"][rank]["peak_terms"]
             units = [full for _, full, _, _ in unit_bytes(spec, stages(spec, lay)[rank], lay)]
             head = len(units) - spec.mtp_layers - (lay.pp > 1) - 1
-            role = {"first layer": units[1], "norm": units[head - 1], "copy": units[head + 1], "first module": units[head + 2]}
+            role = {"first layer": units[1], "norm": units[head - 1], "copy": units[head + 1],
+                    "first module": units[head + 2]}
             assert terms["zero3_mtp_held"] == sum(role[r] for r in held), (par, terms)
             assert terms["zero3_gathered"] + terms["zero3_mtp_held"] == at_peak["gathered"], (par, terms, at_peak)
     finally:

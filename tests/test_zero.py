@@ -136,7 +136,8 @@ def _two_ranks(seed, root, root1):
 # under PP an embedding whose gradient is reduced only at the step's end (MTP's: the first stage's and the last
 # stage's copy, summed over emb; dualpipev's, accumulated by two chunks; a tied head's copy) has no per-microbatch
 # reducer hook: its unit must still be released once its backward is done, not held until the step's end
-PP_EMBEDDINGS = [dict(model=DEEPSEEK_MTP, schedule="zb"), dict(model=dataclasses.replace(DEEPSEEK_MTP, tie_embeddings=True)),
+PP_EMBEDDINGS = [dict(model=DEEPSEEK_MTP, schedule="zb"),
+                 dict(model=dataclasses.replace(DEEPSEEK_MTP, tie_embeddings=True)),
                  dict(model=DEEPSEEK_MTP, schedule="dualpipev", gb=16), dict(model=TIED)]
 
 

@@ -116,7 +116,8 @@ def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) 
         return 0.0, zero2_bucket_moments(spec, stage, lay, wl, 0.0, again, lay.m - 1)[1]
     units = [full for chunk, full, _, _ in unit_bytes(spec, stage, lay)]
     norm, head = head_backward_units(spec, stage, lay)  # MTP: modules follow the head, and hold units beside it
-    return units[norm] + units[head] + head_held_bytes(spec, stage, lay), last_launched(spec, stage, lay, wl) if again else 0.0
+    gathered = units[norm] + units[head] + head_held_bytes(spec, stage, lay)
+    return gathered, last_launched(spec, stage, lay, wl) if again else 0.0
 
 
 def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
