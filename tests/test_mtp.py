@@ -285,16 +285,24 @@ def test_init_from_hf_refuses_more_mtp_layers_than_the_checkpoint(tmp_path, caps
 # (world, ParallelConfig kwargs, global batch): the embedding copy (pp2, untied), tp-sharded MTP blocks with
 # SP-partial eh_proj and norms (and without SP: MLA's per-head partial grads), EP experts in the MTP blocks, ring
 # attention in them, ZeRO-1 and ZeRO-3 units (the head and the embedding re-gathered per depth; under PP the copy as
-# a unit and the embeddings held from their first backward, which 1f1b and interleaved reach after different
-# numbers of forwards; tied, one bucket for the embedding and the head); bf16 (the MTP linears' weight copies, bf16 hnorm inputs) on tp2×SP and on pp2
-# with full recompute (which does not reach the MTP blocks).
+# a unit, the embeddings reduced at the step's end but released after each backward; tied, one bucket for the
+# embedding and the head, or under PP for the head and the copy); bf16 (the MTP linears' weight copies, bf16 hnorm
+# inputs) on tp2×SP and on pp2 with full recompute (which does not reach the MTP blocks). Under ZeRO-3 and PP: zb
+# and dualpipev (the head's deferred dW, used 1 + D times per microbatch, reduce-scattered once per microbatch),
+# tied 1f1b and dualpipev (the tied copies reduce-scattered once, after the emb sum), and tied without MTP.
+TIED_MTP = dataclasses.replace(DEEPSEEK_MTP, tie_embeddings=True)
 PLANNER_LAYOUTS = [(2, dict(pp=2), 4), (2, dict(tp=2, sequence_parallel=True), 4), (2, dict(dp=2, ep=2, zero=1), 8),
                    (2, dict(cp=2), 4), (2, dict(tp=2), 4), (2, dict(tp=2, sequence_parallel=True, dtype="bf16"), 4),
                    (2, dict(pp=2, recompute="full", dtype="bf16"), 4),
-                   (2, dict(dp=2, zero=3), 8), (2, dict(dp=2, zero=3, model=dataclasses.replace(DEEPSEEK_MTP, tie_embeddings=True)), 8),
+                   (2, dict(dp=2, zero=3), 8), (2, dict(dp=2, zero=3, model=TIED_MTP), 8),
                    (4, dict(dp=2, pp=2, zero=3), 16),
                    (4, dict(dp=2, pp=2, zero=3, schedule="interleaved", vp=2), 16),
-                   (4, dict(dp=2, pp=2, tp=1, schedule="dualpipev", zero=1), 16)]
+                   (4, dict(dp=2, pp=2, tp=1, schedule="dualpipev", zero=1), 16),
+                   (4, dict(dp=2, pp=2, zero=3, schedule="zb"), 16),
+                   (4, dict(dp=2, pp=2, zero=3, schedule="dualpipev"), 16),
+                   (4, dict(dp=2, pp=2, zero=3, model=TIED_MTP), 16),
+                   (4, dict(dp=2, pp=2, zero=3, schedule="dualpipev", model=TIED_MTP), 16),
+                   (4, dict(dp=2, pp=2, zero=3, model=dataclasses.replace(TIED_MTP, mtp_layers=0)), 16)]
 
 
 def _measure(layouts, seed):
@@ -327,7 +335,7 @@ def _microbatch_activation(trainer) -> int:
     from test_planner_ledger import _saved_bytes
 
     xs, ys, side = trainer.microbatches(trainer.loader, 0, mtp=True)
-    x, y, kw = xs[0].clone(), ys[0].clone(), {k: v.clone() for k, v in side[0].items()}
+    x, y, kw = xs[0].clone(), ys[0].clone(), {k: v.clone() for k, v in (side[0] if side else {}).items()}
     params, total = list(trainer.model.parameters()), 0
     for chunk in trainer.model.chunks or [None]:
         if chunk is None:
@@ -476,3 +484,55 @@ def _check_flops():
     # the counter sees the matmuls, which must equal the planner's exactly; the core is the planner's unpadded count
     assert measured + grouped == tokens * mm, (measured, grouped, tokens * mm)
     assert core > 0
+
+
+def test_planner_zero3_mtp_held_equals_the_traced_gathers():
+    """ZeRO-3 units gathered at the traced peak (`simulate`, fake tensors) equal the planner's at its peak moment:
+    the pair running plus `zero3_mtp_held` — without a pipeline the final norm the head's backward prefetched and
+    the first layer the embedding's MTP calls prefetched (the embedding itself, held to the backward's end, beside
+    every main layer); on a pipeline's last stage the norm and the embedding copy the head's last forward use left
+    prefetched, and beside the head's own backward (a large vocabulary: the peak) that copy and the first MTP
+    module the copy's second call prefetched."""
+    from shardwise.planner import Cluster, estimate, get_gpu
+    from shardwise.planner.layout import from_train_config, stages
+    from shardwise.planner.zero3_inflight import unit_bytes
+    from shardwise.simulate import world
+    from shardwise.simulate.live import LiveMemory
+
+    at_peak = {}
+
+    class Live(LiveMemory):
+        """Records the bytes of ZeRO-3 unit buffers gathered whenever the peak rises."""
+
+        def watch(self, tensors):
+            self.flats = list(tensors)
+            super().watch(tensors)
+
+        def _check_peak(self):
+            peak = self.peak
+            super()._check_peak()
+            if self.peak != peak and hasattr(self, "flats"):
+                at_peak["gathered"] = sum(t.untyped_storage().nbytes() for t in self.flats)
+
+    # (layout, global batch, rank, the units held beside the pair: names of planner units by role)
+    big = dataclasses.replace(DEEPSEEK_MTP, vocab_size=16384)  # the head's backward is the peak
+    layouts = [(dict(dp=2, zero=3), 8, 0, ("first layer", "norm")), (dict(dp=2, pp=2, zero=3), 16, 1, ("copy", "norm")),
+               (dict(dp=2, pp=2, zero=3, model=big), 16, 1, ("copy", "first module"))]
+    original = world.LiveMemory
+    world.LiveMemory = Live
+    try:
+        for par, gb, rank, held in layouts:
+            cfg = assemble(_cfg(1, global_batch=gb, **par))
+            world.simulate_rank(cfg, rank, steps=1)
+            cfg.resolve_world(2 * par.get("pp", 1))
+            spec, lay, wl = from_train_config(cfg)
+            est = estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl, detail=True)
+            terms = est["stages"][rank]["peak_terms"]
+            units = [full for _, full, _, _ in unit_bytes(spec, stages(spec, lay)[rank], lay)]
+            head = len(units) - spec.mtp_layers - (lay.pp > 1) - 1
+            role = {"first layer": units[1], "norm": units[head - 1], "copy": units[head + 1],
+                    "first module": units[head + 2]}
+            assert terms["zero3_mtp_held"] == sum(role[r] for r in held), (par, terms)
+            assert terms["zero3_gathered"] + terms["zero3_mtp_held"] == at_peak["gathered"], (par, terms, at_peak)
+    finally:
+        world.LiveMemory = original

@@ -3,10 +3,13 @@
 Two spawns (2 and 4 ranks) run `verify` for every ZeRO-2/3 layout the issue names, plus:
 * overlap is real and exact: with small buckets and two micro-batches, ZeRO 0/1 start every bucket's
   collective during backward (the ledger holds them before `finish_gradients`), and gradients, norm
-  and the next loss equal the non-overlapped path bit for bit;
+  and the next loss equal the non-overlapped path bit for bit, also for MTP's head under zb (its 1 + D
+  deferred dW of a microbatch count once);
 * ZeRO 1, 2 and 3 give bitwise-identical losses at one micro-batch (same sums, same order), ZeRO-2
   holds no full gradient after backward, ZeRO-3 holds no full parameter between steps, nor after the
-  backward of an MTP model (whose embedding runs once per depth);
+  backward of an MTP model (whose embedding runs once per depth), nor under PP after the backward of an
+  embedding reduced only at the step's end (MTP's under 1f1b, zb and dualpipev, tied ones); verify covers
+  MTP under zb (its head's deferred dW hooked once per microbatch) and tied under dualpipev;
 * checkpoints: a ZeRO-3 × tp2 save resumes bitwise on its layout and loads into ZeRO 0/1/2 dp2 and
   one device (with tied embeddings); a ZeRO-1 save loads into ZeRO-3.
 """
@@ -81,6 +84,17 @@ def _overlap_and_memory(seed):
     t = _trainer(dataclasses.replace(_cfg(seed, gb=8, dp=2, zero=3), model=DEEPSEEK_MTP))
     t.forward_backward(0)
     out["mtp_params_after_backward"] = sum(p.untyped_storage().nbytes() for _, p in t.reducer.named)
+    # zb with MTP: W accumulates the head's dW once per depth and must call its hook once (a call per dW completed
+    # the head's bucket, here one of its own, a microbatch early, and the next dW raised)
+    zb = {}
+    for overlap in (True, False):
+        t = _trainer(dataclasses.replace(_cfg(seed, gb=8, pp=2, schedule="zb", overlap_grad_reduce=overlap),
+                                         model=DEEPSEEK_MTP))
+        t.forward_backward(0)
+        t.finish_gradients()
+        zb[overlap] = {(n, lo): v.clone() for n, v, lo, _ in t.reducer.grad_views()}
+    out["zb_mtp_bitwise"] = zb[True].keys() == zb[False].keys() and all(
+        torch.equal(g, zb[False][k]) for k, g in zb[True].items())
     return out
 
 
@@ -119,10 +133,31 @@ def _two_ranks(seed, root, root1):
     return dict(verify=verify_all(cfgs), exact=_overlap_and_memory(seed), ckpt=_load_into(seed, root, root1))
 
 
+# under PP an embedding whose gradient is reduced only at the step's end (MTP's: the first stage's and the last
+# stage's copy, summed over emb; dualpipev's, accumulated by two chunks; a tied head's copy) has no per-microbatch
+# reducer hook: its unit must still be released once its backward is done, not held until the step's end
+PP_EMBEDDINGS = [dict(model=DEEPSEEK_MTP, schedule="zb"),
+                 dict(model=dataclasses.replace(DEEPSEEK_MTP, tie_embeddings=True)),
+                 dict(model=DEEPSEEK_MTP, schedule="dualpipev", gb=16), dict(model=TIED)]
+
+
+def _pp_params_after_backward(seed):
+    """Bytes of parameter storage on this rank after every microbatch's backward of one step, per layout."""
+    out = []
+    for extra in PP_EMBEDDINGS:
+        t = _trainer(_cfg(seed, **{"gb": 8, **extra}, dp=2, pp=2, zero=3))
+        t.forward_backward(0)
+        out.append(sum(p.untyped_storage().nbytes() for _, p in t.reducer.named))
+    return out
+
+
 def _four_ranks(seed, root):
+    tied_mtp = dataclasses.replace(DEEPSEEK_MTP, tie_embeddings=True)
     cfgs = [_cfg(seed, dp=2, tp=2, sequence_parallel=True, zero=3), _cfg(seed, gb=16, dp=2, pp=2, zero=3),
-            _cfg(seed, gb=16, dp=2, pp=2, schedule="zb", zero=3), _cfg(seed, dp=2, cp=2, zero=3)]
-    return dict(verify=verify_all(cfgs), ckpt=_save_zero3(seed, root))
+            _cfg(seed, gb=16, dp=2, pp=2, schedule="zb", zero=3), _cfg(seed, dp=2, cp=2, zero=3),
+            _cfg(seed, DEEPSEEK_MTP, gb=8, dp=2, pp=2, schedule="zb", zero=3),
+            _cfg(seed, tied_mtp, gb=16, dp=2, pp=2, schedule="dualpipev", zero=3)]
+    return dict(verify=verify_all(cfgs), ckpt=_save_zero3(seed, root), pp_held=_pp_params_after_backward(seed))
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +183,7 @@ def test_overlap_starts_every_bucket_in_backward_and_is_bitwise_exact(runs):
         r = ex[zero]
         assert r["buckets_on"] >= 4 and r["early_on"] == r["buckets_on"] and r["early_off"] == 0, (zero, r)
         assert r["bitwise"] and r["norm_on"] == r["norm_off"] and r["loss_on"] == r["loss_off"], (seed, zero, r)
+    assert ex["zb_mtp_bitwise"], seed  # MTP's head under zb, in a bucket of its own: launched once, complete
 
 
 def test_zero_stages_agree_and_hold_only_shards(runs):
@@ -158,6 +194,8 @@ def test_zero_stages_agree_and_hold_only_shards(runs):
         assert held["grads"] == 0 and held["buffers"] == 0 and held["inflight"] <= 2, held
     assert all(h["params"] == 0 for h in ex[3]["held"]) and ex[3]["after"] == 0  # params freed after use
     assert two[0]["exact"]["mtp_params_after_backward"] == 0  # MTP's D + 1 embedding uses all released
+    for rank in runs[2]:  # under PP: the embeddings reduced at the step's end released after each backward too
+        assert rank["pp_held"] == [0] * len(PP_EMBEDDINGS), (seed, rank["pp_held"])
     assert all(h["params"] > 0 for h in ex[2]["held"])
 
 

@@ -188,11 +188,8 @@ class GradReducer:
             bs = by_unit.get(u, []) + [b for v, bl in by_unit.items() if v != u for b in bl
                                        if any(id(p) in used for _, p, _, _ in b.offsets)]
             unit = Unit(mod, bs, chunk)
-            unit.hooked = sum(len(b.offsets) for b in by_unit.get(u, []) if not b.deferred)
-            unit.fired = 0
             mod._sw_unit = unit
             units.append(unit)
-        self._unit_of = {id(p): units[b.unit] for b in self.buckets for _, p, _, _ in b.offsets}
         self.units = ParamUnits(units)
 
     # ------------------------------------------------------------ backward hooks
@@ -214,12 +211,6 @@ class GradReducer:
     def _on_grad(self, p: torch.Tensor) -> None:
         b, off, k = self._bucket_of[id(p)]
         self.reduction.on_grad(b, p, off, k)
-        if self.units is not None:
-            u = self._unit_of[id(p)]
-            u.fired += 1
-            if u.fired == u.hooked:
-                u.fired = 0
-                self.units.grads_done(u)
 
     # ------------------------------------------------------------ step 2: TP
     def _reduce_tp(self):
@@ -347,8 +338,6 @@ class GradReducer:
         self.reduction.poisoned = False
         if self.units is not None:
             self.units.free_all()
-            for u in self.units.units:
-                u.fired = 0
         for b in self.buckets:
             if self.zero >= 1:
                 b.shard.grad.zero_()

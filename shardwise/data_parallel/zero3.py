@@ -10,8 +10,10 @@ resizes it back and all-gathers the shards into it. Hooks on the unit's module:
   hold it again, prefetch the previous unit), then release the forward's hold;
 * `_ReleaseAfterBackward.backward` (the unit's input gradient is done, so is every use of its
   weights) releases the backward's hold — a unit whose input needs no gradient (the embedding) is
-  released once its gradients are in. Deferred weight gradients (zb's W) need only the saved inputs
-  and output gradients, so W runs on a released unit.
+  released once autograd has accumulated the gradients of all its parameters in that backward (a
+  post-accumulate-grad hook of its own on each, whether the reducer reduces that gradient per
+  microbatch or only at the step's end, as a tied or MTP embedding's). Deferred weight gradients
+  (zb's W) need only the saved inputs and output gradients, so W runs on a released unit.
 A buffer is freed when its last hold is released (a tied weight is held by both units using it). So
 every unit is gathered twice per micro-batch and chunk (forward and backward), under every schedule.
 """
@@ -42,6 +44,8 @@ class Unit:
         self.next = self.prev = None
         self.release_on_grads = False  # no input gradient to hook (the embedding): released by its grads
         self.backward_holds = 0  # holds its output hooks took in this backward (one per use: MTP reuses the embedding)
+        self.params = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
+        self.fired = 0  # of `params`, those whose gradient this backward accumulated
 
 
 class ParamUnits:
@@ -54,11 +58,16 @@ class ParamUnits:
         for a, b in zip(units, units[1:]):
             if a.chunk == b.chunk:  # prefetch within a pipeline chunk only: the next chunk may run much later
                 a.next, b.prev = b, a
+        users: dict[int, tuple[torch.Tensor, list[Unit]]] = {}  # a tied weight: both units using it
         for u in units:
             for b in u.buckets:
                 b.holds, b.works = 0, None
             u.module.register_forward_pre_hook(self._pre_forward)
             u.module.register_forward_hook(self._post_forward)
+            for p in u.params:
+                users.setdefault(id(p), (p, []))[1].append(u)
+        for p, us in users.values():
+            p.register_post_accumulate_grad_hook(lambda p, us=us: self._grad_accumulated(us))
 
     # ------------------------------------------------------------ gather and free
     def _start(self, u: Unit) -> None:
@@ -101,6 +110,7 @@ class ParamUnits:
     def free_all(self) -> None:
         """End of step: every buffer back to its shard (holds left by parameters without a gradient)."""
         for u in self.units:
+            u.fired = u.backward_holds = 0
             for b in u.buckets:
                 b.holds = 0
                 self._free(b)
@@ -130,7 +140,15 @@ class ParamUnits:
         if u.prev is not None:
             self._start(u.prev)
 
-    def grads_done(self, u: Unit) -> None:
+    def _grad_accumulated(self, users: list[Unit]) -> None:
+        """Autograd accumulated a parameter's gradient of this backward (once per backward, however many uses)."""
+        for u in users:
+            u.fired += 1
+            if u.fired == len(u.params):
+                u.fired = 0
+                self._grads_done(u)
+
+    def _grads_done(self, u: Unit) -> None:
         """Every gradient of a unit without an input gradient arrived: its backward is over, so every hold its
         uses took in it goes (a unit called D + 1 times, as MTP's depths call the embedding, took D + 1)."""
         if u.release_on_grads:

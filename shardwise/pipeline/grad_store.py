@@ -7,6 +7,8 @@ accumulates those weight gradients. One autograd pass, no recomputation.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 
@@ -20,13 +22,19 @@ class WeightGradStore:
         self.pending.setdefault(self.key, []).append((weight, bias, x, grad_out))
 
     def run(self, key) -> None:
-        """Compute and accumulate every deferred weight gradient of `key`, then drop the saved tensors."""
+        """Compute and accumulate every deferred weight gradient of `key`, then drop the saved tensors. A weight
+        used several times in the microbatch (MTP's LM head: 1 + D) gets its hook once, after its last dW, as
+        autograd's post-accumulate-grad hook fires once per backward: the reducer counts one gradient per
+        parameter and microbatch (a hook per use made a bucket "complete" early)."""
+        pending = self.pending.pop(key, [])
+        left = Counter(id(p) for weight, bias, _, _ in pending for p in (weight, bias) if p is not None)
         with torch.no_grad():
-            for weight, bias, x, g in self.pending.pop(key, []):
+            for weight, bias, x, g in pending:
                 dw, db = weight_grads(x, g, weight, bias)
-                _accumulate(weight, dw)
-                if bias is not None:
-                    _accumulate(bias, db)
+                for p, d in ((weight, dw), (bias, db)):
+                    if p is not None:
+                        left[id(p)] -= 1
+                        _accumulate(p, d, last=not left[id(p)])
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.pending.values())
@@ -39,14 +47,14 @@ def weight_grads(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, bias: t
     return dw, (g2.sum(0).to(bias.dtype) if bias is not None else None)
 
 
-def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+def _accumulate(p: torch.Tensor, g: torch.Tensor, last: bool = True) -> None:
     g = g.to(p.dtype)
     if p.grad is None:
         p.grad = g
     else:
         p.grad += g
     hook = getattr(p, "_sw_on_grad", None)  # what autograd's post-accumulate-grad hook would do
-    if hook is not None:
+    if hook is not None and last:
         hook(p)
 
 

@@ -103,16 +103,18 @@ def stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, l
         start += size
         if owner[j] != stage.index:
             continue
-        if j == 0:  # with MTP under PP its gradient is reduced at the end: summed over emb with the last stage's
-            multi = bool(spec.mtp_layers) and lay.pp > 1  # copy, or (dualpipev) accumulated by two chunks
-            units.append((chunk, [(x, multi) for x in embedding_tensors(spec, t)]))
+        if j == 0:  # under PP reduced at the end when summed over emb with the last stage's copy (MTP's, or the
+            # tied head's on another rank) or (MTP under dualpipev) accumulated by two chunks: `tied_partial`
+            late = lay.pp > 1 and (bool(spec.mtp_layers) or (spec.tie_embeddings and not stage.head))
+            units.append((chunk, [(x, late) for x in embedding_tensors(spec, t)]))
         for i in ids:
             layer = layer_tensors(spec, spec.is_moe_layer(i), t, lay.ep, spec.is_linear_layer(i))
             units.append((chunk, [(x, (sp and x.sp_replicated) or k in kv) for k, x in enumerate(layer)]))
         if j == len(owner) - 1:
             head = head_tensors(spec, t, separate_copy=not stage.embedding)
             norm, out = head[:n_norm], head[n_norm:]
-            units += [(chunk, [(x, sp) for x in norm]), (chunk, [(x, False) for x in out])]
+            copy = spec.tie_embeddings and not stage.embedding  # a tied head's copy: summed over emb, then reduced
+            units += [(chunk, [(x, sp) for x in norm]), (chunk, [(x, copy) for x in out])]
             units += [(chunk, u) for u in mtp_units(spec, stage.embedding, t, lay.ep, sp)]
         chunk += 1
     return units

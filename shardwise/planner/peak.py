@@ -27,6 +27,7 @@ from shardwise.planner.weight_grads import (
 )
 from shardwise.planner.weight_store import weight_store_bytes
 from shardwise.planner.zero2_inflight import zero2_bucket_moments
+from shardwise.planner.zero3_mtp_held import head_backward_units, head_held_bytes, mtp_held_bytes
 from shardwise.planner.zero3_inflight import (
     backward_inflight_bytes, forward_inflight_bytes, freed_per_layer, last_launched, layer_backward_moment,
     unit_bytes, zero3_gathered_bytes,
@@ -114,7 +115,9 @@ def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) 
     if lay.zero == 2:
         return 0.0, zero2_bucket_moments(spec, stage, lay, wl, 0.0, again, lay.m - 1)[1]
     units = [full for chunk, full, _, _ in unit_bytes(spec, stage, lay)]
-    return float(sum(units[-2:])), last_launched(spec, stage, lay, wl) if again else 0.0
+    norm, head = head_backward_units(spec, stage, lay)  # MTP: modules follow the head, and hold units beside it
+    gathered = units[norm] + units[head] + head_held_bytes(spec, stage, lay)
+    return gathered, last_launched(spec, stage, lay, wl) if again else 0.0
 
 
 def backward_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:
@@ -240,6 +243,7 @@ PEAK_TERMS = {
     "activations": "the saved tensors of the microbatches in flight, and the layer full recompute rebuilds",
     "transient": "the short-lived tensors of that moment",
     "zero3_gathered": "ZeRO-3 units gathered in full (fp32) at that moment",
+    "zero3_mtp_held": "ZeRO-3 units MTP's extra uses keep gathered beside a layer's backward (zero3_mtp_held)",
     "reduce_scatter_buckets": "gradient buckets filling and reduce-scatters in flight at that moment",
     "weight_gradient_store": "inputs and output gradients the split backward keeps for W (zb, dualpipev)",
     "pipeline_buffers": "boundary tensors the executor holds: posted receives, chunk inputs autograd does not save, "
@@ -286,6 +290,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
         full16 = wl.act_bytes != 4 and lay.recompute == "full" and lay.zero == 3
         in_flight_now, gathered_now = (layer_backward_moment(spec, stage, lay, wl) if full16
                                        else (buckets, at_backward if lay.zero == 3 else gathered))
+        gathered_now += mtp_held_bytes(spec, stage, lay)  # MTP under ZeRO-3: units held beside a backward
         moments.append(("backward: a layer's MLP (its inner gradients, the residual stream's)",
                         layer_backward_transient_bytes(spec, stage, lay, wl) - after_head, gathered_now, in_flight_now))
         # a weight gradient precedes the ZeRO-2/3 bucket its accumulation allocates: no bucket term beside it
@@ -315,8 +320,11 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     buffers = {"forward": at_f, "backward": at_b}
     moment, transient, gathered, buckets, pipe = max(
         ((*m, buffers.get(m[0].split(":")[0], 0.0)) for m in moments), key=lambda m: sum(m[1:]))
+    held = mtp_held_bytes(spec, stage, lay) if moment.startswith(
+        ("backward: a layer", "backward: the experts'", "backward: the token embedding")) else \
+        head_held_bytes(spec, stage, lay) if moment.startswith("backward: the LM head") else 0.0
     out = {"static": float(static), "activations": float(activation), "transient": transient,
-           "zero3_gathered": gathered, "reduce_scatter_buckets": buckets,
+           "zero3_gathered": gathered - held, "zero3_mtp_held": held, "reduce_scatter_buckets": buckets,
            "weight_gradient_store": weight_store_bytes(spec, stage, lay, wl),
            "pipeline_buffers": pipe}
     out["total"] = sum(out.values())
