@@ -28,6 +28,8 @@ CI = [
     "moe-ep2-cp2-hs1-z3-full",  # the fp32 expert loop: unbind's backward, no zero-filled gradient per expert
     "pp2-dualpipev-z1-bf16",   # dualpipev's turn: chunk inputs and handed-over outputs held from F to B, in bf16
     "moe-ep2-tp2-sp-z1-bf16-full-rl1",  # ... and the recomputed MoE block's repeated all-to-alls and SP collectives
+    "deepseek-v3-2048-1f1b-m4",  # plan's top DeepSeek-V3 row: tp1 with 32 local experts, MLA, MTP on the last stage
+    "qwen3-235b-512-1f1b-m2",    # plan's top Qwen3-235B row: tp2·SP, 47 MoE layers per stage, 72.0 of 72 GB planned
 ]
 
 
@@ -44,13 +46,13 @@ def _check(report: dict) -> None:
 
 @pytest.mark.parametrize("name", CI)
 def test_sweep_layout_within_bounds(name):
-    _check(sweep.simulate(sweep.LAYOUTS[name]))
+    _check(sweep.simulate(sweep.LAYOUTS[name], sweep.ranks_of(name)))
 
 
 def test_layouts_cover_every_pairing():
     """The sweep crosses every pairing the planner models: every ZeRO stage, hybrid sharding, tp with and without SP,
     every schedule, ring and Ulysses, ep, every recompute mode (and --recompute-layers), fp32 and bf16, in at most
-    16 ranks."""
+    16 ranks; and full-size plans, each with the ranks it runs."""
     runs = list(sweep.LAYOUTS.values())
     ps = [c.parallel for c in runs]
     assert {1, 2, 3} <= {p.zero for p in ps}
@@ -63,7 +65,9 @@ def test_layouts_cover_every_pairing():
     assert any(p.cp == 2 and p.cp_impl == "ring" for p in ps)
     assert any(p.recompute_layers for p in ps if p.recompute == "full") and \
         any(p.recompute_layers for p in ps if p.recompute == "selective")
-    assert all(p.world_size <= 16 for p in ps)
+    assert all(c.parallel.world_size <= 16 for name, c in sweep.LAYOUTS.items() if name not in sweep.RANKS)
+    assert set(sweep.RANKS) <= set(sweep.LAYOUTS) and {"deepseek-v3", "qwen3-235b-a22b"} <= {
+        sweep.LAYOUTS[name].model for name in sweep.RANKS}
 
 
 def test_a_broken_zero2_term_fails(monkeypatch):
