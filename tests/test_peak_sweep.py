@@ -3,8 +3,9 @@ simulated rank the planner's live peak within 3% of the traced one, saved activa
 bytes per axis equal, and static bytes exactly equal (the planner counts shardwise's own buffers,
 `tests/test_planner_ledger.py`).
 
-CI runs the layouts that exercise a distinct planner moment (about a minute on two cores); the sweep module
-runs them all (`python -m shardwise.simulate.sweep`).
+CI runs the layouts that exercise a distinct planner moment (about a minute on two cores), one full-size MoE plan
+and a full-size layout known to be outside its bound (a strict expected failure); the sweep module runs them all
+(`python -m shardwise.simulate.sweep`), Qwen3-235B's top row on 512 GPUs included (about 50 CPU-s).
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ CI = [
     "pp2-dualpipev-z1-bf16",   # dualpipev's turn: chunk inputs and handed-over outputs held from F to B, in bf16
     "moe-ep2-tp2-sp-z1-bf16-full-rl1",  # ... and the recomputed MoE block's repeated all-to-alls and SP collectives
     "deepseek-v3-2048-1f1b-m4",  # plan's top DeepSeek-V3 row: tp1 with 32 local experts, MLA, MTP on the last stage
-    "qwen3-235b-512-1f1b-m2",    # plan's top Qwen3-235B row: tp2·SP, 47 MoE layers per stage, 72.0 of 72 GB planned
+    pytest.param("llama3-70b-int-z3-full-s8192", marks=pytest.mark.xfail(
+        strict=True, reason="bf16 full recompute, ZeRO-3, interleaved, seq 8192: the last stage traces 0.958 of its "
+                            "planned peak (docs/planner.md, known gaps)")),
 ]
 
 
