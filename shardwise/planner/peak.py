@@ -302,7 +302,8 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
         at_grads = gathered_now if lay.zero == 3 else gathered
         experts = expert_weight_grad_bytes(spec, stage, lay, wl)
         if experts:
-            moments.append(("backward: the experts' GEMMs (their stacks' weight gradients, an fp32 copy)",
+            moments.append(("backward: the experts' GEMMs (their stacks' weight gradients, an fp32 copy, the rebuilt "
+                            "layer's weight casts)",
                             experts + rebuilt_weight_copies(spec, stage, lay, wl, moe=True) - after_head, at_grads, 0.0))
         embedding = embedding_weight_grad_bytes(spec, stage, lay, wl)
         if embedding:
