@@ -301,7 +301,7 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
                                             padded_vocab(spec, lay.tp) // lay.tp, wl.act_bytes, wl.resid_bytes, lay.tp,
                                             lay.sp)
     if model == "shardwise":
-        out["embedding"] = float((9 * n if lay.tp > 1 else 8 * n) if stage.embedding else 0)
+        out["embedding"] = float((INT64 + (BOOL if lay.tp > 1 else 0)) * n if stage.embedding else 0)
         # apply_rope's real arithmetic saves views of the fp32 cos/sin tables each chunk builds (one storage
         # each, shared by all its layers; under full recompute the checkpoints keep the same tables)
         chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
