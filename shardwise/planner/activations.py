@@ -301,7 +301,7 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
                                             padded_vocab(spec, lay.tp) // lay.tp, wl.act_bytes, wl.resid_bytes, lay.tp,
                                             lay.sp)
     if model == "shardwise":
-        out["embedding"] = float((9 * n if lay.tp > 1 else 8 * n) if stage.embedding else 0)
+        out["embedding"] = float((INT64 + (BOOL if lay.tp > 1 else 0)) * n if stage.embedding else 0)
         # apply_rope's real arithmetic saves views of the fp32 cos/sin tables each chunk builds (one storage
         # each, shared by all its layers; under full recompute the checkpoints keep the same tables)
         chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
@@ -372,3 +372,23 @@ def _plain_chunk_bytes(spec: ModelSpec, lay: Layout, wl: Workload, ids: range, m
     eager = dataclasses.replace(lay, recompute="none", recompute_layers=None)
     acts = sum(layer_activation_bytes(spec, k, lay, wl, "none", model) for k in kinds)
     return acts + (autocast_weight_bytes(spec, plain, eager, wl) if model == "shardwise" and kinds else 0.0)
+
+
+def rebuilt_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, moe: bool | None = None) -> float:
+    """Under bf16 full recompute, the rebuilt layer's bf16 weight casts alive during its MLP's backward: the
+    recompute runs with autocast's cache off (`recompute._uncached`), so each linear casts its weight again, and the
+    casts its matmuls save stay in the checkpoint's recomputed frame until their own backward — the copies the layer
+    saves without recompute (`autocast_weight_bytes`: none in a column region, none under a split backward) less the
+    down-projection's (dense: [h, ffn/tp], whose backward has run) and the routed experts' (their grouped GEMM's
+    moment, `weight_grads`). `moe`: that kind (if recomputed here), else the larger of the kinds recomputed."""
+    if wl.act_bytes == 4 or lay.recompute != "full":
+        return 0.0
+    (dense, n_moe), _ = stage.recompute_split(lay)
+    eager = dataclasses.replace(lay, recompute="none", recompute_layers=None)
+    out = 0.0
+    for kind, n in ((False, dense), (True, n_moe)):
+        if n and moe in (None, kind):
+            one = Stage(stage.index, int(not kind), int(kind), False, False)
+            done = layer_params(spec, kind, lay.tp, lay.ep).expert if kind else spec.ffn_dim // lay.tp * spec.dim
+            out = max(out, autocast_weight_bytes(spec, one, eager, wl) - wl.act_bytes * done)
+    return float(out)

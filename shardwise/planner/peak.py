@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.activations import (
-    head_activation_bytes, head_loss_saved_bytes, microbatch_activation_bytes, recompute_transient_bytes,
-    stage_activation_bytes,
+    head_activation_bytes, head_loss_saved_bytes, microbatch_activation_bytes, rebuilt_weight_copies,
+    recompute_transient_bytes, stage_activation_bytes,
 )
 from shardwise.planner.memory import stage_params, stage_units, static_bytes, zero_buckets
 from shardwise.planner.models import ModelSpec, padded_vocab
 from shardwise.planner.muon import step_transient_bytes
-from shardwise.planner.rank_actions import backward_states, backwards_before_forward, boundary_buffers
+from shardwise.planner.rank_actions import (
+    backward_states, backwards_before_forward, boundary_buffers, head_held_at_other_backward,
+)
 from shardwise.planner.weight_grads import (
     embedding_weight_grad_bytes, expert_weight_grad_bytes, head_weight_grad_bytes,
 )
@@ -84,8 +86,10 @@ def pipeline_buffer_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     n = lay.mb * wl.seq_len // lay.cp
     one = wl.resid_bytes * (n // lay.tp if lay.sp else n) * spec.dim
     # the count repeats from the steady state on: walked at no more than 4·pp microbatches (`schedule.simulated`)
+    # a chunk's input is saved by autograd under an fp32 residual, and by its first layer's checkpoint under full
+    # recompute (`--recompute-layers` recomputes each chunk's first layers)
     at_f, at_b = boundary_buffers(lay.schedule, lay.pp, min(lay.m, 4 * lay.pp), lay.vp, stage.index,
-                                  wl.resid_bytes == 4)
+                                  wl.resid_bytes == 4 or lay.recompute == "full")
     return float(one * at_f), float(one * at_b)
 
 
@@ -213,11 +217,15 @@ def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workloa
 
 def head_copy_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
     """Under bf16 full recompute, the LM head's weight copy (outside every checkpoint: cached and saved, held
-    with the head's activations) — freed by the head's backward, so gone during a layer's backward: without a
-    pipeline, and on a 1F1B pipeline's last stage (each F's autocast region clears the cache, and the head's
-    backward follows its forward at once). Other schedules keep 0: the trace of interleaved 70B (stage 3)
-    still shows the copy there, a fact not derived yet."""
-    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head or (lay.pp > 1 and lay.schedule != "1f1b"):
+    with the head's activations), freed by the head's backward, so gone during a layer's backward: a layer's
+    backward runs after the head's backward in the same B (the head's chunk), or in a B of another chunk while no
+    head is in flight — each F of the head's chunk is its own autocast region, and on 1F1B, zb and interleaved the
+    last rank's B of that chunk follows its F at once (GPipe holds the other microbatches' heads, each with its own
+    copy, and `stage_activation_bytes` counts them). DualPipeV's rank 0 runs a B of its first chunk while a head is
+    in flight (`head_held_at_other_backward`): the copy stays."""
+    if wl.act_bytes == 4 or lay.recompute != "full" or not stage.head:
+        return 0.0
+    if lay.pp > 1 and head_held_at_other_backward(lay.schedule, lay.pp, min(lay.m, 4 * lay.pp), lay.vp, stage.index):
         return 0.0
     return float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim)
 
@@ -291,14 +299,17 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
         in_flight_now, gathered_now = (layer_backward_moment(spec, stage, lay, wl) if full16
                                        else (buckets, at_backward if lay.zero == 3 else gathered))
         gathered_now += mtp_held_bytes(spec, stage, lay)  # MTP under ZeRO-3: units held beside a backward
-        moments.append(("backward: a layer's MLP (its inner gradients, the residual stream's)",
-                        layer_backward_transient_bytes(spec, stage, lay, wl) - after_head, gathered_now, in_flight_now))
+        copies = rebuilt_weight_copies(spec, stage, lay, wl)  # the rebuilt layer's casts, until its backward ends
+        moments.append(("backward: a layer's MLP (its inner gradients, the residual stream's, the rebuilt layer's "
+                        "weight casts)", layer_backward_transient_bytes(spec, stage, lay, wl) + copies - after_head,
+                        gathered_now, in_flight_now))
         # a weight gradient precedes the ZeRO-2/3 bucket its accumulation allocates: no bucket term beside it
         at_grads = gathered_now if lay.zero == 3 else gathered
         experts = expert_weight_grad_bytes(spec, stage, lay, wl)
         if experts:
-            moments.append(("backward: the experts' GEMMs (their stacks' weight gradients, an fp32 copy)",
-                            experts - after_head, at_grads, 0.0))
+            moments.append(("backward: the experts' GEMMs (their stacks' weight gradients, an fp32 copy, the rebuilt "
+                            "layer's weight casts)",
+                            experts + rebuilt_weight_copies(spec, stage, lay, wl, moe=True) - after_head, at_grads, 0.0))
         embedding = embedding_weight_grad_bytes(spec, stage, lay, wl)
         if embedding:
             moments.append(("backward: the token embedding (its fp32 weight gradient)", embedding - rebuilt,

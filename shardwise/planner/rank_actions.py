@@ -146,3 +146,25 @@ def boundary_buffers(schedule: str, p: int, m: int, v: int, k: int, saved_inputs
         best[kind] = max(best[kind], len(held - saved - {None, made}))
         sending = [(b, last) for b, last in sending if last > i]
     return best["F"], best["B"]
+
+
+@lru_cache(maxsize=1024)
+def head_held_at_other_backward(schedule: str, p: int, m: int, v: int, k: int) -> bool:
+    """Whether rank k runs a B of one of its chunks while a microbatch of its last chunk (on the stage holding the
+    LM head: the head's) has its F done and its B not — DualPipeV's rank 0 does (an F of the head's chunk, then a B
+    of its first chunk); on 1F1B, zb and interleaved the last rank's B of its last chunk follows that F at once,
+    and GPipe's single chunk has no other."""
+    try:
+        actions = _schedule(schedule, p, m, v).actions[k]
+    except (ImportError, ValueError):
+        return True
+    last = max(a.chunk for a in actions)
+    held = 0
+    for a in actions:
+        if a.chunk == last and a.kind == "F":
+            held += 1
+        elif a.kind == "B":
+            if a.chunk != last and held:
+                return True
+            held -= a.chunk == last
+    return False

@@ -84,15 +84,44 @@ LAYOUTS: dict[str, TrainConfig] = {
                                             recompute_layers=1),
     "cp2-ring-sel-rl2-z3": _run(64, micro_batch=2, microbatches=2, dp=2, cp=2, zero=3, recompute="selective",
                                 recompute_layers=2),
+    # full-size MoE plans: `plan`'s top rows, each with fewer microbatches per step (the same per-microbatch
+    # tensors and comm; fewer in flight) and only the distinct stages of RANKS
+    "deepseek-v3-2048-1f1b-m4": _run(4096, dtype="bf16", model="deepseek-v3", micro_batch=1, microbatches=4, dp=8,
+                                     pp=32, cp=8, ep=8, zero=1, recompute="full",
+                                     pp_layers=[2] * 29 + [1] * 3),
+    "qwen3-235b-512-1f1b-m2": _run(4096, dtype="bf16", model="qwen3-235b-a22b", micro_batch=1, microbatches=2, dp=32,
+                                   tp=2, pp=2, cp=4, ep=128, zero=1, recompute="selective", sequence_parallel=True),
+    # bf16 full recompute on a pipeline: each received chunk input saved by its first layer's checkpoint, the rebuilt
+    # layer's weight casts through its MLP's backward (tiny pp8 1F1B; and the 70B interleaved last stage, where the
+    # LM head's copy is gone by a layer's backward: 0.958 of planned while the planner kept it)
+    "pp8-1f1b-bf16-full": _run(64, dtype="bf16", micro_batch=2, microbatches=16, pp=8, recompute="full"),
+    "llama3-70b-int-z3-full-s8192": _run(8192, dtype="bf16", model="llama3-70b", micro_batch=1, microbatches=4, dp=16,
+                                         tp=8, pp=4, cp=2, zero=3, recompute="full", schedule="interleaved", vp=2,
+                                         sequence_parallel=True),
 }
-"""Name -> the run `shardwise simulate` checks. Every layout's world is at most 16."""
+"""Name -> the run `shardwise simulate` checks. Every layout's world is at most 16, but the full-size ones."""
+
+RANKS: dict[str, str] = {
+    # the embedding and dense layers, a dense + MoE stage, the largest (two MoE layers), the head with the MTP module
+    "deepseek-v3-2048-1f1b-m4": "0,8,16,248",
+    "qwen3-235b-512-1f1b-m2": "0",  # the first of two stages of 47 MoE layers (the larger activations)
+    "llama3-70b-int-z3-full-s8192": "48",  # the last stage (the head's)
+    "pp8-1f1b-bf16-full": "1,6",  # tiny, but 8 stages: the two terms' drift is widest between the first and last
+}
+"""Layouts that run only some stages: the ranks `simulate` runs (every other layout runs the first rank of each
+stage)."""
+
+
+def ranks_of(name: str) -> str:
+    """--ranks of the sweep layout `name`."""
+    return RANKS.get(name, "stages")
 
 FIGURES = ("peak_bytes", "static_bytes", "activation_bytes")
 
 
 def simulate(layout: TrainConfig, ranks: str = "stages") -> dict:
     """`shardwise simulate` of `layout` (a copy: assembling fills it in) with --ranks RANKS in this process:
-    its report (`simulate.cli.run`)."""
+    its report (`simulate.cli.run`). A layout of `RANKS` passes its own ranks (`ranks_of`)."""
     from ..run import assemble
     from .cli import check_simulable, choose_ranks, run
 
@@ -118,7 +147,7 @@ def main(argv: list[str]) -> int:
     failed = 0
     for name in names:
         t0 = time.perf_counter()
-        report = simulate(LAYOUTS[name])
+        report = simulate(LAYOUTS[name], ranks_of(name))
         cells = []
         for r in ratios(report):
             cells.append(f"s{r['stage']} peak {r['peak_bytes']:.3f} static {r['static_bytes']:.3f} "
