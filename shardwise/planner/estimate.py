@@ -120,7 +120,7 @@ def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload, activation_model
     """Per pipeline stage: its Stage, local Params, static breakdown, activation and total bytes."""
     out, seen = [], {}
     for st in stages(spec, lay):
-        key = (st.n_dense, st.n_moe, st.embedding, st.head) if lay.zero < 2 else st  # ZeRO 2/3: chunks matter
+        key = (st.n_dense, st.n_moe, st.embedding, st.head, st.linear) if lay.zero < 2 else st  # ZeRO 2/3: chunks matter
         if key not in seen:
             local = stage_params(spec, st, lay)
             seen[key] = local, static_bytes(local, lay, zero_buckets(spec, st, lay) if lay.zero else None)
@@ -190,7 +190,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     for s in mem:
         st = s["stage"]
         # Stages that hold the same kind of work share one cost evaluation (only memory differs).
-        key = (st.kinds, st.recomputed, st.embedding, st.head, edges[st.index])
+        key = (st.kinds, st.recomputed, st.linear, st.embedding, st.head, edges[st.index])
         if key not in seen:
             mb, sync = stage_ledgers(spec, st, lay, wl, s["params"])
             hw, core = _stage_flops(spec, st, lay, wl)

@@ -221,6 +221,8 @@ class Stage:
     recomputed: tuple[bool, ...] = ()
     """Under --recompute-layers N, whether each held layer (as `kinds`) is one the runtime recomputes: the first N
     of every chunk (`shardwise.recompute.apply_recompute`); () = every layer follows the layout's recompute."""
+    linear: tuple[bool, ...] = ()
+    """Whether each held layer (as `kinds`) is a Gated DeltaNet layer (planner/linear_attention.py); () = none."""
 
     @property
     def n_layers(self) -> int:
@@ -275,7 +277,8 @@ def stages(spec: ModelSpec, lay: Layout) -> list[Stage]:
     for k, ids in enumerate(stage_layer_ids(spec, lay)):
         kinds = tuple(spec.is_moe_layer(i) for i in ids)
         out.append(Stage(k, len(kinds) - sum(kinds), sum(kinds), embedding=owner[0] == k, head=owner[-1] == k,
-                         kinds=kinds, recomputed=tuple(i in chosen for i in ids) if chosen is not None else ()))
+                         kinds=kinds, recomputed=tuple(i in chosen for i in ids) if chosen is not None else (),
+                         linear=tuple(spec.is_linear_layer(i) for i in ids) if spec.linear_layers else ()))
     return out
 
 
