@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from shardwise.planner import gpt_oss
+from shardwise.planner import gpt_oss, linear_attention
 from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
@@ -88,6 +88,17 @@ def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1,
     return 2.0 * (attn + mlp), core
 
 
+def linear_layer_delta(spec: ModelSpec, seq_len: int, tp: int = 1) -> tuple[float, float]:
+    """(matmul, core) forward FLOPs per token a Gated DeltaNet layer does beyond the attention layer
+    `layer_flops_per_token` counts in its place (`linear_attention.flops_per_token`)."""
+    if not spec.linear_layers:
+        return 0.0, 0.0
+    hq = spec.n_heads // tp
+    proj, core = linear_attention.flops_per_token(spec, seq_len, tp)
+    attn = 2.0 * (2 * spec.dim * hq * spec.head_dim + 2 * spec.dim * local_kv_heads(spec, tp) * spec.head_dim)
+    return proj - attn, core - 2.0 * seq_len * hq * (spec.k_dim + spec.v_dim)
+
+
 @lru_cache(maxsize=256)
 def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none", recomputed: frozenset | None = None) -> float:
     """FLOPs of one optimizer step over the whole cluster (3× forward, plus the recomputation of the layers
@@ -102,6 +113,11 @@ def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none", recomput
     rec_core = sum(per_kind[k][1] * gpt_oss.window_share(spec, i, wl.seq_len) for i, k in again)
     mm, cc = mtp_flops_per_token(spec, lambda moe: per_kind[moe], spec.vocab_size)
     matmul, core = matmul + mm, core + cc
+    d_mm, d_core = linear_layer_delta(spec, wl.seq_len)
+    lin, lin_again = len(spec.linear_layers), sum(1 for i, _ in again if spec.is_linear_layer(i))
+    matmul, core, rec_mm = matmul + lin * d_mm, core + lin * d_core, rec_mm + lin_again * d_mm
+    # full recompute re-runs a linear layer's core; selective replays attention cores only, none in a linear layer
+    rec_core += lin_again * (d_core if recompute == "full" else -per_kind[False][1])
     fwd = tokens * (matmul + core + 2.0 * spec.dim * spec.vocab_size)
     extra = {"none": 0.0, "selective": tokens * rec_core, "full": tokens * (rec_mm + rec_core)}[recompute]
     return 3.0 * fwd + extra
@@ -148,6 +164,11 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
             mm, cc = layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp)
             matmul, core = matmul + n * mm, core + n * cc
             rec_mm, rec_core = rec_mm + again * mm, rec_core + again * cc
+    d_mm, d_core = linear_layer_delta(spec, wl.seq_len, lay.tp)
+    lin, lin_again = linear_attention.held_layers(st, lay)  # Gated DeltaNet: not the attention core selective replays
+    matmul, core, rec_mm = matmul + lin * d_mm, core + lin * d_core, rec_mm + lin_again * d_mm
+    rec_core += lin_again * d_core - (lin * 2.0 * wl.seq_len * (spec.n_heads // lay.tp) * (spec.k_dim + spec.v_dim)
+                                      if lay.recompute == "selective" else 0.0)
     head = 2.0 * spec.dim * (padded_vocab(spec, lay.tp) // lay.tp) if st.head else 0.0
     if st.head and spec.mtp_layers:
         mm, cc = mtp_flops_per_token(spec, lambda moe: layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp),

@@ -330,7 +330,7 @@ def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
                  schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
                  recompute=p.recompute, recompute_layers=p.recompute_layers if p.recompute != "none" else None,
                  sequence_parallel=bool(p.sequence_parallel and p.tp > 1),
-                 cp_impl=p.cp_impl, dp_shard=p.dp_shard if p.hsdp else None,
+                 cp_impl=p.cp_impl, cp_order=p.cp_order, dp_shard=p.dp_shard if p.hsdp else None,
                  tp_overlap=bool(p.tp_overlap and p.sequence_parallel and p.tp > 1))
     gb = cfg.global_batch or cfg.micro_batch * p.dp
     return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,

@@ -1,0 +1,74 @@
+"""The planner's terms for Gated DeltaNet layers (Qwen3-Next / Qwen3.5) and gpt-oss's sliding-window rings against
+the runtime: `shardwise simulate` (the real trainer, comm layer and ledger on fake tensors, in this process) on a
+small hybrid — static bytes equal, saved activations within 2%, the live peak within 3%, every comm byte equal
+(TP's partial norm gradients, CP's state-map and halo gathers) — and the ring's step count equal to the runtime's."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from shardwise.config import ParallelConfig, TrainConfig
+from shardwise.planner import gpt_oss, linear_attention
+from shardwise.simulate import sweep
+
+HYBRID = dict(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True, attn_output_gate=True,
+              partial_rotary=0.5, linear_layers=(0, 1, 2), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
+              linear_v_dim=8)
+
+
+def _hybrid(dtype="fp32", **parallel) -> TrainConfig:
+    p = ParallelConfig(**parallel)
+    return TrainConfig(model="tiny", parallel=p, steps=2, seq_len=128, micro_batch=2, global_batch=4 * p.dp,
+                       dtype=dtype, model_overrides=dict(HYBRID))
+
+
+def _check(report, activations=True):
+    for r in report["ranks"]:
+        assert r["static_bytes"]["measured"] == r["static_bytes"]["planned"], r["static_bytes"]
+        assert all(v["measured"] == v["planned"] for v in r["comm_bytes"].values()), r["comm_bytes"]
+        if activations:
+            for key, tol in (("activation_bytes", 0.02), ("peak_bytes", 0.03)):
+                m, p = r[key]["measured"], r[key]["planned"]
+                assert abs(m - p) <= tol * p, (key, m, p, m / p)
+
+
+@pytest.mark.parametrize("name, layout", [("fp32", _hybrid()), ("bf16-tp2-sp", _hybrid("bf16", tp=2,
+                                                                                         sequence_parallel=True))])
+def test_hybrid_within_bounds(name, layout):
+    _check(sweep.simulate(layout))
+
+
+def test_hybrid_cp_comm_equals_the_ledger():
+    """cp 2 (balanced): the linear layers' map and halo gathers and their reduce-scatters, the full-attention
+    layer's ring; full recompute repeats the gathers. Activations under cp are a known gap (docs/planner.md)."""
+    for layout in (_hybrid(cp=2), _hybrid(cp=2, cp_order="contiguous", recompute="full")):
+        _check(sweep.simulate(layout), activations=False)
+
+
+def test_the_stage_counts_its_linear_layers(monkeypatch):
+    """Breaking the planner's Gated DeltaNet CP term makes the ledger check fail: the test can fail."""
+    monkeypatch.setattr(linear_attention, "cp_comm", lambda *a: None)
+    with pytest.raises(AssertionError):
+        _check(sweep.simulate(_hybrid(cp=2)), activations=False)
+
+
+def test_ring_steps_equal_the_runtime():
+    from shardwise.context_parallel.ring_attention import ring_steps
+
+    for cp in (2, 3, 4, 8):
+        for order in ("contiguous", "balanced"):
+            for s_local in (64, 128, 256):
+                for window in (0, 1, 64, 128, 200, 1000):
+                    assert gpt_oss.ring_steps(cp, order, s_local, window) == ring_steps(cp, order, s_local, window)
+
+
+def test_windowed_ring_comm_equals_the_ledger():
+    """gpt-oss-shaped attention (sinks, biases, alternating 16-token windows) on a contiguous cp 4 ring: the sliding
+    layers' rings stop after two steps, and the planner counts the same sends as the ledger."""
+    layout = TrainConfig(model="tiny", parallel=ParallelConfig(cp=4, cp_order="contiguous"), steps=2, seq_len=128,
+                         micro_batch=2, global_batch=4, dtype="fp32",
+                         model_overrides=dict(attention_sinks=True, attention_bias=True, attention_out_bias=True,
+                                              sliding_window=16, sliding_layers=(0,)))
+    assert gpt_oss.ring_steps(4, "contiguous", 32, 16) == 2
+    _check(sweep.simulate(copy.deepcopy(layout)), activations=False)
