@@ -134,7 +134,8 @@ def _linear_mixer_delta(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload
     n_r = n // t if lay.sp else n
     mask = e * n * h if spec.dropout > 0 else 0
     region = r * n * h if _column_region(spec, lay) else region_input(n, h, 6, e, r)
-    linear = _norm_saved(n_r, h) + mask + region + mixer_activation_bytes(spec, lay.mb, wl.seq_len // lay.cp, t, e)
+    linear = _norm_saved(n_r, h) + mask + region + mixer_activation_bytes(spec, lay.mb, wl.seq_len // lay.cp, t, e, lay.cp,
+                                                                             lay.cp_order)
     out = 0.0
     for lin, rec in zip(stage.linear, stage.recomputed or (True,) * len(stage.linear)):
         mode = recompute or (lay.recompute if rec else "none")

@@ -83,7 +83,7 @@ def flops_per_token(spec, seq_len: int, tp: int = 1) -> tuple[float, float]:
     return proj, core
 
 
-def mixer_activation_bytes(spec, mb: int, s_loc: int, tp: int, e: int) -> float:
+def mixer_activation_bytes(spec, mb: int, s_loc: int, tp: int, e: int, cp: int = 1, order: str = "balanced") -> float:
     """What the mixer saves past its region input (which the block counts), on one rank: b = mb sequences of
     s_loc tokens, this rank's nk key and nv value heads, e-byte activations. Term by term from the runtime:
     the convolution's padded input, output (silu's input) and kernel; q/k's L2 norms (their fp32 inputs and
@@ -93,7 +93,7 @@ def mixer_activation_bytes(spec, mb: int, s_loc: int, tp: int, e: int) -> float:
     [b, nv, s, d_k] and [b, nv, s, d_v] tensors (q, k, v, β·k, u, w, the decayed q/k, v_new and the contiguous
     copies matmul makes of strided chunk slices) are counted by how many of each autograd kept in a fake-tensor
     trace of the layer at full size (s a multiple of C; fp32: 10 and 3; under bf16 autocast the fp32 copies
-    differ), not one by one."""
+    differ), not one by one. Under cp add `cp_extra_bytes`."""
     b, C = mb, CHUNK
     nk, nv = spec.linear_k_heads // tp, spec.linear_v_heads // tp
     dk, dv, kw = spec.linear_k_dim, spec.linear_v_dim, spec.linear_conv_kernel
@@ -111,4 +111,21 @@ def mixer_activation_bytes(spec, mb: int, s_loc: int, tp: int, e: int) -> float:
         out += 4 * p * nv * (10 * dk + 3 * dv)
     else:
         out += 4 * n * nv * (7.4375 * dk + 3 * dv + dk * dv / C - 96)
-    return float(out)
+    return float(out) + (cp_extra_bytes(b, s_loc, nv, dk, dv, e, cp, order) if cp > 1 else 0.0)
+
+
+CP_FIT = {4: (3.191, 0.663, 1.883), 2: (3.704, 1.666, 0.339)}
+"""Per activation width: (per d_k, per d_k²/C, per gathered map byte) of `cp_extra_bytes`, least squares over
+fake-tensor traces of the cp path (b 1–2, s_loc 1024–2048, d_k, d_v 64–128, cp 2 and 4, both orders): within
+0.8% of the mixer's bytes under bf16, 4% in fp32."""
+
+
+def cp_extra_bytes(b: int, s_loc: int, nv: int, dk: int, dv: int, e: int, cp: int, order: str) -> float:
+    """What the context-parallel rule saves beyond the one-device layer on s_loc tokens: per chunk of C tokens its
+    state map M [d_k, d_k] and the effective queries' factors ((q_d − A·w), w·M, Q: [C, d_k] each, with matmul's
+    copies of strided slices), and the gathered [M | B] maps the composition reads. Fitted (`CP_FIT`), not derived
+    op by op."""
+    per_dk, per_dk2, per_map = CP_FIT[4 if e == 4 else 2]
+    unit = 4 * b * s_loc * nv
+    maps = 4 * cp * (1 if order == "contiguous" else 2) * b * nv * dk * (dk + dv)
+    return unit * (per_dk * dk + per_dk2 * dk * dk / CHUNK) + per_map * maps
