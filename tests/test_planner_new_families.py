@@ -46,7 +46,7 @@ def test_hybrid_cp_comm_equals_the_ledger():
         _check(sweep.simulate(layout), activations=False)
 
 
-def test_the_stage_counts_its_linear_layers(monkeypatch):
+def test_a_broken_linear_cp_term_fails(monkeypatch):
     """Breaking the planner's Gated DeltaNet CP term makes the ledger check fail: the test can fail."""
     monkeypatch.setattr(linear_attention, "cp_comm", lambda *a: None)
     with pytest.raises(AssertionError):
@@ -63,7 +63,15 @@ def test_ring_steps_equal_the_runtime():
                     assert gpt_oss.ring_steps(cp, order, s_local, window) == ring_steps(cp, order, s_local, window)
 
 
-def test_windowed_ring_comm_equals_the_ledger():
+@pytest.mark.parametrize("name, ranks", [("qwen3-next-80b-cp2-tp2-sp-pp4-ep2-z1-bf16", "0"),
+                                         ("gpt-oss-20b-cp4c-tp2-sp-pp2-ep4-z1-bf16", "stages")])
+def test_full_size_layout_within_bounds(name, ranks):
+    """One full-size layout of each family from the sweep (shortened steps): Qwen3-Next's first stage (nine Gated
+    DeltaNet layers, three gated-attention ones, 256 of 512 experts per rank) and both gpt-oss-20b stages."""
+    _check(sweep.simulate(sweep.LAYOUTS[name], ranks))
+
+
+def test_windowed_ring_comm_equals_the_ledger(monkeypatch):
     """gpt-oss-shaped attention (sinks, biases, alternating 16-token windows) on a contiguous cp 4 ring: the sliding
     layers' rings stop after two steps, and the planner counts the same sends as the ledger."""
     layout = TrainConfig(model="tiny", parallel=ParallelConfig(cp=4, cp_order="contiguous"), steps=2, seq_len=128,
@@ -72,3 +80,6 @@ def test_windowed_ring_comm_equals_the_ledger():
                                               sliding_window=16, sliding_layers=(0,)))
     assert gpt_oss.ring_steps(4, "contiguous", 32, 16) == 2
     _check(sweep.simulate(copy.deepcopy(layout)), activations=False)
+    monkeypatch.setattr(gpt_oss, "ring_steps", lambda cp, *a: cp)  # every step sent, as before the window counted
+    with pytest.raises(AssertionError):
+        _check(sweep.simulate(copy.deepcopy(layout)), activations=False)
