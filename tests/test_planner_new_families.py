@@ -91,3 +91,26 @@ def test_windowed_ring_comm_equals_the_ledger(monkeypatch):
     _check(report, activations=False)
     monkeypatch.setattr(gpt_oss, "ring_steps", lambda cp, *a: cp)  # every step sent, as before the window counted
     assert _comm_differs(layout, report)
+
+
+def test_linear_layer_flops_equal_the_runtimes_matmuls():
+    """`linear_attention.flops_per_token` against torch's FlopCounterMode on a Gated DeltaNet layer's forward (two
+    chunks, two value heads per key head): every projection, the conv and every chunk matmul, exactly. The counter
+    has no formula for the two triangular solves, so their C·(d_k + d_v) per head and token are taken out."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise.config import ModelConfig
+    from shardwise.models.gated_deltanet import GatedDeltaNet
+    from shardwise.planner.models import ModelSpec
+
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, linear_layers=(0,), linear_k_heads=2,
+                      linear_v_heads=4, linear_k_dim=8, linear_v_dim=16)
+    layer = GatedDeltaNet(cfg)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    with FlopCounterMode(display=False) as counter:
+        layer(torch.randn(1, 2 * linear_attention.CHUNK, 32))
+    proj, core = linear_attention.flops_per_token(ModelSpec.of(cfg), 2 * linear_attention.CHUNK)
+    solves = cfg.linear_v_heads * linear_attention.CHUNK * (cfg.linear_k_dim + cfg.linear_v_dim)
+    assert counter.get_total_flops() == 2 * linear_attention.CHUNK * (proj + core - solves)
