@@ -33,10 +33,12 @@ def _check(report, activations=True):
                 assert abs(m - p) <= tol * p, (key, m, p, m / p)
 
 
-@pytest.mark.parametrize("name, layout", [("fp32", _hybrid()), ("bf16-tp2", _hybrid("bf16", tp=2))])
+@pytest.mark.parametrize("name, layout", [("fp32", _hybrid()), ("bf16-tp2", _hybrid("bf16", tp=2)),
+                                          ("fp32-full", _hybrid(recompute="full"))])
 def test_hybrid_within_bounds(name, layout):
-    """One device, and tp 2 without SP: the six projections as one column region, the gated norm's partial
-    gradient summed once per step in place of the attention layer's q/k norms (SP: the full-size layout below)."""
+    """One device; tp 2 without SP (the six projections as one column region, the gated norm's partial gradient
+    summed once per step in place of the attention layer's q/k norms; SP: the full-size layout below); full
+    recompute, whose rebuilt layer is a Gated DeltaNet one."""
     _check(sweep.simulate(layout))
 
 

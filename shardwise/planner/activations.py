@@ -378,6 +378,9 @@ def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Wo
         return 0.0
     kinds = [k for k, n in ((False, dense), (True, moe)) if n]
     rebuilt = max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
+    if stage.linear and model == "shardwise":  # a Gated DeltaNet layer rebuilds its own mixer's tensors
+        one = Stage(0, 1, 0, False, False, (False,), linear=(True,))
+        rebuilt += max(0.0, _linear_mixer_delta(spec, one, lay, wl, "none"))
     if not sum(plain):
         return rebuilt
     return max(0.0, rebuilt - min(_plain_chunk_bytes(spec, lay, wl, ids, model)
