@@ -263,17 +263,15 @@ def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     if c < 2 or not stage.n_layers:
         return
     linear, linear_again = linear_attention.held_layers(stage, lay)  # Gated DeltaNet: its state maps, no ring
-    linear_attention.cp_comm(led, spec, lay, wl, linear, linear_again)
+    linear_attention.cp_comm(led, spec, lay, wl, linear, linear_again if lay.recompute == "full" else 0)
     if lay.cp_impl == "ulysses":
         ulysses_microbatch(led, spec, stage, lay, wl)
         return
     blocks = _tokens(lay, wl) * local_kv_heads(spec, lay.tp) * wl.act_bytes
     dk, dv = _cp_head_dims(spec)
     k_blk, v_blk = blocks * dk, blocks * dv
-    again = sum(stage.recompute_split(lay)[0]) - linear_again if lay.recompute == "full" else 0
-    if lay.recompute == "selective":  # the attention cores of the recomputed layers (none in a linear layer)
-        again = sum(stage.recompute_split(lay)[0]) - (sum(stage.linear) if stage.linear and not stage.recomputed
-                                                      else sum(1 for a, b in zip(stage.linear, stage.recomputed) if a and b))
+    # the recomputed attention layers re-run their ring (a recomputed linear layer gathers instead, above)
+    again = sum(stage.recompute_split(lay)[0]) - linear_again if lay.recompute != "none" else 0
     # per attention layer the ring's hops: cp − 1, fewer for a sliding window the ring stops short of (gpt_oss)
     hops = gpt_oss.ring_hops(spec, lay, wl, stage_layer_ids(spec, lay)[stage.index] if spec.sliding_layers else None,
                              stage.n_layers - linear)
@@ -296,9 +294,7 @@ def ulysses_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layo
     rep = c // hkv if hkv % c else 1
     linear, linear_again = linear_attention.held_layers(stage, lay)
     L = stage.n_layers - linear  # Gated DeltaNet layers run no all-to-all
-    again = sum(stage.recompute_split(lay)[0]) - linear_again if lay.recompute == "full" else 0
-    if lay.recompute == "selective":
-        again = sum(stage.recompute_split(lay)[0]) - linear
+    again = sum(stage.recompute_split(lay)[0]) - linear_again if lay.recompute != "none" else 0
     qkv = 2 * L + again  # fwd, bwd (+ the recomputed layers' fwd)
     dk, dv = _cp_head_dims(spec)
     led.add("cp", "all_to_all", n * hq * dk * e, c, qkv)  # q, dq

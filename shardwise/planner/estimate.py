@@ -167,8 +167,8 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
     d_mm, d_core = linear_layer_delta(spec, wl.seq_len, lay.tp)
     lin, lin_again = linear_attention.held_layers(st, lay)  # Gated DeltaNet: not the attention core selective replays
     matmul, core, rec_mm = matmul + lin * d_mm, core + lin * d_core, rec_mm + lin_again * d_mm
-    rec_core += lin_again * d_core - (lin * 2.0 * wl.seq_len * (spec.n_heads // lay.tp) * (spec.k_dim + spec.v_dim)
-                                      if lay.recompute == "selective" else 0.0)
+    attn_core = 2.0 * wl.seq_len * (spec.n_heads // lay.tp) * (spec.k_dim + spec.v_dim)
+    rec_core += lin_again * (d_core if lay.recompute == "full" else -attn_core)
     head = 2.0 * spec.dim * (padded_vocab(spec, lay.tp) // lay.tp) if st.head else 0.0
     if st.head and spec.mtp_layers:
         mm, cc = mtp_flops_per_token(spec, lambda moe: layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp),

@@ -32,11 +32,12 @@ def linear_attention_tensors(spec, tp: int, tensor_cls, norm: list) -> list:
 
 
 def held_layers(stage, lay) -> tuple[int, int]:
-    """(Gated DeltaNet layers `stage` holds, how many of them full recompute re-runs)."""
+    """(Gated DeltaNet layers `stage` holds, how many of them are in the layout's recompute set: full recompute re-runs
+    those; selective replays attention cores only, so none of theirs)."""
     if not stage.linear:
         return 0, 0
     n = sum(stage.linear)
-    if lay.recompute != "full":
+    if lay.recompute == "none":
         return n, 0
     if not stage.recomputed:
         return n, n
