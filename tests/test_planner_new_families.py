@@ -95,24 +95,31 @@ def test_windowed_ring_comm_equals_the_ledger(monkeypatch):
     assert _comm_differs(layout, report)
 
 
-def test_linear_layer_flops_equal_the_runtimes_matmuls():
-    """`linear_attention.flops_per_token` against torch's FlopCounterMode on a Gated DeltaNet layer's forward (two
-    chunks, two value heads per key head): every projection, the conv and every chunk matmul, exactly. The counter
-    has no formula for the two triangular solves, so their C·(d_k + d_v) per head and token are taken out."""
+def test_hybrid_flops_equal_the_runtimes_matmuls():
+    """The planner's forward FLOPs of a hybrid (three Gated DeltaNet layers, one gated-attention layer with its
+    gate rows in wq) against torch's FlopCounterMode on the model's forward: every projection, the conv, every chunk
+    matmul, the MLPs and the LM head, exactly. The counter has no formula for the triangular solves (C·(d_k + d_v) per
+    value head and token, taken out) nor for CPU SDPA (the attention cores, left out)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from shardwise.config import ModelConfig
-    from shardwise.models.gated_deltanet import GatedDeltaNet
+    from shardwise.models.llama import Transformer
+    from shardwise.planner.estimate import layer_flops_per_token, linear_layer_delta
     from shardwise.planner.models import ModelSpec
 
-    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, linear_layers=(0,), linear_k_heads=2,
-                      linear_v_heads=4, linear_k_dim=8, linear_v_dim=16)
-    layer = GatedDeltaNet(cfg)
-    for p in layer.parameters():
+    cfg = ModelConfig(vocab_size=101, dim=32, ffn_dim=48, max_seq_len=128, **HYBRID)
+    model = Transformer(cfg)
+    for p in model.parameters():
         torch.nn.init.normal_(p, std=0.1)
+    s = 2 * linear_attention.CHUNK
     with FlopCounterMode(display=False) as counter:
-        layer(torch.randn(1, 2 * linear_attention.CHUNK, 32))
-    proj, core = linear_attention.flops_per_token(ModelSpec.of(cfg), 2 * linear_attention.CHUNK)
+        model(torch.randint(0, cfg.vocab_size, (1, s)))
+    spec = ModelSpec.of(cfg)
+    matmul, _ = layer_flops_per_token(spec, False, s)
+    d_matmul, _ = linear_layer_delta(spec, s)
+    _, core = linear_attention.flops_per_token(spec, s)
     solves = cfg.linear_v_heads * linear_attention.CHUNK * (cfg.linear_k_dim + cfg.linear_v_dim)
-    assert counter.get_total_flops() == 2 * linear_attention.CHUNK * (proj + core - solves)
+    linear = len(cfg.linear_layers)
+    expected = s * (cfg.n_layers * matmul + linear * (d_matmul + core - solves) + 2 * cfg.dim * cfg.vocab_size)
+    assert counter.get_total_flops() == expected

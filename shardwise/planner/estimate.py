@@ -79,6 +79,7 @@ def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1,
         attn = q + kv + hq * spec.v_dim * h
     else:
         attn = 2 * h * hq * spec.head_dim + 2 * h * local_kv_heads(spec, tp) * spec.head_dim
+        attn += h * hq * spec.head_dim if spec.attn_output_gate else 0  # gated attention: wq also yields the gate
     if moe:
         mlp = h * spec.moe_experts + (spec.moe_topk + spec.moe_shared_experts) * spec.mlp_mats * h * spec.expert_ffn_dim
         mlp /= tp if sp else 1
@@ -95,7 +96,8 @@ def linear_layer_delta(spec: ModelSpec, seq_len: int, tp: int = 1) -> tuple[floa
         return 0.0, 0.0
     hq = spec.n_heads // tp
     proj, core = linear_attention.flops_per_token(spec, seq_len, tp)
-    attn = 2.0 * (2 * spec.dim * hq * spec.head_dim + 2 * spec.dim * local_kv_heads(spec, tp) * spec.head_dim)
+    attn = 2.0 * ((3 if spec.attn_output_gate else 2) * spec.dim * hq * spec.head_dim
+                  + 2 * spec.dim * local_kv_heads(spec, tp) * spec.head_dim)
     return proj - attn, core - 2.0 * seq_len * hq * (spec.k_dim + spec.v_dim)
 
 
