@@ -13,6 +13,8 @@ Torch-free; `planner/models.py` asks for these instead of attention's for the la
 """
 from __future__ import annotations
 
+from shardwise.partition import chunk_ids
+
 CHUNK = 64
 """Tokens per chunk of the runtime's chunked form (`models.gated_deltanet.CHUNK`)."""
 
@@ -58,7 +60,7 @@ def cp_comm(led, spec, lay, wl, layers: int, again: int) -> None:
     c = lay.cp
     if c < 2 or not layers:
         return
-    chunks = 1 if lay.cp_order == "contiguous" else 2
+    chunks = len(chunk_ids(0, c, lay.cp_order))  # the sequence chunks each rank holds
     nk, nv = spec.linear_k_heads // lay.tp, spec.linear_v_heads // lay.tp
     dk, dv = spec.linear_k_dim, spec.linear_v_dim
     maps = 4 * chunks * lay.mb * nv * dk * (dk + dv)
@@ -128,5 +130,5 @@ def cp_extra_bytes(b: int, s_loc: int, nv: int, dk: int, dv: int, e: int, cp: in
     op by op."""
     per_dk, per_dk2, per_map = CP_FIT[4 if e == 4 else 2]
     unit = 4 * b * s_loc * nv
-    maps = 4 * cp * (1 if order == "contiguous" else 2) * b * nv * dk * (dk + dv)
+    maps = 4 * cp * len(chunk_ids(0, cp, order)) * b * nv * dk * (dk + dv)
     return unit * (per_dk * dk + per_dk2 * dk * dk / CHUNK) + per_map * maps
