@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwise.planner import gpt_oss
+from shardwise.planner.linear_attention import mixer_activation_bytes
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_layer_ids, chunk_owners
 from shardwise.planner.models import BOOL, INT64, ModelSpec, layer_params, local_kv_heads, padded_vocab
 from shardwise.planner.mtp import mtp_activation_bytes
@@ -120,6 +121,28 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     else:
         attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + lse
     return attn + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
+
+
+def _linear_mixer_delta(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, recompute: str | None) -> float:
+    """Gated DeltaNet layers save their mixer's tensors (`linear_attention.mixer_activation_bytes`; six linears
+    share the region input) instead of attention's; selective recompute does not reach them, and a fully recomputed
+    one keeps only its input, like any block."""
+    if not stage.linear:
+        return 0.0
+    e, r, t, h = wl.act_bytes, wl.resid_bytes, lay.tp, spec.dim
+    n = lay.mb * wl.seq_len // lay.cp
+    n_r = n // t if lay.sp else n
+    mask = e * n * h if spec.dropout > 0 else 0
+    region = r * n * h if _column_region(spec, lay) else region_input(n, h, 6, e, r)
+    linear = _norm_saved(n_r, h) + mask + region + mixer_activation_bytes(spec, lay.mb, wl.seq_len // lay.cp, t, e, lay.cp,
+                                                                             lay.cp_order)
+    out = 0.0
+    for lin, rec in zip(stage.linear, stage.recomputed or (True,) * len(stage.linear)):
+        mode = recompute or (lay.recompute if rec else "none")
+        if lin and mode != "full":
+            out += linear - (shardwise_layer_activation_bytes(spec, False, lay, wl, mode)
+                             - _mlp_bytes(spec, False, lay, wl, n, n_r, mask))
+    return out
 
 
 def _column_region(spec: ModelSpec, lay: Layout) -> bool:
@@ -286,6 +309,7 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
     layers = sum(n * layer_activation_bytes(spec, k, lay, wl, recompute, model)
                  for k, n in ((False, dense), (True, moe)) if n)
     layers += sum(n * layer_activation_bytes(spec, k, lay, wl, "none", model) for k, n in zip((False, True), plain) if n)
+    layers += _linear_mixer_delta(spec, stage, lay, wl, recompute) if model == "shardwise" else 0.0
     n = lay.mb * wl.seq_len // lay.cp
     head = head_activation_bytes(spec, lay, wl, model) if stage.head else 0.0
     out = {"layers": layers,
@@ -354,6 +378,9 @@ def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Wo
         return 0.0
     kinds = [k for k, n in ((False, dense), (True, moe)) if n]
     rebuilt = max(layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in kinds)
+    if stage.linear and model == "shardwise":  # a Gated DeltaNet layer rebuilds its own mixer's tensors
+        one = Stage(0, 1, 0, False, False, (False,), linear=(True,))
+        rebuilt += max(0.0, _linear_mixer_delta(spec, one, lay, wl, "none"))
     if not sum(plain):
         return rebuilt
     return max(0.0, rebuilt - min(_plain_chunk_bytes(spec, lay, wl, ids, model)

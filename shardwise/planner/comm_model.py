@@ -24,7 +24,8 @@ from dataclasses import replace
 from functools import lru_cache
 
 from shardwise.bucket_plan import cut_runs
-from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
+from shardwise.planner import gpt_oss, linear_attention
+from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, stage_layer_ids
 from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BYTES_GRAD, stage_tensors, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
@@ -154,20 +155,22 @@ def tp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
         r = spec.q_lora_rank
         per_layer = 2 * spec.head_dim if spec.qk_norm else \
             (spec.dim * r + r) + (spec.dim + 1) * spec.kv_lora_rank + spec.dim * spec.qk_rope_dim
-        led.add("tp", "all_reduce", per_layer * stage.n_layers * 4, t)
-    if not spec.is_mla and spec.n_kv_heads < t and stage.n_layers:
+        linear = sum(stage.linear)  # Gated DeltaNet layers: their gated norm's weight instead of q/k norms
+        partial = per_layer * (stage.n_layers - linear) + linear_attention.tp_partial_params(spec) * linear
+        led.add("tp", "all_reduce", partial * 4, t)
+    if not spec.is_mla and spec.n_kv_heads < t and stage.n_layers - sum(stage.linear):
         per_layer = spec.n_kv_heads * spec.head_dim * (spec.dim + (1 if spec.attention_bias or spec.linear_bias else 0)) * 2
-        led.add("tp", "all_reduce", per_layer * stage.n_layers * 4, t)
+        led.add("tp", "all_reduce", per_layer * (stage.n_layers - sum(stage.linear)) * 4, t)
 
 
 
 
 @lru_cache(maxsize=4096)
 def zero0_buckets(spec: ModelSpec, tp: int, ep: int, kinds: tuple[bool, ...], embedding: bool, head: bool,
-                  expert: bool = False) -> int:
+                  expert: bool = False, linear: tuple[bool, ...] = ()) -> int:
     """All-reduces ZeRO-0 issues for a stage's dense (or expert) grads: its tensors in order, cut by
     `bucket_plan.cut_runs`."""
-    stage = Stage(0, len(kinds) - sum(kinds), sum(kinds), embedding, head, kinds)
+    stage = Stage(0, len(kinds) - sum(kinds), sum(kinds), embedding, head, kinds, linear=linear)
     tensors = [t for t in stage_tensors(spec, stage, Layout(tp=tp, ep=ep)) if t.expert == expert]
     return sum(1 for _ in cut_runs(tensors, lambda t: BYTES_GRAD * t.numel))
 
@@ -190,7 +193,7 @@ def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
     def buckets(expert: bool, group: int) -> int:
         if lay.zero or group < 2:
             return 1
-        return zero0_buckets(spec, lay.tp, lay.ep, kinds, stage.embedding, stage.head, expert)
+        return zero0_buckets(spec, lay.tp, lay.ep, kinds, stage.embedding, stage.head, expert, stage.linear)
 
     if lay.zero == 0:
         _reduce_grads(led, "dp_cp", [local.dense - local.vectors, local.vectors], g, lay.m, buckets(False, g), gb)
@@ -259,14 +262,20 @@ def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     c = lay.cp
     if c < 2 or not stage.n_layers:
         return
+    linear, linear_again = linear_attention.held_layers(stage, lay)  # Gated DeltaNet: its state maps, no ring
+    linear_attention.cp_comm(led, spec, lay, wl, linear, linear_again if lay.recompute == "full" else 0)
     if lay.cp_impl == "ulysses":
         ulysses_microbatch(led, spec, stage, lay, wl)
         return
     blocks = _tokens(lay, wl) * local_kv_heads(spec, lay.tp) * wl.act_bytes
     dk, dv = _cp_head_dims(spec)
     k_blk, v_blk = blocks * dk, blocks * dv
-    again = sum(stage.recompute_split(lay)[0]) if lay.recompute != "none" else 0
-    n = (3 * stage.n_layers + again) * (c - 1)  # fwd K/V, bwd K/V, bwd dK/dV (+ the recomputed layers' fwd)
+    # the recomputed attention layers re-run their ring (a recomputed linear layer gathers instead, above)
+    again = sum(stage.recompute_split(lay)[0]) - linear_again if lay.recompute != "none" else 0
+    # per attention layer the ring's hops: cp − 1, fewer for a sliding window the ring stops short of (gpt_oss)
+    hops = gpt_oss.ring_hops(spec, lay, wl, stage_layer_ids(spec, lay)[stage.index] if spec.sliding_layers else None,
+                             stage.n_layers - linear)
+    n = 3 * hops + again * (c - 1)  # fwd K/V, bwd K/V, bwd dK/dV (+ the recomputed layers' fwd)
     led.add("cp", "send", k_blk, c, n)
     led.add("cp", "send", v_blk, c, n)
     led.add("cp", "recv", 0, c, 2 * n)
@@ -283,8 +292,9 @@ def ulysses_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layo
     n, e = _tokens(lay, wl), wl.act_bytes
     hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
     rep = c // hkv if hkv % c else 1
-    L = stage.n_layers
-    again = sum(stage.recompute_split(lay)[0]) if lay.recompute != "none" else 0
+    linear, linear_again = linear_attention.held_layers(stage, lay)
+    L = stage.n_layers - linear  # Gated DeltaNet layers run no all-to-all
+    again = sum(stage.recompute_split(lay)[0]) - linear_again if lay.recompute != "none" else 0
     qkv = 2 * L + again  # fwd, bwd (+ the recomputed layers' fwd)
     dk, dv = _cp_head_dims(spec)
     led.add("cp", "all_to_all", n * hq * dk * e, c, qkv)  # q, dq

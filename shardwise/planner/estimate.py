@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from shardwise.planner import gpt_oss
+from shardwise.planner import gpt_oss, linear_attention
 from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
@@ -79,6 +79,7 @@ def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1,
         attn = q + kv + hq * spec.v_dim * h
     else:
         attn = 2 * h * hq * spec.head_dim + 2 * h * local_kv_heads(spec, tp) * spec.head_dim
+        attn += h * hq * spec.head_dim if spec.attn_output_gate else 0  # gated attention: wq also yields the gate
     if moe:
         mlp = h * spec.moe_experts + (spec.moe_topk + spec.moe_shared_experts) * spec.mlp_mats * h * spec.expert_ffn_dim
         mlp /= tp if sp else 1
@@ -86,6 +87,18 @@ def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1,
         mlp = spec.mlp_mats * h * (spec.ffn_dim // tp)
     core = 2.0 * seq_len * hq * (spec.k_dim + spec.v_dim)
     return 2.0 * (attn + mlp), core
+
+
+def linear_layer_delta(spec: ModelSpec, seq_len: int, tp: int = 1) -> tuple[float, float]:
+    """(matmul, core) forward FLOPs per token a Gated DeltaNet layer does beyond the attention layer
+    `layer_flops_per_token` counts in its place (`linear_attention.flops_per_token`)."""
+    if not spec.linear_layers:
+        return 0.0, 0.0
+    hq = spec.n_heads // tp
+    proj, core = linear_attention.flops_per_token(spec, seq_len, tp)
+    attn = 2.0 * ((3 if spec.attn_output_gate else 2) * spec.dim * hq * spec.head_dim
+                  + 2 * spec.dim * local_kv_heads(spec, tp) * spec.head_dim)
+    return proj - attn, core - 2.0 * seq_len * hq * (spec.k_dim + spec.v_dim)
 
 
 @lru_cache(maxsize=256)
@@ -102,6 +115,11 @@ def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none", recomput
     rec_core = sum(per_kind[k][1] * gpt_oss.window_share(spec, i, wl.seq_len) for i, k in again)
     mm, cc = mtp_flops_per_token(spec, lambda moe: per_kind[moe], spec.vocab_size)
     matmul, core = matmul + mm, core + cc
+    d_mm, d_core = linear_layer_delta(spec, wl.seq_len)
+    lin, lin_again = len(spec.linear_layers), sum(1 for i, _ in again if spec.is_linear_layer(i))
+    matmul, core, rec_mm = matmul + lin * d_mm, core + lin * d_core, rec_mm + lin_again * d_mm
+    # full recompute re-runs a linear layer's core; selective replays attention cores only, none in a linear layer
+    rec_core += lin_again * (d_core if recompute == "full" else -per_kind[False][1])
     fwd = tokens * (matmul + core + 2.0 * spec.dim * spec.vocab_size)
     extra = {"none": 0.0, "selective": tokens * rec_core, "full": tokens * (rec_mm + rec_core)}[recompute]
     return 3.0 * fwd + extra
@@ -120,7 +138,7 @@ def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload, activation_model
     """Per pipeline stage: its Stage, local Params, static breakdown, activation and total bytes."""
     out, seen = [], {}
     for st in stages(spec, lay):
-        key = (st.n_dense, st.n_moe, st.embedding, st.head) if lay.zero < 2 else st  # ZeRO 2/3: chunks matter
+        key = (st.n_dense, st.n_moe, st.embedding, st.head, st.linear) if lay.zero < 2 else st  # ZeRO 2/3: chunks matter
         if key not in seen:
             local = stage_params(spec, st, lay)
             seen[key] = local, static_bytes(local, lay, zero_buckets(spec, st, lay) if lay.zero else None)
@@ -148,6 +166,11 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
             mm, cc = layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp)
             matmul, core = matmul + n * mm, core + n * cc
             rec_mm, rec_core = rec_mm + again * mm, rec_core + again * cc
+    d_mm, d_core = linear_layer_delta(spec, wl.seq_len, lay.tp)
+    lin, lin_again = linear_attention.held_layers(st, lay)  # Gated DeltaNet: not the attention core selective replays
+    matmul, core, rec_mm = matmul + lin * d_mm, core + lin * d_core, rec_mm + lin_again * d_mm
+    attn_core = 2.0 * wl.seq_len * (spec.n_heads // lay.tp) * (spec.k_dim + spec.v_dim)
+    rec_core += lin_again * (d_core if lay.recompute == "full" else -attn_core)
     head = 2.0 * spec.dim * (padded_vocab(spec, lay.tp) // lay.tp) if st.head else 0.0
     if st.head and spec.mtp_layers:
         mm, cc = mtp_flops_per_token(spec, lambda moe: layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp),
@@ -190,7 +213,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     for s in mem:
         st = s["stage"]
         # Stages that hold the same kind of work share one cost evaluation (only memory differs).
-        key = (st.kinds, st.recomputed, st.embedding, st.head, edges[st.index])
+        key = (st.kinds, st.recomputed, st.linear, st.embedding, st.head, edges[st.index])
         if key not in seen:
             mb, sync = stage_ledgers(spec, st, lay, wl, s["params"])
             hw, core = _stage_flops(spec, st, lay, wl)

@@ -221,6 +221,8 @@ class Stage:
     recomputed: tuple[bool, ...] = ()
     """Under --recompute-layers N, whether each held layer (as `kinds`) is one the runtime recomputes: the first N
     of every chunk (`shardwise.recompute.apply_recompute`); () = every layer follows the layout's recompute."""
+    linear: tuple[bool, ...] = ()
+    """Whether each held layer (as `kinds`) is a Gated DeltaNet layer (planner/linear_attention.py); () = none."""
 
     @property
     def n_layers(self) -> int:
@@ -275,7 +277,8 @@ def stages(spec: ModelSpec, lay: Layout) -> list[Stage]:
     for k, ids in enumerate(stage_layer_ids(spec, lay)):
         kinds = tuple(spec.is_moe_layer(i) for i in ids)
         out.append(Stage(k, len(kinds) - sum(kinds), sum(kinds), embedding=owner[0] == k, head=owner[-1] == k,
-                         kinds=kinds, recomputed=tuple(i in chosen for i in ids) if chosen is not None else ()))
+                         kinds=kinds, recomputed=tuple(i in chosen for i in ids) if chosen is not None else (),
+                         linear=tuple(spec.is_linear_layer(i) for i in ids) if spec.linear_layers else ()))
     return out
 
 
@@ -327,7 +330,7 @@ def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
                  schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
                  recompute=p.recompute, recompute_layers=p.recompute_layers if p.recompute != "none" else None,
                  sequence_parallel=bool(p.sequence_parallel and p.tp > 1),
-                 cp_impl=p.cp_impl, dp_shard=p.dp_shard if p.hsdp else None,
+                 cp_impl=p.cp_impl, cp_order=p.cp_order, dp_shard=p.dp_shard if p.hsdp else None,
                  tp_overlap=bool(p.tp_overlap and p.sequence_parallel and p.tp > 1))
     gb = cfg.global_batch or cfg.micro_batch * p.dp
     return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,

@@ -32,8 +32,9 @@ def stage_tensors(spec: ModelSpec, stage: Stage, lay: Layout) -> list[Tensor]:
     """The parameter tensors one rank of `stage` holds, in shardwise's named_parameters order."""
     t, ep = lay.tp, lay.ep
     out = embedding_tensors(spec, t) if stage.embedding else []
-    for moe in stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe:
-        out += layer_tensors(spec, moe, t, ep)
+    kinds = stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe
+    for moe, linear in zip(kinds, stage.linear or (False,) * len(kinds)):
+        out += layer_tensors(spec, moe, t, ep, linear)
     if stage.head:
         out += head_tensors(spec, t, separate_copy=not stage.embedding) + mtp_stage_tensors(spec, stage.embedding, t, ep)
     return out
@@ -43,6 +44,9 @@ def stage_params(spec: ModelSpec, stage: Stage, lay: Layout) -> Params:
     """Parameters one rank of this stage holds (tp shards, ep shards, padded vocab rows included)."""
     t, ep = lay.tp, lay.ep
     p = layer_params(spec, False, t, ep) * stage.n_dense + layer_params(spec, True, t, ep) * stage.n_moe
+    for moe, linear in zip(stage.kinds, stage.linear):  # Gated DeltaNet layers: their mixer instead of attention's
+        if linear:
+            p = p + layer_params(spec, moe, t, ep, True) + layer_params(spec, moe, t, ep) * -1
     if stage.embedding:
         p = p + Params.of(embedding_tensors(spec, t))
     if stage.head:

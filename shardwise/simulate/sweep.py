@@ -98,6 +98,14 @@ LAYOUTS: dict[str, TrainConfig] = {
     "llama3-70b-int-z3-full-s8192": _run(8192, dtype="bf16", model="llama3-70b", micro_batch=1, microbatches=4, dp=16,
                                          tp=8, pp=4, cp=2, zero=3, recompute="full", schedule="interleaved", vp=2,
                                          sequence_parallel=True),
+    # full-size 2026 families (shortened steps): Gated DeltaNet's state-map gathers beside a gated-attention ring;
+    # gpt-oss's sinks, biases and a contiguous cp 4 ring that stops after two steps in its sliding layers
+    "qwen3-next-80b-cp2-tp2-sp-pp4-ep2-z1-bf16": _run(1024, dtype="bf16", model="qwen3-next-80b-a3b", micro_batch=1,
+                                                      microbatches=2, cp=2, tp=2, pp=4, ep=2, zero=1,
+                                                      sequence_parallel=True),
+    "gpt-oss-20b-cp4c-tp2-sp-pp2-ep4-z1-bf16": _run(2048, dtype="bf16", model="gpt-oss-20b", micro_batch=1,
+                                                    microbatches=4, cp=4, cp_order="contiguous", tp=2, pp=2, ep=4,
+                                                    zero=1, sequence_parallel=True),
 }
 """Name -> the run `shardwise simulate` checks. Every layout's world is at most 16, but the full-size ones."""
 
