@@ -1,4 +1,5 @@
-"""How a run is cut up, as pure arithmetic: layers into pipeline stages, tokens into context-parallel chunks.
+"""How a run is cut up, as pure arithmetic: layers into pipeline stages, tokens into context-parallel chunks, and
+which ring steps a sliding window reaches.
 
 Torch-free on purpose: config validation, the planner and the executors all use these rules, so what
 `shardwise plan` assumes is what `shardwise train` builds. Errors are ValueErrors whose message names
@@ -73,3 +74,43 @@ def check_seq_len(seq_len: int, cp_size: int, order: str) -> int:
         raise ValueError(f"sequence length s={seq_len} cannot be split over cp c={cp_size} in {order!r} order: "
                          f"s must be a positive multiple of {n} ({why})")
     return seq_len // n
+
+
+def chunk_intervals(rank: int, cp_size: int, order: str, s_local: int, start: int = 0,
+                    stop: int | None = None) -> list[tuple[int, int]]:
+    """Global positions [a, b) of cp rank `rank`'s local rows start:stop, one interval per chunk they touch."""
+    stop = s_local if stop is None else stop
+    chunks = chunk_ids(rank, cp_size, order)
+    length = s_local // len(chunks)
+    out = []
+    for i, c in enumerate(chunks):
+        lo, hi = max(start, i * length), min(stop, (i + 1) * length)
+        if lo < hi:
+            out.append((c * length + lo - i * length, c * length + hi - i * length))
+    return out
+
+
+def window_cut(q_iv, k_iv, window: int) -> tuple[bool, bool]:
+    """(some query sees a key, the window hides some key causality alone would show) for position intervals:
+    query q sees key k iff 0 <= q − k < window."""
+    visible = cut = False
+    for qa, qb in q_iv:
+        for ka, kb in k_iv:
+            lo, hi = qa - (kb - 1), (qb - 1) - ka  # every difference q − k between the two lies in [lo, hi]
+            visible |= hi >= 0 and lo < window
+            cut |= hi >= window
+    return visible, cut
+
+
+def ring_step_list(cp_size: int, order: str, s_local: int, window: int) -> list[int]:
+    """The ring attention steps that run: 0 (the own block) and every step i at which some rank's window reaches
+    the block of the rank i behind it (equal on every rank). Without a window, or where every step is reached,
+    0 … c − 1; the balanced order under a window within a chunk needs only 1 and c − 1 (rank r's chunk r reaches
+    rank r − 1's, its chunk 2c − 1 − r rank r + 1's). Each step past 0 moves one K/V block forward and one dK/dV
+    accumulator backward: the ring's sends are counted from this list by the runtime and the planner alike."""
+    if not window or window >= s_local * cp_size:
+        return list(range(cp_size))
+    return [0] + [step for step in range(1, cp_size) if any(
+        window_cut(chunk_intervals(r, cp_size, order, s_local),
+                   chunk_intervals((r - step) % cp_size, cp_size, order, s_local), window)[0]
+        for r in range(cp_size))]

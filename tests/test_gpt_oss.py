@@ -29,7 +29,7 @@ from shardwise import hf  # noqa: E402
 from shardwise.config import MODEL_PRESETS, ConfigError, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.context_parallel import ring_attention, shard_sequence, ulysses_attention  # noqa: E402
 from shardwise.context_parallel.local import bands, local_attention  # noqa: E402
-from shardwise.context_parallel.ring_attention import ring_step_list, ring_steps, window_cut  # noqa: E402
+from shardwise.partition import ring_step_list, window_cut  # noqa: E402
 from shardwise.hf_config import config_from_hf, hf_config  # noqa: E402
 from shardwise.hf_mxfp4 import FP4_VALUES, dequantize  # noqa: E402
 from shardwise.models.documents import document_ids  # noqa: E402
@@ -117,12 +117,11 @@ def test_window_arithmetic_and_ring_steps():
     assert window_cut([(10, 12)], [(0, 4)], 7) == (False, True)  # nearest pair 10 − 3 = 7 ≥ 7: nothing visible
     assert window_cut([(4, 8)], [(0, 4)], 8) == (True, False)  # farthest pair 7 − 0 = 7 < 8: window cuts nothing
     # cp 4, 8 tokens per rank (chunks of 4, balanced): rank r holds chunks r and 7 − r
-    assert ring_steps(4, "balanced", 8, 0) == 4 and ring_steps(4, "balanced", 8, 32) == 4
-    assert ring_steps(4, "contiguous", 8, 5) == 2  # a 5-token window reaches only the previous rank's block
-    assert ring_steps(4, "contiguous", 8, 9) == 2 and ring_steps(4, "contiguous", 8, 10) == 3
+    assert ring_step_list(4, "balanced", 8, 0) == [0, 1, 2, 3] == ring_step_list(4, "balanced", 8, 32)
+    assert ring_step_list(4, "contiguous", 8, 5) == [0, 1]  # a 5-token window reaches only the previous rank's block
+    assert ring_step_list(4, "contiguous", 8, 9) == [0, 1] and ring_step_list(4, "contiguous", 8, 10) == [0, 1, 2]
     # balanced: chunk 7 − r sees chunk 6 − r, rank r + 1's, which the ring brings last; chunk r sees rank r − 1's:
     # steps 1 and 3 run, step 2 (rank r − 2's chunks, out of every window) is neither computed nor sent
-    assert ring_steps(4, "balanced", 8, 3) == 4
     assert ring_step_list(4, "balanced", 8, 3) == [0, 1, 3] and ring_step_list(4, "balanced", 8, 5) == [0, 1, 3]
     assert ring_step_list(4, "balanced", 8, 6) == [0, 1, 2, 3]  # 6 > a 4-token chunk: reaches chunk 5 − r too
     assert ring_step_list(4, "contiguous", 8, 5) == [0, 1] and ring_step_list(4, "balanced", 8, 0) == [0, 1, 2, 3]

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from shardwise.config import ParallelConfig, TrainConfig
+from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.planner import gpt_oss, linear_attention
 from shardwise.simulate import sweep
 
@@ -62,14 +62,18 @@ def test_hybrid_cp_comm_equals_the_ledger(monkeypatch):
     assert _comm_differs(layout, report)
 
 
-def test_ring_steps_equal_the_runtime():
-    from shardwise.context_parallel.ring_attention import ring_steps
+def test_ring_hops_follow_the_runtimes_step_list():
+    """The planner's ring hops come from `partition.ring_step_list`, the list the runtime's loops run: a sliding
+    layer on the balanced cp 4 ring with a window within a chunk makes 2 hops (steps 1 and 3), not 3."""
+    from shardwise.planner.layout import Layout
+    from shardwise.planner.models import ModelSpec
 
-    for cp in (2, 3, 4, 8):
-        for order in ("contiguous", "balanced"):
-            for s_local in (64, 128, 256):
-                for window in (0, 1, 64, 128, 200, 1000):
-                    assert gpt_oss.ring_steps(cp, order, s_local, window) == ring_steps(cp, order, s_local, window)
+    spec = ModelSpec.of(ModelConfig(vocab_size=101, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                                    max_seq_len=128, sliding_window=4, sliding_layers=(0,)))
+    wl = type("Workload", (), {"seq_len": 64})()
+    hops = {order: gpt_oss.ring_hops(spec, Layout(cp=4, cp_order=order), wl, [0, 1], 2)
+            for order in ("balanced", "contiguous")}
+    assert hops == {"balanced": 2 + 3, "contiguous": 1 + 3}, hops
 
 
 @pytest.mark.parametrize("name, ranks", [("qwen3-next-80b-cp2-tp2-sp-pp4-ep2-z1-bf16", "0"),
@@ -80,18 +84,22 @@ def test_full_size_layout_within_bounds(name, ranks):
     _check(sweep.simulate(sweep.LAYOUTS[name], ranks))
 
 
-def test_windowed_ring_comm_equals_the_ledger(monkeypatch):
-    """The hybrid with gpt-oss's attention (sinks, biases, a 16-token window on its attention layer) on a contiguous
-    cp 4 ring: the window stops the ring after two steps, the linear layers gather one chunk's maps per rank, and
-    the planner counts the ledger's bytes; counting every ring step instead fails."""
-    layout = TrainConfig(model="tiny", parallel=ParallelConfig(cp=4, cp_order="contiguous"), steps=2, seq_len=128,
+@pytest.mark.parametrize("order", ["contiguous", "balanced"])
+def test_windowed_ring_comm_equals_the_ledger(monkeypatch, order):
+    """The hybrid with gpt-oss's attention (sinks, biases, a 16-token window on its attention layer) on a cp 4 ring:
+    the window stops the contiguous ring after one step, and the balanced one (16-token chunks) runs steps 1 and 3
+    only; the linear layers gather one chunk's maps per rank, and the planner counts the ledger's bytes; counting
+    every ring step instead fails."""
+    from shardwise.partition import ring_step_list
+
+    assert ring_step_list(4, order, 32, 16) == ([0, 1] if order == "contiguous" else [0, 1, 3])
+    layout = TrainConfig(model="tiny", parallel=ParallelConfig(cp=4, cp_order=order), steps=2, seq_len=128,
                          micro_batch=2, global_batch=4, dtype="fp32",
                          model_overrides=dict(HYBRID, attention_sinks=True, attention_bias=True,
                                               attention_out_bias=True, sliding_window=16, sliding_layers=(3,)))
-    assert gpt_oss.ring_steps(4, "contiguous", 32, 16) == 2
     report = sweep.simulate(copy.deepcopy(layout))
     _check(report, activations=False)
-    monkeypatch.setattr(gpt_oss, "ring_steps", lambda cp, *a: cp)  # every step sent, as before the window counted
+    monkeypatch.setattr(gpt_oss, "ring_step_list", lambda cp, *a: list(range(cp)))  # every step, window ignored
     assert _comm_differs(layout, report)
 
 

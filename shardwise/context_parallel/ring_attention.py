@@ -51,7 +51,7 @@ from ..models.attention import max_logits
 from ..models.documents import document_mask
 from . import kernels
 from .kernels import expand_heads, fold_heads
-from ..partition import check_seq_len, chunk_ids
+from ..partition import check_seq_len, chunk_ids, chunk_intervals, ring_step_list, window_cut
 from .sharding import positions, shard_sequence
 from .sinks import merge_sink, sink_grad, window_mask
 
@@ -206,68 +206,18 @@ def _document_plan(q_rank: int, cp_size: int, order: str, causal: bool, s_local:
 
 
 def _intervals(rank: int, cp_size: int, order: str, s_local: int, sl: slice) -> list[tuple[int, int]]:
-    """Global positions [a, b) of this rank's local rows `sl`: one interval per chunk the slice touches."""
-    chunks = chunk_ids(rank, cp_size, order)
-    length = s_local // len(chunks)
-    out = []
-    for i, c in enumerate(chunks):
-        lo, hi = max(sl.start, i * length), min(sl.stop, (i + 1) * length)
-        if lo < hi:
-            out.append((c * length + lo - i * length, c * length + hi - i * length))
-    return out
-
-
-def window_cut(q_iv, k_iv, window: int) -> tuple[bool, bool]:
-    """(some query sees a key, the window hides some key causality alone would show) for position intervals:
-    query q sees key k iff 0 <= q − k < window. Interval arithmetic, no tensors."""
-    visible = cut = False
-    for qa, qb in q_iv:
-        for ka, kb in k_iv:
-            lo, hi = qa - (kb - 1), (qb - 1) - ka  # every difference q − k between the two lies in [lo, hi]
-            visible |= hi >= 0 and lo < window
-            cut |= hi >= window
-    return visible, cut
-
-
-def ring_steps(cp_size: int, order: str, s_local: int, window: int) -> int:
-    """Ring steps any rank needs under a sliding window (pure layout arithmetic, equal on every rank): K/V blocks
-    farther round the ring than every window reaches are neither computed nor sent."""
-    if not window or window >= s_local * cp_size:
-        return cp_size
-    whole = slice(0, s_local)
-    need = 1
-    for r in range(cp_size):
-        for step in range(1, cp_size):
-            kv = (r - step) % cp_size
-            if window_cut(_intervals(r, cp_size, order, s_local, whole), _intervals(kv, cp_size, order, s_local, whole),
-                          window)[0]:
-                need = max(need, step + 1)
-    return need
-
-
-def ring_step_list(cp_size: int, order: str, s_local: int, window: int) -> list[int]:
-    """The ring steps that run: 0 (the own block) and every step i at which some rank's window reaches the block
-    of the rank i behind it (pure layout arithmetic, equal on every rank). Without a window, or where every step
-    is reached, 0 … c − 1; the balanced order under a window within a chunk needs only 1 and c − 1 (rank r's
-    chunk r reaches rank r − 1's, its chunk 2c − 1 − r rank r + 1's)."""
-    if not window or window >= s_local * cp_size:
-        return list(range(cp_size))
-    whole = slice(0, s_local)
-    return [0] + [step for step in range(1, cp_size) if any(
-        window_cut(_intervals(r, cp_size, order, s_local, whole),
-                   _intervals((r - step) % cp_size, cp_size, order, s_local, whole), window)[0]
-        for r in range(cp_size))]
+    return chunk_intervals(rank, cp_size, order, s_local, sl.start, sl.stop)
 
 
 def window_plan(plans: list[list[tuple]], q_rank: int, cp_size: int, order: str, s_local: int, window: int,
                 batch: int, doc_ids: torch.Tensor | None, device=None) -> list[list[tuple]]:
     """The block pairs of `plans` under a sliding window: a pair no query's window reaches is skipped, one the
     window cuts gets a mask (its document mask, if any, and the window), the rest run as planned; steps past
-    `ring_steps` are dropped (nothing there is visible to any rank)."""
+    the last step `ring_step_list` keeps are dropped (nothing there is visible to any rank)."""
     if not window or window >= s_local * cp_size:
         return plans
     out = []
-    for step, plan in enumerate(plans[:ring_steps(cp_size, order, s_local, window)]):
+    for step, plan in enumerate(plans[:ring_step_list(cp_size, order, s_local, window)[-1] + 1]):
         kv_rank = (q_rank - step) % cp_size
         pairs = []
         for qs, ks, is_causal, make_mask in plan:

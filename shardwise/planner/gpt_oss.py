@@ -9,7 +9,7 @@ s (the planner's core FLOPs count every key, no causal discount, so the window s
 """
 from __future__ import annotations
 
-from shardwise.partition import chunk_ids
+from shardwise.partition import ring_step_list
 
 
 def attention_sinks(spec, tp: int) -> list[tuple[int, dict]]:
@@ -55,36 +55,12 @@ def expert_activation_bytes(spec, act_bytes: int, rows: int) -> int:
     return clamp + (3 * 8 * rows if spec.moe_expert_bias else 0)
 
 
-def ring_steps(cp: int, order: str, s_local: int, window: int) -> int:
-    """Ring steps the runtime runs for a sliding-window layer (`context_parallel.ring_attention.ring_steps`, the
-    same interval arithmetic without torch): K/V blocks farther round the ring than every window reaches are
-    neither computed nor sent. Under the balanced order every rank holds a chunk beside one of each other rank's,
-    so every step runs."""
-    if not window or window >= s_local * cp:
-        return cp
-    need = 1
-    for r in range(cp):
-        for step in range(1, cp):
-            kv = (r - step) % cp
-            if any(hi >= 0 and lo < window for lo, hi in _differences(r, kv, cp, order, s_local)):
-                need = max(need, step + 1)
-    return need
-
-
-def _differences(q_rank: int, kv_rank: int, cp: int, order: str, s_local: int):
-    """For every pair of a query chunk of `q_rank` and a key chunk of `kv_rank`: the range [lo, hi] of q − k."""
-    qs, ks = chunk_ids(q_rank, cp, order), chunk_ids(kv_rank, cp, order)
-    length = s_local // len(qs)
-    for qc in qs:
-        for kc in ks:
-            yield qc * length - (kc * length + length - 1), qc * length + length - 1 - kc * length
-
-
 def ring_hops(spec, lay, wl, layer_ids, attention_layers: int) -> int:
     """K/V hops one ring pass makes, summed over a stage's `attention_layers` (cp − 1 each; a sliding layer's ring
-    stops after `ring_steps`). `layer_ids` are the stage's layers (None: no sliding windows)."""
+    runs only the steps of `partition.ring_step_list`, the runtime's own list). `layer_ids` are the stage's layers
+    (None: no sliding windows)."""
     if layer_ids is None:
         return attention_layers * (lay.cp - 1)
     s_local = wl.seq_len // lay.cp
-    return sum(ring_steps(lay.cp, lay.cp_order, s_local, spec.window(i)) - 1
+    return sum(len(ring_step_list(lay.cp, lay.cp_order, s_local, spec.window(i))) - 1
                for i in layer_ids if not spec.is_linear_layer(i))
