@@ -354,6 +354,11 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
             else:
                 errors[rank] = payload
                 failed_at = failed_at or time.monotonic()
+        said = set(errors.values())
+        if len(errors) == world and len(said) == 1 and next(iter(said)).startswith("ConfigError: "):
+            from .config import ConfigError  # every rank refused the same input: one line, exit 2
+
+            raise ConfigError(next(iter(said))[len("ConfigError: "):])
         if errors or len(out) < world:
             raise RankError(_failure_report(procs, out, errors, lastops))
         for p in procs:

@@ -103,9 +103,9 @@ def test_damaged_checkpoints_fall_back(tmp_path):
     for step in (2, 4, 6):
         flip_byte(step)  # step-6 and step-4 as they were resaved, step-2 newly
     r = shardwise(*common, "--steps", "8", "--resume")
-    assert r.returncode != 0
-    line = [x for x in r.stderr.strip().splitlines() if "no intact checkpoint" in x]
-    assert len(line) == 1 and "step-2" in line[0] and "sha256" in line[0] and "--overwrite" in line[0], r.stderr
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()
+    assert len(line) == 1 and "no intact checkpoint" in line[0] and "step-2" in line[0] and "sha256" in line[0] and "--overwrite" in line[0], r.stderr
 
 
 def _load_moe_then_step(path, cfgs):
