@@ -22,8 +22,10 @@ DEVICE = torch.ops.prim.device.default
 class LiveMemory(TorchDispatchMode):
     """`live`, `peak` (bytes), `peak_phase` and `peak_groups` ({group: bytes} at the peak)."""
 
-    def __init__(self):
+    def __init__(self, answer_device: bool = True):
+        """`answer_device`: answer device queries here (the fast path) rather than through FakeTensorMode."""
         super().__init__()
+        self.answer_device = answer_device
         self.storages: dict[int, tuple[int, str, weakref.ref]] = {}  # storage key -> (bytes, group, ref)
         self.groups: Counter[str] = Counter()
         self.live = self.peak = 0
@@ -104,7 +106,7 @@ class LiveMemory(TorchDispatchMode):
                 self._add(t, group)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is DEVICE and isinstance(args[0], FakeTensor):
+        if func is DEVICE and self.answer_device and isinstance(args[0], FakeTensor):
             # autograd's engine asks every tensor it touches for its device (over half of all dispatches): answered
             # here as FakeTensorMode answers it, without the descent through its dispatch
             t = args[0]
