@@ -16,7 +16,8 @@ def _config(argv: list[str]):
 LAYOUTS = {  # layout, the stage compared: p2p on the pipeline and on the cp ring, MoE's all-to-alls with split
     # sizes, ZeRO-3's resized unit buffers, recompute, fp32 and bf16 (bf16 and fp32 tensors of one shape meet)
     "1f1b-moe-ep2-tp-sp-zero3-bf16": (["--model", "tiny-moe", "--pp", "2", "--dp", "2", "--ep", "2", "--tp", "2",
-                                       "--sequence-parallel", "--zero", "3", "--dtype", "bf16", "--microbatches", "3"], 1),
+                                       "--sequence-parallel", "--zero", "3", "--dtype", "bf16",
+                                       "--microbatches", "3"], 1),
     "interleaved-cp2-ring-zero2-selective": (["--pp", "2", "--schedule", "interleaved", "--vp", "2", "--cp", "2",
                                               "--zero", "2", "--recompute", "selective", "--microbatches", "4"], 0),
     "no-pp-cp2-ulysses-zero1-full-bf16": (["--dp", "2", "--cp", "2", "--cp-impl", "ulysses", "--zero", "1",
