@@ -138,6 +138,9 @@ class FakeTransport(Transport):
     metadata), builds no DeviceMesh, takes every peer to hold what this rank holds in an object gather, and
     its p2p handles — done as soon as issued — report so (torch's FakeWork always answers False)."""
 
+    def __init__(self, through_backend: bool = False):
+        self.through_backend = through_backend
+
     def side_group(self, timeout):
         return dist.group.WORLD
 
@@ -146,9 +149,6 @@ class FakeTransport(Transport):
 
     def all_gather_object(self, out: list, obj, group) -> list:
         return [obj] * len(out)
-
-    def __init__(self, through_backend: bool = False):
-        self.through_backend = through_backend
 
     def batch_isend_irecv(self, ops: list) -> list:
         """One completed handle per op. The fake process group's send and recv move and allocate nothing (the
