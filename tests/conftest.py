@@ -17,7 +17,7 @@ SLOW_FILES = {
     "test_faults.py", "test_hsdp.py", "test_pipeline.py", "test_planner_ledger.py", "test_random.py",
     "test_recompute_planner.py", "test_resume.py", "test_strict_p2p.py", "test_tensor_parallel.py", "test_verify.py",
     "test_zero.py", "test_moe_training.py", "test_peak_sweep.py", "test_autocast_cache.py", "test_checkpoint_io.py",
-    "test_simulate.py",
+    "test_simulate.py", "test_simulate_fast.py",
 }
 
 SLOW_TESTS = {

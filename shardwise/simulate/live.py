@@ -16,18 +16,23 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+DEVICE = torch.ops.prim.device.default
+
 
 class LiveMemory(TorchDispatchMode):
     """`live`, `peak` (bytes), `peak_phase` and `peak_groups` ({group: bytes} at the peak)."""
 
-    def __init__(self):
+    def __init__(self, answer_device: bool = True):
+        """`answer_device`: answer device queries here (the fast path) rather than through FakeTensorMode."""
         super().__init__()
+        self.answer_device = answer_device
         self.storages: dict[int, tuple[int, str, weakref.ref]] = {}  # storage key -> (bytes, group, ref)
         self.groups: Counter[str] = Counter()
         self.live = self.peak = 0
         self.peak_phase, self.peak_groups = "", {}
         self.phase = "forward"
         self.labels: dict[int, str] = {}  # storage key -> static label (parameters, gradients, ...)
+        self.names: dict[tuple, str] = {}  # (phase, op, dtype) -> the group an op's output is counted in
 
     def label(self, tensors, name: str) -> None:
         """Name the storages behind `tensors` (statics) so the report groups them by what they are."""
@@ -101,12 +106,22 @@ class LiveMemory(TorchDispatchMode):
                 self._add(t, group)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE and self.answer_device and isinstance(args[0], FakeTensor):
+            # autograd's engine asks every tensor it touches for its device (over half of all dispatches): answered
+            # here as FakeTensorMode answers it, without the descent through its dispatch
+            t = args[0]
+            return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
         out = func(*args, **(kwargs or {}))
+        made = (out,) if isinstance(out, FakeTensor) else tree_leaves(out) if isinstance(out, (tuple, list)) else ()
         group = None
-        for t in tree_leaves(out):
+        for t in made:
             if isinstance(t, FakeTensor) and t.device.type != "meta":  # a model built on meta holds nothing
-                if group is None:
-                    group = f"{self._phase()} {func.__name__.split('.')[0]} {str(t.dtype).removeprefix('torch.')}"
+                if group is None:  # the op's outputs count under its first output's dtype
+                    key = (self._phase(), func, t.dtype)
+                    group = self.names.get(key)
+                    if group is None:
+                        group = self.names[key] = \
+                            f"{key[0]} {func.__name__.split('.')[0]} {str(t.dtype).removeprefix('torch.')}"
                 self._add(t, group)
         return out
 

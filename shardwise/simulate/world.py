@@ -31,6 +31,7 @@ from ..expert_parallel.experts import grouped_mm_available
 from ..mesh import Mesh
 from ..optim import optimizers
 from ..pipeline.tied_embedding import emb_stages
+from .dispatch_key import StaticKeyMode
 from .live import LiveMemory
 from .shorten import ScaledLedger, Shortening, shorten
 
@@ -137,6 +138,9 @@ class FakeTransport(Transport):
     metadata), builds no DeviceMesh, takes every peer to hold what this rank holds in an object gather, and
     its p2p handles — done as soon as issued — report so (torch's FakeWork always answers False)."""
 
+    def __init__(self, through_backend: bool = False):
+        self.through_backend = through_backend
+
     def side_group(self, timeout):
         return dist.group.WORLD
 
@@ -147,20 +151,26 @@ class FakeTransport(Transport):
         return [obj] * len(out)
 
     def batch_isend_irecv(self, ops: list) -> list:
-        return [_Issued(w) for w in dist.batch_isend_irecv(ops)]
+        """One completed handle per op. The fake process group's send and recv move and allocate nothing (the
+        ledger has recorded the batch already) but cost its dispatch, an eighth of a ring-attention rank's
+        simulation time: called only `through_backend` (the plain path, `simulate_rank(fast=False)`)."""
+        if self.through_backend:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        return [ISSUED] * len(ops)
 
 
-class _Issued:
-    """A fake p2p handle that reports itself complete."""
+class Issued:
+    """A fake p2p handle: done as soon as issued."""
 
-    def __init__(self, work):
-        self.work = work
-
-    def wait(self):
-        return self.work.wait()
+    def wait(self) -> bool:
+        return True
 
     def is_completed(self) -> bool:
         return True
+
+
+ISSUED = Issued()
 
 
 class FakeIO:
@@ -179,13 +189,14 @@ class FakeIO:
         return self.fake_mode.from_tensor(t)
 
 
-def fake_mesh(cfg: TrainConfig) -> Mesh:
-    """`trainer.make_mesh`'s mesh on the fake process group's transport (CPU kernels: see PLATFORM.md)."""
+def fake_mesh(cfg: TrainConfig, fast: bool = True) -> Mesh:
+    """`trainer.make_mesh`'s mesh on the fake process group's transport (CPU kernels: see PLATFORM.md); `fast`:
+    p2p batches skip the fake backend (`FakeTransport`)."""
     p, m = cfg.parallel, cfg.model_config()
     dims = ParallelConfig.build(dist.get_world_size(), p.dp, p.pp, p.cp, p.tp, p.ep, p.dp_shard)
     tied = emb_stages(p) if m.tie_embeddings or m.mtp_layers else None
     return Mesh.build(dims, torch.device("cpu"), ScaledLedger(), cfg.timeout_s, emb_stages=tied,
-                      transport=FakeTransport())
+                      transport=FakeTransport(through_backend=not fast))
 
 
 def _step(trainer, live: LiveMemory, step: int) -> int:
@@ -237,7 +248,8 @@ def comm_bytes(axes: dict) -> dict[str, int]:
     return out
 
 
-def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch: bool = False) -> dict:
+def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch: bool = False,
+                  fast: bool = True) -> dict:
     """Run `steps` training steps of global rank `rank` on fake tensors; its measured memory and traffic.
 
     Each step runs only the microbatches the rank's schedule needs to show every moment of the full step
@@ -250,6 +262,10 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch:
     over the first step, the live peak over all steps (AdamW's moments exist from the first step's end),
     and the comm ledger of the last step. The model build's own peak (ZeRO-3 builds every unit's full flat
     buffer before sharding it) is reported apart, as `build_peak_bytes`.
+
+    `fast` (the default) takes three shortcuts that change no figure: the dispatch cache's static-shape key
+    (`StaticKeyMode`), device queries answered by the live-memory trace, p2p batches that skip the fake
+    backend. `fast=False` is the plain path, kept to show them equal (`tests/test_simulate_fast.py`).
     """
     from torch._subclasses import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -264,8 +280,8 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch:
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with FakeTensorMode() as fake, LiveMemory() as live, stand:
-            mesh = fake_mesh(cfg)
+        with (StaticKeyMode() if fast else FakeTensorMode()) as fake, LiveMemory(answer_device=fast) as live, stand:
+            mesh = fake_mesh(cfg, fast)
             answers.ep_rank = mesh["ep"].rank
             p = cfg.parallel
             cut = Shortening(cfg.grad_accum, cfg.grad_accum) if every_microbatch else \
