@@ -14,9 +14,21 @@ simulation gives the same figures with either key; `tests/test_simulate_fast.py`
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _DispatchCacheKey
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+try:  # torch's private cache key: checked, not assumed, on another torch than the pinned one
+    from torch._subclasses.fake_tensor import _DispatchCacheKey
+
+    KEYABLE = list(inspect.signature(FakeTensorMode._cache_key).parameters) == ["self", "state", "func", "args",
+                                                                                 "kwargs"]
+except ImportError:
+    KEYABLE = False
+"""Whether this torch's FakeTensorMode has the cache-key hook `StaticKeyMode` overrides (else `fake_mode` gives
+FakeTensorMode's own key: the same figures, slower)."""
 
 STATIC = "shardwise static key"
 """First element of every key this mode builds (FakeTensorMode's own keys start with the op)."""
@@ -68,3 +80,8 @@ class StaticKeyMode(FakeTensorMode):
                 self._flat(key, a)
             else:
                 raise Unkeyed
+
+
+def fake_mode(fast: bool) -> FakeTensorMode:
+    """The simulation's fake mode: `StaticKeyMode` when `fast` and this torch has its hook."""
+    return StaticKeyMode() if fast and KEYABLE else FakeTensorMode()

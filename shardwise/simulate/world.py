@@ -31,7 +31,7 @@ from ..expert_parallel.experts import grouped_mm_available
 from ..mesh import Mesh
 from ..optim import optimizers
 from ..pipeline.tied_embedding import emb_stages
-from .dispatch_key import StaticKeyMode
+from .dispatch_key import fake_mode
 from .live import LiveMemory
 from .shorten import ScaledLedger, Shortening, shorten
 
@@ -264,10 +264,9 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch:
     buffer before sharding it) is reported apart, as `build_peak_bytes`.
 
     `fast` (the default) takes three shortcuts that change no figure: the dispatch cache's static-shape key
-    (`StaticKeyMode`), device queries answered by the live-memory trace, p2p batches that skip the fake
+    (`StaticKeyMode`, where this torch has the hook), device queries answered by the live-memory trace, p2p batches that skip the fake
     backend. `fast=False` is the plain path, kept to show them equal (`tests/test_simulate_fast.py`).
     """
-    from torch._subclasses import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..trainer import Trainer
@@ -280,7 +279,7 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch:
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with (StaticKeyMode() if fast else FakeTensorMode()) as fake, LiveMemory(answer_device=fast) as live, stand:
+        with fake_mode(fast) as fake, LiveMemory(answer_device=fast) as live, stand:
             mesh = fake_mesh(cfg, fast)
             answers.ep_rank = mesh["ep"].rank
             p = cfg.parallel
