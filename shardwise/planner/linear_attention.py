@@ -86,35 +86,88 @@ def flops_per_token(spec, seq_len: int, tp: int = 1) -> tuple[float, float]:
     return proj, core
 
 
-def mixer_activation_bytes(spec, mb: int, s_loc: int, tp: int, e: int, cp: int = 1, order: str = "balanced") -> float:
-    """What the mixer saves past its region input (which the block counts), on one rank: b = mb sequences of
-    s_loc tokens, this rank's nk key and nv value heads, e-byte activations. Term by term from the runtime:
-    the convolution's padded input, output (silu's input) and kernel; q/k's L2 norms (their fp32 inputs and
-    rsqrts); β's sigmoid, g's softplus; the chunked rule's fp32 [b, nv, s, C] pair decays, k·kᵀ, the UT system,
-    q·kᵀ and the intra-chunk scores, its decay vectors and masks, one [d_k, d_v] state per chunk; then the gated
-    norm (its fp32 input, rsqrt, normed output, z's silu and the product, which is also wo's input). The
-    [b, nv, s, d_k] and [b, nv, s, d_v] tensors (q, k, v, β·k, u, w, the decayed q/k, v_new and the contiguous
-    copies matmul makes of strided chunk slices) are counted by how many of each autograd kept in a fake-tensor
-    trace of the layer at full size (s a multiple of C; fp32: 10 and 3; under bf16 autocast the fp32 copies
-    differ), not one by one. Under cp add `cp_extra_bytes`."""
-    b, C = mb, CHUNK
+def chunk_rule_terms(b: int, s: int, nv: int, dk: int, dv: int, e: int) -> dict[str, int]:
+    """What `models.gated_deltanet.chunk_gated_delta_rule` saves on b·nv heads of s tokens (padded to S, nc chunks of
+    C), by name: fp32 unless noted. Under bf16 autocast every matmul saves its own e-byte casts of both operands
+    (one cast per matmul, even of one tensor); in fp32 slices of a chunked tensor are views of it. The first chunk's
+    state is a constant zero, so its two reads (w·S, q·S) save only the state. In fp32 an unpadded q, k keep the
+    [b, s, h, d] layout of their transpose (F.pad by zero copies it as it is), so the two batched matmuls copy
+    their operands; a padded one is contiguous and they read views."""
+    C = CHUNK
+    S = -(-s // C) * C
+    nc, p = S // C, b * S * nv  # chunks; padded token-heads
+    chunk = b * nv * C  # token-heads of one chunk
+    later = nc - 1  # chunks whose state needs a gradient
+    t = {
+        "masks ~lower, ~lower.tril(-1) (bool [C, C])": 2 * C * C,
+        "pair decays exp(Σg) [p, C]": 4 * p * C,
+        "UT system (I + β k kᵀ ⊙ pair), solve's A [p, C]": 4 * p * C,
+        "k·kᵀ and q·kᵀ products, × pair's inputs (e) [p, C] ×2": 2 * e * p * C,
+        "intra-chunk scores, intra·v_new's operand (e) [p, C]": e * p * C,
+        "read_old, to_end decays [p]": 2 * 4 * p,
+        "β padded, β·k's and β·v's operand [p]": 4 * p,
+        "whole-chunk decay [b, nv, nc]": 4 * b * nv * nc,
+        "q, k padded; β·k; w (solve's output) [p, d_k] ×4": 4 * 4 * p * dk,
+        "v padded; u (solve's output) [p, d_v] ×2": 2 * 4 * p * dv,
+        "kb·kᵀ and q·kᵀ matmuls' operand copies [p, d_k] ×4": 4 * e * p * dk if e != 4 or S == s else 0,
+        "states entering each chunk, state·decay's operand [d_k, d_v] per chunk": 4 * b * nv * nc * dk * dv,
+    }
+    if e == 4:  # chunk slices are views: qd and kd whole (qd only read with a state needing a gradient)
+        t["kd = k·to_end [p, d_k]"] = 4 * p * dk
+        t["qd = q·read_old [p, d_k] (read once a state needs a gradient)"] = 4 * p * dk if later else 0
+        t["v_new per chunk [p, d_v]"] = 4 * p * dv
+    else:  # per-chunk casts
+        t["kd chunk casts, kdᵀ·v_new (e) [chunk, d_k] per chunk"] = e * chunk * dk * nc
+        t["w, qd chunk casts, w·S and qd·S (e) [chunk, d_k] ×2 per later chunk"] = 2 * e * chunk * dk * later
+        t["v_new casts, intra·v_new and kdᵀ·v_new (e) [chunk, d_v] ×2 per chunk"] = 2 * e * chunk * dv * nc
+        t["state casts, w·S and qd·S (e) [d_k, d_v] ×2 per chunk"] = 2 * e * b * nv * dk * dv * nc
+    return t
+
+
+def mixer_terms(spec, mb: int, s_loc: int, tp: int, e: int) -> dict[str, int]:
+    """What one device's mixer saves past its region input (which the block counts) and its autocast weight copies
+    (`activations.autocast_weight_bytes`), by name: b = mb sequences of s_loc tokens, this rank's nk key and nv value
+    heads, e-byte activations over a residual of the same width. Every entry is one storage autograd keeps (views
+    of one storage count once), its bytes from its shape; tests/test_planner_new_families.py checks the sum against
+    the saved-tensor hooks of a real layer."""
+    b = mb
     nk, nv = spec.linear_k_heads // tp, spec.linear_v_heads // tp
     dk, dv, kw = spec.linear_k_dim, spec.linear_v_dim, spec.linear_conv_kernel
-    n, S = b * s_loc, -(-s_loc // C) * C
-    p, nc = b * S, S // C
+    n = b * s_loc
     ck, cv = nk * dk, nv * dv
     cc = 2 * ck + cv
-    out = e * b * (s_loc + kw - 1) * cc + e * n * cc + (4 * cc * kw if e == 4 else 0)  # conv input, output, kernel
-    out += e * n * cc if e == 4 else 2 * 4 * n * ck  # q/k's L2 norm inputs: silu's output, or their fp32 copies
-    out += 2 * 4 * n * nk + 3 * 4 * n * nv + 2 * 4 * nv  # rsqrts, β, g's softplus and product, exp(A_log)
-    out += 4 * p * nv * (3 + 5 * C) + 2 * C * C + 4 * b * nv * nc + nc * 4 * b * nv * dk * dv  # chunk rule
-    out += (4 * p * nv * dv if e == 4 else 4 * n * cv) + 4 * n * nv + e * n * cv + 4 * n * cv  # gated norm
-    out += (e * n * cv if e == 4 else 4 * n * cv) + 4 * n * cv + e * n * cv
+    S = -(-s_loc // CHUNK) * CHUNK
+    t = {
+        "conv's padded input (e) [b, s + K − 1, qkv]": e * b * (s_loc + kw - 1) * cc,
+        "conv's output, silu's input (e) [n, qkv]": e * n * cc,
+        "q/k L2 norms' rsqrts [n, nk] ×2": 2 * 4 * n * nk,
+        "β = sigmoid(·) [n, nv]": 4 * n * nv,
+        "softplus's input and output [n, nv] ×2": 2 * 4 * n * nv,
+        "exp(A_log), its negation [nv] ×2": 2 * 4 * nv,
+        "gated norm's rsqrt [n, nv]": 4 * n * nv,
+        "gated norm's normed output (e) [n, v]": e * n * cv,
+        "silu(z) [n, v]": 4 * n * cv,
+        "weight · normed, × silu(z)'s operand [n, v]": 4 * n * cv,
+        "the gated product, wo's input (e) [n, v]": e * n * cv,
+    }
     if e == 4:
-        out += 4 * p * nv * (10 * dk + 3 * dv)
+        t["conv kernels concatenated [qkv, K]"] = 4 * cc * kw
+        t["silu's output, the L2 norms' input (a view of q, k, v) [n, qkv]"] = 4 * n * cc
+        t["the rule's stacked output, the gated norm's input [b·S, v]"] = 4 * b * S * cv
+        t["z, silu's input (a view of wz's output) [n, v]"] = 4 * n * cv
     else:
-        out += 4 * n * nv * (7.4375 * dk + 3 * dv + dk * dv / C - 96)
-    return float(out) + (cp_extra_bytes(b, s_loc, nv, dk, dv, e, cp, order) if cp > 1 else 0.0)
+        t["q, k fp32 copies, the L2 norms' input [n, qk] ×2"] = 2 * 4 * n * ck
+        t["the output's fp32 copy, the gated norm's input [n, v]"] = 4 * n * cv
+        t["z's fp32 copy, silu's input [n, v]"] = 4 * n * cv
+    t.update(chunk_rule_terms(b, s_loc, nv, dk, dv, e))
+    return t
+
+
+def mixer_activation_bytes(spec, mb: int, s_loc: int, tp: int, e: int, cp: int = 1, order: str = "balanced") -> float:
+    """The sum of `mixer_terms` (one device, tp), or of `cp_mixer_terms` (cp > 1) on one rank."""
+    if cp > 1:
+        return float(sum(cp_mixer_terms(spec, mb, s_loc, tp, e, cp, order).values()))
+    return float(sum(mixer_terms(spec, mb, s_loc, tp, e).values()))
 
 
 CP_FIT = {4: (3.191, 0.663, 1.883), 2: (3.704, 1.666, 0.339)}
@@ -132,3 +185,9 @@ def cp_extra_bytes(b: int, s_loc: int, nv: int, dk: int, dv: int, e: int, cp: in
     unit = 4 * b * s_loc * nv
     maps = 4 * cp * len(chunk_ids(0, cp, order)) * b * nv * dk * (dk + dv)
     return unit * (per_dk * dk + per_dk2 * dk * dk / CHUNK) + per_map * maps
+
+
+def cp_mixer_terms(spec, mb: int, s_loc: int, tp: int, e: int, cp: int, order: str) -> dict[str, int]:
+    t = mixer_terms(spec, mb, s_loc, tp, e)
+    t["cp"] = cp_extra_bytes(mb, s_loc, spec.linear_v_heads // tp, spec.linear_k_dim, spec.linear_v_dim, e, cp, order)
+    return t
