@@ -186,14 +186,18 @@ def test_mixer_terms_equal_the_saved_tensors(monkeypatch, dtype):
     the saved-tensor hooks' bytes exactly, on one device (whole chunks, padded tails, one chunk; a tp rank's layer is
     one with its heads: tp 2 of twice the heads), and on every rank of cp 2 and 4 in both orders (one and two rule
     chunks per cp chunk, a padded one). Under bf16 the conv kernels' first bf16 copy is autocast_weight_bytes'."""
+    import torch
+
     from shardwise import comm
     from shardwise.planner.models import ModelSpec
 
-    import torch
-
     e = 4 if dtype == "fp32" else 2
-    kernel = lambda cfg: 0 if e == 4 else e * cfg.linear_conv_kernel * (  # noqa: E731
-        2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim)
+
+    def kernel(cfg) -> int:
+        """The conv kernels' one bf16 copy, which autocast_weight_bytes counts."""
+        return 0 if e == 4 else e * cfg.linear_conv_kernel * (
+            2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim)
+
     for shape in MIXERS:
         got, cfg = _mixer_saved(shape, dtype)
         wide = ModelSpec.of(dataclasses.replace(cfg, linear_k_heads=2 * cfg.linear_k_heads,
