@@ -87,20 +87,21 @@ def flops_per_token(spec, seq_len: int, tp: int = 1) -> tuple[float, float]:
 
 
 def chunk_rule_terms(b: int, s: int, nv: int, dk: int, dv: int, e: int, transition: bool = False,
-                     whole: bool = True) -> dict[str, int]:
+                     narrowed: bool = False) -> dict[str, int]:
     """What `models.gated_deltanet.chunk_gated_delta_rule` saves on b·nv heads of s tokens (padded to S, nc chunks of
     C), by name: fp32 unless noted. Under bf16 autocast every matmul saves its own e-byte casts of both operands
     (one cast per matmul, even of one tensor); in fp32 slices of a chunked tensor are views of it. The first chunk's
     state is a constant zero, so its two reads (w·S, q·S) save only the state. In fp32 an unpadded q, k keep the
     [b, s, h, d] layout of their transpose (F.pad by zero copies it as it is), so the two batched matmuls copy
     their operands unless the batch dims (b, nv, nc) fold into one by a view: at most one of them larger than 1,
-    or nv = 1 on a `whole` tensor (not one of a cp rank's two chunks); a padded one is contiguous: views."""
+    or (measured, not explained by the strides) nv = 1 on the cp path's `narrowed` pieces; a padded one is
+    contiguous: views."""
     C = CHUNK
     S = -(-s // C) * C
     nc, p = S // C, b * S * nv  # chunks; padded token-heads
     chunk = b * nv * C  # token-heads of one chunk
     later = nc - 1  # chunks whose state needs a gradient
-    folds = sum(x > 1 for x in (b, nv, nc)) <= 1 or (nv == 1 and whole)
+    folds = sum(x > 1 for x in (b, nv, nc)) <= 1 or (nv == 1 and narrowed)
     copies = e != 4 or (S == s and not folds)
     t = {
         "masks ~lower, ~lower.tril(-1) (bool [C, C])": 2 * C * C,
@@ -219,7 +220,7 @@ def cp_mixer_terms(spec, mb: int, s_loc: int, tp: int, e: int, cp: int, order: s
     t = pointwise_terms(spec, mb, s_loc, tp, e)
     t["conv's padded input per chunk (e) [b, s/chunks + K − 1, qkv]"] = e * b * (L + kw - 1) * cc * per
     for j in range(per):
-        for k, v in chunk_rule_terms(b, L, nv, dk, dv, e, transition=True, whole=per == 1).items():
+        for k, v in chunk_rule_terms(b, L, nv, dk, dv, e, transition=True, narrowed=True).items():
             t[f"chunk {j}: {k}"] = v
     if e == 4:
         t["the chunks' outputs concatenated, the gated norm's input [n, v]"] = 4 * b * s_loc * nv * dv
