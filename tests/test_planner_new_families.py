@@ -185,7 +185,8 @@ def test_mixer_terms_equal_the_saved_tensors(monkeypatch, dtype):
     """Every term of `linear_attention.mixer_terms` / `cp_mixer_terms` is a storage autograd keeps: their sum equals
     the saved-tensor hooks' bytes exactly, on one device (whole chunks, padded tails, one chunk, one head; a tp
     rank's layer is one with its heads: tp 2 of twice the heads), and on every rank of cp 2 and 4 in both orders
-    (one and two rule chunks per cp chunk, a padded one, one head). Under bf16 the conv kernels' first bf16 copy is autocast_weight_bytes'."""
+    (one and two rule chunks per cp chunk, a padded one, one head). Under bf16 the conv kernels' first bf16 copy
+    is autocast_weight_bytes'."""
     import torch
 
     from shardwise import comm
