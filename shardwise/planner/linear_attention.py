@@ -86,49 +86,156 @@ def flops_per_token(spec, seq_len: int, tp: int = 1) -> tuple[float, float]:
     return proj, core
 
 
-def mixer_activation_bytes(spec, mb: int, s_loc: int, tp: int, e: int, cp: int = 1, order: str = "balanced") -> float:
-    """What the mixer saves past its region input (which the block counts), on one rank: b = mb sequences of
-    s_loc tokens, this rank's nk key and nv value heads, e-byte activations. Term by term from the runtime:
-    the convolution's padded input, output (silu's input) and kernel; q/k's L2 norms (their fp32 inputs and
-    rsqrts); β's sigmoid, g's softplus; the chunked rule's fp32 [b, nv, s, C] pair decays, k·kᵀ, the UT system,
-    q·kᵀ and the intra-chunk scores, its decay vectors and masks, one [d_k, d_v] state per chunk; then the gated
-    norm (its fp32 input, rsqrt, normed output, z's silu and the product, which is also wo's input). The
-    [b, nv, s, d_k] and [b, nv, s, d_v] tensors (q, k, v, β·k, u, w, the decayed q/k, v_new and the contiguous
-    copies matmul makes of strided chunk slices) are counted by how many of each autograd kept in a fake-tensor
-    trace of the layer at full size (s a multiple of C; fp32: 10 and 3; under bf16 autocast the fp32 copies
-    differ), not one by one. Under cp add `cp_extra_bytes`."""
-    b, C = mb, CHUNK
-    nk, nv = spec.linear_k_heads // tp, spec.linear_v_heads // tp
-    dk, dv, kw = spec.linear_k_dim, spec.linear_v_dim, spec.linear_conv_kernel
-    n, S = b * s_loc, -(-s_loc // C) * C
-    p, nc = b * S, S // C
-    ck, cv = nk * dk, nv * dv
-    cc = 2 * ck + cv
-    out = e * b * (s_loc + kw - 1) * cc + e * n * cc + (4 * cc * kw if e == 4 else 0)  # conv input, output, kernel
-    out += e * n * cc if e == 4 else 2 * 4 * n * ck  # q/k's L2 norm inputs: silu's output, or their fp32 copies
-    out += 2 * 4 * n * nk + 3 * 4 * n * nv + 2 * 4 * nv  # rsqrts, β, g's softplus and product, exp(A_log)
-    out += 4 * p * nv * (3 + 5 * C) + 2 * C * C + 4 * b * nv * nc + nc * 4 * b * nv * dk * dv  # chunk rule
-    out += (4 * p * nv * dv if e == 4 else 4 * n * cv) + 4 * n * nv + e * n * cv + 4 * n * cv  # gated norm
-    out += (e * n * cv if e == 4 else 4 * n * cv) + 4 * n * cv + e * n * cv
+def chunk_rule_terms(b: int, s: int, nv: int, dk: int, dv: int, e: int, transition: bool = False,
+                     narrowed: bool = False) -> dict[str, int]:
+    """What `models.gated_deltanet.chunk_gated_delta_rule` saves on b·nv heads of s tokens (padded to S, nc chunks of
+    C), by name: fp32 unless noted. Under bf16 autocast every matmul saves its own e-byte casts of both operands
+    (one cast per matmul, even of one tensor); in fp32 slices of a chunked tensor are views of it. The first chunk's
+    state is a constant zero, so its two reads (w·S, q·S) save only the state. In fp32 an unpadded q, k keep the
+    [b, s, h, d] layout of their transpose (F.pad by zero copies it as it is), so the two batched matmuls copy
+    their operands unless the batch dims (b, nv, nc) fold into one by a view: at most one of them larger than 1,
+    or (measured, not explained by the strides) nv = 1 on the cp path's `narrowed` pieces; a padded one is
+    contiguous: views."""
+    C = CHUNK
+    S = -(-s // C) * C
+    nc, p = S // C, b * S * nv  # chunks; padded token-heads
+    chunk = b * nv * C  # token-heads of one chunk
+    later = nc - 1  # chunks whose state needs a gradient
+    folds = sum(x > 1 for x in (b, nv, nc)) <= 1 or (nv == 1 and narrowed)
+    copies = e != 4 or (S == s and not folds)
+    t = {
+        "masks ~lower, ~lower.tril(-1) (bool [C, C])": 2 * C * C,
+        "pair decays exp(Σg) [p, C]": 4 * p * C,
+        "UT system (I + β k kᵀ ⊙ pair), solve's A [p, C]": 4 * p * C,
+        "k·kᵀ and q·kᵀ products, × pair's inputs (e) [p, C] ×2": 2 * e * p * C,
+        "intra-chunk scores, intra·v_new's operand (e) [p, C]": e * p * C,
+        "read_old, to_end decays [p]": 2 * 4 * p,
+        "β padded, β·k's and β·v's operand [p]": 4 * p,
+        "whole-chunk decay [b, nv, nc]": 4 * b * nv * nc,
+        "q, k padded; β·k; w (solve's output) [p, d_k] ×4": 4 * 4 * p * dk,
+        "v padded; u (solve's output) [p, d_v] ×2": 2 * 4 * p * dv,
+        "kb·kᵀ and q·kᵀ matmuls' operand copies [p, d_k] ×4": 4 * e * p * dk if copies else 0,
+        "states entering each chunk, state·decay's operand [d_k, d_v] per chunk": 4 * b * nv * nc * dk * dv,
+    }
+    if e == 4:  # chunk slices are views: qd and kd whole (qd only read with a state needing a gradient)
+        t["kd = k·to_end [p, d_k]"] = 4 * p * dk
+        t["qd = q·read_old [p, d_k] (read once a state needs a gradient)"] = 4 * p * dk if later else 0
+        t["v_new per chunk [p, d_v]"] = 4 * p * dv
+    else:  # per-chunk casts
+        t["kd chunk casts, kdᵀ·v_new (e) [chunk, d_k] per chunk"] = e * chunk * dk * nc
+        t["w, qd chunk casts, w·S and qd·S (e) [chunk, d_k] ×2 per later chunk"] = 2 * e * chunk * dk * later
+        t["v_new casts, intra·v_new and kdᵀ·v_new (e) [chunk, d_v] ×2 per chunk"] = 2 * e * chunk * dv * nc
+        t["state casts, w·S and qd·S (e) [d_k, d_v] ×2 per chunk"] = 2 * e * b * nv * dk * dv * nc
+    if transition:
+        t.update(transition_terms(b, s, nv, dk, e))
+    return t
+
+
+def transition_terms(b: int, s: int, nv: int, dk: int, e: int) -> dict[str, int]:
+    """What `transition=True` adds (context parallelism's state map M and effective queries Q), per chunk:
+    M ← M·decay − kdᵀ·(w·M) and Q = (qd − intra·w)·M. M starts as the identity (an expanded [d_k, d_k] eye, no
+    gradient), so the first chunk's (qd − intra·w) and w are not saved for ·M."""
+    C = CHUNK
+    S = -(-s // C) * C
+    nc, chunk = S // C, b * nv * C
+    later = nc - 1
+    t = {
+        "M's identity start (expanded eye) [d_k, d_k]": 4 * dk * dk,
+        "M after each earlier chunk, M·decay's operand [d_k, d_k] per later chunk": 4 * b * nv * dk * dk * later,
+        "w·M, kdᵀ·(w·M)'s operand (e) [chunk, d_k] per chunk": e * chunk * dk * nc,
+        "Q stacked (padded; matmul outputs), Q·S_in's operand (e) [b·nv·S, d_k]": e * b * nv * S * dk,
+    }
     if e == 4:
-        out += 4 * p * nv * (10 * dk + 3 * dv)
+        t["qd − intra·w, ·M's operand [chunk, d_k] per later chunk"] = 4 * chunk * dk * later
     else:
-        out += 4 * n * nv * (7.4375 * dk + 3 * dv + dk * dv / C - 96)
-    return float(out) + (cp_extra_bytes(b, s_loc, nv, dk, dv, e, cp, order) if cp > 1 else 0.0)
+        t["M casts, (qd − intra·w)·M and w·M (e) [d_k, d_k] ×2 per chunk"] = 2 * e * b * nv * dk * dk * nc
+        t["intra and w chunk casts, intra·w (e) [chunk, C + d_k] per chunk"] = e * chunk * (C + dk) * nc
+        t["w chunk cast, w·M (e) [chunk, d_k] per later chunk"] = e * chunk * dk * later
+        t["qd − intra·w cast, ·M (e) [chunk, d_k] per later chunk"] = e * chunk * dk * later
+        t["kd chunk casts, kdᵀ·(w·M) (e) [chunk, d_k] per chunk"] = e * chunk * dk * nc
+    return t
 
 
-CP_FIT = {4: (3.191, 0.663, 1.883), 2: (3.704, 1.666, 0.339)}
-"""Per activation width: (per d_k, per d_k²/C, per gathered map byte) of `cp_extra_bytes`, least squares over
-fake-tensor traces of the cp path (b 1–2, s_loc 1024–2048, d_k, d_v 64–128, cp 2 and 4, both orders): within
-0.8% of the mixer's bytes under bf16, 4% in fp32."""
+def _channels(spec, tp: int) -> int:
+    """The convolution's channels on one tp rank: q, k and v."""
+    return (2 * spec.linear_k_heads * spec.linear_k_dim + spec.linear_v_heads * spec.linear_v_dim) // tp
 
 
-def cp_extra_bytes(b: int, s_loc: int, nv: int, dk: int, dv: int, e: int, cp: int, order: str) -> float:
-    """What the context-parallel rule saves beyond the one-device layer on s_loc tokens: per chunk of C tokens its
-    state map M [d_k, d_k] and the effective queries' factors ((q_d − A·w), w·M, Q: [C, d_k] each, with matmul's
-    copies of strided slices), and the gathered [M | B] maps the composition reads. Fitted (`CP_FIT`), not derived
-    op by op."""
-    per_dk, per_dk2, per_map = CP_FIT[4 if e == 4 else 2]
-    unit = 4 * b * s_loc * nv
-    maps = 4 * cp * len(chunk_ids(0, cp, order)) * b * nv * dk * (dk + dv)
-    return unit * (per_dk * dk + per_dk2 * dk * dk / CHUNK) + per_map * maps
+def pointwise_terms(spec, mb: int, s_loc: int, tp: int, e: int) -> dict[str, int]:
+    """The mixer's saved tensors outside the convolution's input and the chunk rule, alike on one device and under
+    cp (s_loc tokens either way): the conv's output and kernel, the L2 norms, β and g, the gated norm."""
+    n, kw = mb * s_loc, spec.linear_conv_kernel
+    nk, nv = spec.linear_k_heads // tp, spec.linear_v_heads // tp
+    ck, cv, cc = nk * spec.linear_k_dim, nv * spec.linear_v_dim, _channels(spec, tp)
+    t = {
+        "conv's output, silu's input (e) [n, qkv]": e * n * cc,
+        "q/k L2 norms' rsqrts [n, nk] ×2": 2 * 4 * n * nk,
+        "β = sigmoid(·) [n, nv]": 4 * n * nv,
+        "softplus's input and output [n, nv] ×2": 2 * 4 * n * nv,
+        "exp(A_log), its negation [nv] ×2": 2 * 4 * nv,
+        "gated norm's rsqrt [n, nv]": 4 * n * nv,
+        "gated norm's normed output (e) [n, v]": e * n * cv,
+        "silu(z) [n, v]": 4 * n * cv,
+        "weight · normed, × silu(z)'s operand [n, v]": 4 * n * cv,
+        "the gated product, wo's input (e) [n, v]": e * n * cv,
+    }
+    if e == 4:
+        t["conv kernels concatenated [qkv, K]"] = 4 * cc * kw
+        t["silu's output, the L2 norms' input (a view of q, k, v) [n, qkv]"] = 4 * n * cc
+        t["z, silu's input (a view of wz's output) [n, v]"] = 4 * n * cv
+    else:
+        t["q, k fp32 copies, the L2 norms' input [n, qk] ×2"] = 2 * 4 * n * ck
+        t["the output's fp32 copy, the gated norm's input [n, v]"] = 4 * n * cv
+        t["z's fp32 copy, silu's input [n, v]"] = 4 * n * cv
+    return t
+
+
+def mixer_terms(spec, mb: int, s_loc: int, tp: int, e: int) -> dict[str, int]:
+    """What one device's mixer saves past its region input (which the block counts) and its autocast weight copies
+    (`activations.autocast_weight_bytes`), by name: b = mb sequences of s_loc tokens, this rank's nk key and nv value
+    heads, e-byte activations over a residual of the same width. Every entry is one storage autograd keeps (views
+    of one storage count once), its bytes from its shape; tests/test_planner_new_families.py checks the sum against
+    the saved-tensor hooks of a real layer."""
+    nv, kw = spec.linear_v_heads // tp, spec.linear_conv_kernel
+    t = {"conv's padded input (e) [b, s + K − 1, qkv]": e * mb * (s_loc + kw - 1) * _channels(spec, tp)}
+    t.update(pointwise_terms(spec, mb, s_loc, tp, e))
+    if e == 4:
+        t["the rule's stacked output (padded), the gated norm's input [b·S, v]"] = (
+            4 * mb * -(-s_loc // CHUNK) * CHUNK * nv * spec.linear_v_dim)
+    t.update(chunk_rule_terms(mb, s_loc, nv, spec.linear_k_dim, spec.linear_v_dim, e))
+    return t
+
+
+def cp_mixer_terms(spec, mb: int, s_loc: int, tp: int, e: int, cp: int, order: str,
+                   rank: int | None = None) -> dict[str, int]:
+    """`mixer_terms` of one cp rank (`context_parallel/linear_attention.py`): its chunks' convolutions apart (each
+    with a K−1 halo), the chunk rule with `transition` per chunk of s_loc / chunks tokens, and the composition:
+    the gathered [M | B] maps and the states S_in(c) entering global chunks 0..max(ids) of this `rank` (None: the
+    rank holding the last chunk, the largest)."""
+    per = len(chunk_ids(0, cp, order))
+    last = max(chunk_ids(rank, cp, order)) if rank is not None else cp * per - 1
+    L = s_loc // per
+    b, nv, dk, dv, kw = mb, spec.linear_v_heads // tp, spec.linear_k_dim, spec.linear_v_dim, spec.linear_conv_kernel
+    cc = _channels(spec, tp)
+    t = pointwise_terms(spec, mb, s_loc, tp, e)
+    t["conv's padded input per chunk (e) [b, s/chunks + K − 1, qkv]"] = e * b * (L + kw - 1) * cc * per
+    for j in range(per):
+        for k, v in chunk_rule_terms(b, L, nv, dk, dv, e, transition=True, narrowed=True).items():
+            t[f"chunk {j}: {k}"] = v
+    if e == 4:
+        t["the chunks' outputs concatenated, the gated norm's input [n, v]"] = 4 * b * s_loc * nv * dv
+        t["gathered [M | B] maps, M·S's operand (none when S_in(0) is all this rank reads) "
+          "[cp·chunks·b, nv, d_k, d_k + d_v]"] = 4 * cp * per * b * nv * dk * (dk + dv) if last else 0
+        t["states entering global chunks 0..last [d_k, d_v] each"] = 4 * b * nv * dk * dv * (last + 1)
+    else:  # autocast_weight_bytes counts one bf16 copy of the kernels; each chunk's conv1d casts its own
+        t["further conv kernel casts (e) [qkv, K] per chunk past the first"] = e * cc * kw * (per - 1)
+        t["M slice casts, M·S (e) [d_k, d_k] per earlier global chunk"] = e * b * nv * dk * dk * last
+        t["state casts, M·S and Q·S (e) [d_k, d_v]"] = e * b * nv * dk * dv * (last + per)
+    return t
+
+
+def mixer_activation_bytes(spec, mb: int, s_loc: int, tp: int, e: int, cp: int = 1, order: str = "balanced") -> float:
+    """The sum of `mixer_terms` (one device, tp), or of `cp_mixer_terms` (cp > 1) on its largest rank."""
+    if cp > 1:
+        return float(sum(cp_mixer_terms(spec, mb, s_loc, tp, e, cp, order).values()))
+    return float(sum(mixer_terms(spec, mb, s_loc, tp, e).values()))
