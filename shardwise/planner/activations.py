@@ -317,10 +317,8 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
     if stage.head and spec.mtp_layers:  # the MTP modules run after the head, on the last stage: held like it;
         # recompute does not reach their blocks, and bf16 autocast saves their linears' weight copies
         mtp_per = {moe: layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in (False, True)}
-        blocks = [spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers)]
         if model == "shardwise":
-            mtp_stage = Stage(stage.index, blocks.count(False), blocks.count(True), False, False, tuple(blocks))
-            out["weights"] += autocast_weight_bytes(spec, mtp_stage, dataclasses.replace(lay, recompute="none"), wl)
+            out["weights"] += mtp_weight_copies(spec, stage, lay, wl)
         out["head"] += mtp_activation_bytes(spec, mtp_per.get, n, n // lay.tp if lay.sp else n,
                                             padded_vocab(spec, lay.tp) // lay.tp, wl.act_bytes, wl.resid_bytes, lay.tp,
                                             lay.sp)
@@ -355,15 +353,24 @@ def head_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload)
     """The bf16 weight copies of `microbatch_activation_bytes`' "weights" that the LM head and the MTP modules
     save: held, like the head's other tensors, only by a microbatch between the last chunk's F and its B — one
     at a time outside GPipe (on an interleaved last stage more chunks are in flight, not more heads)."""
-    if not stage.head or wl.act_bytes == 4 or lay.recompute == "full":
-        return 0.0  # under full recompute the head's copy is counted with the head already
+    if not stage.head or wl.act_bytes == 4:
+        return 0.0
+    mtp = mtp_weight_copies(spec, stage, lay, wl)
+    if lay.recompute == "full":  # the head's own copy is counted with the head already; the MTP's is in "weights"
+        return mtp
     split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")  # the head keeps its fp32 weight on ctx
-    out = 0.0 if split else float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim)
-    if spec.mtp_layers:
-        blocks = [spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers)]
-        mtp_stage = Stage(stage.index, blocks.count(False), blocks.count(True), False, False, tuple(blocks))
-        out += autocast_weight_bytes(spec, mtp_stage, dataclasses.replace(lay, recompute="none"), wl)
-    return out
+    return mtp + (0.0 if split else float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim))
+
+
+def mtp_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """The bf16 autocast casts the D MTP modules' linears save (eh_proj, each block's projections) for one
+    microbatch on the head's stage: recompute never reaches the modules, so they are saved under every recompute
+    mode, and freed by the microbatch's last-chunk backward like the head's tensors."""
+    if not (stage.head and spec.mtp_layers) or wl.act_bytes == 4:
+        return 0.0
+    blocks = [spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers)]
+    mtp_stage = Stage(stage.index, blocks.count(False), blocks.count(True), False, False, tuple(blocks))
+    return autocast_weight_bytes(spec, mtp_stage, dataclasses.replace(lay, recompute="none"), wl)
 
 
 def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
