@@ -30,6 +30,7 @@ A stage holds its per-microbatch figure for every microbatch its schedule keeps 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from shardwise.planner import gpt_oss
 from shardwise.planner.linear_attention import mixer_activation_bytes
@@ -339,14 +340,43 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
 def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
                            model: str = "shardwise") -> float:
     """Peak activation bytes on one rank of `stage`: its microbatch figure (head excluded) for every
-    microbatch in flight, the head's for one (GPipe: for every microbatch, since all forwards run before the
+    microbatch in flight (its layers' part by `layer_flight`), the head's for one (GPipe: for every microbatch, since all forwards run before the
     first backward), and under full recompute one layer's full activations."""
     mb = microbatch_activation_bytes(spec, stage, lay, wl, model)
     flight = in_flight(lay, stage.index)
     heads = flight if lay.schedule == "gpipe" and lay.pp > 1 else 1
     once = mb["head"] + (head_weight_copies(spec, stage, lay, wl) if model == "shardwise" else 0.0)
-    held = (mb["total"] - once) * flight + once * heads
-    return held + recompute_transient_bytes(spec, stage, lay, wl, model)
+    held = (mb["total"] - once - mb["layers"]) * flight + once * heads
+    return held + mb["layers"] * layer_flight(spec, stage, lay) + recompute_transient_bytes(spec, stage, lay, wl, model)
+
+
+def layer_flight(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
+    """Microbatches in flight in units of the stage's layers: `in_flight`, except under interleaving with chunks
+    of unequal layer counts (uneven --pp-layers, e.g. DeepSeek-V3's head stage of 2, 2, 2, 1), where the rank's
+    schedule keeps more of one chunk in flight than of another: the most layers its in-flight chunks hold at any
+    forward of its action list, over the stage's layers."""
+    chunks = [len(ids) for _, ids in _stage_chunks(spec, lay, stage)]
+    if lay.pp == 1 or lay.schedule != "interleaved" or len(set(chunks)) < 2:
+        return in_flight(lay, stage.index)
+    most = _most_layers_held(lay.schedule, lay.pp, lay.m, lay.vp, stage.index, tuple(chunks))
+    return in_flight(lay, stage.index) if most is None else most / sum(chunks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _most_layers_held(schedule: str, p: int, m: int, v: int, k: int, chunks: tuple[int, ...]) -> int | None:
+    """The most layers rank k's in-flight chunks hold at any point of its action list (`chunks`: each chunk's
+    layer count), or None without the schedule; cached: the search asks about every stage of every layout."""
+    try:
+        from shardwise.pipeline.schedules import build_schedule
+
+        actions = build_schedule(schedule, p, m, v).actions[k]
+    except (ImportError, ValueError):
+        return None
+    held = most = 0
+    for a in actions:
+        held += chunks[a.chunk] if a.kind == "F" else -chunks[a.chunk] if a.kind == "B" else 0
+        most = max(most, held)
+    return most
 
 
 def head_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
