@@ -366,17 +366,27 @@ def layer_flight(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
 def _most_layers_held(schedule: str, p: int, m: int, v: int, k: int, chunks: tuple[int, ...]) -> int | None:
     """The most layers rank k's in-flight chunks hold at any point of its action list (`chunks`: each chunk's
     layer count), or None without the schedule; cached: the search asks about every stage of every layout."""
+    steps = _chunk_steps(schedule, p, m, v)
+    if steps is None:
+        return None
+    held = most = 0
+    for sign, chunk in steps[k]:
+        held += sign * chunks[chunk]
+        most = max(most, held)
+    return most
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_steps(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+    """Per rank, its forwards (+1) and backwards (−1) by chunk in its schedule's order; the schedule built once."""
     try:
         from shardwise.pipeline.schedules import build_schedule
 
-        actions = build_schedule(schedule, p, m, v).actions[k]
+        ranks = build_schedule(schedule, p, m, v).actions
     except (ImportError, ValueError):
         return None
-    held = most = 0
-    for a in actions:
-        held += chunks[a.chunk] if a.kind == "F" else -chunks[a.chunk] if a.kind == "B" else 0
-        most = max(most, held)
-    return most
+    return tuple(tuple((1 if a.kind == "F" else -1, a.chunk) for a in actions if a.kind in ("F", "B"))
+                 for actions in ranks)
 
 
 def head_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
