@@ -30,6 +30,7 @@ A stage holds its per-microbatch figure for every microbatch its schedule keeps 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from shardwise.planner import gpt_oss
 from shardwise.planner.linear_attention import mixer_activation_bytes
@@ -317,10 +318,8 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
     if stage.head and spec.mtp_layers:  # the MTP modules run after the head, on the last stage: held like it;
         # recompute does not reach their blocks, and bf16 autocast saves their linears' weight copies
         mtp_per = {moe: layer_activation_bytes(spec, moe, lay, wl, "none", model) for moe in (False, True)}
-        blocks = [spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers)]
         if model == "shardwise":
-            mtp_stage = Stage(stage.index, blocks.count(False), blocks.count(True), False, False, tuple(blocks))
-            out["weights"] += autocast_weight_bytes(spec, mtp_stage, dataclasses.replace(lay, recompute="none"), wl)
+            out["weights"] += mtp_weight_copies(spec, stage, lay, wl)
         out["head"] += mtp_activation_bytes(spec, mtp_per.get, n, n // lay.tp if lay.sp else n,
                                             padded_vocab(spec, lay.tp) // lay.tp, wl.act_bytes, wl.resid_bytes, lay.tp,
                                             lay.sp)
@@ -341,29 +340,77 @@ def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: 
 def stage_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
                            model: str = "shardwise") -> float:
     """Peak activation bytes on one rank of `stage`: its microbatch figure (head excluded) for every
-    microbatch in flight, the head's for one (GPipe: for every microbatch, since all forwards run before the
+    microbatch in flight (its layers' part by `layer_flight`), the head's for one (GPipe: for every microbatch, since all forwards run before the
     first backward), and under full recompute one layer's full activations."""
     mb = microbatch_activation_bytes(spec, stage, lay, wl, model)
     flight = in_flight(lay, stage.index)
     heads = flight if lay.schedule == "gpipe" and lay.pp > 1 else 1
     once = mb["head"] + (head_weight_copies(spec, stage, lay, wl) if model == "shardwise" else 0.0)
-    held = (mb["total"] - once) * flight + once * heads
-    return held + recompute_transient_bytes(spec, stage, lay, wl, model)
+    held = (mb["total"] - once - mb["layers"]) * flight + once * heads
+    return held + mb["layers"] * layer_flight(spec, stage, lay) + recompute_transient_bytes(spec, stage, lay, wl, model)
+
+
+def layer_flight(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
+    """Microbatches in flight in units of the stage's layers: `in_flight`, except under interleaving with chunks
+    of unequal layer counts (uneven --pp-layers, e.g. DeepSeek-V3's head stage of 2, 2, 2, 1), where the rank's
+    schedule keeps more of one chunk in flight than of another: the most layers its in-flight chunks hold at any
+    forward of its action list, over the stage's layers."""
+    chunks = [len(ids) for _, ids in _stage_chunks(spec, lay, stage)]
+    if lay.pp == 1 or lay.schedule != "interleaved" or len(set(chunks)) < 2:
+        return in_flight(lay, stage.index)
+    most = _most_layers_held(lay.schedule, lay.pp, lay.m, lay.vp, stage.index, tuple(chunks))
+    return in_flight(lay, stage.index) if most is None else most / sum(chunks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _most_layers_held(schedule: str, p: int, m: int, v: int, k: int, chunks: tuple[int, ...]) -> int | None:
+    """The most layers rank k's in-flight chunks hold at any point of its action list (`chunks`: each chunk's
+    layer count), or None without the schedule; cached: the search asks about every stage of every layout."""
+    steps = _chunk_steps(schedule, p, m, v)
+    if steps is None:
+        return None
+    held = most = 0
+    for sign, chunk in steps[k]:
+        held += sign * chunks[chunk]
+        most = max(most, held)
+    return most
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_steps(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+    """Per rank, its forwards (+1) and backwards (−1) by chunk in its schedule's order; the schedule built once."""
+    try:
+        from shardwise.pipeline.schedules import build_schedule
+
+        ranks = build_schedule(schedule, p, m, v).actions
+    except (ImportError, ValueError):
+        return None
+    return tuple(tuple((1 if a.kind == "F" else -1, a.chunk) for a in actions if a.kind in ("F", "B"))
+                 for actions in ranks)
 
 
 def head_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
     """The bf16 weight copies of `microbatch_activation_bytes`' "weights" that the LM head and the MTP modules
     save: held, like the head's other tensors, only by a microbatch between the last chunk's F and its B — one
     at a time outside GPipe (on an interleaved last stage more chunks are in flight, not more heads)."""
-    if not stage.head or wl.act_bytes == 4 or lay.recompute == "full":
-        return 0.0  # under full recompute the head's copy is counted with the head already
+    if not stage.head or wl.act_bytes == 4:
+        return 0.0
+    mtp = mtp_weight_copies(spec, stage, lay, wl)
+    if lay.recompute == "full":  # the head's own copy is counted with the head already; the MTP's is in "weights"
+        return mtp
     split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")  # the head keeps its fp32 weight on ctx
-    out = 0.0 if split else float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim)
-    if spec.mtp_layers:
-        blocks = [spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers)]
-        mtp_stage = Stage(stage.index, blocks.count(False), blocks.count(True), False, False, tuple(blocks))
-        out += autocast_weight_bytes(spec, mtp_stage, dataclasses.replace(lay, recompute="none"), wl)
-    return out
+    return mtp + (0.0 if split else float(wl.act_bytes * padded_vocab(spec, lay.tp) // lay.tp * spec.dim))
+
+
+def mtp_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
+    """The bf16 autocast casts the D MTP modules' linears save (eh_proj, each block's projections) for one
+    microbatch on the head's stage: recompute never reaches the modules, so they are saved under every recompute
+    mode, and freed by the microbatch's last-chunk backward like the head's tensors."""
+    if not (stage.head and spec.mtp_layers) or wl.act_bytes == 4:
+        return 0.0
+    blocks = [spec.is_moe_layer(spec.n_layers + k) for k in range(spec.mtp_layers)]
+    mtp_stage = Stage(stage.index, blocks.count(False), blocks.count(True), False, False, tuple(blocks))
+    return autocast_weight_bytes(spec, mtp_stage, dataclasses.replace(lay, recompute="none"), wl)
 
 
 def recompute_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
