@@ -22,6 +22,8 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", 
 ALLOWED = {
     ("optim/sharded.py", "Muon.__init__", "zeros"):
         "an empty placeholder parameter for a rank that holds no Muon matrix; never stepped nor communicated",
+    ("verify.py", "verify_main", "zeros"):
+        "the per-parameter sum of update bounds: host arithmetic on norms already read back, never communicated",
     ("routing_replay.py", "RoutingReplay._local_ids", "arange"):
         "host token-id bookkeeping, cut like the batch and then moved to the world's device",
     ("checkpoint/files.py", "from_b64", "frombuffer"):
