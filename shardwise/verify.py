@@ -201,8 +201,11 @@ class NoiseBudget:
         return {"multiple": BF16_MULTIPLE, "floors": BF16_FLOOR, "ratios": self.ratios, "noise": self.noise}
 
 
-def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: torch.Tensor | None = None) -> dict:
-    """`tokens`: a token stream to train on instead of cfg.data (tests build documents of known lengths)."""
+def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: torch.Tensor | None = None,
+                first_grad_bound: float | None = None) -> dict:
+    """`tokens`: a token stream to train on instead of cfg.data (tests build documents of known lengths).
+    `first_grad_bound`: an fp32 first-step gradient bound other than TOLERANCE's, for a model whose own fp32 rounding is
+    known to exceed it (the Qwen3-Next hybrid's decay gradients, tests/test_qwen3_next.py); every other bound stays."""
     cfg = assembled(cfg)
     device = device or torch.device("cpu")
     check_verifiable(cfg)
@@ -289,7 +292,7 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
         tol = {"multiple": BF16_MULTIPLE, **BF16_FLOOR}
         passed = budget.passed
     else:
-        tol = TOLERANCE[cfg.dtype]
+        tol = TOLERANCE[cfg.dtype] | ({} if first_grad_bound is None else {"first_grad": first_grad_bound})
         passed = (loss_diff <= tol["loss"] * max(1.0, abs(losses[0])) and first_grad <= tol["first_grad"]
                   and grad_diff <= tol["grad"] and param_ratio <= 1.0 and first_update <= tol["first_update"]
                   and later_ratio <= 1.0)
