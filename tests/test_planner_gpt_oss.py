@@ -38,3 +38,129 @@ def test_gpt_oss_120b_full_size_within_bounds(monkeypatch):
     assert planned(cfg, 0)["comm_bytes"] == measured
     monkeypatch.setattr(comm_model, "recomputed_layer_ids", lambda spec, lay: set())  # recomputed rings left out
     assert planned(cfg, 0)["comm_bytes"]["cp"] != measured["cp"]
+
+
+def _math_kernels(monkeypatch):
+    """Every attention block on the fp32 math path (explicit matmuls FlopCounterMode counts; it has no formula for
+    CPU flash): the same block pairs and bands, counted."""
+    from shardwise.context_parallel import kernels
+
+    pick = kernels.pick
+    monkeypatch.setattr(kernels, "pick", lambda site, q, v, backend="auto", mask="causal", entry="raw":
+                        pick(site, q, v, "math", mask, entry))
+
+
+def _oss_config(window: int):
+    from shardwise.config import ModelConfig
+
+    return ModelConfig(vocab_size=101, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
+                       max_seq_len=128, attention_sinks=True, attention_bias=True, attention_out_bias=True,
+                       sliding_window=window, sliding_layers=(0,))
+
+
+WINDOWS = [4, 12, 16, 32, 64, 100]
+"""At s = 64: bands of 4 and of 12 (a short last band), one masked call (s ≤ 2W), and windows spanning the sequence."""
+
+
+def test_windowed_core_flops_equal_the_one_device_model(monkeypatch):
+    """A gpt-oss-shaped model (sinks, biases, layer 0 sliding, layer 1 full) on one device: FlopCounterMode over its
+    forward equals the planner's count — every projection and the LM head, a full layer's core at s keys per query,
+    the sliding layer's core at `work_share` of it (its bands' scores) — for windows that band, one that does not,
+    and windows as long as the sequence, where the sliding layer costs exactly a full one. Counting the sliding
+    layer at min(W, s) keys per query (the model-FLOPs convention) instead differs for every banded window."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise.parallelize import plain_model
+    from shardwise.partition import local_scores
+    from shardwise.planner import gpt_oss
+    from shardwise.planner.estimate import layer_flops_per_token
+    from shardwise.planner.layout import Layout
+    from shardwise.planner.models import ModelSpec
+
+    _math_kernels(monkeypatch)
+    b, s = 2, 64
+    for window in WINDOWS:
+        cfg = _oss_config(window)
+        model = plain_model(cfg)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        with FlopCounterMode(display=False) as counter:
+            model(torch.randint(0, cfg.vocab_size, (b, s)))
+        spec = ModelSpec.of(cfg)
+        matmul, core = layer_flops_per_token(spec, False, s)
+        shares = [gpt_oss.work_share(spec, i, Layout(), s) for i in range(cfg.n_layers)]
+        assert shares[0] == local_scores(s, window) / s ** 2 and shares[1] == 1.0
+        expected = b * s * (cfg.n_layers * matmul + core * sum(shares) + 2 * cfg.dim * cfg.vocab_size)
+        assert counter.get_total_flops() == expected, (window, counter.get_total_flops(), expected)
+        if window >= s:
+            assert shares[0] == 1.0  # the full-causal count: one s × s call
+        if window < s // 2:  # banded: fewer scores than s², more than s·min(W, s)
+            model_share = gpt_oss.window_share(spec, 0, s)
+            assert model_share < shares[0] < 1.0 and b * s * core * (shares[0] - model_share) > 0
+
+
+def _ring_forward_flops(monkeypatch, rank, cp, order, window, b=1, hq=4, hkv=2, d=8, s_local=16):
+    """FlopCounterMode over one cp rank's ring attention forward, its p2p stubbed out (the blocks' values do not
+    change what is computed; the block pairs and steps are the runtime's own)."""
+    import types
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise import comm
+    from shardwise.context_parallel import ring_attention
+
+    monkeypatch.setattr(comm, "p2p", lambda ops, tag=None: [])
+    monkeypatch.setattr(comm, "wait_all", lambda works, axis, op: None)
+    axis = types.SimpleNamespace(rank=rank, size=cp, active=True)
+    q = torch.randn(b, hq, s_local, d)
+    k, v = torch.randn(b, hkv, s_local, d), torch.randn(b, hkv, s_local, d)
+    with FlopCounterMode(display=False) as counter:
+        ring_attention(q, k, v, axis, True, order, sinks=torch.zeros(hq), window=window)
+    return counter.get_total_flops()
+
+
+def test_windowed_ring_and_ulysses_core_flops_equal_the_runtime(monkeypatch):
+    """Every rank of a cp 4 ring, both orders, windows within a chunk, across chunks, and none: the forward's
+    FlopCounterMode count equals `partition.ring_scores` (the steps `ring_step_list` keeps, the block pairs some
+    window reaches), and the planner's per-rank core (its busiest rank) their largest. Ulysses: each rank runs the
+    one-device bands over its heads. Counting every ring step's pairs instead (the window ignored) differs."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise.config import ModelConfig
+    from shardwise.context_parallel.local import local_attention
+    from shardwise.partition import local_scores, ring_scores
+    from shardwise.planner import gpt_oss
+    from shardwise.planner.estimate import layer_flops_per_token
+    from shardwise.planner.layout import Layout
+    from shardwise.planner.models import ModelSpec
+
+    _math_kernels(monkeypatch)
+    cp, s_local, b, hq, d = 4, 16, 1, 4, 8
+    s = cp * s_local
+    per_score = 2 * b * hq * 2 * d  # QKᵀ and PV, per query-key pair
+    for order in ("balanced", "contiguous"):
+        for window in (5, 8, 20, 0):
+            counted = [_ring_forward_flops(monkeypatch, r, cp, order, window) for r in range(cp)]
+            assert counted == [per_score * ring_scores(r, cp, order, s_local, window) for r in range(cp)], \
+                (order, window, counted)
+            if not window:
+                continue
+            spec = ModelSpec.of(ModelConfig(vocab_size=101, dim=32, n_layers=1, n_heads=hq, n_kv_heads=2, head_dim=d,
+                                            ffn_dim=48, max_seq_len=128, sliding_window=window, sliding_layers=(0,)))
+            _, core = layer_flops_per_token(spec, False, s)
+            planned = b * s_local * core * gpt_oss.work_share(spec, 0, Layout(cp=cp, cp_order=order), s)
+            assert planned == max(counted), (order, window, planned, counted)
+            assert counted != [per_score * ring_scores(r, cp, order, s_local, 0) for r in range(cp)]  # window ignored
+    for window in (5, 20):  # Ulysses cp 2: the whole sequence, half the heads
+        spec = ModelSpec.of(ModelConfig(vocab_size=101, dim=32, n_layers=1, n_heads=hq, n_kv_heads=2, head_dim=d,
+                                        ffn_dim=48, max_seq_len=128, sliding_window=window, sliding_layers=(0,)))
+        q, k, v = torch.randn(b, hq // 2, s, d), torch.randn(b, 1, s, d), torch.randn(b, 1, s, d)
+        with FlopCounterMode(display=False) as counter:
+            local_attention(q, k, v, sinks=torch.zeros(hq // 2), window=window)
+        _, core = layer_flops_per_token(spec, False, s)
+        lay = Layout(cp=2, cp_impl="ulysses")
+        assert counter.get_total_flops() == b * (s // 2) * core * gpt_oss.work_share(spec, 0, lay, s) \
+            == per_score // 2 * local_scores(s, window)
