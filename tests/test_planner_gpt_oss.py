@@ -58,8 +58,8 @@ def _oss_config(window: int):
                        sliding_window=window, sliding_layers=(0,))
 
 
-WINDOWS = [4, 12, 16, 32, 64, 100]
-"""At s = 64: bands of 4 and of 12 (a short last band), one masked call (s ≤ 2W), and windows spanning the sequence."""
+WINDOWS = [4, 12, 32, 64]
+"""At s = 64: bands of 4 and of 12 (a short last band), one masked call (s ≤ 2W), a window as long as the sequence."""
 
 
 def test_windowed_core_flops_equal_the_one_device_model(monkeypatch):
@@ -122,10 +122,12 @@ def _ring_forward_flops(monkeypatch, rank, cp, order, window, b=1, hq=4, hkv=2, 
 
 
 def test_windowed_ring_and_ulysses_core_flops_equal_the_runtime(monkeypatch):
-    """Every rank of a cp 4 ring, both orders, windows within a chunk, across chunks, and none: the forward's
-    FlopCounterMode count equals `partition.ring_scores` (the steps `ring_step_list` keeps, the block pairs some
-    window reaches), and the planner's per-rank core (its busiest rank) their largest. Ulysses: each rank runs the
-    one-device bands over its heads. Counting every ring step's pairs instead (the window ignored) differs."""
+    """Every rank of a cp 4 ring (chunks of 16 tokens; 8 in the balanced order), both orders, a window within a chunk,
+    one across chunks, and none: the forward's FlopCounterMode count equals `partition.ring_scores` (the steps
+    `ring_step_list` keeps, the block pairs some window reaches, each pair's call whole), and the planner's per-rank
+    core (its busiest rank) their largest. Counting every step's pairs (the window ignored) differs, but for the
+    balanced ring under a 20-token window, which reaches every pair. Ulysses: each rank runs the one-device bands
+    over its heads."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -142,7 +144,7 @@ def test_windowed_ring_and_ulysses_core_flops_equal_the_runtime(monkeypatch):
     s = cp * s_local
     per_score = 2 * b * hq * 2 * d  # QKᵀ and PV, per query-key pair
     for order in ("balanced", "contiguous"):
-        for window in (5, 8, 20, 0):
+        for window in (5, 20, 0):
             counted = [_ring_forward_flops(monkeypatch, r, cp, order, window) for r in range(cp)]
             assert counted == [per_score * ring_scores(r, cp, order, s_local, window) for r in range(cp)], \
                 (order, window, counted)
@@ -153,7 +155,8 @@ def test_windowed_ring_and_ulysses_core_flops_equal_the_runtime(monkeypatch):
             _, core = layer_flops_per_token(spec, False, s)
             planned = b * s_local * core * gpt_oss.work_share(spec, 0, Layout(cp=cp, cp_order=order), s)
             assert planned == max(counted), (order, window, planned, counted)
-            assert counted != [per_score * ring_scores(r, cp, order, s_local, 0) for r in range(cp)]  # window ignored
+            unwindowed = [per_score * ring_scores(r, cp, order, s_local, 0) for r in range(cp)]
+            assert (counted != unwindowed) == (window == 5 or order == "contiguous")  # balanced W 20: every pair
     for window in (5, 20):  # Ulysses cp 2: the whole sequence, half the heads
         spec = ModelSpec.of(ModelConfig(vocab_size=101, dim=32, n_layers=1, n_heads=hq, n_kv_heads=2, head_dim=d,
                                         ffn_dim=48, max_seq_len=128, sliding_window=window, sliding_layers=(0,)))
