@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from shardwise.planner import comm_model
 from shardwise.simulate import sweep
 
@@ -167,3 +169,30 @@ def test_windowed_ring_and_ulysses_core_flops_equal_the_runtime(monkeypatch):
         lay = Layout(cp=2, cp_impl="ulysses")
         assert counter.get_total_flops() == b * (s // 2) * core * gpt_oss.work_share(spec, 0, lay, s) \
             == per_score // 2 * local_scores(s, window)
+
+
+@pytest.mark.parametrize("cp, impl, order", [(1, "ring", "balanced"), (4, "ring", "contiguous"),
+                                             (8, "ring", "balanced"), (4, "ulysses", "balanced")])
+def test_step_time_counts_the_kernels_work(monkeypatch, cp, impl, order):
+    """`estimate`'s compute time takes each sliding layer's core at `work_share` (fwd + bwd + the selective replay:
+    4 forwards of it), so against counting them as full layers it saves exactly tokens × 4 × core × Σ(1 − share)
+    per microbatch at the FLOP rate; the model FLOPs (MFU's numerator) are the same either way. gpt-oss-20b at
+    s = 4096, one device, rings of cp 4 and 8, Ulysses."""
+    from shardwise.config import MODEL_PRESETS
+    from shardwise.planner import Assumptions, Cluster, Layout, Workload, estimate, get_gpu, gpt_oss
+    from shardwise.planner.estimate import layer_flops_per_token, peak_flops
+    from shardwise.planner.models import ModelSpec
+
+    spec = ModelSpec.of(MODEL_PRESETS["gpt-oss-20b"])
+    lay = Layout(cp=cp, cp_impl=impl, cp_order=order, zero=1, recompute="selective", mb=1, m=2)
+    wl, cluster = Workload(seq_len=4096, global_batch=2), Cluster(get_gpu("h100-80gb"), cp, 8)
+    saved = sum(1 - gpt_oss.work_share(spec, i, lay, wl.seq_len) for i in spec.sliding_layers)
+    got = estimate(spec, cluster, lay, wl)
+    monkeypatch.setattr(gpt_oss, "work_share", lambda *a: 1.0)
+    full = estimate(spec, cluster, lay, wl)
+    _, core = layer_flops_per_token(spec, True, wl.seq_len)
+    rate = peak_flops(cluster, wl) * Assumptions().flops_efficiency
+    assert 0 < saved < len(spec.sliding_layers)
+    assert full["compute_time_s"] - got["compute_time_s"] == pytest.approx(
+        lay.m * wl.seq_len // cp * 4 * core * saved / rate, rel=1e-9)
+    assert full["model_flops_per_step"] == got["model_flops_per_step"]
