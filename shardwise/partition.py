@@ -153,16 +153,20 @@ def ring_block_pairs(q_rank: int, kv_rank: int, cp_size: int, order: str,
             for seen, qi in groups.items()]
 
 
-def ring_scores(rank: int, cp_size: int, order: str, s_local: int, window: int) -> int:
-    """Query-key scores per head cp rank `rank` computes in one causal ring pass: over the steps `ring_step_list`
+def ring_scores(cp_size: int, order: str, s_local: int, window: int) -> list[int]:
+    """Query-key scores per head each cp rank computes in one causal ring pass: over the steps `ring_step_list`
     keeps, every block pair some query's window reaches (`window_cut`; without a window, or one as long as the
     sequence, every pair), each pair's call counted whole."""
     windowed = window and window < s_local * cp_size
-    total = 0
-    for step in ring_step_list(cp_size, order, s_local, window):
-        kv = (rank - step) % cp_size
-        for (qa, qb), (ka, kb) in ring_block_pairs(rank, kv, cp_size, order, s_local):
-            if not windowed or window_cut(chunk_intervals(rank, cp_size, order, s_local, qa, qb),
-                                          chunk_intervals(kv, cp_size, order, s_local, ka, kb), window)[0]:
-                total += (qb - qa) * (kb - ka)
-    return total
+    steps = ring_step_list(cp_size, order, s_local, window)
+    out = []
+    for rank in range(cp_size):
+        total = 0
+        for step in steps:
+            kv = (rank - step) % cp_size
+            for (qa, qb), (ka, kb) in ring_block_pairs(rank, kv, cp_size, order, s_local):
+                if not windowed or window_cut(chunk_intervals(rank, cp_size, order, s_local, qa, qb),
+                                              chunk_intervals(kv, cp_size, order, s_local, ka, kb), window)[0]:
+                    total += (qb - qa) * (kb - ka)
+        out.append(total)
+    return out

@@ -148,7 +148,7 @@ def test_windowed_ring_and_ulysses_core_flops_equal_the_runtime(monkeypatch):
     for order in ("balanced", "contiguous"):
         for window in (5, 20, 0):
             counted = [_ring_forward_flops(monkeypatch, r, cp, order, window) for r in range(cp)]
-            assert counted == [per_score * ring_scores(r, cp, order, s_local, window) for r in range(cp)], \
+            assert counted == [per_score * n for n in ring_scores(cp, order, s_local, window)], \
                 (order, window, counted)
             if not window:
                 continue
@@ -157,7 +157,7 @@ def test_windowed_ring_and_ulysses_core_flops_equal_the_runtime(monkeypatch):
             _, core = layer_flops_per_token(spec, False, s)
             planned = b * s_local * core * gpt_oss.work_share(spec, 0, Layout(cp=cp, cp_order=order), s)
             assert planned == max(counted), (order, window, planned, counted)
-            unwindowed = [per_score * ring_scores(r, cp, order, s_local, 0) for r in range(cp)]
+            unwindowed = [per_score * n for n in ring_scores(cp, order, s_local, 0)]
             assert (counted != unwindowed) == (window == 5 or order == "contiguous")  # balanced W 20: every pair
     for window in (5, 20):  # Ulysses cp 2: the whole sequence, half the heads
         spec = ModelSpec.of(ModelConfig(vocab_size=101, dim=32, n_layers=1, n_heads=hq, n_kv_heads=2, head_dim=d,

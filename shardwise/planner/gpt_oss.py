@@ -64,7 +64,7 @@ def window_keys(seq_len: int, window: int, cp: int, cp_impl: str, order: str) ->
     if cp == 1 or cp_impl == "ulysses":
         return local_scores(seq_len, window) / seq_len
     s_local = seq_len // cp
-    return max(ring_scores(r, cp, order, s_local, window) for r in range(cp)) / s_local
+    return max(ring_scores(cp, order, s_local, window)) / s_local
 
 
 def work_share(spec, layer: int, lay, seq_len: int) -> float:
@@ -105,5 +105,6 @@ def ring_hops(spec, lay, wl, layer_ids, attention_layers: int) -> int:
     if layer_ids is None:
         return attention_layers * (lay.cp - 1)
     s_local = wl.seq_len // lay.cp
-    return sum(len(ring_step_list(lay.cp, lay.cp_order, s_local, spec.window(i))) - 1
-               for i in layer_ids if not spec.is_linear_layer(i))
+    windows = [spec.window(i) for i in layer_ids if not spec.is_linear_layer(i)]
+    hops = {w: len(ring_step_list(lay.cp, lay.cp_order, s_local, w)) - 1 for w in set(windows)}  # one list per window
+    return sum(hops[w] for w in windows)
