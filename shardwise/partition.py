@@ -128,7 +128,7 @@ def window_bands(s: int, window: int) -> list[tuple[tuple[int, int], tuple[int, 
 def local_scores(s: int, window: int) -> int:
     """Query-key scores one head's attention over a whole sequence of s tokens computes (one device, Ulysses): s² in
     one causal or masked call — a kernel call's work counted whole, as FlopCounterMode counts it — or the bands'
-    rows × keys, s·(2W − 1) less the first band's W − 1 columns and the last band's overhang."""
+    rows × keys: W rows against 2W − 1 keys each, but the first band's W keys and a short last band's."""
     per_band = window_bands(s, window)
     if per_band is None:
         return s * s
