@@ -114,3 +114,59 @@ def ring_step_list(cp_size: int, order: str, s_local: int, window: int) -> list[
         window_cut(chunk_intervals(r, cp_size, order, s_local),
                    chunk_intervals((r - step) % cp_size, cp_size, order, s_local), window)[0]
         for r in range(cp_size))]
+
+
+def window_bands(s: int, window: int) -> list[tuple[tuple[int, int], tuple[int, int]]] | None:
+    """(query rows [a, b), key columns [c, d)) of each band one head's windowed attention over s tokens runs:
+    rows [a, a + W) read keys [a − W + 1, a + W); None where banding saves nothing (no window, or s ≤ 2W: one
+    masked call is as cheap). `context_parallel.local.bands` runs these bands."""
+    if not window or s <= 2 * window:
+        return None
+    return [((a, min(a + window, s)), (max(0, a - window + 1), min(a + window, s))) for a in range(0, s, window)]
+
+
+def local_scores(s: int, window: int) -> int:
+    """Query-key scores one head's attention over a whole sequence of s tokens computes (one device, Ulysses): s² in
+    one causal or masked call — a kernel call's work counted whole, as FlopCounterMode counts it — or the bands'
+    rows × keys: W rows against 2W − 1 keys each, but the first band's W keys and a short last band's."""
+    per_band = window_bands(s, window)
+    if per_band is None:
+        return s * s
+    return sum((qb - qa) * (kb - ka) for (qa, qb), (ka, kb) in per_band)
+
+
+def ring_block_pairs(q_rank: int, kv_rank: int, cp_size: int, order: str,
+                     s_local: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Causal ring attention's block pairs of rank `q_rank` against rank `kv_rank`'s K/V, as local (rows, columns)
+    spans: the own block whole; else one pair per group of query chunks that see the same earlier key chunks, those
+    query chunks against the span of those key chunks (`ring_attention.block_plan`'s calls)."""
+    if q_rank == kv_rank:
+        return [((0, s_local), (0, s_local))]
+    q_chunks, kv_chunks = chunk_ids(q_rank, cp_size, order), chunk_ids(kv_rank, cp_size, order)
+    length = s_local // len(q_chunks)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, a in enumerate(q_chunks):
+        seen = tuple(j for j, b in enumerate(kv_chunks) if b < a)
+        if seen:
+            groups.setdefault(seen, []).append(i)
+    return [((qi[0] * length, (qi[-1] + 1) * length), (seen[0] * length, (seen[-1] + 1) * length))
+            for seen, qi in groups.items()]
+
+
+def ring_scores(cp_size: int, order: str, s_local: int, window: int) -> list[int]:
+    """Query-key scores per head each cp rank computes in one causal ring pass: over the steps `ring_step_list`
+    keeps, every block pair some query's window reaches (`window_cut`; without a window, or one as long as the
+    sequence, every pair), each pair's call counted whole."""
+    windowed = window and window < s_local * cp_size
+    steps = ring_step_list(cp_size, order, s_local, window)
+    out = []
+    for rank in range(cp_size):
+        total = 0
+        for step in steps:
+            kv = (rank - step) % cp_size
+            for (qa, qb), (ka, kb) in ring_block_pairs(rank, kv, cp_size, order, s_local):
+                if not windowed or window_cut(chunk_intervals(rank, cp_size, order, s_local, qa, qb),
+                                              chunk_intervals(kv, cp_size, order, s_local, ka, kb), window)[0]:
+                    total += (qb - qa) * (kb - ka)
+        out.append(total)
+    return out

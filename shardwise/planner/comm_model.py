@@ -25,7 +25,7 @@ from functools import lru_cache
 
 from shardwise.bucket_plan import cut_runs
 from shardwise.planner import gpt_oss, linear_attention
-from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, stage_layer_ids
+from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, recomputed_layer_ids, stage_layer_ids
 from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BYTES_GRAD, stage_tensors, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
@@ -272,10 +272,13 @@ def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
     k_blk, v_blk = blocks * dk, blocks * dv
     # the recomputed attention layers re-run their ring (a recomputed linear layer gathers instead, above)
     again = sum(stage.recompute_split(lay)[0]) - linear_again if lay.recompute != "none" else 0
-    # per attention layer the ring's hops: cp − 1, fewer for a sliding window the ring stops short of (gpt_oss)
-    hops = gpt_oss.ring_hops(spec, lay, wl, stage_layer_ids(spec, lay)[stage.index] if spec.sliding_layers else None,
-                             stage.n_layers - linear)
-    n = 3 * hops + again * (c - 1)  # fwd K/V, bwd K/V, bwd dK/dV (+ the recomputed layers' fwd)
+    # per attention layer the ring's hops: cp − 1, fewer for a sliding window the ring stops short of (gpt_oss);
+    # a recomputed sliding layer's forward ring stops as short again
+    ids = stage_layer_ids(spec, lay)[stage.index] if spec.sliding_layers else None
+    hops = gpt_oss.ring_hops(spec, lay, wl, ids, stage.n_layers - linear)
+    chosen = recomputed_layer_ids(spec, lay)
+    hops_again = gpt_oss.ring_hops(spec, lay, wl, ids and [i for i in ids if i in chosen], again)
+    n = 3 * hops + hops_again  # fwd K/V, bwd K/V, bwd dK/dV (+ the recomputed layers' fwd)
     led.add("cp", "send", k_blk, c, n)
     led.add("cp", "send", v_blk, c, n)
     led.add("cp", "recv", 0, c, 2 * n)

@@ -23,7 +23,7 @@ from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import (
-    Layout, Workload, chunk_owners, group_size, group_spans, recomputed_layer_ids, stages,
+    Layout, Workload, chunk_owners, group_size, group_spans, recomputed_layer_ids, stage_layer_ids, stages,
 )
 from shardwise.planner.activations import ACTIVATION_MODELS, stage_activation_bytes
 from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
@@ -161,11 +161,16 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
     """(hardware FLOPs, attention-core FLOPs fwd+bwd) of one microbatch on one rank of stage `st`."""
     tokens = lay.mb * wl.seq_len // lay.cp
     matmul = core = rec_mm = rec_core = 0.0
-    for moe, n, again in zip((False, True), (st.n_dense, st.n_moe), st.recompute_split(lay)[0]):
+    # attention cores in full-layer equivalents: a sliding layer's kernels run only what its window reaches
+    ids, chosen = (stage_layer_ids(spec, lay)[st.index], recomputed_layer_ids(spec, lay)) if spec.sliding_layers \
+        else ((), frozenset())
+    held, held_again = gpt_oss.core_layers(spec, st, lay, wl.seq_len, ids, chosen)
+    for moe, n, again, n_core, again_core in zip((False, True), (st.n_dense, st.n_moe), st.recompute_split(lay)[0],
+                                                 held, held_again):
         if n:
             mm, cc = layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp)
-            matmul, core = matmul + n * mm, core + n * cc
-            rec_mm, rec_core = rec_mm + again * mm, rec_core + again * cc
+            matmul, core = matmul + n * mm, core + n_core * cc
+            rec_mm, rec_core = rec_mm + again * mm, rec_core + again_core * cc
     d_mm, d_core = linear_layer_delta(spec, wl.seq_len, lay.tp)
     lin, lin_again = linear_attention.held_layers(st, lay)  # Gated DeltaNet: not the attention core selective replays
     matmul, core, rec_mm = matmul + lin * d_mm, core + lin * d_core, rec_mm + lin_again * d_mm
@@ -210,10 +215,12 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         return led.sent_bytes(axis) / rate[axis]
 
     edges, per_stage, seen = stage_edges(chunk_owners(lay), lay.pp), [], {}
+    windows = [tuple(map(spec.window, ids)) for ids in stage_layer_ids(spec, lay)] if spec.sliding_layers else None
     for s in mem:
         st = s["stage"]
         # Stages that hold the same kind of work share one cost evaluation (only memory differs).
-        key = (st.kinds, st.recomputed, st.linear, st.embedding, st.head, edges[st.index])
+        key = (st.kinds, st.recomputed, st.linear, st.embedding, st.head, edges[st.index],
+               windows and windows[st.index])
         if key not in seen:
             mb, sync = stage_ledgers(spec, st, lay, wl, s["params"])
             hw, core = _stage_flops(spec, st, lay, wl)

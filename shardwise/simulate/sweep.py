@@ -106,6 +106,12 @@ LAYOUTS: dict[str, TrainConfig] = {
     "gpt-oss-20b-cp4c-tp2-sp-pp2-ep4-z1-bf16": _run(2048, dtype="bf16", model="gpt-oss-20b", micro_batch=1,
                                                     microbatches=4, cp=4, cp_order="contiguous", tp=2, pp=2, ep=4,
                                                     zero=1, sequence_parallel=True),
+    # gpt-oss-120b: the 1F1B row of `plan --model gpt-oss-120b --gpus 64 --global-batch 256` (within 0.01 s of the
+    # interleaved rows) run at its full 64 microbatches, which simulate shortens to 3: 128 experts
+    # over ep 32, a balanced cp 8 ring whose sliding layers (and their selective recompute) run steps 0, 1 and 7 only
+    "gpt-oss-120b-64-cp8-pp2-ep32-z1-bf16-sel": _run(4096, dtype="bf16", model="gpt-oss-120b", micro_batch=1,
+                                                     global_batch=256, dp=4, pp=2, cp=8, ep=32, zero=1,
+                                                     recompute="selective"),
 }
 """Name -> the run `shardwise simulate` checks. Every layout's world is at most 16, but the full-size ones."""
 
