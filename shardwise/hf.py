@@ -33,6 +33,7 @@ from . import hf_qwen3_next
 from .config import ModelConfig
 from .hf_config import hf_config, is_gpt_oss
 from .hf_gpt_oss import EXPERT as GPT_OSS_EXPERT, expert_source, export_tensors as gpt_oss_tensors
+from .hf_multimodal import is_multimodal, stored_name, text_view
 from .pipeline.tied_embedding import tied_name
 from .tensor_parallel.layers import get_spec
 
@@ -56,6 +57,11 @@ class WeightFiles:
             if not files:
                 raise FileNotFoundError(f"{path}: no *.safetensors files (and no {INDEX})")
             self.where = {k: fn for fn in files for k in self._handle(fn).keys()}
+        # A multimodal checkpoint (Qwen3.5): its language model under text-only names, the rest set aside.
+        self.view, self.aside = None, {}
+        if is_multimodal(self.where):
+            self.view, self.aside = text_view(self.where, path)
+            self.where = {k: self.where[v] for k, v in self.view.items()}
 
     def _handle(self, fn: str):
         if fn not in self._handles:
@@ -67,8 +73,8 @@ class WeightFiles:
 
     def _slice(self, name: str):
         if name not in self.where:
-            raise KeyError(f"{self.path}: the checkpoint has no tensor {name!r}")
-        return self._handle(self.where[name]).get_slice(name)
+            raise KeyError(f"{self.path}: the checkpoint has no tensor {stored_name(name, self.view)!r}")
+        return self._handle(self.where[name]).get_slice(stored_name(name, self.view))
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())

@@ -27,6 +27,11 @@ ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtr
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 QWEN3_NEXT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # Gated DeltaNet + gated attention hybrids
+# The published Qwen3.5 checkpoints are multimodal: the language model's config.json fields nest under `text_config`
+# (model_type -> that of the text model), beside a vision tower shardwise does not model.
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+MULTIMODAL_ARCHITECTURE = {"qwen3_5": "Qwen3_5ForConditionalGeneration",
+                           "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 QWEN3 = ("qwen3", "qwen3_moe", *QWEN3_NEXT)  # per-head q/k RMSNorm, explicit head_dim
 # ModelConfig fields that newer shardwise versions add; a config needing a missing one is refused.
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -51,6 +56,26 @@ def read_hf_config(path: str) -> dict:
     if not isinstance(hf, dict):
         raise ConfigError(f"{cfg_file}: expected a JSON object")
     return hf
+
+
+def language_model_config(hf: dict, where: str) -> dict:
+    """A multimodal config.json's language model as a text-only config.json (`hf` itself for a text model).
+
+    Its fields are `text_config`'s; tie_word_embeddings is the top level's where it has one, since that is what
+    the *ForConditionalGeneration class ties its lm_head by."""
+    mt = hf.get("model_type")
+    if mt not in MULTIMODAL:
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: model_type={mt!r} is multimodal but config.json has no text_config object")
+    text = dict(text)
+    if text.setdefault("model_type", MULTIMODAL[mt]) != MULTIMODAL[mt]:
+        raise ConfigError(f"{where}: text_config.model_type={text['model_type']!r} does not belong to "
+                          f"model_type={mt!r}; expected {MULTIMODAL[mt]!r}")
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
 
 
 def _yarn(src: dict, hf: dict, where: str, field: str) -> tuple[tuple, float]:
@@ -134,14 +159,24 @@ def _req(hf: dict, key: str, where: str):
 def config_from_hf(path: str) -> ModelConfig:
     """The ModelConfig of the HF model in directory `path` (or of config.json `path`); ConfigError for anything
     not supported."""
-    hf = read_hf_config(path)
     where = config_file(path)
+    outer = read_hf_config(path)
+    arch = outer.get("architectures") or []
+    if outer.get("model_type") in MULTIMODAL:
+        want = MULTIMODAL_ARCHITECTURE[outer["model_type"]]
+        if arch and want not in arch:
+            raise ConfigError(f"{where}: architectures={arch!r}: model_type={outer['model_type']!r} is read as "
+                              f"{want}'s language model")
+        arch = []
+    hf = language_model_config(outer, where)
+    where = where if hf is outer else f"{where} text_config"
     mt = hf.get("model_type")
     if mt not in SUPPORTED:
-        raise ConfigError(f"{where}: model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    arch = hf.get("architectures") or []
+        raise ConfigError(f"{where}: model_type={mt!r} is not supported; supported: "
+                          f"{', '.join(SUPPORTED + tuple(MULTIMODAL))}")
     if arch and not any(a.endswith("ForCausalLM") for a in arch):
-        raise ConfigError(f"{where}: architectures={arch!r}: only *ForCausalLM models are supported")
+        raise ConfigError(f"{where}: architectures={arch!r}: only *ForCausalLM models (and Qwen3.5's "
+                          f"{', '.join(MULTIMODAL_ARCHITECTURE.values())}) are supported")
 
     def refuse(field, why):
         raise ConfigError(f"{where}: {field}={hf.get(field)!r} is not supported: {why}")
@@ -303,6 +338,8 @@ def _qwen3_next(mt: str, hf: dict, kw: dict, refuse) -> None:
         refuse("layer_types", f"valid: {n} entries, each linear_attention or full_attention")
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "the Gated DeltaNet convolution and the MLP use silu")
+    if hf.get("attn_output_gate", True) is not True:  # Qwen3.5's text_config spells it out; the HF classes gate always
+        refuse("attn_output_gate", "the full-attention layers of Qwen3-Next / Qwen3.5 are gated")
     params = hf.get("rope_parameters") or {}
     rope = params.get("rope_type", "default")
     if rope != "default" and rope is not None:

@@ -1,0 +1,53 @@
+"""A multimodal checkpoint's language model read as a text-only checkpoint (the published Qwen3.5 ones).
+
+`Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` store the language model under
+`model.language_model.*` (its `lm_head.weight` at the top), beside the vision tower `model.visual.*` and, in the
+released checkpoints, the MTP drafter `mtp.*`. `text_view` names every tensor as the text-only class
+(`Qwen3_5ForCausalLM`) would, so the rest of `hf.py` reads it like any causal LM; the vision tower and MTP are set
+aside and counted (shardwise models neither). A tensor that is none of these is refused rather than guessed at: a
+language-model tensor must never be dropped silently. Torch-free.
+"""
+from __future__ import annotations
+
+LANGUAGE_MODEL = "model.language_model."
+TEXT = "model."
+# Parts of a multimodal checkpoint shardwise does not train, by name prefix.
+NOT_TRAINED = {"model.visual.": "vision tower", "mtp.": "MTP drafter"}
+
+
+def is_multimodal(names) -> bool:
+    """Whether a checkpoint's tensor names are a multimodal model's (its language model nested)."""
+    return any(n.startswith(LANGUAGE_MODEL) for n in names)
+
+
+def text_view(names, where: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """({text-only name: stored name} for the language model, {part: its stored names} for what is set aside).
+
+    ValueError naming the tensor for one that belongs to no known part."""
+    view, aside = {}, {part: [] for part in NOT_TRAINED.values()}
+    for n in names:
+        if n.startswith(LANGUAGE_MODEL):
+            view[TEXT + n[len(LANGUAGE_MODEL):]] = n
+        elif n == "lm_head.weight":
+            view[n] = n
+        else:
+            part = next((p for prefix, p in NOT_TRAINED.items() if n.startswith(prefix)), None)
+            if part is None:
+                raise ValueError(f"{where}: tensor {n!r} is neither the language model's ({LANGUAGE_MODEL}*, "
+                                 f"lm_head.weight) nor the {' nor the '.join(f'{p} ({x}*)' for x, p in NOT_TRAINED.items())}"
+                                 "; refusing to guess what it is")
+            aside[part].append(n)
+    return view, {p: ns for p, ns in aside.items() if ns}
+
+
+def stored_name(name: str, view: dict[str, str] | None) -> str:
+    """The name a text-only tensor name has in the files (for errors about a missing one)."""
+    if view is None or name in view or not name.startswith(TEXT):
+        return view.get(name, name) if view else name
+    return LANGUAGE_MODEL + name[len(TEXT):]
+
+
+def aside_line(aside: dict[str, list[str]]) -> str:
+    """'the vision tower (model.visual.*, 77 tensors) and MTP (mtp.*, 15 tensors)'."""
+    prefix = {p: x for x, p in NOT_TRAINED.items()}
+    return " and ".join(f"the {p} ({prefix[p]}*, {len(ns)} tensors)" for p, ns in aside.items()) or "nothing"
