@@ -43,16 +43,20 @@ TEXT = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_lay
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 VISION = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32, patch_size=4,
               num_position_embeddings=16)
-FAMILIES = {"dense": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", {}),
-            "moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", MOE)}
+FAMILIES = {  # name -> (config class, model class, text_config extra, top-level extra)
+    "dense": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", {}, {}),
+    # the small published sizes tie their embeddings, by the top level's flag (the one the class ties by)
+    "dense_tied": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", {"tie_word_embeddings": False},
+                   {"tie_word_embeddings": True}),
+    "moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", MOE, {})}
 
 
 def _save(path, family, seed=0, mtp=0):
     """save_pretrained of a tiny random multimodal model; `mtp` MTP-drafter tensors added to its file, as the
     published checkpoints carry them (transformers' classes neither make nor read them)."""
-    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg_cls, model_cls, extra, top = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, cfg_cls)(text_config=TEXT | extra, vision_config=VISION)
+    config = getattr(transformers, cfg_cls)(text_config=TEXT | extra, vision_config=VISION, **top)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # zero-centred norms start at 0 in HF: random ones make the +1 and the permutation matter
         for n, p in model.named_parameters():
@@ -106,7 +110,7 @@ def test_multimodal_checkpoint_matches_transformers(tmp_path, family):
     ref_model = _save(tmp_path / "in", family)
     cfg = config_from_hf(str(tmp_path / "in"))
     assert cfg.linear_layers == (0, 1, 2) and cfg.attn_output_gate and cfg.rope_dim == 8
-    assert bool(cfg.moe_experts) == (family == "moe")
+    assert bool(cfg.moe_experts) == (family == "moe") and cfg.tie_embeddings == (family == "dense_tied")
     model = build_model(cfg, Mesh.single(), seed=0)
     hf.load_hf_into(model, str(tmp_path / "in"))
     # MoE: fixed tokens (a fresh batch may hold a top-k near-tie the two fp32 sums resolve differently)
