@@ -51,3 +51,47 @@ def aside_line(aside: dict[str, list[str]]) -> str:
     """'the vision tower (model.visual.*, 77 tensors) and MTP (mtp.*, 15 tensors)'."""
     prefix = {p: x for x, p in NOT_TRAINED.items()}
     return " and ".join(f"the {p} ({prefix[p]}*, {len(ns)} tensors)" for p, ns in aside.items()) or "nothing"
+
+
+# ---------------------------------------------------------------- export
+def multimodal_config(source: str, cfg) -> dict:
+    """config.json of the multimodal checkpoint `source` for a fine-tune of its language model `cfg`: the source's
+    own (vision tower, token ids), its weights now fp32; ConfigError when `cfg` is not that language model."""
+    import dataclasses
+
+    from .config import ConfigError
+    from .hf_config import MULTIMODAL, TRAINING_ONLY, config_from_hf, read_hf_config
+
+    config = read_hf_config(source)
+    if config.get("model_type") not in MULTIMODAL:
+        raise ConfigError(f"export: {source} is not a multimodal Qwen3.5 checkpoint (model_type="
+                          f"{config.get('model_type')!r}; valid: {', '.join(MULTIMODAL)})")
+    theirs = config_from_hf(source)
+    same = dataclasses.replace(theirs, **{k: getattr(cfg, k) for k in TRAINING_ONLY})
+    if same != dataclasses.replace(cfg, mtp_layers=0):
+        differ = [f.name for f in dataclasses.fields(cfg) if getattr(same, f.name) != getattr(cfg, f.name)]
+        raise ConfigError(f"export: the model differs from {source}'s language model in {', '.join(differ)}; "
+                          "it cannot be written into that checkpoint")
+    config = dict(config)
+    config["text_config"] = dict(config["text_config"])
+    for c in (config, config["text_config"]):
+        for key in ("dtype", "torch_dtype"):
+            if key in c or c is config:
+                c[key] = "float32"
+    return config
+
+
+def into_multimodal(tensors: dict, source: str) -> dict:
+    """The text-only export's tensors (Qwen3_5ForCausalLM names) under the multimodal names, with the vision tower
+    of `source` copied in (fp32, like the rest). Its MTP drafter is left out: it was not trained with the model."""
+    import torch
+
+    from .hf import WeightFiles
+
+    files = WeightFiles(source)
+    out = {}
+    for n, t in tensors.items():
+        out[LANGUAGE_MODEL + n[len(TEXT):] if n.startswith(TEXT) else n] = t
+    for stored in files.aside.get(NOT_TRAINED["model.visual."], []):
+        out[stored] = files.read_stored(stored).to(torch.float32).contiguous()
+    return out

@@ -51,12 +51,12 @@ FAMILIES = {  # name -> (config class, model class, text_config extra, top-level
     "moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", MOE, {})}
 
 
-def _save(path, family, seed=0, mtp=0):
+def _save(path, family, seed=0, mtp=0, **text):
     """save_pretrained of a tiny random multimodal model; `mtp` MTP-drafter tensors added to its file, as the
     published checkpoints carry them (transformers' classes neither make nor read them)."""
     cfg_cls, model_cls, extra, top = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, cfg_cls)(text_config=TEXT | extra, vision_config=VISION, **top)
+    config = getattr(transformers, cfg_cls)(text_config=TEXT | extra | text, vision_config=VISION, **top)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # zero-centred norms start at 0 in HF: random ones make the +1 and the permutation matter
         for n, p in model.named_parameters():
@@ -199,6 +199,44 @@ def test_config_json_fields(tmp_path):
             continue
         with pytest.raises(ConfigError, match=match):
             config_from_hf(str(tmp_path))
+
+
+def test_finetune_flow_writes_the_multimodal_checkpoint_back(tmp_path, capsys):
+    """`train --init-from-hf` of a multimodal checkpoint (one step at lr 0) says in one line what it leaves out;
+    `hf-export` writes the checkpoint back in its multimodal layout: every language-model and vision-tower tensor
+    as it was (the MTP drafter, not trained with the model, left out), and transformers' multimodal class loads it
+    and generates what the source generates."""
+    import argparse
+
+    from safetensors.torch import load_file
+
+    from shardwise.cli import main
+    from shardwise.hf_cli import run_export
+
+    src, run, out = tmp_path / "src", str(tmp_path / "run"), str(tmp_path / "out")
+    ref_model = _save(src, "moe", mtp=2, vocab_size=300)  # byte-level data (ids < 257) fits the vocabulary
+    text = tmp_path / "bytes.txt"
+    text.write_text("shardwise fine-tunes the language model of a multimodal checkpoint. " * 20)
+    assert main(["train", "--init-from-hf", str(src), "--lr", "0", "--steps", "1", "--seq-len", "16",
+                 "--micro-batch", "1", "--save-every", "1", "--out", run, "--no-report", "--no-progress",
+                 "--data", str(text)]) == 0
+    said = [ln for ln in capsys.readouterr().err.splitlines() if "multimodal" in ln]
+    assert said == [f"shardwise train: --init-from-hf {src} is multimodal: its language model is trained; the vision "
+                    "tower (model.visual.*, 21 tensors) and the MTP drafter (mtp.*, 2 tensors) are neither loaded nor "
+                    "trained"], said
+    assert run_export(argparse.Namespace(ckpt_dir=f"{run}/checkpoints", out_dir=out)) == 0
+    assert "multimodal layout, its vision tower copied" in capsys.readouterr().out
+    original, exported = load_file(str(src / "model.safetensors")), load_file(f"{out}/model.safetensors")
+    assert sorted(exported) == sorted(n for n in original if not n.startswith("mtp."))
+    for n, t in original.items():  # norms: +1 then −1 in fp32, within 1 ulp of 1
+        if not n.startswith("mtp."):
+            assert_close(exported[n], t, rtol=0, atol=2.4e-7, msg=lambda e: f"{n}: {e}")
+    back = transformers.AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert type(back) is type(ref_model)
+    prompt = torch.tensor([[5, 17, 3, 299, 42, 8, 61]])
+    with torch.no_grad():
+        ours = back.generate(input_ids=prompt, max_new_tokens=6, do_sample=False)
+        assert ours.tolist() == ref_model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False).tolist()
 
 
 # ---------------------------------------------------------------- published sizes
