@@ -322,7 +322,7 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         tensors[f"{layer}.shared_head.head.weight"] = tensors[head].clone()
     if multimodal is not None:
-        tensors = into_multimodal(tensors, multimodal)
+        tensors = into_multimodal(tensors, WeightFiles(multimodal))
     os.makedirs(out_dir, exist_ok=True)
     if tokenizer is not None:
         from .hf_export import write_generation_config, write_tokenizer

@@ -81,14 +81,12 @@ def multimodal_config(source: str, cfg) -> dict:
     return config
 
 
-def into_multimodal(tensors: dict, source: str) -> dict:
+def into_multimodal(tensors: dict, files) -> dict:
     """The text-only export's tensors (Qwen3_5ForCausalLM names) under the multimodal names, with the vision tower
-    of `source` copied in (fp32, like the rest). Its MTP drafter is left out: it was not trained with the model."""
+    of the source checkpoint (`files`, an `hf.WeightFiles`) copied in, fp32 like the rest. Its MTP drafter is left
+    out: it was not trained with the model."""
     import torch
 
-    from .hf import WeightFiles
-
-    files = WeightFiles(source)
     out = {}
     for n, t in tensors.items():
         out[LANGUAGE_MODEL + n[len(TEXT):] if n.startswith(TEXT) else n] = t
