@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` <-> ModelConfig, torch-free: the one reader of a config.json. The trainer's
+"""Hugging Face `config.json` <-> ModelConfig, torch-free: the one reader of a config.json (a multimodal Qwen3.5
+one read as its language model, `language_model_config`). The trainer's
 `--model-config`, `hf.py` (weights in and out of any layout) and the planner all read through it.
 
 Strictly (`config_from_hf`) it refuses, naming the field and its value, anything shardwise's model would
@@ -61,8 +62,8 @@ def read_hf_config(path: str) -> dict:
 def language_model_config(hf: dict, where: str) -> dict:
     """A multimodal config.json's language model as a text-only config.json (`hf` itself for a text model).
 
-    Its fields are `text_config`'s; tie_word_embeddings is the top level's where it has one, since that is what
-    the *ForConditionalGeneration class ties its lm_head by."""
+    Its fields are `text_config`'s, but tie_word_embeddings is the top level's (default false, as in
+    Qwen3_5Config): that is the flag the *ForConditionalGeneration class ties its lm_head by."""
     mt = hf.get("model_type")
     if mt not in MULTIMODAL:
         return hf
@@ -73,8 +74,7 @@ def language_model_config(hf: dict, where: str) -> dict:
     if text.setdefault("model_type", MULTIMODAL[mt]) != MULTIMODAL[mt]:
         raise ConfigError(f"{where}: text_config.model_type={text['model_type']!r} does not belong to "
                           f"model_type={mt!r}; expected {MULTIMODAL[mt]!r}")
-    if "tie_word_embeddings" in hf:
-        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
     return text
 
 

@@ -186,17 +186,20 @@ def test_config_json_fields(tmp_path):
     assert cfg.moe_shared_experts == 1 and cfg.moe_shared_gate and not cfg.moe_softmax_before_topk
     spec = load_hf_config(path)
     assert not spec.untrainable and spec == dataclasses.replace(ModelSpec.of(cfg), name=spec.name)
+    tied_text = outer["text_config"] | {"tie_word_embeddings": True}
+    no_top = {k: v for k, v in outer.items() if k != "tie_word_embeddings"}
+    for written, tied in ((outer | {"tie_word_embeddings": True}, True),
+                          (outer | {"text_config": tied_text}, False),  # the top level's false wins
+                          (no_top | {"text_config": tied_text}, False)):  # absent: Qwen3_5Config's default
+        path.write_text(json.dumps(written))
+        assert config_from_hf(str(tmp_path)).tie_embeddings == tied, written
     for edit, match in [
-        (dict(tie_word_embeddings=True), None),
         (dict(text_config=None), "no text_config object"),
         (dict(architectures=["Qwen3_5ForCausalLM"]), "read as Qwen3_5MoeForConditionalGeneration's language model"),
         (dict(text_config=outer["text_config"] | {"attn_output_gate": False}), "attn_output_gate=False"),
         (dict(text_config=outer["text_config"] | {"model_type": "qwen3_5_text"}), "does not belong"),
     ]:
         path.write_text(json.dumps(outer | edit))
-        if match is None:
-            assert config_from_hf(str(tmp_path)).tie_embeddings
-            continue
         with pytest.raises(ConfigError, match=match):
             config_from_hf(str(tmp_path))
 
