@@ -5,7 +5,8 @@
 released checkpoints, the MTP drafter `mtp.*`. `text_view` names every tensor as the text-only class
 (`Qwen3_5ForCausalLM`) would, so the rest of `hf.py` reads it like any causal LM; the vision tower and MTP are set
 aside and counted (shardwise models neither). A tensor that is none of these is refused rather than guessed at: a
-language-model tensor must never be dropped silently. Torch-free.
+language-model tensor must never be dropped silently. Names only, torch-free, but for the export's copy of the vision
+tower (`into_multimodal`).
 """
 from __future__ import annotations
 
@@ -41,14 +42,16 @@ def text_view(names, where: str) -> tuple[dict[str, str], dict[str, list[str]]]:
 
 
 def stored_name(name: str, view: dict[str, str] | None) -> str:
-    """The name a text-only tensor name has in the files (for errors about a missing one)."""
-    if view is None or name in view or not name.startswith(TEXT):
-        return view.get(name, name) if view else name
-    return LANGUAGE_MODEL + name[len(TEXT):]
+    """The name a text-only tensor name has in the files (also one they lack, for the error that names it)."""
+    if view is None:
+        return name
+    if name in view:
+        return view[name]
+    return LANGUAGE_MODEL + name[len(TEXT):] if name.startswith(TEXT) else name
 
 
 def aside_line(aside: dict[str, list[str]]) -> str:
-    """'the vision tower (model.visual.*, 77 tensors) and MTP (mtp.*, 15 tensors)'."""
+    """'the vision tower (model.visual.*, 333 tensors) and the MTP drafter (mtp.*, 15 tensors)'."""
     prefix = {p: x for x, p in NOT_TRAINED.items()}
     return " and ".join(f"the {p} ({prefix[p]}*, {len(ns)} tensors)" for p, ns in aside.items()) or "nothing"
 
@@ -68,16 +71,13 @@ def multimodal_config(source: str, cfg) -> dict:
                           f"{config.get('model_type')!r}; valid: {', '.join(MULTIMODAL)})")
     theirs = config_from_hf(source)
     same = dataclasses.replace(theirs, **{k: getattr(cfg, k) for k in TRAINING_ONLY})
-    if same != dataclasses.replace(cfg, mtp_layers=0):
+    if same != cfg:
         differ = [f.name for f in dataclasses.fields(cfg) if getattr(same, f.name) != getattr(cfg, f.name)]
         raise ConfigError(f"export: the model differs from {source}'s language model in {', '.join(differ)}; "
                           "it cannot be written into that checkpoint")
-    config = dict(config)
-    config["text_config"] = dict(config["text_config"])
+    config = dict(config, text_config=dict(config["text_config"]), dtype="float32")  # export writes fp32
     for c in (config, config["text_config"]):
-        for key in ("dtype", "torch_dtype"):
-            if key in c or c is config:
-                c[key] = "float32"
+        c.update({k: "float32" for k in ("dtype", "torch_dtype") if k in c})
     return config
 
 

@@ -28,7 +28,8 @@ from shardwise import hf  # noqa: E402
 from shardwise.config import MODEL_PRESETS, ConfigError, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.hf_config import config_from_hf  # noqa: E402
 from shardwise.hf_init import check_init_from_hf, not_trained_line  # noqa: E402
-from shardwise.hf_multimodal import text_view  # noqa: E402
+from shardwise.hf_export import multimodal_source  # noqa: E402
+from shardwise.hf_multimodal import multimodal_config, text_view  # noqa: E402
 from shardwise.mesh import Mesh  # noqa: E402
 from shardwise.parallelize import build_model  # noqa: E402
 
@@ -155,6 +156,15 @@ def test_what_is_set_aside_and_what_is_refused(tmp_path):
     assert "vision tower (model.visual.*" in line and "MTP drafter (mtp.*, 3 tensors)" in line, line
     record = check_init_from_hf(str(d), cfg, 50)
     assert record["not_trained"]["MTP drafter"] == 3
+    # export back into the layout only for the same language model; a run whose source is gone exports the text
+    # model and says so
+    with pytest.raises(ConfigError, match=r"differs from .* language model in ffn_dim"):
+        multimodal_config(str(d), dataclasses.replace(cfg, ffn_dim=64))
+    (tmp_path / "run").mkdir()
+    for source, written in ((d, "multimodal layout, its vision tower copied"), (tmp_path / "gone", "is gone")):
+        (tmp_path / "run" / "config.json").write_text(json.dumps({"train": {"init_from_hf": str(source)}}))
+        found, said = multimodal_source(str(tmp_path / "run" / "checkpoints"))
+        assert found == (str(d) if source == d else None) and written in said, said
     # a tensor of no known part is refused, not skipped
     _rewrite(d, lambda t: t | {"model.projector.weight": torch.zeros(2)})
     with pytest.raises(ConfigError, match=r"'model.projector.weight' is neither the language model's"):
