@@ -207,10 +207,13 @@ def config_from_hf(path: str) -> ModelConfig:
     if mt not in ("qwen2", "gpt_oss") and hf.get("attention_bias"):
         refuse("attention_bias", "only q/k/v biases (model_type qwen2) are supported")
     theta, scaling, yarn, mla_mscale = _rope(hf, where, mt)
+    # Qwen3_5MoeTextConfig has no intermediate_size: every layer is MoE (the dense size is the expert's, unused)
+    ffn = int(hf.get("moe_intermediate_size") or 512) if mt == "qwen3_5_moe_text" else \
+        int(_req(hf, "intermediate_size", where))
     kw = dict(name=f"hf-{mt}", vocab_size=int(_req(hf, "vocab_size", where)), dim=dim,
               n_layers=int(_req(hf, "num_hidden_layers", where)), n_heads=heads,
               n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-              ffn_dim=int(_req(hf, "intermediate_size", where)), max_seq_len=_max_positions(hf, where, mt),
+              ffn_dim=ffn, max_seq_len=_max_positions(hf, where, mt),
               rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
               tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
               attn_dropout=float(hf.get("attention_dropout", 0.0)), head_dim=head_dim)
@@ -353,6 +356,8 @@ def _qwen3_next(mt: str, hf: dict, kw: dict, refuse) -> None:
               partial_rotary=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))))
     if kw.get("moe_experts"):  # Qwen3.5-MoE always renormalises the top-k; Qwen3-Next's norm_topk_prob defaults on
         kw["moe_softmax_before_topk"] = not (mt == "qwen3_5_moe_text" or hf.get("norm_topk_prob", True))
+    if mt == "qwen3_5_moe_text":  # its decoder layers are all MoE: it has no mlp_only_layers or decoder_sparse_step
+        kw.update(moe_dense_layers=(), moe_ffn_dim=int(hf.get("moe_intermediate_size") or 512))
     shared = int(hf.get("shared_expert_intermediate_size") or 0)
     if kw.get("moe_experts") and shared:
         expert = kw["moe_ffn_dim"]

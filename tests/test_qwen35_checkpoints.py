@@ -57,7 +57,9 @@ def _save(path, family, seed=0, mtp=0, **text):
     published checkpoints carry them (transformers' classes neither make nor read them)."""
     cfg_cls, model_cls, extra, top = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, cfg_cls)(text_config=TEXT | extra | text, vision_config=VISION, **top)
+    text_config = {k: v for k, v in (TEXT | extra | text).items()  # Qwen3_5MoeTextConfig has no intermediate_size
+                   if not (k == "intermediate_size" and "num_experts" in extra)}
+    config = getattr(transformers, cfg_cls)(text_config=text_config, vision_config=VISION, **top)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # zero-centred norms start at 0 in HF: random ones make the +1 and the permutation matter
         for n, p in model.named_parameters():
@@ -267,6 +269,41 @@ def test_preset_sizes_match_published(preset, total, active):
     assert total_params(spec) == cfg.num_params() and active_params(spec) == cfg.num_active_params()
     assert abs(total_params(spec) / total - 1) < 0.01, total_params(spec)
     assert round(active_params(spec) / 1e9) == active / 1e9, active_params(spec)
+
+
+# The published config.json of Qwen/Qwen3.5-27B and -397B-A17B (text_config as public tools quote it; the vision
+# config abridged): read as the presets.
+PUBLISHED_TEXT = dict(attention_bias=False, attn_output_gate=True, full_attention_interval=4, head_dim=256,
+                      hidden_act="silu", linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,
+                      linear_value_head_dim=128, mamba_ssm_dtype="float32", max_position_embeddings=262144,
+                      mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False, rms_norm_eps=1e-6,
+                      partial_rotary_factor=0.25, vocab_size=248320, tie_word_embeddings=False,
+                      rope_parameters={"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                                       "partial_rotary_factor": 0.25, "rope_theta": 10000000})
+PUBLISHED = {
+    "qwen3.5-27b": ("qwen3_5", dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                                    num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48)),
+    "qwen3.5-397b-a17b": ("qwen3_5_moe", dict(hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
+                                              num_key_value_heads=2, linear_num_value_heads=64, num_experts=512,
+                                              num_experts_per_tok=10, moe_intermediate_size=1024,
+                                              shared_expert_intermediate_size=1024, router_aux_loss_coef=0.001)),
+}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_published_config_json_is_the_preset(tmp_path, preset):
+    mt, text = PUBLISHED[preset]
+    arch = "Qwen3_5MoeForConditionalGeneration" if mt == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": [arch], "model_type": mt, "tie_word_embeddings": False, "image_token_id": 248056,
+        "text_config": PUBLISHED_TEXT | text | {"model_type": f"{mt}_text"},
+        "vision_config": {"model_type": "qwen3_5_vision", "depth": 27, "hidden_size": 1152, "out_hidden_size": 5120}}))
+    cfg = config_from_hf(str(tmp_path))
+    want = MODEL_PRESETS[preset]
+    # the shapes and the routing are the checkpoint's; the aux loss is a training choice (the preset's is
+    # per-layer at 1e-3, config.json's none without output_router_logits)
+    assert dataclasses.replace(cfg, name=want.name, moe_aux_loss_coef=want.moe_aux_loss_coef,
+                               moe_aux_loss_scope=want.moe_aux_loss_scope) == want
 
 
 # ---------------------------------------------------------------- layouts (one fork)
