@@ -9,7 +9,9 @@ Fast (one process):
   multimodal model's tokens;
 * what is set aside is the vision tower and MTP only: an unknown tensor, a missing and an unused language-model
   tensor are each one clear error;
-* the planner reads the multimodal config.json as the same model; the presets' totals against the published ones.
+* the planner reads the multimodal config.json as the same model; the published config.json of 27B, 35B-A3B,
+  122B-A10B and 397B-A17B (Qwen3.5-MoE's has no intermediate_size) read as the presets, whose totals are within 1%
+  of the published ones.
 
 Slow (one 4-rank fork): the dense checkpoint at tp2×cp2 and the MoE one at tp2×ep2 read their slices through the
 multimodal names and give transformers' logits.
@@ -271,8 +273,9 @@ def test_preset_sizes_match_published(preset, total, active):
     assert round(active_params(spec) / 1e9) == active / 1e9, active_params(spec)
 
 
-# The published config.json of Qwen/Qwen3.5-27B and -397B-A17B (text_config as public tools quote it; the vision
-# config abridged): read as the presets.
+# The published config.json of Qwen/Qwen3.5-27B, -35B-A3B, -122B-A10B and -397B-A17B (text_config as public tools
+# quote it: THUDM/slime's model scripts, Megatron-Bridge's and vLLM's Qwen3.5 tests; the vision config abridged):
+# read as the presets.
 PUBLISHED_TEXT = dict(attention_bias=False, attn_output_gate=True, full_attention_interval=4, head_dim=256,
                       hidden_act="silu", linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,
                       linear_value_head_dim=128, mamba_ssm_dtype="float32", max_position_embeddings=262144,
@@ -283,10 +286,18 @@ PUBLISHED_TEXT = dict(attention_bias=False, attn_output_gate=True, full_attentio
 PUBLISHED = {
     "qwen3.5-27b": ("qwen3_5", dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                                     num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48)),
+    "qwen3.5-35b-a3b": ("qwen3_5_moe", dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                                            num_key_value_heads=2, linear_num_value_heads=32, num_experts=256,
+                                            num_experts_per_tok=8, moe_intermediate_size=512,
+                                            shared_expert_intermediate_size=512)),
+    "qwen3.5-122b-a10b": ("qwen3_5_moe", dict(hidden_size=3072, num_hidden_layers=48, num_attention_heads=32,
+                                              num_key_value_heads=2, linear_num_value_heads=64, num_experts=256,
+                                              num_experts_per_tok=8, moe_intermediate_size=1024,
+                                              shared_expert_intermediate_size=1024)),
     "qwen3.5-397b-a17b": ("qwen3_5_moe", dict(hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
                                               num_key_value_heads=2, linear_num_value_heads=64, num_experts=512,
                                               num_experts_per_tok=10, moe_intermediate_size=1024,
-                                              shared_expert_intermediate_size=1024, router_aux_loss_coef=0.001)),
+                                              shared_expert_intermediate_size=1024)),
 }
 
 
