@@ -22,6 +22,7 @@ from .data.tokenizer import ByteTokenizer, load_tokenizer
 from .hf import WeightFiles, tensor_source
 from .hf_multimodal import aside_line
 
+
 def not_trained_line(path: str) -> str | None:
     """The one line `train` prints for a multimodal checkpoint: what of it is neither loaded nor trained."""
     files = WeightFiles(path)

@@ -34,9 +34,9 @@ def text_view(names, where: str) -> tuple[dict[str, str], dict[str, list[str]]]:
         else:
             part = next((p for prefix, p in NOT_TRAINED.items() if n.startswith(prefix)), None)
             if part is None:
+                parts = " nor the ".join(f"{p} ({x}*)" for x, p in NOT_TRAINED.items())
                 raise ValueError(f"{where}: tensor {n!r} is neither the language model's ({LANGUAGE_MODEL}*, "
-                                 f"lm_head.weight) nor the {' nor the '.join(f'{p} ({x}*)' for x, p in NOT_TRAINED.items())}"
-                                 "; refusing to guess what it is")
+                                 f"lm_head.weight) nor the {parts}; refusing to guess what it is")
             aside[part].append(n)
     return view, {p: ns for p, ns in aside.items() if ns}
 
