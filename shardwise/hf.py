@@ -33,6 +33,7 @@ from . import hf_qwen3_next
 from .config import ModelConfig
 from .hf_config import hf_config, is_gpt_oss
 from .hf_gpt_oss import EXPERT as GPT_OSS_EXPERT, expert_source, export_tensors as gpt_oss_tensors
+from .hf_multimodal import into_multimodal, is_multimodal, multimodal_config, stored_name, text_view
 from .pipeline.tied_embedding import tied_name
 from .tensor_parallel.layers import get_spec
 
@@ -56,19 +57,28 @@ class WeightFiles:
             if not files:
                 raise FileNotFoundError(f"{path}: no *.safetensors files (and no {INDEX})")
             self.where = {k: fn for fn in files for k in self._handle(fn).keys()}
+        # A multimodal checkpoint (Qwen3.5): its language model under text-only names, the rest set aside.
+        self.view, self.aside, self._files = None, {}, self.where
+        if is_multimodal(self.where):
+            self.view, self.aside = text_view(self.where, path)
+            self.where = {k: self.where[v] for k, v in self.view.items()}
 
     def _handle(self, fn: str):
         if fn not in self._handles:
             self._handles[fn] = self._open(fn, framework="pt")
         return self._handles[fn]
 
+    def read_stored(self, stored: str) -> torch.Tensor:
+        """A whole tensor of any part of the checkpoint by its stored name (a multimodal one's vision tower too)."""
+        return self._handle(self._files[stored]).get_tensor(stored)
+
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
     def _slice(self, name: str):
         if name not in self.where:
-            raise KeyError(f"{self.path}: the checkpoint has no tensor {name!r}")
-        return self._handle(self.where[name]).get_slice(name)
+            raise KeyError(f"{self.path}: the checkpoint has no tensor {stored_name(name, self.view)!r}")
+        return self._handle(self.where[name]).get_slice(stored_name(name, self.view))
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -252,19 +262,23 @@ def _hf_tensors(name: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch
     return {f"{base}.experts.{e}.{which}.weight": t[e] for e in range(t.shape[0])}
 
 
-def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = None) -> str:
+def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = None,
+              multimodal: str | None = None) -> str:
     """Write `out_dir`/config.json and model.safetensors from a global state (or single-device model).
 
     `source` is an unsharded model (every degree 1) or a dict of global tensors under shardwise's
     names, such as `checkpoint.load_global_tensors(step_dir)`. With `tokenizer` (a run's
     `hf_export.tokenizer_record`) also the tokenizer files, bos/eos/pad ids and generation_config.json.
-    Returns `out_dir`.
+    With `multimodal` (the Qwen3.5 multimodal checkpoint the run started from) it writes that checkpoint again
+    with the trained language model in it (`hf_multimodal.into_multimodal`). Returns `out_dir`.
     """
     from safetensors.torch import save_file
 
     from .parallelize import plain_model
 
     config = hf_config(cfg)
+    if multimodal is not None:
+        config = multimodal_config(multimodal, cfg)
     if isinstance(source, nn.Module):
         for n, p in source.named_parameters():
             if tuple(p.shape) != tuple(get_spec(p).global_shape):
@@ -285,7 +299,7 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         raise KeyError(f"export: the state does not match the config: missing {missing[:3]}, unexpected {extra[:3]}")
     tensors, done, gpt_oss = {}, set(), {}
     if hf_qwen3_next.is_family(cfg):
-        tensors, done = hf_qwen3_next.export_tensors(state, cfg, fused=config["model_type"] == "qwen3_next")
+        tensors, done = hf_qwen3_next.export_tensors(state, cfg, fused=config.get("model_type") == "qwen3_next")
     for n, ref in expected.items():
         if n in done:
             continue
@@ -307,6 +321,8 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         layer, head = f"model.layers.{cfg.n_layers + k}", "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
         tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         tensors[f"{layer}.shared_head.head.weight"] = tensors[head].clone()
+    if multimodal is not None:
+        tensors = into_multimodal(tensors, WeightFiles(multimodal))
     os.makedirs(out_dir, exist_ok=True)
     if tokenizer is not None:
         from .hf_export import write_generation_config, write_tokenizer

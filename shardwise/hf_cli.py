@@ -212,7 +212,7 @@ def run_export(args) -> int:
     from . import checkpoint as ck
     from .config import ModelConfig
     from .hf import export_hf
-    from .hf_export import prepare_out_dir, record_from_flag, record_from_run_dir
+    from .hf_export import multimodal_source, prepare_out_dir, record_from_flag, record_from_run_dir
 
     try:
         prepare_out_dir(args.out_dir, getattr(args, "overwrite", False))
@@ -235,11 +235,13 @@ def run_export(args) -> int:
             or record_from_run_dir(os.path.dirname(path))
         state = ck.load_global_tensors(path)
         state.update(ck.load_global_tensors(path, prefix="buffer."))  # DeepSeek-V3's selection bias rides along
-        export_hf(state, cfg, args.out_dir, tokenizer)
+        multimodal, written = multimodal_source(os.path.dirname(path))
+        export_hf(state, cfg, args.out_dir, tokenizer, multimodal=multimodal)
     except (ConfigError, ValueError, KeyError) as e:
         print(f"shardwise hf-export: error: {e}", file=sys.stderr)
         return 2
     what = "config.json, model.safetensors" + (", tokenizer, generation_config.json" if tokenizer else
                                                "; no tokenizer recorded: pass --tokenizer SPEC to add one")
+    what += f"; {written}" if written else ""
     print(f"wrote {args.out_dir} ({what}) from {path}")
     return 0

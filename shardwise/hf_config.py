@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` <-> ModelConfig, torch-free: the one reader of a config.json. The trainer's
+"""Hugging Face `config.json` <-> ModelConfig, torch-free: the one reader of a config.json (a multimodal Qwen3.5
+one read as its language model, `language_model_config`). The trainer's
 `--model-config`, `hf.py` (weights in and out of any layout) and the planner all read through it.
 
 Strictly (`config_from_hf`) it refuses, naming the field and its value, anything shardwise's model would
@@ -27,6 +28,11 @@ ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtr
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 QWEN3_NEXT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # Gated DeltaNet + gated attention hybrids
+# The published Qwen3.5 checkpoints are multimodal: the language model's config.json fields nest under `text_config`
+# (model_type -> that of the text model), beside a vision tower shardwise does not model.
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+MULTIMODAL_ARCHITECTURE = {"qwen3_5": "Qwen3_5ForConditionalGeneration",
+                           "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 QWEN3 = ("qwen3", "qwen3_moe", *QWEN3_NEXT)  # per-head q/k RMSNorm, explicit head_dim
 # ModelConfig fields that newer shardwise versions add; a config needing a missing one is refused.
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -51,6 +57,25 @@ def read_hf_config(path: str) -> dict:
     if not isinstance(hf, dict):
         raise ConfigError(f"{cfg_file}: expected a JSON object")
     return hf
+
+
+def language_model_config(hf: dict, where: str) -> dict:
+    """A multimodal config.json's language model as a text-only config.json (`hf` itself for a text model).
+
+    Its fields are `text_config`'s, but tie_word_embeddings is the top level's (default false, as in
+    Qwen3_5Config): that is the flag the *ForConditionalGeneration class ties its lm_head by."""
+    mt = hf.get("model_type")
+    if mt not in MULTIMODAL:
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: model_type={mt!r} is multimodal but config.json has no text_config object")
+    text = dict(text)
+    if text.setdefault("model_type", MULTIMODAL[mt]) != MULTIMODAL[mt]:
+        raise ConfigError(f"{where}: text_config.model_type={text['model_type']!r} does not belong to "
+                          f"model_type={mt!r}; expected {MULTIMODAL[mt]!r}")
+    text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+    return text
 
 
 def _yarn(src: dict, hf: dict, where: str, field: str) -> tuple[tuple, float]:
@@ -134,14 +159,24 @@ def _req(hf: dict, key: str, where: str):
 def config_from_hf(path: str) -> ModelConfig:
     """The ModelConfig of the HF model in directory `path` (or of config.json `path`); ConfigError for anything
     not supported."""
-    hf = read_hf_config(path)
     where = config_file(path)
+    outer = read_hf_config(path)
+    arch = outer.get("architectures") or []
+    if outer.get("model_type") in MULTIMODAL:
+        want = MULTIMODAL_ARCHITECTURE[outer["model_type"]]
+        if arch and want not in arch:
+            raise ConfigError(f"{where}: architectures={arch!r}: model_type={outer['model_type']!r} is read as "
+                              f"{want}'s language model")
+        arch = []
+    hf = language_model_config(outer, where)
+    where = where if hf is outer else f"{where} text_config"
     mt = hf.get("model_type")
     if mt not in SUPPORTED:
-        raise ConfigError(f"{where}: model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    arch = hf.get("architectures") or []
+        raise ConfigError(f"{where}: model_type={mt!r} is not supported; supported: "
+                          f"{', '.join(SUPPORTED + tuple(MULTIMODAL))}")
     if arch and not any(a.endswith("ForCausalLM") for a in arch):
-        raise ConfigError(f"{where}: architectures={arch!r}: only *ForCausalLM models are supported")
+        raise ConfigError(f"{where}: architectures={arch!r}: only *ForCausalLM models (and Qwen3.5's "
+                          f"{', '.join(MULTIMODAL_ARCHITECTURE.values())}) are supported")
 
     def refuse(field, why):
         raise ConfigError(f"{where}: {field}={hf.get(field)!r} is not supported: {why}")
@@ -172,10 +207,13 @@ def config_from_hf(path: str) -> ModelConfig:
     if mt not in ("qwen2", "gpt_oss") and hf.get("attention_bias"):
         refuse("attention_bias", "only q/k/v biases (model_type qwen2) are supported")
     theta, scaling, yarn, mla_mscale = _rope(hf, where, mt)
+    # Qwen3_5MoeTextConfig has no intermediate_size: every layer is MoE (the dense size is the expert's, unused)
+    ffn = int(hf.get("moe_intermediate_size") or 512) if mt == "qwen3_5_moe_text" else \
+        int(_req(hf, "intermediate_size", where))
     kw = dict(name=f"hf-{mt}", vocab_size=int(_req(hf, "vocab_size", where)), dim=dim,
               n_layers=int(_req(hf, "num_hidden_layers", where)), n_heads=heads,
               n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-              ffn_dim=int(_req(hf, "intermediate_size", where)), max_seq_len=_max_positions(hf, where, mt),
+              ffn_dim=ffn, max_seq_len=_max_positions(hf, where, mt),
               rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
               tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
               attn_dropout=float(hf.get("attention_dropout", 0.0)), head_dim=head_dim)
@@ -303,6 +341,8 @@ def _qwen3_next(mt: str, hf: dict, kw: dict, refuse) -> None:
         refuse("layer_types", f"valid: {n} entries, each linear_attention or full_attention")
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "the Gated DeltaNet convolution and the MLP use silu")
+    if hf.get("attn_output_gate", True) is not True:  # Qwen3.5's text_config spells it out; the HF classes gate always
+        refuse("attn_output_gate", "the full-attention layers of Qwen3-Next / Qwen3.5 are gated")
     params = hf.get("rope_parameters") or {}
     rope = params.get("rope_type", "default")
     if rope != "default" and rope is not None:
@@ -316,6 +356,8 @@ def _qwen3_next(mt: str, hf: dict, kw: dict, refuse) -> None:
               partial_rotary=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))))
     if kw.get("moe_experts"):  # Qwen3.5-MoE always renormalises the top-k; Qwen3-Next's norm_topk_prob defaults on
         kw["moe_softmax_before_topk"] = not (mt == "qwen3_5_moe_text" or hf.get("norm_topk_prob", True))
+    if mt == "qwen3_5_moe_text":  # its decoder layers are all MoE: it has no mlp_only_layers or decoder_sparse_step
+        kw.update(moe_dense_layers=(), moe_ffn_dim=int(hf.get("moe_intermediate_size") or 512))
     shared = int(hf.get("shared_expert_intermediate_size") or 0)
     if kw.get("moe_experts") and shared:
         expert = kw["moe_ffn_dim"]

@@ -54,6 +54,31 @@ def record_from_run_dir(ckpt_root: str) -> dict | None:
         return None
 
 
+def multimodal_source(ckpt_root: str) -> tuple[str | None, str]:
+    """(the Qwen3.5 multimodal checkpoint the run started from, or None; what the export writes of it, in words,
+    '' for a run that started from no such checkpoint).
+
+    Read from the run directory's config.json beside the checkpoints. Such a run is written back into that
+    checkpoint's layout, its vision tower kept; when it is no longer there, the text model alone, saying so."""
+    from .hf_config import MULTIMODAL, read_hf_config
+
+    path = os.path.join(os.path.dirname(os.path.abspath(ckpt_root.rstrip("/"))), "config.json")
+    try:
+        with open(path) as f:
+            source = json.load(f)["train"].get("init_from_hf")
+    except (OSError, ValueError, KeyError):
+        return None, ""
+    if not source:
+        return None, ""
+    try:
+        mt = read_hf_config(source).get("model_type")
+    except ConfigError:
+        return None, f"the text model: the run's --init-from-hf {source} is gone, so its vision tower is not included"
+    if mt not in MULTIMODAL:
+        return None, ""
+    return source, f"the trained language model in {source}'s multimodal layout, its vision tower copied"
+
+
 def record_from_flag(spec: str) -> dict:
     """`hf-export --tokenizer SPEC`: byte, a tokenizer.json or a folder holding one; its own eos id."""
     from .data.tokenizer import load_tokenizer

@@ -5,6 +5,10 @@ any rank starts the weights' shapes (safetensors headers only), the tokenizer's 
 training data's ids are checked against it; the Trainer then fills every rank's slices with
 `hf.load_hf_into` before it builds the optimizer (so ZeRO's flat buffers start from them). What the
 run started from, tokenizer included, is recorded in the run's config.json.
+
+A multimodal checkpoint (Qwen3.5's `*ForConditionalGeneration`) is read as its language model
+(`hf_multimodal.py`): every language-model tensor is trained, the vision tower and MTP drafter are named in one
+line and left out.
 """
 from __future__ import annotations
 
@@ -16,16 +20,29 @@ import torch
 from .config import ConfigError, ModelConfig
 from .data.tokenizer import ByteTokenizer, load_tokenizer
 from .hf import WeightFiles, tensor_source
+from .hf_multimodal import aside_line
+
+
+def not_trained_line(path: str) -> str | None:
+    """The one line `train` prints for a multimodal checkpoint: what of it is neither loaded nor trained."""
+    files = WeightFiles(path)
+    if files.view is None:
+        return None
+    return (f"--init-from-hf {path} is multimodal: its language model is trained; {aside_line(files.aside)} "
+            "are neither loaded nor trained")
+
 
 def init_record(path: str) -> dict:
     """What a fine-tune started from (config.json's `init_from_hf`): the directory, its weight files and its
     tokenizer (tokenizer.json through the `tokenizers` library: vocabulary size and sha256), if it has one."""
     try:
         files = WeightFiles(path)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # no weights; a multimodal tensor of no known part
         raise ConfigError(f"--init-from-hf {e}") from None
     record = {"path": os.path.abspath(path), "weight_files": sorted({os.path.basename(f) for f in files.where.values()}),
               "tokenizer": None}
+    if files.view is not None:  # a multimodal checkpoint: what of it is not trained
+        record["not_trained"] = {part: len(names) for part, names in files.aside.items()}
     tok = os.path.join(path, "tokenizer.json")
     if os.path.isfile(tok):
         try:
@@ -52,6 +69,7 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokeni
     files = WeightFiles(path)
     with torch.device("meta"):
         expected = dict(plain_model(cfg).named_parameters())
+    read = set()
     for name, p in expected.items():
         if name.startswith("mtp.") and mtp_init == "fresh":
             continue
@@ -68,6 +86,13 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokeni
         if tuple(src.shape) != tuple(p.shape):
             raise ConfigError(f"--init-from-hf {path}: {src.names[0]} has shape {tuple(src.shape)}, but its "
                               f"config.json makes {name} {tuple(p.shape)}")
+        read.update(src.names)
+    if files.view is not None:  # every tensor of a multimodal checkpoint's language model is trained
+        unread = sorted(files.view[n] for n in files.view if n not in read
+                        and not (n == "lm_head.weight" and cfg.tie_embeddings))
+        if unread:
+            raise ConfigError(f"--init-from-hf {path}: the language model's {unread[0]!r} (and {len(unread) - 1} "
+                              "more) would not be trained: its config.json describes another model than its weights")
     tok = record["tokenizer"]
     if tok is not None and tok["vocab_size"] > cfg.vocab_size:
         raise ConfigError(f"--init-from-hf {tok['file']}: the tokenizer has {tok['vocab_size']} ids, more than the "

@@ -8,12 +8,12 @@ import dataclasses
 import os
 
 from .config import ConfigError
-from .hf_config import QWEN3_NEXT, SUPPORTED, config_file, config_from_hf, read_hf_config
+from .hf_config import MULTIMODAL, QWEN3_NEXT, SUPPORTED, config_file, config_from_hf, read_hf_config
 
 LENIENT_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt2", "gpt_oss",
-                 *QWEN3_NEXT)
+                 *QWEN3_NEXT, *MULTIMODAL)
 """model_types a lenient reading accepts: gpt2 besides the trainer's families the planner models."""
-STRICT_ONLY = ("qwen3_moe", "deepseek_v3", "gpt_oss", *QWEN3_NEXT)  # gpt-oss and the Gated DeltaNet hybrids: strictly
+STRICT_ONLY = ("qwen3_moe", "deepseek_v3", "gpt_oss", *QWEN3_NEXT, *MULTIMODAL)  # gpt-oss and the Gated DeltaNet hybrids: strictly
 """Families with no shape-only reading (their expert and attention layouts need the strict one)."""
 # Hugging Face's defaults for max_position_embeddings where a config.json leaves it out.
 _HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768, "qwen3": 32768}
@@ -34,7 +34,7 @@ def model_fields_from_hf(path: str, *, lenient: bool = False) -> tuple[dict, str
     if mt not in LENIENT_TYPES:
         raise ConfigError(f"model_type {mt!r} is not supported; supported: {', '.join(LENIENT_TYPES)}")
     refusal = f"shardwise train has no model_type {mt!r}"
-    if mt in SUPPORTED:
+    if mt in SUPPORTED or mt in MULTIMODAL:  # a multimodal config.json: its language model, strictly
         try:
             return model_fields_from_hf(path)
         except ConfigError as e:

@@ -103,6 +103,11 @@ def check_sources(cfg: TrainConfig) -> None:
         check_init_from_hf(cfg.init_from_hf, model, data_vocab, getattr(sources[0], "tokenizer_sha256", None),
                            data_tokenizer=manifest, allow_tokenizer_mismatch=cfg.allow_tokenizer_mismatch,
                            mtp_init=cfg.mtp_init)
+        from .hf_init import not_trained_line
+
+        line = not_trained_line(cfg.init_from_hf)
+        if line:
+            _say(line)
         if model.mtp_layers and cfg.mtp_init == "fresh":
             _say(f"--mtp-init fresh: the {model.mtp_layers} MTP module(s) start as in training from scratch (--seed "
                  f"{cfg.seed}), not from --init-from-hf {cfg.init_from_hf}; their embedding and head are its own")

@@ -41,6 +41,7 @@ SLOW_TESTS = {
     "test_compile.py": {"test_verify_compile_tp2_pp2_cp2_in_one_fork"},
     "test_config_report.py": {"test_report_renders_pngs"},
     "test_qwen3_next.py": {"test_layouts_match_single_device_and_transformers"},
+    "test_qwen35_checkpoints.py": {"test_multimodal_layouts_match_transformers"},
     "test_context_parallel.py": {"test_ring_and_ulysses_match_sdpa"},
     "test_document_mask.py": {"test_bad_attention_mask_exits_2_with_one_line",
                               "test_verify_every_axis_with_document_mask"},

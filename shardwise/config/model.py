@@ -429,6 +429,31 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         linear_v_heads=32, moe_experts=256, moe_topk=8, moe_ffn_dim=512, moe_shared_experts=1, moe_shared_gate=True,
         moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
     ),
+    # The other published Qwen3.5 sizes (text model; the checkpoints' vision tower and MTP drafter are not modelled).
+    # Values from their config.json text_config as quoted by THUDM/slime scripts/models/qwen3.5-27B.sh and
+    # qwen3.5-397B-A17B.sh (sizes, heads, experts) and Megatron-Bridge's / vLLM's Qwen3.5 test configs (the linear
+    # heads: 16 key heads of 128; 48 value heads for 27B, 64 for 122B and 397B). Dense 27B; MoE ones every layer
+    # MoE with one gated shared expert of the expert size, top-k renormalised.
+    "qwen3.5-27b": ModelConfig(
+        name="qwen3.5-27b", vocab_size=248320, dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, head_dim=256,
+        ffn_dim=17408, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
+        partial_rotary=0.25, linear_layers=tuple(i for i in range(64) if (i + 1) % 4), linear_k_heads=16,
+        linear_v_heads=48,
+    ),
+    "qwen3.5-122b-a10b": ModelConfig(
+        name="qwen3.5-122b-a10b", vocab_size=248320, dim=3072, n_layers=48, n_heads=32, n_kv_heads=2, head_dim=256,
+        ffn_dim=1024, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
+        partial_rotary=0.25, linear_layers=tuple(i for i in range(48) if (i + 1) % 4), linear_k_heads=16,
+        linear_v_heads=64, moe_experts=256, moe_topk=8, moe_ffn_dim=1024, moe_shared_experts=1, moe_shared_gate=True,
+        moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
+    ),
+    "qwen3.5-397b-a17b": ModelConfig(
+        name="qwen3.5-397b-a17b", vocab_size=248320, dim=4096, n_layers=60, n_heads=32, n_kv_heads=2, head_dim=256,
+        ffn_dim=1024, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
+        partial_rotary=0.25, linear_layers=tuple(i for i in range(60) if (i + 1) % 4), linear_k_heads=16,
+        linear_v_heads=64, moe_experts=512, moe_topk=10, moe_ffn_dim=1024, moe_shared_experts=1, moe_shared_gate=True,
+        moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
+    ),
 }
 
 
