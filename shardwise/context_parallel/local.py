@@ -17,6 +17,7 @@ import math
 import torch
 
 from ..models.documents import document_mask
+from ..partition import window_bands
 from .ring_attention import block_backward, block_forward
 from .sinks import merge_sink, sink_grad, window_mask
 
@@ -32,12 +33,10 @@ def attention_mask(b: int, s: int, window: int, doc_ids: torch.Tensor | None, de
 
 
 def bands(s: int, window: int) -> list[tuple[slice, slice]] | None:
-    """(query rows, key columns) per band of a windowed sequence: rows [a, a + W) read keys [a − W + 1, a + W);
-    None where banding saves nothing (no window, or s ≤ 2W: one masked call is as cheap)."""
-    if not window or s <= 2 * window:
-        return None
-    return [(slice(a, min(a + window, s)), slice(max(0, a - window + 1), min(a + window, s)))
-            for a in range(0, s, window)]
+    """(query rows, key columns) per band of a windowed sequence (`partition.window_bands`, which the planner's
+    FLOPs count too); None where banding saves nothing."""
+    per_band = window_bands(s, window)
+    return None if per_band is None else [(slice(*rows), slice(*cols)) for rows, cols in per_band]
 
 
 def _band_mask(b: int, qs: slice, ks: slice, window: int, doc_ids, device) -> torch.Tensor:

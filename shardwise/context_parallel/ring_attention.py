@@ -51,7 +51,7 @@ from ..models.attention import max_logits
 from ..models.documents import document_mask
 from . import kernels
 from .kernels import expand_heads, fold_heads
-from ..partition import check_seq_len, chunk_ids, chunk_intervals, ring_step_list, window_cut
+from ..partition import check_seq_len, chunk_intervals, ring_block_pairs, ring_step_list, window_cut
 from .sharding import positions, shard_sequence
 from .sinks import merge_sink, sink_grad, window_mask
 
@@ -104,31 +104,18 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend:
 
 
 # ---------------------------------------------------------------- which block pairs to compute
-def _span(local_chunks: list[int], length: int) -> slice:
-    # A rank holds at most two chunks, so any non-empty subset of them is one contiguous slice.
-    return slice(local_chunks[0] * length, (local_chunks[-1] + 1) * length)
-
-
 def block_plan(q_rank: int, kv_rank: int, cp_size: int, order: str, causal: bool, s_local: int):
     """Block pairs rank `q_rank` computes against rank `kv_rank`'s K/V: a list of (q slice, kv slice, is_causal).
 
-    Pure layout arithmetic. Non-causal: one full block. Causal: the own block is causal as a whole;
-    for another rank's block, chunk a of the queries sees chunk b of the keys iff b < a (chunks of
-    different ranks never coincide), and query chunks that see the same key chunks share one call.
+    Pure layout arithmetic, stated once in `partition.ring_block_pairs` (the planner counts the same pairs).
+    Non-causal: one full block. Causal: the own block is causal as a whole; another rank's block is split into
+    the query chunks that see the same earlier key chunks, one call each.
     """
     whole = slice(0, s_local)
     if not causal:
         return [(whole, whole, False)]
-    if q_rank == kv_rank:
-        return [(whole, whole, True)]
-    q_chunks, kv_chunks = chunk_ids(q_rank, cp_size, order), chunk_ids(kv_rank, cp_size, order)
-    length = s_local // len(q_chunks)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, a in enumerate(q_chunks):
-        seen = tuple(j for j, b in enumerate(kv_chunks) if b < a)
-        if seen:
-            groups.setdefault(seen, []).append(i)
-    return [(_span(qi, length), _span(list(seen), length), False) for seen, qi in groups.items()]
+    return [(slice(*rows), slice(*cols), q_rank == kv_rank)
+            for rows, cols in ring_block_pairs(q_rank, kv_rank, cp_size, order, s_local)]
 
 
 _PLANS: dict[tuple, tuple] = {}  # (id(doc_ids), its version, layout args) -> (weakref to doc_ids, plan)
