@@ -79,7 +79,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, resets=None, ch
     `resets` [b, s] bool zero the state before a document's first token.
     All arithmetic in fp32 whatever autocast is on (as FLA's kernels accumulate): the state runs through every chunk
     of the sequence, and bf16 matmuls would round it once per chunk (and save a low-precision copy of each operand).
-    Padded tail tokens carry β = 0, g = 0 (no write, no decay); an unpadded input is not copied.
+    Padded tail tokens carry β = 0, g = 0 (no write, no decay); an unpadded v or β is not copied.
     """
     with torch.autocast(q.device.type, enabled=False):
         return _chunk_rule(q, k, v, g, beta, initial_state, resets, chunk, transition)
@@ -91,6 +91,9 @@ def _chunk_rule(q, k, v, g, beta, initial_state, resets, chunk, transition):
     dv = v.shape[-1]
     pad = (chunk - s % chunk) % chunk
     q, k, v = (F.pad(x.float(), (0, 0, 0, pad)) if pad else x.float() for x in (q, k, v))  # .float(): fp32 as is
+    # Contiguous q, k (as transformers makes them): the chunk matmuls then fold their batch dims by a view instead
+    # of saving a copy of each operand (an unpadded q, k are transposes of [b, s, h, d], or narrowed cp pieces).
+    q, k = q.contiguous(), k.contiguous()
     g, beta = (F.pad(x.float(), (0, pad)) if pad else x.float() for x in (g, beta))
     n = (s + pad) // chunk
     q, k, v = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v))
