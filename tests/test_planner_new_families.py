@@ -78,10 +78,13 @@ def test_ring_hops_follow_the_runtimes_step_list():
 
 
 @pytest.mark.parametrize("name, ranks", [("qwen3-next-80b-cp2-tp2-sp-pp4-ep2-z1-bf16", "0"),
+                                         ("qwen3.5-35b-a3b-dp2-cp2-tp2-sp-pp2-ep4-z1-bf16", "0"),
                                          ("gpt-oss-20b-cp4c-tp2-sp-pp2-ep4-z1-bf16", "stages")])
 def test_full_size_layout_within_bounds(name, ranks):
     """One full-size layout of each family from the sweep (shortened steps): Qwen3-Next's first stage (nine Gated
-    DeltaNet layers, three gated-attention ones, 256 of 512 experts per rank) and both gpt-oss-20b stages."""
+    DeltaNet layers, three gated-attention ones, 256 of 512 experts per rank), Qwen3.5-35B-A3B's first stage (the
+    embedding, fifteen Gated DeltaNet layers and five gated-attention ones, 64 of 256 experts per rank, dp beside
+    cp) and both gpt-oss-20b stages."""
     _check(sweep.simulate(sweep.LAYOUTS[name], ranks))
 
 
