@@ -144,7 +144,7 @@ class GatedNormFunction(torch.autograd.Function):
     rounded to x's dtype before the weight), saving only x, z and the rsqrt: plain autograd would keep about five
     full-size fp32 tensors (x's copy, the normed value, silu(z), z's copy, weight · normed). The backward recomputes
     the rest and replays autograd's own steps and roundings op for op, so gradients are the plain ones bit for bit
-    (tests/test_qwen3_next.py holds it to that)."""
+    (tests/test_gated_deltanet.py holds it to that)."""
 
     @staticmethod
     def forward(ctx, x, z, weight, eps: float):
