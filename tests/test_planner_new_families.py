@@ -78,10 +78,13 @@ def test_ring_hops_follow_the_runtimes_step_list():
 
 
 @pytest.mark.parametrize("name, ranks", [("qwen3-next-80b-cp2-tp2-sp-pp4-ep2-z1-bf16", "0"),
+                                         ("qwen3.5-35b-a3b-dp2-cp2-tp2-sp-pp2-ep4-z1-bf16", "0"),
                                          ("gpt-oss-20b-cp4c-tp2-sp-pp2-ep4-z1-bf16", "stages")])
 def test_full_size_layout_within_bounds(name, ranks):
     """One full-size layout of each family from the sweep (shortened steps): Qwen3-Next's first stage (nine Gated
-    DeltaNet layers, three gated-attention ones, 256 of 512 experts per rank) and both gpt-oss-20b stages."""
+    DeltaNet layers, three gated-attention ones, 256 of 512 experts per rank), Qwen3.5-35B-A3B's first stage (the
+    embedding, fifteen Gated DeltaNet layers and five gated-attention ones, 64 of 256 experts per rank, dp beside
+    cp) and both gpt-oss-20b stages."""
     _check(sweep.simulate(sweep.LAYOUTS[name], ranks))
 
 
@@ -177,15 +180,16 @@ def _mixer_saved(shape, dtype, cp=1, rank=0, order="balanced"):
     return sum(seen.values()), cfg
 
 
-MIXERS = [(1, 192, 2, 4, 8, 16), (2, 150, 2, 4, 8, 16), (1, 40, 2, 2, 16, 8), (2, 64, 1, 1, 8, 8), (2, 128, 1, 1, 8, 8)]
+MIXERS = [(1, 192, 2, 4, 8, 16), (2, 150, 2, 4, 8, 16), (1, 40, 2, 2, 16, 8), (2, 64, 1, 1, 8, 8), (2, 128, 1, 2, 8, 8)]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_mixer_terms_equal_the_saved_tensors(monkeypatch, dtype):
     """Every term of `linear_attention.mixer_terms` / `cp_mixer_terms` is a storage autograd keeps: their sum equals
     the saved-tensor hooks' bytes exactly, on one device (whole chunks, padded tails, one chunk, one head; a tp
-    rank's layer is one with its heads: tp 2 of twice the heads), and on every rank of cp 2 and 4 in both orders
-    (one and two rule chunks per cp chunk, a padded one, one head). Under bf16 the conv kernels' first bf16 copy
+    rank's layer is one with its heads: tp 2 of twice the heads; one key head serving two value heads), and on
+    every rank of cp 2 and 4 in both orders (one and two rule chunks per cp chunk, a padded one, nk = 1 with
+    nv = 2). Under bf16 autocast the chunk rule still saves fp32 tensors only; the conv kernels' first bf16 copy
     is autocast_weight_bytes'."""
     import torch
 
@@ -209,7 +213,7 @@ def test_mixer_terms_equal_the_saved_tensors(monkeypatch, dtype):
     monkeypatch.setattr(comm, "gather_from_sequence", lambda x, axis, dim: torch.cat([x] * axis.size, dim))
     for shape, cp, order in [((1, 128, 2, 4, 8, 16), 2, "contiguous"), ((1, 128, 2, 4, 8, 16), 2, "balanced"),
                              ((2, 200, 2, 4, 8, 8), 4, "contiguous"), ((2, 200, 2, 4, 8, 8), 4, "balanced"),
-                             ((2, 256, 1, 1, 8, 8), 2, "balanced")]:
+                             ((2, 256, 1, 2, 8, 8), 2, "balanced")]:
         for rank in range(cp):
             got, cfg = _mixer_saved(shape, dtype, cp, rank, order)
             planned = linear_attention.cp_mixer_terms(ModelSpec.of(cfg), shape[0], shape[1], 1, e, cp, order, rank)

@@ -7,7 +7,8 @@ chunk is affine in the state before it, S_end = M S_in + B, and so are the chunk
 1. runs its chunks from a zero state, keeping (M, B) and the effective queries Q;
 2. all-gathers every chunk's [M | B] over cp (2·cp maps of d_k × (d_k + d_v) per head: independent of the
    sequence length; backward reduce-scatters their gradients, summing what every later chunk's outputs owe);
-3. composes them in sequence order, S_in(c) = M_{c−1} S_in(c−1) + B_{c−1}, and adds Q S_in(c) to its outputs.
+3. composes them in sequence order, S_in(c) = M_{c−1} S_in(c−1) + B_{c−1}, and adds Q S_in(c) to its outputs
+   (in fp32 with autocast off, like the rule itself: this is the same recurrence, one step per chunk).
 
 The short convolution needs the K−1 inputs before each chunk: the tails of every chunk are all-gathered once
 (`conv_halo`), and chunk c reads chunk c−1's. Document masks work on the global document ids every rank holds:
@@ -87,9 +88,10 @@ def delta_rule(q, k, v, g, beta, axis, order: str, doc_ids=None) -> torch.Tensor
         maps.append(torch.cat((m, final), dim=-1))  # [b, h, d_k, d_k + d_v]
     dk = q.shape[-1]
     every = _global_order(comm.gather_from_sequence(torch.cat(maps, dim=0), axis, 0), axis, order)
-    state = _zero_start(every[0][..., dk:])
-    states = [state]
-    for c in range(max(ids)):  # the state entering chunk c + 1
-        state = every[c][..., :dk] @ state + every[c][..., dk:]
-        states.append(state)
-    return torch.cat([outs[j] + reads[j] @ states[c] for j, c in enumerate(ids)], dim=2)
+    with torch.autocast(q.device.type, enabled=False):  # the composition is the recurrence's: fp32, as the rule
+        state = _zero_start(every[0][..., dk:])
+        states = [state]
+        for c in range(max(ids)):  # the state entering chunk c + 1
+            state = every[c][..., :dk] @ state + every[c][..., dk:]
+            states.append(state)
+        return torch.cat([outs[j] + reads[j] @ states[c] for j, c in enumerate(ids)], dim=2)

@@ -77,13 +77,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, resets=None, ch
     segment's state map (S_end = M S_0 + B, B the final state from a zero start) and Q [b, h, s, d_k] the
     effective queries (o(S_0) = o(0) + Q S_0), so a later-known initial state is applied without a rerun.
     `resets` [b, s] bool zero the state before a document's first token.
-    All arithmetic in fp32; padded tail tokens carry β = 0, g = 0 (no write, no decay).
+    All arithmetic in fp32 whatever autocast is on (as FLA's kernels accumulate): the state runs through every chunk
+    of the sequence, and bf16 matmuls would round it once per chunk (and save a low-precision copy of each operand).
+    Padded tail tokens carry β = 0, g = 0 (no write, no decay); an unpadded v or β is not copied.
     """
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunk_rule(q, k, v, g, beta, initial_state, resets, chunk, transition)
+
+
+def _chunk_rule(q, k, v, g, beta, initial_state, resets, chunk, transition):
+    """`chunk_gated_delta_rule`'s body, run with autocast off."""
     b, h, s, dk = k.shape
     dv = v.shape[-1]
     pad = (chunk - s % chunk) % chunk
-    q, k, v = (F.pad(x.float(), (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x.float(), (0, pad)) for x in (g, beta))
+    q, k, v = (F.pad(x.float(), (0, 0, 0, pad)) if pad else x.float() for x in (q, k, v))  # .float(): fp32 as is
+    # Contiguous q, k (as transformers makes them): the chunk matmuls then fold their batch dims by a view instead
+    # of saving a copy of each operand (an unpadded q, k are transposes of [b, s, h, d], or narrowed cp pieces).
+    q, k = q.contiguous(), k.contiguous()
+    g, beta = (F.pad(x.float(), (0, pad)) if pad else x.float() for x in (g, beta))
     n = (s + pad) // chunk
     q, k, v = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v))
     g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
@@ -128,6 +139,37 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, resets=None, ch
     return o, state, (m, torch.stack(reads, dim=2).reshape(b, h, n * chunk, dk)[:, :, :s])
 
 
+class GatedNormFunction(torch.autograd.Function):
+    """weight · RMSNorm(x) · silu(z) as transformers' `Qwen3NextRMSNormGated` computes it (fp32, the normed value
+    rounded to x's dtype before the weight), saving only x, z and the rsqrt: plain autograd would keep about five
+    full-size fp32 tensors (x's copy, the normed value, silu(z), z's copy, weight · normed). The backward recomputes
+    the rest and replays autograd's own steps and roundings op for op, so gradients are the plain ones bit for bit
+    (tests/test_gated_deltanet.py holds it to that)."""
+
+    @staticmethod
+    def forward(ctx, x, z, weight, eps: float):
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, z, weight, r)
+        return (weight * (xf * r).to(x.dtype) * F.silu(z.float())).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, z, weight, r = ctx.saved_tensors
+        xf, zf = x.float(), z.float()
+        normed = (xf * r).to(x.dtype)
+        wn, act = weight * normed, F.silu(zf)
+        dy = dy.to(torch.promote_types(wn.dtype, act.dtype))  # the output cast's backward
+        d_wn, d_act = (dy * act).to(wn.dtype), (dy * wn).to(act.dtype)
+        d_weight = (d_wn * normed).to(weight.dtype).sum_to_size(weight.shape)
+        d_n = (d_wn * weight).to(normed.dtype).float()
+        d_r = (d_n * xf).sum(-1, keepdim=True)
+        d_var = (-0.5 * d_r * r.pow(3)).expand_as(xf) / xf.shape[-1]
+        dx = (d_n * r + d_var * (2.0 * xf)).to(x.dtype)
+        dz = torch.ops.aten.silu_backward(d_act, zf).to(z.dtype)
+        return dx, dz, d_weight, None
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over one head's values, times silu(z): one d_v weight shared by every head (head-partial under TP)."""
 
@@ -137,9 +179,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = declare(nn.Parameter(torch.empty(dim)), "ones", head_partial=True)
 
     def forward(self, x, z):
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+        return GatedNormFunction.apply(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):

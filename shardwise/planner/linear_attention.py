@@ -86,74 +86,56 @@ def flops_per_token(spec, seq_len: int, tp: int = 1) -> tuple[float, float]:
     return proj, core
 
 
-def chunk_rule_terms(b: int, s: int, nv: int, dk: int, dv: int, e: int, transition: bool = False,
-                     narrowed: bool = False) -> dict[str, int]:
+def chunk_rule_terms(b: int, s: int, nv: int, dk: int, dv: int, e: int, transition: bool = False) -> dict[str, int]:
     """What `models.gated_deltanet.chunk_gated_delta_rule` saves on b·nv heads of s tokens (padded to S, nc chunks of
-    C), by name: fp32 unless noted. Under bf16 autocast every matmul saves its own e-byte casts of both operands
-    (one cast per matmul, even of one tensor); in fp32 slices of a chunked tensor are views of it. The first chunk's
-    state is a constant zero, so its two reads (w·S, q·S) save only the state. In fp32 an unpadded q, k keep the
-    [b, s, h, d] layout of their transpose (F.pad by zero copies it as it is), so the two batched matmuls copy
-    their operands unless the batch dims (b, nv, nc) fold into one by a view: at most one of them larger than 1,
-    or (measured, not explained by the strides) nv = 1 on the cp path's `narrowed` pieces; a padded one is
-    contiguous: views."""
+    C), by name. The rule runs in fp32 with autocast off, so every entry is fp32 whatever e is; e only decides how v
+    arrives: fp32 and unpadded it is a view of the convolution's output (`pointwise_terms`), e-byte it is copied.
+    Padding copies q, k, v and β; unpadded, β is the sigmoid's output and v (fp32) a view. q and k are made contiguous
+    (a copy that replaces the L2 norms' or the head repeat's outputs, which nothing else saves; a cp piece is copied
+    from its narrowed view), so the chunk matmuls view their operands and save no copies. Chunk slices are views. The
+    first chunk's state is a constant zero, so its two reads (w·S, q·S) save only the state."""
     C = CHUNK
     S = -(-s // C) * C
     nc, p = S // C, b * S * nv  # chunks; padded token-heads
-    chunk = b * nv * C  # token-heads of one chunk
     later = nc - 1  # chunks whose state needs a gradient
-    folds = sum(x > 1 for x in (b, nv, nc)) <= 1 or (nv == 1 and narrowed)
-    copies = e != 4 or (S == s and not folds)
+    padded = S != s
     t = {
         "masks ~lower, ~lower.tril(-1) (bool [C, C])": 2 * C * C,
         "pair decays exp(Σg) [p, C]": 4 * p * C,
         "UT system (I + β k kᵀ ⊙ pair), solve's A [p, C]": 4 * p * C,
-        "k·kᵀ and q·kᵀ products, × pair's inputs (e) [p, C] ×2": 2 * e * p * C,
-        "intra-chunk scores, intra·v_new's operand (e) [p, C]": e * p * C,
+        "k·kᵀ and q·kᵀ products, × pair's input [p, C] ×2": 2 * 4 * p * C,
+        "intra-chunk scores, intra·v_new's operand [p, C]": 4 * p * C,
         "read_old, to_end decays [p]": 2 * 4 * p,
-        "β padded, β·k's and β·v's operand [p]": 4 * p,
+        "β padded, β·k's and β·v's operand (unpadded: the sigmoid's output) [p]": 4 * p if padded else 0,
         "whole-chunk decay [b, nv, nc]": 4 * b * nv * nc,
-        "q, k padded; β·k; w (solve's output) [p, d_k] ×4": 4 * 4 * p * dk,
-        "v padded; u (solve's output) [p, d_v] ×2": 2 * 4 * p * dv,
-        "kb·kᵀ and q·kᵀ matmuls' operand copies [p, d_k] ×4": 4 * e * p * dk if copies else 0,
+        "q, k (contiguous); β·k; w (solve's output) [p, d_k] ×4": 4 * 4 * p * dk,
+        "u (solve's output) [p, d_v]": 4 * p * dv,
+        "v padded or copied to fp32, β·v's operand [p, d_v]": 4 * p * dv if padded or e != 4 else 0,
         "states entering each chunk, state·decay's operand [d_k, d_v] per chunk": 4 * b * nv * nc * dk * dv,
+        "kd = k·to_end [p, d_k]": 4 * p * dk,
+        "qd = q·read_old [p, d_k] (read once a state needs a gradient)": 4 * p * dk if later else 0,
+        "v_new per chunk [p, d_v]": 4 * p * dv,
     }
-    if e == 4:  # chunk slices are views: qd and kd whole (qd only read with a state needing a gradient)
-        t["kd = k·to_end [p, d_k]"] = 4 * p * dk
-        t["qd = q·read_old [p, d_k] (read once a state needs a gradient)"] = 4 * p * dk if later else 0
-        t["v_new per chunk [p, d_v]"] = 4 * p * dv
-    else:  # per-chunk casts
-        t["kd chunk casts, kdᵀ·v_new (e) [chunk, d_k] per chunk"] = e * chunk * dk * nc
-        t["w, qd chunk casts, w·S and qd·S (e) [chunk, d_k] ×2 per later chunk"] = 2 * e * chunk * dk * later
-        t["v_new casts, intra·v_new and kdᵀ·v_new (e) [chunk, d_v] ×2 per chunk"] = 2 * e * chunk * dv * nc
-        t["state casts, w·S and qd·S (e) [d_k, d_v] ×2 per chunk"] = 2 * e * b * nv * dk * dv * nc
     if transition:
-        t.update(transition_terms(b, s, nv, dk, e))
+        t.update(transition_terms(b, s, nv, dk))
     return t
 
 
-def transition_terms(b: int, s: int, nv: int, dk: int, e: int) -> dict[str, int]:
-    """What `transition=True` adds (context parallelism's state map M and effective queries Q), per chunk:
+def transition_terms(b: int, s: int, nv: int, dk: int) -> dict[str, int]:
+    """What `transition=True` adds (context parallelism's state map M and effective queries Q), per chunk, fp32:
     M ← M·decay − kdᵀ·(w·M) and Q = (qd − intra·w)·M. M starts as the identity (an expanded [d_k, d_k] eye, no
     gradient), so the first chunk's (qd − intra·w) and w are not saved for ·M."""
     C = CHUNK
     S = -(-s // C) * C
     nc, chunk = S // C, b * nv * C
     later = nc - 1
-    t = {
+    return {
         "M's identity start (expanded eye) [d_k, d_k]": 4 * dk * dk,
         "M after each earlier chunk, M·decay's operand [d_k, d_k] per later chunk": 4 * b * nv * dk * dk * later,
-        "w·M, kdᵀ·(w·M)'s operand (e) [chunk, d_k] per chunk": e * chunk * dk * nc,
-        "Q stacked (padded; matmul outputs), Q·S_in's operand (e) [b·nv·S, d_k]": e * b * nv * S * dk,
+        "w·M, kdᵀ·(w·M)'s operand [chunk, d_k] per chunk": 4 * chunk * dk * nc,
+        "Q stacked (padded; matmul outputs), Q·S_in's operand [b·nv·S, d_k]": 4 * b * nv * S * dk,
+        "qd − intra·w, ·M's operand [chunk, d_k] per later chunk": 4 * chunk * dk * later,
     }
-    if e == 4:
-        t["qd − intra·w, ·M's operand [chunk, d_k] per later chunk"] = 4 * chunk * dk * later
-    else:
-        t["M casts, (qd − intra·w)·M and w·M (e) [d_k, d_k] ×2 per chunk"] = 2 * e * b * nv * dk * dk * nc
-        t["intra and w chunk casts, intra·w (e) [chunk, C + d_k] per chunk"] = e * chunk * (C + dk) * nc
-        t["w chunk cast, w·M (e) [chunk, d_k] per later chunk"] = e * chunk * dk * later
-        t["qd − intra·w cast, ·M (e) [chunk, d_k] per later chunk"] = e * chunk * dk * later
-        t["kd chunk casts, kdᵀ·(w·M) (e) [chunk, d_k] per chunk"] = e * chunk * dk * nc
-    return t
 
 
 def _channels(spec, tp: int) -> int:
@@ -163,7 +145,8 @@ def _channels(spec, tp: int) -> int:
 
 def pointwise_terms(spec, mb: int, s_loc: int, tp: int, e: int) -> dict[str, int]:
     """The mixer's saved tensors outside the convolution's input and the chunk rule, alike on one device and under
-    cp (s_loc tokens either way): the conv's output and kernel, the L2 norms, β and g, the gated norm."""
+    cp (s_loc tokens either way): the conv's output and kernel, the L2 norms, β and g, the gated norm (which keeps
+    its input, z and its rsqrt: `GatedNormFunction`)."""
     n, kw = mb * s_loc, spec.linear_conv_kernel
     nk, nv = spec.linear_k_heads // tp, spec.linear_v_heads // tp
     ck, cv, cc = nk * spec.linear_k_dim, nv * spec.linear_v_dim, _channels(spec, tp)
@@ -174,19 +157,15 @@ def pointwise_terms(spec, mb: int, s_loc: int, tp: int, e: int) -> dict[str, int
         "softplus's input and output [n, nv] ×2": 2 * 4 * n * nv,
         "exp(A_log), its negation [nv] ×2": 2 * 4 * nv,
         "gated norm's rsqrt [n, nv]": 4 * n * nv,
-        "gated norm's normed output (e) [n, v]": e * n * cv,
-        "silu(z) [n, v]": 4 * n * cv,
-        "weight · normed, × silu(z)'s operand [n, v]": 4 * n * cv,
+        "z, the gated norm's gate (a view of wz's output) (e) [n, v]": e * n * cv,
         "the gated product, wo's input (e) [n, v]": e * n * cv,
     }
     if e == 4:
         t["conv kernels concatenated [qkv, K]"] = 4 * cc * kw
         t["silu's output, the L2 norms' input (a view of q, k, v) [n, qkv]"] = 4 * n * cc
-        t["z, silu's input (a view of wz's output) [n, v]"] = 4 * n * cv
     else:
         t["q, k fp32 copies, the L2 norms' input [n, qk] ×2"] = 2 * 4 * n * ck
-        t["the output's fp32 copy, the gated norm's input [n, v]"] = 4 * n * cv
-        t["z's fp32 copy, silu's input [n, v]"] = 4 * n * cv
+        t["the rule's output cast to e, the gated norm's input (e) [n, v]"] = e * n * cv
     return t
 
 
@@ -220,17 +199,15 @@ def cp_mixer_terms(spec, mb: int, s_loc: int, tp: int, e: int, cp: int, order: s
     t = pointwise_terms(spec, mb, s_loc, tp, e)
     t["conv's padded input per chunk (e) [b, s/chunks + K − 1, qkv]"] = e * b * (L + kw - 1) * cc * per
     for j in range(per):
-        for k, v in chunk_rule_terms(b, L, nv, dk, dv, e, transition=True, narrowed=True).items():
+        for k, v in chunk_rule_terms(b, L, nv, dk, dv, e, transition=True).items():
             t[f"chunk {j}: {k}"] = v
+    t["gathered [M | B] maps, M·S's operand (none when S_in(0) is all this rank reads) "
+      "[cp·chunks·b, nv, d_k, d_k + d_v]"] = 4 * cp * per * b * nv * dk * (dk + dv) if last else 0
+    t["states entering global chunks 0..last [d_k, d_v] each"] = 4 * b * nv * dk * dv * (last + 1)
     if e == 4:
         t["the chunks' outputs concatenated, the gated norm's input [n, v]"] = 4 * b * s_loc * nv * dv
-        t["gathered [M | B] maps, M·S's operand (none when S_in(0) is all this rank reads) "
-          "[cp·chunks·b, nv, d_k, d_k + d_v]"] = 4 * cp * per * b * nv * dk * (dk + dv) if last else 0
-        t["states entering global chunks 0..last [d_k, d_v] each"] = 4 * b * nv * dk * dv * (last + 1)
     else:  # autocast_weight_bytes counts one bf16 copy of the kernels; each chunk's conv1d casts its own
         t["further conv kernel casts (e) [qkv, K] per chunk past the first"] = e * cc * kw * (per - 1)
-        t["M slice casts, M·S (e) [d_k, d_k] per earlier global chunk"] = e * b * nv * dk * dk * last
-        t["state casts, M·S and Q·S (e) [d_k, d_v]"] = e * b * nv * dk * dv * (last + per)
     return t
 
 

@@ -112,6 +112,10 @@ LAYOUTS: dict[str, TrainConfig] = {
     "gpt-oss-120b-64-cp8-pp2-ep32-z1-bf16-sel": _run(4096, dtype="bf16", model="gpt-oss-120b", micro_batch=1,
                                                      global_batch=256, dp=4, pp=2, cp=8, ep=32, zero=1,
                                                      recompute="selective"),
+    # Qwen3.5's MoE hybrid: dp beside cp, 64 of 256 experts per rank, the fp32 chunk rule under bf16 autocast
+    "qwen3.5-35b-a3b-dp2-cp2-tp2-sp-pp2-ep4-z1-bf16": _run(512, dtype="bf16", model="qwen3.5-35b-a3b", micro_batch=1,
+                                                           microbatches=2, dp=2, cp=2, tp=2, pp=2, ep=4, zero=1,
+                                                           sequence_parallel=True),
 }
 """Name -> the run `shardwise simulate` checks. Every layout's world is at most 16, but the full-size ones."""
 
