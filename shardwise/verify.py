@@ -69,6 +69,7 @@ BF16_FLOOR = dict(loss=2e-3, grad=2e-2, param=4.0, update=4.0)
 # layout's rounding being the larger. A parameter whose gradient nearly cancels (the hybrid's A_log / dt_bias at
 # initialisation) gets the room its own conditioning costs fp32, and no other parameter gets any.
 FP64_MULTIPLE = 4.0
+FP32_SAMPLES = 4
 
 
 def check_verifiable(cfg: TrainConfig) -> None:
@@ -233,44 +234,69 @@ class Float64(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def first_grad_fp64(cfg: TrainConfig, ref: Trainer, replay: RoutingReplay | None, tokens=None) -> dict:
-    """The reference's first-step gradients (after `finish_gradients`: clipped as the fp32 ones) from the same weights
-    and tokens, every operation in float64 (`Float64`); MoE layers take the layout's step-1 choices, as the fp32
-    reference did. Call it before the first optimizer step. Single-device work on each rank, no collective."""
+def _first_step_grads(run: Trainer, replay: RoutingReplay | None) -> dict[str, torch.Tensor]:
+    """`run`'s step-1 gradients (after `finish_gradients`: clipped as the reference's), MoE layers taking the layout's
+    step-1 choices (RoutingReplay.force's queue of its table, for one more reference)."""
+    if replay is not None:
+        n, k = replay.ref_mb * replay.seq, replay.topk
+        table = routers(run.model)
+        for row, name in enumerate(replay.names):
+            table[name].tape = RoutingTape()
+            table[name].tape.forced = [replay.table[row, i * n:(i + 1) * n, :k].long() - 1 for i in range(replay.rounds)]
+    run.forward_backward(0)
+    run.finish_gradients()
+    grads = {n: p.grad.clone() for n, p in run.model.named_parameters(remove_duplicate=False)}
+    run.reducer.zero_grad()
+    return grads
+
+
+def first_grad_samples(cfg: TrainConfig, ref: Trainer, replay: RoutingReplay | None,
+                       tokens=None) -> tuple[dict, list[dict]]:
+    """The reference's first-step gradients from the same weights and tokens with every operation in float64
+    (`Float64`), and FP32_SAMPLES more fp32 roundings of them: fp32 runs whose weights each moved one ulp up or down
+    at random (an fp32 result is the exact one of inputs perturbed by about an ulp). Call it before the first
+    optimizer step; single-device work on each rank, the same on every rank (seeded by cfg.seed), no collective."""
     device = ref.mesh.device
     weights = ref.model.state_dict()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), Float64():
-        ref64 = _reference(cfg, device, tokens)
-        ref64.model.load_state_dict(weights)
-        if replay is not None:  # RoutingReplay.force's queue of the step-1 table, for one more reference
-            n, k = replay.ref_mb * replay.seq, replay.topk
-            table = routers(ref64.model)
-            for row, name in enumerate(replay.names):
-                table[name].tape = RoutingTape()
-                table[name].tape.forced = [replay.table[row, i * n:(i + 1) * n, :k].long() - 1
-                                           for i in range(replay.rounds)]
-        ref64.forward_backward(0)
-        ref64.finish_gradients()
-    return {n: p.grad for n, p in ref64.model.named_parameters(remove_duplicate=False)}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with Float64():
+            ref64 = _reference(cfg, device, tokens)
+            ref64.model.load_state_dict(weights)
+            exact = _first_step_grads(ref64, replay)
+        del ref64
+        run = _reference(cfg, device, tokens)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        samples = []
+        for _ in range(FP32_SAMPLES):
+            with torch.no_grad():
+                for n, p in run.model.named_parameters():
+                    up = (torch.rand(p.shape, generator=gen) < 0.5).to(device)
+                    p.copy_(torch.nextafter(weights[n], torch.where(up, torch.inf, -torch.inf)))
+            samples.append(_first_step_grads(run, replay))
+    return exact, samples
 
 
-def _first_grad_budget(cfg, rel: torch.Tensor, ref: Trainer, replay, tokens, names) -> tuple[float, dict]:
+def _first_grad_budget(cfg, rel: torch.Tensor, ref: Trainer, replay, tokens, names, grad_views,
+                       world) -> tuple[float, dict]:
     """fp32 first-step gradients: (largest ratio to the bound, the report: the multiple, whether the float64
-    reference ran, and each parameter over the flat bound with its distance, its fp32 noise and its bound). A parameter passes
-    within max(flat bound, FP64_MULTIPLE · rel(ref32, ref64)); the float64 reference runs only when some parameter
-    is over the flat bound (`rel` is the same on every rank, so every rank decides alike)."""
+    reference ran, and each parameter over the flat bound with its distance, its fp32 noise, the layout's own distance
+    to float64 and its bound). A parameter passes within max(flat bound, FP64_MULTIPLE · noise), noise the largest
+    distance to the float64 gradient of the reference and its FP32_SAMPLES perturbed runs; all that runs only when some
+    parameter is over the flat bound (`rel` is the same on every rank, so every rank decides alike)."""
     flat = TOLERANCE["fp32"]["first_grad"]
     rel = rel.cpu()
-    report = {"multiple": FP64_MULTIPLE, "fp64_run": False, "params": {}}
+    report = {"multiple": FP64_MULTIPLE, "fp32_samples": FP32_SAMPLES, "fp64_run": False, "params": {}}
     if not bool((rel > flat).any()) or cfg.model_config().dropout > 0 or cfg.model_config().attn_dropout > 0:
-        return float(rel.max()) / flat, report  # dropout: a float64 run draws other masks, so no budget
+        return float(rel.max()) / flat, report  # dropout: other runs draw other masks, so no budget
     g32 = {n: p.grad for n, p in ref.model.named_parameters(remove_duplicate=False)}
-    g64 = first_grad_fp64(cfg, ref, replay, tokens)
-    noise = torch.stack([(g32[n].double() - g64[n]).norm() / g32[n].double().norm().clamp_min(1e-30)
-                         for n in names]).cpu()
+    exact, samples = first_grad_samples(cfg, ref, replay, tokens)
+    noise = torch.stack([max((g[n].double() - exact[n]).norm() for g in [g32, *samples])
+                         / g32[n].double().norm().clamp_min(1e-30) for n in names]).cpu()
     bound = (FP64_MULTIPLE * noise).clamp_min(flat)
     ratio = rel / bound
-    over = {names[i]: {"rel": float(rel[i]), "fp32_vs_fp64": float(noise[i]), "bound": float(bound[i])}
+    to_exact = _per_param_rel(_against(grad_views, exact), names, world).cpu()  # collective: every rank is here
+    over = {names[i]: {"rel": float(rel[i]), "fp32_noise": float(noise[i]), "layout_vs_fp64": float(to_exact[i]),
+                       "bound": float(bound[i])}
             for i in (rel > flat).nonzero().flatten().tolist()}
     return float(ratio.max()), report | {"fp64_run": True, "params": over}
 
@@ -319,7 +345,8 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
         first_grad = step_grad if step == 0 else first_grad
         grad_diff = max(grad_diff, step_grad)
         if step == 0 and not bf16:
-            first_grad_ratio, first_grad_budget = _first_grad_budget(cfg, step_grads, ref, replay, tokens, names)
+            first_grad_ratio, first_grad_budget = _first_grad_budget(cfg, step_grads, ref, replay, tokens, names,
+                                                                  grad_views, world)
         if budget is not None:
             budget.add_loss(loss, *ref_losses)
             budget.add("grad", step_grads, ref_grads, {n: p.grad for n, p in ref32_params.items()}, names)
