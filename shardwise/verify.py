@@ -217,7 +217,7 @@ class Float64(TorchDispatchMode):
     """Everything run inside computes in float64: the default dtype, and every float32 an operation names (`.float()`,
     `.to(torch.float32)`, `dtype=torch.float32`) — the model's explicit fp32 casts (norms, rotary tables, the router,
     the loss, the linear layers' state, the attention kernels' backward) included, so no fp32 rounding is left. A
-    dispatch mode, not a function mode: autograd runs custom backwards under the dispatch modes, not the function ones."""
+    dispatch mode, not a function mode: autograd runs custom backwards under dispatch modes, not function modes."""
 
     def __enter__(self):
         self.default = torch.get_default_dtype()
@@ -242,7 +242,8 @@ def _first_step_grads(run: Trainer, replay: RoutingReplay | None) -> dict[str, t
         table = routers(run.model)
         for row, name in enumerate(replay.names):
             table[name].tape = RoutingTape()
-            table[name].tape.forced = [replay.table[row, i * n:(i + 1) * n, :k].long() - 1 for i in range(replay.rounds)]
+            table[name].tape.forced = [replay.table[row, i * n:(i + 1) * n, :k].long() - 1
+                                       for i in range(replay.rounds)]
     run.forward_backward(0)
     run.finish_gradients()
     grads = {n: p.grad.clone() for n, p in run.model.named_parameters(remove_duplicate=False)}
