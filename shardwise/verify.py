@@ -66,10 +66,10 @@ BF16_FLOOR = dict(loss=2e-3, grad=2e-2, param=4.0, update=4.0)
 # fp32 first-step gradients over the flat bound: the layout and the fp32 reference are two fp32 roundings of the
 # same exact gradient, which the reference run in float64 stands in for. noise = the largest distance to it of five
 # fp32 roundings (the reference and FP32_SAMPLES runs with weights moved one ulp): one alone ranged 1.8e-6 to
-# 1.1e-4 on one seed (the hybrid's layer-1 A_log). |L − R| ≤ |L − E| + |R − E|, so a correct layout fails only when
-# its own rounding error exceeds (FP64_MULTIPLE − 1)· the largest of five others; the multiple is bf16's (equal
-# roundings stand √2 apart, the rest is margin). A parameter whose gradient cancels (the hybrid's A_log / dt_bias at
-# initialisation) gets the room its conditioning costs fp32; every other parameter stays at the flat bound.
+# 1.1e-4 on one seed (the hybrid's layer-1 A_log). |L − R| ≤ |L − E| + |R − E|, so a correct layout fails only
+# when its own rounding error exceeds (FP64_MULTIPLE − 1)· the largest of five others; the multiple is bf16's
+# (equal roundings stand √2 apart, the rest is margin). A parameter whose gradient cancels (the hybrid's A_log /
+# dt_bias at initialisation) gets the room its conditioning costs fp32; every other parameter stays at the flat bound.
 FP64_MULTIPLE = 4.0
 FP32_SAMPLES = 4
 
