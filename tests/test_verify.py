@@ -284,9 +284,10 @@ def test_float64_reference_leaves_no_fp32(tmp_path, monkeypatch):
 
     monkeypatch.setattr(verify, "FP32_SAMPLES", 1)
     gpt_oss = dataclasses.replace(config_from_hf(save_gpt_oss(str(tmp_path / "gpt_oss"))), vocab_size=257)
-    hybrid_moe = dataclasses.replace(HYBRID, name="hybrid-moe", moe_experts=4, moe_topk=2, moe_ffn_dim=16)
+    hybrid_moe = dataclasses.replace(HYBRID, name="hybrid-moe", n_layers=2, linear_layers=(0,), moe_experts=4,
+                                     moe_topk=2, moe_ffn_dim=16)  # one Gated DeltaNet layer, one gated attention
     seed = fresh_seed()
-    for model in (DEEPSEEK, hybrid_moe, gpt_oss):
+    for model in (dataclasses.replace(DEEPSEEK, n_layers=2), hybrid_moe, gpt_oss):  # DeepSeek: dense 0, MoE 1
         cfg = assembled(TrainConfig(model=model, seq_len=32, micro_batch=2, steps=1, seed=seed, progress=False))
         layout, ref = (Trainer(cfg, Mesh.single("cpu")) for _ in range(2))
         moe = bool(layout.model_cfg.moe_experts)
