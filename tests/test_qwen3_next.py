@@ -298,21 +298,9 @@ def _rank_all(seed, hf_dir):
         "tp2_zero3": dict(parallel=ParallelConfig(dp=2, tp=2, zero=3), global_batch=4),
         "pp2_zero1_full": dict(parallel=ParallelConfig(dp=2, pp=2, zero=1, recompute="full"), global_batch=8),
     }
-    for name, kw in layouts.items():
-        out["verify"].append((name, verify_main(assemble(TrainConfig(**(base | kw))), first_grad_bound=HYBRID_FIRST_GRAD)))
+    for name, kw in layouts.items():  # A_log / dt_bias first-step gradients: verify's fp64 budget (docs/verify.md)
+        out["verify"].append((name, verify_main(assemble(TrainConfig(**(base | kw))))))
     return out
-
-
-# First-step gradients of the hybrid: verify's 1e-5 (first_grad) assumes fp32 rounds a gradient to ~1e-6 of its norm.
-# The Gated DeltaNet decay parameters A_log and dt_bias break that assumption at their initialisation
-# (A = exp(A_log) ~ U(1, 16), so g ≈ −1.3·A per token and exp(g) ≤ 0.15): their gradients Σ_t dg_t·g_t are 1e-8–1e-5
-# (a wq gradient is ~5e-2) and cancel — Σ|terms| / |Σ terms| reached 101 (seed 1, layer 2) and 175 (seed 211,
-# layer 1). Against the same model run entirely in fp64 the fp32 single device is itself 1.1e-5 (seed 1) and 3.2e-5
-# (seed 211) off, cp2×tp2 6.4e-6 and 1.9e-5; an fp64 layer fed the fp32 run's own inputs and output gradient is
-# still 5e-6 off: no arithmetic inside the layer or order of sums brings two fp32 runs within 1e-5 there. Layout
-# gaps seen at cp2×tp2: 1.3e-5 and 1.8e-5 on 2 of 37 fresh seeds (3.8e-5 reported before); a dropped conv halo
-# scores 1.3–19. docs/models.md, "verify of the hybrid" (also: what whole-model verify cannot see).
-HYBRID_FIRST_GRAD = 1e-4
 
 
 def test_layouts_match_single_device_and_transformers(tmp_path):
@@ -327,7 +315,7 @@ def test_layouts_match_single_device_and_transformers(tmp_path):
         for what, fwd, total, cp, order in r["layer"]:
             _check_cp_ledger(fwd, total, cp, order)
         for name, result in r["verify"]:
-            assert result["passed"] and result["tolerances"]["first_grad"] == HYBRID_FIRST_GRAD, (seed, name, result)
+            assert result["passed"], (seed, name, result)
     assert_close(per_rank[0]["tp2_logits"], ref_model(_hf_tokens()).logits, rtol=1e-5, atol=1e-4)
 
 
