@@ -1,10 +1,13 @@
 """Crash, resume, lose nothing: bitwise-equal losses on the same layout, parity on another layout."""
+import functools
 import json
 import shutil
 
 import pytest
 
-from _dist import run_ranks
+from shardwise import launch
+
+from _dist import run_ranks, run_ranks_to_a_crash
 
 
 def shardwise(capfd, *args) -> tuple[int, str]:
@@ -50,14 +53,16 @@ def _train_each(cfgs):
         train_main(cfg)
 
 
-def test_crash_then_resume_equals_uninterrupted(tmp_path, capfd):
+def test_crash_then_resume_equals_uninterrupted(tmp_path, capfd, monkeypatch):
     common = ["train", "--steps", "8", "--seq-len", "32", "--micro-batch", "2", "--global-batch", "4",
               "--no-progress", "--no-report"]
     full = tmp_path / "full"
     assert shardwise(capfd, *common, "--out", str(full))[0] == 0
     run = tmp_path / "run"
-    code, err = shardwise(capfd, *common, "--out", str(run), "--save-every", "2", "--keep", "2",
-                          "--fault-inject", "1:6:crash")
+    with monkeypatch.context() as m:  # the survivors' own reports are not read here: no 5 s wait for them
+        m.setattr(launch, "run_local", functools.partial(launch.run_local, grace_s=0.5))
+        code, err = shardwise(capfd, *common, "--out", str(run), "--save-every", "2", "--keep", "2",
+                              "--fault-inject", "1:6:crash")
     assert code != 0 and "rank 1 died" in err, err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-2", "step-4"]
     saved = tmp_path / "saved"
@@ -155,7 +160,7 @@ def test_moe_bias_resume_bitwise_and_reshard(tmp_path):
     run = tmp_path / "run"
     saving = [*dp2ep2, "--out", str(run), "--save-every", "3"]
     with pytest.raises(RankError, match="rank 1 died"):
-        run_ranks(2, _train_each, [_parse([*saving, "--fault-inject", "1:4:crash"])])
+        run_ranks_to_a_crash(2, _train_each, [_parse([*saving, "--fault-inject", "1:4:crash"])])
     run_ranks(2, _train_each, [_parse([*saving, "--resume"])])
     assert losses(run) == full
 
@@ -200,7 +205,7 @@ def test_crash_then_resume_bitwise_per_layout(name, tmp_path, uninterrupted):
 
     argv = [*RESUME_COMMON, *RESUME_LAYOUTS[name], "--out", str(tmp_path), "--save-every", "2"]
     with pytest.raises(RankError, match="rank 1 died"):
-        run_ranks(4, _train_each, [_parse([*argv, "--fault-inject", "1:3:crash"])])
+        run_ranks_to_a_crash(4, _train_each, [_parse([*argv, "--fault-inject", "1:3:crash"])])
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-2"]
     run_ranks(4, _train_each, [_parse([*argv, "--resume"])])
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
