@@ -22,6 +22,13 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 120.0):
     return run_local(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=600)
 
 
+def run_ranks_to_a_crash(world: int, fn, *args, timeout_s: float = 120.0):
+    """`run_ranks` for a run in which a rank is meant to die: the launcher's RankError (naming the dead rank) comes
+    0.5 s after the death instead of after its 5 s wait for the survivors' own reports, which such a test does
+    not read (a dead rank never reports, so that wait always runs out)."""
+    return run_local(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=600, grace_s=0.5)
+
+
 def make_mesh(timeout_s: float = 120.0, **degrees) -> Mesh:
     """Inside a rank: the mesh for the given degrees (dp fills the rest)."""
     import torch.distributed as dist
@@ -72,3 +79,49 @@ def global_grads(per_rank, shapes):
     missing = [n for n, m in seen.items() if not m.all()]
     assert not missing, f"gradient elements no rank holds: {missing}"
     return full
+
+
+def _cli_child(argv: list[str], err_fd: int) -> None:
+    import sys
+
+    from shardwise.cli import main
+
+    os.dup2(err_fd, 2)
+    os.close(err_fd)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # pytest's capture object would swallow the lines
+    sys.exit(main(argv))
+
+
+class ForkedCli:
+    """`shardwise <argv>` run by the CLI's own `main` in a child forked from this process: no interpreter start
+    and no imports per run, and its ranks fork from a warm parent. Its stderr (and its ranks') comes back
+    through a pipe as `self.stderr`; stdout goes to /dev/null. Several can run at once."""
+
+    def __init__(self, argv: list[str]):
+        import multiprocessing
+
+        read, write = os.pipe()
+        self._proc = multiprocessing.get_context("fork").Process(target=_cli_child, args=(list(argv), write))
+        self._proc.start()
+        os.close(write)  # the child (and its ranks) hold the only write end: EOF when the last of them exits
+        self.stderr = os.fdopen(read, "r")
+
+    def wait(self, timeout: float) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            self._proc.kill()
+            raise TimeoutError(f"the CLI run did not exit within {timeout} s")
+        return self._proc.exitcode
+
+
+def warm_parent() -> None:
+    """One single-device training step in this process, so forked ranks inherit torch's lazy first-use setup
+    instead of each paying it (measured ~10 CPU-s per 4-rank fork cold, ~3 warm)."""
+    from shardwise.config import TrainConfig
+    from shardwise.trainer import Trainer
+
+    cfg = assemble(TrainConfig(steps=1, seq_len=32, micro_batch=1, progress=False))
+    Trainer(cfg, Mesh.single(torch.device("cpu"))).train_step(0)

@@ -2,16 +2,17 @@
 naming the culprit rank and, for each peer, the op it was in, on which axis and with which ranks.
 
 The fault runs are independent jobs that mostly wait (for a timeout, or a torn-down peer), so a
-module fixture starts them all at once and each test reads its own job's result.
+module fixture starts them all at once, each the CLI's `main` in a child forked from this warm process (no
+interpreter start per job), and each test reads its own job's result.
 """
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
+
+from _dist import ForkedCli, warm_parent
 
 TIMEOUT = 15  # --collective-timeout: each hang costs this plus the launcher's 5 s grace period; it also
 # bounds start-up skew between ranks (their first collectives), which a loaded 2-core machine can stretch
@@ -32,10 +33,9 @@ PEER = re.compile(r"rank (\d+): ([^;]+?) on axis '(\w+)' \(ranks \[([\d, ]+)\]\)
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults")
-    procs = {name: subprocess.Popen(
-        [sys.executable, "-m", "shardwise.cli", *COMMON, *args, "--out", str(out / name),
-         "--collective-timeout", str(TIMEOUT)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for name, args in JOBS.items()}
+    warm_parent()
+    procs = {name: ForkedCli([*COMMON, *args, "--out", str(out / name), "--collective-timeout", str(TIMEOUT)])
+             for name, args in JOBS.items()}
     lines = {name: [] for name in procs}  # (arrival time, line) of each job's stderr
     readers = [threading.Thread(target=lambda p=p, ls=lines[n]: ls.extend((time.monotonic(), x) for x in p.stderr))
                for n, p in procs.items()]
@@ -43,11 +43,11 @@ def jobs(tmp_path_factory):
         t.start()
     done = {}
     for name, p in procs.items():
-        p.wait(timeout=300)
+        code = p.wait(timeout=300)
         end = time.monotonic()
         readers[list(procs).index(name)].join(timeout=30)
         fault = next((t for t, x in lines[name] if "fault injection" in x and ("crash" in x or "hang" in x)), None)
-        done[name] = dict(code=p.returncode, err="".join(x for _, x in lines[name]), dir=out / name,
+        done[name] = dict(code=code, err="".join(x for _, x in lines[name]), dir=out / name,
                           after_fault=None if fault is None else end - fault)
     return done
 

@@ -14,8 +14,6 @@ Two spawns (4 and 8 ranks):
 Skipping the dp_replicate all-reduce makes every verify here fail (gradient error ~2, checked once).
 """
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,6 +25,7 @@ from shardwise.mesh import axis_lines
 from shardwise.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks, verify_all
+from test_cli import main_without_ranks
 
 
 def _cfg(seed, gb=8, steps=2, **par) -> TrainConfig:
@@ -142,11 +141,11 @@ def test_checkpoints_reshard_between_dp_shard_degrees(runs):
     (["--dp", "4", "--dp-shard", "0", "--zero", "2"], "--dp-shard 0 must be a divisor of dp=4; valid: 1, 2, 4"),
     (["--dp", "4", "--dp-shard", "2", "--zero", "1"], "--dp-shard 2 shards nothing at --zero 1"),
 ])
-def test_bad_dp_shard_exits_2_with_one_line(args, message):
-    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", *args], capture_output=True, text=True,
-                       timeout=120)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+def test_bad_dp_shard_exits_2_with_one_line(args, message, capsys):
+    """Refused in the CLI's own `main` before any rank starts (test_cli checks the same from the shell)."""
+    code = main_without_ranks(["train", *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
 def test_config_records_dp_shard_only_when_hybrid():
@@ -190,14 +189,16 @@ def test_planner_searches_dp_shard_and_prints_it():
     assert "--dp-shard" not in row_command(["--model", "llama3-70b"], spec, cluster, full, wl)["command"]
 
 
-def test_simulate_takes_dp_shard():
+def test_simulate_takes_dp_shard(capsys):
     """`simulate` shares train's flags: a dp4 × dp-shard 2 ZeRO-3 rank on fake tensors, its dp_shard and
     dp_replicate bytes equal to the planner's."""
-    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "simulate", "--dp", "4", "--dp-shard", "2", "--zero", "3",
-                        "--seq-len", "32", "--micro-batch", "2", "--global-batch", "16", "--json"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    from shardwise.cli import main
+
+    rc = main(["simulate", "--dp", "4", "--dp-shard", "2", "--zero", "3", "--seq-len", "32", "--micro-batch", "2",
+               "--global-batch", "16", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-2000:]
+    out = json.loads(out.strip().splitlines()[-1])
     assert out["passed"] and "dp_shard=2" in out["layout"], out
     comm = out["ranks"][0]["comm_bytes"]
     for axis in ("dp_shard", "dp_replicate"):

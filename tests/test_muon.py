@@ -257,11 +257,14 @@ def test_verify_muon_four_ranks():
     _check(run_ranks(4, verify_all, cfgs, timeout_s=600)[0], cfgs)
 
 
-def _shardwise(*args):
-    import subprocess
-    import sys
+def _shardwise(capfd, *args) -> tuple[int, str]:
+    """`shardwise <args>` through the CLI's own `main` in this process, its ranks forked from it (no interpreter
+    start per run): (exit status, what the run wrote to stderr)."""
+    from shardwise.cli import main
 
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True, timeout=600)
+    capfd.readouterr()
+    code = main(list(args))
+    return code, capfd.readouterr().err
 
 
 def _losses(run_dir):
@@ -270,27 +273,27 @@ def _losses(run_dir):
     return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_checkpoint_resumes_bitwise_reshards_and_refuses_adamw(tmp_path):
+def test_checkpoint_resumes_bitwise_reshards_and_refuses_adamw(tmp_path, capfd):
     common = ["train", "--optimizer", "muon", "--seq-len", "32", "--micro-batch", "2", "--global-batch", "4",
               "--lr-decay-steps", "4", "--no-progress", "--no-report"]
     tp = ["--tp", "2", "--sequence-parallel"]
     full, run = tmp_path / "full", tmp_path / "run"
-    assert _shardwise(*common, *tp, "--steps", "4", "--out", str(full), "--no-checkpoint").returncode == 0
-    r = _shardwise(*common, *tp, "--steps", "2", "--out", str(run), "--save-every", "2")
-    assert r.returncode == 0, r.stderr
-    r = _shardwise(*common, *tp, "--steps", "4", "--out", str(run), "--resume", "--no-checkpoint")
-    assert r.returncode == 0, r.stderr
+    assert _shardwise(capfd, *common, *tp, "--steps", "4", "--out", str(full), "--no-checkpoint")[0] == 0
+    code, err = _shardwise(capfd, *common, *tp, "--steps", "2", "--out", str(run), "--save-every", "2")
+    assert code == 0, err
+    code, err = _shardwise(capfd, *common, *tp, "--steps", "4", "--out", str(run), "--resume", "--no-checkpoint")
+    assert code == 0, err
     assert _losses(run) == _losses(full)  # bitwise: the momentum came back exactly
     saved = run / "checkpoints"
     for name, layout in (("zero3", ["--dp", "2", "--zero", "3"]), ("zero1", ["--dp", "2", "--zero", "1"])):
         other = tmp_path / name
-        r = _shardwise(*common, *layout, "--steps", "4", "--out", str(other), "--checkpoint-dir", str(saved),
-                       "--resume", "--no-checkpoint")
-        assert r.returncode == 0, r.stderr
+        code, err = _shardwise(capfd, *common, *layout, "--steps", "4", "--out", str(other), "--checkpoint-dir",
+                               str(saved), "--resume", "--no-checkpoint")
+        assert code == 0, err
         assert _losses(other) == pytest.approx(_losses(full)[2:], rel=1e-5), name
-    r = _shardwise(*common[:1], *common[3:], *tp, "--steps", "4", "--out", str(tmp_path / "adamw"),
-                   "--checkpoint-dir", str(saved), "--resume", "--no-checkpoint")
-    assert r.returncode != 0 and "holds muon state; resume it with --optimizer muon" in r.stderr, r.stderr
+    code, err = _shardwise(capfd, *common[:1], *common[3:], *tp, "--steps", "4", "--out", str(tmp_path / "adamw"),
+                           "--checkpoint-dir", str(saved), "--resume", "--no-checkpoint")
+    assert code != 0 and "holds muon state; resume it with --optimizer muon" in err, err
 
 
 def _muon_ledger_and_state(cfgs):

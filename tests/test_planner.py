@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import ast
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -328,9 +327,9 @@ def test_pp_cp_ep_axes_are_counted():
 # --- search and CLI ------------------------------------------------------------------------------
 
 def test_done_when_command(capsys):
-    t0 = time.process_time()  # CPU time: wall time on a loaded CI box says nothing about the planner
+    """Issue #6's command: a ranked table of layouts that fit (its "well under a second" is timed by
+    benchmarks/plan_speed.py, not here)."""
     assert main(DONE_WHEN) == 0
-    assert time.process_time() - t0 < 1.0
     out = capsys.readouterr().out
     assert "dp" in out and "MFU" in out and len(out.splitlines()) >= 14
     assert main(DONE_WHEN + ["--json", "--top", "50"]) == 0

@@ -1,17 +1,23 @@
 """Crash, resume, lose nothing: bitwise-equal losses on the same layout, parity on another layout."""
+import functools
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from _dist import run_ranks
+from shardwise import launch
+
+from _dist import run_ranks, run_ranks_to_a_crash
 
 
-def shardwise(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def shardwise(capfd, *args) -> tuple[int, str]:
+    """`shardwise <args>` run by the CLI's own `main` in this process, its ranks forked from it (no interpreter
+    start, and the ranks inherit the warm parent): (exit status, everything the run wrote to stderr)."""
+    from shardwise.cli import main
+
+    capfd.readouterr()
+    code = main(list(args))
+    return code, capfd.readouterr().err
 
 
 def losses(run_dir):
@@ -47,38 +53,44 @@ def _train_each(cfgs):
         train_main(cfg)
 
 
-def test_crash_then_resume_equals_uninterrupted(tmp_path):
-    common = ["train", "--steps", "8", "--seq-len", "64", "--global-batch", "8", "--no-progress"]
+def test_crash_then_resume_equals_uninterrupted(tmp_path, capfd, monkeypatch):
+    common = ["train", "--steps", "8", "--seq-len", "32", "--micro-batch", "2", "--global-batch", "4",
+              "--no-progress", "--no-report"]
     full = tmp_path / "full"
-    assert shardwise(*common, "--out", str(full)).returncode == 0
+    assert shardwise(capfd, *common, "--out", str(full))[0] == 0
     run = tmp_path / "run"
-    r = shardwise(*common, "--out", str(run), "--save-every", "2", "--keep", "2", "--fault-inject", "1:6:crash")
-    assert r.returncode != 0 and "rank 1 died" in r.stderr
+    with monkeypatch.context() as m:  # the survivors' own reports are not read here: no 5 s wait for them
+        m.setattr(launch, "run_local", functools.partial(launch.run_local, grace_s=0.5))
+        code, err = shardwise(capfd, *common, "--out", str(run), "--save-every", "2", "--keep", "2",
+                              "--fault-inject", "1:6:crash")
+    assert code != 0 and "rank 1 died" in err, err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-2", "step-4"]
     saved = tmp_path / "saved"
     shutil.copytree(run / "checkpoints", saved)
-    r = shardwise(*common, "--out", str(run), "--save-every", "2", "--resume")
-    assert r.returncode == 0, r.stderr
-    assert "resuming from" in r.stderr and "step-4" in r.stderr
+    code, err = shardwise(capfd, *common, "--out", str(run), "--save-every", "2", "--resume")
+    assert code == 0, err
+    assert "resuming from" in err and "step-4" in err, err
     assert losses(run) == losses(full)  # bitwise: same layout, RNG and data position restored
 
     # The same step-4 checkpoint resumed under other layouts continues the run within parity tolerance.
     for name, layout in (("tp4", ["--tp", "4"]), ("dp2_zero1", ["--dp", "2", "--zero", "1"])):
         other = tmp_path / name
-        r = shardwise(*common, *layout, "--out", str(other), "--checkpoint-dir", str(saved), "--resume",
-                      "--no-checkpoint")  # both layouts resume the same step-4: neither may save into `saved`
-        assert r.returncode == 0, r.stderr
+        code, err = shardwise(capfd, *common, *layout, "--out", str(other), "--checkpoint-dir", str(saved),
+                              "--resume", "--no-checkpoint")  # both resume the same step-4: neither saves into `saved`
+        assert code == 0, err
         assert losses(other) == pytest.approx(losses(full)[4:], rel=1e-5), name
 
 
-def test_damaged_checkpoints_fall_back(tmp_path):
+def test_damaged_checkpoints_fall_back(tmp_path, capfd):
     """A truncated checkpoint is passed over before any rank starts (sizes only: no checksums there, which for
     a 671B model would read terabytes in one process); one with a flipped byte at its full size is caught by the
     ranks' split checksum. Both are named in one line each, and the resume takes the older intact one; with
     every checkpoint damaged, one line says so."""
     run = tmp_path / "run"
-    common = ["train", "--steps", "6", "--seq-len", "64", "--no-progress", "--out", str(run), "--save-every", "2"]
-    assert shardwise(*common).returncode == 0
+    common = ["train", "--steps", "6", "--seq-len", "32", "--micro-batch", "2", "--global-batch", "4",
+              "--no-progress", "--no-report",
+              "--out", str(run), "--save-every", "2"]
+    assert shardwise(capfd, *common)[0] == 0
     ckpts = run / "checkpoints"
 
     def data_file(step):
@@ -93,19 +105,19 @@ def test_damaged_checkpoints_fall_back(tmp_path):
     victim = data_file(6)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     flip_byte(4)
-    r = shardwise(*common, "--resume")
-    assert r.returncode == 0, r.stderr
-    skipped = [line for line in r.stderr.splitlines() if "skipped checkpoint" in line]
-    assert len(skipped) == 2 and "step-6" in skipped[0] and "truncated" in skipped[0], r.stderr
-    assert "step-4" in skipped[1] and "sha256" in skipped[1], r.stderr
-    assert "step-2" in r.stderr.split("resuming from")[1]
+    code, err = shardwise(capfd, *common, "--resume")
+    assert code == 0, err
+    skipped = [line for line in err.splitlines() if "skipped checkpoint" in line]
+    assert len(skipped) == 2 and "step-6" in skipped[0] and "truncated" in skipped[0], err
+    assert "step-4" in skipped[1] and "sha256" in skipped[1], err
+    assert "step-2" in err.split("resuming from")[1]
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()][-4:] == [3, 4, 5, 6]
     for step in (2, 4, 6):
         flip_byte(step)  # step-6 and step-4 as they were resaved, step-2 newly
-    r = shardwise(*common, "--steps", "8", "--resume")
-    assert r.returncode == 2, r.stderr
-    line = r.stderr.strip().splitlines()
-    assert len(line) == 1 and "no intact checkpoint" in line[0] and "step-2" in line[0] and "sha256" in line[0] and "--overwrite" in line[0], r.stderr
+    code, err = shardwise(capfd, *common, "--steps", "8", "--resume")
+    assert code == 2, err
+    line = err.strip().splitlines()
+    assert len(line) == 1 and "no intact checkpoint" in line[0] and "step-2" in line[0] and "sha256" in line[0] and "--overwrite" in line[0], err
 
 
 def _load_moe_then_step(path, cfgs):
@@ -148,7 +160,7 @@ def test_moe_bias_resume_bitwise_and_reshard(tmp_path):
     run = tmp_path / "run"
     saving = [*dp2ep2, "--out", str(run), "--save-every", "3"]
     with pytest.raises(RankError, match="rank 1 died"):
-        run_ranks(2, _train_each, [_parse([*saving, "--fault-inject", "1:4:crash"])])
+        run_ranks_to_a_crash(2, _train_each, [_parse([*saving, "--fault-inject", "1:4:crash"])])
     run_ranks(2, _train_each, [_parse([*saving, "--resume"])])
     assert losses(run) == full
 
@@ -193,7 +205,7 @@ def test_crash_then_resume_bitwise_per_layout(name, tmp_path, uninterrupted):
 
     argv = [*RESUME_COMMON, *RESUME_LAYOUTS[name], "--out", str(tmp_path), "--save-every", "2"]
     with pytest.raises(RankError, match="rank 1 died"):
-        run_ranks(4, _train_each, [_parse([*argv, "--fault-inject", "1:3:crash"])])
+        run_ranks_to_a_crash(4, _train_each, [_parse([*argv, "--fault-inject", "1:3:crash"])])
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-2"]
     run_ranks(4, _train_each, [_parse([*argv, "--resume"])])
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
