@@ -51,12 +51,10 @@ from .trainer import Trainer, lr_at, make_mesh
 # (update·||u_t|| + update_floor·lr_t)) — an update that passed its bound moved the value by at most that; with
 # lr 3e-3 on a 0.02-std weight, step 1's allowed sign flips alone (qwen3-tiny tp2+SP seed 889595099: wo's
 # step-1 update 3.3e-3 off, within 5e-2) are 1.3e-3 of the value's norm.
-# An element whose gradient is nonzero for the first time (an embedding row first seen at step 2, an expert first
-# routed to) takes AdamW's first step whatever the step count: lr·ĝ/(|ĝ|·c + ε), a sign when |g| >> ε and
-# rounding-sensitive near ε (qwen3-moe-tiny dp2×ep2 seed 2358380713: a 1e-8 gradient moves one element's step-2
-# update by 0.5·lr). Such elements are allowed exactly what the reference AdamW's step does with the layout's gradient
-# instead of its own (`FirstTouch`): the gradient difference is bounded by the gradient check, the update's response
-# to it is computed, not guessed.
+# The update bound applies to what the gradient difference does not explain (`AdamResponse`: the reference's AdamW
+# step given the layout's gradient instead of its own): an element first touched at a later step takes AdamW's first
+# step there, rounding-sensitive near ε (qwen3-moe-tiny dp2×ep2 seed 2358380713: one element's step-2 update 0.5·lr
+# off), and a drifted later gradient moves the update with it (tiny dp2×cp2 seed 2215398245).
 # A parameter that is not updated scores 1.0 and one TP half of it 0.71 at every step, a quarter 0.5:
 # the later-step bounds are far below all three (a 24-element norm weight's update is ~5·lr).
 TOLERANCE = {"fp32": dict(loss=1e-5, first_grad=1e-5, grad=1e-3, param=1e-3, first_update=5e-2, update=1e-3,
@@ -170,51 +168,52 @@ def _coverage(view_lists, ref_params: dict[str, torch.Tensor], world) -> float:
     return int((marks > 0).sum(1).min()) / total  # an integer count: exact past float32's 2**24
 
 
-def _later_update_ratio(rel: torch.Tensor, ref_updates: dict, names, lr: float, first_touch: torch.Tensor) -> float:
-    """max over parameters of rel / (update + update_floor·lr / ||ref update|| + first_touch): ≤ 1 passes."""
+def _later_update_ratio(rel: torch.Tensor, ref_updates: dict, names, lr: float, response: torch.Tensor) -> float:
+    """max over parameters of what the gradient difference does not explain, (rel − response), over update +
+    update_floor·lr / ||ref update||: ≤ 1 passes (||u − u_ref|| ≤ response + bound, by the triangle inequality)."""
     tol = TOLERANCE["fp32"]
     norms = torch.stack([ref_updates[n].double().norm() for n in names]).to(rel.device)
-    return float((rel / (tol["update"] + tol["update_floor"] * lr / norms.clamp_min(1e-30)
-                         + first_touch.to(rel.device))).max())
+    unexplained = (rel - response.to(rel.device)).clamp_min(0.0)
+    return float((unexplained / (tol["update"] + tol["update_floor"] * lr / norms.clamp_min(1e-30))).max())
 
 
-class FirstTouch:
-    """Elements whose reference gradient is nonzero for the first time in an AdamW group: their update is a first
-    AdamW step (zero moments) at any step count. `allowance` gives, per parameter and relative to the reference
-    update's norm, ||f(g_layout) − f(g_ref)|| over those elements, f the reference AdamW's first step at this step's
-    bias corrections — the update difference the (separately checked) gradient difference explains there."""
+class AdamResponse:
+    """What the reference's AdamW step does with the layout's gradient instead of its own: per element,
+    F(g) = lr·m̂/(√v̂ + ε) from the reference's moments before the step, and `allowance` gives, per parameter and
+    relative to the reference update's norm, ||F(g_layout) − F(g_ref)||. The gradient difference is checked on its
+    own; this is the update difference it explains, computed rather than guessed: a first-touched element's first
+    AdamW step (zero moments: a rounding-sensitive sign near ε), or the response to a later gradient's drift."""
 
     def __init__(self, ref: Trainer, ref_params: dict[str, torch.Tensor]):
-        self.adam = {}  # id(param) -> (beta1, beta2, eps)
+        self.adam = {}  # id(param) -> (optimizer, beta1, beta2, eps)
         for opt in optimizers(ref.reducer):
             if isinstance(opt, torch.optim.AdamW):
                 for group in opt.param_groups:
                     for p in group["params"]:
-                        self.adam[id(p)] = (*group["betas"], group["eps"])
+                        self.adam[id(p)] = (opt, *group["betas"], group["eps"])
         self.ref_params = ref_params
-        self.seen = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in ref_params.items() if id(p) in self.adam}
         self.pairs = []
 
     def collect(self, step: int, grad_views, lr: float) -> None:
-        """Before the optimizer step: this rank's new elements' f(g_layout) − f(g_ref), kept for `allowance`."""
+        """Before the optimizer step: F(g_layout) − F(g_ref) over this rank's views, kept for `allowance`."""
         self.pairs = []
         for n, spec, mine, lo, hi in grad_views:
-            if n not in self.seen:
+            p = self.ref_params[n]
+            if id(p) not in self.adam:
                 continue
-            beta1, beta2, eps = self.adam[id(self.ref_params[n])]
-            g_ref = self.ref_params[n].grad
-            new = spec.local_slice((g_ref != 0) & ~self.seen[n]).reshape(-1)[lo:hi]
-            if step and bool(new.any()):
-                b1, b2 = 1 - beta1 ** (step + 1), (1 - beta2 ** (step + 1)) ** 0.5
+            opt, beta1, beta2, eps = self.adam[id(p)]
+            state = opt.state.get(p, {})
 
-                def first(g):
-                    g = g.double()
-                    return lr * (g / b1) / (g.abs() / b2 + eps)
-                ref_slice = spec.local_slice(g_ref).reshape(-1)[lo:hi]
-                self.pairs.append((n, spec, lo, hi, torch.where(new, first(mine) - first(ref_slice), 0.0)))
-        for n, g in ((n, self.ref_params[n].grad) for n in self.seen):
-            if g is not None:
-                self.seen[n] |= g != 0
+            def local(t):
+                return spec.local_slice(t).reshape(-1)[lo:hi].double()
+            m, v = ((local(state[k]) if k in state else torch.zeros_like(mine, dtype=torch.float64))
+                    for k in ("exp_avg", "exp_avg_sq"))
+            b1, b2 = 1 - beta1 ** (step + 1), (1 - beta2 ** (step + 1)) ** 0.5
+
+            def update(g):
+                g = g.double()
+                return lr * ((beta1 * m + (1 - beta1) * g) / b1) / ((beta2 * v + (1 - beta2) * g * g).sqrt() / b2 + eps)
+            self.pairs.append((n, spec, lo, hi, update(mine) - update(local(p.grad))))
 
     def allowance(self, ref_updates: dict, names, world) -> torch.Tensor:
         """[parameters]: ||allowed|| / ||reference update||, squared norms summed over ranks like `_per_param_rel`
@@ -414,7 +413,7 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
     first_grad_ratio, first_grad_budget, later_grad = 0.0, None, 0.0
     resynced = {}  # later-step gradients over the drift bound, judged at the layout's own weights
     update_allowance = torch.zeros(len(names), dtype=torch.float64)  # per parameter: Σ of its update bounds so far
-    first_touch = None if bf16 else FirstTouch(ref, ref_params)
+    adam_response = None if bf16 else AdamResponse(ref, ref_params)
     coverage = None
     lr_sum = 0.0
     losses = []
@@ -452,8 +451,8 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
         if budget is not None:
             budget.add_loss(loss, *ref_losses)
             budget.add("grad", step_grads, ref_grads, {n: p.grad for n, p in ref32_params.items()}, names)
-        if first_touch is not None:
-            first_touch.collect(step, grad_views, lr_at(step, cfg))
+        if adam_response is not None:
+            adam_response.collect(step, grad_views, lr_at(step, cfg))
         before = [v[2].clone() for v in _param_views(trainer)]
         ref_before = [{n: p.detach().clone() for n, p in params.items()} for params in (ref_params, ref32_params)]
         trainer.optimizer_step(step)
@@ -477,14 +476,14 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
         first_update = step_update if step == 0 else first_update
         later_update = later_update if step == 0 else max(later_update, step_update)
         if not bf16:
-            touch = first_touch.allowance(ref_updates, names, world).cpu()
+            response = adam_response.allowance(ref_updates, names, world).cpu()
             if step:
                 later_ratio = max(later_ratio, _later_update_ratio(step_updates, ref_updates, names,
-                                                                   lr_at(step, cfg), touch))
+                                                                   lr_at(step, cfg), response))
             tol = TOLERANCE["fp32"]
             u = _norms(ref_updates, names)
             update_allowance += (tol["first_update"] * u if step == 0
-                                 else (tol["update"] + touch) * u + tol["update_floor"] * lr_at(step, cfg))
+                                 else (tol["update"] + response) * u + tol["update_floor"] * lr_at(step, cfg))
             p = _norms(ref_values, names)
             param_ratio = max(param_ratio, float((step_params.cpu() * p / (tol["param"] * p + update_allowance)
                                                   .clamp_min(1e-30)).max()))

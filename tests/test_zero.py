@@ -155,7 +155,10 @@ def _four_ranks(seed, root):
     cfgs = [_cfg(seed, dp=2, tp=2, sequence_parallel=True, zero=3), _cfg(seed, gb=16, dp=2, pp=2, zero=3),
             _cfg(seed, gb=16, dp=2, pp=2, schedule="zb", zero=3), _cfg(seed, dp=2, cp=2, zero=3),
             _cfg(seed, DEEPSEEK_MTP, gb=8, dp=2, pp=2, schedule="zb", zero=3),
-            _cfg(seed, tied_mtp, gb=16, dp=2, pp=2, schedule="dualpipev", zero=3)]
+            _cfg(seed, tied_mtp, gb=16, dp=2, pp=2, schedule="dualpipev", zero=3),
+            # a seed that once failed: step-2 gradients drifted 1.4e-3 apart and the update with them (verify now
+            # re-judges the gradient at the layout's weights and subtracts the update the difference explains)
+            _cfg(2215398245, dp=2, cp=2, zero=3)]
     return dict(verify=verify_all(cfgs), ckpt=_save_zero3(seed, root), pp_held=_pp_params_after_backward(seed))
 
 
