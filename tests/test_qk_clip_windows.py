@@ -9,8 +9,8 @@ so every logit of the group by η), biases drawn large so leaving them out fails
 
 Several ranks (one 2-rank fork): `verify` with the clip at a τ below every head's logit (every head clips, so
 every head's S_max sets its weights) on TP2, ring CP2 balanced and contiguous, and Ulysses CP2 — loss, gradients
-and the clipped parameters equal the one-device run's — and the planner's `qk_clip_comm` equals the ledger's
-"qk_clip" rows on each.
+and the clipped parameters equal the one-device run's, and so does every head's completed S_max of each step
+(recorded from both clips verify runs) — and the planner's `qk_clip_comm` equals the ledger's "qk_clip" rows.
 """
 import dataclasses
 
@@ -102,9 +102,40 @@ def test_single_device_window_max_and_biased_clip():
     assert len(checked) == 4 and 0 < sum(checked) < 8, checked  # both layers checked twice; some clipped, not all
 
 
+def _s_max_gaps(seen) -> list[float]:
+    """Per step, the largest |S_max(layout) − S_max(one device)| over every layer and head this rank holds: verify
+    clips the layout's trainer, then its one-device reference (`seen`: (tp rank, per-layer S_max) per clip)."""
+    gaps = []
+    for (rank, mine), (_, ref) in zip(seen[0::2], seen[1::2]):
+        gaps.append(max(float((m - r[rank * m.numel():(rank + 1) * m.numel()]).abs().max())
+                        for m, r in zip(mine, ref)))
+    return gaps
+
+
 def _ranks(cfgs):
-    """Inside ranks: verify each config (the clip against one device), then one step's "qk_clip" ledger rows."""
-    results = verify_all(cfgs)
+    """Inside ranks: verify each config (the clip against one device) recording every completed S_max, then one
+    step's "qk_clip" ledger rows."""
+    from shardwise.optim import qk_clip
+
+    apply, row_scales = qk_clip.QKClip.apply, qk_clip._Layer.row_scales
+    seen = []
+
+    def recording_apply(self):
+        seen.append((self.tp.rank if self.tp.active else 0, []))
+        apply(self)
+
+    def recording_rows(self, per_head, tau):
+        seen[-1][1].append(per_head.clone())
+        return row_scales(self, per_head, tau)
+
+    results = []
+    qk_clip.QKClip.apply, qk_clip._Layer.row_scales = recording_apply, recording_rows
+    try:
+        for cfg in cfgs:
+            seen.clear()
+            results.append((verify_all([cfg])[0], _s_max_gaps(seen)))
+    finally:
+        qk_clip.QKClip.apply, qk_clip._Layer.row_scales = apply, row_scales
     ledgers = []
     for cfg in cfgs:
         cfg = assemble(dataclasses.replace(cfg, steps=1))
@@ -132,8 +163,11 @@ def test_layouts_clip_as_one_device_and_planner_counts_it():
         per_rank = run_ranks(2, _ranks, cfgs, timeout_s=300)
     except Exception as e:
         raise AssertionError(f"seed {seed}: {e}") from e
-    for name, r in zip(LAYOUTS, per_rank[0][0]):
-        assert r["passed"], (seed, name, r)
+    for results, _ in per_rank:
+        for name, (r, gaps) in zip(LAYOUTS, results):
+            assert r["passed"], (seed, name, r)
+            # every head's completed S_max equals the one device's, both steps (a causal max instead: ≥ 1e-2 off)
+            assert len(gaps) == 2 and max(gaps) < 1e-6, (seed, name, gaps)
     for i, (name, cfg) in enumerate(zip(LAYOUTS, cfgs)):
         spec, lay, wl = from_train_config(assemble(cfg))
         st = stages(spec, lay)[0]
