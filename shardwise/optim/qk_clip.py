@@ -13,9 +13,10 @@ forwards), and with α = 0.5 (K2's balance between the two sides):
 
 S_max comes from the attention cores (`models.attention.MaxLogits`, no second attention pass): each rank records its
 heads' largest logit over the tokens and key blocks it attends, per layer — under a sliding window only the
-window's pairs; gpt-oss's sink is a learned logit, no q·k, so it is not among them (Wq, Wk cannot scale it); after the step one all-reduce MAX over
-dp×cp (the step's batch and sequence are split there) completes it, and — when a GQA group spans TP ranks (fewer K
-heads than tp) — one all-gather over tp hands every rank the other heads of its group. Both are tagged "qk_clip".
+window's pairs; gpt-oss's sink is a learned logit, no q·k, so it is not among them (Wq, Wk cannot scale it).
+After the step one all-reduce MAX over dp×cp (the step's batch and sequence are split there) completes it, and
+— when a GQA group spans TP ranks (fewer K heads than tp) — one all-gather over tp hands every rank the other
+heads of its group. Both are tagged "qk_clip".
 Each rank then scales what it holds: its TP rows of its layers (PP: its stage's), under ZeRO ≥ 1 its flat shard,
 before ZeRO's all-gather of the parameters.
 """
