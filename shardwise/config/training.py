@@ -305,9 +305,6 @@ class TrainConfig:
         if self.muon_qk_clip and m.qk_norm and not m.is_mla:
             raise ConfigError(f"--muon-qk-clip: model {m.name!r} normalises each head's q and k (qk_norm), which "
                               "undoes a scaling of Wq and Wk; run it without --muon-qk-clip")
-        if self.muon_qk_clip and (m.attention_sinks or m.sliding_window):
-            raise ConfigError(f"--muon-qk-clip: model {m.name!r} has attention sinks or sliding windows, whose "
-                              "attention does not report its largest logits yet; run it without --muon-qk-clip")
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {p.zero} is not supported; valid: 0, 1, 2 or 3")
         if p.zero == 3 and p.dp * p.cp == 1:

@@ -9,6 +9,9 @@ A sliding window W over a sequence longer than 2W runs banded (`bands`): the que
 block against the keys its windows reach (at most 2W − 1), so the blocks wholly outside every window are never
 computed — s·(2W − 1) scores instead of s². Each query row lives in exactly one band, so a band's (out, LSE) is
 the row's whole attention (no merge), and the backward adds each band's dK, dV into the keys it read.
+
+MuonClip's per-head largest logit (`window_max_logits`) is taken over the same call or bands with the same masks,
+so it covers exactly the pairs the softmax sees: never a key outside the window, never the sink.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import math
 
 import torch
 
+from ..models.attention import max_logits
 from ..models.documents import document_mask
 from ..partition import window_bands
 from .ring_attention import block_backward, block_forward
@@ -80,6 +84,20 @@ def _backward(dout, q, k, v, out, lse, scale, window, doc_ids, site):
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
+def window_max_logits(q, k, scale: float, window: int, doc_ids) -> torch.Tensor:
+    """Per query head, the largest q·k·scale over the pairs `_forward` attends (fp32 [hq]): its one causal or masked
+    call, or its bands with their masks — s·(2W − 1) scores under banding, never s², in `max_logits`' chunks."""
+    per_band = bands(q.shape[2], window)
+    if per_band is None:
+        mask = attention_mask(q.shape[0], q.shape[2], window, doc_ids, q.device)
+        return max_logits(q, k, scale, mask is None, mask)
+    best = torch.full(q.shape[1:2], float("-inf"), device=q.device)
+    for qs, ks in per_band:
+        mask = _band_mask(q.shape[0], qs, ks, window, doc_ids, q.device)
+        best = torch.maximum(best, max_logits(q[:, :, qs], k[:, :, ks], scale, False, mask))
+    return best
+
+
 class _LocalAttention(torch.autograd.Function):
     """forward: fused kernel calls (one, or one per band) → (out, LSE), the sink merged through the LSE /
     backward: the fused backward at the merged (out, LSE); the sinks' gradient from the row term."""
@@ -104,10 +122,13 @@ class _LocalAttention(torch.autograd.Function):
 
 
 def local_attention(q, k, v, scale: float | None = None, sinks: torch.Tensor | None = None, window: int = 0,
-                    doc_ids: torch.Tensor | None = None, site: str = "attention") -> torch.Tensor:
+                    doc_ids: torch.Tensor | None = None, site: str = "attention", report=None) -> torch.Tensor:
     """Causal attention of q [b, hq, s, d] over k, v [b, hkv, s, d] (the same s tokens), with `sinks` [hq] in
-    every softmax denominator, a sliding `window` (0: none) and document masking by `doc_ids` [b, s]."""
+    every softmax denominator, a sliding `window` (0: none) and document masking by `doc_ids` [b, s]. `report`
+    (MuonClip): called with each query head's largest logit over the pairs attended (`window_max_logits`)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"{site}: sinks {tuple(sinks.shape)} must be one per query head ({q.shape[1]})")
+    if report is not None:
+        report(window_max_logits(q, k, scale, window, doc_ids))
     return _LocalAttention.apply(q, k.contiguous(), v.contiguous(), sinks, scale, window, doc_ids, site)

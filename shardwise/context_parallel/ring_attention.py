@@ -364,7 +364,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, caus
     q/k/v are this rank's shard in `order` (see `sharding.shard_sequence(..., dim=2)`); `axis` is the
     cp axis. backend "auto" uses a fused kernel where one applies, "math" forces the fallback.
     `doc_ids` [b, s] (global, unsharded): document masking (see the module docstring). `report` (MuonClip):
-    called with each query head's largest logit over the block pairs this rank computed. `sinks` [hq] (gpt-oss):
+    called with each query head's largest logit over the block pairs this rank computed, masked as the kernel
+    masks them (under a window: only the pairs and steps `window_plan` keeps; never the sink). `sinks` [hq] (gpt-oss):
     merged once through the final LSE; `window` > 0: a sliding window, blocks outside every window skipped.
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:

@@ -24,7 +24,7 @@ from . import kernels
 from ..models.attention import max_logits
 from ..models.documents import document_mask
 from ..partition import check_seq_len
-from .local import local_attention
+from .local import local_attention, window_max_logits
 from .sharding import layout_positions
 
 
@@ -89,7 +89,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
     `doc_ids` [b, s] (global, unsharded): a token attends only within its own document. `report` (MuonClip):
     called with each query head's largest logit, −inf for the heads another cp rank attends for. `sinks` [hq]
     and `window` (gpt-oss): the sinks follow the heads (rank g keeps head group g's), and the full sequence runs
-    `local.local_attention`, which merges them through the LSE and masks the window.
+    `local.local_attention`, which merges them through the LSE and masks the window; the reported maxima then come
+    from the same bands (`local.window_max_logits`).
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"ulysses_attention: expected q [b, hq, s, d] and k, v [b, hkv, s, d], got "
@@ -104,7 +105,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
         raise ValueError("ulysses_attention: sinks and sliding windows need causal attention")
     mask = None if doc_ids is None else document_mask(doc_ids, doc_ids, causal=causal)
     if (sinks is not None or window) and not axis.active:
-        return local_attention(q, k, v, scale, sinks, window, doc_ids, site="ulysses")
+        return local_attention(q, k, v, scale, sinks, window, doc_ids, site="ulysses", report=report)
     if not axis.active:
         if report:
             report(max_logits(q, k, q.shape[-1] ** -0.5 if scale is None else scale, causal and mask is None, mask))
@@ -121,9 +122,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, c
     scatter_index = layout_positions(seq_len, c, order, q.device) if reorder else None
     gather_index = torch.argsort(scatter_index) if reorder else None
     qh, kh, vh = (_seq_to_heads(t, axis, gather_index) for t in (q, k, v))
-    if report:  # this rank's head group over the whole sequence
+    if report:  # this rank's head group over the whole sequence (a window: over the bands local_attention runs)
         best = torch.full(q.shape[1:2], float("-inf"), device=q.device)
-        group = max_logits(qh, kh, q.shape[-1] ** -0.5 if scale is None else scale, causal and mask is None, mask)
+        sc = q.shape[-1] ** -0.5 if scale is None else scale
+        group = (window_max_logits(qh, kh, sc, window, doc_ids) if sinks is not None or window else
+                 max_logits(qh, kh, sc, causal and mask is None, mask))
         best[axis.rank * group.numel():(axis.rank + 1) * group.numel()] = group
         report(best)
     if sinks is not None or window:

@@ -6,7 +6,9 @@ and v head sizes differ; selective recompute of exactly this part. Then `attend`
 
 With a `MaxLogits` recorder in the context (MuonClip), training forwards also report each local query head's
 largest logit, q·k·scale over the keys it sees: the fused kernels return only the log-sum-exp, so the scores'
-maximum costs one extra no-grad QKᵀ, in query-row chunks (never the whole s×s at once).
+maximum costs one extra no-grad QKᵀ, in query-row chunks (never the whole s×s at once). Under a sliding window
+"the keys it sees" are the window's: the attention path reports over the bands / block pairs it computes, masked
+as it masks them. gpt-oss's sink logit is not among them: it is a learned per-head scalar, no q·k.
 """
 from __future__ import annotations
 
@@ -83,20 +85,23 @@ class AttentionCore(nn.Module):
 
     def compute(self, q, k, v, doc_ids=None, sinks=None):
         cp = self.ctx.cp
+        rec = self.ctx.max_logits if self.training else None
+        report = None if rec is None else functools.partial(rec.record, self.layer_id)
         if sinks is not None or self.window:
             # SDPA has no sink logit and no window: the plan's kernels (or the cp path) merge the sink through the
             # log-sum-exp and mask the window (context_parallel/sinks.py).
+            # MuonClip's maxima come from the same bands / block pairs, over exactly the window's pairs; the sink
+            # is no q·k (Wq, Wk cannot scale it) and is left out
             if cp is not None:
-                return cp.attend(q, k, v, scale=self.scale, doc_ids=doc_ids, sinks=sinks, window=self.window)
+                return cp.attend(q, k, v, scale=self.scale, doc_ids=doc_ids, sinks=sinks, window=self.window,
+                                 report=report)
             if self.ctx.attention is None:
                 raise ValueError(f"layer {self.layer_id}: attention sinks or sliding windows need a ParallelContext "
                                  "whose `attention` runs them (shardwise.parallelize.build_model or plain_model)")
-            return self.ctx.attention(q, k, v, self.scale, sinks, self.window, doc_ids)
+            return self.ctx.attention(q, k, v, self.scale, sinks, self.window, doc_ids, report=report)
         p = self.dropout if self.training and cp is None else 0.0
         dk, dv = q.shape[-1], v.shape[-1]
         scale = dk ** -0.5 if self.scale is None else self.scale
-        rec = self.ctx.max_logits if self.training else None
-        report = None if rec is None else functools.partial(rec.record, self.layer_id)
         if dk != dv and (cp is not None or p == 0):
             # One head size for q, k and v: ring and Ulysses move K and V as one shape, and SDPA's fused kernels
             # (CPU flash, CUDA flash) otherwise fall back to the math path, which stores the s×s scores. Zero

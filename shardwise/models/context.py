@@ -43,8 +43,9 @@ class ParallelContext:
     """A `MaxLogits` recorder (attention.py) the attention cores report each head's largest logit to in training
     (MuonClip); None: not measured."""
     attention: Callable | None = None
-    """(q, k, v, scale, sinks, window, doc_ids) → out: one-device attention with what SDPA cannot express (gpt-oss's
-    learned sinks, sliding windows) on the fused kernels; the plan fills it. None: a model with either cannot run."""
+    """(q, k, v, scale, sinks, window, doc_ids, report=None) → out: one-device attention with what SDPA cannot express
+    (gpt-oss's learned sinks, sliding windows) on the fused kernels, `report` (MuonClip) called with each head's
+    largest logit over the pairs it attends; the plan fills it. None: a model with either cannot run."""
     moe: Callable | None = None
     """(cfg, layer_id) → the MoE feed-forward of an MoE layer: routing and experts live with expert parallelism,
     which the models do not import. Without it a model with MoE layers cannot be built."""

@@ -5,15 +5,18 @@ Per head, η = τ / S_max when S_max > τ, else 1 (S_max: the head's largest q·
 forwards), and with α = 0.5 (K2's balance between the two sides):
 * GQA (MHA is the case of one query head per K head): the query heads sharing a K head form a group whose S_max is
   the largest of theirs — a shared key cannot be scaled per query head — and all of the group's query rows scale by
-  η^α, its key rows by η^(1−α) (Megatron-Core's rule; for MHA it is K2's per-head one). q/k biases (Qwen2's) scale
-  with their rows, so every logit of the group scales by exactly η.
+  η^α, its key rows by η^(1−α) (Megatron-Core's rule; for MHA it is K2's per-head one). q/k biases (Qwen2's,
+  gpt-oss's) scale with their rows: q = W_q x + b_q scales by η^α only when W_q and b_q both do (likewise k), so
+  every logit of the group scales by exactly η.
 * MLA: per head, the q_nope rows by η^α, the k_nope rows of wkv_b by η^(1−α), the q_rope rows by η; the rotary key
   shared by all heads (in wkv_a) and the v rows stay (K2's rule).
 
 S_max comes from the attention cores (`models.attention.MaxLogits`, no second attention pass): each rank records its
-heads' largest logit over the tokens and key blocks it attends, per layer; after the step one all-reduce MAX over
-dp×cp (the step's batch and sequence are split there) completes it, and — when a GQA group spans TP ranks (fewer K
-heads than tp) — one all-gather over tp hands every rank the other heads of its group. Both are tagged "qk_clip".
+heads' largest logit over the tokens and key blocks it attends, per layer — under a sliding window only the
+window's pairs; gpt-oss's sink is a learned logit, no q·k, so it is not among them (Wq, Wk cannot scale it).
+After the step one all-reduce MAX over dp×cp (the step's batch and sequence are split there) completes it, and
+— when a GQA group spans TP ranks (fewer K heads than tp) — one all-gather over tp hands every rank the other
+heads of its group. Both are tagged "qk_clip".
 Each rank then scales what it holds: its TP rows of its layers (PP: its stage's), under ZeRO ≥ 1 its flat shard,
 before ZeRO's all-gather of the parameters.
 """
