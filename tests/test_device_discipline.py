@@ -24,6 +24,9 @@ ALLOWED = {
         "an empty placeholder parameter for a rank that holds no Muon matrix; never stepped nor communicated",
     ("verify.py", "verify_main", "zeros"):
         "the per-parameter sum of update bounds: host arithmetic on norms already read back, never communicated",
+    ("verify.py", "first_grad_samples", "rand"):
+        "which way each weight moves one ulp, drawn from a CPU generator seeded alike on every rank, then moved to "
+        "the weights' device; never communicated",
     ("routing_replay.py", "RoutingReplay._local_ids", "arange"):
         "host token-id bookkeeping, cut like the batch and then moved to the world's device",
     ("checkpoint/files.py", "from_b64", "frombuffer"):
