@@ -123,6 +123,8 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
         attn += (3 * e * scores if recompute == "none" else 0) + e * n * hq * (2 * dk + 2 * dv)
     else:
         attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + lse
+    if spec.attn_output_gate:  # gated attention: out · sigmoid(gate) saves sigmoid's output and (wo's input) the product
+        attn += 2 * e * n * hq * dv
     return attn + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
 
 
@@ -196,7 +198,8 @@ def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_
     rows = n_r * k
     # the router's fp32 input (the norm output itself when it is fp32, else its fp32 copy) and the shared experts'
     # w1 / w3 input (the same storage in fp32)
-    mlp += 4 * n_r * h + (region_input(n_r, h, 2, e, r) if spec.moe_shared_experts and e != 4 else 0)
+    gate = spec.moe_shared_gate and spec.moe_shared_experts  # Qwen3-Next: sigmoid(w·x) times the shared experts
+    mlp += 4 * n_r * h + (region_input(n_r, h, 3 if gate else 2, e, r) if spec.moe_shared_experts and e != 4 else 0)
     mlp += 4 * n_r * (2 * E + 1) + 8 * rows + 4 * E  # router: logits, probs, LSE (fp32), top-k indices, counts
     if spec.moe_score == "sigmoid":  # the scores' row sums; with renormalised top-k its weights and their sums
         mlp += 4 * n_r + (4 * n_r + 4 * rows if spec.moe_norm_topk else 0)
@@ -211,6 +214,8 @@ def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_
     mlp += gpt_oss.expert_activation_bytes(spec, e, rows)  # gpt-oss: the clamped SwiGLU's and biases' extras
     mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
     mlp += 4 * e * n_r * spec.moe_shared_experts * f_e
+    if gate:  # sigmoid(gate(x)) · shared saves the shared experts' output [n_r, h] and sigmoid's [n_r, 1]
+        mlp += e * n_r * h + e * n_r
     return mlp
 
 
