@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.planner import activations
-from shardwise.planner.layout import Stage, from_train_config
+from shardwise.planner.layout import Stage, from_train_config, stages
 
 from _dist import run_ranks
 
@@ -128,6 +128,48 @@ def _measure(cases):
 
 CASES = [(m, lay, rec) for m in MODELS for lay in LAYOUTS for rec in ("none", "full")]
 
+GATED = dict(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True, partial_rotary=0.5, moe_experts=4,
+             moe_topk=2, moe_ffn_dim=16, moe_shared_experts=1)
+GATES = [(gate, fp32) for gate in ({}, dict(attn_output_gate=True), dict(moe_shared_gate=True))
+         for fp32 in (False, True)]
+"""One gated-attention + MoE layer without either gate, with gated attention, with Qwen3-Next's shared-expert gate;
+bf16 and fp32 residual: what each gate adds to the saved tensors (the casts' neighbours outside the mixer)."""
+
+
+def _gate_config(gate: dict, fp32: bool) -> TrainConfig:
+    cfg = TrainConfig(model="tiny", model_overrides=dict(GATED, **gate), parallel=ParallelConfig(dp=2), steps=1,
+                      seed=0, progress=False, seq_len=32, micro_batch=2, global_batch=4, dtype="bf16",
+                      fp32_residual=fp32)
+    cfg.resolve_world()
+    return cfg
+
+
+def _saved(gates) -> list[int]:
+    """In a rank: the bytes of the distinct non-parameter storages one microbatch's forward saves, per config."""
+    from shardwise.trainer import Trainer, make_mesh
+
+    out = []
+    for gate, fp32 in gates:
+        cfg = _gate_config(gate, fp32)
+        t = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
+        skip = {p.untyped_storage()._cdata for p in t.model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(x):
+            if x.untyped_storage()._cdata not in skip:
+                seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        xs, _, _ = t.microbatches(t.loader, 0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), t._autocast():
+            t.model(xs[0])
+        out.append(sum(seen.values()))
+    return out
+
+
+def _both(cases, gates):
+    return _measure(cases), _saved(gates)
+
 
 def _planned(model: str, layout: str, recompute: str) -> tuple[dict, dict]:
     """The planner's figures of `_measure` for the same runs: per layer, a one-layer stage of its kind."""
@@ -144,7 +186,17 @@ def _planned(model: str, layout: str, recompute: str) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 def test_casts_equal_the_runtimes():
-    measured = run_ranks(2, _measure, CASES, timeout_s=300)[0]
+    """Both cast figures equal the real layers' at every layer of every case; and (same fork) each gate adds to the
+    saved tensors what the planner adds: gated attention sigmoid's output and the product (2·e·n·hq·d_v), the shared
+    gate the shared experts' output and sigmoid's (e·n·(h + 1)) and, over an fp32 residual, its input's own cast."""
+    measured, saved = run_ranks(2, _both, CASES, GATES, timeout_s=300)[0]
+    planned = []
+    for gate, fp32 in GATES:
+        spec, lay, wl = from_train_config(_gate_config(gate, fp32))
+        planned.append(activations.microbatch_activation_bytes(spec, stages(spec, lay)[0], lay, wl)["total"])
+    for j in range(2, len(GATES)):  # against the same residual's ungated layer
+        got, want = saved[j] - saved[j % 2], planned[j] - planned[j % 2]
+        assert got == want and got > 0, (GATES[j], "traced", got, "planned", want)
     bad = []
     for case, got in zip(CASES, measured):
         saved, rebuilt = _planned(*case)
