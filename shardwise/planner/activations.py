@@ -123,7 +123,7 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
         attn += (3 * e * scores if recompute == "none" else 0) + e * n * hq * (2 * dk + 2 * dv)
     else:
         attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + lse
-    if spec.attn_output_gate:  # gated attention: out · sigmoid(gate) saves sigmoid's output and the product (wo's input)
+    if spec.attn_output_gate:  # gated attention: out · sigmoid(gate) saves sigmoid's output, the product (wo's input)
         attn += 2 * e * n * hq * dv
     return attn + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
 
