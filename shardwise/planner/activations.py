@@ -493,7 +493,8 @@ def _stage_chunks(spec: ModelSpec, lay: Layout, stage: Stage) -> list[tuple[int,
 def _plain_chunk_bytes(spec: ModelSpec, lay: Layout, wl: Workload, ids: range, model: str) -> float:
     """One microbatch's saved tensors (and bf16 weight copies) of a chunk's layers that are not recomputed."""
     kinds = [spec.is_moe_layer(i) for i in ids[lay.recompute_layers:]]
-    plain = Stage(0, kinds.count(False), kinds.count(True), False, False)
+    plain = Stage(0, kinds.count(False), kinds.count(True), False, False, tuple(kinds),
+                  linear=tuple(spec.is_linear_layer(i) for i in ids[lay.recompute_layers:]))
     eager = dataclasses.replace(lay, recompute="none", recompute_layers=None)
     acts = sum(layer_activation_bytes(spec, k, lay, wl, "none", model) for k in kinds)
     return acts + (autocast_weight_bytes(spec, plain, eager, wl) if model == "shardwise" and kinds else 0.0)
