@@ -31,6 +31,7 @@ SLOW_TESTS = {
                                      "test_full_size_layout_within_bounds",
                                      "test_windowed_ring_comm_equals_the_ledger"},
     "test_planner_gpt_oss.py": {"test_gpt_oss_120b_full_size_within_bounds"},
+    "test_planner_casts.py": {"test_casts_equal_the_runtimes"},
     "test_gpt_oss.py": {"test_layouts_match_transformers", "test_cp4_sinks_windows_and_documents_match_one_device",
                         "test_verify_every_axis"},
     "test_cli_mistakes.py": {"test_init_from_hf_mtp_and_tokenizer_mistakes"},

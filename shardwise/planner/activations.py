@@ -35,7 +35,9 @@ import functools
 from shardwise.planner import gpt_oss
 from shardwise.planner.linear_attention import mixer_activation_bytes
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_layer_ids, chunk_owners
-from shardwise.planner.models import BOOL, INT64, ModelSpec, layer_params, local_kv_heads, padded_vocab
+from shardwise.planner.models import (
+    BOOL, INT64, ModelSpec, Params, attention_tensors, local_kv_heads, mlp_tensors, padded_vocab,
+)
 from shardwise.planner.mtp import mtp_activation_bytes
 from shardwise.planner.schedule import in_flight
 
@@ -121,6 +123,8 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
         attn += (3 * e * scores if recompute == "none" else 0) + e * n * hq * (2 * dk + 2 * dv)
     else:
         attn += e * n * (hq * dk + hkv * (dk + dv) + hq * dv) + lse
+    if spec.attn_output_gate:  # gated attention: out · sigmoid(gate) saves sigmoid's output, the product (wo's input)
+        attn += 2 * e * n * hq * dv
     return attn + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
 
 
@@ -194,7 +198,8 @@ def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_
     rows = n_r * k
     # the router's fp32 input (the norm output itself when it is fp32, else its fp32 copy) and the shared experts'
     # w1 / w3 input (the same storage in fp32)
-    mlp += 4 * n_r * h + (region_input(n_r, h, 2, e, r) if spec.moe_shared_experts and e != 4 else 0)
+    gate = spec.moe_shared_gate and spec.moe_shared_experts  # Qwen3-Next: sigmoid(w·x) times the shared experts
+    mlp += 4 * n_r * h + (region_input(n_r, h, 3 if gate else 2, e, r) if spec.moe_shared_experts and e != 4 else 0)
     mlp += 4 * n_r * (2 * E + 1) + 8 * rows + 4 * E  # router: logits, probs, LSE (fp32), top-k indices, counts
     if spec.moe_score == "sigmoid":  # the scores' row sums; with renormalised top-k its weights and their sums
         mlp += 4 * n_r + (4 * n_r + 4 * rows if spec.moe_norm_topk else 0)
@@ -209,6 +214,8 @@ def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_
     mlp += gpt_oss.expert_activation_bytes(spec, e, rows)  # gpt-oss: the clamped SwiGLU's and biases' extras
     mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
     mlp += 4 * e * n_r * spec.moe_shared_experts * f_e
+    if gate:  # sigmoid(gate(x)) · shared saves the shared experts' output [n_r, h] and sigmoid's [n_r, 1]
+        mlp += e * n_r * h + e * n_r
     return mlp
 
 
@@ -274,30 +281,74 @@ def head_loss_saved_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
     return 4.0 * n * (padded_vocab(spec, lay.tp) // lay.tp) + (INT64 + 2 * BOOL) * n
 
 
+def layer_cast_terms(spec: ModelSpec, moe: bool, lay: Layout, linear: bool = False) -> dict[str, int]:
+    """Elements of the weights bf16 autocast casts in one layer of this kind (a Gated DeltaNet layer when `linear`),
+    by the module that casts them: the linear (and convolution) ops save their weight's cast for backward. Norms,
+    biases, A_log / dt_bias and the MoE router (fp32 routing, autocast off) are not cast. TP without SP runs the
+    mixer's input projections (attention's q/k/v; Gated DeltaNet's q/k/v/z/b/a) and a dense MLP's w1/w3 in a
+    `ColumnRegion` function, which keeps the fp32 weights on ctx: no casts there. A split backward (zb / dualpipev
+    on a pipeline) keeps every tp linear's fp32 weight on ctx too (`grad_store`): only the routed experts cast."""
+    split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")
+    return dict(_cast_terms(spec, moe, linear, lay.tp, lay.ep, _column_region(spec, lay), split))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cast_terms(spec: ModelSpec, moe: bool, linear: bool, t: int, ep: int, region: bool,
+                split: bool) -> tuple[tuple[str, int], ...]:
+    """`layer_cast_terms`, cached: the search asks for every layout's stages."""
+    h = spec.dim
+    out: dict[str, int] = {}
+    if linear:  # wq, wk, wv, wz, wb, wa [rows, h]; the depthwise kernels, concatenated then cast by conv1d; wo
+        nk, nv = spec.linear_k_heads // t, spec.linear_v_heads // t
+        qk, v = nk * spec.linear_k_dim, nv * spec.linear_v_dim
+        out["Gated DeltaNet wq, wk, wv, wz, wb, wa"] = 0 if region else h * (2 * qk + 2 * v + 2 * nv)
+        out["Gated DeltaNet conv kernels (concatenated) [qkv, K]"] = (2 * qk + v) * spec.linear_conv_kernel
+        out["Gated DeltaNet wo"] = v * h
+    else:
+        mixer = Params.of(attention_tensors(spec, t))
+        cast = mixer.total - mixer.vectors
+        if region and not spec.is_mla:  # MLA enters by Megatron's f instead: its projections stay plain linears
+            hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
+            cast -= h * spec.head_dim * (hq * (2 if spec.attn_output_gate else 1) + 2 * hkv)
+        out["MLA wq_a, wq_b, wkv_a, wkv_b, wo" if spec.is_mla else "attention wq, wk, wv, wo"] = cast
+    mlp = Params.of(mlp_tensors(spec, moe, t, ep))
+    if not moe:
+        w13 = 2 * h * (spec.ffn_dim // t) if spec.mlp == "swiglu" else h * (spec.ffn_dim // t)
+        out["MLP w1, w3 (GELU: fc1)"] = 0 if region and spec.mlp == "swiglu" else w13
+        out["MLP w2 (the down-projection)"] = h * (spec.ffn_dim // t)
+    else:
+        out["MoE routed experts' stacks"] = mlp.expert
+        out["MoE shared experts (and their gate)"] = mlp.total - mlp.vectors - mlp.expert - spec.moe_experts * h
+    return tuple((k, v if k == "MoE routed experts' stacks" or not split else 0) for k, v in out.items())
+
+
+def _held_layers(stage: Stage) -> list[tuple[bool, bool]]:
+    """(MoE, Gated DeltaNet) of each layer `stage` holds."""
+    kinds = stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe
+    return list(zip(kinds, stage.linear or (False,) * len(kinds)))
+
+
 def autocast_weight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
     """bf16 autocast: every linear saves a bf16 copy of its (fp32 master) weight for backward, once per
-    microbatch, since each microbatch's forward runs in its own autocast region. Norms and the embedding
-    table are not cast, nor the MoE router (fp32 routing); routed experts are (the grouped GEMM runs in the
-    compute dtype). 0 for fp32 runs, and for the layers full recompute reaches (the copies would be recomputed with
-    the layer; the LM head, outside every checkpoint, still saves its copy: `microbatch_activation_bytes` counts it
-    with the head)."""
+    microbatch, since each microbatch's forward runs in its own autocast region: each held layer's
+    `layer_cast_terms` (a Gated DeltaNet layer's own, not attention's), and the LM head's. 0 for fp32 runs, and for
+    the layers full recompute reaches (the copies would be recomputed with the layer; the LM head, outside every
+    checkpoint, still saves its copy: `microbatch_activation_bytes` counts it with the head)."""
     if wl.act_bytes == 4:
         return 0.0
     if lay.recompute == "full":  # --recompute-layers: the layers not recomputed save theirs (the head's: see above)
-        _, (dense, moe) = stage.recompute_split(lay)
-        plain = Stage(stage.index, dense, moe, False, False)
-        return autocast_weight_bytes(spec, plain, dataclasses.replace(lay, recompute="none"), wl) if dense + moe else 0.0
-    p = layer_params(spec, False, lay.tp, lay.ep) * stage.n_dense + layer_params(spec, True, lay.tp, lay.ep) * stage.n_moe
-    if lay.pp > 1 and lay.schedule in ("zb", "dualpipev"):  # split backward: every tp linear keeps its fp32
-        return float(wl.act_bytes * p.expert)  # weight on ctx for B and W (grad_store); routed experts still cast
-    head = padded_vocab(spec, lay.tp) // lay.tp * spec.dim if stage.head else 0
-    router = stage.n_moe * spec.moe_experts * spec.dim  # routing runs in fp32 with autocast off: no copy
-    if _column_region(spec, lay):  # q/k/v and w1/w3 run inside a ColumnRegion: no copies saved
-        hq, hkv = spec.n_heads // lay.tp, local_kv_heads(spec, lay.tp)
-        qkv = 0 if spec.is_mla else spec.dim * spec.head_dim * (hq + 2 * hkv)
-        w13 = 2 * spec.dim * (spec.ffn_dim // lay.tp) if spec.mlp == "swiglu" else 0
-        router += stage.n_layers * qkv + stage.n_dense * w13
-    return float(wl.act_bytes * (p.total - p.vectors + head - router))
+        held = _held_layers(stage)
+        plain = [k for k, r in zip(held, stage.recomputed or (True,) * len(held)) if not r] if stage.recomputed else []
+        if not plain:
+            return 0.0
+        moes = [m for m, _ in plain]
+        one = Stage(stage.index, moes.count(False), moes.count(True), False, False, tuple(moes),
+                    linear=tuple(lin for _, lin in plain))
+        return autocast_weight_bytes(spec, one, dataclasses.replace(lay, recompute="none"), wl)
+    split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")  # the head keeps its fp32 weight on ctx too
+    head = padded_vocab(spec, lay.tp) // lay.tp * spec.dim if stage.head and not split else 0
+    layers = sum(sum(layer_cast_terms(spec, moe, lay, lin).values()) for moe, lin in _held_layers(stage))
+    return float(wl.act_bytes * (layers + head))
 
 
 def microbatch_activation_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload,
@@ -442,7 +493,8 @@ def _stage_chunks(spec: ModelSpec, lay: Layout, stage: Stage) -> list[tuple[int,
 def _plain_chunk_bytes(spec: ModelSpec, lay: Layout, wl: Workload, ids: range, model: str) -> float:
     """One microbatch's saved tensors (and bf16 weight copies) of a chunk's layers that are not recomputed."""
     kinds = [spec.is_moe_layer(i) for i in ids[lay.recompute_layers:]]
-    plain = Stage(0, kinds.count(False), kinds.count(True), False, False)
+    plain = Stage(0, kinds.count(False), kinds.count(True), False, False, tuple(kinds),
+                  linear=tuple(spec.is_linear_layer(i) for i in ids[lay.recompute_layers:]))
     eager = dataclasses.replace(lay, recompute="none", recompute_layers=None)
     acts = sum(layer_activation_bytes(spec, k, lay, wl, "none", model) for k in kinds)
     return acts + (autocast_weight_bytes(spec, plain, eager, wl) if model == "shardwise" and kinds else 0.0)
@@ -451,18 +503,20 @@ def _plain_chunk_bytes(spec: ModelSpec, lay: Layout, wl: Workload, ids: range, m
 def rebuilt_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, moe: bool | None = None) -> float:
     """Under bf16 full recompute, the rebuilt layer's bf16 weight casts alive during its MLP's backward: the
     recompute runs with autocast's cache off (`recompute._uncached`), so each linear casts its weight again, and the
-    casts its matmuls save stay in the checkpoint's recomputed frame until their own backward — the copies the layer
-    saves without recompute (`autocast_weight_bytes`: none in a column region, none under a split backward) less the
-    down-projection's (dense: [h, ffn/tp], whose backward has run) and the routed experts' (their grouped GEMM's
-    moment, `weight_grads`). `moe`: that kind (if recomputed here), else the larger of the kinds recomputed."""
+    casts its matmuls save stay in the checkpoint's recomputed frame until their own backward. Of the layer's
+    `layer_cast_terms` that leaves the mixer's (attention's, MLA's five or Gated DeltaNet's, all alive until the
+    mixer's backward) and a dense MLP's w1/w3: the down-projection's backward has run; in an MoE block the shared
+    experts (computed after the routed experts' combine, so backwarded before them) are gone by the routed experts'
+    GEMMs, whose own casts are that moment's (`weight_grads`). `moe`: that kind (if recomputed here), else the
+    largest of the kinds recomputed."""
     if wl.act_bytes == 4 or lay.recompute != "full":
         return 0.0
-    (dense, n_moe), _ = stage.recompute_split(lay)
+    held = _held_layers(stage)
+    rec = [k for k, r in zip(held, stage.recomputed or (True,) * len(held)) if r]
+    gone = ("MLP w2 (the down-projection)", "MoE routed experts' stacks", "MoE shared experts (and their gate)")
     eager = dataclasses.replace(lay, recompute="none", recompute_layers=None)
-    out = 0.0
-    for kind, n in ((False, dense), (True, n_moe)):
-        if n and moe in (None, kind):
-            one = Stage(stage.index, int(not kind), int(kind), False, False)
-            done = layer_params(spec, kind, lay.tp, lay.ep).expert if kind else spec.ffn_dim // lay.tp * spec.dim
-            out = max(out, autocast_weight_bytes(spec, one, eager, wl) - wl.act_bytes * done)
-    return float(out)
+    out = 0
+    for kind, lin in set(rec):
+        if moe in (None, kind):
+            out = max(out, sum(v for k, v in layer_cast_terms(spec, kind, eager, lin).items() if k not in gone))
+    return float(wl.act_bytes * out)
