@@ -25,11 +25,11 @@ def _hybrid(dtype="fp32", **parallel) -> TrainConfig:
                        dtype=dtype, model_overrides=dict(HYBRID))
 
 
-def _check(report):
+def _check(report, activations=0.02, peak=0.03):
     for r in report["ranks"]:
         assert r["static_bytes"]["measured"] == r["static_bytes"]["planned"], r["static_bytes"]
         assert all(v["measured"] == v["planned"] for v in r["comm_bytes"].values()), r["comm_bytes"]
-        for key, tol in (("activation_bytes", 0.02), ("peak_bytes", 0.03)):
+        for key, tol in (("activation_bytes", activations), ("peak_bytes", peak)):
             m, p = r[key]["measured"], r[key]["planned"]
             assert abs(m - p) <= tol * p, (key, m, p, m / p)
 
@@ -84,8 +84,9 @@ def test_full_size_layout_within_bounds(name, ranks):
     """One full-size layout of each family from the sweep (shortened steps): Qwen3-Next's first stage (nine Gated
     DeltaNet layers, three gated-attention ones, 256 of 512 experts per rank), Qwen3.5-35B-A3B's first stage (the
     embedding, fifteen Gated DeltaNet layers and five gated-attention ones, 64 of 256 experts per rank, dp beside
-    cp) and both gpt-oss-20b stages."""
-    _check(sweep.simulate(sweep.LAYOUTS[name], ranks))
+    cp) and both gpt-oss-20b stages. Every term derived: held to 0.2% (counting the Gated DeltaNet layers' casts as
+    attention's was 1.2% off on Qwen3.5, 0.4% on Qwen3-Next)."""
+    _check(sweep.simulate(sweep.LAYOUTS[name], ranks), activations=0.002, peak=0.002)
 
 
 @pytest.mark.parametrize("order", ["contiguous", "balanced"])
