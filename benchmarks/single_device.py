@@ -152,6 +152,14 @@ FAMILIES = {
                                       linear_value_head_dim=64, num_experts=16, num_experts_per_tok=4,
                                       moe_intermediate_size=128, shared_expert_intermediate_size=128,
                                       norm_topk_prob=True, output_router_logits=False, max_position_embeddings=1024)),
+    # Qwen3.5-MoE (its text model): Qwen3-Next's shapes under Qwen3.5's classes (interleaved M-RoPE over text
+    # positions, the top-k always renormalised)
+    "qwen3.5-moe": ("Qwen3_5Moe", dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                        num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+                                        linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+                                        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                                        shared_expert_intermediate_size=128, output_router_logits=False,
+                                        max_position_embeddings=1024)),
 }
 
 
@@ -167,12 +175,13 @@ def family_models(name: str, seed: int, folder: str):
 
     cls, kw = FAMILIES[name]
     torch.manual_seed(seed)
-    hcfg = getattr(transformers, f"{cls}Config")(**kw)
+    model_cls = getattr(transformers, f"{cls}ForCausalLM")
+    hcfg = model_cls.config_class(**kw)  # Qwen3.5's is its text config (Qwen3_5MoeTextConfig)
     attn = "eager" if cls == "GptOss" else "sdpa"
     hcfg._attn_implementation = attn
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf = getattr(transformers, f"{cls}ForCausalLM")(hcfg).to(torch.float32)
+        hf = model_cls(hcfg).to(torch.float32)
     with torch.no_grad():
         for n, b in hf.named_buffers():  # DeepSeek's selection bias: random, so group-limited routing matters
             if n.endswith("e_score_correction_bias"):
@@ -250,7 +259,7 @@ SMOKE = {"batch": 1, "seq_tiny": 16, "seq_small": 16, "reps": 1, "warmup": 0, "t
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,small,qwen3-moe,deepseek-v3,gpt-oss,qwen3-next")
+    ap.add_argument("--models", default="tiny,small,qwen3-moe,deepseek-v3,gpt-oss,qwen3-next,qwen3.5-moe")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-tiny", type=int, default=128)
     ap.add_argument("--seq-small", type=int, default=256, help="small and the MoE families")
