@@ -86,10 +86,17 @@ class RoutingReplay:
         if not bool((table[:, :, 0] > 0).all()):
             raise RuntimeError(f"verify: the layout's routing left tokens unrecorded at step {step + 1}")
         self.table = table
-        n = self.ref_mb * self.seq
         for refs in self.refs:
-            for row, name in enumerate(self.names):
-                refs[name].tape.forced = [table[row, i * n:(i + 1) * n, :k].long() - 1 for i in range(self.rounds)]
+            self.queue(refs)
+
+    def queue(self, table: dict) -> None:
+        """Queue the gathered choices of this step on the routers `table` (name -> router), a fresh tape where a
+        router has none: every reference, and the extra single-device runs verify makes at the same step."""
+        n, k = self.ref_mb * self.seq, self.topk
+        for row, name in enumerate(self.names):
+            if table[name].tape is None:
+                table[name].tape = RoutingTape()
+            table[name].tape.forced = [self.table[row, i * n:(i + 1) * n, :k].long() - 1 for i in range(self.rounds)]
 
     def check(self, step: int) -> None:
         """After the references' forward-backward: where the first reference chose otherwise, it was a near-tie."""

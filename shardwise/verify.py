@@ -26,7 +26,6 @@ from .config import ConfigError, ParallelConfig, TrainConfig
 from .run import assembled
 from .mesh import Mesh
 from .pipeline.tied_embedding import tied_name
-from .expert_parallel.router import RoutingTape
 from .routing_replay import RoutingReplay, routers
 from .tensor_parallel.layers import get_spec
 from .optim import optimizers
@@ -295,14 +294,9 @@ class Float64(TorchDispatchMode):
 
 def _first_step_grads(run: Trainer, replay: RoutingReplay | None, step: int = 0) -> dict[str, torch.Tensor]:
     """`run`'s gradients of `step` (after `finish_gradients`: clipped as the reference's), MoE layers taking the
-    layout's choices of that step (RoutingReplay.force's queue of its table, for one more reference)."""
+    layout's choices of that step (`RoutingReplay.queue`, for one more reference)."""
     if replay is not None:
-        n, k = replay.ref_mb * replay.seq, replay.topk
-        table = routers(run.model)
-        for row, name in enumerate(replay.names):
-            table[name].tape = RoutingTape()
-            table[name].tape.forced = [replay.table[row, i * n:(i + 1) * n, :k].long() - 1
-                                       for i in range(replay.rounds)]
+        replay.queue(routers(run.model))
     run.forward_backward(step)
     run.finish_gradients()
     grads = {n: p.grad.clone() for n, p in run.model.named_parameters(remove_duplicate=False)}
