@@ -142,12 +142,18 @@ def _per_param_rel(pairs, names, world) -> torch.Tensor:
     return acc[:, 0].sqrt() / acc[:, 1].sqrt().clamp_min(1e-30)
 
 
+def _global_index(spec, ref: torch.Tensor, lo: int, hi: int, device) -> torch.Tensor:
+    """1 + the global element index of each value a view holds (0: padding), through the same `local_slice` that cuts
+    the reference: an index tensor cut like the values."""
+    idx = spec.local_slice(torch.arange(1, ref.numel() + 1, device=device).view(ref.shape))
+    return idx.reshape(-1)[lo:hi]
+
+
 def _coverage(view_lists, ref_params: dict[str, torch.Tensor], world) -> float:
     """Fraction of reference elements every comparison in `view_lists` reached, min over the comparisons.
 
-    Each rank marks the global elements its views cover (through the same `local_slice` that cut the
-    reference, on an index tensor; padding maps to no element); a max over ranks counts a replicated
-    element once, and an element no rank compared stays 0.
+    Each rank marks the global elements its views cover (`_global_index`; padding maps to no element); a max over
+    ranks counts a replicated element once, and an element no rank compared stays 0.
     """
     canon = {}  # tied weights: the reference's output.weight IS tok_embeddings.weight; count its elements once
     for n in sorted(ref_params):
@@ -159,9 +165,7 @@ def _coverage(view_lists, ref_params: dict[str, torch.Tensor], world) -> float:
     marks = torch.zeros(len(view_lists), total, device=world.device)
     for row, views in enumerate(view_lists):
         for n, spec, _, lo, hi in views:
-            ref = ref_params[n]
-            idx = spec.local_slice(torch.arange(1, ref.numel() + 1, device=world.device).view(ref.shape))
-            idx = idx.reshape(-1)[lo:hi]
+            idx = _global_index(spec, ref_params[n], lo, hi, world.device)
             marks[row, offset[n] + idx[idx > 0] - 1] = 1.0
     comm.all_reduce(marks, world, op="max", tag="verify")
     return int((marks > 0).sum(1).min()) / total  # an integer count: exact past float32's 2**24
@@ -357,14 +361,12 @@ def _first_grad_budget(cfg, rel: torch.Tensor, ref: Trainer, replay, tokens, nam
 
 def _layout_values(param_views, ref_params: dict[str, torch.Tensor], world) -> dict[str, torch.Tensor]:
     """The layout's parameters as whole tensors on every rank: each rank scatters the values it holds to their global
-    elements (through `local_slice`, as `_coverage` marks them), summed over ranks and divided by how many hold each."""
+    elements (`_global_index`), summed over ranks and divided by how many hold each."""
     out = {}
     for n, ref in ref_params.items():
         out[n] = torch.zeros(2, ref.numel(), dtype=torch.float64, device=world.device)
     for n, spec, vals, lo, hi in param_views:
-        ref = ref_params[n]
-        idx = spec.local_slice(torch.arange(1, ref.numel() + 1, device=world.device).view(ref.shape))
-        idx = idx.reshape(-1)[lo:hi]
+        idx = _global_index(spec, ref_params[n], lo, hi, world.device)
         keep = idx > 0
         out[n][0, idx[keep] - 1] += vals.reshape(-1)[keep].double()
         out[n][1, idx[keep] - 1] += 1.0
