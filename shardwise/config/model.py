@@ -322,6 +322,20 @@ class ModelConfig:
         return self.num_params() - n_moe * expert * (self.moe_experts - self.moe_topk)
 
 
+def _qwen_hybrid(name: str, vocab: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int,
+                 linear_v_heads: int, experts: int = 0, topk: int = 0, expert_ffn: int = 0) -> ModelConfig:
+    """A Qwen3-Next / Qwen3.5 hybrid preset: three Gated DeltaNet layers (16 key heads of 128) to one gated
+    full-attention layer (every 4th; head_dim 256, a quarter rotary, q/k norms); MoE ones every layer MoE, top-k
+    renormalised, with one gated shared expert of the expert size."""
+    moe = dict(moe_experts=experts, moe_topk=topk, moe_ffn_dim=expert_ffn, moe_shared_experts=1, moe_shared_gate=True,
+               moe_softmax_before_topk=False, moe_aux_loss_coef=0.001) if experts else {}
+    return ModelConfig(name=name, vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                       head_dim=256, ffn_dim=ffn, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True,
+                       attn_output_gate=True, partial_rotary=0.25,
+                       linear_layers=tuple(i for i in range(n_layers) if (i + 1) % 4), linear_k_heads=16,
+                       linear_v_heads=linear_v_heads, **moe)
+
+
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # CPU-sized models for tests and the embedded default run.
     "tiny": ModelConfig(),
@@ -415,45 +429,20 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     # head_dim 256 with a quarter rotary, 512 experts top-10 renormalised plus one gated shared expert of the expert
     # size, every layer MoE. Its MTP layer is not modelled. Qwen3.5-35B-A3B (text part): the same mixer with 256
     # experts top-8 and the 248320-token vocabulary.
-    "qwen3-next-80b-a3b": ModelConfig(
-        name="qwen3-next-80b-a3b", vocab_size=151936, dim=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256,
-        ffn_dim=5120, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
-        partial_rotary=0.25, linear_layers=tuple(i for i in range(48) if (i + 1) % 4), linear_k_heads=16,
-        linear_v_heads=32, moe_experts=512, moe_topk=10, moe_ffn_dim=512, moe_shared_experts=1, moe_shared_gate=True,
-        moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
-    ),
-    "qwen3.5-35b-a3b": ModelConfig(
-        name="qwen3.5-35b-a3b", vocab_size=248320, dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, head_dim=256,
-        ffn_dim=512, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
-        partial_rotary=0.25, linear_layers=tuple(i for i in range(40) if (i + 1) % 4), linear_k_heads=16,
-        linear_v_heads=32, moe_experts=256, moe_topk=8, moe_ffn_dim=512, moe_shared_experts=1, moe_shared_gate=True,
-        moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
-    ),
+    "qwen3-next-80b-a3b": _qwen_hybrid("qwen3-next-80b-a3b", 151936, 2048, 48, 16, 2, 5120,
+                                       linear_v_heads=32, experts=512, topk=10, expert_ffn=512),
+    "qwen3.5-35b-a3b": _qwen_hybrid("qwen3.5-35b-a3b", 248320, 2048, 40, 16, 2, 512,
+                                    linear_v_heads=32, experts=256, topk=8, expert_ffn=512),
     # The other published Qwen3.5 sizes (text model; the checkpoints' vision tower and MTP drafter are not modelled).
     # Values from their config.json text_config as quoted by THUDM/slime scripts/models/qwen3.5-27B.sh and
     # qwen3.5-397B-A17B.sh (sizes, heads, experts) and Megatron-Bridge's / vLLM's Qwen3.5 test configs (the linear
-    # heads: 16 key heads of 128; 48 value heads for 27B, 64 for 122B and 397B). Dense 27B; MoE ones every layer
-    # MoE with one gated shared expert of the expert size, top-k renormalised.
-    "qwen3.5-27b": ModelConfig(
-        name="qwen3.5-27b", vocab_size=248320, dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, head_dim=256,
-        ffn_dim=17408, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
-        partial_rotary=0.25, linear_layers=tuple(i for i in range(64) if (i + 1) % 4), linear_k_heads=16,
-        linear_v_heads=48,
-    ),
-    "qwen3.5-122b-a10b": ModelConfig(
-        name="qwen3.5-122b-a10b", vocab_size=248320, dim=3072, n_layers=48, n_heads=32, n_kv_heads=2, head_dim=256,
-        ffn_dim=1024, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
-        partial_rotary=0.25, linear_layers=tuple(i for i in range(48) if (i + 1) % 4), linear_k_heads=16,
-        linear_v_heads=64, moe_experts=256, moe_topk=8, moe_ffn_dim=1024, moe_shared_experts=1, moe_shared_gate=True,
-        moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
-    ),
-    "qwen3.5-397b-a17b": ModelConfig(
-        name="qwen3.5-397b-a17b", vocab_size=248320, dim=4096, n_layers=60, n_heads=32, n_kv_heads=2, head_dim=256,
-        ffn_dim=1024, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, qk_norm=True, attn_output_gate=True,
-        partial_rotary=0.25, linear_layers=tuple(i for i in range(60) if (i + 1) % 4), linear_k_heads=16,
-        linear_v_heads=64, moe_experts=512, moe_topk=10, moe_ffn_dim=1024, moe_shared_experts=1, moe_shared_gate=True,
-        moe_softmax_before_topk=False, moe_aux_loss_coef=0.001,
-    ),
+    # heads: 16 key heads of 128; 48 value heads for 27B, 64 for 122B and 397B). Dense 27B.
+    "qwen3.5-27b": _qwen_hybrid("qwen3.5-27b", 248320, 5120, 64, 24, 4, 17408,
+                                linear_v_heads=48),
+    "qwen3.5-122b-a10b": _qwen_hybrid("qwen3.5-122b-a10b", 248320, 3072, 48, 32, 2, 1024,
+                                      linear_v_heads=64, experts=256, topk=8, expert_ffn=1024),
+    "qwen3.5-397b-a17b": _qwen_hybrid("qwen3.5-397b-a17b", 248320, 4096, 60, 32, 2, 1024,
+                                      linear_v_heads=64, experts=512, topk=10, expert_ffn=1024),
 }
 
 
