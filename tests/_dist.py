@@ -125,3 +125,67 @@ def warm_parent() -> None:
 
     cfg = assemble(TrainConfig(steps=1, seq_len=32, micro_batch=1, progress=False))
     Trainer(cfg, Mesh.single(torch.device("cpu"))).train_step(0)
+
+
+class HFGrads:
+    """A transformers model's gradients by name, read like a checkpoint (`hf.WeightFiles`' interface). `names`:
+    {the name to read it by: the parameter's name} (a multimodal model's language model read by text-only names);
+    every parameter under its own name when None."""
+
+    def __init__(self, model, names: dict[str, str] | None = None):
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        self.t = grads if names is None else {n: grads[s] for n, s in names.items()}
+        self.where = self.t
+
+    def __contains__(self, n):
+        return n in self.t
+
+    def shape(self, n):
+        return tuple(self.t[n].shape)
+
+    def read(self, n, box):
+        return self.t[n][box]
+
+
+def hf_hybrid_grad(name, cfg, grads: HFGrads):
+    """transformers' gradient of a Qwen3-Next / Qwen3.5 model's shardwise parameter `name`: mapped like its weight,
+    but without the zero-centred norms' +1."""
+    from shardwise import hf, hf_qwen3_next
+
+    special = hf_qwen3_next.source(name, cfg, grads, offset=0.0)
+    if special is not None:
+        return special[2](grads)
+    src = hf.tensor_source(name, cfg, grads)
+    return src.read(grads, tuple(slice(0, s) for s in src.shape))
+
+
+def hf_hybrid_grad_bounds(model, ref_model, cfg, x, names: dict[str, str] | None = None) -> list[tuple]:
+    """(name, rel, bound) for every shardwise parameter of a Qwen3-Next / Qwen3.5 model whose gradients (after its
+    backward) are compared with transformers' `ref_model`'s (after its own, on tokens `x`): rel is norm-wise, as
+    verify measures gradients; bound is fp32's floor, not ours — 3e-4 (at initializer_range 0.2 transformers' own
+    fp32 gradients of the linear layers sit 5e-5–1.2e-4 from float64), or where a gradient's sums cancel (A_log,
+    dt_bias, the decay's wa: 4 of 150 token draws went past 3e-4, up to 7e-4) 4x transformers' own distance to the
+    same model run in float64 (verify's `Float64`, verify's multiple). A wrong mapping, norm offset or rotary
+    permutation scores O(1). `names`: as `HFGrads`'."""
+    import copy
+
+    from shardwise.verify import Float64
+
+    grads = HFGrads(ref_model, names)
+    rels = {n: float((p.grad - hf_hybrid_grad(n, cfg, grads)).norm() / hf_hybrid_grad(n, cfg, grads).norm())
+            for n, p in model.named_parameters()}
+    for n in rels:
+        assert float(hf_hybrid_grad(n, cfg, grads).abs().max()) > 0, n
+    if max(rels.values()) < 3e-4:  # the float64 run only where needed (MoE's grouped GEMM has no float64 kernel)
+        return [(n, rel, 3e-4) for n, rel in rels.items()]
+    exact = copy.deepcopy(ref_model).double()
+    with Float64():
+        logits = exact(input_ids=x[:, :-1]).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+    grads64 = HFGrads(exact, names)
+    out = []
+    for n, rel in rels.items():
+        ref, ref64 = hf_hybrid_grad(n, cfg, grads), hf_hybrid_grad(n, cfg, grads64)
+        noise = float((ref.double() - ref64).norm() / ref64.norm())
+        out.append((n, rel, max(3e-4, 4 * noise)))
+    return out
