@@ -35,7 +35,7 @@ from shardwise import comm  # noqa: E402
 from shardwise.comm import Ledger  # noqa: E402
 from shardwise.context_parallel import block_plan, ring_attention, shard_sequence, ulysses_attention  # noqa: E402
 from shardwise.context_parallel.ring_attention import block_backward, block_forward  # noqa: E402
-from shardwise.launch import run_local  # noqa: E402
+from shardwise.training.launch import run_local  # noqa: E402
 from shardwise.config import ParallelConfig  # noqa: E402
 from shardwise.mesh import Mesh  # noqa: E402
 

@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 from shardwise import comm  # noqa: E402
 from shardwise.comm import Ledger  # noqa: E402
 from shardwise.expert_parallel import AllToAllDispatcher  # noqa: E402
-from shardwise.launch import run_local  # noqa: E402
+from shardwise.training.launch import run_local  # noqa: E402
 from shardwise.config import ParallelConfig  # noqa: E402
 from shardwise.mesh import Mesh  # noqa: E402
 

@@ -114,7 +114,7 @@ def muon_ns_bf16_vs_fp32(device) -> dict:
 
 def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype: str, compile_: bool,
                optimizer: str = "adamw") -> dict:
-    from shardwise.train import train_main
+    from shardwise.training.loop import train_main
 
     cfg = TrainConfig(model=model, parallel=ParallelConfig(compile=compile_), steps=steps, seq_len=seq_len,
                       micro_batch=micro_batch, dtype=dtype, out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False,
@@ -173,8 +173,8 @@ def verify_layouts(mode: str, seq_len: int = 64) -> list[dict]:
     """Verify every layout on two ranks. mode "nccl": spawned ranks, one GPU each; "gloo-cuda": forked gloo
     ranks sharing cuda:0 (what gloo cannot do with CUDA tensors is reported, not raised); "gloo": forked
     CPU ranks (the dry run; failures raise)."""
-    from shardwise.launch import RankError, run_local
-    from shardwise.verify import verify_main
+    from shardwise.training.launch import RankError, run_local
+    from shardwise.verify.main import verify_main
 
     res = []
     for name, model, par in layouts():

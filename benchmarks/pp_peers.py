@@ -67,10 +67,10 @@ from torch import nn  # noqa: E402
 
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.data import load_tokens  # noqa: E402
-from shardwise.launch import run_local  # noqa: E402
+from shardwise.training.launch import run_local  # noqa: E402
 from shardwise.pipeline.simulate import analytic_bubble, measured_bubble, simulate  # noqa: E402
 from shardwise.data import IGNORE_INDEX  # noqa: E402
-from shardwise.trainer import Trainer, make_mesh  # noqa: E402
+from shardwise.training.trainer import Trainer, make_mesh  # noqa: E402
 
 PAIRS = {  # key -> (shardwise schedule, vp, torch schedule class name)
     "1f1b": ("1f1b", 1, "Schedule1F1B"),

@@ -170,8 +170,8 @@ def family_models(name: str, seed: int, folder: str):
 
     import transformers
 
-    from shardwise.hf import load_hf_into
-    from shardwise.hf_config import config_from_hf
+    from shardwise.hf.weights import load_hf_into
+    from shardwise.hf.config import config_from_hf
 
     cls, kw = FAMILIES[name]
     torch.manual_seed(seed)

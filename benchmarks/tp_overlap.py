@@ -48,7 +48,7 @@ from torch import nn  # noqa: E402
 from shardwise.comm import Ledger  # noqa: E402
 from shardwise.comm import collectives  # noqa: E402
 from shardwise.config import ModelConfig, ParallelConfig  # noqa: E402
-from shardwise.launch import run_local  # noqa: E402
+from shardwise.training.launch import run_local  # noqa: E402
 from shardwise.mesh import Mesh  # noqa: E402
 from shardwise.models.rope import apply_rope, rope_tables  # noqa: E402
 from shardwise.parallelize import build_model  # noqa: E402

@@ -37,7 +37,7 @@ from torch import nn  # noqa: E402
 
 from shardwise.comm import Ledger  # noqa: E402
 from shardwise.config import ModelConfig  # noqa: E402
-from shardwise.launch import run_local  # noqa: E402
+from shardwise.training.launch import run_local  # noqa: E402
 from shardwise.config import ParallelConfig  # noqa: E402
 from shardwise.mesh import Mesh  # noqa: E402
 from shardwise.models.llama import apply_rope, rope_tables  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # DeepSeek-tiny is defined once, beside its layout tests
 
 from shardwise.config import ParallelConfig, TrainConfig  # noqa: E402
-from shardwise.launch import run_local  # noqa: E402
+from shardwise.training.launch import run_local  # noqa: E402
 from test_model_families import DEEPSEEK, DEEPSEEK_NOQ  # noqa: E402
 
 _BIAS = dict(model_overrides={"moe_bias_update_rate": 0.01})
@@ -67,8 +67,8 @@ def run_seeds(name, cfgs):
     ends, so a run of hundreds of seeds can be followed (and a killed run keeps what it printed)."""
     import torch.distributed as dist
 
-    from shardwise.run import assemble
-    from shardwise.verify import verify_main
+    from shardwise.training.assemble import assemble
+    from shardwise.verify.main import verify_main
 
     out = []
     for cfg in cfgs:

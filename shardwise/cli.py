@@ -17,7 +17,7 @@ import sys
 
 from .config import AXES, ConfigError, ParallelConfig, TrainConfig
 from .config.flags import GIVEN, RUN_FLAGS, config_fields, flag_default, flag_type
-from .run import assemble, check_sources, read_model_config
+from .training.assemble import assemble, check_sources, read_model_config
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each flag's default; flags that default to off or to a value derived from others (None)
@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="TOML file whose keys are these flags' names; flags given on the command line win")
         p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     parser._sw_runs = {name: sub.choices[name] for name in runs}
-    for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint_cli", "shardwise.report",
-                "shardwise.hf_cli", "shardwise.data.cli", "shardwise.generate", "shardwise.simulate.cli"):
+    for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint.cli", "shardwise.training.report",
+                "shardwise.hf.cli", "shardwise.data.cli", "shardwise.training.generate", "shardwise.simulate.cli"):
         importlib.import_module(mod).add_parser(sub)
     return parser
 
@@ -129,10 +129,10 @@ def _vp(args) -> int:
 
 def _run(kind: str, cfg: TrainConfig, device=None):
     if kind == "train":
-        from .train import train_main
+        from .training.loop import train_main
 
         return train_main(cfg, device)
-    from .verify import verify_main
+    from .verify.main import verify_main
 
     return verify_main(cfg, device)
 
@@ -154,7 +154,7 @@ def _check_tp_within_node(cfg: TrainConfig) -> list[str]:
 
 
 def _torchrun() -> bool:
-    from .launch import under_torchrun
+    from .training.launch import under_torchrun
 
     return under_torchrun()
 
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
         return _refuse(args.command, e, rank0, torchrun_world is not None)
     try:
         if args.print_config:
-            from .config_file import render_config
+            from .config.file import render_config
 
             print(render_config(parser._sw_runs[args.command], args, cfg))
             return 0
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     if p.pp > 1 and cfg.grad_accum < p.pp and rank0:
         print(f"shardwise {args.command}: warning: {cfg.grad_accum} microbatch(es) per step for {p.pp} pipeline "
               f"stages: most stages idle most of the step; set --microbatches {p.pp} or more", file=sys.stderr)
-    from .launch import RankError
+    from .training.launch import RankError
 
     try:
         result = _launch(args.command, cfg, launch, torchrun_world)
@@ -243,7 +243,7 @@ def _refuse(command: str, error: ConfigError, speak: bool, torchrun: bool) -> in
     if speak:
         print(line, file=sys.stderr)
     if torchrun:
-        from .launch import note_torchrun_failure
+        from .training.launch import note_torchrun_failure
 
         note_torchrun_failure(line)
     return 2
@@ -252,7 +252,7 @@ def _refuse(command: str, error: ConfigError, speak: bool, torchrun: bool) -> in
 def _configure(parser, args, argv, torchrun_world: int | None, rank0: bool):
     """(args with --config's TOML applied, the assembled TrainConfig); rank 0 prints the warnings."""
     if args.config:
-        from .config_file import apply_config_file
+        from .config.file import apply_config_file
 
         args = apply_config_file(parser, parser._sw_runs[args.command], args.config, argv)
     cfg = config_from_args(args, torchrun_world)
@@ -273,7 +273,7 @@ def config_warnings(args, cfg: TrainConfig) -> list[str]:
 def _before_ranks(args, cfg: TrainConfig) -> str | None:
     """The command's own checks before any rank; for train, the line to print when nothing is left to run."""
     if args.command == "verify":
-        from .verify import check_verifiable
+        from .verify.main import check_verifiable
 
         check_verifiable(cfg)
     if args.command == "train":
@@ -287,12 +287,12 @@ def _plan_launch(args, cfg: TrainConfig, torchrun_world: int | None):
     world = cfg.parallel.world_size
     import torch
 
-    from .launch import plan_launch
+    from .training.launch import plan_launch
 
     launch = plan_launch(world, args.device, torch.cuda.device_count() if args.device != "cpu" else 0,
                          torchrun_world is not None)
     if torchrun_world is not None or args.gloo_ifname:
-        from .launch import configure_gloo
+        from .training.launch import configure_gloo
 
         configure_gloo(args.gloo_ifname)
     if torchrun_world is None and world > MAX_LOCAL_RANKS:
@@ -304,7 +304,7 @@ def _plan_launch(args, cfg: TrainConfig, torchrun_world: int | None):
 def _launch(kind: str, cfg: TrainConfig, launch, torchrun_world: int | None):
     """Run the ranks: join torchrun's job, run in this process (one rank), or fork the local ranks; rank 0's result."""
     if torchrun_world is not None:
-        from .launch import init_distributed
+        from .training.launch import init_distributed
 
         return _run(kind, cfg, init_distributed(cfg.timeout_s, launch.device, cfg.out))
     world = cfg.parallel.world_size
@@ -312,7 +312,7 @@ def _launch(kind: str, cfg: TrainConfig, launch, torchrun_world: int | None):
         import torch
 
         return _run(kind, cfg, torch.device("cuda", 0) if launch.device == "cuda" else None)
-    from .launch import run_local
+    from .training.launch import run_local
 
     return run_local(_rank_run, world, kind, cfg, timeout_s=cfg.timeout_s, backend=launch.backend,
                      run_dir=cfg.out)[0]
@@ -324,7 +324,7 @@ def _report(kind: str, result) -> int:
         print(f"losses: {' '.join(f'{x:.6f}' for x in losses)}", file=sys.stderr)
         print(json.dumps(result))
         return 0 if result["passed"] else 1
-    from .report import summary_lines
+    from .training.report import summary_lines
 
     print("\n".join(summary_lines(result)))
     return 0
@@ -333,8 +333,8 @@ def _report(kind: str, result) -> int:
 def _prepare_run_dir(args, cfg: TrainConfig) -> str | None:
     """Before any rank: the run directory (newest run for a bare --resume), fresh vs resume, and protection of
     a non-empty --out. Returns the line to print when the checkpoint already reaches --steps."""
-    from .run import check_run_dir
-    from .run_dir import default_out_dir, newest_run_with_checkpoints
+    from .training.assemble import check_run_dir
+    from .training.run_dir import default_out_dir, newest_run_with_checkpoints
 
     if cfg.out is None:
         if (cfg.resume or args.auto_resume) and cfg.checkpoint_dir is None:
@@ -365,7 +365,7 @@ def _interrupted_line(cfg: TrainConfig) -> str:
                     step = json.loads(line)["step"]
     except (OSError, ValueError, KeyError):
         pass
-    from .run import checkpoint_root
+    from .training.assemble import checkpoint_root
 
     try:
         with open(os.path.join(checkpoint_root(cfg), "latest")) as f:

@@ -307,7 +307,7 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     model.chunks = None
     if schedule is not None:
         from .pipeline.grad_store import WeightGradStore
-        from .partition import split_layers
+        from .rules.partition import split_layers
         from .pipeline.stage import prune_to_stages
         from .pipeline.tied_embedding import mark_mtp_embedding, mark_tied_copies
 

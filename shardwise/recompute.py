@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .expert_parallel.dispatch import SplitTape
 from .expert_parallel.moe import MoE
-from .partition import recomputed_layers
+from .rules.partition import recomputed_layers
 
 MODES = ("none", "selective", "full")
 

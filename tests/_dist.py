@@ -6,10 +6,10 @@ import os
 import torch
 
 from shardwise.comm import Ledger
-from shardwise.launch import run_local
+from shardwise.training.launch import run_local
 from shardwise.config import ParallelConfig
 from shardwise.mesh import Mesh
-from shardwise.run import assemble
+from shardwise.training.assemble import assemble
 
 
 def fresh_seed() -> int:
@@ -39,7 +39,7 @@ def make_mesh(timeout_s: float = 120.0, **degrees) -> Mesh:
 
 def verify_all(cfgs):
     """Inside ranks: run `verify_main` for each config in turn (one spawn checks many layouts)."""
-    from shardwise.verify import verify_main
+    from shardwise.verify.main import verify_main
 
     out = []
     for cfg in cfgs:
@@ -121,7 +121,7 @@ def warm_parent() -> None:
     """One single-device training step in this process, so forked ranks inherit torch's lazy first-use setup
     instead of each paying it (measured ~10 CPU-s per 4-rank fork cold, ~3 warm)."""
     from shardwise.config import TrainConfig
-    from shardwise.trainer import Trainer
+    from shardwise.training.trainer import Trainer
 
     cfg = assemble(TrainConfig(steps=1, seq_len=32, micro_batch=1, progress=False))
     Trainer(cfg, Mesh.single(torch.device("cpu"))).train_step(0)
@@ -150,7 +150,8 @@ class HFGrads:
 def hf_hybrid_grad(name, cfg, grads: HFGrads):
     """transformers' gradient of a Qwen3-Next / Qwen3.5 model's shardwise parameter `name`: mapped like its weight,
     but without the zero-centred norms' +1."""
-    from shardwise import hf, hf_qwen3_next
+    from shardwise.hf import weights as hf
+    from shardwise.hf import qwen3_next as hf_qwen3_next
 
     special = hf_qwen3_next.source(name, cfg, grads, offset=0.0)
     if special is not None:
@@ -169,7 +170,7 @@ def hf_hybrid_grad_bounds(model, ref_model, cfg, x, names: dict[str, str] | None
     permutation scores O(1). `names`: as `HFGrads`'."""
     import copy
 
-    from shardwise.verify import Float64
+    from shardwise.verify.main import Float64
 
     grads = HFGrads(ref_model, names)
     rels = {n: float((p.grad - hf_hybrid_grad(n, cfg, grads)).norm() / hf_hybrid_grad(n, cfg, grads).norm())

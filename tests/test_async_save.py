@@ -16,7 +16,7 @@ import torch
 
 from shardwise import checkpoint
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.launch import RankError
+from shardwise.training.launch import RankError
 
 from _dist import fresh_seed, run_ranks
 
@@ -31,7 +31,7 @@ def _cfg(out, seed, **kw) -> TrainConfig:
 def _train_three_ways(root: str, seed: int):
     import torch.distributed as dist
 
-    from shardwise.train import train_main
+    from shardwise.training.loop import train_main
 
     train_main(_cfg(f"{root}/sync", seed))
     train_main(_cfg(f"{root}/async", seed, async_save=True))
@@ -72,7 +72,7 @@ def test_async_save_equals_sync_and_resumes_bitwise(tmp_path):
 
 
 def _crash_while_pending(root: str, seed: int):
-    from shardwise.train import train_main
+    from shardwise.training.loop import train_main
 
     publish = checkpoint.save._publish
 

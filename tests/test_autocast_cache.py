@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shardwise.recompute as recompute
 from shardwise.cli import main
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.trainer import Trainer, make_mesh
+from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 

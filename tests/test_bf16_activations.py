@@ -14,7 +14,7 @@ import sys
 import torch
 
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.trainer import Trainer, make_mesh
+from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 

@@ -18,7 +18,7 @@ from shardwise.checkpoint import (STATE_KEYS, flat_boxes, list_checkpoints, load
                                   save_checkpoint)
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.tensor_parallel.layers import get_spec
-from shardwise.trainer import Trainer, make_mesh
+from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 
@@ -170,7 +170,7 @@ def test_zero1_loads_tp_checkpoint_and_saves_one_that_reshards(saved, tmp_path):
 
 def test_single_device_load_and_safetensors_round_trip(saved, tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
-    from shardwise import checkpoint_cli
+    from shardwise.checkpoint import cli as checkpoint_cli
 
     t = _trainer(_cfg(saved["seed"]))
     info = load_checkpoint(saved["root"], t)

@@ -19,7 +19,7 @@ import torch
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.data.shards import sha256_file
 from shardwise.mesh import Mesh
-from shardwise.trainer import Trainer
+from shardwise.training.trainer import Trainer
 
 from _dist import fresh_seed, run_ranks
 
@@ -36,7 +36,7 @@ def _io_groups(root: str, seed: int):
 
     from shardwise import comm
     from shardwise.checkpoint import load_checkpoint, save_checkpoint, wait_for_save
-    from shardwise.trainer import make_mesh
+    from shardwise.training.trainer import make_mesh
 
     cfg = _cfg(seed, dp=2, zero=1)
     t = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))

@@ -25,7 +25,7 @@ def main_without_ranks(argv: list[str]) -> int:
     def launched(*args, **kwargs):
         raise Launched(argv)
 
-    with mock.patch("shardwise.launch.run_local", launched), mock.patch("shardwise.cli._run", launched):
+    with mock.patch("shardwise.training.launch.run_local", launched), mock.patch("shardwise.cli._run", launched):
         try:
             return main(argv)
         except SystemExit as e:  # argparse's own errors (unknown flag, non-integer value)

@@ -13,7 +13,7 @@ import pytest
 
 DRIVER = textwrap.dedent("""
     import json, os, sys, traceback
-    import shardwise.config_file, shardwise.launch  # imported once, before the forks
+    import shardwise.config.file, shardwise.training.launch  # imported once, before the forks
     from shardwise.cli import build_parser, main
 
     build_parser()  # and every subcommand's module
@@ -188,10 +188,10 @@ def test_init_from_hf_mtp_and_tokenizer_mistakes(tmp_path):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from shardwise import hf
+    from shardwise.hf import weights as hf
     from shardwise.config import TrainConfig
     from shardwise.data.prepare import prepare_data
-    from shardwise.hf_config import init_model_config
+    from shardwise.hf.config import init_model_config
     from shardwise.mesh import Mesh
     from shardwise.parallelize import build_model
 
@@ -238,7 +238,7 @@ def test_init_from_hf_mtp_and_tokenizer_mistakes(tmp_path):
     for n, t in original.items():  # lr 0: the checkpoint's weights come back unchanged
         torch.testing.assert_close(exported[n], t, atol=0, rtol=0, msg=lambda m: f"{n}: {m}")
     cfg = init_model_config(model_dir, None, {"mtp_layers": 1})
-    from shardwise.run import resolve_model  # fresh modules need no num_nextn_predict_layers in the checkpoint
+    from shardwise.training.assemble import resolve_model  # fresh modules need no num_nextn_predict_layers in the checkpoint
 
     assert resolve_model(TrainConfig(model=None, init_from_hf=model_dir, model_overrides={"mtp_layers": 2},
                                      mtp_init="fresh")).mtp_layers == 2

@@ -4,7 +4,7 @@ import torch
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.models.llama import rope_tables
 from shardwise.parallelize import build_model
-from shardwise.trainer import Trainer
+from shardwise.training.trainer import Trainer
 
 from _dist import fresh_seed, make_mesh, run_ranks
 

@@ -29,8 +29,8 @@ def _rank(seed: int):
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
 
-    from shardwise.trainer import Trainer, make_mesh
-    from shardwise.verify import verify_main
+    from shardwise.training.trainer import Trainer, make_mesh
+    from shardwise.verify.main import verify_main
 
     inductor_config.compile_threads = 1  # two ranks on two cores: no pool of compile workers per rank
     results = {}

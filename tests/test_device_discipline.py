@@ -22,12 +22,12 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", 
 ALLOWED = {
     ("optim/sharded.py", "Muon.__init__", "zeros"):
         "an empty placeholder parameter for a rank that holds no Muon matrix; never stepped nor communicated",
-    ("verify.py", "verify_main", "zeros"):
+    ("verify/main.py", "verify_main", "zeros"):
         "the per-parameter sum of update bounds: host arithmetic on norms already read back, never communicated",
-    ("verify.py", "first_grad_samples", "rand"):
+    ("verify/main.py", "first_grad_samples", "rand"):
         "which way each weight moves one ulp, drawn from a CPU generator seeded alike on every rank, then moved to "
         "the weights' device; never communicated",
-    ("routing_replay.py", "RoutingReplay._local_ids", "arange"):
+    ("verify/routing_replay.py", "RoutingReplay._local_ids", "arange"):
         "host token-id bookkeeping, cut like the batch and then moved to the world's device",
     ("checkpoint/files.py", "from_b64", "frombuffer"):
         "RNG state bytes for torch.set_rng_state / Generator.set_state, which take CPU byte tensors",
@@ -38,7 +38,7 @@ ALLOWED = {
     ("data/loader.py", "Loader._starts", "from_numpy"): "window starts for host-side batch assembly",
     ("data/loader.py", "Loader.batch_at", "from_numpy"):
         "the rank's rows read from the memmap on the host; the Trainer copies each microbatch to mesh.device",
-    ("hf_cli.py", "compare", "randint"):
+    ("hf/cli.py", "compare", "randint"):
         "host token ids handed to every rank, which copies them to its device before the forward",
     ("mesh.py", "Mesh.build", "arange"): "the rank grid: integer bookkeeping that derives the group lists",
     ("models/llama.py", "RMSNorm.__init__", "empty"):
@@ -117,7 +117,7 @@ def test_trainer_checks_token_ids_once_per_batch_on_the_host(monkeypatch):
     import shardwise.tensor_parallel.layers as layers
     from shardwise.config import TrainConfig
     from shardwise.mesh import Mesh
-    from shardwise.trainer import Trainer
+    from shardwise.training.trainer import Trainer
 
     monkeypatch.setattr(layers, "check_token_ids", lambda ids, v: None)
 

@@ -175,7 +175,7 @@ def _ring_checks(seed):
 
 
 def _verify_layouts(seed, cfgs):
-    from shardwise.verify import verify_main
+    from shardwise.verify.main import verify_main
 
     tokens = packed_stream(seed)
     out = [_ring_checks(seed)]

@@ -7,8 +7,8 @@ import torch
 
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.data.loader import load_tokens
-from shardwise.evaluate import EvalLoader, Evaluator
-from shardwise.run import assemble
+from shardwise.training.evaluate import EvalLoader, Evaluator
+from shardwise.training.assemble import assemble
 
 from _dist import fresh_seed, run_ranks
 from test_cli import Launched, main_without_ranks
@@ -28,8 +28,8 @@ def _eval_tokens() -> torch.Tensor:
 
 def _layouts_against_single(seed: int):
     """Per layout: eval_loss of the layout and of the single-device model at init and after one step."""
-    from shardwise.trainer import Trainer, make_mesh
-    from shardwise.verify import _reference
+    from shardwise.training.trainer import Trainer, make_mesh
+    from shardwise.verify.main import _reference
 
     out = []
     for degrees, extra in LAYOUTS:
@@ -115,8 +115,8 @@ def test_train_logs_eval_to_metrics_tensorboard_and_report(tmp_path):
     the report's loss plot and summary line."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from shardwise.report import render
-    from shardwise.train import train_main
+    from shardwise.training.report import render
+    from shardwise.training.loop import train_main
 
     held = tmp_path / "held.txt"
     held.write_text("".join(chr(32 + i % 90) for i in range(5000)))

@@ -7,10 +7,10 @@ import torch
 
 from shardwise.cli import main
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
-from shardwise.generate import KVCache, generate, generate_ids, load_source
+from shardwise.training.generate import KVCache, generate, generate_ids, load_source
 from shardwise.mesh import Mesh
 from shardwise.parallelize import build_model
-from shardwise.run import assemble
+from shardwise.training.assemble import assemble
 
 from _dist import fresh_seed, run_ranks
 
@@ -44,7 +44,7 @@ def test_kv_cache_forward_equals_full_forward(model):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny model trained 2 steps on tp=2 with a checkpoint at its last step, and its hf-export."""
-    from shardwise.train import train_main
+    from shardwise.training.loop import train_main
 
     tmp = tmp_path_factory.mktemp("gen")
     cfg = assemble(TrainConfig(parallel=ParallelConfig(tp=2), steps=2, seq_len=32, micro_batch=2, save_every=2,
@@ -120,7 +120,7 @@ def test_checkpoint_on_prepared_data_uses_its_tokenizer_and_eos(tmp_path):
     from tokenizers.pre_tokenizers import Whitespace
 
     from shardwise.data.prepare import prepare_data
-    from shardwise.train import train_main
+    from shardwise.training.loop import train_main
 
     tok = Tokenizer(WordLevel({"<unk>": 0, "<|endoftext|>": 1, **{f"w{i}": i + 2 for i in range(40)}},
                               unk_token="<unk>"))

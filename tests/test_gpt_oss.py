@@ -25,13 +25,13 @@ from torch.testing import assert_close
 
 transformers = pytest.importorskip("transformers")
 
-from shardwise import hf  # noqa: E402
+from shardwise.hf import weights as hf  # noqa: E402
 from shardwise.config import MODEL_PRESETS, ConfigError, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.context_parallel import ring_attention, shard_sequence, ulysses_attention  # noqa: E402
 from shardwise.context_parallel.local import bands, local_attention  # noqa: E402
-from shardwise.partition import ring_step_list, window_cut  # noqa: E402
-from shardwise.hf_config import config_from_hf, hf_config  # noqa: E402
-from shardwise.hf_mxfp4 import FP4_VALUES, dequantize  # noqa: E402
+from shardwise.rules.partition import ring_step_list, window_cut  # noqa: E402
+from shardwise.hf.config import config_from_hf, hf_config  # noqa: E402
+from shardwise.hf.mxfp4 import FP4_VALUES, dequantize  # noqa: E402
 from shardwise.models.documents import document_ids  # noqa: E402
 from shardwise.parallelize import plain_model  # noqa: E402
 
@@ -302,7 +302,7 @@ TRAIN_TOKENS = torch.randint(0, SHAPE["vocab_size"], (2048,), generator=torch.Ge
 def _rank_steps(path):
     """Inside each rank, for every layout: load the checkpoint, one forward+backward, the loss and this rank's
     reduced gradient slices (global name, shard dim, start, rows, values)."""
-    from shardwise.trainer import Trainer, make_mesh as trainer_mesh
+    from shardwise.training.trainer import Trainer, make_mesh as trainer_mesh
 
     out = []
     for degrees in LAYOUTS.values():
@@ -429,7 +429,7 @@ def test_verify_every_axis(gpt_oss):
 def test_generate_decodes_with_windows_and_sinks_as_transformers(gpt_oss):
     """The KV-cache decode (a sliding layer's newest token sees its window's latest keys, the sinks join every
     softmax) equals transformers' greedy `generate` step by step and the full forward, past the 5-token window."""
-    from shardwise.generate import KVCache, generate_ids, load_source
+    from shardwise.training.generate import KVCache, generate_ids, load_source
 
     model, *_ = load_source(gpt_oss)
     prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(fresh_seed()))

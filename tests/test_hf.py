@@ -26,11 +26,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
-from shardwise import hf  # noqa: E402
-from shardwise.hf_config import config_from_hf  # noqa: E402
+from shardwise.hf import weights as hf  # noqa: E402
+from shardwise.hf.config import config_from_hf  # noqa: E402
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from shardwise.run import assemble, resolve_model  # noqa: E402
-from shardwise.hf_cli import add_parser, compare, hf_logits, run_export  # noqa: E402
+from shardwise.training.assemble import assemble, resolve_model  # noqa: E402
+from shardwise.hf.cli import add_parser, compare, hf_logits, run_export  # noqa: E402
 from _dist import global_grads, grad_slices  # noqa: E402
 
 SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
@@ -299,7 +299,7 @@ def test_export_round_trip(models, tmp_path, name, as_state):
 def test_hf_export_from_checkpoint(models, tmp_path):
     """A checkpoint of a model loaded from HF exports (hf-export) to the same HF logits."""
     from shardwise.checkpoint import save_checkpoint
-    from shardwise.trainer import Trainer, make_mesh
+    from shardwise.training.trainer import Trainer, make_mesh
 
     cfg = TrainConfig(model=config_from_hf(models["llama"]), steps=1, seq_len=16, micro_batch=2, progress=False)
     trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")), tokens=torch.randint(0, 101, (2048,)))
@@ -393,7 +393,7 @@ def _train_config(path, degrees, global_batch):
 def _rank_grads(jobs):
     """Inside each rank: load the HF weights into the layout, one forward+backward, and the reduced
     gradient slices this rank holds as (global name, shard dim, start, rows, values)."""
-    from shardwise.trainer import Trainer, make_mesh
+    from shardwise.training.trainer import Trainer, make_mesh
 
     out = []
     for path, degrees, global_batch in jobs:
@@ -437,7 +437,7 @@ def _hf_loss_and_grads(path, global_batch, out_dir):
 
 @pytest.fixture(scope="module")
 def trained(models):
-    from shardwise.launch import run_local
+    from shardwise.training.launch import run_local
 
     jobs = [(models[m], degrees, gb) for m, degrees, gb in TRAIN_LAYOUTS.values()]
     return run_local(_rank_grads, 4, jobs, timeout_s=120)
@@ -527,7 +527,7 @@ def _finetune(path, ckpt):
     """Inside each rank: 5 steps of a real fine-tune on dp=2 × tp=2 with ZeRO-1, a checkpoint, and the
     loss (no update) on a held batch."""
     from shardwise.checkpoint import save_checkpoint
-    from shardwise.trainer import Trainer, make_mesh
+    from shardwise.training.trainer import Trainer, make_mesh
 
     cfg = TrainConfig(model=None, init_from_hf=path, parallel=ParallelConfig(dp=2, tp=2, zero=1), steps=5,
                       seq_len=16, micro_batch=2, global_batch=8, lr=3e-3, warmup_steps=1, progress=False)
@@ -540,7 +540,7 @@ def _finetune(path, ckpt):
 
 def test_finetune_dp2_tp2_zero1_exported_loss_matches_transformers(ft_models, tmp_path):
     from shardwise.data import Loader, load_tokens
-    from shardwise.launch import run_local
+    from shardwise.training.launch import run_local
 
     path, ckpt = ft_models["llama"], str(tmp_path / "ckpt")
     results = run_local(_finetune, 4, path, ckpt, timeout_s=120)

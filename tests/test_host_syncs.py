@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.step_timer import StepTimer
+from shardwise.training.step_timer import StepTimer
 
 from _dist import fresh_seed, run_ranks
 
 
 def _train(root: str, seed: int):
-    from shardwise.train import train_main
+    from shardwise.training.loop import train_main
 
     runs = {"dense": (dict(dp=2, zero=1), {}), "pp": (dict(pp=2), {}),
             "cp_doc": (dict(cp=2), dict(attention_mask="document")),

@@ -22,7 +22,7 @@ from shardwise.checkpoint import load_checkpoint, save_checkpoint
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.config import ParallelConfig
 from shardwise.mesh import axis_lines
-from shardwise.trainer import Trainer, make_mesh
+from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks, verify_all
 from test_cli import main_without_ranks

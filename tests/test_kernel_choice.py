@@ -172,8 +172,8 @@ def _train_both(tmp):
     import dataclasses
 
     from shardwise.config import ParallelConfig, TrainConfig
-    from shardwise.run import assemble
-    from shardwise.train import train_main
+    from shardwise.training.assemble import assemble
+    from shardwise.training.loop import train_main
 
     out = []
     for impl in ("ring", "ulysses"):

@@ -2,7 +2,7 @@
 import pytest
 
 from shardwise.config import ConfigError
-from shardwise.launch import LaunchPlan, nccl_env_defaults, plan_launch
+from shardwise.training.launch import LaunchPlan, nccl_env_defaults, plan_launch
 
 
 @pytest.mark.parametrize("world, device, gpus, torchrun, plan", [

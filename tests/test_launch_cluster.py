@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
-from shardwise import launch
+from shardwise.training import launch as launch
 from shardwise.config import ConfigError
-from shardwise.launch import (ForkAfterCudaError, LastOp, RankError, choose_gloo_ifname, interface_towards,
+from shardwise.training.launch import (ForkAfterCudaError, LastOp, RankError, choose_gloo_ifname, interface_towards,
                               local_cuda_index, run_local)
 
 

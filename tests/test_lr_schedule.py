@@ -8,7 +8,7 @@ import torch
 from shardwise.cli import build_parser, config_from_args
 from shardwise.config import ConfigError, TrainConfig
 from shardwise.config.schedule import lr_plan
-from shardwise.trainer import lr_at
+from shardwise.training.trainer import lr_at
 
 from test_cli import Launched, main_without_ranks
 
@@ -100,7 +100,7 @@ def _printed_defaults(capsys):
 def test_optimizer_receives_weight_decay_betas_eps():
     """Single device, ZeRO 0: AdamW's param groups hold the flags' values (no decay on norms)."""
     from shardwise.mesh import Mesh
-    from shardwise.trainer import Trainer
+    from shardwise.training.trainer import Trainer
 
     cfg = _cfg(["--steps", "2", "--seq-len", "16", "--micro-batch", "1", "--weight-decay", "0.03",
                 "--adam-betas", "0.8,0.9", "--adam-eps", "1e-5", "--grad-clip", "0"])

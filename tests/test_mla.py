@@ -12,8 +12,8 @@ WIDE_V = dataclasses.replace(DEEPSEEK, v_head_dim=32)  # v wider than q/k's 16 +
 
 def _train(tmp):
     from shardwise.config import ParallelConfig, TrainConfig
-    from shardwise.run import assemble
-    from shardwise.train import train_main
+    from shardwise.training.assemble import assemble
+    from shardwise.training.loop import train_main
 
     out = []
     for model, impl in ((DEEPSEEK, "ring"), (DEEPSEEK, "ulysses"), (WIDE_V, "ring")):

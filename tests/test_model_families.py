@@ -174,7 +174,7 @@ DS_JSON = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM
 def test_deepseek_config_refusals(tmp_path, changes, message):
     import json
 
-    from shardwise.hf_config import config_from_hf
+    from shardwise.hf.config import config_from_hf
 
     (tmp_path / "config.json").write_text(json.dumps(DS_JSON | changes))
     with pytest.raises(ConfigError, match=message):
@@ -201,7 +201,7 @@ def test_deepseek_v3_real_config_yarn(tmp_path, capsys):
     import math
 
     from shardwise.cli import main
-    from shardwise.hf_config import config_from_hf
+    from shardwise.hf.config import config_from_hf
 
     (tmp_path / "config.json").write_text(json.dumps(DS_V3_REAL))
     cfg = config_from_hf(str(tmp_path))
@@ -224,7 +224,7 @@ def test_deepseek_v3_real_config_yarn(tmp_path, capsys):
 def test_qwen3_config_refusals(tmp_path, model_type, changes, message):
     import json
 
-    from shardwise.hf_config import config_from_hf
+    from shardwise.hf.config import config_from_hf
 
     base = {"model_type": model_type, "vocab_size": 101, "hidden_size": 32, "intermediate_size": 48,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12,

@@ -22,8 +22,8 @@ from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConf
 from shardwise.mesh import Mesh
 from shardwise.models.mtp import IGNORE, depth_counts, shift_inputs
 from shardwise.parallelize import build_model
-from shardwise.run import assemble
-from shardwise.trainer import Trainer
+from shardwise.training.assemble import assemble
+from shardwise.training.trainer import Trainer
 
 from _dist import fresh_seed, run_ranks, verify_all
 
@@ -169,7 +169,7 @@ def test_refusals():
 
 
 def _export(tmp_path, seed=3):
-    from shardwise import hf
+    from shardwise.hf import weights as hf
 
     model = build_model(DEEPSEEK_MTP, Mesh.single(torch.device("cpu")), seed)
     with torch.no_grad():
@@ -182,12 +182,12 @@ def _export(tmp_path, seed=3):
 def _loaded_slices_equal(path):
     """Inside ranks (pp2): every tensor this rank holds, the last stage's MTP embedding copy included, equals the
     single-device model's slice after --init-from-hf's loader read only this rank's slices."""
-    from shardwise import hf
+    from shardwise.hf import weights as hf
     from shardwise.config import ParallelConfig as PC
     from shardwise.pipeline.schedules import build_schedule
     from shardwise.pipeline.tied_embedding import tied_name
     from shardwise.tensor_parallel.layers import get_spec
-    from shardwise.trainer import make_mesh
+    from shardwise.training.trainer import make_mesh
 
     cfg = assemble(TrainConfig(model=DEEPSEEK_MTP, parallel=PC(pp=2, tp=1), global_batch=4, micro_batch=2, seq_len=32))
     mesh = make_mesh(cfg, torch.device("cpu"))
@@ -264,7 +264,7 @@ def _main_hidden(model, x):
 
 def test_init_from_hf_refuses_more_mtp_layers_than_the_checkpoint(tmp_path, capsys):
     from shardwise.cli import main
-    from shardwise.hf_config import init_model_config
+    from shardwise.hf.config import init_model_config
 
     _, path = _export(tmp_path)
     assert init_model_config(path, None, {"mtp_layers": 1}).mtp_layers == 1
@@ -312,7 +312,7 @@ def _measure(layouts, seed):
         if world != torch.distributed.get_world_size():
             continue
         cfg = assemble(_cfg(seed, global_batch=gb, **par))
-        from shardwise.trainer import make_mesh
+        from shardwise.training.trainer import make_mesh
 
         mesh = make_mesh(cfg, torch.device("cpu"))
         t = Trainer(cfg, mesh)
@@ -429,7 +429,7 @@ def test_init_from_hf_pp2_lr0_checkpoint_exports_every_mtp_tensor(tmp_path):
     from safetensors.torch import load_file
 
     from shardwise.cli import main
-    from shardwise.hf_cli import run_export
+    from shardwise.hf.cli import run_export
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 

@@ -9,8 +9,8 @@ import torch
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from shardwise.optim import is_muon_param
 from shardwise.planner.muon import deal
-from shardwise.run import assemble
-from shardwise.trainer import Trainer, lr_at, make_mesh
+from shardwise.training.assemble import assemble
+from shardwise.training.trainer import Trainer, lr_at, make_mesh
 
 from _dist import fresh_seed, run_ranks, verify_all
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.observe import Observer, device_peak_flops, step_model_flops
-from shardwise.run import assemble
+from shardwise.training.observe import Observer, device_peak_flops, step_model_flops
+from shardwise.training.assemble import assemble
 
 from _dist import fresh_seed, run_ranks
 from test_cli import main_without_ranks
@@ -60,7 +60,7 @@ def _fake_wandb(log_path):
 
 
 def test_profile_traces_throughput_and_wandb_on_two_ranks(tmp_path):
-    from shardwise.train import train_main
+    from shardwise.training.loop import train_main
 
     calls = tmp_path / "wandb_calls.jsonl"
     held = tmp_path / "held.txt"
@@ -91,7 +91,7 @@ def test_profile_traces_throughput_and_wandb_on_two_ranks(tmp_path):
 
 
 def test_mlflow_dispatch_local_file_store(tmp_path, monkeypatch):
-    from shardwise.train import train_main
+    from shardwise.training.loop import train_main
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     calls = []

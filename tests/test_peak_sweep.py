@@ -104,7 +104,7 @@ def test_partial_recompute_within_bounds_and_needs_the_freed_plain_layers(monkey
     import copy
 
     from shardwise.planner import activations
-    from shardwise.run import assemble
+    from shardwise.training.assemble import assemble
     from shardwise.simulate.predict import planned
 
     report = sweep.simulate(sweep.LAYOUTS["pp2-1f1b-bf16-full-rl1"])
@@ -118,7 +118,7 @@ def test_partial_recompute_within_bounds_and_needs_the_freed_plain_layers(monkey
 def _planned_peak(name: str, stage: int) -> float:
     import copy
 
-    from shardwise.run import assemble
+    from shardwise.training.assemble import assemble
     from shardwise.simulate.predict import planned
 
     return planned(assemble(copy.deepcopy(sweep.LAYOUTS[name])), stage)["peak_bytes"]

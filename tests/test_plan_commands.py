@@ -1,6 +1,6 @@
 """One source of truth for plan and train: the same model specs and flags, and plan rows that run as printed.
 
-* `shardwise.config`, `shardwise.partition`, `shardwise.hf_config` and the planner import no torch (checked
+* `shardwise.config`, `shardwise.rules.partition`, `shardwise.hf.config` and the planner import no torch (checked
   in a fresh interpreter, validation and plan-with-commands included).
 * The planner's presets are the trainer's `MODEL_PRESETS` by construction (`ModelSpec` subclasses
   `ModelConfig`); an HF config.json is read by the trainer's reader for both.
@@ -21,7 +21,7 @@ import pytest
 
 from shardwise import cli
 from shardwise.config import MODEL_PRESETS, ModelConfig
-from shardwise.hf_config import config_from_hf
+from shardwise.hf.config import config_from_hf
 from shardwise.planner import PRESETS, ModelSpec, load_hf_config
 from shardwise.planner.command import parse_train_flags
 from shardwise.planner.layout import Layout
@@ -40,7 +40,7 @@ def _plan(capsys, argv) -> list[dict] | dict:
 def test_config_and_planner_import_no_torch(tmp_path):
     code = f"""
 import sys
-import shardwise.config, shardwise.partition, shardwise.hf_config, shardwise.planner, shardwise.planner.cli
+import shardwise.config, shardwise.rules.partition, shardwise.hf.config, shardwise.planner, shardwise.planner.cli
 from shardwise.config import ParallelConfig, TrainConfig
 cfg = TrainConfig(parallel=ParallelConfig(pp=2, cp=2, schedule="interleaved", vp=2), global_batch=8)
 cfg.resolve_world()

@@ -90,7 +90,7 @@ def _layer(name: str) -> int | None:
 def _measure(cases):
     """In a rank, per case: {layer: bytes of its casts saved past the forward's autocast region} and, under full
     recompute, {layer: bytes of its rebuilt casts alive at its MLP's backward moment}."""
-    from shardwise.trainer import Trainer, make_mesh
+    from shardwise.training.trainer import Trainer, make_mesh
 
     out = []
     for model, layout, recompute in cases:
@@ -146,7 +146,7 @@ def _gate_config(gate: dict, fp32: bool) -> TrainConfig:
 
 def _saved(gates) -> list[int]:
     """In a rank: the bytes of the distinct non-parameter storages one microbatch's forward saves, per config."""
-    from shardwise.trainer import Trainer, make_mesh
+    from shardwise.training.trainer import Trainer, make_mesh
 
     out = []
     for gate, fp32 in gates:

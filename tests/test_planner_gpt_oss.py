@@ -29,7 +29,7 @@ def test_gpt_oss_120b_full_size_within_bounds(monkeypatch):
     18 layers, 4 of 128 experts per rank, a balanced cp 8 ring whose nine sliding layers run steps 0, 1 and 7 only —
     in the forward, the backward and the selective recompute's forward again. Counting the recomputed sliding layers'
     ring at all c − 1 hops (as the planner did) or not at all makes the cp bytes differ from the ledger."""
-    from shardwise.run import assemble
+    from shardwise.training.assemble import assemble
     from shardwise.simulate.predict import planned
 
     layout = sweep.LAYOUTS[OSS120]
@@ -74,7 +74,7 @@ def test_windowed_core_flops_equal_the_one_device_model(monkeypatch):
     from torch.utils.flop_counter import FlopCounterMode
 
     from shardwise.parallelize import plain_model
-    from shardwise.partition import local_scores
+    from shardwise.rules.partition import local_scores
     from shardwise.planner import gpt_oss
     from shardwise.planner.estimate import layer_flops_per_token
     from shardwise.planner.layout import Layout
@@ -135,7 +135,7 @@ def test_windowed_ring_and_ulysses_core_flops_equal_the_runtime(monkeypatch):
 
     from shardwise.config import ModelConfig
     from shardwise.context_parallel.local import local_attention
-    from shardwise.partition import local_scores, ring_scores
+    from shardwise.rules.partition import local_scores, ring_scores
     from shardwise.planner import gpt_oss
     from shardwise.planner.estimate import layer_flops_per_token
     from shardwise.planner.layout import Layout

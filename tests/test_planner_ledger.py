@@ -41,7 +41,7 @@ from shardwise.planner.layout import from_train_config, stages
 from shardwise.planner.activations import microbatch_activation_bytes
 from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
 from shardwise.data import IGNORE_INDEX
-from shardwise.trainer import Trainer, make_mesh
+from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 from test_model_families import DEEPSEEK, DEEPSEEK_NOQ, QWEN3, QWEN3_MOE

@@ -45,7 +45,7 @@ def test_hybrid_within_bounds(name, layout):
 
 def _comm_differs(layout, report) -> bool:
     """Whether the planner's comm bytes (as now patched) differ from the ledger's in `report`."""
-    from shardwise.run import assemble
+    from shardwise.training.assemble import assemble
     from shardwise.simulate.predict import planned
 
     measured = {a: v["measured"] for a, v in report["ranks"][0]["comm_bytes"].items()}
@@ -95,7 +95,7 @@ def test_windowed_ring_comm_equals_the_ledger(monkeypatch, order):
     the window stops the contiguous ring after one step, and the balanced one (16-token chunks) runs steps 1 and 3
     only; the linear layers gather one chunk's maps per rank, and the planner counts the ledger's bytes; counting
     every ring step instead fails. Activations within bounds (cp chunks of 16 and 32 tokens)."""
-    from shardwise.partition import ring_step_list
+    from shardwise.rules.partition import ring_step_list
 
     assert ring_step_list(4, order, 32, 16) == ([0, 1] if order == "contiguous" else [0, 1, 3])
     layout = TrainConfig(model="tiny", parallel=ParallelConfig(cp=4, cp_order=order), steps=2, seq_len=128,

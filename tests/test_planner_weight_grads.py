@@ -9,7 +9,7 @@ import ast
 from dataclasses import replace
 from pathlib import Path
 
-from shardwise import bucket_plan
+from shardwise.rules import buckets as bucket_plan
 from shardwise.planner import Layout, Workload, get_model, memory_by_stage
 from shardwise.planner.cli import main
 from shardwise.planner.layout import Stage, stages
@@ -41,10 +41,10 @@ def test_bucket_facts_have_one_definition():
             for n in names:
                 if n in ("BUCKET_BYTES", "MAX_INFLIGHT", "cut_runs", "cut_buckets"):
                     defined.setdefault(n, []).append(path.relative_to(ROOT).as_posix())
-    assert defined == {n: ["bucket_plan.py"] for n in ("BUCKET_BYTES", "MAX_INFLIGHT", "cut_runs")}
+    assert defined == {n: ["rules/buckets.py"] for n in ("BUCKET_BYTES", "MAX_INFLIGHT", "cut_runs")}
     for name in ("data_parallel/reducer.py", "planner/memory.py", "planner/zero2_inflight.py",
                  "planner/zero3_inflight.py", "planner/comm_model.py"):
-        assert "shardwise.bucket_plan import" in (ROOT / name).read_text().replace("..bucket_plan", "shardwise.bucket_plan")
+        assert "shardwise.rules.buckets import" in (ROOT / name).read_text().replace("..rules.buckets", "shardwise.rules.buckets")
 
 
 def test_cut_runs_closes_at_the_threshold():

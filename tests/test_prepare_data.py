@@ -12,7 +12,7 @@ import torch
 
 from shardwise.cli import main
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from shardwise.run import assemble, resolve_model
+from shardwise.training.assemble import assemble, resolve_model
 from shardwise.data import EOS, Loader, open_data
 from shardwise.data.loader import blend_assign, permute
 from shardwise.data.prepare import prepare_data
@@ -213,7 +213,7 @@ def test_sft_loss_counts_only_completions_on_every_layout(tmp_path):
     data = str(tmp_path / "sft")
     prepare_data([path], "byte", data, shard_tokens=500, progress=False)
     from shardwise.mesh import Mesh
-    from shardwise.trainer import Trainer
+    from shardwise.training.trainer import Trainer
 
     cfg = assemble(_sft_cfg(data), 1)
     trainer = Trainer(cfg, Mesh.single(torch.device("cpu")))

@@ -19,8 +19,8 @@ import torch
 from torch.testing import assert_close
 
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
-from shardwise.run import assemble
-from shardwise.trainer import Trainer, make_mesh
+from shardwise.training.assemble import assemble
+from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks, verify_all
 

@@ -28,12 +28,12 @@ from torch.testing import assert_close
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from shardwise import hf  # noqa: E402
+from shardwise.hf import weights as hf  # noqa: E402
 from shardwise.config import MODEL_PRESETS, ConfigError, ParallelConfig, TrainConfig  # noqa: E402
-from shardwise.hf_config import config_from_hf  # noqa: E402
-from shardwise.hf_init import check_init_from_hf, not_trained_line  # noqa: E402
-from shardwise.hf_export import multimodal_source  # noqa: E402
-from shardwise.hf_multimodal import multimodal_config, text_view  # noqa: E402
+from shardwise.hf.config import config_from_hf  # noqa: E402
+from shardwise.hf.init import check_init_from_hf, not_trained_line  # noqa: E402
+from shardwise.hf.export import multimodal_source  # noqa: E402
+from shardwise.hf.multimodal import multimodal_config, text_view  # noqa: E402
 from shardwise.mesh import Mesh  # noqa: E402
 from shardwise.parallelize import build_model  # noqa: E402
 
@@ -200,7 +200,7 @@ def test_finetune_flow_writes_the_multimodal_checkpoint_back(tmp_path, capsys):
     from safetensors.torch import load_file
 
     from shardwise.cli import main
-    from shardwise.hf_cli import run_export
+    from shardwise.hf.cli import run_export
 
     src, run, out = tmp_path / "src", str(tmp_path / "run"), str(tmp_path / "out")
     ref_model = _save(src, "moe", mtp=2, vocab_size=300)  # byte-level data (ids < 257) fits the vocabulary
@@ -291,7 +291,7 @@ def test_published_config_json_is_the_preset(tmp_path, preset):
 
 # ---------------------------------------------------------------- layouts (one fork)
 def _rank_layouts(dense_dir, moe_dir, tokens):
-    from shardwise.hf_cli import rank_forward
+    from shardwise.hf.cli import rank_forward
 
     out = {}
     for name, path, parallel in (("dense_tp2_cp2", dense_dir, ParallelConfig(cp=2, tp=2)),

@@ -25,9 +25,9 @@ from torch.testing import assert_close
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from shardwise import hf  # noqa: E402
+from shardwise.hf import weights as hf  # noqa: E402
 from shardwise.config import MODEL_PRESETS, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from shardwise.hf_config import config_from_hf  # noqa: E402
+from shardwise.hf.config import config_from_hf  # noqa: E402
 from shardwise.mesh import Mesh  # noqa: E402
 from shardwise.models.gated_deltanet import (GatedDeltaNet, causal_conv, chunk_gated_delta_rule, l2norm,  # noqa: E402
                                              resets_from_documents)
@@ -247,9 +247,9 @@ def _check_cp_ledger(fwd, total, cp, order):
 
 
 def _rank_all(seed, hf_dir):
-    from shardwise.hf_cli import rank_forward
-    from shardwise.run import assemble
-    from shardwise.verify import verify_main
+    from shardwise.hf.cli import rank_forward
+    from shardwise.training.assemble import assemble
+    from shardwise.verify.main import verify_main
 
     out = {"layer": [], "verify": []}
     for cp, order, documents in ((2, "balanced", False), (2, "contiguous", True), (4, "balanced", True)):
@@ -294,7 +294,7 @@ def _hf_tokens():
 def test_generate_carries_the_linear_state(tmp_path):
     """Greedy decoding with the linear layers' conv window and recurrent state carried token by token gives
     transformers' logits for the whole generated sequence at every step."""
-    from shardwise.generate import generate_ids
+    from shardwise.training.generate import generate_ids
 
     ref_model = _save(tmp_path, "qwen3_next")
     cfg = config_from_hf(str(tmp_path))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
-from shardwise.trainer import Trainer, make_mesh
+from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 

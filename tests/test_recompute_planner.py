@@ -17,12 +17,12 @@ The same spawn runs `train_main` once to check the keys summary.json reports.
 import torch
 
 from shardwise import comm
-from shardwise.activation_memory import SavedActivationMeter, predicted_activation_bytes
+from shardwise.training.activation_memory import SavedActivationMeter, predicted_activation_bytes
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.planner import Cluster, estimate, get_gpu
 from shardwise.planner.layout import from_train_config
-from shardwise.train import train_main
-from shardwise.trainer import Trainer, make_mesh
+from shardwise.training.loop import train_main
+from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 

@@ -5,7 +5,7 @@ import torch
 
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.mesh import Mesh
-from shardwise.trainer import Trainer
+from shardwise.training.trainer import Trainer
 
 
 def _trainer(zero: int, overlap: bool = True) -> Trainer:

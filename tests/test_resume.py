@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from shardwise import launch
+from shardwise.training import launch as launch
 
 from _dist import run_ranks, run_ranks_to_a_crash
 
@@ -38,7 +38,7 @@ def _warm_parent(tmp_path_factory):
     import torch
 
     from shardwise.mesh import Mesh
-    from shardwise.trainer import Trainer
+    from shardwise.training.trainer import Trainer
 
     cfg = _parse(["train", "--model", "tiny-moe", "--steps", "1", "--seq-len", "32", "--micro-batch", "1",
                   "--no-progress", "--no-report", "--out", str(tmp_path_factory.mktemp("warm"))])
@@ -47,7 +47,7 @@ def _warm_parent(tmp_path_factory):
 
 def _train_each(cfgs):
     """Inside ranks: `train_main` for each config in turn — the CLI's run, in forked ranks."""
-    from shardwise.train import train_main
+    from shardwise.training.loop import train_main
 
     for cfg in cfgs:
         train_main(cfg)
@@ -128,7 +128,7 @@ def _load_moe_then_step(path, cfgs):
 
     from shardwise.checkpoint import load_checkpoint, load_global_tensors
     from shardwise.checkpoint.boxes import persistent_buffers
-    from shardwise.trainer import Trainer, make_mesh
+    from shardwise.training.trainer import Trainer, make_mesh
 
     saved = load_global_tensors(path, prefix="buffer.")
     out = []
@@ -150,7 +150,7 @@ def test_moe_bias_resume_bitwise_and_reshard(tmp_path):
     bitwise, and the dp2×ep2 checkpoint loaded at dp4×ep4 and dp4×ep1 restores every router's bias
     exactly and continues the run (next loss within layout rounding; with the bias dropped it is not).
     One global microbatch per step in every layout, so the per-microbatch aux loss sees the same tokens."""
-    from shardwise.launch import RankError
+    from shardwise.training.launch import RankError
 
     common = ["train", "--model", "tiny-moe", "--moe-bias-update-rate", "0.01", "--steps", "6", "--seq-len", "64",
               "--global-batch", "4", "--no-progress", "--no-report"]
@@ -201,7 +201,7 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(RESUME_LAYOUTS))
 def test_crash_then_resume_bitwise_per_layout(name, tmp_path, uninterrupted):
-    from shardwise.launch import RankError
+    from shardwise.training.launch import RankError
 
     argv = [*RESUME_COMMON, *RESUME_LAYOUTS[name], "--out", str(tmp_path), "--save-every", "2"]
     with pytest.raises(RankError, match="rank 1 died"):

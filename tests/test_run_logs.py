@@ -5,9 +5,9 @@ import json
 import re
 
 from shardwise.cli import main
-from shardwise.console import Console, eval_line, log_interval, step_line
+from shardwise.training.console import Console, eval_line, log_interval, step_line
 from shardwise.config import TrainConfig
-from shardwise.report import layout_text
+from shardwise.training.report import layout_text
 
 from test_cli import main_without_ranks, shardwise
 

@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from shardwise.launch import RankError
+from shardwise.training.launch import RankError
 from shardwise.pipeline.p2p_check import check_programs
 from shardwise.pipeline.p2p_program import build_programs
 from shardwise.pipeline.schedules import build_schedule

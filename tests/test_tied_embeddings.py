@@ -51,8 +51,8 @@ def _tied_local(model):
 
 def _rank(seed, ckpt_dir):
     from shardwise.checkpoint import load_checkpoint, save_checkpoint
-    from shardwise.trainer import Trainer, make_mesh
-    from shardwise.verify import _reference, verify_main
+    from shardwise.training.trainer import Trainer, make_mesh
+    from shardwise.verify.main import _reference, verify_main
 
     out = {}
     for name, degrees in LAYOUTS.items():

@@ -10,7 +10,7 @@ import pytest
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.planner.tp_overlap import exposed_tp, messages_per_layer
 from shardwise.tensor_parallel.overlap import chunk_bounds
-from shardwise.verify import verify_main
+from shardwise.verify.main import verify_main
 
 from _dist import fresh_seed, run_ranks, verify_all
 from test_model_families import DEEPSEEK, DEEPSEEK_NOQ
@@ -47,7 +47,7 @@ def _ledgers(cfgs):
     """Inside ranks: the per-axis ledger of one forward/backward of each config, and its first losses."""
     import torch
 
-    from shardwise.trainer import Trainer, make_mesh
+    from shardwise.training.trainer import Trainer, make_mesh
 
     out = []
     for cfg in cfgs:
@@ -95,7 +95,7 @@ def _fused_storage_and_checkpoints(fused, unfused, zero3, root):
 
     from shardwise.checkpoint import load_checkpoint, save_checkpoint
     from shardwise.tensor_parallel.fused import region_stored
-    from shardwise.trainer import Trainer, make_mesh
+    from shardwise.training.trainer import Trainer, make_mesh
 
     def trainer(cfg):
         return Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
@@ -171,7 +171,7 @@ def _step_ledgers(cfgs):
     """Inside ranks: each config's comm ledger of one training step, without the bookkeeping tags."""
     import torch
 
-    from shardwise.trainer import Trainer, make_mesh
+    from shardwise.training.trainer import Trainer, make_mesh
 
     out = []
     for cfg in cfgs:

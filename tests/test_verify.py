@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.mesh import Mesh
 from shardwise.parallelize import build_model
-from shardwise.verify import verify_main
+from shardwise.verify.main import verify_main
 
 from _dist import fresh_seed, run_ranks, verify_all
 from test_model_families import DEEPSEEK, DEEPSEEK_NOQ
@@ -71,7 +71,7 @@ def _smoothing_runs(pairs):
     import torch
     import torch.distributed as dist
 
-    from shardwise.trainer import Trainer, make_mesh
+    from shardwise.training.trainer import Trainer, make_mesh
 
     out = []
     for smooth_cfg, plain_cfg in pairs:
@@ -111,7 +111,8 @@ def _verify_sabotaged(runs):
     """Inside ranks: verify each (cfg, freeze, drop). `freeze` = (parameter name, TP rank or None for all):
     the layout run restores it after every optimizer step, so it never trains; `drop` names a parameter
     that verify's views leave out of every comparison."""
-    from shardwise import trainer, verify
+    from shardwise.training import trainer as trainer
+    from shardwise.verify import main as verify
 
     step, grads, params = trainer.Trainer.optimizer_step, verify._grad_views, verify._param_views
     out = []
@@ -188,7 +189,9 @@ def _verify_broken(runs):
     layout's routers send each rank's first token of every forward to an expert outside its top-k."""
     import torch
 
-    from shardwise import routing_replay, train, verify
+    from shardwise.verify import routing_replay as routing_replay
+    from shardwise.training import loop as train
+    from shardwise.verify import main as verify
 
     finish, init = train.Trainer.finish_gradients, routing_replay.RoutingReplay.__init__
     out = []
@@ -275,12 +278,12 @@ def test_float64_reference_leaves_no_fp32(tmp_path, monkeypatch):
     from test_gpt_oss import _save as save_gpt_oss
     from test_qwen3_next import HYBRID
 
-    from shardwise.hf_config import config_from_hf
-    from shardwise.routing_replay import RoutingReplay
-    from shardwise.trainer import Trainer
-    from shardwise.run import assembled
-    from shardwise import verify
-    from shardwise.verify import first_grad_samples
+    from shardwise.hf.config import config_from_hf
+    from shardwise.verify.routing_replay import RoutingReplay
+    from shardwise.training.trainer import Trainer
+    from shardwise.training.assemble import assembled
+    from shardwise.verify import main as verify
+    from shardwise.verify.main import first_grad_samples
 
     monkeypatch.setattr(verify, "FP32_SAMPLES", 1)
     gpt_oss = dataclasses.replace(config_from_hf(save_gpt_oss(str(tmp_path / "gpt_oss"))), vocab_size=257)
@@ -321,7 +324,8 @@ def _hybrid_broken(runs):
     first-step bound of 1e-7, so every parameter is held to its own fp32 noise."""
     import torch
 
-    from shardwise import trainer, verify
+    from shardwise.training import trainer as trainer
+    from shardwise.verify import main as verify
     from shardwise.context_parallel import linear_attention
 
     finish, conv = trainer.Trainer.finish_gradients, linear_attention.causal_conv

@@ -20,7 +20,7 @@ import torch
 
 from shardwise.checkpoint import load_checkpoint, save_checkpoint
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
-from shardwise.trainer import Trainer, make_mesh
+from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks, verify_all
 from test_cli import main_without_ranks

@@ -1,13 +1,13 @@
 """Everything one run needs (`TrainConfig`; the degrees live in `parallel.py`), with all the
 validation of its own fields that can be done before any process starts. Pure: reading Hugging Face
-configs, data manifests and tokenizers is run assembly's job (`shardwise.run`), which stores the final
+configs, data manifests and tokenizers is run assembly's job (`shardwise.training.assemble`), which stores the final
 model in `TrainConfig.resolved_model`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..partition import ORDERS, check_seq_len, split_layers
+from ..rules.partition import ORDERS, check_seq_len, split_layers
 from ..pipeline.schedules import SCHEDULE_NAMES, build_schedule
 from .errors import ConfigError
 from .schedule import validate_optim
@@ -148,7 +148,7 @@ class TrainConfig:
     log_to: str | None = None
     """Also log metrics to 'wandb' or 'mlflow' (optional extras; offline/local unless configured)."""
     resolved_model: ModelConfig | None = None
-    """The final model, set by run assembly (`shardwise.run.assemble`) once the HF config and the data's
+    """The final model, set by run assembly (`shardwise.training.assemble.assemble`) once the HF config and the data's
     vocabulary are applied; None until then."""
 
     def residual_dtype(self) -> str:
@@ -193,12 +193,12 @@ class TrainConfig:
             raise ConfigError(f"--log-to {self.log_to!r} is unknown; valid: wandb, mlflow")
 
     def model_config(self) -> ModelConfig:
-        """The run's final model. After run assembly (`shardwise.run.assemble`) that is `resolved_model`; a
+        """The run's final model. After run assembly (`shardwise.training.assemble.assemble`) that is `resolved_model`; a
         config that names only a preset or a ModelConfig resolves here, purely (no file is read)."""
         if self.resolved_model is not None:
             return self.resolved_model
         if self.init_from_hf or self.data is not None:
-            raise ConfigError("a run with --init-from-hf or --data is assembled by shardwise.run.assemble(cfg), which "
+            raise ConfigError("a run with --init-from-hf or --data is assembled by shardwise.training.assemble.assemble(cfg), which "
                               "reads the checkpoint's config.json and the data's tokenizer")
         cfg = self.preset_model()
         self.check_model_overrides(cfg)

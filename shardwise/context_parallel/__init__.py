@@ -4,7 +4,7 @@
 * `ring_attention`: K/V blocks passed around the cp ring over p2p, LSE-merged (any head counts);
 * `ulysses`: all-to-all from sequence shards to head shards and back around full-sequence SDPA.
 """
-from ..partition import ORDERS, check_seq_len, chunk_ids, num_chunks
+from ..rules.partition import ORDERS, check_seq_len, chunk_ids, num_chunks
 from .ring_attention import block_plan, ring_attention
 from .sharding import layout_positions, positions, shard_sequence, unshard_sequence
 from .ulysses import ulysses_attention

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..models.gated_deltanet import causal_conv, chunk_gated_delta_rule, resets_from_documents
-from ..partition import chunk_ids
+from ..rules.partition import chunk_ids
 
 
 def _global_order(gathered: torch.Tensor, axis, order: str) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ import torch
 
 from ..models.attention import max_logits
 from ..models.documents import document_mask
-from ..partition import window_bands
+from ..rules.partition import window_bands
 from .ring_attention import block_backward, block_forward
 from .sinks import merge_sink, sink_grad, window_mask
 

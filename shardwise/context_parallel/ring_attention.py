@@ -51,7 +51,7 @@ from ..models.attention import max_logits
 from ..models.documents import document_mask
 from . import kernels
 from .kernels import expand_heads, fold_heads
-from ..partition import check_seq_len, chunk_intervals, ring_block_pairs, ring_step_list, window_cut
+from ..rules.partition import check_seq_len, chunk_intervals, ring_block_pairs, ring_step_list, window_cut
 from .sharding import positions, shard_sequence
 from .sinks import merge_sink, sink_grad, window_mask
 

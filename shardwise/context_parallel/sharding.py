@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..partition import check_seq_len, chunk_ids
+from ..rules.partition import check_seq_len, chunk_ids
 
 
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, order: str = "balanced", dim: int = 1) -> torch.Tensor:

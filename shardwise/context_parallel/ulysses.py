@@ -23,7 +23,7 @@ from .. import comm
 from . import kernels
 from ..models.attention import max_logits
 from ..models.documents import document_mask
-from ..partition import check_seq_len
+from ..rules.partition import check_seq_len
 from .local import local_attention, window_max_logits
 from .sharding import layout_positions
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm, host
-from ..bucket_plan import BUCKET_BYTES, MAX_INFLIGHT, cut_runs
+from ..rules.buckets import BUCKET_BYTES, MAX_INFLIGHT, cut_runs
 from ..mesh import Mesh
 from ..pipeline.tied_embedding import tied_partial
 from ..tensor_parallel.layers import get_spec

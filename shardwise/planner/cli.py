@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 
 from shardwise.config import ConfigError
-from shardwise.hf_config import config_from_hf
+from shardwise.hf.config import config_from_hf
 from shardwise.planner.errors import PlanError
 from shardwise.planner.estimate import Assumptions, estimate
 from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from shardwise.bucket_plan import cut_runs
+from shardwise.rules.buckets import cut_runs
 from shardwise.planner import gpt_oss, linear_attention
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, recomputed_layer_ids, stage_layer_ids
 from shardwise.planner.tp_overlap import chunks

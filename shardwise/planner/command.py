@@ -15,7 +15,7 @@ from dataclasses import fields
 from functools import lru_cache
 
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
-from shardwise.partition import balanced_counts
+from shardwise.rules.partition import balanced_counts
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout, Workload

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shardwise.partition import local_scores, ring_scores, ring_step_list
+from shardwise.rules.partition import local_scores, ring_scores, ring_step_list
 
 
 def attention_sinks(spec, tp: int) -> list[tuple[int, dict]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardwise.config.parallel import ParallelConfig
-from shardwise.partition import balanced_counts, recomputed_layers
+from shardwise.rules.partition import balanced_counts, recomputed_layers
 from shardwise.planner.errors import PlanError
 from shardwise.planner.models import ModelSpec, local_kv_heads
 

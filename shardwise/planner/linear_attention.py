@@ -13,7 +13,7 @@ Torch-free; `planner/models.py` asks for these instead of attention's for the la
 """
 from __future__ import annotations
 
-from shardwise.partition import chunk_ids
+from shardwise.rules.partition import chunk_ids
 
 CHUNK = 64
 """Tokens per chunk of the runtime's chunked form (`models.gated_deltanet.CHUNK`)."""

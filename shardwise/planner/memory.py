@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardwise.bucket_plan import cut_runs
-from shardwise.partition import balanced_counts
+from shardwise.rules.buckets import cut_runs
+from shardwise.rules.partition import balanced_counts
 from shardwise.planner.layout import Layout, Stage, chunk_owners
 from shardwise.planner.models import (
     ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors,

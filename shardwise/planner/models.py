@@ -7,7 +7,7 @@ architecture variants only the planner models — GPT-2's GELU MLP, LayerNorm, l
 positions — so a plan for a trainer preset or a trainer-readable Hugging Face config is a plan of exactly the
 model `shardwise train` builds; `untrainable` says why train cannot build a spec. Hugging Face `config.json`
 files of the llama, mistral, mixtral, qwen2, qwen3, qwen3_moe and deepseek_v3 families are read by the trainer's
-reader (`shardwise.hf_config`); shapes it refuses, and gpt2, are read leniently (`shardwise.hf_shapes`).
+reader (`shardwise.hf.config`); shapes it refuses, and gpt2, are read leniently (`shardwise.hf.shapes`).
 
 Counting follows shardwise's TP plan: the vocabulary is padded to a
 multiple of tp and sharded, wq/wk/wv/w1/w3 are split by output rows, wo/w2 by input columns, norms are
@@ -33,7 +33,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 
 from shardwise.config import MODEL_PRESETS, ConfigError, ModelConfig
-from shardwise.hf_shapes import model_fields_from_hf
+from shardwise.hf.shapes import model_fields_from_hf
 from shardwise.planner import gpt_oss
 from shardwise.planner.errors import PlanError
 from shardwise.planner.linear_attention import linear_attention_tensors
@@ -294,7 +294,7 @@ def get_model(name: str) -> ModelSpec:
 def load_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face config.json of a supported family; anything else is a `PlanError` naming why.
 
-    The one reader (`shardwise.hf_config`), lenient: what train accepts is planned as exactly the model
+    The one reader (`shardwise.hf.config`), lenient: what train accepts is planned as exactly the model
     `shardwise train --model-config` builds; what it refuses (and gpt2) is read for its shapes, marked `untrainable`.
     """
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.planner.layout import Layout, Stage
-from shardwise.bucket_plan import cut_runs
+from shardwise.rules.buckets import cut_runs
 from shardwise.planner.memory import (
     BYTES_ADAM, BYTES_GRAD, ZeroBucket, ZeroBuckets, bucket_layout, stage_params, stage_units, static_bytes,
 )

@@ -26,7 +26,7 @@ def trace_row(cfg) -> dict:
     simulated row (each the maximum over its simulated ranks: `--ranks stages`), or {"error": why} when the
     trainer refuses it."""
     from shardwise.config import ConfigError
-    from shardwise.run import assemble
+    from shardwise.training.assemble import assemble
     from shardwise.simulate.cli import check_simulable, choose_ranks, run
 
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shardwise.bucket_plan import MAX_INFLIGHT, cut_runs
+from shardwise.rules.buckets import MAX_INFLIGHT, cut_runs
 from shardwise.planner.layout import Layout, Stage, Workload
 from shardwise.planner.memory import BYTES_GRAD, shard_size, stage_units
 from shardwise.planner.models import ModelSpec

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shardwise.bucket_plan import MAX_INFLIGHT
+from shardwise.rules.buckets import MAX_INFLIGHT
 from shardwise.planner.activations import layer_activation_bytes
 from shardwise.planner.layout import Layout, Stage, Workload
 from shardwise.planner.memory import bucket_layout, stage_units

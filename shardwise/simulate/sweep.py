@@ -140,7 +140,7 @@ FIGURES = ("peak_bytes", "static_bytes", "activation_bytes")
 def simulate(layout: TrainConfig, ranks: str = "stages") -> dict:
     """`shardwise simulate` of `layout` (a copy: assembling fills it in) with --ranks RANKS in this process:
     its report (`simulate.cli.run`). A layout of `RANKS` passes its own ranks (`ranks_of`)."""
-    from ..run import assemble
+    from ..training.assemble import assemble
     from .cli import check_simulable, choose_ranks, run
 
     cfg = assemble(copy.deepcopy(layout))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from .. import host
-from ..activation_memory import SavedActivationMeter, static_storage_bytes
+from ..training.activation_memory import SavedActivationMeter, static_storage_bytes
 from ..comm import Transport
 from ..config import ConfigError, ParallelConfig, TrainConfig
 from ..expert_parallel.dispatch import check_same_routing
@@ -269,7 +269,7 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch:
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..trainer import Trainer
+    from ..training.trainer import Trainer
 
     world = world_size(cfg)
     if not 0 <= rank < world:

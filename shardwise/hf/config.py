@@ -14,7 +14,7 @@ import math
 import os
 import warnings
 
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
              "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .config import ConfigError
-from .hf_config import MULTIMODAL, QWEN3_NEXT, SUPPORTED, config_file, config_from_hf, read_hf_config
+from ..config import ConfigError
+from .config import MULTIMODAL, QWEN3_NEXT, SUPPORTED, config_file, config_from_hf, read_hf_config
 
 LENIENT_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt2", "gpt_oss",
                  *QWEN3_NEXT, *MULTIMODAL)

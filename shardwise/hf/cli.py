@@ -19,8 +19,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from .config import ConfigError, ParallelConfig, TrainConfig
-from .run import assemble
+from ..config import ConfigError, ParallelConfig, TrainConfig
+from ..training.assemble import assemble
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def layout_config(hf_dir: str, parallel: ParallelConfig, seq_len: int, batch: int, timeout_s: float = 120.0):
     """TrainConfig of the layout for `hf_dir`'s model, validated like `shardwise train` (ConfigError)."""
-    from .hf_config import config_from_hf
+    from .config import config_from_hf
 
     model = config_from_hf(hf_dir)
     dp = parallel.dp
@@ -75,7 +75,7 @@ def _pipeline_forward(model, mesh, x, schedule, act_shape):
     """Stage by stage over blocking p2p (every rank walks the stages in the same order); logits or None."""
     import torch  # lazy: `shardwise plan` must not pay for torch
 
-    from . import comm
+    from .. import comm
 
     pp, lay = mesh["pp"], schedule.layout
     h = None
@@ -99,17 +99,17 @@ def rank_forward(cfg: TrainConfig, hf_dir: str, tokens: torch.Tensor) -> dict:
     """On one rank: build the layout, load `hf_dir`, forward this dp rank's share; global logits on one rank."""
     import torch  # lazy: `shardwise plan` must not pay for torch
 
-    from . import comm
-    from .context_parallel.sharding import shard_sequence, unshard_sequence
-    from .hf import load_hf_into
-    from .parallelize import build_model
-    from .trainer import make_mesh
+    from .. import comm
+    from ..context_parallel.sharding import shard_sequence, unshard_sequence
+    from .weights import load_hf_into
+    from ..parallelize import build_model
+    from ..training.trainer import make_mesh
 
     p, model_cfg = cfg.parallel, cfg.model_config()
     mesh = make_mesh(cfg, torch.device("cpu"))
     schedule = None
     if p.pp > 1:
-        from .pipeline.schedules import build_schedule
+        from ..pipeline.schedules import build_schedule
 
         schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
     model = build_model(model_cfg, mesh, cfg.seed, p, schedule=schedule)
@@ -153,7 +153,7 @@ def compare(hf_dir: str, parallel: ParallelConfig, seq_len: int = 32, batch: int
     """Load `hf_dir` into the layout, compare its logits with transformers'; the hf-compare result."""
     import torch  # lazy: `shardwise plan` must not pay for torch
 
-    from .launch import run_local
+    from ..training.launch import run_local
 
     cfg = layout_config(hf_dir, parallel, seq_len, batch, timeout_s)
     world = cfg.resolve_world()
@@ -185,7 +185,7 @@ def run(args) -> int:
     parallel = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                               sequence_parallel=args.sequence_parallel, schedule=args.schedule, vp=args.vp,
                               pp_layers=pp_layers, cp_order=args.cp_order, cp_impl=args.cp_impl)
-    from .launch import RankError
+    from ..training.launch import RankError
 
     try:
         import safetensors  # noqa: F401
@@ -209,10 +209,10 @@ def run(args) -> int:
 
 def run_export(args) -> int:
     """hf-export: weights, config.json, tokenizer files and generation_config.json; exit 2 on bad input."""
-    from . import checkpoint as ck
-    from .config import ModelConfig
-    from .hf import export_hf
-    from .hf_export import multimodal_source, prepare_out_dir, record_from_flag, record_from_run_dir
+    from .. import checkpoint as ck
+    from ..config import ModelConfig
+    from .weights import export_hf
+    from .export import multimodal_source, prepare_out_dir, record_from_flag, record_from_run_dir
 
     try:
         prepare_out_dir(args.out_dir, getattr(args, "overwrite", False))

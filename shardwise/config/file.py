@@ -13,9 +13,9 @@ import difflib
 import sys
 import tomllib
 
-from .config import ConfigError
-from .config.flags import GIVEN
-from .config.schedule import lr_plan
+from . import ConfigError
+from .flags import GIVEN
+from .schedule import lr_plan
 
 _SKIP = {"help", "config", "print_config", "command"}
 INFORMATIONAL = "resolved_model"

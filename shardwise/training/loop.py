@@ -9,14 +9,14 @@ import sys
 
 import torch
 
-from . import comm, host
+from .. import comm, host
 from .activation_memory import SavedActivationMeter, static_storage_bytes
-from .config import TrainConfig
-from .config.schedule import lr_plan
+from ..config import TrainConfig
+from ..config.schedule import lr_plan
 from .faults import install_faults
-from .run import assembled, checkpoint_root
+from .assemble import assembled, checkpoint_root
 from .run_dir import resume
-from .run_writer import RunWriter
+from .writer import RunWriter
 from .trainer import Trainer, make_mesh
 
 
@@ -47,7 +47,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     finally:
         hook.remove()
         writer.close()
-    from .checkpoint import wait_for_save
+    from ..checkpoint import wait_for_save
 
     wait_for_save(trainer)  # an async save's last checkpoint is published before the run ends
     return writer.finish(act_peak, static_peak[0] if static_peak else 0, sites)
@@ -60,7 +60,7 @@ def train_steps(cfg: TrainConfig, trainer: Trainer, writer: RunWriter, start: in
 
     tokenizer = None  # what hf-export writes beside the weights (rank 0's extra_state is the one stored)
     if trainer.mesh.rank == 0 and (cfg.save_every or cfg.final_checkpoint):
-        from .hf_export import tokenizer_record
+        from ..hf.export import tokenizer_record
 
         tokenizer = tokenizer_record(cfg.data, cfg.init_from_hf, trainer.eos_id)
     evaluator = Evaluator(trainer) if cfg.eval_data is not None else None
@@ -76,7 +76,7 @@ def train_steps(cfg: TrainConfig, trainer: Trainer, writer: RunWriter, start: in
         if evaluator is not None and evaluator.due(step + 1, cfg.steps):
             ev = {"step": step + 1, "eval_loss": evaluator.run()}
         if checkpoint_due(cfg, step + 1):
-            from .checkpoint import save_checkpoint
+            from ..checkpoint import save_checkpoint
 
             save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"], "lr_plan": lr_plan(cfg),
                                                          "tokenizer": tokenizer},

@@ -13,19 +13,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import comm, host
+from .. import comm, host
 from .batches import BatchSlicer
-from .comm import Ledger
-from .config import ParallelConfig, TrainConfig
-from .config.schedule import lr_at_plan, lr_plan
-from .data import IGNORE_INDEX, Loader, open_data
-from .expert_parallel import metrics as moe_metrics
-from .expert_parallel.metrics import MoEMetrics
-from .expert_parallel.moe import MoE
-from .mesh import Mesh
-from .optim import build_reducer, optimizers
-from .parallelize import build_model
-from .pipeline.tied_embedding import emb_stages
+from ..comm import Ledger
+from ..config import ParallelConfig, TrainConfig
+from ..config.schedule import lr_at_plan, lr_plan
+from ..data import IGNORE_INDEX, Loader, open_data
+from ..expert_parallel import metrics as moe_metrics
+from ..expert_parallel.metrics import MoEMetrics
+from ..expert_parallel.moe import MoE
+from ..mesh import Mesh
+from ..optim import build_reducer, optimizers
+from ..parallelize import build_model
+from ..pipeline.tied_embedding import emb_stages
 from .step_timer import StepTimer
 
 
@@ -49,13 +49,13 @@ class Trainer:
         self.schedule = None
         self.microbatches_run = microbatches or cfg.grad_accum
         if p.pp > 1:
-            from .pipeline.schedules import build_schedule
+            from ..pipeline.schedules import build_schedule
 
             self.schedule = build_schedule(p.schedule, p.pp, self.microbatches_run, p.vp)
         self.act_dtype = torch.bfloat16 if cfg.residual_dtype() == "bf16" else torch.float32
         self.model = build_model(self.model_cfg, mesh, cfg.seed, p, schedule=self.schedule, act_dtype=self.act_dtype)
         if cfg.init_from_hf:  # before the reducer: ZeRO's flat buffers start from the parameters' values
-            from .hf import load_hf_into
+            from ..hf.weights import load_hf_into
 
             load_hf_into(self.model, cfg.init_from_hf, mesh, cfg.mtp_init)
         self.model.train()
@@ -73,11 +73,11 @@ class Trainer:
         self.timer = StepTimer(mesh.device)
         self.step = 0
         self.bad_steps = 0
-        self.step_hooks: list[Callable[[Trainer, int], None]] = []  # called before each step (shardwise.faults)
+        self.step_hooks: list[Callable[[Trainer, int], None]] = []  # called before each step (shardwise.training.faults)
         self.poison = False  # this step's loss and gradients become NaN (fault injection)
         self.executor = None
         if self.schedule is not None:
-            from .pipeline.runtime import PipelineExecutor
+            from ..pipeline.runtime import PipelineExecutor
 
             s_local = cfg.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)
             self.executor = PipelineExecutor(self.model.chunks, self.schedule, mesh,

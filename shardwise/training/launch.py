@@ -71,7 +71,7 @@ def plan_launch(world: int, device: str, cuda_count: int, torchrun: bool) -> Lau
 
     Raises ConfigError (one line) for --device cuda without CUDA, or more local ranks than GPUs.
     """
-    from .config import ConfigError
+    from ..config import ConfigError
 
     if device not in DEVICES:
         raise ConfigError(f"--device {device!r} is unknown; valid: {', '.join(DEVICES)}")
@@ -116,7 +116,7 @@ def local_cuda_index(local_rank: int, visible: int, visible_devices: str | None 
         return 0
     if 0 <= local_rank < visible:
         return local_rank
-    from .config import ConfigError
+    from ..config import ConfigError
 
     raise ConfigError(f"LOCAL_RANK {local_rank} but this process sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
                       f"{visible_devices!r}): give each process one GPU or all of the node's")
@@ -182,7 +182,7 @@ def choose_gloo_ifname(flag: str | None, environ, available: list[str], towards)
     then takes the interface of the default route instead. Raises ConfigError for a name that is no
     interface here (gloo would fail later, in every rank, with a less clear message).
     """
-    from .config import ConfigError
+    from ..config import ConfigError
 
     for source, value in (("--gloo-ifname", flag), ("GLOO_SOCKET_IFNAME", environ.get("GLOO_SOCKET_IFNAME"))):
         if value:
@@ -272,7 +272,7 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
     torch.set_num_threads(1)
     try:
         if lastop_dir is not None:
-            from .comm import set_call_hook
+            from ..comm import set_call_hook
 
             set_call_hook(LastOp(lastop_dir, rank).note)
         device = None
@@ -288,7 +288,7 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
         results.put((rank, True, pickle.dumps(out)))
         dist.destroy_process_group()
     except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
-        from .config import ConfigError  # the user's input, said in one line: no traceback to read past
+        from ..config import ConfigError  # the user's input, said in one line: no traceback to read past
 
         tb = "" if isinstance(e, ConfigError) else f"\n{traceback.format_exc()}"
         results.put((rank, False, f"{type(e).__name__}: {e}{tb}"))
@@ -356,7 +356,7 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
                 failed_at = failed_at or time.monotonic()
         said = set(errors.values())
         if len(errors) == world and len(said) == 1 and next(iter(said)).startswith("ConfigError: "):
-            from .config import ConfigError  # every rank refused the same input: one line, exit 2
+            from ..config import ConfigError  # every rank refused the same input: one line, exit 2
 
             raise ConfigError(next(iter(said))[len("ConfigError: "):])
         if errors or len(out) < world:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .optim import optimizers
+from ..optim import optimizers
 
 
 class _Held:
@@ -74,9 +74,9 @@ class SavedActivationMeter:
 def predicted_activation_bytes(cfg) -> dict:
     """The planner's figures for exactly this run (after `resolve_world`), max over pipeline stages:
     `held` (what the meter sees) and `recompute_transient` (one layer rebuilt during backward)."""
-    from .planner.estimate import memory_by_stage
-    from .planner.layout import from_train_config
-    from .planner.activations import recompute_transient_bytes
+    from ..planner.estimate import memory_by_stage
+    from ..planner.layout import from_train_config
+    from ..planner.activations import recompute_transient_bytes
 
     spec, lay, wl = from_train_config(cfg)
     stages = memory_by_stage(spec, lay, wl)

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 
-from .config import ConfigError
+from ..config import ConfigError
 
 BYTE_EOS_TOKEN = "<|endoftext|>"
 _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
@@ -20,8 +20,8 @@ _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 def tokenizer_record(data: str | None, init_from_hf: str | None, eos_id: int | None = None) -> dict:
     """{"source": a tokenizer.json path or "byte", "eos_id": the data's end-of-document id or None}."""
-    from .data import open_data
-    from .data.tokenizer import EOS
+    from ..data import open_data
+    from ..data.tokenizer import EOS
 
     sources, _ = open_data(data)
     first = sources[0]
@@ -60,7 +60,7 @@ def multimodal_source(ckpt_root: str) -> tuple[str | None, str]:
 
     Read from the run directory's config.json beside the checkpoints. Such a run is written back into that
     checkpoint's layout, its vision tower kept; when it is no longer there, the text model alone, saying so."""
-    from .hf_config import MULTIMODAL, read_hf_config
+    from .config import MULTIMODAL, read_hf_config
 
     path = os.path.join(os.path.dirname(os.path.abspath(ckpt_root.rstrip("/"))), "config.json")
     try:
@@ -81,7 +81,7 @@ def multimodal_source(ckpt_root: str) -> tuple[str | None, str]:
 
 def record_from_flag(spec: str) -> dict:
     """`hf-export --tokenizer SPEC`: byte, a tokenizer.json or a folder holding one; its own eos id."""
-    from .data.tokenizer import load_tokenizer
+    from ..data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(spec)
     return {"source": "byte" if tok.kind == "byte" else os.path.abspath(tok.json_path), "eos_id": tok.eos_id}

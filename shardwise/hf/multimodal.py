@@ -62,8 +62,8 @@ def multimodal_config(source: str, cfg) -> dict:
     own (vision tower, token ids), its weights now fp32; ConfigError when `cfg` is not that language model."""
     import dataclasses
 
-    from .config import ConfigError
-    from .hf_config import MULTIMODAL, TRAINING_ONLY, config_from_hf, read_hf_config
+    from ..config import ConfigError
+    from .config import MULTIMODAL, TRAINING_ONLY, config_from_hf, read_hf_config
 
     config = read_hf_config(source)
     if config.get("model_type") not in MULTIMODAL:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .context_parallel.sharding import shard_sequence
-from .expert_parallel.router import Router, RoutingTape
+from .. import comm
+from ..context_parallel.sharding import shard_sequence
+from ..expert_parallel.router import Router, RoutingTape
 
 # The largest selection-score gap a flip may have, by the run's dtype. The router computes in fp32 either
 # way; what differs between the runs is its input. fp32: activations agree to ~1e2 ulp and weights drift by

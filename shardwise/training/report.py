@@ -174,9 +174,9 @@ def render(run_dir: str) -> list[str]:
                      ", ".join(f"{a} {b:.2f} MiB" for a, b in zip(axes, per_axis)))
     timeline = os.path.join(run_dir, "timeline.json")
     if os.path.exists(timeline):
-        from .pipeline.cli import read_timeline
-        from .pipeline.draw import draw_timeline
-        from .pipeline.simulate import measured_bubble
+        from ..pipeline.cli import read_timeline
+        from ..pipeline.draw import draw_timeline
+        from ..pipeline.simulate import measured_bubble
 
         doc = read_timeline(timeline)
         written.append(str(draw_timeline(doc["ranks"], os.path.join(run_dir, "timeline.png"),

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 _NORMS = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _FFN = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from .config import TrainConfig
+from ..config import TrainConfig
 
 
 def log_interval(cfg: TrainConfig) -> int:

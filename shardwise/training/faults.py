@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .config import TrainConfig
+from ..config import TrainConfig
 
 CRASH_EXIT_CODE = 13
 

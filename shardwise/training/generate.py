@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -75,7 +75,7 @@ def _is_hf_dir(path: str) -> bool:
 
 def _checkpoint_root(path: str) -> str | None:
     """The checkpoint root or step directory `path` names (a run directory: its checkpoints/), or None."""
-    from . import checkpoint as ck
+    from .. import checkpoint as ck
 
     run_cfg = os.path.join(path, "config.json")
     if os.path.isfile(run_cfg) and "train" in _read_json(run_cfg):
@@ -90,17 +90,17 @@ def load_source(source: str, device=None):
     'checkpoint'|'hf', resolved path). A checkpoint's tokenizer is the one its run recorded (hf-export's record)."""
     import torch
 
-    from .mesh import Mesh
-    from .parallelize import build_model
+    from ..mesh import Mesh
+    from ..parallelize import build_model
 
     device = torch.device(device or "cpu")
     if not os.path.isdir(source):
         raise ConfigError(f"{source!r} is not a directory; give a run directory, a checkpoint or an HF model directory")
     root = _checkpoint_root(source)
     if root is not None:
-        from . import checkpoint as ck
-        from .config import ModelConfig
-        from .hf_export import record_from_run_dir
+        from .. import checkpoint as ck
+        from ..config import ModelConfig
+        from ..hf.export import record_from_run_dir
 
         path, skipped = ck.newest_intact(root)
         if path is None:
@@ -115,8 +115,8 @@ def load_source(source: str, device=None):
         record = meta.get("extra_state", {}).get("tokenizer") or record_from_run_dir(os.path.dirname(path)) or {}
         return model.eval(), record.get("source"), record.get("eos_id"), "checkpoint", path
     if _is_hf_dir(source):
-        from .hf import load_hf_into
-        from .hf_config import config_from_hf
+        from ..hf.weights import load_hf_into
+        from ..hf.config import config_from_hf
 
         model = build_model(config_from_hf(source), Mesh.single(device), seed=0)
         load_hf_into(model, source)
@@ -130,7 +130,7 @@ def _load_global(model, state: dict) -> None:
     """Copy global tensors (shardwise names) into the single-device model: parameters and saved buffers."""
     import torch
 
-    from .tensor_parallel.layers import get_spec
+    from ..tensor_parallel.layers import get_spec
 
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -149,7 +149,7 @@ class _Tok:
     """encode / decode / eos of the byte tokenizer or a tokenizer.json."""
 
     def __init__(self, spec: str | None, vocab_size: int, add_special: bool, eos_id: int | None = None):
-        from .data.tokenizer import VOCAB_SIZE, load_tokenizer
+        from ..data.tokenizer import VOCAB_SIZE, load_tokenizer
 
         if spec is None:
             if vocab_size != VOCAB_SIZE:
@@ -170,7 +170,7 @@ class _Tok:
 
     def decode(self, ids: list[int]) -> str:
         if self.byte:
-            from .data.tokenizer import decode
+            from ..data.tokenizer import decode
 
             return decode(ids)
         return self.tok.tok.decode(ids, skip_special_tokens=True)
@@ -254,7 +254,7 @@ def _pick(logits, temperature: float, top_p: float, gen) -> int:
     """Greedy at temperature 0, else a draw from the top-p nucleus of softmax(logits / T)."""
     import torch
 
-    from . import host
+    from .. import host
 
     if temperature == 0:
         return host.read(logits.argmax(), "generate token")

@@ -15,8 +15,8 @@ import re
 
 import torch
 
-from .config import ModelConfig
-from .hf_mxfp4 import BLOCK, dequantize
+from ..config import ModelConfig
+from .mxfp4 import BLOCK, dequantize
 
 EXPERT = re.compile(r"layers\.(\d+)\.feed_forward\.(router\.(?:weight|bias)|experts\.(?:w1|w2|w3|b1|b2|b3))")
 # shardwise expert tensor → (HF tensor, which interleaved half: 0 gate, 1 up, None all)

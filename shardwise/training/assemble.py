@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import ConfigError, ModelConfig, TrainConfig
-from .data.shards import data_vocab
-from .data.tokenizer import VOCAB_SIZE
-from .hf_config import config_from_hf, init_model_config
+from ..config import ConfigError, ModelConfig, TrainConfig
+from ..data.shards import data_vocab
+from ..data.tokenizer import VOCAB_SIZE
+from ..hf.config import config_from_hf, init_model_config
 
 
 def read_model_config(path: str) -> ModelConfig:
@@ -90,12 +90,12 @@ def check_sources(cfg: TrainConfig) -> None:
         check_logger(cfg)
     if cfg.data is None:
         return
-    from .data import Loader, open_data
+    from ..data import Loader, open_data
 
     sources, weights = open_data(cfg.data, verify=True)
     Loader((sources, weights), cfg.seq_len, 1, cfg.seed)
     if cfg.init_from_hf:
-        from .hf_init import check_init_from_hf
+        from ..hf.init import check_init_from_hf
 
         data_vocab = max(int(s.tokens.max()) + 1 if hasattr(s, "tokens") else s.vocab_size for s in sources)
         manifest = getattr(sources[0], "manifest", None) or {}
@@ -103,7 +103,7 @@ def check_sources(cfg: TrainConfig) -> None:
         check_init_from_hf(cfg.init_from_hf, model, data_vocab, getattr(sources[0], "tokenizer_sha256", None),
                            data_tokenizer=manifest, allow_tokenizer_mismatch=cfg.allow_tokenizer_mismatch,
                            mtp_init=cfg.mtp_init)
-        from .hf_init import not_trained_line
+        from ..hf.init import not_trained_line
 
         line = not_trained_line(cfg.init_from_hf)
         if line:
@@ -136,7 +136,7 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
     already at --steps: nothing is touched."""
     import os
 
-    from .config.schedule import validate_optim
+    from ..config.schedule import validate_optim
 
     if overwrite and (cfg.resume or auto_resume):
         raise ConfigError(f"--overwrite replaces the run in {cfg.out}; --{'resume' if cfg.resume else 'auto-resume'} "
@@ -182,7 +182,7 @@ def first_intact_checkpoint(root: str) -> tuple[str | None, dict | None, list[tu
     import json
     import os
 
-    from .checkpoint.files import META, checkpoint_problems, resume_order
+    from ..checkpoint.files import META, checkpoint_problems, resume_order
 
     rejected = []
     for _, path in resume_order(root):  # the one `latest` names, unless it is damaged
@@ -206,7 +206,7 @@ def remove_checkpoints(root: str) -> None:
     import os
     import shutil
 
-    from .checkpoint.files import LATEST
+    from ..checkpoint.files import LATEST
 
     if not os.path.isdir(root):
         return

@@ -7,12 +7,12 @@ import json
 import os
 import statistics
 
-from . import comm
+from .. import comm
 from .activation_memory import predicted_activation_bytes
-from .config import TrainConfig
-from .config.schedule import lr_plan
+from ..config import TrainConfig
+from ..config.schedule import lr_plan
 from .console import Console, peak_memory_bytes
-from .hf_init import init_record
+from ..hf.init import init_record
 from .observe import Observer
 from .report import RunLog
 
@@ -118,7 +118,7 @@ class RunWriter:
         if self.evals:
             summary["eval_loss"] = self.evals[-1]["eval_loss"]
         if self.cfg.parallel.cp > 1:
-            from .context_parallel.kernels import used
+            from ..context_parallel.kernels import used
 
             summary["attention_kernel"] = used(clear=True)
         return summary
@@ -135,8 +135,8 @@ def write_config(cfg: TrainConfig, trainer) -> None:
 
 def write_timeline(trainer, out: str) -> dict | None:
     """Gather the last step's action timings over pp; rank 0 writes timeline.json and returns the bubble report."""
-    from .pipeline.cli import write_timeline as write_events
-    from .pipeline.simulate import analytic_bubble, measured_bubble, simulate
+    from ..pipeline.cli import write_timeline as write_events
+    from ..pipeline.simulate import analytic_bubble, measured_bubble, simulate
 
     ex, sched = trainer.executor, trainer.schedule
     gathered = comm.all_gather_object((ex.clock.events(), ex.peak_inflight), trainer.mesh["pp"])

@@ -20,16 +20,16 @@ import dataclasses
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import comm
-from .comm import Ledger
-from .config import ConfigError, ParallelConfig, TrainConfig
-from .run import assembled
-from .mesh import Mesh
-from .pipeline.tied_embedding import tied_name
+from .. import comm
+from ..comm import Ledger
+from ..config import ConfigError, ParallelConfig, TrainConfig
+from ..training.assemble import assembled
+from ..mesh import Mesh
+from ..pipeline.tied_embedding import tied_name
 from .routing_replay import RoutingReplay, routers
-from .tensor_parallel.layers import get_spec
-from .optim import optimizers
-from .trainer import Trainer, lr_at, make_mesh
+from ..tensor_parallel.layers import get_spec
+from ..optim import optimizers
+from ..training.trainer import Trainer, lr_at, make_mesh
 
 # fp32 bounds. first_grad: gradients of step 1, computed from bit-identical weights — pure layout arithmetic.
 # grad / param: every step; later steps start from weights that AdamW's g/sqrt(v) has already pulled

@@ -28,7 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from . import checkpoint as ck
+    from .. import checkpoint as ck
 
     if args.checkpoint_command == "list":
         if not os.path.isdir(args.ckpt_dir):

@@ -17,10 +17,10 @@ import re
 
 import torch
 
-from .config import ConfigError, ModelConfig
-from .data.tokenizer import ByteTokenizer, load_tokenizer
-from .hf import WeightFiles, tensor_source
-from .hf_multimodal import aside_line
+from ..config import ConfigError, ModelConfig
+from ..data.tokenizer import ByteTokenizer, load_tokenizer
+from .weights import WeightFiles, tensor_source
+from .multimodal import aside_line
 
 
 def not_trained_line(path: str) -> str | None:
@@ -63,7 +63,7 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokeni
     `allow_tokenizer_mismatch`. `data_tokenizer` is the data manifest's {"tokenizer", "vocab_size"} (names it
     in the error). The MTP modules' tensors must be in the checkpoint unless `mtp_init` is "fresh" (then
     none is read). ConfigError otherwise; returns `init_record(path)`."""
-    from .parallelize import plain_model
+    from ..parallelize import plain_model
 
     record = init_record(path)
     files = WeightFiles(path)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig
 from .report import SCALARS
 
 # torch.cuda.get_device_name() substring -> planner GPU preset (longest names first: GB200 before B200).
@@ -31,9 +31,9 @@ _LOGGERS = ("wandb", "mlflow")
 
 def step_model_flops(cfg: TrainConfig, global_batch: int) -> float:
     """Model FLOPs of one optimizer step over the whole job (no recomputation)."""
-    from .planner.estimate import model_flops
-    from .planner.layout import Workload
-    from .planner.models import ModelSpec
+    from ..planner.estimate import model_flops
+    from ..planner.layout import Workload
+    from ..planner.models import ModelSpec
 
     wl = Workload(seq_len=cfg.seq_len, global_batch=global_batch, precision=cfg.dtype)
     return model_flops(ModelSpec.of(cfg.model_config()), wl)
@@ -43,9 +43,9 @@ def device_peak_flops(device: torch.device, dtype: str) -> float | None:
     """Dense peak FLOP/s of this rank's device for `dtype` ('bf16'; 'fp32' runs on TF32 at half), or None."""
     if device.type != "cuda":
         return None
-    from .planner.estimate import peak_flops
-    from .planner.hardware import get_gpu
-    from .planner.layout import Workload
+    from ..planner.estimate import peak_flops
+    from ..planner.hardware import get_gpu
+    from ..planner.layout import Workload
 
     name = torch.cuda.get_device_name(device)
     preset = next((p for key, p in _GPU_NAMES if key in name), None)

@@ -15,11 +15,11 @@ import os
 import numpy as np
 import torch
 
-from . import comm, host
-from .config import ConfigError, TrainConfig
-from .data import IGNORE_INDEX, Loader, open_data
-from .data.shards import PreparedData, data_sources
-from .data.tokenizer import ByteTokenizer
+from .. import comm, host
+from ..config import ConfigError, TrainConfig
+from ..data import IGNORE_INDEX, Loader, open_data
+from ..data.shards import PreparedData, data_sources
+from ..data.tokenizer import ByteTokenizer
 
 
 class EvalLoader(Loader):

@@ -29,13 +29,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import hf_qwen3_next
-from .config import ModelConfig
-from .hf_config import hf_config, is_gpt_oss
-from .hf_gpt_oss import EXPERT as GPT_OSS_EXPERT, expert_source, export_tensors as gpt_oss_tensors
-from .hf_multimodal import into_multimodal, is_multimodal, multimodal_config, stored_name, text_view
-from .pipeline.tied_embedding import tied_name
-from .tensor_parallel.layers import get_spec
+from . import qwen3_next as hf_qwen3_next
+from ..config import ModelConfig
+from .config import hf_config, is_gpt_oss
+from .gpt_oss import EXPERT as GPT_OSS_EXPERT, expert_source, export_tensors as gpt_oss_tensors
+from .multimodal import into_multimodal, is_multimodal, multimodal_config, stored_name, text_view
+from ..pipeline.tied_embedding import tied_name
+from ..tensor_parallel.layers import get_spec
 
 INDEX = "model.safetensors.index.json"
 
@@ -274,7 +274,7 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
     """
     from safetensors.torch import save_file
 
-    from .parallelize import plain_model
+    from ..parallelize import plain_model
 
     config = hf_config(cfg)
     if multimodal is not None:
@@ -325,7 +325,7 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         tensors = into_multimodal(tensors, WeightFiles(multimodal))
     os.makedirs(out_dir, exist_ok=True)
     if tokenizer is not None:
-        from .hf_export import write_generation_config, write_tokenizer
+        from .export import write_generation_config, write_tokenizer
 
         ids = write_tokenizer(out_dir, tokenizer, cfg.max_seq_len, cfg.vocab_size)
         config.update({k: v for k, v in ids.items() if v is not None})

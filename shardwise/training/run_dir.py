@@ -1,14 +1,14 @@
 """A run directory over time: where a new run goes, which run a bare `--resume` continues, and the resume
 itself (the checkpoint `latest` names, its LR schedule kept or a change announced in one line). The checks
-made before any rank starts are `shardwise.run.check_run_dir`."""
+made before any rank starts are `shardwise.training.assemble.check_run_dir`."""
 from __future__ import annotations
 
 import os
 import sys
 import time
 
-from .config import TrainConfig
-from .config.schedule import describe_plan, lr_at_plan, lr_plan
+from ..config import TrainConfig
+from ..config.schedule import describe_plan, lr_at_plan, lr_plan
 
 
 def default_out_dir() -> str:
@@ -30,8 +30,8 @@ def newest_run_with_checkpoints(root: str = "runs") -> str | None:
 def resume(cfg: TrainConfig, trainer, ckpt_dir: str, rank0: bool) -> int:
     """Load the checkpoint `latest` names (or the newest older intact one); keep its LR schedule's length unless
     --lr-decay-steps is given, and say in one line when the schedule changes. Returns its step."""
-    from .checkpoint import load_checkpoint
-    from .config.schedule import validate_optim
+    from ..checkpoint import load_checkpoint
+    from ..config.schedule import validate_optim
 
     info = load_checkpoint(ckpt_dir, trainer, required=True)
     start = info["step"]

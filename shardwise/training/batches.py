@@ -10,13 +10,13 @@ from typing import Callable
 
 import torch
 
-from .config import TrainConfig
-from .context_parallel.sharding import shard_sequence
-from .data import Loader
-from .mesh import Mesh
-from .models.documents import document_ids, document_positions
-from .models.mtp import depth_counts, shift_inputs
-from .tensor_parallel.layers import check_token_ids
+from ..config import TrainConfig
+from ..context_parallel.sharding import shard_sequence
+from ..data import Loader
+from ..mesh import Mesh
+from ..models.documents import document_ids, document_positions
+from ..models.mtp import depth_counts, shift_inputs
+from ..tensor_parallel.layers import check_token_ids
 
 
 class BatchSlicer:
