@@ -68,7 +68,7 @@ from torch import nn  # noqa: E402
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.data import load_tokens  # noqa: E402
 from shardwise.training.launch import run_local  # noqa: E402
-from shardwise.pipeline.simulate import analytic_bubble, measured_bubble, simulate  # noqa: E402
+from shardwise.rules.schedule_check import analytic_bubble, measured_bubble, simulate  # noqa: E402
 from shardwise.data import IGNORE_INDEX  # noqa: E402
 from shardwise.training.trainer import Trainer, make_mesh  # noqa: E402
 
@@ -245,7 +245,7 @@ def profile_tables(names, run, opts) -> dict:
 def replay(schedule, durations: list[list[float]], comm: float = 0.0) -> float:
     """Bubble of `schedule` when every action takes its own measured duration (zero comm by default).
 
-    Same dependency rules as shardwise.pipeline.simulate (F(k) after F(k-1); B(k) after F(k) and
+    Same dependency rules as shardwise.rules.schedule_check (F(k) after F(k-1); B(k) after F(k) and
     B(k+1); W after B), but `durations[r][i]` is the time rank r's i-th action really took, so stage
     imbalance (the last stage's LM head and loss) and per-microbatch jitter are kept; what is left
     between this and the measured bubble is communication latency plus executor overhead.
@@ -300,7 +300,7 @@ def late_receive_gaps(schedule, events: list[list[dict]]) -> tuple[float, int]:
 
 
 def bubble_report(opts, per_rank, name, key) -> dict:
-    from shardwise.pipeline.schedules import build_schedule
+    from shardwise.rules.schedules import build_schedule
 
     sched_name, vp, _ = PAIRS[key]
     sched = build_schedule(sched_name, opts["pp"], opts["m"], vp)

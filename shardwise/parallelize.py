@@ -306,7 +306,7 @@ def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     apply_context_parallel(model, mesh, p.cp_order, p.cp_impl)
     model.chunks = None
     if schedule is not None:
-        from .pipeline.grad_store import WeightGradStore
+        from .tensor_parallel.grad_store import WeightGradStore
         from .rules.partition import split_layers
         from .pipeline.stage import prune_to_stages
         from .pipeline.tied_embedding import mark_mtp_embedding, mark_tied_copies

@@ -184,7 +184,7 @@ def _loaded_slices_equal(path):
     single-device model's slice after --init-from-hf's loader read only this rank's slices."""
     from shardwise.hf import weights as hf
     from shardwise.config import ParallelConfig as PC
-    from shardwise.pipeline.schedules import build_schedule
+    from shardwise.rules.schedules import build_schedule
     from shardwise.pipeline.tied_embedding import tied_name
     from shardwise.tensor_parallel.layers import get_spec
     from shardwise.training.trainer import make_mesh

@@ -76,9 +76,9 @@ def test_interleaved_and_zero_bubble_bubbles():
 
 
 def test_zero_bubble_schedules_use_the_simulator_extrapolated():
-    pytest.importorskip("shardwise.pipeline.simulate")
-    from shardwise.pipeline.schedules import build_schedule
-    from shardwise.pipeline.simulate import simulate
+    pytest.importorskip("shardwise.rules.schedule_check")
+    from shardwise.rules.schedules import build_schedule
+    from shardwise.rules.schedule_check import simulate
 
     for sched, v in (("zb", 1), ("dualpipev", 2)):
         frac, source = bubble_fraction(planned(pp=8, m=96, vp=v, schedule=sched))

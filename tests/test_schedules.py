@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from shardwise.pipeline import cli
-from shardwise.pipeline.schedules import Action, Schedule, StageLayout, build_schedule, stage_of
-from shardwise.pipeline.simulate import (
+from shardwise.rules.schedules import Action, Schedule, StageLayout, build_schedule, stage_of
+from shardwise.rules.schedule_check import (
     DeadlockError,
     ScheduleError,
     analytic_bubble,

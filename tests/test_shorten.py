@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.pipeline.schedules import build_schedule
+from shardwise.rules.schedules import build_schedule
 from shardwise.simulate.shorten import (ScaledLedger, Shortening, expand, period_microbatches, rank_steps,
                                         shorten)
 

@@ -14,7 +14,7 @@ import torch
 from shardwise.training.launch import RankError
 from shardwise.pipeline.p2p_check import check_programs
 from shardwise.pipeline.p2p_program import build_programs
-from shardwise.pipeline.schedules import build_schedule
+from shardwise.rules.schedules import build_schedule
 
 from _dist import run_ranks
 

@@ -15,10 +15,9 @@ import warnings
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
 LONG_FILE = 500  # lines: a file past it usually holds two ideas (a warning, not a failure)
 
-# shardwise.config is the bottom floor: it may reach only these (importing pipeline.schedules runs the
-# pipeline package's __init__, which imports the pure simulator).
-CONFIG_MAY_REACH = {"shardwise.rules.partition", "shardwise.pipeline", "shardwise.pipeline.schedules",
-                    "shardwise.pipeline.simulate"}
+# shardwise.config is the bottom floor but for the torch-free rules layer, which reaches nothing of shardwise.
+RULES = "shardwise.rules"
+CONFIG_MAY_REACH: set[str] = set()
 # The comm layer and the launcher must not reach a model, Hugging Face or data module, nor run assembly.
 COMM_LAYER = ("shardwise.mesh", "shardwise.comm", "shardwise.training.launch")
 NO_MODEL = ("shardwise.models", "shardwise.hf", "shardwise.data", "shardwise.training.assemble", "shardwise.training.loop",
@@ -131,8 +130,37 @@ def _in(mod: str, prefixes) -> bool:
     return any(mod == p or mod.startswith(p + ".") for p in prefixes)
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{package: packages it imports}, each module folded into its top-level package (`shardwise.X`): a circle
+    here is one a reader meets as "training needs hf needs training", even when no two modules close it."""
+    def top(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+    out: dict[str, set[str]] = {}
+    for mod, targets in graph.items():
+        out.setdefault(top(mod), set()).update(top(t) for t in targets if top(t) != top(mod))
+    return out
+
+
+def rules_problems(graph: dict[str, set[str]], root: pathlib.Path = ROOT) -> list[str]:
+    """The rules layer is torch-free and imports nothing of shardwise outside itself: both sides read it."""
+    problems = [f"{mod} imports {bad}: the rules layer reads nothing of shardwise outside itself"
+                for mod in sorted(graph) if _in(mod, (RULES,))
+                and (bad := sorted(m for m in graph[mod] if not _in(m, (RULES,))))]
+    for mod, path, _, tree in _sources(root):
+        if not _in(mod, (RULES,)):
+            continue
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            problems += [f"{mod} imports {n}: the rules layer is torch-free" for n in names
+                         if n.split(".")[0] in ("torch", "numpy")]
+    return problems
+
+
 def structure_problems(graph: dict[str, set[str]]) -> list[str]:
     problems = [f"import circle: {' -> '.join(c)}" for c in circles(graph)]
+    problems += [f"package circle: {' -> '.join(c)}" for c in circles(package_graph(graph))]
+    problems += [p for p in rules_problems(graph) if "outside itself" in p]
     for mod in sorted(graph):
         if _in(mod, ("shardwise.config",)):
             bad = sorted(m for m in reach(graph, mod)
@@ -292,6 +320,10 @@ def test_package_structure():
     assert structure_problems(import_graph()) == []
 
 
+def test_rules_layer_is_torch_free():
+    assert rules_problems(import_graph()) == []
+
+
 def test_no_fake_world_outside_simulate():
     assert fake_branches() == []
 
@@ -319,7 +351,9 @@ def test_the_checks_catch_what_they_guard(tmp_path):
     for extra, message in ((("shardwise.rules.partition", "shardwise.training.assemble"), "import circle"),
                            (("shardwise.config.training", "shardwise.data.shards"), "configuration must sit"),
                            (("shardwise.comm.collectives", "shardwise.models.llama"), "comm layer must know"),
-                           (("shardwise.models.llama", "shardwise.mesh"), "no axis package")):
+                           (("shardwise.models.llama", "shardwise.mesh"), "no axis package"),
+                           (("shardwise.models.llama", "shardwise.training.trainer"), "package circle"),
+                           (("shardwise.rules.buckets", "shardwise.config.errors"), "rules layer reads nothing")):
         broken = {k: set(v) for k, v in graph.items()}
         broken[extra[0]].add(extra[1])
         assert any(message in p for p in structure_problems(broken)), extra

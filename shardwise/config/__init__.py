@@ -3,7 +3,7 @@
 Every field carries a docstring so `--help` and the planner can explain it. All validation that can be
 done before any process starts lives here and raises `ConfigError`, whose message names the bad value and
 what would be valid; the CLI turns it into exit status 2. This package is the bottom floor: it imports
-nothing of shardwise but the pure `partition` and `pipeline.schedules` (a test enforces it).
+nothing of shardwise but the pure `rules` layer (a test enforces it).
 """
 from .errors import ConfigError
 from .model import MODEL_PRESETS, ModelConfig, get_model_config

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..rules.partition import ORDERS, check_seq_len, split_layers
-from ..pipeline.schedules import SCHEDULE_NAMES, build_schedule
+from ..rules.schedules import SCHEDULE_NAMES, build_schedule
 from .errors import ConfigError
 from .schedule import validate_optim
 from .model import ModelConfig, get_model_config

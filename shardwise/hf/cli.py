@@ -109,7 +109,7 @@ def rank_forward(cfg: TrainConfig, hf_dir: str, tokens: torch.Tensor) -> dict:
     mesh = make_mesh(cfg, torch.device("cpu"))
     schedule = None
     if p.pp > 1:
-        from ..pipeline.schedules import build_schedule
+        from ..rules.schedules import build_schedule
 
         schedule = build_schedule(p.schedule, p.pp, cfg.grad_accum, p.vp)
     model = build_model(model_cfg, mesh, cfg.seed, p, schedule=schedule)

@@ -1,36 +1,3 @@
-"""Pipeline parallelism. Schedules are data (``schedules``), checked and timed without
-processes (``simulate``), drawn (``draw``) and inspected from the command line (``cli``)."""
-
-from .schedules import (
-    KINDS,
-    SCHEDULE_NAMES,
-    Action,
-    Schedule,
-    StageLayout,
-    build_schedule,
-    dualpipev,
-    gpipe,
-    interleaved,
-    layout_for,
-    one_f_one_b,
-    stage_of,
-    zero_bubble_h1,
-)
-from .simulate import (
-    DeadlockError,
-    ScheduleError,
-    SimResult,
-    analytic_bubble,
-    find_problems,
-    measured_bubble,
-    peak_inflight,
-    simulate,
-    validate,
-)
-
-__all__ = [
-    "KINDS", "SCHEDULE_NAMES", "Action", "Schedule", "StageLayout", "build_schedule", "dualpipev",
-    "gpipe", "interleaved", "layout_for", "one_f_one_b", "stage_of", "zero_bubble_h1",
-    "DeadlockError", "ScheduleError", "SimResult", "analytic_bubble", "find_problems",
-    "measured_bubble", "peak_inflight", "simulate", "validate",
-]
+"""Pipeline parallelism: the executor (`runtime`) runs a schedule, which is data (`shardwise.rules.schedules`,
+checked without processes by `shardwise.rules.schedule_check`), over the p2p program (`p2p_program`); `cli` draws
+and inspects schedules from the command line."""

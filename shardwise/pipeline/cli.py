@@ -26,8 +26,8 @@ import json
 import sys
 from pathlib import Path
 
-from .schedules import SCHEDULE_NAMES, build_schedule
-from .simulate import analytic_bubble, measured_bubble, peak_inflight, simulate
+from ..rules.schedules import SCHEDULE_NAMES, build_schedule
+from ..rules.schedule_check import analytic_bubble, measured_bubble, peak_inflight, simulate
 
 _EVENT_KEYS = ("kind", "microbatch", "chunk", "start", "end")
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .schedules import Schedule
-from .simulate import simulate
+from ..rules.schedules import Schedule
+from ..rules.schedule_check import simulate
 
 
 class Op(NamedTuple):

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from .grad_store import WeightGradStore
+from ..tensor_parallel.grad_store import WeightGradStore
 from .p2p_program import build_programs, message_in, message_out
-from .schedules import Schedule
+from ..rules.schedules import Schedule
 from .timing import ActionClock
 
 _ENGINE = torch.autograd.Variable._execution_engine

@@ -21,7 +21,7 @@ import torch
 
 from ..models.params import declare
 from ..tensor_parallel.layers import VocabParallelEmbedding, get_spec, set_spec
-from .schedules import layout_for
+from ..rules.schedules import layout_for
 
 SHARED = "tok_embeddings.weight"
 COPY = "output.weight"

@@ -431,7 +431,7 @@ def _most_layers_held(schedule: str, p: int, m: int, v: int, k: int, chunks: tup
 def _chunk_steps(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...] | None:
     """Per rank, its forwards (+1) and backwards (−1) by chunk in its schedule's order; the schedule built once."""
     try:
-        from shardwise.pipeline.schedules import build_schedule
+        from shardwise.rules.schedules import build_schedule
 
         ranks = build_schedule(schedule, p, m, v).actions
     except (ImportError, ValueError):

@@ -25,7 +25,7 @@ def backwards_before_forward(lay: Layout, k: int) -> int:
 def _schedule(schedule: str, p: int, m: int, v: int):
     """The schedule, built once per (schedule, p, m, v): the search asks about every rank of every layout,
     and building one costs O(p·m·v) actions."""
-    from shardwise.pipeline.schedules import build_schedule
+    from shardwise.rules.schedules import build_schedule
 
     return build_schedule(schedule, p, m, v)
 

@@ -2,7 +2,7 @@
 
 gpipe, 1F1B and interleaved have closed forms (Narayanan et al. 2021): bubble (p−1)/(m+p−1) and
 (p−1)/(v·m+p−1). ZB-H1 and DualPipeV depend on how backward splits into B and W, so they come from
-shardwise's own event simulator (`shardwise.pipeline.simulate`, pure Python) with F = B = W: the idle
+shardwise's own event simulator (`shardwise.rules.schedule_check`, pure Python) with F = B = W: the idle
 time of these schedules stops growing once m reaches a few times p, so it is simulated at
 m0 = min(m, 4p) and extrapolated to m as idle/(idle + m·work). Without the simulator they fall back to
 ZB-H1's analytic third of the 1F1B bubble.
@@ -59,8 +59,8 @@ def in_flight(lay: Layout, k: int) -> float:
 def simulated(schedule: str, p: int, m: int, v: int) -> tuple[float, tuple[int, ...]] | None:
     """(bubble fraction, peak in-flight microbatch-chunks per rank) from shardwise's simulator, or None."""
     try:
-        from shardwise.pipeline.schedules import build_schedule
-        from shardwise.pipeline.simulate import simulate
+        from shardwise.rules.schedules import build_schedule
+        from shardwise.rules.schedule_check import simulate
     except ImportError:
         return None
     try:

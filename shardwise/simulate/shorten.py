@@ -1,6 +1,6 @@
 """The fewest microbatches that show every moment of one rank's step, and how the rest of the step scales.
 
-A rank's action list (`pipeline.schedules`; without a pipeline F0 B0 F1 B1 …) is a warm-up, a steady state
+A rank's action list (`rules.schedules`; without a pipeline F0 B0 F1 B1 …) is a warm-up, a steady state
 that repeats one period — the same actions with the microbatch indices moved on by q (1, or p for
 interleaved groups) — and a cool-down. A steady period leaves the rank holding what it held before it (one
 microbatch's activations in, one out), so its memory moments repeat; its communication repeats too.
@@ -23,7 +23,7 @@ from typing import Callable
 
 from ..comm.ledger import Ledger
 from ..pipeline.p2p_program import build_programs
-from ..pipeline.schedules import Action, build_schedule
+from ..rules.schedules import Action, build_schedule
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def period_microbatches(name: str, p: int) -> int:
 
 
 def fewest_microbatches(name: str, p: int) -> int:
-    """The smallest count the schedule accepts (`pipeline.schedules`)."""
+    """The smallest count the schedule accepts (`rules.schedules`)."""
     if p == 1:
         return 1
     return {"interleaved": p, "dualpipev": 2 * p}.get(name, 1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..pipeline.grad_store import weight_grads
+from .grad_store import weight_grads
 
 
 def adjacent(ts: list[torch.Tensor]) -> bool:

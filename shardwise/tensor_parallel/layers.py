@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm, host
-from ..pipeline.grad_store import linear, weight_grads
+from .grad_store import linear, weight_grads
 from .fused import joined, split_weight_grads
 from .overlap import gather_column, row_scatter
 

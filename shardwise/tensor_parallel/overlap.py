@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
-from ..pipeline.grad_store import weight_grads
+from .grad_store import weight_grads
 from .fused import joined, split_weight_grads
 
 

@@ -176,7 +176,7 @@ def render(run_dir: str) -> list[str]:
     if os.path.exists(timeline):
         from ..pipeline.cli import read_timeline
         from ..pipeline.draw import draw_timeline
-        from ..pipeline.simulate import measured_bubble
+        from ..rules.schedule_check import measured_bubble
 
         doc = read_timeline(timeline)
         written.append(str(draw_timeline(doc["ranks"], os.path.join(run_dir, "timeline.png"),

@@ -49,7 +49,7 @@ class Trainer:
         self.schedule = None
         self.microbatches_run = microbatches or cfg.grad_accum
         if p.pp > 1:
-            from ..pipeline.schedules import build_schedule
+            from ..rules.schedules import build_schedule
 
             self.schedule = build_schedule(p.schedule, p.pp, self.microbatches_run, p.vp)
         self.act_dtype = torch.bfloat16 if cfg.residual_dtype() == "bf16" else torch.float32

@@ -136,7 +136,7 @@ def write_config(cfg: TrainConfig, trainer) -> None:
 def write_timeline(trainer, out: str) -> dict | None:
     """Gather the last step's action timings over pp; rank 0 writes timeline.json and returns the bubble report."""
     from ..pipeline.cli import write_timeline as write_events
-    from ..pipeline.simulate import analytic_bubble, measured_bubble, simulate
+    from ..rules.schedule_check import analytic_bubble, measured_bubble, simulate
 
     ex, sched = trainer.executor, trainer.schedule
     gathered = comm.all_gather_object((ex.clock.events(), ex.peak_inflight), trainer.mesh["pp"])
