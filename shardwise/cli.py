@@ -9,129 +9,37 @@ each process joins the job.
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import json
 import os
 import sys
 
-from .config import AXES, ConfigError, ParallelConfig, TrainConfig
-from .config.flags import GIVEN, RUN_FLAGS, config_fields, flag_default, flag_type
-from .training.assemble import assemble, check_sources, read_model_config
+from .config import ConfigError, TrainConfig
+from .config.args import add_run_command, unknown_flags_message
+from .config.flags import GIVEN
+from .training.assemble import check_sources, config_from_args
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default; flags that default to off or to a value derived from others (None)
-    say so in their own help instead."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
-DEFAULT_LAYOUT = {"dp": 2, "tp": 2}  # `shardwise train` with no layout flags: a small 4-rank job
 MAX_LOCAL_RANKS = 64
-
-
-class StoreGiven(argparse.Action):
-    """argparse's plain store, also noting the flag in `GIVEN`."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
-
-
-def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
-    """The run flags (`config.flags.RUN_FLAGS`) on the parser of `command` (train, verify or simulate)."""
-    groups: dict[str | None, object] = {None: p}
-    exclusive: dict[str, object] = {}
-    for flag in RUN_FLAGS:
-        if flag.group not in groups:
-            groups[flag.group] = p.add_argument_group(flag.group)
-        where = groups[flag.group]
-        if flag.exclusive is not None:
-            if flag.exclusive not in exclusive:
-                exclusive[flag.exclusive] = where.add_mutually_exclusive_group()
-            where = exclusive[flag.exclusive]
-        kw = dict(default=flag_default(flag, command), help=flag.help)
-        if flag.kind == "value":
-            kw |= dict(type=flag_type(flag), choices=flag.choices, metavar=flag.metavar, action=StoreGiven)
-        else:
-            kw["action"] = argparse.BooleanOptionalAction if flag.kind == "toggle" else "store_true"
-        where.add_argument(flag.name, **kw)
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     runs = {"train": "train a model on a parallel layout", "verify": "check a layout against the single-device model"}
     for name, what in runs.items():
-        p = sub.add_parser(name, help=what, formatter_class=HelpFormatter)
-        add_run_flags(p, name)
-        p.add_argument("--config", default=None, metavar="FILE.toml",
-                       help="TOML file whose keys are these flags' names; flags given on the command line win")
-        p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+        add_run_command(sub, name, what)
     parser._sw_runs = {name: sub.choices[name] for name in runs}
-    for mod in ("shardwise.pipeline.cli", "shardwise.planner.cli", "shardwise.checkpoint.cli", "shardwise.training.report",
-                "shardwise.hf.cli", "shardwise.data.cli", "shardwise.training.generate", "shardwise.simulate.cli"):
+    for mod in ("shardwise.pipeline.cli", "shardwise.commands.plan", "shardwise.checkpoint.cli", "shardwise.training.report",
+                "shardwise.commands.hf", "shardwise.data.cli", "shardwise.training.generate", "shardwise.simulate.cli"):
         importlib.import_module(mod).add_parser(sub)
     return parser
 
 
-def train_parser() -> argparse.ArgumentParser:
-    """`shardwise train`'s own parser (the planner reads train commands with it)."""
-    return build_parser()._sw_runs["train"]
-
-
-def _degrees(args, torchrun_world: int | None) -> dict:
-    """dp, tp, pp, cp, ep: the flags given; none at all is train's small default job; under torchrun an
-    omitted --dp is the rest of the world (-1)."""
-    given = {a: getattr(args, a) for a in AXES if getattr(args, a) is not None}
-    if not given and args.command == "train" and torchrun_world is None:
-        given = dict(DEFAULT_LAYOUT)
-    degrees = {a: given.get(a, 1) for a in AXES}
-    if torchrun_world is not None and "dp" not in given:
-        degrees["dp"] = -1
-    return degrees
-
-
-def _global_batch(args, degrees: dict, torchrun_world: int | None) -> int | None:
-    """--global-batch, or --microbatches M as M × micro-batch × dp."""
-    if args.microbatches is None:
-        return args.global_batch
-    if args.microbatches <= 0 or (args.global_batch is not None):
-        raise ConfigError(f"--microbatches {args.microbatches} must be positive and not combined with "
-                          "--global-batch")
-    dp = degrees["dp"]
-    if dp == -1:  # under torchrun: the rest of the world (resolve_world reports a bad split)
-        dp = max(1, torchrun_world // (degrees["pp"] * degrees["cp"] * degrees["tp"]))
-    return args.microbatches * args.micro_batch * dp
-
-
-def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
-    run, parallel, overrides = config_fields(args)
-    degrees = _degrees(args, torchrun_world)
-    parallel = ParallelConfig(**(parallel | degrees | {"vp": _vp(args)}))
-    model = args.model if args.model is not None or args.init_from_hf else "tiny"
-    if args.model_config:
-        model = read_model_config(args.model_config)
-    run |= dict(global_batch=_global_batch(args, degrees, torchrun_world),
-                final_checkpoint=args.command == "train" and not args.no_checkpoint)
-    return assemble(TrainConfig(model=model, parallel=parallel, model_overrides=overrides, **run), torchrun_world)
-
-
-def _vp(args) -> int:
-    """--vp, by default 2 chunks per rank under --schedule interleaved (which needs at least 2), else 1."""
-    if args.vp is not None:
-        return args.vp
-    return 2 if args.schedule == "interleaved" and (args.pp or 1) > 1 else 1
-
-
 def _run(kind: str, cfg: TrainConfig, device=None):
     if kind == "train":
+        from .planner.run_figures import predicted_activation_bytes
         from .training.loop import train_main
 
-        return train_main(cfg, device)
+        return train_main(cfg, device, predicted_activation_bytes(cfg))
     from .verify.main import verify_main
 
     return verify_main(cfg, device)
@@ -162,22 +70,6 @@ def _torchrun() -> bool:
 def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices.get(name, parser)
-
-
-def unknown_flags_message(sub: argparse.ArgumentParser, extras: list[str]) -> str:
-    """argparse's "unrecognized arguments" line, with the nearest flag the subcommand knows for each unknown one."""
-    known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
-    hints = []
-    for token in extras:
-        if token.startswith("--"):
-            close = difflib.get_close_matches(token.split("=", 1)[0], known, n=1)
-            hints += [(token.split("=", 1)[0], close[0])] if close else []
-    message = f"unrecognized arguments: {' '.join(extras)}"
-    if len(hints) == 1:
-        return f"{message}; did you mean {hints[0][1]}?"
-    if hints:
-        return f"{message}; did you mean {', '.join(f'{good} for {bad}' for bad, good in hints)}?"
-    return message
 
 
 def parse(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:

@@ -38,7 +38,7 @@ ALLOWED = {
     ("data/loader.py", "Loader._starts", "from_numpy"): "window starts for host-side batch assembly",
     ("data/loader.py", "Loader.batch_at", "from_numpy"):
         "the rank's rows read from the memmap on the host; the Trainer copies each microbatch to mesh.device",
-    ("hf/cli.py", "compare", "randint"):
+    ("commands/hf.py", "compare", "randint"):
         "host token ids handed to every rank, which copies them to its device before the forward",
     ("mesh.py", "Mesh.build", "arange"): "the rank grid: integer bookkeeping that derives the group lists",
     ("models/llama.py", "RMSNorm.__init__", "empty"):

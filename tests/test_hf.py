@@ -30,7 +30,7 @@ from shardwise.hf import weights as hf  # noqa: E402
 from shardwise.hf.config import config_from_hf  # noqa: E402
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from shardwise.training.assemble import assemble, resolve_model  # noqa: E402
-from shardwise.hf.cli import add_parser, compare, hf_logits, run_export  # noqa: E402
+from shardwise.commands.hf import add_parser, compare, hf_logits, run_export  # noqa: E402
 from _dist import global_grads, grad_slices  # noqa: E402
 
 SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,

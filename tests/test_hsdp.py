@@ -159,7 +159,7 @@ def test_planner_searches_dp_shard_and_prints_it():
     its memory divides by S (not dp), the dp_replicate bytes are the shard's fp32 gradient, and the
     printed command carries --dp-shard, which reads back to the same layout."""
     from shardwise.planner import Cluster, Layout, SearchSpace, Workload, estimate, get_gpu, get_model, search
-    from shardwise.planner.command import parse_train_flags, row_command
+    from shardwise.commands.train_command import parse_train_flags, row_command
 
     spec, cluster = get_model("llama3-70b"), Cluster(get_gpu("h100-80gb"), 1024, 8)
     wl = Workload(seq_len=4096, global_batch=1024)

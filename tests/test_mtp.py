@@ -429,7 +429,7 @@ def test_init_from_hf_pp2_lr0_checkpoint_exports_every_mtp_tensor(tmp_path):
     from safetensors.torch import load_file
 
     from shardwise.cli import main
-    from shardwise.hf.cli import run_export
+    from shardwise.commands.hf import run_export
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 

@@ -23,7 +23,7 @@ from shardwise import cli
 from shardwise.config import MODEL_PRESETS, ModelConfig
 from shardwise.hf.config import config_from_hf
 from shardwise.planner import PRESETS, ModelSpec, load_hf_config
-from shardwise.planner.command import parse_train_flags
+from shardwise.commands.train_command import parse_train_flags
 from shardwise.planner.layout import Layout
 
 TINY_PLAN = ["plan", "--model", "tiny", "--gpus", "4", "--gpus-per-node", "4", "--seq-len", "128",
@@ -40,7 +40,7 @@ def _plan(capsys, argv) -> list[dict] | dict:
 def test_config_and_planner_import_no_torch(tmp_path):
     code = f"""
 import sys
-import shardwise.config, shardwise.rules.partition, shardwise.hf.config, shardwise.planner, shardwise.planner.cli
+import shardwise.config, shardwise.rules.partition, shardwise.hf.config, shardwise.planner, shardwise.commands.plan
 from shardwise.config import ParallelConfig, TrainConfig
 cfg = TrainConfig(parallel=ParallelConfig(pp=2, cp=2, schedule="interleaved", vp=2), global_batch=8)
 cfg.resolve_world()

@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from shardwise.cli import main
-from shardwise.planner import trace
+from shardwise.commands import plan_trace as trace
 
 PLAN = ["plan", "--model", "tiny", "--gpus", "2", "--seq-len", "64", "--micro-batch", "2", "--global-batch", "4",
         "--top", "3"]

@@ -14,7 +14,7 @@ from shardwise.planner import (
     layout_problems, load_hf_config, memory_by_stage, model_flops, parse_layout, search, step_comm, total_params,
     wire_bytes,
 )
-from shardwise.planner.cli import main
+from shardwise.commands.plan import main
 from shardwise.planner.layout import stages
 from shardwise.planner.activations import layer_activation_bytes
 from shardwise.planner.memory import stage_params
@@ -389,7 +389,7 @@ def test_cli_reads_hf_configs(tmp_path, capsys):
 def test_add_parser_registers_plan_on_a_host_cli():
     import argparse
 
-    from shardwise.planner.cli import add_parser, run
+    from shardwise.commands.plan import add_parser, run
 
     parser = argparse.ArgumentParser(prog="shardwise")
     add_parser(parser.add_subparsers(dest="command"))
@@ -501,7 +501,7 @@ def test_recompute_layers_modelled():
     not. N = every layer of a chunk is full recompute; fewer layers save more and recompute less (activations,
     the repeated TP collectives, hardware FLOPs between none and full); the row's command spells the flag out
     and --explain reads it back from a train command."""
-    from shardwise.planner.command import parse_train_flags, train_flags
+    from shardwise.commands.train_command import parse_train_flags, train_flags
 
     spec, wl = get_model("llama3-8b"), Workload(seq_len=4096, global_batch=64)
     base = Layout(dp=2, tp=4, pp=4, m=32, mb=1, zero=1, sequence_parallel=True, recompute="full")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shardwise.rules import buckets as bucket_plan
 from shardwise.planner import Layout, Workload, get_model, memory_by_stage
-from shardwise.planner.cli import main
+from shardwise.commands.plan import main
 from shardwise.planner.layout import Stage, stages
 from shardwise.planner.models import padded_vocab
 from shardwise.planner.peak import PEAK_TERMS

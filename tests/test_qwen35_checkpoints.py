@@ -200,7 +200,7 @@ def test_finetune_flow_writes_the_multimodal_checkpoint_back(tmp_path, capsys):
     from safetensors.torch import load_file
 
     from shardwise.cli import main
-    from shardwise.hf.cli import run_export
+    from shardwise.commands.hf import run_export
 
     src, run, out = tmp_path / "src", str(tmp_path / "run"), str(tmp_path / "out")
     ref_model = _save(src, "moe", mtp=2, vocab_size=300)  # byte-level data (ids < 257) fits the vocabulary
@@ -291,7 +291,7 @@ def test_published_config_json_is_the_preset(tmp_path, preset):
 
 # ---------------------------------------------------------------- layouts (one fork)
 def _rank_layouts(dense_dir, moe_dir, tokens):
-    from shardwise.hf.cli import rank_forward
+    from shardwise.commands.hf import rank_forward
 
     out = {}
     for name, path, parallel in (("dense_tp2_cp2", dense_dir, ParallelConfig(cp=2, tp=2)),

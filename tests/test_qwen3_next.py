@@ -247,7 +247,7 @@ def _check_cp_ledger(fwd, total, cp, order):
 
 
 def _rank_all(seed, hf_dir):
-    from shardwise.hf.cli import rank_forward
+    from shardwise.commands.hf import rank_forward
     from shardwise.training.assemble import assemble
     from shardwise.verify.main import verify_main
 

@@ -17,7 +17,8 @@ The same spawn runs `train_main` once to check the keys summary.json reports.
 import torch
 
 from shardwise import comm
-from shardwise.training.activation_memory import SavedActivationMeter, predicted_activation_bytes
+from shardwise.planner.run_figures import predicted_activation_bytes
+from shardwise.training.activation_memory import SavedActivationMeter
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.planner import Cluster, estimate, get_gpu
 from shardwise.planner.layout import from_train_config
@@ -57,7 +58,8 @@ def _measure(seed, out_dir):
             # figure the planner assumes, so MoE layouts compare the mean over ranks, dense ones the max
             res[(name, mode)] = (sum(peaks) / len(peaks) if "moe" in name else max(peaks)), axes, \
                 trainer.mesh["pp"].rank
-    summary = train_main(_cfg("tp2-sp", "full", seed, out=out_dir, report=False))
+    run = _cfg("tp2-sp", "full", seed, out=out_dir, report=False)
+    summary = train_main(run, None, predicted_activation_bytes(run))  # as `shardwise train` hands it in
     return res, summary
 
 

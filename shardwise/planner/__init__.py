@@ -1,8 +1,8 @@
 """Pure-Python parallel-layout planner: memory, FLOPs, communication, bubble, step time and search.
 
 Imports no torch and no torch.distributed, so it runs anywhere. Entry points: `estimate` (one layout),
-`search` (rank all layouts), `step_comm` (per-op communication prediction of one rank), and
-`cli.add_parser` / `cli.run` for the `shardwise plan` subcommand.
+`search` (rank all layouts) and `step_comm` (per-op communication prediction of one rank); the `shardwise plan`
+subcommand that presents them lives in `shardwise.commands.plan`.
 """
 from shardwise.planner.comm_model import CommLedger, step_comm, wire_bytes
 from shardwise.planner.errors import PlanError

@@ -16,7 +16,7 @@ BOUNDS = {"static_bytes": 0.01, "activation_bytes": 0.02, "peak_bytes": 0.03}
 
 
 def add_parser(sub) -> None:
-    from ..cli import add_run_flags
+    from ..config.args import add_run_flags
 
     p = sub.add_parser("simulate", help="run ranks of a full-size layout on fake tensors, against the planner")
     add_run_flags(p, "simulate")
@@ -141,7 +141,7 @@ def check_simulable(cfg) -> None:
 
 
 def main(args) -> int:
-    from ..cli import config_from_args
+    from ..training.assemble import config_from_args
     from ..config import ConfigError
 
     try:

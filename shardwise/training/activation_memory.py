@@ -71,19 +71,6 @@ class SavedActivationMeter:
             del self.refs[key]
 
 
-def predicted_activation_bytes(cfg) -> dict:
-    """The planner's figures for exactly this run (after `resolve_world`), max over pipeline stages:
-    `held` (what the meter sees) and `recompute_transient` (one layer rebuilt during backward)."""
-    from ..planner.estimate import memory_by_stage
-    from ..planner.layout import from_train_config
-    from ..planner.activations import recompute_transient_bytes
-
-    spec, lay, wl = from_train_config(cfg)
-    stages = memory_by_stage(spec, lay, wl)
-    transient = [recompute_transient_bytes(spec, s["stage"], lay, wl) for s in stages]
-    return {"held": max(s["activation"] - t for s, t in zip(stages, transient)), "recompute_transient": max(transient)}
-
-
 def static_storage_bytes(trainer) -> int:
     """Bytes of the distinct storages behind this rank's parameters, gradients, optimizer state (AdamW moments,
     Muon momentum) and the reducer's flat buffers (the gradients' home under ZeRO 0/1), counted once per

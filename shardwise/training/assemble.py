@@ -11,10 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import ConfigError, ModelConfig, TrainConfig
+from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ..config.args import default_vp, global_batch
+from ..config.args import degrees as args_degrees
+from ..config.flags import config_fields
 from ..data.shards import data_vocab
 from ..data.tokenizer import VOCAB_SIZE
 from ..hf.config import config_from_hf, init_model_config
+
+
+def config_from_args(args, torchrun_world: int | None) -> TrainConfig:
+    """The assembled run of parsed run flags (`config.args`): the CLI, `simulate` and `plan` read train
+    commands through this one function."""
+    run, parallel, overrides = config_fields(args)
+    degrees = args_degrees(args, torchrun_world)
+    parallel = ParallelConfig(**(parallel | degrees | {"vp": default_vp(args)}))
+    model = args.model if args.model is not None or args.init_from_hf else "tiny"
+    if args.model_config:
+        model = read_model_config(args.model_config)
+    run |= dict(global_batch=global_batch(args, degrees, torchrun_world),
+                final_checkpoint=args.command == "train" and not args.no_checkpoint)
+    return assemble(TrainConfig(model=model, parallel=parallel, model_overrides=overrides, **run), torchrun_world)
 
 
 def read_model_config(path: str) -> ModelConfig:

@@ -20,8 +20,10 @@ from .writer import RunWriter
 from .trainer import Trainer, make_mesh
 
 
-def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
-    """Train on this rank; rank 0 writes the run directory and returns the summary."""
+def train_main(cfg: TrainConfig, device: torch.device | None = None, planned_activations: dict | None = None) -> dict:
+    """Train on this rank; rank 0 writes the run directory and returns the summary. `planned_activations`: the
+    planner's figures for this run (`planner.run_figures`), which the entry point hands in so that the runtime
+    imports no planner module."""
     cfg = assembled(cfg)
     device = device or torch.device("cpu")
     if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls (verify keeps full fp32)
@@ -41,7 +43,7 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     static_peak = []
     hook = trainer.reducer.optimizer.register_step_post_hook(
         lambda *_: static_peak.append(static_storage_bytes(trainer)) if not static_peak else None)
-    writer = RunWriter(cfg, trainer, start)
+    writer = RunWriter(cfg, trainer, start, planned_activations)
     try:
         act_peak, sites = train_steps(cfg, trainer, writer, start, ckpt_dir)
     finally:

@@ -8,7 +8,6 @@ import os
 import statistics
 
 from .. import comm
-from .activation_memory import predicted_activation_bytes
 from ..config import TrainConfig
 from ..config.schedule import lr_plan
 from .console import Console, peak_memory_bytes
@@ -18,9 +17,11 @@ from .report import RunLog
 
 
 class RunWriter:
-    def __init__(self, cfg: TrainConfig, trainer, start: int):
-        """`start`: the step the run resumes after (0: a fresh run)."""
+    def __init__(self, cfg: TrainConfig, trainer, start: int, planned_activations: dict | None = None):
+        """`start`: the step the run resumes after (0: a fresh run); `planned_activations`: the planner's
+        {held, recompute_transient} for this run, set beside the measured peak in summary.json."""
         self.cfg, self.trainer, self.start = cfg, trainer, start
+        self.planned_activations = planned_activations
         self.rank0 = trainer.mesh.rank == 0
         self.records, self.evals = [], []
         self.pending = []  # rank 0: (record, comm axes, eval) waiting for the record's step time
@@ -114,7 +115,7 @@ class RunWriter:
             "out": self.cfg.out, "mesh_build_s": mesh.build_s,
             "static_bytes_measured": static_peak,
             "host_syncs_per_step": statistics.median(r["host_syncs"] for r in steady), "host_syncs_by_site": sites,
-        } | activation_summary(self.cfg, act_peak)
+        } | activation_summary(act_peak, self.planned_activations)
         if self.evals:
             summary["eval_loss"] = self.evals[-1]["eval_loss"]
         if self.cfg.parallel.cp > 1:
@@ -158,10 +159,9 @@ def write_timeline(trainer, out: str) -> dict | None:
             "mean_action_s": mean}
 
 
-def activation_summary(cfg: TrainConfig, measured: int) -> dict:
-    """Saved-activation peak of the first step (max over ranks) beside the planner's figure for this run
-    (None where the planner does not model the run: --recompute-layers)."""
-    pred = predicted_activation_bytes(cfg) if cfg.parallel.recompute_layers is None else None
+def activation_summary(measured: int, pred: dict | None) -> dict:
+    """Saved-activation peak of the first step (max over ranks) beside the planner's figure for this run, handed
+    in by the entry point (None where the planner does not model the run: --recompute-layers)."""
     return {"activation_bytes_measured": measured,
             "activation_bytes_predicted": None if pred is None else pred["held"],
             "activation_recompute_transient_bytes_predicted": None if pred is None else pred["recompute_transient"]}

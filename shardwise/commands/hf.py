@@ -59,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def layout_config(hf_dir: str, parallel: ParallelConfig, seq_len: int, batch: int, timeout_s: float = 120.0):
     """TrainConfig of the layout for `hf_dir`'s model, validated like `shardwise train` (ConfigError)."""
-    from .config import config_from_hf
+    from ..hf.config import config_from_hf
 
     model = config_from_hf(hf_dir)
     dp = parallel.dp
@@ -101,7 +101,7 @@ def rank_forward(cfg: TrainConfig, hf_dir: str, tokens: torch.Tensor) -> dict:
 
     from .. import comm
     from ..context_parallel.sharding import shard_sequence, unshard_sequence
-    from .weights import load_hf_into
+    from ..hf.weights import load_hf_into
     from ..parallelize import build_model
     from ..training.trainer import make_mesh
 
@@ -211,8 +211,8 @@ def run_export(args) -> int:
     """hf-export: weights, config.json, tokenizer files and generation_config.json; exit 2 on bad input."""
     from .. import checkpoint as ck
     from ..config import ModelConfig
-    from .weights import export_hf
-    from .export import multimodal_source, prepare_out_dir, record_from_flag, record_from_run_dir
+    from ..hf.weights import export_hf
+    from ..hf.export import multimodal_source, prepare_out_dir, record_from_flag, record_from_run_dir
 
     try:
         prepare_out_dir(args.out_dir, getattr(args, "overwrite", False))

@@ -19,7 +19,7 @@ from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
 from shardwise.planner.layout import (
     CP_IMPLS, DEFAULT_GLOBAL_BATCH, PRECISIONS, RECOMPUTE, SCHEDULES, Layout, Workload, layout_problems, parse_layout,
 )
-from shardwise.planner.command import parse_train_flags, row_command
+from shardwise.commands.train_command import parse_train_flags, row_command
 from shardwise.planner.activations import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
 from shardwise.planner.peak import PEAK_TERMS
@@ -181,7 +181,7 @@ def _search(args, spec, cluster, wl, assume) -> int:
     for r in results[: args.top]:
         r |= row_command(model_flags(args), spec, cluster, Layout.from_dict(r["layout"]), wl)
     if args.trace:
-        from shardwise.planner.trace import trace_rows
+        from shardwise.commands.plan_trace import trace_rows
 
         model = args.model if not args.model_config or spec.untrainable else config_from_hf(args.model_config)
         trace_rows(results[: args.top], args.trace, model, spec, wl, args.mtp_layers)

@@ -9,7 +9,7 @@ about what one with a dozen does.
 """
 from __future__ import annotations
 
-from shardwise.planner.command import train_config
+from shardwise.commands.train_command import train_config
 from shardwise.planner.layout import Layout
 
 SIMULATED_STEPS = 2

@@ -91,7 +91,7 @@ def _raise(message: str):
 def _train_parser():
     """train's own parser, raising instead of exiting: a printed command and an --explain command are read
     exactly as `shardwise train` reads them."""
-    from shardwise.cli import train_parser  # at call time: cli registers the plan subcommand itself
+    from shardwise.config.args import train_parser
 
     sub = train_parser()
     sub.error = _raise
@@ -99,7 +99,7 @@ def _train_parser():
 
 
 def _train_args(tokens: list[str]):
-    from shardwise.cli import unknown_flags_message
+    from shardwise.config.args import unknown_flags_message
 
     sub = _train_parser()
     args, extras = sub.parse_known_args(tokens)
@@ -112,7 +112,7 @@ def _train_args(tokens: list[str]):
 def trainer_refusal(flags: list[str]) -> str | None:
     """What `shardwise train` says about these flags before starting any rank (None: it accepts them), from
     its own parser and validation — so a plan never silently prints a command the trainer refuses."""
-    from shardwise.cli import config_from_args
+    from shardwise.training.assemble import config_from_args
     from shardwise.config import ConfigError
 
     try:
