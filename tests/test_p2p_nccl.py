@@ -9,7 +9,7 @@ from shardwise import comm
 from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.mesh import Axis
 from shardwise.pipeline.p2p_check import P2PMismatch, check_programs
-from shardwise.pipeline.p2p_program import Boundary, Op, build_programs, message_in, message_out
+from shardwise.rules.p2p_program import Boundary, Op, build_programs, message_in, message_out
 from shardwise.rules.schedules import build_schedule
 
 from _dist import fresh_seed, run_ranks, verify_all

@@ -13,7 +13,7 @@ import torch
 
 from shardwise.training.launch import RankError
 from shardwise.pipeline.p2p_check import check_programs
-from shardwise.pipeline.p2p_program import build_programs
+from shardwise.rules.p2p_program import build_programs
 from shardwise.rules.schedules import build_schedule
 
 from _dist import run_ranks

@@ -157,8 +157,31 @@ def rules_problems(graph: dict[str, set[str]], root: pathlib.Path = ROOT) -> lis
     return problems
 
 
+# The planner counts from the rules layer and reads config.json shapes; it reaches no module that runs a model.
+PLANNER = "shardwise.planner"
+PLANNER_MAY_REACH = ("shardwise.planner", "shardwise.rules", "shardwise.config", "shardwise.hf.config",
+                     "shardwise.hf.shapes")
+# The runtime: everything a training or verify rank executes. It is handed the planner's figures, never imports them.
+RUNTIME = ("shardwise.models", "shardwise.tensor_parallel", "shardwise.context_parallel", "shardwise.expert_parallel",
+           "shardwise.data_parallel", "shardwise.pipeline", "shardwise.optim", "shardwise.training",
+           "shardwise.checkpoint", "shardwise.hf", "shardwise.comm", "shardwise.mesh", "shardwise.parallelize",
+           "shardwise.recompute", "shardwise.verify", "shardwise.data")
+
+
+def planner_problems(graph: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for mod in sorted(graph):
+        if _in(mod, (PLANNER,)) and (bad := sorted(m for m in reach(graph, mod)
+                                                   if not _in(m, PLANNER_MAY_REACH) and m != "shardwise.hf")):
+            problems.append(f"{mod} reaches {bad}: the planner counts from rules/, it imports no runtime module")
+        if _in(mod, RUNTIME) and (bad := sorted(m for m in graph[mod] if _in(m, (PLANNER,)))):
+            problems.append(f"{mod} imports {bad}: the runtime imports no planner module")
+    return problems
+
+
 def structure_problems(graph: dict[str, set[str]]) -> list[str]:
     problems = [f"import circle: {' -> '.join(c)}" for c in circles(graph)]
+    problems += planner_problems(graph)
     problems += [f"package circle: {' -> '.join(c)}" for c in circles(package_graph(graph))]
     problems += [p for p in rules_problems(graph) if "outside itself" in p]
     for mod in sorted(graph):
@@ -353,7 +376,9 @@ def test_the_checks_catch_what_they_guard(tmp_path):
                            (("shardwise.comm.collectives", "shardwise.models.llama"), "comm layer must know"),
                            (("shardwise.models.llama", "shardwise.mesh"), "no axis package"),
                            (("shardwise.models.llama", "shardwise.training.trainer"), "package circle"),
-                           (("shardwise.rules.buckets", "shardwise.config.errors"), "rules layer reads nothing")):
+                           (("shardwise.rules.buckets", "shardwise.config.errors"), "rules layer reads nothing"),
+                           (("shardwise.optim.sharded", "shardwise.planner.muon"), "runtime imports no planner"),
+                           (("shardwise.planner.estimate", "shardwise.models.llama"), "planner counts from rules/")):
         broken = {k: set(v) for k, v in graph.items()}
         broken[extra[0]].add(extra[1])
         assert any(message in p for p in structure_problems(broken)), extra

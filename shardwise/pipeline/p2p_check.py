@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .p2p_program import Boundary
+from ..rules.p2p_program import Boundary
 
 
 class P2PMismatch(AssertionError):

@@ -21,7 +21,7 @@ import torch
 
 from .. import comm
 from ..tensor_parallel.grad_store import WeightGradStore
-from .p2p_program import build_programs, message_in, message_out
+from ..rules.p2p_program import build_programs, message_in, message_out
 from ..rules.schedules import Schedule
 from .timing import ActionClock
 

@@ -80,7 +80,7 @@ def split_states(schedule: str, p: int, m: int, v: int, k: int) -> tuple[tuple[i
 
 @lru_cache(maxsize=64)
 def _programs(schedule: str, p: int, m: int, v: int):
-    from shardwise.pipeline.p2p_program import build_programs
+    from shardwise.rules.p2p_program import build_programs
 
     return build_programs(_schedule(schedule, p, m, v))
 
@@ -90,7 +90,7 @@ def boundary_buffers(schedule: str, p: int, m: int, v: int, k: int, saved_inputs
     """(during an F, during a B or W — before the action's own output or input gradient exists, which the
     peak's moments count as the running action's): the most boundary-sized tensors ([mb, s/cp(/tp under SP), h], the residual's dtype) rank k's executor
     (`pipeline.runtime`) holds beside the saved activations during one action, walked over its actions and its
-    p2p program (`pipeline.p2p_program`):
+    p2p program (`rules.p2p_program`):
     * a receive posted at a boundary, until its action takes it;
     * a chunk's input, held in the executor's state from its F to its B (autograd saves it only when the
       residual is fp32, `saved_inputs`: otherwise the block's fp32 norm saves its own cast), then by the loop's
@@ -100,7 +100,7 @@ def boundary_buffers(schedule: str, p: int, m: int, v: int, k: int, saved_inputs
     * the output gradient a B took, held by the loop's variable until the next B; the input gradient it made,
       as the input's `.grad`, and handed over until the B that takes it."""
     try:
-        from shardwise.pipeline.p2p_program import message_in, message_out
+        from shardwise.rules.p2p_program import message_in, message_out
 
         sched, program = _schedule(schedule, p, m, v), _programs(schedule, p, m, v)[k]
     except (ImportError, ValueError):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..comm.ledger import Ledger
-from ..pipeline.p2p_program import build_programs
+from ..rules.p2p_program import build_programs
 from ..rules.schedules import Action, build_schedule
 
 
@@ -62,7 +62,7 @@ the last position holds the batch posted after the last action, and no action.""
 
 def rank_steps(name: str, p: int, v: int, m: int, rank: int) -> list[Step]:
     """Rank `rank`'s positions for m microbatches: each action with the p2p the executor posts before it
-    (`pipeline.p2p_program`, whose receives run ahead of the actions); without a pipeline (p = 1) the
+    (`rules.p2p_program`, whose receives run ahead of the actions); without a pipeline (p = 1) the
     trainer's F0 B0 F1 B1 …"""
     if p == 1:
         return [((), None, Action(kind, i)) for i in range(m) for kind in "FB"] + [((), None, None)]

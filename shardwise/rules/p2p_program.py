@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..rules.schedules import Schedule
-from ..rules.schedule_check import simulate
+from .schedules import Schedule
+from .schedule_check import simulate
 
 
 class Op(NamedTuple):
