@@ -170,7 +170,7 @@ def hf_hybrid_grad_bounds(model, ref_model, cfg, x, names: dict[str, str] | None
     permutation scores O(1). `names`: as `HFGrads`'."""
     import copy
 
-    from shardwise.verify.main import Float64
+    from shardwise.verify.fp64_budget import Float64
 
     grads = HFGrads(ref_model, names)
     rels = {n: float((p.grad - hf_hybrid_grad(n, cfg, grads)).norm() / hf_hybrid_grad(n, cfg, grads).norm())
