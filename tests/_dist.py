@@ -13,8 +13,12 @@ from shardwise.training.assemble import assemble
 
 
 def fresh_seed() -> int:
-    """A new seed per test run; tests pass it along so failures can name it."""
-    return int.from_bytes(os.urandom(4), "little")
+    """A new seed per test run; tests pass it along so failures can name it. It is also printed, so pytest shows it
+    under "Captured stdout" of any failing test that drew it, whatever the assertion's message; SHARDWISE_TEST_SEED
+    replays one."""
+    seed = int(os.environ.get("SHARDWISE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"fresh seed {seed} (replay: SHARDWISE_TEST_SEED={seed})", flush=True)
+    return seed
 
 
 def run_ranks(world: int, fn, *args, timeout_s: float = 120.0):
@@ -170,7 +174,7 @@ def hf_hybrid_grad_bounds(model, ref_model, cfg, x, names: dict[str, str] | None
     permutation scores O(1). `names`: as `HFGrads`'."""
     import copy
 
-    from shardwise.verify.main import Float64
+    from shardwise.verify.fp64_budget import Float64
 
     grads = HFGrads(ref_model, names)
     rels = {n: float((p.grad - hf_hybrid_grad(n, cfg, grads)).norm() / hf_hybrid_grad(n, cfg, grads).norm())

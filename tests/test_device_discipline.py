@@ -22,9 +22,9 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", 
 ALLOWED = {
     ("optim/sharded.py", "Muon.__init__", "zeros"):
         "an empty placeholder parameter for a rank that holds no Muon matrix; never stepped nor communicated",
-    ("verify/main.py", "verify_main", "zeros"):
+    ("verify/checks.py", "Values.__init__", "zeros"):
         "the per-parameter sum of update bounds: host arithmetic on norms already read back, never communicated",
-    ("verify/main.py", "first_grad_samples", "rand"):
+    ("verify/fp64_budget.py", "first_grad_samples", "rand"):
         "which way each weight moves one ulp, drawn from a CPU generator seeded alike on every rank, then moved to "
         "the weights' device; never communicated",
     ("verify/routing_replay.py", "RoutingReplay._local_ids", "arange"):

@@ -29,14 +29,14 @@ def _eval_tokens() -> torch.Tensor:
 def _layouts_against_single(seed: int):
     """Per layout: eval_loss of the layout and of the single-device model at init and after one step."""
     from shardwise.training.trainer import Trainer, make_mesh
-    from shardwise.verify.main import _reference
+    from shardwise.verify.reference import reference
 
     out = []
     for degrees, extra in LAYOUTS:
         cfg = assemble(TrainConfig(parallel=ParallelConfig(**degrees), steps=2, seq_len=32, micro_batch=2,
                                    eval_steps=2, seed=seed, progress=False, **extra))
         trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
-        ref = _reference(cfg, torch.device("cpu"))
+        ref = reference(cfg, torch.device("cpu"))
         ev, ev_ref = Evaluator(trainer, _eval_tokens()), Evaluator(ref, _eval_tokens())
         bytes_before = dict(trainer.mesh.ledger.current)
         row = {"layout": degrees, "init": (ev.run(), ev_ref.run()), "again": ev.run()}
@@ -49,16 +49,19 @@ def _layouts_against_single(seed: int):
 
 
 def test_eval_loss_equal_across_layouts():
+    """eval_loss equals the single-device model's at init and after a step, and the step's new weights are what the
+    evaluation sees (its loss changed). Not that the held-out loss fell: a few steps need not lower it (a fresh seed
+    went 5.5726 → 5.5813)."""
     seed = fresh_seed()
     rows = run_ranks(4, _layouts_against_single, seed)
-    assert all(r == rows[0] for r in rows), "every rank returns the same (all-reduced) eval loss"
+    assert all(r == rows[0] for r in rows), (seed, "every rank returns the same (all-reduced) eval loss", rows)
     for row in rows[0]:
         for when in ("init", "trained"):
             mine, single = row[when]
             assert abs(mine - single) <= 1e-5 * max(1.0, abs(single)), (seed, row)
-        assert row["again"] == row["init"][0], "a second evaluation of the same weights gives the same loss"
-        assert row["trained"][0] < row["init"][0], "training moved the weights the eval sees"
-        assert row["ledger_untouched"], "the evaluation's collectives stay out of the step's comm ledger"
+        assert row["again"] == row["init"][0], (seed, "a second evaluation of the same weights: the same loss", row)
+        assert row["trained"][0] != row["init"][0], (seed, "the evaluation sees the weights the step moved", row)
+        assert row["ledger_untouched"], (seed, "the evaluation's collectives stay out of the step's comm ledger", row)
 
 
 def test_eval_windows_are_taken_in_order():

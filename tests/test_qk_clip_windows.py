@@ -46,8 +46,23 @@ def explicit_max_logits(q, k, scale, window):
     return s.masked_fill(~seen, float("-inf")).amax(dim=(0, 2, 3))
 
 
+# A seed whose draw has the window hide a larger causal logit at both steps (`_window_max_and_clip`).
+HIDING_SEED = 1234
+
+
 def test_single_device_window_max_and_biased_clip():
+    """The fresh seed checks the code (S_max over the window's pairs, the clip of weights and biases). Whether the
+    window hides a larger causal logit — what makes a maximum over all causal pairs fail — is a property of the draw,
+    not of the code: on 9 of 300 fresh seeds, at some step, every head's largest causal logit lies inside the window
+    (seed 3179881137), so that is asserted on a pinned seed, where it holds at both steps by 11% or more."""
     seed = fresh_seed()
+    _window_max_and_clip(seed)
+    assert _window_max_and_clip(HIDING_SEED) == [True, True], HIDING_SEED
+
+
+def _window_max_and_clip(seed: int) -> list[bool]:
+    """Two steps of the one-device run, each clip checked against the explicit maxima; per step, whether the
+    windowed layer's window hid a larger causal logit of some head."""
     cfg = assemble(_cfg(seed, tau=1e9))  # τ set per step below, among the heads' logits
     t = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
     attns = {name: m for name, m in t.model.named_modules() if hasattr(m, "core")}
@@ -60,7 +75,7 @@ def test_single_device_window_max_and_biased_clip():
         a.core.register_forward_pre_hook(lambda m, args, name=name: seen.setdefault(name, []).append(args[:2]))
     clip = t.reducer.muon.clip
     apply, take = clip.apply, clip.recorder.take
-    recorded, checked = {}, []
+    recorded, checked, hidden = {}, [], []
 
     def take_and_keep():
         got = take()
@@ -84,9 +99,9 @@ def test_single_device_window_max_and_biased_clip():
         apply()
         for name, a in attns.items():
             got = recorded[a.core.layer_id]
-            assert_close(got, want_max[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} S_max: {m}")
+            assert_close(got, want_max[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed} {name} S_max: {m}")
             if a.core.window:  # the window hides a larger causal logit of some head: a causal max would clip wrongly
-                assert (causal_max[name] > want_max[name] * 1.01).any(), (seed, name, causal_max[name], want_max[name])
+                hidden.append(bool((causal_max[name] > want_max[name] * 1.01).any()))
             g = a.wq.weight.shape[0] // a.wk.weight.shape[0]
             m = want_max[name].view(-1, g).amax(1)
             eta = torch.where(m > clip.tau, clip.tau / m, 1.0)
@@ -104,7 +119,8 @@ def test_single_device_window_max_and_biased_clip():
     clip.apply, clip.recorder.take = checked_apply, take_and_keep
     for step in range(2):
         t.train_step(step)
-    assert len(checked) == 4 and sum(checked) == 4, checked  # both layers, both steps; 2 of the 4 groups each step
+    assert len(checked) == 4 and sum(checked) == 4, (seed, checked)  # both layers, both steps; 2 of 4 groups each step
+    return hidden
 
 
 def _s_max_gaps(seen) -> list[float]:

@@ -52,14 +52,15 @@ def _tied_local(model):
 def _rank(seed, ckpt_dir):
     from shardwise.checkpoint import load_checkpoint, save_checkpoint
     from shardwise.training.trainer import Trainer, make_mesh
-    from shardwise.verify.main import _reference, verify_main
+    from shardwise.verify.main import verify_main
+    from shardwise.verify.reference import reference
 
     out = {}
     for name, degrees in LAYOUTS.items():
         cfg = _cfg(degrees, seed)
         res = verify_main(cfg)
         mesh = make_mesh(cfg, torch.device("cpu"))
-        trainer, ref = Trainer(cfg, mesh), _reference(cfg, torch.device("cpu"))
+        trainer, ref = Trainer(cfg, mesh), reference(cfg, torch.device("cpu"))
         trainer.forward_backward(0)
         ref.forward_backward(0)
         norm, ref_norm = trainer.finish_gradients(), ref.finish_gradients()

@@ -1,0 +1,98 @@
+"""The layout and its single-device reference(s), stepped together on every rank, and what verify reads off them."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import TrainConfig
+from ..training.trainer import Trainer, lr_at, make_mesh
+from . import compare
+from .reference import grads_at_layout_weights, reference
+from .routing_replay import RoutingReplay
+
+
+class SideBySide:
+    """The layout's run and the single-device reference (same seed, same global batch), built in-process on every
+    rank. In bf16 an fp32 reference too, which measures bf16's own noise (`NoiseBudget`) in one place. MoE layers of
+    every reference take the layout's expert choices (`RoutingReplay`)."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, tokens: torch.Tensor | None = None):
+        self.cfg, self.tokens = cfg, tokens
+        self.mesh = make_mesh(cfg, device)
+        self.layout = Trainer(cfg, self.mesh, tokens)
+        self.ref = reference(cfg, device, tokens)
+        self.bf16 = cfg.dtype == "bf16"
+        fp32 = dataclasses.replace(cfg, dtype="fp32", grad_reduce_dtype="fp32")
+        self.ref32 = reference(fp32, device, tokens) if self.bf16 else None
+        self.refs = [self.ref] + ([self.ref32] if self.bf16 else [])
+        self.ref_params = dict(self.ref.model.named_parameters(remove_duplicate=False))  # tied: output.weight too
+        self.ref32_params = dict(self.ref32.model.named_parameters(remove_duplicate=False)) if self.bf16 else {}
+        self.names = sorted(self.ref_params)
+        self.world = self.mesh["world"]
+        model = cfg.model_config()
+        self.dropout = model.dropout > 0 or model.attn_dropout > 0
+        moe = bool(self.layout.model_cfg.moe_experts)
+        self.replay = RoutingReplay(self.layout, self.refs, self.world, cfg.dtype) if moe else None
+
+    def backward(self, step: int) -> tuple[float, list[float]]:
+        """Forward and backward of `step` on the layout and every reference, gradients finished (reduced, clipped):
+        (the layout's loss, the references' losses)."""
+        loss = self.layout.forward_backward(step)
+        if self.replay is not None:
+            self.replay.force(step)
+        ref_losses = [r.forward_backward(step) for r in self.refs]
+        if self.replay is not None:
+            self.replay.check(step)
+        self.layout.finish_gradients()
+        for r in self.refs:
+            r.finish_gradients()
+        return loss, ref_losses
+
+    def optimizer_step(self, step: int) -> None:
+        self.layout.optimizer_step(step)
+        for r in self.refs:
+            r.optimizer_step(step)
+        if self.replay is not None:  # the loss-free bias moves the same way in both, or routing diverges
+            self.layout.moe_step()
+            for r in self.refs:
+                r.moe_step()
+            self.replay.check_bias()
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.cfg)
+
+    def grad_views(self) -> list:
+        return list(compare.grad_views(self.layout))
+
+    def param_views(self) -> list:
+        return list(compare.param_views(self.layout))
+
+    def ref_grads(self, fp32: bool = False) -> dict:
+        """The (bf16 run: fp32) reference's finished gradients."""
+        return {n: p.grad for n, p in (self.ref32_params if fp32 else self.ref_params).items()}
+
+    def ref_values(self, fp32: bool = False) -> dict:
+        return {n: p.detach() for n, p in (self.ref32_params if fp32 else self.ref_params).items()}
+
+    def snapshot(self) -> tuple[list, list[dict]]:
+        """Before the optimizer step: the values the layout's views hold, and both references' parameters."""
+        return ([v[2].clone() for v in compare.param_views(self.layout)],
+                [{n: p.detach().clone() for n, p in params.items()} for params in (self.ref_params, self.ref32_params)])
+
+    def updates(self, param_views, before) -> tuple[list, dict, dict]:
+        """After the optimizer step: (the layout's updates as views, the reference's, the fp32 reference's), an update
+        being after − before the step."""
+        mine, refs = before
+        updates = [(n, spec, p - b, lo, hi) for (n, spec, p, lo, hi), b in zip(param_views, mine)]
+        return (updates, {n: p.detach() - refs[0][n] for n, p in self.ref_params.items()},
+                {n: p.detach() - refs[1][n] for n, p in self.ref32_params.items()})
+
+    def rel(self, views, ref: dict) -> torch.Tensor:
+        """[parameters]: the views' norm-wise relative difference to `ref`, summed over all ranks (a collective)."""
+        return compare.per_param_rel(compare.against(views, ref), self.names, self.world)
+
+    def grads_at_layout_weights(self, step: int) -> dict:
+        """The reference's gradients of `step` at the weights the layout holds now (before its optimizer step)."""
+        return grads_at_layout_weights(self.cfg, step, self.param_views(), self.ref_params, self.replay, self.tokens,
+                                       self.world)
