@@ -8,7 +8,7 @@ import torch
 
 from shardwise.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from shardwise.optim import is_muon_param
-from shardwise.planner.muon import deal
+from shardwise.rules.muon import deal
 from shardwise.training.assemble import assemble
 from shardwise.training.trainer import Trainer, lr_at, make_mesh
 

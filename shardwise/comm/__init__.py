@@ -6,7 +6,7 @@ Callers reach all of it as `comm.<name>`; each idea has its own module:
 * `transport` — the calls whose meaning depends on the world (`Transport`: torch.distributed; a simulated
   world passes the mesh its own);
 * `collectives` — the raw ops (`all_reduce`, `reduce_scatter`, `all_gather`, `all_to_all`, ...) that call
-  torch.distributed on an `Axis` and record what they moved, with the byte convention the planner shares;
+  torch.distributed on an `Axis` and record what they moved, in the wire bytes of `rules.wire` the planner shares;
 * `p2p` — batched point-to-point ops and the strict mode that follows NCCL's ordering rules on gloo;
 * `functions` — one small autograd Function per differentiable pattern (Megatron's f/g operators and the
   sequence-parallel gathers/scatters), each with a "forward: X / backward: Y" docstring;

@@ -3,10 +3,8 @@
 An op on an axis of size 1 is the identity and records nothing, so the single-device model runs the very
 same code.
 
-Byte convention (shared with the planner): `bytes` is the payload this rank contributes — the input tensor
-of an all-reduce, reduce-scatter or all-to-all, the local shard of an all-gather, the tensor of a send.
-`wire_bytes` is what this rank puts on links under ring algorithms: all-reduce 2(t-1)/t·N, reduce-scatter
-(t-1)/t·N, all-gather (t-1)·N_shard, all-to-all the part addressed to other ranks, send N.
+Byte convention (shared with the planner): `bytes` is the payload this rank contributes, `wire_bytes` what it
+puts on links under ring algorithms, as `shardwise.rules.wire` states them per collective.
 """
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..rules import wire
 from .calls import eager, guarded, nbytes, record
 
 
@@ -47,8 +46,7 @@ def all_reduce(t: torch.Tensor, axis, op: str = "sum", tag: str | None = None) -
     """In-place all-reduce of `t` over `axis` (sum or max)."""
     if not axis.active:
         return t
-    n = axis.size
-    record(axis, "all_reduce", nbytes(t), 2 * (n - 1) / n * nbytes(t), tag)
+    record(axis, "all_reduce", nbytes(t), wire.all_reduce(nbytes(t), axis.size), tag)
     guarded(axis, "all_reduce", dist.all_reduce, t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op],
              group=axis.group)
     return t
@@ -59,8 +57,7 @@ def all_reduce_async(t: torch.Tensor, axis, tag: str | None = None):
     """Start an in-place sum all-reduce; returns the work handle (None on a size-1 axis) for `wait`."""
     if not axis.active:
         return None
-    n = axis.size
-    record(axis, "all_reduce", nbytes(t), 2 * (n - 1) / n * nbytes(t), tag)
+    record(axis, "all_reduce", nbytes(t), wire.all_reduce(nbytes(t), axis.size), tag)
     return guarded(axis, "all_reduce", dist.all_reduce, t, group=axis.group, async_op=True)
 
 
@@ -74,7 +71,7 @@ def reduce_scatter(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) 
         raise ValueError(f"reduce_scatter on {axis.name}: dim {dim} of size {t.shape[dim]} not divisible by {n}")
     src = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
     out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
-    record(axis, "reduce_scatter", nbytes(src), (n - 1) / n * nbytes(src), tag)
+    record(axis, "reduce_scatter", nbytes(src), wire.reduce_scatter(nbytes(src), n), tag)
     guarded(axis, "reduce_scatter", _reduce_scatter_flat, out, src, group=axis.group)
     return out.movedim(0, dim) if dim else out
 
@@ -87,7 +84,7 @@ def all_gather(t: torch.Tensor, axis, dim: int = 0, tag: str | None = None) -> t
     n = axis.size
     src = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
     out = src.new_empty((n * src.shape[0], *src.shape[1:]))
-    record(axis, "all_gather", nbytes(src), (n - 1) * nbytes(src), tag)
+    record(axis, "all_gather", nbytes(src), wire.all_gather(nbytes(src), n), tag)
     guarded(axis, "all_gather", _all_gather_flat, out, src, group=axis.group)
     # Contiguous once here, so the several linears that read a gathered SP input share one tensor
     # instead of each saving its own contiguous copy for backward.
@@ -100,7 +97,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis, tag: str | Non
     if not axis.active:
         out.copy_(shard)
         return out
-    record(axis, "all_gather", nbytes(shard), (axis.size - 1) * nbytes(shard), tag)
+    record(axis, "all_gather", nbytes(shard), wire.all_gather(nbytes(shard), axis.size), tag)
     guarded(axis, "all_gather", _all_gather_flat, out, shard, group=axis.group)
     return out
 
@@ -111,8 +108,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis, tag: str | 
     if not axis.active:
         out.copy_(full)
         return out
-    n = axis.size
-    record(axis, "reduce_scatter", nbytes(full), (n - 1) / n * nbytes(full), tag)
+    record(axis, "reduce_scatter", nbytes(full), wire.reduce_scatter(nbytes(full), axis.size), tag)
     guarded(axis, "reduce_scatter", _reduce_scatter_flat, out, full, group=axis.group)
     return out
 
@@ -124,7 +120,7 @@ def all_gather_into_async(out: torch.Tensor, shard: torch.Tensor, axis, tag: str
     if not axis.active:
         out.copy_(shard)
         return None
-    record(axis, "all_gather", nbytes(shard), (axis.size - 1) * nbytes(shard), tag)
+    record(axis, "all_gather", nbytes(shard), wire.all_gather(nbytes(shard), axis.size), tag)
     return guarded(axis, "all_gather", _all_gather_flat, out, shard, group=axis.group, async_op=True)
 
 
@@ -135,8 +131,7 @@ def reduce_scatter_into_async(out: torch.Tensor, full: torch.Tensor, axis, tag: 
     if not axis.active:
         out.copy_(full)
         return None
-    n = axis.size
-    record(axis, "reduce_scatter", nbytes(full), (n - 1) / n * nbytes(full), tag)
+    record(axis, "reduce_scatter", nbytes(full), wire.reduce_scatter(nbytes(full), axis.size), tag)
     return guarded(axis, "reduce_scatter", _reduce_scatter_flat, out, full, group=axis.group, async_op=True)
 
 
@@ -145,8 +140,8 @@ def broadcast(t: torch.Tensor, axis, src_rank: int = 0, tag: str | None = None) 
     """Broadcast from axis-rank `src_rank`."""
     if not axis.active:
         return t
-    record(axis, "broadcast", nbytes(t) if axis.rank == src_rank else 0,
-            nbytes(t) if axis.rank == src_rank else 0, tag)
+    sent = wire.broadcast(nbytes(t), axis.rank == src_rank)
+    record(axis, "broadcast", sent, sent, tag)
     guarded(axis, "broadcast", dist.broadcast, t, src=axis.ranks[src_rank], group=axis.group)
     return t
 
@@ -157,14 +152,13 @@ def all_to_all(inp: torch.Tensor, axis, in_splits: list[int] | None = None, out_
     """`all_to_all_single` along dim 0 with optional variable splits (rows sent to / received from each rank)."""
     if not axis.active:
         return inp
-    n = axis.size
-    row = math.prod(inp.shape[1:]) * inp.element_size()
     if out_splits is None:
         out = torch.empty_like(inp)
-        sent_to_others = nbytes(inp) * (n - 1) / n
+        sent_to_others = wire.all_to_all(nbytes(inp), axis.size)
     else:
         out = inp.new_empty((sum(out_splits), *inp.shape[1:]))
-        sent_to_others = row * (sum(in_splits) - in_splits[axis.rank])
+        row = math.prod(inp.shape[1:]) * inp.element_size()
+        sent_to_others = wire.all_to_all_v(row, in_splits, axis.rank)
     record(axis, "all_to_all", nbytes(inp), sent_to_others, tag)
     guarded(axis, "all_to_all", dist.all_to_all_single, out, inp.contiguous(), out_splits, in_splits,
              group=axis.group)

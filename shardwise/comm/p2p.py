@@ -6,6 +6,7 @@ import os
 
 import torch.distributed as dist
 
+from ..rules import wire
 from .calls import check_device, eager, guarded, nbytes, record
 from .collectives import completed
 
@@ -60,7 +61,8 @@ def p2p(ops, tag: str | None = None) -> list:
         if axis.group is not ops[0][2].group:
             raise ValueError(f"p2p batch mixes axes '{ops[0][2].name}' and '{axis.name}': one group per batch")
         check_device(axis, f"p2p {kind}", t)
-        record(axis, kind, nbytes(t) if kind == "send" else 0, nbytes(t) if kind == "send" else 0, tag)
+        sent = wire.send(nbytes(t)) if kind == "send" else wire.recv(nbytes(t))
+        record(axis, kind, sent, sent, tag)
         p2p_ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, axis.ranks[peer], group=axis.group))
     if not p2p_ops:
         return []

@@ -10,9 +10,10 @@ HSDP, edp for experts) times tp:
 1. gather: the Nesterov shard is all-gathered over the data axis (ZeRO ≥ 1: the bucket's flat buffer),
    then TP-split matrices over tp (one flat all-gather for all of them), so every rank of the group can
    assemble any matrix of the group: Wq, Wk, Wv separately, each expert separately;
-2. orthogonalise: matrices are dealt (`planner.muon.deal`, shared with the planner) to the group's ranks greedily by Newton–Schulz cost (rows·cols·min),
-   largest first, each to the least-loaded rank. Every rank runs the same deterministic deal, so no rank
-   waits for an assignment, and the largest load exceeds the mean by at most one matrix's cost;
+2. orthogonalise: matrices are dealt (`rules.muon.deal`, which the planner reads too) to the group's ranks
+   greedily by Newton–Schulz cost (rows·cols·min), largest first, each to the least-loaded rank. Every rank
+   runs the same deterministic deal, so no rank waits for an assignment, and the largest load exceeds the
+   mean by at most one matrix's cost;
 3. scatter: each rank packs its orthogonalised matrices into one buffer padded to the largest rank's, and
    the buffers are all-gathered over tp and then over the data axis; each rank keeps its own slice.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..planner.muon import deal
+from ..rules.muon import deal
 from ..tensor_parallel.layers import get_spec
 from .muon import apply_update, muon_update, nesterov
 

@@ -2,11 +2,11 @@
 
 Per collective, `bytes` is the payload this rank contributes (all_reduce: the tensor; reduce_scatter:
 the full input; all_gather: the local shard; all_to_all: the whole input including the self part;
-send: the tensor; recv: 0, only counted) and `wire_bytes` what it puts on links under ring algorithms
-(all_reduce 2(n−1)/n·N, reduce_scatter (n−1)/n·N_in, all_gather (n−1)·N_shard, all_to_all (n−1)/n·N
-under uniform routing, send N). Wire bytes are accumulated unrounded and rounded once on output, as the
-ledger does. Axes: tp, pp, cp, dp_cp (dense grads and ZeRO over dp×cp), ep, edp (expert grads); under
-hybrid sharding dp_shard (ZeRO 2/3 over S·cp) and dp_replicate (the shard gradients' all-reduce).
+send: the tensor; recv: 0, only counted) and `wire_bytes` what it puts on links under ring algorithms, from
+`rules.wire` as the comm layer records them (all-to-alls under uniform routing). Wire bytes are accumulated
+unrounded and rounded once on output, as the ledger does. Axes: tp, pp, cp, dp_cp (dense grads and ZeRO over
+dp×cp), ep, edp (expert grads); under hybrid sharding dp_shard (ZeRO 2/3 over S·cp) and dp_replicate (the
+shard gradients' all-reduce).
 
 Every function mirrors what shardwise's training step issues, op name and tag included, and
 tests/test_planner_ledger.py checks the prediction against the ledger of real CPU runs (tp, SP, dp with
@@ -24,6 +24,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from shardwise.rules.buckets import cut_runs
+from shardwise.rules.wire import wire_bytes
 from shardwise.planner import gpt_oss, linear_attention
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, recomputed_layer_ids, stage_layer_ids
 from shardwise.planner.tp_overlap import chunks
@@ -31,22 +32,6 @@ from shardwise.planner.memory import BYTES_GRAD, stage_tensors, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
 from shardwise.planner.muon import muon_comm, qk_clip_comm
 from shardwise.planner.zero3_gathers import bucket_gathers
-
-
-def wire_bytes(op: str, nbytes: int, n: int) -> float:
-    """Bytes one rank puts on links for one collective of payload `nbytes` in a group of `n` (ring algorithms)."""
-    base = op.split(":")[0]
-    if base == "all_reduce":
-        return 2 * (n - 1) * nbytes / n
-    if base in ("reduce_scatter", "all_to_all"):
-        return (n - 1) * nbytes / n
-    if base == "all_gather":
-        return float((n - 1) * nbytes)
-    if base == "send":
-        return float(nbytes)
-    if base == "recv":
-        return 0.0  # the ledger counts receives but books their bytes on the sender
-    raise ValueError(f"unknown op {op!r}")
 
 
 class CommLedger:

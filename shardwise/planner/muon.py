@@ -1,12 +1,11 @@
 """Muon's terms (`--optimizer muon`): which matrices it steps, its one momentum buffer, and its collectives.
 
-Mirrors shardwise/optim/sharded.py, whose deal of matrices to ranks (`deal`) lives here so that the
-runtime and the planner share it (this module imports no torch). Per group of matrices (ZeRO ≥ 1: each
-Muon bucket; ZeRO-0: the dense ones, the expert ones), over the data axis (dp_cp, or dp_shard under hybrid
-sharding; edp for experts) times tp, one step issues, tagged `muon`: under ZeRO ≥ 1 an all-gather of the
-bucket's Nesterov shard over the data axis; one all-gather over tp of the TP-split matrices' local pieces;
-and the all-gathers of the orthogonalised matrices, over tp and then over the data axis, each rank's buffer
-padded to the busiest rank's load.
+Mirrors shardwise/optim/sharded.py, dealing matrices to ranks by the rule both read (`rules.muon.deal`).
+Per group of matrices (ZeRO ≥ 1: each Muon bucket; ZeRO-0: the dense ones, the expert ones), over the data
+axis (dp_cp, or dp_shard under hybrid sharding; edp for experts) times tp, one step issues, tagged `muon`:
+under ZeRO ≥ 1 an all-gather of the bucket's Nesterov shard over the data axis; one all-gather over tp of the
+TP-split matrices' local pieces; and the all-gathers of the orthogonalised matrices, over tp and then over the
+data axis, each rank's buffer padded to the busiest rank's load.
 """
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 
 from shardwise.planner.layout import Layout, Stage
 from shardwise.rules.buckets import cut_runs
+from shardwise.rules.muon import busiest_numel
 from shardwise.planner.memory import (
     BYTES_ADAM, BYTES_GRAD, ZeroBucket, ZeroBuckets, bucket_layout, stage_params, stage_units, static_bytes,
 )
@@ -21,31 +21,6 @@ from shardwise.planner.models import ModelSpec, local_kv_heads
 
 BYTES_MOMENTUM = 4
 """fp32 momentum per Muon element (AdamW keeps 8: exp_avg and exp_avg_sq)."""
-
-
-def _cost(shape) -> int:
-    r, c = shape
-    return r * c * min(r, c)
-
-
-def deal(shapes: list[tuple[int, int]], ranks: int) -> list[int]:
-    """Owner rank of each matrix: largest Newton–Schulz cost (rows·cols·min) first, to the least-loaded rank
-    (ties: lowest rank, then list order). Deterministic, so every rank of a group computes the same deal."""
-    load = [0] * ranks
-    owner = [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: (-_cost(shapes[i]), i)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += _cost(shapes[i])
-    return owner
-
-
-def busiest_numel(shapes: list[tuple[int, int]], ranks: int) -> int:
-    """Elements of the largest per-rank result buffer under `deal`."""
-    sizes = [0] * ranks
-    for s, r in zip(shapes, deal(shapes, ranks)):
-        sizes[r] += s[0] * s[1]
-    return max(sizes, default=0)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.rules import wire
+
 COLLECTIVES_PER_LAYER = 8
 """SP all-gather + reduce-scatter of two regions, forward and backward."""
 LATENCY_S = {"nvlink": 8e-6, "network": 20e-6}
@@ -48,7 +50,7 @@ def exposed_tp(tokens: int, dim: int, act_bytes: int, tp: int, rate: float, proj
     if tp < 2:
         return ExposedTP(tp, 0.0, 0.0, 0.0, 0.0)
     k = COLLECTIVES_PER_LAYER
-    comm = k * (tp - 1) / tp * tokens * dim * act_bytes / rate
+    comm = k * wire.reduce_scatter(tokens * dim * act_bytes, tp) / rate  # an all-gather's shard sends as much
     gemm = 2 * projection_flops / flops_per_s  # forward GEMMs and the backward's input-gradient GEMMs
     chunk, beside = latency + comm / (k * tp), gemm / (k * tp)
     plain = comm + k * latency
