@@ -4,7 +4,8 @@ Imports no torch and no torch.distributed, so it runs anywhere. Entry points: `e
 `search` (rank all layouts) and `step_comm` (per-op communication prediction of one rank); the `shardwise plan`
 subcommand that presents them lives in `shardwise.commands.plan`.
 """
-from shardwise.planner.comm_model import CommLedger, step_comm, wire_bytes
+from shardwise.planner.comm_model import CommLedger, step_comm
+from shardwise.rules.wire import wire_bytes
 from shardwise.planner.errors import PlanError
 from shardwise.planner.estimate import Assumptions, estimate, memory_by_stage, model_flops
 from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
