@@ -189,7 +189,7 @@ def prepare_data(inputs: list[str], tokenizer: str, out: str, text_key: str = "t
             raise ConfigError(f"the corpus is empty: {len(files)} input file(s) hold no document with text")
         manifest = writer.finish({"tokenizer_kind": tok.kind, "tokenizer": os.path.abspath(tokenizer)
                                   if tok.kind != "byte" else "byte", "tokenizer_sha256": tok.sha256,
-                                  "vocab_size": tok.vocab_size, "eos_id": None if no_eos else tok.eos_id,
+                                  "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size, "eos_id": None if no_eos else tok.eos_id,
                                   "inputs": [os.path.abspath(f) for f in files]})
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above): the rename below needs the name free

@@ -14,7 +14,6 @@ import shutil
 
 from ..config import ConfigError
 
-BYTE_EOS_TOKEN = "<|endoftext|>"
 _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -87,27 +86,10 @@ def record_from_flag(spec: str) -> dict:
     return {"source": "byte" if tok.kind == "byte" else os.path.abspath(tok.json_path), "eos_id": tok.eos_id}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character table (what the ByteLevel pre-tokenizer emits)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def _write_byte_tokenizer(out_dir: str) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from ..data.tokenizer import byte_tokenizer_json
 
-    chars = _bytes_to_unicode()
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[], ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(BYTE_EOS_TOKEN, special=True)])
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    byte_tokenizer_json().save(os.path.join(out_dir, "tokenizer.json"))
 
 
 def _token(value) -> str | None:
