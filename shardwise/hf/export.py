@@ -53,6 +53,35 @@ def record_from_run_dir(ckpt_root: str) -> dict | None:
         return None
 
 
+def _run_source(ckpt_root: str) -> str | None:
+    """The --init-from-hf directory of the run whose checkpoints are under `ckpt_root` (its run directory's
+    config.json: the recorded absolute path, else the flag as given), or None."""
+    path = os.path.join(os.path.dirname(os.path.abspath(ckpt_root.rstrip("/"))), "config.json")
+    try:
+        with open(path) as f:
+            run = json.load(f)
+        return (run.get("init_from_hf") or {}).get("path") or run["train"].get("init_from_hf")
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def text_source(ckpt_root: str) -> tuple[str | None, str]:
+    """(the Hugging Face text checkpoint the run started from, whose config.json the export keeps, or None; what the
+    export writes of it, in words, '' for none or a multimodal one — `multimodal_source` says those)."""
+    from .config import MULTIMODAL, read_hf_config
+
+    source = _run_source(ckpt_root)
+    if not source:
+        return None, ""
+    try:
+        mt = read_hf_config(source).get("model_type")
+    except ConfigError:
+        return None, f"config.json from the model alone: the run's --init-from-hf {source} is gone"
+    if mt in MULTIMODAL:
+        return None, ""
+    return source, f"{source}'s config.json, only the fields the run changed rewritten"
+
+
 def multimodal_source(ckpt_root: str) -> tuple[str | None, str]:
     """(the Qwen3.5 multimodal checkpoint the run started from, or None; what the export writes of it, in words,
     '' for a run that started from no such checkpoint).
@@ -61,12 +90,7 @@ def multimodal_source(ckpt_root: str) -> tuple[str | None, str]:
     checkpoint's layout, its vision tower kept; when it is no longer there, the text model alone, saying so."""
     from .config import MULTIMODAL, read_hf_config
 
-    path = os.path.join(os.path.dirname(os.path.abspath(ckpt_root.rstrip("/"))), "config.json")
-    try:
-        with open(path) as f:
-            source = json.load(f)["train"].get("init_from_hf")
-    except (OSError, ValueError, KeyError):
-        return None, ""
+    source = _run_source(ckpt_root)
     if not source:
         return None, ""
     try:
