@@ -96,6 +96,8 @@ def test_chat_mistakes_exit_2_with_one_line(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"content": "no role"}]}) + "\n")
     (tmp_path / "a.txt").write_text("plain text")
     cases = [([good, "--tokenizer", "byte"], "--tokenizer byte has none"),
+             ([good, "--tokenizer", str(tmp_path / "tok"), "--format", "chats"], "--format 'chats' is unknown; valid: "
+                                                                              "text, chat"),
              ([good, "--tokenizer", str(plain)], f"--tokenizer {str(plain)!r} has no chat template"),
              ([str(tmp_path / "text.jsonl"), "--tokenizer", str(tmp_path / "tok")], "needs a non-empty 'messages' list"),
              ([str(tmp_path / "bad.jsonl"), "--tokenizer", str(tmp_path / "tok")], "a string 'role'"),
@@ -103,7 +105,7 @@ def test_chat_mistakes_exit_2_with_one_line(tmp_path, capsys):
     capsys.readouterr()
     for i, (argv, message) in enumerate(cases):
         out = str(tmp_path / f"out{i}")
-        assert main(["prepare-data", *argv, "--format", "chat", "--out", out, "--no-progress"]) == 2, argv
+        assert main(["prepare-data", "--format", "chat", *argv, "--out", out, "--no-progress"]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (argv, err)
         assert not os.path.exists(out)

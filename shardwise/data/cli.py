@@ -18,7 +18,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (new or empty)")
     p.add_argument("--text-key", default="text",
                    help="JSON key / Parquet column of the text (records with prompt + completion are SFT)")
-    p.add_argument("--format", default="text", choices=("text", "chat"),
+    p.add_argument("--format", default="text", metavar="{text,chat}",
                    help="text (default): a text key, or prompt + completion records (SFT); chat: records with a "
                         "'messages' list of {role, content}, rendered by the tokenizer's chat template, the loss on the "
                         "assistant's tokens only")
