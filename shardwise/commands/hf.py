@@ -212,7 +212,7 @@ def run_export(args) -> int:
     from .. import checkpoint as ck
     from ..config import ModelConfig
     from ..hf.weights import export_hf
-    from ..hf.export import multimodal_source, prepare_out_dir, record_from_flag, record_from_run_dir
+    from ..hf.export import multimodal_source, prepare_out_dir, record_from_flag, record_from_run_dir, text_source
 
     try:
         prepare_out_dir(args.out_dir, getattr(args, "overwrite", False))
@@ -236,7 +236,9 @@ def run_export(args) -> int:
         state = ck.load_global_tensors(path)
         state.update(ck.load_global_tensors(path, prefix="buffer."))  # DeepSeek-V3's selection bias rides along
         multimodal, written = multimodal_source(os.path.dirname(path))
-        export_hf(state, cfg, args.out_dir, tokenizer, multimodal=multimodal)
+        source, kept = text_source(os.path.dirname(path))
+        written = written or kept
+        export_hf(state, cfg, args.out_dir, tokenizer, multimodal=multimodal, hf_source=source)
     except (ConfigError, ValueError, KeyError) as e:
         print(f"shardwise hf-export: error: {e}", file=sys.stderr)
         return 2

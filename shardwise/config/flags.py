@@ -119,6 +119,9 @@ RUN_FLAGS: tuple[Flag, ...] = (
          type=str, default=None, metavar="HF_CONFIG.json", exclusive="source"),
     Flag("--init-from-hf", "fine-tune a Hugging Face model directory: its config, weights (each rank reads its slices) "
          "and tokenizer", "init_from_hf", metavar="DIR"),
+    Flag("--init-tokenizer", "the tokenizer of an --init-from-hf directory that holds no tokenizer.json (byte, a "
+         "tokenizer.json or a folder holding one): --data must have been prepared with it", "init_tokenizer",
+         metavar="SPEC"),
     Flag("--allow-tokenizer-mismatch", "fine-tune even when the data's tokenizer differs from --init-from-hf's",
          "allow_tokenizer_mismatch", kind="switch"),
     Flag("--steps", "optimizer steps to train to (a resume continues to it)", "steps"),

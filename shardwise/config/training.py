@@ -134,6 +134,8 @@ class TrainConfig:
     init_from_hf: str | None = None
     """Hugging Face model directory to fine-tune: its config.json is the model (`model` must be None, shape
     flags must agree), every rank reads its slices of the weights, its tokenizer.json is checked and recorded."""
+    init_tokenizer: str | None = None
+    """The tokenizer of an --init-from-hf directory without tokenizer.json: prepared --data is checked against it."""
     allow_tokenizer_mismatch: bool = False
     """Fine-tune even when the data's tokenizer differs from the --init-from-hf checkpoint's."""
     eval_data: str | None = None

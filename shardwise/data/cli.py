@@ -18,6 +18,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (new or empty)")
     p.add_argument("--text-key", default="text",
                    help="JSON key / Parquet column of the text (records with prompt + completion are SFT)")
+    p.add_argument("--format", default="text", metavar="{text,chat}",
+                   help="text (default): a text key, or prompt + completion records (SFT); chat: records with a "
+                        "'messages' list of {role, content}, rendered by the tokenizer's chat template, the loss on the "
+                        "assistant's tokens only")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (1: in this process)")
     p.add_argument("--no-eos", action="store_true", help="do not append the end-of-document id to each document")
     p.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
@@ -34,7 +38,7 @@ def run(args) -> int:
 
     try:
         m = prepare_data(args.inputs, args.tokenizer, args.out, args.text_key, args.workers, args.no_eos,
-                         args.shard_tokens, progress=not args.no_progress, globs=args.glob)
+                         args.shard_tokens, progress=not args.no_progress, globs=args.glob, fmt=args.format)
     except ConfigError as e:
         print(f"shardwise prepare-data: error: {e}", file=sys.stderr)
         return 2

@@ -78,7 +78,7 @@ def open_data(spec: str | None, verify: bool = False) -> tuple[list, list[float]
             src.verify_checksums()
         sources.append(src)
         weights.append(w)
-    if len({s.tokenizer_sha256 for s in sources}) > 1:
+    if len({s.tokenizer_fingerprint for s in sources}) > 1:
         raise ConfigError(f"--data {spec!r} blends directories prepared with different tokenizers; "
                           "prepare them all with the same --tokenizer")
     if len({s.eos_id for s in sources}) > 1:  # one stream's documents would run into each other's

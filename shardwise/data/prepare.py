@@ -5,7 +5,9 @@ The parent process reads documents in order and hands batches to worker processe
 (`encode_batch`) and return numpy arrays; the parent writes them in input order, so the output does
 not depend on --workers. Each document is followed by the end-of-document id (unless --no-eos).
 Records with `prompt` + `completion` (and no text key) are SFT examples: their loss mask is 0 on the
-prompt and 1 on the completion and its EOS, so training counts only completion tokens.
+prompt and 1 on the completion and its EOS, so training counts only completion tokens. With `--format chat`
+records hold `messages`, rendered by the tokenizer's chat template (chat.py): the mask is 1 on the assistant's
+tokens (and the EOS after a conversation that ends with one), 0 elsewhere.
 """
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..config import ConfigError
+from .chat import ChatTemplate, Conversation, read_messages
 from .shards import ShardWriter, dtype_for
 from .tokenizer import load_tokenizer
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
+FORMATS = ("text", "chat")
 BATCH_CHARS = 1 << 20  # text per work item: large enough to amortise the hand-off between processes
 
 
@@ -63,8 +67,11 @@ def resolve_inputs(inputs: list[str], globs: list[str] | None = None) -> list[st
     return list(dict.fromkeys(files))
 
 
-def _record(obj, text_key: str, where: str):
-    """A JSON object or Parquet row → a text (str) or an SFT pair (prompt, completion)."""
+def _record(obj, text_key: str | None, where: str):
+    """A JSON object or Parquet row → a text (str), an SFT pair (prompt, completion), or with `text_key` None
+    (--format chat) a Conversation."""
+    if text_key is None:
+        return read_messages(obj, where)
     if not isinstance(obj, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if text_key in obj:
@@ -81,7 +88,8 @@ def _record(obj, text_key: str, where: str):
                       f"{', '.join(sorted(obj)) or 'none'} (choose one with --text-key)")
 
 
-def read_documents(path: str, text_key: str) -> Iterator[str | tuple[str, str]]:
+def read_documents(path: str, text_key: str | None) -> Iterator[str | tuple[str, str] | Conversation]:
+    """A file's documents; `text_key` None reads chat records (--format chat)."""
     try:
         if path.endswith(".parquet"):
             yield from _read_parquet(path, text_key)
@@ -96,6 +104,9 @@ def read_documents(path: str, text_key: str) -> Iterator[str | tuple[str, str]]:
                     except json.JSONDecodeError as e:
                         raise ConfigError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
                     yield _record(obj, text_key, f"{path}:{lineno}")
+        elif text_key is None:
+            raise ConfigError(f"input {path!r} is plain text; --format chat reads .jsonl / .jsonl.gz / .parquet "
+                              "records with a 'messages' list")
         else:  # .txt, or any file a --glob pattern selected: the whole file is one document
             with open(path, encoding="utf-8", errors="replace") as f:
                 yield f.read()
@@ -112,7 +123,9 @@ def _read_parquet(path: str, text_key: str):
     except pa.ArrowException as e:
         raise ConfigError(f"input {path!r} is not a readable Parquet file ({e})") from None
     cols = pf.schema_arrow.names
-    want = [text_key] if text_key in cols else ["prompt", "completion"]
+    want = ["messages"] if text_key is None else [text_key] if text_key in cols else ["prompt", "completion"]
+    if text_key is None and "messages" not in cols:
+        raise ConfigError(f"{path}: --format chat needs a 'messages' column; columns: {', '.join(cols)}")
     if not set(want) <= set(cols):
         raise ConfigError(f"{path}: no {text_key!r} column (nor 'prompt' + 'completion'); columns: "
                           f"{', '.join(cols)} (choose one with --text-key)")
@@ -123,12 +136,20 @@ def _read_parquet(path: str, text_key: str):
             yield _record(rec, text_key, f"{path} row {row}")
 
 
-def _batches(files: list[str], text_key: str) -> Iterator[list]:
+def _chars(doc) -> int:
+    if isinstance(doc, str):
+        return len(doc)
+    if isinstance(doc, Conversation):
+        return sum(len(str(m.get("content", ""))) for m in doc)
+    return len(doc[0]) + len(doc[1])
+
+
+def _batches(files: list[str], text_key: str | None) -> Iterator[list]:
     batch, chars = [], 0
     for path in files:
         for doc in read_documents(path, text_key):
             batch.append(doc)
-            chars += len(doc) if isinstance(doc, str) else len(doc[0]) + len(doc[1])
+            chars += _chars(doc)
             if chars >= BATCH_CHARS:
                 yield batch
                 batch, chars = [], 0
@@ -139,16 +160,38 @@ def _batches(files: list[str], text_key: str) -> Iterator[list]:
 _WORKER = {}
 
 
-def _init_worker(spec: str, no_eos: bool, dtype: str, pool: bool = False) -> None:
+def chat_template(tok, spec: str) -> ChatTemplate:
+    """The chat template beside `tok`'s tokenizer.json; ConfigError for the byte tokenizer (it has none)."""
+    if tok.kind == "byte":
+        raise ConfigError("--format chat renders records with the tokenizer's chat template; --tokenizer byte has "
+                          "none: pass --tokenizer with a Hugging Face model folder whose tokenizer has a chat template")
+    return ChatTemplate(os.path.dirname(os.path.abspath(tok.json_path)), spec)
+
+
+def _init_worker(spec: str, no_eos: bool, dtype: str, pool: bool = False, chat: bool = False) -> None:
     if pool:  # the processes are the parallelism: no tokenizer thread pool inside each
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tok=load_tokenizer(spec, no_eos), no_eos=no_eos, dtype=np.dtype(dtype))
+    tok = load_tokenizer(spec, no_eos)
+    _WORKER.update(tok=tok, no_eos=no_eos, dtype=np.dtype(dtype), chat=chat_template(tok, spec) if chat else None)
+
+
+def encode_conversation(doc: Conversation) -> tuple[list[int], np.ndarray]:
+    """A chat record → its token ids (the rendered text without special tokens, as apply_chat_template) and the
+    loss mask: 1 on every token overlapping an assistant span (transformers' rule for its assistant mask)."""
+    text, spans = _WORKER["chat"].render_with_spans(doc, doc.where)
+    enc = _WORKER["tok"].tok.encode(text, add_special_tokens=False)
+    mask = np.zeros(len(enc.ids), np.uint8)
+    for i, (start, end) in enumerate(enc.offsets):
+        mask[i] = any(start < hi and end > lo for lo, hi in spans)
+    return enc.ids, mask
 
 
 def encode_documents(docs: list) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """One work item → (concatenated tokens, per-document lengths, loss mask or None when no SFT pair)."""
+    """One work item → (concatenated tokens, per-document lengths, loss mask or None when no SFT record)."""
     tok, dtype = _WORKER["tok"], _WORKER["dtype"]
     eos = None if _WORKER["no_eos"] else tok.eos_id
+    if _WORKER.get("chat") is not None:
+        return _encode_chats(docs, eos, dtype)
     sft = [i for i, d in enumerate(docs) if not isinstance(d, str)]
     texts = [d if isinstance(d, str) else d[0] for d in docs]
     ids = tok.encode_batch(texts)
@@ -166,12 +209,33 @@ def encode_documents(docs: list) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
     return tokens, lengths, (np.concatenate(masks) if sft else None)
 
 
+def _encode_chats(docs: list[Conversation], eos: int | None, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    pieces, lengths, masks = [], np.empty(len(docs), np.int64), []
+    for i, doc in enumerate(docs):
+        ids, mask = encode_conversation(doc)
+        pieces.append(np.asarray(ids, dtype))
+        masks.append(mask)
+        if eos is not None:  # counted after an assistant's last turn: the model learns to end the document there
+            pieces.append(np.array([eos], dtype))
+            masks.append(np.array([doc[-1].get("role") == "assistant"], np.uint8))
+        lengths[i] = len(ids) + (eos is not None)
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+    return tokens, lengths, (np.concatenate(masks) if masks else np.zeros(0, np.uint8))
+
+
 def prepare_data(inputs: list[str], tokenizer: str, out: str, text_key: str = "text", workers: int = 1,
                  no_eos: bool = False, shard_tokens: int = 1 << 27, progress: bool = True,
-                 globs: list[str] | None = None) -> dict:
-    """Tokenize `inputs` into `out`; returns the manifest. Errors raise ConfigError and leave nothing at `out`."""
+                 globs: list[str] | None = None, fmt: str = "text") -> dict:
+    """Tokenize `inputs` into `out`; returns the manifest. Errors raise ConfigError and leave nothing at `out`.
+    `fmt` "chat" reads `messages` records (the module's docstring)."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r} is unknown; valid: {', '.join(FORMATS)}")
     files = resolve_inputs(inputs, globs)
     tok = load_tokenizer(tokenizer, no_eos)
+    chat = fmt == "chat"
+    if chat:
+        chat_template(tok, tokenizer)  # no template: refused before anything is written
+        text_key = None
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"--out {out!r} already exists and is not empty; choose a new directory")
     if workers < 1 or shard_tokens < 1:
@@ -184,13 +248,13 @@ def prepare_data(inputs: list[str], tokenizer: str, out: str, text_key: str = "t
     os.makedirs(tmp)
     try:
         writer = ShardWriter(tmp, dtype, shard_tokens)
-        _run(files, text_key, tokenizer, no_eos, dtype, workers, writer, progress)
+        _run(files, text_key, tokenizer, no_eos, dtype, workers, writer, progress, chat)
         if writer.tokens == 0:
             raise ConfigError(f"the corpus is empty: {len(files)} input file(s) hold no document with text")
         manifest = writer.finish({"tokenizer_kind": tok.kind, "tokenizer": os.path.abspath(tokenizer)
                                   if tok.kind != "byte" else "byte", "tokenizer_sha256": tok.sha256,
-                                  "vocab_size": tok.vocab_size, "eos_id": None if no_eos else tok.eos_id,
-                                  "inputs": [os.path.abspath(f) for f in files]})
+                                  "tokenizer_fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size, "eos_id": None if no_eos else tok.eos_id,
+                                  "inputs": [os.path.abspath(f) for f in files], "records": fmt})
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above): the rename below needs the name free
         os.rename(tmp, out)
@@ -200,13 +264,13 @@ def prepare_data(inputs: list[str], tokenizer: str, out: str, text_key: str = "t
     return manifest
 
 
-def _run(files, text_key, spec, no_eos, dtype, workers, writer: ShardWriter, progress: bool) -> None:
+def _run(files, text_key, spec, no_eos, dtype, workers, writer: ShardWriter, progress: bool, chat: bool) -> None:
     from tqdm import tqdm
 
     bar = tqdm(unit="tok", unit_scale=True, desc="prepare-data", disable=not progress, dynamic_ncols=True)
     try:
         if workers == 1:
-            _init_worker(spec, no_eos, dtype)
+            _init_worker(spec, no_eos, dtype, chat=chat)
             results = map(encode_documents, _batches(files, text_key))
             for tokens, lengths, mask in results:
                 writer.add(tokens, lengths, mask)
@@ -214,7 +278,7 @@ def _run(files, text_key, spec, no_eos, dtype, workers, writer: ShardWriter, pro
             return
         import multiprocessing as mp
 
-        with mp.get_context("fork").Pool(workers, _init_worker, (spec, no_eos, dtype, True)) as pool:
+        with mp.get_context("fork").Pool(workers, _init_worker, (spec, no_eos, dtype, True, chat)) as pool:
             for tokens, lengths, mask in pool.imap(encode_documents, _batches(files, text_key)):
                 writer.add(tokens, lengths, mask)
                 bar.update(len(tokens))

@@ -154,6 +154,10 @@ class PreparedData:
                     raise ConfigError(f"--data {folder!r}: shard {s[key]} is missing or not {s['tokens'] * width} "
                                       "bytes as the manifest says; prepare the directory again")
 
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return tokenizer_fingerprint(self.manifest)
+
     def verify_checksums(self) -> None:
         """Stream every shard's sha256 against the manifest (constant memory)."""
         files = [(s["file"], s["sha256"]) for s in self.shards]
@@ -188,6 +192,26 @@ class PreparedData:
                 pos += take
         del maps
         return out
+
+
+def tokenizer_fingerprint(manifest: dict) -> str:
+    """What a prepared directory's tokenizer does (`tokenizer.fingerprint`), from its manifest: recorded by
+    prepare-data; for a directory prepared before it was, the recorded tokenizer.json's when that file is
+    unchanged, else the file's sha256."""
+    from .tokenizer import byte_fingerprint, fingerprint
+
+    if manifest.get("tokenizer_fingerprint"):
+        return manifest["tokenizer_fingerprint"]
+    if manifest.get("tokenizer_kind") == "byte":
+        return byte_fingerprint()
+    path = str(manifest.get("tokenizer", ""))
+    path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    try:
+        if sha256_file(path) == manifest.get("tokenizer_sha256"):
+            return fingerprint(path)
+    except (OSError, ConfigError):
+        pass
+    return str(manifest.get("tokenizer_sha256"))
 
 
 def data_sources(spec: str) -> list[tuple[str, float]]:

@@ -548,6 +548,36 @@ def _deepseek_config(cfg: ModelConfig, refuse) -> dict:
     return out
 
 
+# ModelConfig fields a fine-tune may change and the config.json keys that say them (TRAINING_ONLY's others have no
+# Hugging Face key: they exist only in training).
+_CHANGED_KEYS = {"attn_dropout": ("attention_dropout",), "moe_aux_loss_coef": ("router_aux_loss_coef", "output_router_logits")}
+
+
+def export_config(cfg: ModelConfig, source: str | None = None) -> dict:
+    """config.json of an export. From a run that started from the Hugging Face text checkpoint `source`: that
+    checkpoint's own config.json — its architecture and every field, those shardwise does not read included — with
+    only what the run changed rewritten (`_CHANGED_KEYS`, the MTP depth it trained, the fp32 dtype the weights are
+    written in). Without a source, or when `source` no longer describes `cfg`'s shapes: `hf_config(cfg)`."""
+    generated = hf_config(cfg)
+    if source is None:
+        return generated
+    try:
+        hf, theirs = read_hf_config(source), config_from_hf(source)
+    except ConfigError:
+        return generated
+    free = TRAINING_ONLY | {"mtp_layers"}
+    if hf.get("model_type") in MULTIMODAL or dataclasses.replace(theirs, **{k: getattr(cfg, k) for k in free}) != cfg:
+        return generated
+    out = dict(hf)
+    for field, keys in _CHANGED_KEYS.items():
+        if getattr(theirs, field) != getattr(cfg, field):
+            out.update({k: generated[k] for k in keys if k in generated})
+    if cfg.mtp_layers and "num_nextn_predict_layers" in generated:  # the MTP modules the export writes
+        out["num_nextn_predict_layers"] = cfg.mtp_layers
+    out.update({k: "float32" for k in ("dtype", "torch_dtype") if k in out})
+    return out
+
+
 # ---------------------------------------------------------------- train --init-from-hf
 # ModelConfig fields a fine-tune may set freely: they change training, not the checkpoint's shape.
 TRAINING_ONLY = {"name", "dropout", "attn_dropout", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate",

@@ -14,7 +14,6 @@ import shutil
 
 from ..config import ConfigError
 
-BYTE_EOS_TOKEN = "<|endoftext|>"
 _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -54,6 +53,35 @@ def record_from_run_dir(ckpt_root: str) -> dict | None:
         return None
 
 
+def _run_source(ckpt_root: str) -> str | None:
+    """The --init-from-hf directory of the run whose checkpoints are under `ckpt_root` (its run directory's
+    config.json: the recorded absolute path, else the flag as given), or None."""
+    path = os.path.join(os.path.dirname(os.path.abspath(ckpt_root.rstrip("/"))), "config.json")
+    try:
+        with open(path) as f:
+            run = json.load(f)
+        return (run.get("init_from_hf") or {}).get("path") or run["train"].get("init_from_hf")
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def text_source(ckpt_root: str) -> tuple[str | None, str]:
+    """(the Hugging Face text checkpoint the run started from, whose config.json the export keeps, or None; what the
+    export writes of it, in words, '' for none or a multimodal one — `multimodal_source` says those)."""
+    from .config import MULTIMODAL, read_hf_config
+
+    source = _run_source(ckpt_root)
+    if not source:
+        return None, ""
+    try:
+        mt = read_hf_config(source).get("model_type")
+    except ConfigError:
+        return None, f"config.json from the model alone: the run's --init-from-hf {source} is gone"
+    if mt in MULTIMODAL:
+        return None, ""
+    return source, f"{source}'s config.json, only the fields the run changed rewritten"
+
+
 def multimodal_source(ckpt_root: str) -> tuple[str | None, str]:
     """(the Qwen3.5 multimodal checkpoint the run started from, or None; what the export writes of it, in words,
     '' for a run that started from no such checkpoint).
@@ -62,12 +90,7 @@ def multimodal_source(ckpt_root: str) -> tuple[str | None, str]:
     checkpoint's layout, its vision tower kept; when it is no longer there, the text model alone, saying so."""
     from .config import MULTIMODAL, read_hf_config
 
-    path = os.path.join(os.path.dirname(os.path.abspath(ckpt_root.rstrip("/"))), "config.json")
-    try:
-        with open(path) as f:
-            source = json.load(f)["train"].get("init_from_hf")
-    except (OSError, ValueError, KeyError):
-        return None, ""
+    source = _run_source(ckpt_root)
     if not source:
         return None, ""
     try:
@@ -87,27 +110,10 @@ def record_from_flag(spec: str) -> dict:
     return {"source": "byte" if tok.kind == "byte" else os.path.abspath(tok.json_path), "eos_id": tok.eos_id}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character table (what the ByteLevel pre-tokenizer emits)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def _write_byte_tokenizer(out_dir: str) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from ..data.tokenizer import byte_tokenizer_json
 
-    chars = _bytes_to_unicode()
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[], ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(BYTE_EOS_TOKEN, special=True)])
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    byte_tokenizer_json().save(os.path.join(out_dir, "tokenizer.json"))
 
 
 def _token(value) -> str | None:

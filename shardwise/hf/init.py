@@ -18,7 +18,7 @@ import re
 import torch
 
 from ..config import ConfigError, ModelConfig
-from ..data.tokenizer import ByteTokenizer, load_tokenizer
+from ..data.tokenizer import load_tokenizer
 from .weights import WeightFiles, tensor_source
 from .multimodal import aside_line
 
@@ -53,16 +53,51 @@ def init_record(path: str) -> dict:
     return record
 
 
+_PREPARE = "shardwise prepare-data FILES --tokenizer {} --out DIR"
+
+
+def check_data_tokenizer(path: str, manifest: dict, init_tokenizer: str | None = None) -> None:
+    """Prepared data's ids mean the model's tokens only when its tokenizer does what the model's does
+    (`tokenizer.fingerprint`: vocabulary, merges, normalizer, pre-tokenizer, added tokens; not the file's
+    bytes). The model's tokenizer is `path`'s tokenizer.json, else the one `--init-tokenizer` names: a checkpoint
+    without one cannot be checked, so the user says which. Byte-level data (prepare-data's default, what a user
+    forgets to change) is refused like any other. ConfigError naming both tokenizers and the fix."""
+    from ..data.shards import tokenizer_fingerprint
+
+    own = os.path.join(path, "tokenizer.json")
+    data_name = "prepare-data's default byte tokenizer" if manifest.get("tokenizer_kind") == "byte" \
+        else f"another tokenizer ({manifest.get('tokenizer')})"
+    fix = f"prepare it with `{_PREPARE.format(path)}`, or pass --allow-tokenizer-mismatch"
+    if os.path.isfile(own):
+        model_tok, model_name = own, f"--init-from-hf's {own}"
+    elif init_tokenizer is None:
+        raise ConfigError(f"--init-from-hf {path} has no tokenizer.json, so the tokenizer --data was prepared with "
+                          f"({manifest.get('tokenizer')}) cannot be checked against the model's: name the model's "
+                          "tokenizer with --init-tokenizer SPEC (byte, a tokenizer.json or a folder holding one), or "
+                          "pass --allow-tokenizer-mismatch")
+    else:
+        model_tok, model_name = init_tokenizer, f"--init-tokenizer {init_tokenizer}"
+        fix = f"prepare it with `{_PREPARE.format(init_tokenizer)}`, or pass --allow-tokenizer-mismatch"
+    model = load_tokenizer(model_tok, no_eos=True, flag="--init-from-hf" if model_tok == own else "--init-tokenizer")
+    if init_tokenizer is not None and model_tok == own:
+        named = load_tokenizer(init_tokenizer, no_eos=True, flag="--init-tokenizer")
+        if named.fingerprint != model.fingerprint:
+            raise ConfigError(f"--init-tokenizer {init_tokenizer} is not --init-from-hf's own {own}; drop "
+                              "--init-tokenizer (it names the tokenizer of a checkpoint that has none)")
+    if tokenizer_fingerprint(manifest) != model.fingerprint:
+        raise ConfigError(f"--data was prepared with {data_name}, not {model_name}: its ids mean other tokens to "
+                          f"the model; {fix}")
+
+
 def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokenizer_sha256: str | None = None, *,
                        data_tokenizer: dict | None = None, allow_tokenizer_mismatch: bool = False,
-                       mtp_init: str = "checkpoint") -> dict:
+                       mtp_init: str = "checkpoint", init_tokenizer: str | None = None) -> dict:
     """Before any rank starts: the weights match config.json (shapes from the safetensors headers only),
     the tokenizer's ids and the training data's ids (`data_vocab` = largest id + 1) fit the model's
-    vocabulary, and data prepared with a tokenizer.json used the checkpoint's (ids of another tokenizer
-    fit the vocabulary and silently mean other tokens; byte-level data is allowed) unless
-    `allow_tokenizer_mismatch`. `data_tokenizer` is the data manifest's {"tokenizer", "vocab_size"} (names it
-    in the error). The MTP modules' tensors must be in the checkpoint unless `mtp_init` is "fresh" (then
-    none is read). ConfigError otherwise; returns `init_record(path)`."""
+    vocabulary, and prepared data (`data_tokenizer`: its manifest) was tokenized by the model's tokenizer
+    (`check_data_tokenizer`) unless `allow_tokenizer_mismatch`. The MTP modules' tensors must be in the
+    checkpoint unless `mtp_init` is "fresh" (then none is read). ConfigError otherwise; returns
+    `init_record(path)`. (`data_tokenizer_sha256` is read from the manifest now; kept for callers.)"""
     from ..parallelize import plain_model
 
     record = init_record(path)
@@ -97,20 +132,8 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokeni
     if tok is not None and tok["vocab_size"] > cfg.vocab_size:
         raise ConfigError(f"--init-from-hf {tok['file']}: the tokenizer has {tok['vocab_size']} ids, more than the "
                           f"model's vocab_size={cfg.vocab_size}")
-    data_name = (data_tokenizer or {}).get("tokenizer") or "another tokenizer"
-    if tok is not None and data_tokenizer_sha256 not in (None, ByteTokenizer.sha256, tok["sha256"]) \
-            and not allow_tokenizer_mismatch:
-        raise ConfigError(f"--data was prepared with a tokenizer whose sha256 is {data_tokenizer_sha256[:12]}… "
-                          f"({data_name}), not --init-from-hf's {tok['file']} ({tok['sha256'][:12]}…): its ids mean "
-                          f"other tokens to the model; prepare it with --tokenizer {path}, or pass "
-                          "--allow-tokenizer-mismatch")
-    data_ids = (data_tokenizer or {}).get("vocab_size")
-    if tok is None and data_tokenizer_sha256 not in (None, ByteTokenizer.sha256) and data_ids is not None \
-            and int(data_ids) != cfg.vocab_size and not allow_tokenizer_mismatch:
-        raise ConfigError(f"--data was prepared with {data_name} ({data_ids} ids), but --init-from-hf {path} has no "
-                          f"tokenizer.json and a vocabulary of {cfg.vocab_size}: another tokenizer's ids mean other "
-                          f"tokens to the model; prepare the data with the model's tokenizer, or pass "
-                          "--allow-tokenizer-mismatch")
+    if data_tokenizer and not allow_tokenizer_mismatch:
+        check_data_tokenizer(path, data_tokenizer, init_tokenizer)
     if data_vocab > cfg.vocab_size:
         raise ConfigError(f"--data: token ids up to {data_vocab - 1} exceed the vocab_size={cfg.vocab_size} of "
                           f"--init-from-hf {path}; tokenize the data with the model's tokenizer")

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import qwen3_next as hf_qwen3_next
 from ..config import ModelConfig
-from .config import hf_config, is_gpt_oss
+from .config import export_config, is_gpt_oss
 from .gpt_oss import EXPERT as GPT_OSS_EXPERT, expert_source, export_tensors as gpt_oss_tensors
 from .multimodal import into_multimodal, is_multimodal, multimodal_config, stored_name, text_view
 from ..pipeline.tied_embedding import tied_name
@@ -263,20 +263,22 @@ def _hf_tensors(name: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch
 
 
 def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = None,
-              multimodal: str | None = None) -> str:
+              multimodal: str | None = None, hf_source: str | None = None) -> str:
     """Write `out_dir`/config.json and model.safetensors from a global state (or single-device model).
 
     `source` is an unsharded model (every degree 1) or a dict of global tensors under shardwise's
     names, such as `checkpoint.load_global_tensors(step_dir)`. With `tokenizer` (a run's
     `hf_export.tokenizer_record`) also the tokenizer files, bos/eos/pad ids and generation_config.json.
     With `multimodal` (the Qwen3.5 multimodal checkpoint the run started from) it writes that checkpoint again
-    with the trained language model in it (`hf_multimodal.into_multimodal`). Returns `out_dir`.
+    with the trained language model in it (`hf_multimodal.into_multimodal`). With `hf_source` (the text checkpoint
+    the run started from) config.json is that checkpoint's, only what the run changed rewritten
+    (`hf_config.export_config`). Returns `out_dir`.
     """
     from safetensors.torch import save_file
 
     from ..parallelize import plain_model
 
-    config = hf_config(cfg)
+    config = export_config(cfg, hf_source)
     if multimodal is not None:
         config = multimodal_config(multimodal, cfg)
     if isinstance(source, nn.Module):
@@ -328,7 +330,9 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         from .export import write_generation_config, write_tokenizer
 
         ids = write_tokenizer(out_dir, tokenizer, cfg.max_seq_len, cfg.vocab_size)
-        config.update({k: v for k, v in ids.items() if v is not None})
+        # the ids the run trained with; a source's list that holds the id (Llama-3's two eos ids) is kept
+        config.update({k: v for k, v in ids.items() if v is not None
+                       and not (isinstance(config.get(k), list) and v in config[k])})
         write_generation_config(out_dir, ids)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:

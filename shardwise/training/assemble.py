@@ -119,7 +119,7 @@ def check_sources(cfg: TrainConfig) -> None:
         model = cfg.model_config()
         check_init_from_hf(cfg.init_from_hf, model, data_vocab, getattr(sources[0], "tokenizer_sha256", None),
                            data_tokenizer=manifest, allow_tokenizer_mismatch=cfg.allow_tokenizer_mismatch,
-                           mtp_init=cfg.mtp_init)
+                           mtp_init=cfg.mtp_init, init_tokenizer=cfg.init_tokenizer)
         from ..hf.init import not_trained_line
 
         line = not_trained_line(cfg.init_from_hf)

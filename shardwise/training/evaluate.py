@@ -19,7 +19,7 @@ from .. import comm, host
 from ..config import ConfigError, TrainConfig
 from ..data import IGNORE_INDEX, Loader, open_data
 from ..data.shards import PreparedData, data_sources
-from ..data.tokenizer import ByteTokenizer
+from ..data.tokenizer import byte_fingerprint
 
 
 class EvalLoader(Loader):
@@ -30,8 +30,9 @@ class EvalLoader(Loader):
 
 
 def _tokenizer_sha(sources) -> str:
-    """The tokenizer a source was encoded with (text files and the embedded corpus: the byte tokenizer)."""
-    return getattr(sources[0], "tokenizer_sha256", ByteTokenizer.sha256)
+    """What the tokenizer a source was encoded with does (`data.tokenizer.fingerprint`; text files and the embedded
+    corpus: the byte tokenizer)."""
+    return getattr(sources[0], "tokenizer_fingerprint", None) or byte_fingerprint()
 
 
 def check_eval_data(cfg: TrainConfig) -> None:
@@ -41,7 +42,7 @@ def check_eval_data(cfg: TrainConfig) -> None:
         return
     sources, _ = open_data(cfg.eval_data, verify=True)
     if cfg.data is None or os.path.isfile(cfg.data):  # bytes: no need to read the corpus
-        train_sha = ByteTokenizer.sha256
+        train_sha = byte_fingerprint()
     else:
         train_sha = _tokenizer_sha([PreparedData(data_sources(cfg.data)[0][0])])
     if _tokenizer_sha(sources) != train_sha:
