@@ -243,11 +243,11 @@ def tp_reduction_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
     too, so the TP-partial gradients are the ones flagged at this tp and not at tp 1."""
     if lay.tp == 1:
         return 0.0
-    alone = stage_units(spec, stage, replace(lay, tp=1))
+    without_tp = stage_units(spec, stage, replace(lay, tp=1))
     tp_sum = kv = 0
-    for (_, tensors), (_, untied) in zip(stage_units(spec, stage, lay), alone, strict=True):
-        for (x, partial), (_, tied) in zip(tensors, untied, strict=True):
-            if partial and not tied:
+    for (_, tensors), (_, flags) in zip(stage_units(spec, stage, lay), without_tp, strict=True):
+        for (x, partial), (_, copy) in zip(tensors, flags, strict=True):
+            if partial and not copy:
                 tp_sum += x.numel if x.sp_replicated else 0
                 kv += 0 if x.sp_replicated else x.numel
     return 4.0 * (tp_sum + (kv * (spec.n_kv_heads + 1) if kv else 0))
