@@ -13,6 +13,8 @@ GEMM to the flat buffer are in `weight_grads`.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.activations import (
     head_activation_bytes, head_loss_saved_bytes, microbatch_activation_bytes, rebuilt_weight_copies,
@@ -231,16 +233,21 @@ def head_copy_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) ->
 
 
 def tp_reduction_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
-    """After backward, before the dp×cp reduction (no activation left): GradReducer sums TP-partial
+    """After backward, before the dp×cp reduction (no activation left): GradReducer._reduce_tp sums TP-partial
     gradients over tp through one fp32 concatenation of them all (under SP: norms, and every MoE gradient,
     experts included — MoE blocks are replicated over tp), and K/V heads shared by tp ranks through a
-    [K/V heads, their local gradients] buffer beside that row's own concatenation."""
+    [K/V heads, their local gradients] buffer beside that row's own concatenation.
+
+    `stage_units` also flags a tied embedding's pipeline copies and MTP's embedding copy (their buckets wait for
+    the emb sum), which `_reduce_tied` all-reduces in place: nothing concatenated. They are flagged without tp
+    too, so the TP-partial gradients are the ones flagged at this tp and not at tp 1."""
     if lay.tp == 1:
         return 0.0
+    without_tp = stage_units(spec, stage, replace(lay, tp=1))
     tp_sum = kv = 0
-    for _, tensors in stage_units(spec, stage, lay):
-        for x, partial in tensors:
-            if partial:
+    for (_, tensors), (_, flags) in zip(stage_units(spec, stage, lay), without_tp, strict=True):
+        for (x, partial), (_, copy) in zip(tensors, flags, strict=True):
+            if partial and not copy:
                 tp_sum += x.numel if x.sp_replicated else 0
                 kv += 0 if x.sp_replicated else x.numel
     return 4.0 * (tp_sum + (kv * (spec.n_kv_heads + 1) if kv else 0))
