@@ -48,13 +48,13 @@ class Flag:
         return self.name[2:].replace("-", "_")
 
 
-def _pp_layers(text: str | None) -> list[int] | None:
+def _pp_layers(text: str | None) -> tuple[int, ...] | None:
     from .errors import ConfigError
 
     if not text:
         return None
     try:
-        return [int(c) for c in text.split(",")]
+        return tuple(int(c) for c in text.split(","))
     except ValueError:
         raise ConfigError(f"--pp-layers {text!r} must be comma-separated integers, e.g. 3,3,2") from None
 
