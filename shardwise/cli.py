@@ -9,6 +9,7 @@ each process joins the job.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
 
             print(render_config(parser._sw_runs[args.command], args, cfg))
             return 0
-        done = _before_ranks(args, cfg)
+        cfg, done = _before_ranks(args, cfg)
         if done is not None:
             if rank0:
                 print(f"shardwise train: {done}", file=sys.stderr)
@@ -162,15 +163,16 @@ def config_warnings(args, cfg: TrainConfig) -> list[str]:
     return [f"{' and '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect without --pp > 1"] if idle else []
 
 
-def _before_ranks(args, cfg: TrainConfig) -> str | None:
-    """The command's own checks before any rank; for train, the line to print when nothing is left to run."""
+def _before_ranks(args, cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
+    """The command's own checks before any rank: the config the ranks run and, for train, the line to print when
+    nothing is left to run."""
     if args.command == "verify":
         from .verify.main import check_verifiable
 
         check_verifiable(cfg)
     if args.command == "train":
         return _prepare_run_dir(args, cfg)
-    return None
+    return cfg, None
 
 
 def _plan_launch(args, cfg: TrainConfig, torchrun_world: int | None):
@@ -222,19 +224,20 @@ def _report(kind: str, result) -> int:
     return 0
 
 
-def _prepare_run_dir(args, cfg: TrainConfig) -> str | None:
+def _prepare_run_dir(args, cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     """Before any rank: the run directory (newest run for a bare --resume), fresh vs resume, and protection of
-    a non-empty --out. Returns the line to print when the checkpoint already reaches --steps."""
+    a non-empty --out. Returns the config with them and the line to print when the checkpoint already reaches --steps."""
     from .training.assemble import check_run_dir
     from .training.run_dir import default_out_dir, newest_run_with_checkpoints
 
     if cfg.out is None:
+        out = None
         if (cfg.resume or args.auto_resume) and cfg.checkpoint_dir is None:
-            cfg.out = newest_run_with_checkpoints()
-            if cfg.out is None and cfg.resume:
+            out = newest_run_with_checkpoints()
+            if out is None and cfg.resume:
                 raise ConfigError("--resume found no run with checkpoints under runs/; pass --out RUN_DIR "
                                   "or --checkpoint-dir DIR")
-        cfg.out = cfg.out or default_out_dir()
+        cfg = dataclasses.replace(cfg, out=out or default_out_dir())
     return check_run_dir(cfg, auto_resume=args.auto_resume, overwrite=args.overwrite)
 
 

@@ -1,14 +1,12 @@
 """The one place that knows the parallel degrees, builds the device mesh and hands out groups.
 
-Ranks are laid out on a (dp, pp, cp, tp) grid with TP innermost, so a TP group is a block of
-consecutive ranks (one node when tp <= GPUs per node) and gradient-reduction groups stride across
-nodes. No other module creates a process group; everything else receives a `Mesh` and asks it for
-an `Axis` by name.
+Which ranks form each group is `rules.geometry`'s (the planner reads the same lines); this module turns
+those lines into process groups. No other module creates a process group; everything else receives a
+`Mesh` and asks it for an `Axis` by name.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,8 +17,8 @@ import torch.distributed as dist
 from .comm.ledger import Ledger
 from .comm.transport import TORCH, Transport
 from .config import ConfigError, ParallelConfig
+from .rules.geometry import GRID, axis_lines
 
-GRID = ("dp", "pp", "cp", "tp")
 CHECKPOINT_TIMEOUT_S = 3600.0
 
 
@@ -50,41 +48,6 @@ def _emb_axis(pp_lines: list[list[int]], pp: "Axis", rank: int, stages: tuple[in
     group = _subgroups(lines, timeout, "emb")
     line = next((ln for ln in lines if rank in ln), None)
     return Axis("emb") if line is None else Axis("emb", 2, line.index(rank), group, tuple(line))
-
-
-def axis_lines(dims: "ParallelConfig") -> dict[str, list[list[int]]]:
-    """Every group of every axis as lists of global ranks, computed in plain Python (no tensor, so no
-    tensor mode — fake or meta — can touch the layout). Rank = ((d·pp + p)·cp + c)·tp + t.
-
-    dp×cp (dense gradient reduction) lines share (pp, tp) with cp fastest; ep takes consecutive blocks
-    of ep ranks of each dp×cp line and edp the strided rest. Under hybrid sharding (dp_shard S < dp),
-    dp_shard takes consecutive blocks of S·cp ranks (S dp ranks × all of cp: inside a node when
-    S·cp·tp·pp fits one) and dp_replicate the strided rest (one rank per block at the same offset).
-    """
-    sizes = dict(zip(GRID, (dims.dp, dims.pp, dims.cp, dims.tp)))
-
-    def rank(c: dict) -> int:
-        return ((c["dp"] * dims.pp + c["pp"]) * dims.cp + c["cp"]) * dims.tp + c["tp"]
-
-    families = {}
-    for name in GRID:
-        others = [a for a in GRID if a != name]
-        lines = []
-        for fixed in itertools.product(*(range(sizes[a]) for a in others)):
-            c = dict(zip(others, fixed))
-            lines.append([rank(c | {name: i}) for i in range(sizes[name])])
-        families[name] = lines
-    dpcp = [[rank({"dp": d, "pp": p, "cp": c, "tp": t}) for d in range(dims.dp) for c in range(dims.cp)]
-            for p in range(dims.pp) for t in range(dims.tp)]
-    ep, edp = dims.ep, dims.edp
-    families["dp_cp"] = dpcp
-    if dims.replicas > 1:  # hybrid sharding: S·cp consecutive entries of each dp×cp line shard, the rest replicate
-        block = dims.shard * dims.cp
-        families["dp_shard"] = [line[b * block:(b + 1) * block] for line in dpcp for b in range(dims.replicas)]
-        families["dp_replicate"] = [line[k::block] for line in dpcp for k in range(block)]
-    families["ep"] = [line[b * ep:(b + 1) * ep] for line in dpcp for b in range(edp)]
-    families["edp"] = [line[k::ep] for line in dpcp for k in range(ep)]
-    return families
 
 
 @dataclass

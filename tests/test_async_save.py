@@ -23,7 +23,7 @@ from _dist import fresh_seed, run_ranks
 
 def _cfg(out, seed, **kw) -> TrainConfig:
     cfg = TrainConfig(parallel=ParallelConfig(dp=2, zero=1), steps=4, seq_len=32, micro_batch=2, seed=seed,
-                      save_every=2, progress=False, report=False, out=str(out), **kw)
+                      progress=False, report=False, out=str(out), **dict(save_every=2) | kw)
     cfg.resolve_world()
     return cfg
 
@@ -81,8 +81,7 @@ def _crash_while_pending(root: str, seed: int):
         return publish(*args)
 
     checkpoint.save._publish = slow_publish
-    cfg = _cfg(root, seed, async_save=True, fault_inject="1:3:crash")
-    cfg.save_every = 1
+    cfg = _cfg(root, seed, async_save=True, fault_inject="1:3:crash", save_every=1)
     train_main(cfg)
 
 

@@ -18,7 +18,7 @@ from test_model_families import DEEPSEEK, DEEPSEEK_NOQ
 
 def _cfg(seed, **degrees):
     extra = {k: degrees.pop(k) for k in ("model", "global_batch", "dtype") if k in degrees}
-    cfg = TrainConfig(parallel=ParallelConfig(sequence_parallel=True, tp_overlap=True, **degrees), steps=2,
+    cfg = TrainConfig(parallel=ParallelConfig(**dict(sequence_parallel=True, tp_overlap=True) | degrees), steps=2,
                       seq_len=64, micro_batch=2, seed=seed, progress=False, warmup_steps=20, lr_decay_steps=200)
     cfg = dataclasses.replace(cfg, **extra)
     cfg.resolve_world()
@@ -77,13 +77,11 @@ def test_verify_overlap_tp2_tp4_and_fused_projections():
     """Overlap with and without fused projections; the fused projections alone (TP's f region, no SP); fused under
     SP without overlap on DeepSeek's shape (MLA's fused down-projections, fused shared experts) with ZeRO-3."""
     seed = fresh_seed()
-    fused_tp4 = _cfg(seed, tp=4)
-    fused_tp4.parallel.fused_projections = True
+    fused_tp4 = _cfg(seed, tp=4, fused_projections=True)
     fused_no_sp = TrainConfig(parallel=ParallelConfig(tp=2, dp=2, fused_projections=True), steps=2, seq_len=64,
                               micro_batch=2, seed=seed, progress=False, warmup_steps=20, lr_decay_steps=200)
     fused_no_sp.resolve_world()
-    mla_zero3 = _cfg(seed, tp=2, dp=2, zero=3, model=DEEPSEEK, global_batch=4)
-    mla_zero3.parallel.tp_overlap, mla_zero3.parallel.fused_projections = False, True
+    mla_zero3 = _cfg(seed, tp=2, dp=2, zero=3, model=DEEPSEEK, global_batch=4, tp_overlap=False, fused_projections=True)
     for result in run_ranks(4, verify_all, [fused_tp4, _cfg(seed, tp=2, dp=2), fused_no_sp, mla_zero3])[0]:
         assert result["passed"] and result["max_loss_abs_diff"] < 1e-5, (seed, result)
 
@@ -133,8 +131,7 @@ def test_fused_storage_and_checkpoints_interchange(tmp_path):
     a fused run's checkpoint loads into an unfused run and back, parameter for parameter; ZeRO-3's flat buckets
     keep the regions contiguous."""
     seed = fresh_seed()
-    fused = _cfg(seed, tp=2)
-    fused.parallel.fused_projections = True
+    fused = _cfg(seed, tp=2, fused_projections=True)
     unfused = _cfg(seed, tp=2)
     zero3 = dataclasses.replace(unfused, model=DEEPSEEK, global_batch=4,
                                 parallel=ParallelConfig(dp=2, zero=3, fused_projections=True))

@@ -12,12 +12,13 @@ import sys
 from dataclasses import replace
 
 from shardwise.config import ConfigError
+from shardwise.config.flags import plan_argument
 from shardwise.hf.config import config_from_hf
 from shardwise.planner.errors import PlanError
 from shardwise.planner.estimate import Assumptions, estimate
 from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
 from shardwise.planner.layout import (
-    CP_IMPLS, DEFAULT_GLOBAL_BATCH, PRECISIONS, RECOMPUTE, SCHEDULES, Layout, Workload, layout_problems, parse_layout,
+    DEFAULT_GLOBAL_BATCH, PRECISIONS, SCHEDULES, Layout, Workload, layout_problems, parse_layout,
 )
 from shardwise.commands.train_command import parse_train_flags, row_command
 from shardwise.planner.activations import ACTIVATION_MODELS
@@ -35,38 +36,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Predict memory, FLOPs, communication, bubble and step time of parallel layouts; rank them.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help=f"model preset: {', '.join(PRESETS)}")
-    src.add_argument("--model-config", metavar="PATH",
-                     help="Hugging Face config.json (model_type llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, deepseek_v3 or gpt2)")
-    p.add_argument("--mtp-layers", type=int, default=0, metavar="D",
-                   help="DeepSeek-V3 multi-token prediction modules on the last stage (train's --mtp-layers; default 0)")
+    train_flag(src, "--model", presets=", ".join(PRESETS))
+    train_flag(src, "--model-config")
+    train_flag(p, "--mtp-layers")
     p.add_argument("--gpus", type=int, default=8, help="total GPUs (default 8)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the GPU preset's)")
     p.add_argument("--gpu", default="h100-80gb", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default h100-80gb)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
-    p.add_argument("--global-batch", type=int, help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH}; with --explain m=..., m·mb·dp)")
-    p.add_argument("--micro-batch", type=int, help="sequences per microbatch (default: search 1, 2, 4, 8; explain 1)")
-    p.add_argument("--dtype", "--precision", dest="precision", default="bf16", choices=list(PRECISIONS),
-                   help="train's --dtype: activation precision (default bf16; weights and AdamW state stay fp32)")
-    p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=False,
-                   help="under bf16, keep the residual stream fp32 (train's flag; default off)")
-    p.add_argument("--grad-reduce-dtype", default="fp32", choices=list(PRECISIONS),
-                   help="dtype of the dp×cp / edp gradient reduction (train's flag; default fp32)")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
-                   help="adamw, or muon on the hidden matrices: its gathers and one momentum buffer (default adamw)")
-    p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over dp×cp (default 1)")
-    p.add_argument("--dp-shard", type=int, default=None, metavar="S",
-                   help="ZeRO 2/3 hybrid sharding over S dp ranks only (0: none; default: try dp and the largest S "
-                        "whose shard group stays inside a node)")
-    p.add_argument("--recompute", default="selective", choices=RECOMPUTE, help="activation recompute (default selective)")
-    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
-                   help="Megatron sequence parallelism on layouts with tp > 1 (default on)")
-    p.add_argument("--schedule", "--schedules", dest="schedules", default="1f1b,interleaved",
-                   help=f"pipeline schedule(s) to search, comma-separated from {', '.join(SCHEDULES)} "
-                        "(default 1f1b,interleaved)")
-    p.add_argument("--vp", type=int, help="interleaved: model chunks per pipeline rank (default: search 2..--max-vp)")
+    train_flag(p, "--seq-len")
+    train_flag(p, "--global-batch", global_batch=DEFAULT_GLOBAL_BATCH)
+    train_flag(p, "--micro-batch")
+    train_flag(p, "--dtype", choices=list(PRECISIONS))
+    train_flag(p, "--fp32-residual")
+    train_flag(p, "--grad-reduce-dtype", choices=list(PRECISIONS))
+    train_flag(p, "--optimizer")
+    train_flag(p, "--zero")
+    train_flag(p, "--dp-shard")
+    train_flag(p, "--recompute")
+    train_flag(p, "--sequence-parallel")
+    train_flag(p, "--schedule", schedules=", ".join(SCHEDULES))
+    train_flag(p, "--vp")
     p.add_argument("--max-vp", type=int, default=4, help="largest interleaved virtual-stage count to search (default 4)")
-    p.add_argument("--cp-impl", default="ring", choices=CP_IMPLS, help="context-parallel attention (default ring)")
+    train_flag(p, "--cp-impl")
     p.add_argument("--max-cp", type=int, help="largest context-parallel degree to search (default: all)")
     p.add_argument("--allow-tp-cross-node", action="store_true",
                    help="let TP groups span NVLink domains (off: TP stays within one)")
@@ -77,8 +67,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="assumed achievable fraction of link bandwidth (default 0.8)")
     p.add_argument("--dp-overlap", type=float, default=0.0,
                    help="fraction of gradient-reduction time hidden behind backward (default 0)")
-    p.add_argument("--tp-overlap", action="store_true",
-                   help="model train's --tp-overlap: SP collectives in tp chunks under the GEMMs (default off)")
+    train_flag(p, "--tp-overlap")
     p.add_argument("--usable-memory", type=float, default=0.9, help="fraction of GPU memory to plan for (default 0.9)")
     p.add_argument("--activation-model", default="shardwise", choices=ACTIVATION_MODELS,
                    help="activation memory: what shardwise saves (default) or Korthikanti et al. 2022's formula")
@@ -94,6 +83,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
     return p
+
+
+def train_flag(parser, name: str, **facts) -> None:
+    """A train flag on plan's parser, as the flag table declares it for plan (`config.flags.PLAN_FLAGS`)."""
+    names, kw = plan_argument(name, **facts)
+    parser.add_argument(*names, **kw)
 
 
 def _inputs(args):

@@ -11,11 +11,12 @@ GPT-2) get no command.
 from __future__ import annotations
 
 import shlex
-from dataclasses import fields
+from dataclasses import fields, replace
 from functools import lru_cache
 
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.rules.partition import balanced_counts
+from shardwise.rules.validation import REST, rest_of_world
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout, Workload
@@ -55,7 +56,7 @@ def train_config(model: str | ModelConfig, spec: ModelSpec, lay: Layout, wl: Wor
     parallel = ParallelConfig(**{f.name: getattr(lay, f.name) for f in fields(ParallelConfig)})
     chunks = lay.pp * lay.vp
     if lay.pp > 1 and spec.n_layers % chunks:
-        parallel.pp_layers = balanced_counts(spec.n_layers, chunks)
+        parallel = replace(parallel, pp_layers=tuple(balanced_counts(spec.n_layers, chunks)))
     return TrainConfig(model=model, parallel=parallel, steps=steps, seq_len=wl.seq_len, micro_batch=lay.mb,
                        global_batch=lay.m * lay.mb * lay.dp, dtype=wl.precision, grad_reduce_dtype=wl.grad_reduce,
                        fp32_residual=wl.fp32_residual and wl.precision == "bf16", optimizer=wl.optimizer,
@@ -146,14 +147,13 @@ def parse_train_flags(text: str, gpus: int, global_batch: int | None, model: str
                         f"pass --mtp-layers {args.mtp_layers or 0} to plan")
     deg = {a: 1 if getattr(args, a) is None else getattr(args, a) for a in ("tp", "pp", "cp", "ep")}
     for name, v in [*deg.items(), ("dp", args.dp), ("micro-batch", args.micro_batch)]:
-        if v is not None and v < 1 and not (name == "dp" and v == -1):
+        if v is not None and v < 1 and not (name == "dp" and v == REST):
             raise PlanError(f"--explain: --{name} {v} must be a positive integer" + (" (or -1)" if name == "dp" else ""))
-    inner = deg["tp"] * deg["pp"] * deg["cp"]
     dp = args.dp
-    if dp is None or dp == -1:
-        if gpus % inner:
-            raise PlanError(f"--explain: tp×pp×cp = {inner} does not divide --gpus {gpus}")
-        dp = gpus // inner
+    if dp is None or dp == REST:
+        dp = rest_of_world(gpus, deg["pp"], deg["cp"], deg["tp"])
+        if dp is None:
+            raise PlanError(f"--explain: tp×pp×cp = {deg['tp'] * deg['pp'] * deg['cp']} does not divide --gpus {gpus}")
     per_step = args.micro_batch * dp
     if args.microbatches is not None:
         m = args.microbatches

@@ -11,6 +11,7 @@ import argparse
 import difflib
 
 from .flags import GIVEN, RUN_FLAGS, flag_default, flag_type
+from ..rules.validation import REST, rest_of_world
 from .parallel import AXES
 from .errors import ConfigError
 
@@ -85,7 +86,7 @@ def degrees(args, torchrun_world: int | None) -> dict:
         given = dict(DEFAULT_LAYOUT)
     degrees = {a: given.get(a, 1) for a in AXES}
     if torchrun_world is not None and "dp" not in given:
-        degrees["dp"] = -1
+        degrees["dp"] = REST
     return degrees
 
 
@@ -97,8 +98,8 @@ def global_batch(args, degrees: dict, torchrun_world: int | None) -> int | None:
         raise ConfigError(f"--microbatches {args.microbatches} must be positive and not combined with "
                           "--global-batch")
     dp = degrees["dp"]
-    if dp == -1:  # under torchrun: the rest of the world (resolve_world reports a bad split)
-        dp = max(1, torchrun_world // (degrees["pp"] * degrees["cp"] * degrees["tp"]))
+    if dp == REST:  # under torchrun: the rest of the world (resolution reports a bad split)
+        dp = rest_of_world(torchrun_world, degrees["pp"], degrees["cp"], degrees["tp"]) or 1
     return args.microbatches * args.micro_batch * dp
 
 

@@ -7,10 +7,12 @@ flags with no field are read by the CLI itself (where a run comes from, how it i
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass
 
+from ..rules.validation import CP_IMPLS, RECOMPUTE, ZERO_STAGES
 from .schedule import LR_SCHEDULES, parse_betas
 
 GIVEN = "given_flags"
@@ -48,13 +50,13 @@ class Flag:
         return self.name[2:].replace("-", "_")
 
 
-def _pp_layers(text: str | None) -> list[int] | None:
+def _pp_layers(text: str | None) -> tuple[int, ...] | None:
     from .errors import ConfigError
 
     if not text:
         return None
     try:
-        return [int(c) for c in text.split(",")]
+        return tuple(int(c) for c in text.split(","))
     except ValueError:
         raise ConfigError(f"--pp-layers {text!r} must be comma-separated integers, e.g. 3,3,2") from None
 
@@ -266,3 +268,74 @@ def config_fields(args) -> tuple[dict, dict, dict]:
         else:
             (parallel if owner == "parallel" else run)[name] = value
     return run, parallel, overrides
+
+
+@dataclass(frozen=True)
+class PlanFlag:
+    """A train flag as `shardwise plan` takes it. Its name, type and kind are train's (`RUN_FLAGS`); plan states its
+    own default and help, since it models a GPU cluster where train runs here, and searches a range where train
+    takes one value (`--micro-batch`, `--vp`, `--schedule`)."""
+
+    name: str
+    help: str
+    """Plan's help; `{...}` fields are filled with the planner's names (presets, schedules) by `plan_argument`."""
+    default: object = None
+    also: tuple[str, ...] = ()
+    """Plan's other spellings of the flag."""
+    dest: str | None = None
+    choices: tuple | None = None
+    metavar: str | None = None
+    kind: str | None = None
+    """Where plan's argparse kind differs from train's ('switch': a plain on-switch)."""
+
+
+PLAN_FLAGS: tuple[PlanFlag, ...] = (
+    PlanFlag("--model", "model preset: {presets}"),
+    PlanFlag("--model-config", "Hugging Face config.json (model_type llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, "
+             "deepseek_v3 or gpt2)", metavar="PATH"),
+    PlanFlag("--mtp-layers", "DeepSeek-V3 multi-token prediction modules on the last stage (train's --mtp-layers; "
+             "default 0)", default=0),
+    PlanFlag("--seq-len", "tokens per sequence (default 4096)", default=4096),
+    PlanFlag("--global-batch", "sequences per optimizer step (default {global_batch}; with --explain m=..., m·mb·dp)"),
+    PlanFlag("--micro-batch", "sequences per microbatch (default: search 1, 2, 4, 8; explain 1)"),
+    PlanFlag("--dtype", "train's --dtype: activation precision (default bf16; weights and AdamW state stay fp32)",
+             default="bf16", also=("--precision",), dest="precision"),
+    PlanFlag("--fp32-residual", "under bf16, keep the residual stream fp32 (train's flag; default off)", default=False),
+    PlanFlag("--grad-reduce-dtype", "dtype of the dp×cp / edp gradient reduction (train's flag; default fp32)",
+             default="fp32"),
+    PlanFlag("--optimizer", "adamw, or muon on the hidden matrices: its gathers and one momentum buffer (default adamw)",
+             default="adamw"),
+    PlanFlag("--zero", "ZeRO stage over dp×cp (default 1)", default=1, choices=ZERO_STAGES),
+    PlanFlag("--dp-shard", "ZeRO 2/3 hybrid sharding over S dp ranks only (0: none; default: try dp and the largest S "
+             "whose shard group stays inside a node)"),
+    PlanFlag("--recompute", "activation recompute (default selective)", default="selective", choices=RECOMPUTE),
+    PlanFlag("--sequence-parallel", "Megatron sequence parallelism on layouts with tp > 1 (default on)", default=True),
+    PlanFlag("--schedule", "pipeline schedule(s) to search, comma-separated from {schedules} (default 1f1b,interleaved)",
+             default="1f1b,interleaved", also=("--schedules",), dest="schedules"),
+    PlanFlag("--vp", "interleaved: model chunks per pipeline rank (default: search 2..--max-vp)"),
+    PlanFlag("--cp-impl", "context-parallel attention (default ring)", default="ring", choices=CP_IMPLS),
+    PlanFlag("--tp-overlap", "model train's --tp-overlap: SP collectives in tp chunks under the GEMMs (default off)",
+             default=False, kind="switch"),
+)
+"""The train flags `shardwise plan` takes, with plan's own defaults (its other flags are its own: GPUs, search)."""
+
+
+def plan_argument(name: str, choices=None, **facts) -> tuple[list[str], dict]:
+    """(option strings, argparse keywords) of train flag `name` on plan's parser: train's type, kind and metavar,
+    plan's default and help (`facts` fill its `{...}` fields); `choices` where the planner names them (precisions)."""
+    use = next(f for f in PLAN_FLAGS if f.name == name)
+    flag = next(f for f in RUN_FLAGS if f.name == name)
+    kw = dict(default=use.default, help=use.help.format(**facts) if facts else use.help)
+    if use.dest is not None:
+        kw["dest"] = use.dest
+    kind = use.kind or flag.kind
+    if kind == "toggle":
+        kw["action"] = argparse.BooleanOptionalAction
+    elif kind == "switch":
+        kw["action"] = "store_true"
+    else:
+        kw |= {k: v for k, v in dict(type=flag_type(flag), choices=choices or use.choices or flag.choices,
+                                     metavar=use.metavar or flag.metavar).items() if v is not None}
+    if kw["default"] is None:
+        del kw["default"]
+    return [name, *use.also], kw

@@ -1,18 +1,20 @@
 """The degrees of every parallel axis and the per-axis options (`ParallelConfig`): the one type that holds
 them. The runtime's mesh is built from it, the planner's `Layout` extends it, and every world-size product
 is its `world_size`. The degrees alone are checked against a world size by `ParallelConfig.build`; the rest
-is validated together with the model by `TrainConfig.validate`."""
+is validated together with the model by `TrainConfig.validate`. Frozen (derive with `dataclasses.replace`), so a
+layout is hashable and nothing changes it after resolution."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..rules.validation import REST, dp_shard_problem, ep_dpcp_problem, rest_of_world
 from .errors import ConfigError
 
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """Degrees of every parallel axis. Their product (ep excluded: it is drawn from dp×cp) is the world size."""
 
@@ -38,8 +40,8 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb or dualpipev."""
     vp: int = 1
     """Model chunks (virtual stages) per pipeline rank: >1 for interleaved; dualpipev uses 2."""
-    pp_layers: list[int] | None = None
-    """Layers per stage (pp × vp counts), for uneven splits; default an even split."""
+    pp_layers: tuple[int, ...] | None = None
+    """Layers per stage (pp × vp counts), for uneven splits; default an even split. A list given is kept as a tuple."""
     pp_scatter_gather: bool = False
     """Under TP without SP, send 1/tp of each stage activation and all-gather it over TP on arrival."""
     cp_order: str = "balanced"
@@ -53,6 +55,10 @@ class ParallelConfig:
     compile: bool = False
     """torch.compile each transformer block (collectives and their ledger stay eager, between graphs)."""
 
+    def __post_init__(self):
+        if isinstance(self.pp_layers, list):
+            object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
+
     @classmethod
     def build(cls, world_size: int, dp: int = -1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
               dp_shard: int | None = None) -> "ParallelConfig":
@@ -62,15 +68,15 @@ class ParallelConfig:
         for name, v in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
             if v < 1:
                 raise ConfigError(f"{name} must be >= 1 ({named})")
-        if dp == -1:
-            if world_size % (pp * cp * tp):
+        if dp == REST:
+            dp = rest_of_world(world_size, pp, cp, tp)
+            if dp is None:
                 raise ConfigError(f"world size not divisible by pp×cp×tp={pp * cp * tp} ({named})")
-            dp = world_size // (pp * cp * tp)
         if dp < 1 or dp * pp * cp * tp != world_size:
             raise ConfigError(f"dp×pp×cp×tp = {dp * pp * cp * tp} must equal the world size ({named})")
-        if (dp * cp) % ep:
+        if ep_dpcp_problem(dp, cp, ep):
             raise ConfigError(f"ep={ep} must divide dp×cp={dp * cp} ({named})")
-        if dp_shard is not None and (dp_shard < 1 or dp % dp_shard):
+        if dp_shard_problem(dp, dp_shard):
             raise ConfigError(f"dp_shard={dp_shard} must divide dp={dp} ({named})")
         return cls(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, dp_shard=None if dp_shard == dp else dp_shard)
 
@@ -112,6 +118,11 @@ class ParallelConfig:
         if self.compile:
             out |= {"compile": True}
         if self.pp > 1:
-            out |= {"schedule": self.schedule, "vp": self.vp, "pp_layers": self.pp_layers,
+            out |= {"schedule": self.schedule, "vp": self.vp, "pp_layers": _listed(self.pp_layers),
                     "pp_scatter_gather": self.pp_scatter_gather}
         return out
+
+
+def _listed(counts: tuple[int, ...] | None) -> list[int] | None:
+    """pp_layers as the run's JSON and layout strings have always shown it (a list)."""
+    return None if counts is None else list(counts)

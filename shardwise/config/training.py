@@ -5,10 +5,14 @@ model in `TrainConfig.resolved_model`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..rules.partition import ORDERS, check_seq_len, split_layers
 from ..rules.schedules import SCHEDULE_NAMES, build_schedule
+from ..rules.validation import (
+    CP_IMPLS, RECOMPUTE, REST, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, hsdp_zero_problem, rest_of_world,
+    sp_tokens_problem, tp_kv_problem, ulysses_problem,
+)
 from .errors import ConfigError
 from .schedule import validate_optim
 from .model import ModelConfig, get_model_config
@@ -19,18 +23,19 @@ def _tp_problem(tp: int, m: ModelConfig) -> str | None:
     """Why `tp` cannot shard model `m`'s heads and FFN (None: it can)."""
     if m.n_heads % tp:
         return f"does not divide n_heads={m.n_heads}"
-    if m.n_kv_heads >= tp and m.n_kv_heads % tp:
-        return f"does not divide n_kv_heads={m.n_kv_heads}"
-    if m.n_kv_heads < tp and tp % m.n_kv_heads:
-        return f"> n_kv_heads={m.n_kv_heads} needs tp to be a multiple of n_kv_heads"
+    kv = tp_kv_problem(tp, m.n_kv_heads)
+    if kv:
+        return kv
     if m.ffn_dim % tp:
         return f"does not divide ffn_dim={m.ffn_dim}"
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    """Everything one `shardwise train` / `shardwise verify` run needs."""
+    """Everything one `shardwise train` / `shardwise verify` run needs. Frozen: resolution (`resolved`, run
+    assembly) returns a new config, so what a rank runs is what was validated; derive others with
+    `dataclasses.replace`."""
 
     model: str | ModelConfig = "tiny"
     """A preset name, or a ModelConfig for custom shapes (tests, HF configs)."""
@@ -226,35 +231,42 @@ class TrainConfig:
             raise ConfigError(f"--{stray[0].replace('_', '-')} given, but model {cfg.name!r} has no experts; "
                               "add --moe-experts E or use an MoE preset such as tiny-moe")
 
-    def resolve_world(self, world_size: int | None = None) -> int:
-        """Fill dp=-1 and return the world size; validate everything that needs no process."""
+    def resolved(self, world_size: int | None = None) -> "TrainConfig":
+        """A new config with every derived degree filled — dp=-1 the rest of `world_size`, dualpipev's 2 chunks
+        per rank — validated by everything that needs no process."""
         self.residual_dtype()
         p = self.parallel
         for a in AXES:
             v = getattr(p, a)
-            if not isinstance(v, int) or (v <= 0 and not (a == "dp" and v == -1)):
+            if not isinstance(v, int) or (v <= 0 and not (a == "dp" and v == REST)):
                 raise ConfigError(f"--{a} {v!r} must be a positive integer" + (" or -1 (the rest)" if a == "dp" else ""))
-        others = p.pp * p.cp * p.tp
-        if p.dp == -1:
+        if p.dp == REST:
             if world_size is None:
                 raise ConfigError("--dp -1 needs a known world size (run under torchrun)")
-            if world_size % others:
-                raise ConfigError(
-                    f"world size {world_size} is not divisible by pp={p.pp} × cp={p.cp} × tp={p.tp} = {others}"
-                )
-            p.dp = world_size // others
+            dp = rest_of_world(world_size, p.pp, p.cp, p.tp)
+            if dp is None:
+                raise ConfigError(f"world size {world_size} is not divisible by pp={p.pp} × cp={p.cp} × tp={p.tp} = "
+                                  f"{p.pp * p.cp * p.tp}")
+            p = replace(p, dp=dp)
+        if p.pp > 1 and p.schedule == "dualpipev":  # the V: always two chunks per rank
+            p = replace(p, vp=2)
         world = p.world_size
         if world_size is not None and world != world_size:
             raise ConfigError(
                 f"dp={p.dp} × pp={p.pp} × cp={p.cp} × tp={p.tp} = {world} does not equal the world size {world_size}"
             )
-        self.validate(world)
-        return world
+        cfg = replace(self, parallel=p)
+        cfg.validate(world)
+        return cfg
+
+    def resolve_world(self, world_size: int | None = None) -> int:
+        """The world size of the resolved config (`resolved`: validates everything that needs no process)."""
+        return self.resolved(world_size).parallel.world_size
 
     @staticmethod
     def _validate_recompute(p: ParallelConfig, m: ModelConfig) -> None:
-        if p.recompute not in ("none", "selective", "full"):
-            raise ConfigError(f"--recompute {p.recompute!r} is not supported; valid: none, selective, full")
+        if p.recompute not in RECOMPUTE:
+            raise ConfigError(f"--recompute {p.recompute!r} is not supported; valid: {', '.join(RECOMPUTE)}")
         if p.recompute_layers is None:
             return
         stages = p.pp * (p.vp if p.pp > 1 else 1)
@@ -278,9 +290,9 @@ class TrainConfig:
     @staticmethod
     def _validate_dp_shard(p: ParallelConfig) -> None:
         valid = ", ".join(str(s) for s in range(1, p.dp + 1) if p.dp % s == 0)
-        if p.dp_shard is not None and (not isinstance(p.dp_shard, int) or p.dp_shard < 1 or p.dp % p.dp_shard):
+        if dp_shard_problem(p.dp, p.dp_shard):
             raise ConfigError(f"--dp-shard {p.dp_shard!r} must be a divisor of dp={p.dp}; valid: {valid}")
-        if p.hsdp and p.zero < 2:
+        if hsdp_zero_problem(p.hsdp, p.zero):
             raise ConfigError(f"--dp-shard {p.dp_shard} shards nothing at --zero {p.zero} (ZeRO 0/1 keep gradients "
                               "and parameters whole); use --zero 2 or 3, or drop --dp-shard")
 
@@ -307,7 +319,7 @@ class TrainConfig:
         if self.muon_qk_clip and m.qk_norm and not m.is_mla:
             raise ConfigError(f"--muon-qk-clip: model {m.name!r} normalises each head's q and k (qk_norm), which "
                               "undoes a scaling of Wq and Wk; run it without --muon-qk-clip")
-        if p.zero not in (0, 1, 2, 3):
+        if p.zero not in ZERO_STAGES:
             raise ConfigError(f"--zero {p.zero} is not supported; valid: 0, 1, 2 or 3")
         if p.zero == 3 and p.dp * p.cp == 1:
             raise ConfigError("--zero 3 shards parameters over dp×cp, which is 1 here: nothing to shard; "
@@ -331,7 +343,7 @@ class TrainConfig:
             raise ConfigError(f"--seq-len {self.seq_len} exceeds max_seq_len={m.max_seq_len} of model {m.name!r}")
         if p.cp > 1:
             self._validate_context(m)
-        if p.sequence_parallel and (self.seq_len // p.cp) % p.tp:
+        if p.sequence_parallel and sp_tokens_problem(self.seq_len, p.cp, p.tp):
             raise ConfigError(f"--seq-len {self.seq_len} / cp {p.cp} = {self.seq_len // p.cp} tokens per rank is not "
                               f"divisible by tp={p.tp} (needed by --sequence-parallel)")
         gb = self.global_batch
@@ -380,7 +392,7 @@ class TrainConfig:
         p = self.parallel
         if p.ep > 1 and not m.moe_experts:
             raise ConfigError(f"--ep {p.ep} needs an MoE model (e.g. --model tiny-moe or --moe-experts E)")
-        if (p.dp * p.cp) % p.ep:
+        if ep_dpcp_problem(p.dp, p.cp, p.ep):
             raise ConfigError(f"--ep {p.ep} must divide dp × cp = {p.dp} × {p.cp} = {p.dp * p.cp} "
                               "(expert parallelism is drawn from the data-parallel ranks)")
         if m.moe_experts % p.ep:
@@ -396,27 +408,23 @@ class TrainConfig:
         p = self.parallel
         if p.cp_order not in ORDERS:
             raise ConfigError(f"--cp-order {p.cp_order!r} is unknown; valid: {', '.join(ORDERS)}")
-        if p.cp_impl not in ("ring", "ulysses"):
-            raise ConfigError(f"--cp-impl {p.cp_impl!r} is unknown; valid: ring, ulysses")
+        if p.cp_impl not in CP_IMPLS:
+            raise ConfigError(f"--cp-impl {p.cp_impl!r} is unknown; valid: {', '.join(CP_IMPLS)}")
         try:
             check_seq_len(self.seq_len, p.cp, p.cp_order)
         except ValueError as e:
             raise ConfigError(f"--seq-len: {e}") from None
         if m.attn_dropout > 0:
             raise ConfigError("--attn-dropout > 0 is not supported with --cp > 1 (ring attention has no dropout)")
-        if p.cp_impl == "ulysses":
-            q_local, kv_local = m.n_heads // p.tp, max(1, m.n_kv_heads // p.tp)
-            if q_local % p.cp or (kv_local % p.cp and p.cp % kv_local):
-                raise ConfigError(f"--cp-impl ulysses needs the {q_local} query heads per TP rank divisible by cp={p.cp} "
-                                  f"and the {kv_local} K/V heads per TP rank to divide or be divided by it")
+        problem = ulysses_problem(m.n_heads, m.n_kv_heads, p.tp, p.cp) if p.cp_impl == "ulysses" else None
+        if problem:
+            raise ConfigError(f"--cp-impl {problem}")
 
     def _validate_pipeline(self, m: ModelConfig) -> None:
         p = self.parallel
         if p.schedule not in SCHEDULE_NAMES:
             raise ConfigError(f"--schedule {p.schedule!r} is unknown; valid: {', '.join(SCHEDULE_NAMES)}")
-        if p.schedule == "dualpipev":
-            p.vp = 2
-        elif p.schedule != "interleaved" and p.vp != 1:
+        if p.schedule not in ("interleaved", "dualpipev") and p.vp != 1:
             raise ConfigError(f"--vp {p.vp} needs --schedule interleaved (schedule {p.schedule} runs one chunk per rank)")
         if p.pp_scatter_gather and (p.tp == 1 or p.sequence_parallel):
             raise ConfigError("--pp-scatter-gather needs --tp > 1 without --sequence-parallel (under SP each TP "

@@ -8,17 +8,23 @@ parallel group. Stages hold contiguous layer chunks: chunk j of pp×vp sits on s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 
 from shardwise.config.parallel import ParallelConfig
+from shardwise.rules.geometry import GRID, axis_lines
 from shardwise.rules.partition import balanced_counts, recomputed_layers
+from shardwise.rules.validation import (
+    CP_IMPLS, RECOMPUTE, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, hsdp_zero_problem, rest_of_world,
+    sp_tokens_problem, tp_kv_problem, ulysses_problem,
+)
 from shardwise.planner.errors import PlanError
-from shardwise.planner.models import ModelSpec, local_kv_heads
+from shardwise.planner.models import ModelSpec
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb", "dualpipev")
-CP_IMPLS = ("ring", "ulysses")
-RECOMPUTE = ("none", "selective", "full")
 DEFAULT_GLOBAL_BATCH = 1024
+AXIS_NAMES = (*GRID, "dp_cp", "ep", "edp", "dp_shard", "dp_replicate")
+"""The communication axes whose groups `group_spans` reports."""
 PRECISIONS = {"bf16": 2, "fp32": 4}
 """Activation bytes per element; parameters, grads and Adam moments stay fp32 in both (shardwise's AMP)."""
 
@@ -53,10 +59,10 @@ class Workload:
         return PRECISIONS[self.grad_reduce]
 
 
-@dataclass(unsafe_hash=True)
+@dataclass(frozen=True)
 class Layout(ParallelConfig):
     """A `ParallelConfig` (the degrees, defaults and `world_size` shardwise runs with) plus how the planner
-    splits each step's batch. A cache key: never mutated, derived with `dataclasses.replace`."""
+    splits each step's batch. A cache key: frozen and hashable with every field, derived with `dataclasses.replace`."""
 
     mb: int = 1
     """Sequences per microbatch."""
@@ -130,10 +136,10 @@ def parse_layout(text: str, base: Layout, gpus: int, global_batch: int | None) -
                             "cp_impl")
     lay = replace(base, **{_FIELD_OF.get(k, k): v for k, v in given.items() if k != "m"})
     if "dp" not in given:
-        inner = lay.tp * lay.pp * lay.cp
-        if gpus % inner:
-            raise PlanError(f"--explain: tp×pp×cp = {inner} does not divide --gpus {gpus}")
-        lay = replace(lay, dp=gpus // inner)
+        dp = rest_of_world(gpus, lay.pp, lay.cp, lay.tp)
+        if dp is None:
+            raise PlanError(f"--explain: tp×pp×cp = {lay.tp * lay.pp * lay.cp} does not divide --gpus {gpus}")
+        lay = replace(lay, dp=dp)
     if lay.schedule in ("dualpipev", "interleaved") and "vp" not in given:
         lay = replace(lay, vp=2)
     if "m" in given:
@@ -159,14 +165,14 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
     if spec.n_heads % t:
         bad.append(f"tp={t} does not divide n_heads={spec.n_heads}")
     kv = spec.attn_kv_heads
-    if (kv >= t and kv % t) or (kv < t and t % kv):
+    if tp_kv_problem(t, kv):
         bad.append(f"tp={t} and n_kv_heads={kv}: one must divide the other")
     if spec.n_moe_layers < spec.n_layers and spec.ffn_dim % t:  # MoE blocks are not tp-sharded
         bad.append(f"tp={t} does not divide ffn_dim={spec.ffn_dim}")
     if spec.is_moe:
         if spec.moe_experts % lay.ep:
             bad.append(f"ep={lay.ep} does not divide moe_experts={spec.moe_experts}")
-    if (lay.dp * lay.cp) % lay.ep:
+    if ep_dpcp_problem(lay.dp, lay.cp, lay.ep):
         bad.append(f"ep={lay.ep} does not divide dp×cp = {lay.dp * lay.cp}")
     if not spec.is_moe and lay.ep > 1:
         bad.append(f"ep={lay.ep} needs an MoE model")
@@ -175,15 +181,13 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
         bad.append(f"pp×vp = {chunks} does not divide n_layers={spec.n_layers}")
     if seq_len % lay.cp:
         bad.append(f"cp={lay.cp} does not divide seq_len={seq_len}")
-    elif lay.sp and (seq_len // lay.cp) % t:
+    elif lay.sp and sp_tokens_problem(seq_len, lay.cp, t):
         bad.append(f"seq_len/cp = {seq_len // lay.cp} is not divisible by tp={t} (sequence parallelism)")
     if lay.cp_impl not in CP_IMPLS:
         bad.append(f"cp_impl {lay.cp_impl!r} unknown; valid: {', '.join(CP_IMPLS)}")
     elif lay.cp > 1 and lay.cp_impl == "ulysses":
-        q_local, kv_local = spec.n_heads // t, local_kv_heads(spec, t)
-        if q_local % lay.cp or (kv_local % lay.cp and lay.cp % kv_local):
-            bad.append(f"ulysses needs the {q_local} query heads per tp rank divisible by cp={lay.cp} and the "
-                       f"{kv_local} K/V heads per tp rank to divide or be divided by it")
+        problem = ulysses_problem(spec.n_heads, spec.attn_kv_heads, t, lay.cp, tp_name="tp")
+        bad += [problem] if problem else []
     if lay.schedule not in SCHEDULES:
         bad.append(f"schedule {lay.schedule!r} unknown; valid: {', '.join(SCHEDULES)}")
     elif lay.pp > 1 and lay.schedule == "interleaved" and (lay.vp < 2 or lay.m % lay.pp):
@@ -194,13 +198,13 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
         bad.append(f"vp={lay.vp} needs schedule interleaved or dualpipev")
     if lay.recompute not in RECOMPUTE:
         bad.append(f"recompute {lay.recompute!r} unknown; valid: {', '.join(RECOMPUTE)}")
-    if lay.zero not in (0, 1, 2, 3):
-        bad.append(f"zero={lay.zero} unknown; valid: 0, 1, 2, 3")
+    if lay.zero not in ZERO_STAGES:
+        bad.append(f"zero={lay.zero} unknown; valid: {', '.join(map(str, ZERO_STAGES))}")
     if lay.sp and t == 1:
         bad.append("sp needs tp > 1")
-    if lay.dp_shard is not None and lay.dp % lay.dp_shard:
+    if dp_shard_problem(lay.dp, lay.dp_shard):
         bad.append(f"dp_shard={lay.dp_shard} does not divide dp={lay.dp}")
-    elif lay.hsdp and lay.zero < 2:
+    elif hsdp_zero_problem(lay.hsdp, lay.zero):
         bad.append(f"dp_shard={lay.dp_shard} shards nothing at zero={lay.zero} (needs zero 2 or 3)")
     if seq_len > spec.max_seq_len:
         bad.append(f"seq_len={seq_len} exceeds max_seq_len={spec.max_seq_len} of {spec.name}")
@@ -282,57 +286,61 @@ def stages(spec: ModelSpec, lay: Layout) -> list[Stage]:
     return out
 
 
-def group_spans(lay: Layout, axis: str):
-    """(lowest, highest) rank of every group of one communication axis on the (dp, pp, cp, tp) mesh.
+@lru_cache(maxsize=4096)
+def _lines(dims: ParallelConfig) -> dict[str, list[list[int]]]:
+    """`rules.geometry.axis_lines` of the degrees alone (many layouts share them; large worlds have many lines)."""
+    return axis_lines(dims)
 
-    Ranks grow monotonically along each group, so the two ends decide whether it leaves a domain.
-    """
-    dp, pp, cp, tp, ep = lay.dp, lay.pp, lay.cp, lay.tp, lay.ep
-    rank = lambda d, p, c, t: ((d * pp + p) * cp + c) * tp + t  # noqa: E731
-    if axis == "tp":
-        return ((r, r + tp - 1) for r in range(0, lay.world_size, tp))
-    if axis == "cp":
-        return ((rank(d, p, 0, t), rank(d, p, cp - 1, t)) for d in range(dp) for p in range(pp) for t in range(tp))
-    if axis == "pp":
-        return ((rank(d, 0, c, t), rank(d, pp - 1, c, t)) for d in range(dp) for c in range(cp) for t in range(tp))
-    # dp×cp flattened with cp fastest: dp_cp is all of it, ep takes consecutive blocks, edp the strided rest.
-    n = dp * cp
-    if axis == "dp_cp":
-        ends = [(0, n - 1)]
-    elif axis == "ep":
-        ends = [(g, g + ep - 1) for g in range(0, n, ep)]
-    elif axis == "edp":
-        ends = [(k, k + n - ep) for k in range(ep)]
-    elif axis in ("dp_shard", "dp_replicate"):  # hybrid sharding: blocks of S·cp, and the strided rest
-        block = lay.shard * cp
-        ends = ([(g, g + block - 1) for g in range(0, n, block)] if axis == "dp_shard" else
-                [(k, k + n - block) for k in range(block)])
-    else:
+
+def _degrees(lay: Layout) -> ParallelConfig:
+    return ParallelConfig(dp=lay.dp, pp=lay.pp, cp=lay.cp, tp=lay.tp, ep=lay.ep, dp_shard=lay.dp_shard)
+
+
+def group_spans(lay: Layout, axis: str):
+    """(lowest, highest) rank of every group of one communication axis (`rules.geometry.axis_lines`; none for an
+    axis without groups). Ranks grow along each group, so the two ends decide whether it leaves a domain."""
+    if axis not in AXIS_NAMES:
         raise ValueError(axis)
-    flat = lambda f, p, t: rank(f // cp, p, f % cp, t)  # noqa: E731
-    return ((flat(a, p, t), flat(b, p, t)) for p in range(pp) for t in range(tp) for a, b in ends)
+    return ((line[0], line[-1]) for line in _lines(_degrees(lay)).get(axis, ()))
 
 
 def group_size(lay: Layout, axis: str) -> int:
-    return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp_cp": lay.dp * lay.cp, "ep": lay.ep,
-            "edp": lay.dp * lay.cp // lay.ep, "dp_shard": lay.shard * lay.cp if lay.hsdp else 1,
-            "dp_replicate": lay.replicas}[axis]
+    """Ranks in each group of `axis` (1 for an axis without groups: dp_shard and dp_replicate without hybrid sharding)."""
+    if axis not in AXIS_NAMES:
+        raise KeyError(axis)
+    lines = _lines(_degrees(lay)).get(axis)
+    return len(lines[0]) if lines else 1
 
 
 def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
-    """The planner's (model, layout, workload) for a shardwise `TrainConfig` (after `resolve_world`).
+    """The planner's (model, layout, workload) for a resolved shardwise `TrainConfig`.
 
-    Recompute is the run's (with --recompute-layers); m is the config's gradient-accumulation count.
+    The layout carries every `ParallelConfig` field of the run (those the planner does not model too: `unmodeled`
+    names them), normalised where a field does nothing: vp and schedule without pp, recompute_layers without
+    recompute, SP and its overlap without tp, dp_shard equal to dp. m is the config's gradient-accumulation count.
     """
     p = cfg.parallel
     spec = ModelSpec.of(cfg.model_config())
-    lay = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, vp=p.vp if p.pp > 1 else 1,
-                 schedule=p.schedule if p.pp > 1 else "1f1b", mb=cfg.micro_batch, m=cfg.grad_accum, zero=p.zero,
-                 recompute=p.recompute, recompute_layers=p.recompute_layers if p.recompute != "none" else None,
-                 sequence_parallel=bool(p.sequence_parallel and p.tp > 1),
-                 cp_impl=p.cp_impl, cp_order=p.cp_order, dp_shard=p.dp_shard if p.hsdp else None,
-                 tp_overlap=bool(p.tp_overlap and p.sequence_parallel and p.tp > 1))
+    given = {f.name: getattr(p, f.name) for f in fields(ParallelConfig)}
+    lay = Layout(**given | dict(
+        vp=p.vp if p.pp > 1 else 1, schedule=p.schedule if p.pp > 1 else "1f1b",
+        recompute_layers=p.recompute_layers if p.recompute != "none" else None,
+        sequence_parallel=bool(p.sequence_parallel and p.tp > 1), dp_shard=p.dp_shard if p.hsdp else None,
+        tp_overlap=bool(p.tp_overlap and p.sequence_parallel and p.tp > 1)), mb=cfg.micro_batch, m=cfg.grad_accum)
     gb = cfg.global_batch or cfg.micro_batch * p.dp
     return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,
                                fp32_residual=cfg.fp32_residual, grad_reduce=cfg.grad_reduce_dtype,
                                optimizer=cfg.optimizer, muon_qk_clip=cfg.muon_qk_clip)
+
+
+def unmodeled(cfg) -> list[str]:
+    """The train flags of a resolved `TrainConfig` that the planner does not model (empty: it models the run):
+    `simulate` and `plan --trace` refuse them, since the plan they compare against would describe another run."""
+    p, bad = cfg.parallel, []
+    if p.pp_layers is not None and list(p.pp_layers) != balanced_counts(cfg.model_config().n_layers, p.pp * p.vp):
+        bad.append(f"--pp-layers {','.join(map(str, p.pp_layers))}")
+    if p.pp_scatter_gather:
+        bad.append("--pp-scatter-gather")
+    if p.fused_projections:
+        bad.append("--fused-projections")
+    return bad

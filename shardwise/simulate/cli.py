@@ -131,6 +131,7 @@ def _document_ring(cfg) -> bool:
 
 def check_simulable(cfg) -> None:
     from ..config import ConfigError
+    from ..planner.layout import unmodeled
 
     if cfg.init_from_hf:
         raise ConfigError("--init-from-hf: simulate holds no weights (fake tensors); drop it to simulate the shapes")
@@ -138,6 +139,10 @@ def check_simulable(cfg) -> None:
         raise ConfigError("--compile: simulate runs the eager model; drop --compile")
     if cfg.steps < 1:
         raise ConfigError(f"--steps {cfg.steps}: simulate at least 1 step (2: the optimizer state exists from the second)")
+    unmodeled_flags = unmodeled(cfg)
+    if unmodeled_flags:
+        raise ConfigError(f"{', '.join(unmodeled_flags)}: not modelled by the planner, so there is no plan to compare "
+                          "with; drop it to simulate the layout")
 
 
 def main(args) -> int:

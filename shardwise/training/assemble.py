@@ -76,12 +76,11 @@ def resolve_model(cfg: TrainConfig) -> ModelConfig:
 
 
 def assemble(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
-    """Resolve the model (stored in `cfg.resolved_model`), fill `--dp -1`, validate everything that needs no
-    process; returns `cfg`. Idempotent: the model is resolved afresh from the flags each time."""
-    cfg.resolved_model = None
-    cfg.resolved_model = resolve_model(cfg)
-    cfg.resolve_world(world_size)
-    return cfg
+    """A new config, fully resolved: the model (`resolved_model`), `--dp -1` and every derived degree
+    (`TrainConfig.resolved`), validated by everything that needs no process. `cfg` is left as it is (frozen).
+    Idempotent: the model is resolved afresh from the flags each time."""
+    flags = dataclasses.replace(cfg, resolved_model=None)
+    return dataclasses.replace(flags, resolved_model=resolve_model(flags)).resolved(world_size)
 
 
 def assembled(cfg: TrainConfig) -> TrainConfig:
@@ -141,7 +140,8 @@ def checkpoint_root(cfg: TrainConfig) -> str:
     return cfg.checkpoint_dir or os.path.join(cfg.out, "checkpoints")
 
 
-def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool = False) -> str | None:
+def check_run_dir(cfg: TrainConfig, auto_resume: bool = False,
+                  overwrite: bool = False) -> tuple[TrainConfig, str | None]:
     """Once, before any rank: decide fresh vs resume and protect what the user already has.
 
     `--resume` continues from the first intact checkpoint in resume order; with none (none at all, or every one
@@ -149,8 +149,9 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
     starts fresh in the run's own directory, saying so in one line when it found only damaged checkpoints. A
     fresh run into a non-empty `--out` (or a checkpoint directory holding checkpoints) needs `--overwrite`,
     which removes the old checkpoints, so they never mix with the new run's. On resume the schedule's length
-    defaults to the one stored in the checkpoint. Returns a line to print (and exit 0) when the checkpoint is
-    already at --steps: nothing is touched."""
+    defaults to the one stored in the checkpoint. Returns the config with those decisions (`resume`,
+    `lr_decay_steps`) and a line to print (and exit 0) when the checkpoint is already at --steps: nothing is
+    touched."""
     import os
 
     from ..config.schedule import validate_optim
@@ -167,26 +168,26 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False, overwrite: bool =
                 raise ConfigError(f"--resume: no checkpoint under {root}; run without --resume to start fresh "
                                   "(or --auto-resume: resume when one exists)")
             raise ConfigError(f"--resume: no intact checkpoint under {root} ({why}); start fresh with --overwrite")
-        cfg.resume = path is not None
+        cfg = dataclasses.replace(cfg, resume=path is not None)
         if path is None:
             if rejected:
                 _say(f"--auto-resume: no intact checkpoint under {root} ({why}); starting fresh")
-            return None  # a requeued job's own directory: nothing in it to protect from itself
+            return cfg, None  # a requeued job's own directory: nothing in it to protect from itself
         if meta["step"] >= cfg.steps:
-            return (f"{path} is already at step {meta['step']} (--steps {cfg.steps}): nothing to train; "
-                    "raise --steps to continue")
+            return cfg, (f"{path} is already at step {meta['step']} (--steps {cfg.steps}): nothing to train; "
+                         "raise --steps to continue")
         stored = meta.get("extra_state", {}).get("lr_plan")
         if cfg.lr_decay_steps is None and stored:
-            cfg.lr_decay_steps = stored["lr_decay_steps"]
+            cfg = dataclasses.replace(cfg, lr_decay_steps=stored["lr_decay_steps"])
             validate_optim(cfg)
-        return None
+        return cfg, None
     busy = [d for d in dict.fromkeys((cfg.out, root)) if os.path.isdir(d) and os.listdir(d)]
     if busy and not overwrite:
         raise ConfigError(f"--out {busy[0]} is not empty (an earlier run?); continue it with --resume or "
                           "--auto-resume, choose another --out, or pass --overwrite to replace it")
     if overwrite:
         remove_checkpoints(root)
-    return None
+    return cfg, None
 
 
 def first_intact_checkpoint(root: str) -> tuple[str | None, dict | None, list[tuple[str, str]]]:

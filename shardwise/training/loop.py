@@ -5,6 +5,7 @@ evaluation and checkpoints; what the run writes (run directory, metrics, console
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 
 import torch
@@ -29,13 +30,16 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None, planned_act
     if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls (verify keeps full fp32)
         torch.set_float32_matmul_precision("high")
     mesh = make_mesh(cfg, device)
+    # Rank 0 names the run directory: under torchrun every process computed its own from its own clock.
+    cfg = dataclasses.replace(cfg, out=comm.all_gather_object(cfg.out, mesh["ckpt"])[0])
     trainer = Trainer(cfg, mesh)
     install_faults(cfg, trainer)
     rank0 = mesh.rank == 0
-    # Rank 0 names the run directory: under torchrun every process computed its own from its own clock.
-    cfg.out = comm.all_gather_object(cfg.out, mesh["ckpt"])[0]
     ckpt_dir = checkpoint_root(cfg)
-    start = resume(cfg, trainer, ckpt_dir, rank0) if cfg.resume else 0
+    start = 0
+    if cfg.resume:
+        start, cfg = resume(cfg, trainer, ckpt_dir, rank0)
+        trainer.cfg = cfg  # the LR schedule's length the checkpoint decided
     if start >= cfg.steps:  # nothing to train: the run directory stays as it is
         if rank0:
             print(f"shardwise: checkpoint at step {start} already reaches --steps {cfg.steps}", file=sys.stderr)

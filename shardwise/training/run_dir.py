@@ -3,6 +3,7 @@ itself (the checkpoint `latest` names, its LR schedule kept or a change announce
 made before any rank starts are `shardwise.training.assemble.check_run_dir`."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -27,9 +28,10 @@ def newest_run_with_checkpoints(root: str = "runs") -> str | None:
     return os.path.join(root, runs[-1]) if runs else None
 
 
-def resume(cfg: TrainConfig, trainer, ckpt_dir: str, rank0: bool) -> int:
+def resume(cfg: TrainConfig, trainer, ckpt_dir: str, rank0: bool) -> tuple[int, TrainConfig]:
     """Load the checkpoint `latest` names (or the newest older intact one); keep its LR schedule's length unless
-    --lr-decay-steps is given, and say in one line when the schedule changes. Returns its step."""
+    --lr-decay-steps is given, and say in one line when the schedule changes. Returns its step and the config with
+    that length."""
     from ..checkpoint import load_checkpoint
     from ..config.schedule import validate_optim
 
@@ -37,7 +39,7 @@ def resume(cfg: TrainConfig, trainer, ckpt_dir: str, rank0: bool) -> int:
     start = info["step"]
     stored = info["extra_state"].get("lr_plan")
     if stored and cfg.lr_decay_steps is None:
-        cfg.lr_decay_steps = stored["lr_decay_steps"]
+        cfg = dataclasses.replace(cfg, lr_decay_steps=stored["lr_decay_steps"])
         validate_optim(cfg)
     if rank0:
         for path, reason in info["skipped"]:
@@ -52,4 +54,4 @@ def resume(cfg: TrainConfig, trainer, ckpt_dir: str, rank0: bool) -> int:
             print(f"shardwise: steps {first}..{cfg.steps} run past the LR schedule's "
                   f"{plan['lr_decay_steps']} steps at {lr_at_plan(plan['lr_decay_steps'], plan):g} "
                   "(--lr-decay-steps N re-plans it)", file=sys.stderr)
-    return start
+    return start, cfg

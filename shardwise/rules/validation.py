@@ -1,0 +1,59 @@
+"""The rules a layout must obey, each stated once: `TrainConfig.validate` refuses a run by them and the planner
+discards a layout by them, so a layout the planner ranks is one the trainer accepts.
+
+Each rule is one function of plain numbers returning its one-line message (None: the rule holds). The two sides
+word a message for their own readers — the trainer names flags (`--ep 2`), the planner a layout's keys (`ep=2`) —
+so a rule whose wording differs takes that wording as an argument; the arithmetic is here alone.
+"""
+from __future__ import annotations
+
+REST = -1
+"""--dp's value for "the rest of the world size"."""
+CP_IMPLS = ("ring", "ulysses")
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def rest_of_world(world: int, pp: int, cp: int, tp: int) -> int | None:
+    """dp under `--dp -1`: the world size over pp×cp×tp (None when that product does not divide it)."""
+    inner = pp * cp * tp
+    return None if world % inner else world // inner
+
+
+def tp_kv_problem(tp: int, n_kv_heads: int) -> str | None:
+    """tp shards the K/V heads (n_kv_heads a multiple of tp) or replicates them (tp a multiple of n_kv_heads)."""
+    if n_kv_heads >= tp and n_kv_heads % tp:
+        return f"does not divide n_kv_heads={n_kv_heads}"
+    if n_kv_heads < tp and tp % n_kv_heads:
+        return f"> n_kv_heads={n_kv_heads} needs tp to be a multiple of n_kv_heads"
+    return None
+
+
+def ulysses_problem(n_heads: int, n_kv_heads: int, tp: int, cp: int, tp_name: str = "TP") -> str | None:
+    """Ulysses' all-to-all trades sequence for heads over cp: each TP rank's query heads split evenly over cp, and
+    its K/V heads divide cp (whole heads per rank) or are divided by it (each repeated cp/kv times)."""
+    q_local, kv_local = n_heads // tp, max(1, n_kv_heads // tp)
+    if q_local % cp or (kv_local % cp and cp % kv_local):
+        return (f"ulysses needs the {q_local} query heads per {tp_name} rank divisible by cp={cp} and the "
+                f"{kv_local} K/V heads per {tp_name} rank to divide or be divided by it")
+    return None
+
+
+def ep_dpcp_problem(dp: int, cp: int, ep: int) -> bool:
+    """Expert parallelism is drawn from the dp×cp ranks: ep must divide dp×cp."""
+    return bool((dp * cp) % ep)
+
+
+def sp_tokens_problem(seq_len: int, cp: int, tp: int) -> bool:
+    """Sequence parallelism splits each cp rank's tokens over tp."""
+    return bool((seq_len // cp) % tp)
+
+
+def dp_shard_problem(dp: int, dp_shard: int | None) -> bool:
+    """Hybrid sharding's shard groups tile dp: dp_shard divides dp."""
+    return dp_shard is not None and (not isinstance(dp_shard, int) or dp_shard < 1 or dp % dp_shard != 0)
+
+
+def hsdp_zero_problem(hsdp: bool, zero: int) -> bool:
+    """Hybrid sharding shards gradients (ZeRO 2) or parameters (ZeRO 3): under ZeRO 0/1 it shards nothing."""
+    return hsdp and zero < 2
