@@ -12,6 +12,7 @@ their defaults); the MoE and MLP parts also take plain ints, for the modules tha
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from math import prod
 
@@ -41,8 +42,9 @@ class Param:
     tp: str = "rep"
     """One of `TP_SPLITS`."""
     heads: int = 0
-    """col/row: the split dimension is cut by whole heads of this many; when there are fewer heads than tp ranks each
-    rank keeps one whole head (K/V under GQA), so its gradient is partial over tp. 0: cut evenly by elements."""
+    """col/row: the split dimension is cut by whole heads of this many (0: evenly by elements)."""
+    kv: bool = False
+    """GQA's K/V: with fewer heads than tp ranks each rank keeps one whole head, so its gradient is partial over tp."""
     expert: bool = False
     """A routed expert's stacked [E, ...] weight: dim 0 split over ep, its gradient reduced over edp, not dp×cp."""
     sp_replicated: bool = False
@@ -69,7 +71,7 @@ class Param:
             if self.tp == "vocab":
                 shape[d] = -(-n // tp)
             elif self.heads:
-                shape[d] = max(self.heads // tp, 1) * (n // self.heads)
+                shape[d] = (max(self.heads // tp, 1) if self.kv else self.heads // tp) * (n // self.heads)
             else:
                 shape[d] = n // tp
         return tuple(shape)
@@ -79,14 +81,14 @@ class Param:
 
     def whole_heads(self, tp: int) -> bool:
         """Each of `tp` ranks keeps a whole head shared with others (fewer heads than ranks): a TP-partial gradient."""
-        return self.tp in ("col", "row") and 0 < self.heads < tp
+        return self.kv and self.heads < tp
 
     def under(self, prefix: str) -> Param:
         return _renamed(self, f"{prefix}.{self.name}")
 
 
 def _renamed(p: Param, name: str) -> Param:
-    return Param(name, p.shape, p.init, p.tp, p.heads, p.expert, p.sp_replicated, p.head_partial, p.vector)
+    return dataclasses.replace(p, name=name)
 
 
 def _prefixed(prefix: str, params) -> list[Param]:
@@ -108,7 +110,8 @@ def linear(name: str, out: int, inp: int, split: str = "rep", heads: int = 0, bi
     if not bias:
         return [w]
     # a column layer's bias splits with its rows; a row layer's is replicated (its output is the full width)
-    b = Param(f"{name}.bias", (out,), "zeros", "col", heads) if split == "col" else _rep(f"{name}.bias", (out,), "zeros")
+    b = (Param(f"{name}.bias", (out,), "zeros", "col", heads, kv=kw.get("kv", False)) if split == "col"
+         else _rep(f"{name}.bias", (out,), "zeros"))
     return [w, b]
 
 
@@ -130,8 +133,8 @@ def attention(cfg) -> list[Param]:
     bias = cfg.attention_bias or lb
     out = [Param("sinks", (nh,), "normal", "col", nh)] if cfg.attention_sinks else []
     out += linear("wq", nh * hd * (2 if cfg.attn_output_gate else 1), h, "col", nh, bias)
-    out += linear("wk", nkv * hd, h, "col", nkv, bias)
-    out += linear("wv", nkv * hd, h, "col", nkv, bias)
+    out += linear("wk", nkv * hd, h, "col", nkv, bias, kv=True)
+    out += linear("wv", nkv * hd, h, "col", nkv, bias, kv=True)
     out += linear("wo", h, nh * hd, "row", nh, cfg.attention_out_bias or lb, "residual")
     if cfg.qk_norm:
         out += norm("q_norm", hd, head_partial=True) + norm("k_norm", hd, head_partial=True)
@@ -156,9 +159,9 @@ def mla(cfg) -> list[Param]:
 
 def gated_deltanet(cfg) -> list[Param]:
     """A Gated DeltaNet mixer (`models.gated_deltanet.GatedDeltaNet`), its own parameters (the depthwise kernels
-    [channels, K], A_log, dt_bias) before its modules' (the projections, the gated norm, wo): key heads and the value heads they serve split
-    over tp — the kernels, A_log, dt_bias and the q/k/v/z/b/a projections by heads — `wo` by
-    input columns, the gated norm's one-head weight replicated and head-partial."""
+    [channels, K], A_log, dt_bias) before its modules' (the six projections, the gated norm, wo). Key heads and the
+    value heads they serve split over tp, everything cut by heads but `wo` (by input columns) and the gated norm's
+    one-head weight (replicated, head-partial)."""
     h, kw = cfg.dim, cfg.linear_conv_kernel
     nk, nv, dk, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
     out = [Param("conv_q", (nk * dk, kw), "conv", "col", nk), Param("conv_k", (nk * dk, kw), "conv", "col", nk),
