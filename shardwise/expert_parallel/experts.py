@@ -13,7 +13,7 @@ from torch import nn
 from torch.overrides import wrap_torch_function
 
 from ..models.params import declare
-from ..rules.inventory import Param, by_name, experts
+from ..rules.inventory import Param, experts
 from ..tensor_parallel.layers import ShardSpec, set_spec
 
 
@@ -71,11 +71,9 @@ class GroupedExperts(nn.Module):
         self.n_experts, self.n_local = n_experts, n_experts // ep_axis.size
         self.first = ep_axis.rank * self.n_local
         self.grouped_mm = grouped_mm
-        entries = by_name(experts(n_experts, dim, ffn_dim, bias))
-        for name in ("w1", "w3", "w2", "b1", "b3", "b2"):  # gpt-oss: biases and the clamped SwiGLU (`glu`)
-            e = entries.get(name)
-            setattr(self, name, None if e is None else
-                    _expert_param(e, self.n_local, self.first, replicas, device, dtype))
+        self.b1 = self.b3 = self.b2 = None  # gpt-oss's biases (and its clamped SwiGLU, `glu`) when `bias`
+        for e in experts(n_experts, dim, ffn_dim, bias):  # w1, w3, w2, then the biases
+            setattr(self, e.name, _expert_param(e, self.n_local, self.first, replicas, device, dtype))
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

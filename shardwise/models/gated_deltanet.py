@@ -188,11 +188,18 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         p = inventory.by_name(inventory.gated_deltanet(cfg))
         self.dk, self.dv, self.ctx, self.layer_id = cfg.linear_k_dim, cfg.linear_v_dim, ctx or ParallelContext(), layer_id
-        self.wq, self.wk, self.wv, self.wz, self.wb, self.wa = (
-            linear_of(p, n) for n in ("wq", "wk", "wv", "wz", "wb", "wa"))
+        self.wq = linear_of(p, "wq")
+        self.wk = linear_of(p, "wk")
+        self.wv = linear_of(p, "wv")
+        self.wz = linear_of(p, "wz")
+        self.wb = linear_of(p, "wb")
+        self.wa = linear_of(p, "wa")
         # Depthwise kernels of q, k and v kept apart, so TP cuts each by heads like its projection.
-        self.conv_q, self.conv_k, self.conv_v = (create(p[n]) for n in ("conv_q", "conv_k", "conv_v"))
-        self.A_log, self.dt_bias = create(p["A_log"]), create(p["dt_bias"])
+        self.conv_q = create(p["conv_q"])
+        self.conv_k = create(p["conv_k"])
+        self.conv_v = create(p["conv_v"])
+        self.A_log = create(p["A_log"])
+        self.dt_bias = create(p["dt_bias"])
         self.norm = GatedRMSNorm(p["norm.weight"], cfg.norm_eps)
         self.wo = linear_of(p, "wo")
         self.decode_state: dict | None = None

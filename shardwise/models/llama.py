@@ -46,7 +46,10 @@ class Attention(nn.Module):
         self.head_dim, self.rope_dim, self.gated = cfg.head_dim, cfg.rope_dim, cfg.attn_output_gate
         # Gated attention (Qwen3-Next): each head's q rows are followed by its gate rows, [q_h | gate_h], so TP's
         # split by whole heads keeps a head's gate with it.
-        self.wq, self.wk, self.wv, self.wo = (linear_of(p, n) for n in ("wq", "wk", "wv", "wo"))
+        self.wq = linear_of(p, "wq")
+        self.wk = linear_of(p, "wk")
+        self.wv = linear_of(p, "wv")
+        self.wo = linear_of(p, "wo")
         # gpt-oss's sinks: one logit per query head (under TP split with the heads)
         self.sinks = create(p["sinks"]) if "sinks" in p else None
         # Qwen3's per-head q/k norms: one head_dim weight shared by every head, so under TP each rank applies
@@ -85,7 +88,9 @@ class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int, device=None, dtype=None):
         super().__init__()
         p = inventory.by_name(inventory.mlp(dim, hidden))
-        self.w1, self.w3, self.w2 = (linear_of(p, n, device, dtype) for n in ("w1", "w3", "w2"))
+        self.w1 = linear_of(p, "w1", device, dtype)
+        self.w3 = linear_of(p, "w3", device, dtype)
+        self.w2 = linear_of(p, "w2", device, dtype)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
