@@ -95,9 +95,29 @@ class ZeroBuckets(tuple):
         return self
 
 
+def stage_unit_names(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, str]]:
+    """(chunk, unit name) of every ZeRO-3 unit of a stage in model order: `inventory.zero_units` of each of its
+    chunks, the units the runtime's `model_units` gathers."""
+    owner = chunk_owners(lay)
+    out, start, chunk = [], 0, 0
+    for j, size in enumerate(balanced_counts(spec.n_layers, len(owner))):
+        ids = range(start, start + size)
+        start += size
+        if owner[j] != stage.index:
+            continue
+        names = zero_units(ids, j == 0, j == len(owner) - 1, spec.mtp_layers, embedding_copy(spec, stage.embedding))
+        out += [(chunk, name) for name in names]
+        chunk += 1
+    return out
+
+
+def unit_index(spec: ModelSpec, stage: Stage, lay: Layout) -> dict[str, int]:
+    """Each ZeRO-3 unit's index into `stage_units`, by name ('output', 'mtp.0', ...)."""
+    return {name: i for i, (_, name) in enumerate(stage_unit_names(spec, stage, lay))}
+
+
 def stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, list[tuple[Tensor, bool]]]]:
-    """(chunk, [(tensor, TP-partial gradient?)]) of every ZeRO-3 unit of a stage in model order, the units the
-    runtime's `model_units` gathers (`inventory.zero_units`)."""
+    """(chunk, [(tensor, TP-partial gradient?)]) of every ZeRO-3 unit of `stage_unit_names`."""
     t, ep, sp = lay.tp, lay.ep, lay.sp and lay.tp > 1
     # under PP the embedding is reduced at the end when summed over emb with the last stage's copy (MTP's, or the
     # tied head's on another rank) or (MTP under dualpipev) accumulated by two chunks: `tied_partial`
@@ -113,17 +133,7 @@ def stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, l
         partial = {"norm": sp, "output": copy, "tok_embeddings": late, "mtp_embed": True}[kind]
         return [(x, partial) for x in tensors(unit_params(spec, name, tied_head=spec.tie_embeddings and stage.embedding), t)]
 
-    owner = chunk_owners(lay)
-    units, start, chunk = [], 0, 0
-    for j, size in enumerate(balanced_counts(spec.n_layers, len(owner))):
-        ids = range(start, start + size)
-        start += size
-        if owner[j] != stage.index:
-            continue
-        names = zero_units(ids, j == 0, j == len(owner) - 1, spec.mtp_layers, embedding_copy(spec, stage.embedding))
-        units += [(chunk, unit(name)) for name in names]
-        chunk += 1
-    return units
+    return [(chunk, unit(name)) for chunk, name in stage_unit_names(spec, stage, lay)]
 
 
 def zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:

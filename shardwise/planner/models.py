@@ -163,7 +163,8 @@ class Params:
 
 
 def padded_vocab(spec: ModelSpec, tp: int) -> int:
-    return -(-spec.vocab_size // tp) * tp
+    """The vocabulary rows over all tp ranks: each rank's shard of the vocabulary-parallel embedding, tp times."""
+    return inventory.embedding(spec)[0].local_shape(tp)[0] * tp
 
 
 local_kv_heads = flops.local_kv_heads
