@@ -57,6 +57,23 @@ def test_the_runtimes_parameters_are_the_inventory(family):
     assert total_params(ModelSpec.of(cfg)) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("family", ["llama", "deepseek-v3"])
+def test_zero3_units_are_the_inventorys(family):
+    """The reducer's ZeRO-3 units are the inventory's, in order, each holding the parameters `unit_of` assigns it."""
+    from shardwise.data_parallel.reducer import model_units
+    from shardwise.parallelize import plain_model
+
+    cfg = FAMILIES[family]
+    with torch.device("meta"):
+        model = plain_model(cfg)
+    model.chunks = None
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [names[id(m)] for _, m in model_units(model)]
+    assert units == inventory.zero_units(range(cfg.n_layers), True, True, cfg.mtp_layers)
+    owner = {id(p): u for u in units for p in model.get_submodule(u).parameters()}
+    assert all(owner[id(p)] == inventory.unit_of(n) for n, p in model.named_parameters())
+
+
 SHARDED = {  # family, layout: TP with SP and EP; K/V heads kept whole (n_kv_heads < tp); MLA and MTP; Gated DeltaNet
     "gpt-oss tp2 ep2": ("gpt-oss", dict(dp=2, tp=2, ep=2)),
     "llama kv2 tp4": ("llama", dict(tp=4)),

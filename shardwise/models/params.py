@@ -28,7 +28,8 @@ def declare(p: nn.Parameter, init: str = "normal", head_partial: bool = False) -
 
 
 def create(entry: Param, device=None, dtype=None) -> nn.Parameter:
-    """The parameter an inventory entry declares, uninitialised (its values are drawn by the plan)."""
+    """The parameter an inventory entry declares, uninitialised (its values are drawn by the plan). Models pass no
+    `device`: they are built under build_model's torch.device('meta') context and materialised on mesh.device."""
     return declare(nn.Parameter(torch.empty(entry.shape, device=device, dtype=dtype)), entry.init, entry.head_partial)
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from math import prod
 
 CHUNK = 64
-"""Tokens per chunk of Gated DeltaNet's chunked form, transformers' and FLA's default (runtime: `models.gated_deltanet`; planner: its FLOPs and
-saved tensors in `planner.linear_attention`)."""
+"""Tokens per chunk of Gated DeltaNet's chunked form, transformers' and FLA's default (runtime:
+`models.gated_deltanet`; planner: its FLOPs and saved tensors in `planner.linear_attention`)."""
 
 INITS = ("normal", "residual", "ones", "zeros", "conv", "a_log")
 """normal: N(0, 0.02); residual: a residual branch's output projection, N(0, 0.02/√(2·layers)) (GPT-2's scaling,
@@ -84,11 +84,7 @@ class Param:
         return self.kv and self.heads < tp
 
     def under(self, prefix: str) -> Param:
-        return _renamed(self, f"{prefix}.{self.name}")
-
-
-def _renamed(p: Param, name: str) -> Param:
-    return dataclasses.replace(p, name=name)
+        return dataclasses.replace(self, name=f"{prefix}.{self.name}")
 
 
 def _prefixed(prefix: str, params) -> list[Param]:
@@ -287,6 +283,12 @@ def zero_units(layer_ids, first: bool, last: bool, mtp_layers: int = 0, mtp_embe
     if last:
         out += ["norm", "output"] + (["mtp_embed"] if mtp_embed else []) + [f"mtp.{k}" for k in range(mtp_layers)]
     return out
+
+
+def unit_of(name: str) -> str:
+    """The ZeRO-3 unit (a `zero_units` name) a model-level parameter name belongs to."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("layers", "mtp") else parts[0]
 
 
 def unit_params(cfg, unit: str, tied_head: bool | None = None) -> list[Param]:
