@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shardwise.rules.buckets import MAX_INFLIGHT, cut_runs
+from shardwise.rules.buckets import MAX_INFLIGHT, bucket_key, cut_runs
 from shardwise.planner.layout import Layout, Stage, Workload
 from shardwise.planner.memory import BYTES_GRAD, shard_size, stage_unit_names, stage_units
 from shardwise.planner.models import ModelSpec
@@ -31,7 +31,7 @@ def chunk_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
         j = counts.get(chunk, 0)
         counts[chunk] = j + 1
         for x, partial in tensors:
-            groups.setdefault((chunk, x.expert, x.matrix), []).append((x, partial, j))
+            groups.setdefault(bucket_key(2, chunk, u, x.expert, x.matrix), []).append((x, partial, j))
     out: dict[int, list] = {c: [] for c in counts}
     for key, items in sorted(groups.items()):
         for r in cut_runs(items, lambda item: BYTES_GRAD * item[0].numel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shardwise.rules.buckets import MAX_INFLIGHT
+from shardwise.rules.buckets import MAX_INFLIGHT, bucket_key
 from shardwise.planner.activations import layer_activation_bytes
 from shardwise.planner.layout import Layout, Stage, Workload
 from shardwise.planner.memory import bucket_layout, stage_unit_names, stage_units
@@ -32,14 +32,15 @@ def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
     g = lay.dp
     gd = lay.dp_shard if lay.hsdp else g  # hybrid sharding: dense buckets pad to the shard group
     out = []
-    for (chunk, tensors), (_, name) in zip(stage_units(spec, stage, lay), stage_unit_names(spec, stage, lay)):
+    for u, ((chunk, tensors), (_, name)) in enumerate(zip(stage_units(spec, stage, lay),
+                                                          stage_unit_names(spec, stage, lay))):
         groups: dict[tuple, list[int]] = {}
         for x, partial in tensors:
-            acc = groups.setdefault((x.expert, x.matrix), [0, 0])
+            acc = groups.setdefault(bucket_key(3, chunk, u, x.expert, x.matrix), [0, 0])
             acc[0] += x.numel
             acc[1] |= partial
         buckets = tuple((4 * _pad(n, grp), grp, bool(d))
-                        for key, (n, d) in sorted(groups.items()) for grp in [max(1, g // lay.ep) if key[0] else gd])
+                        for key, (n, d) in sorted(groups.items()) for grp in [max(1, g // lay.ep) if key[-2] else gd])
         layer = name.startswith(("layers.", "mtp."))  # a block (an MTP module's too): its matrices are cast
         cast = sum(x.numel for x, _ in tensors if x.matrix) if layer else 0
         out.append((chunk, sum(b for b, _, _ in buckets), cast, buckets))
