@@ -41,12 +41,6 @@ ALLOWED = {
     ("commands/hf.py", "compare", "randint"):
         "host token ids handed to every rank, which copies them to its device before the forward",
     ("mesh.py", "Mesh.build", "arange"): "the rank grid: integer bookkeeping that derives the group lists",
-    ("models/llama.py", "RMSNorm.__init__", "empty"):
-        "created under build_model's torch.device('meta') context and materialised on mesh.device",
-    ("models/llama.py", "Attention.__init__", "empty"): "gpt-oss's sinks: as RMSNorm's weight",
-    ("models/gated_deltanet.py", "GatedDeltaNet.__init__", "empty"):
-        "the conv, A_log and dt_bias parameters: as RMSNorm's weight",
-    ("models/gated_deltanet.py", "GatedRMSNorm.__init__", "empty"): "as RMSNorm's weight",
     ("parallelize.py", "global_init", "ones"):
         "the global initial tensor, built on the host so every layout draws the same numbers; "
         "materialize copies the rank's slice to mesh.device",

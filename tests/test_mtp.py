@@ -465,7 +465,7 @@ def _check_flops():
 
     from shardwise.planner.estimate import layer_flops_per_token
     from shardwise.planner.models import ModelSpec
-    from shardwise.planner.mtp import mtp_flops_per_token
+    from shardwise.rules.flops import mtp_flops_per_token
 
     model = build_model(DEEPSEEK_MTP, Mesh.single(torch.device("cpu")), 1)
     x = torch.randint(0, 257, (2, 32))

@@ -79,6 +79,7 @@ def test_windowed_core_flops_equal_the_one_device_model(monkeypatch):
     from shardwise.planner.estimate import layer_flops_per_token
     from shardwise.planner.layout import Layout
     from shardwise.planner.models import ModelSpec
+    from shardwise.rules.flops import window_share
 
     _math_kernels(monkeypatch)
     b, s = 2, 64
@@ -98,7 +99,7 @@ def test_windowed_core_flops_equal_the_one_device_model(monkeypatch):
         if window >= s:
             assert shares[0] == 1.0  # the full-causal count: one s × s call
         if window < s // 2:  # banded: fewer scores than s², more than s·min(W, s)
-            model_share = gpt_oss.window_share(spec, 0, s)
+            model_share = window_share(spec, 0, s)
             assert model_share < shares[0] < 1.0 and b * s * core * (shares[0] - model_share) > 0
 
 

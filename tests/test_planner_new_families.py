@@ -120,6 +120,7 @@ def test_hybrid_flops_equal_the_runtimes_matmuls():
     from shardwise.models.llama import Transformer
     from shardwise.planner.estimate import layer_flops_per_token, linear_layer_delta
     from shardwise.planner.models import ModelSpec
+    from shardwise.rules.flops import linear_flops_per_token
 
     cfg = ModelConfig(vocab_size=101, dim=32, ffn_dim=48, max_seq_len=128, **HYBRID)
     model = Transformer(cfg)
@@ -131,7 +132,7 @@ def test_hybrid_flops_equal_the_runtimes_matmuls():
     spec = ModelSpec.of(cfg)
     matmul, _ = layer_flops_per_token(spec, False, s)
     d_matmul, _ = linear_layer_delta(spec, s)
-    _, core = linear_attention.flops_per_token(spec, s)
+    _, core = linear_flops_per_token(spec, s)
     solves = cfg.linear_v_heads * linear_attention.CHUNK * (cfg.linear_k_dim + cfg.linear_v_dim)
     linear = len(cfg.linear_layers)
     expected = s * (cfg.n_layers * matmul + linear * (d_matmul + core - solves) + 2 * cfg.dim * cfg.vocab_size)

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from .. import comm, host
-from ..rules.buckets import BUCKET_BYTES, MAX_INFLIGHT, cut_runs
+from ..rules.buckets import BUCKET_BYTES, MAX_INFLIGHT, bucket_key, cut_runs
+from ..rules.inventory import zero_units
 from ..mesh import Mesh
 from ..pipeline.tied_embedding import tied_partial
 from ..tensor_parallel.layers import get_spec
@@ -45,13 +46,12 @@ def model_units(model) -> list[tuple[int, torch.nn.Module]]:
     if not hasattr(model, "layers"):
         return [(0, model)]
     chunks = model.chunks or [None]
+    mtp, copy = len(getattr(model, "mtp", None) or {}), getattr(model, "mtp_embed", None) is not None
     out = []
     for c, ch in enumerate(chunks):
         ids = ch.layer_ids if ch is not None else [int(i) for i in model.layers]
         first, last = (ch.first, ch.last) if ch is not None else (True, True)
-        mods = ([model.tok_embeddings] if first else []) + [model.layers[str(i)] for i in ids]
-        mtp = [m for m in [getattr(model, "mtp_embed", None), *(getattr(model, "mtp", None) or {}).values()] if m]
-        out += [(c, m) for m in mods + ([model.norm, model.output, *mtp] if last else [])]
+        out += [(c, model.get_submodule(name)) for name in zero_units(ids, first, last, mtp, copy)]
     return out
 
 
@@ -131,9 +131,7 @@ class GradReducer:
         groups: dict[tuple, list] = {}
         for n, p in self.named:
             chunk, unit = place.get(id(p), (0, 0))
-            expert, decay = is_expert(p), p.ndim >= 2
-            key = ((expert,) if self.zero == 0 else (expert, decay) if self.zero == 1 else
-                   (chunk, expert, decay) if self.zero == 2 else (chunk, unit, expert, decay))
+            key = bucket_key(self.zero, chunk, unit, is_expert(p), p.ndim >= 2)
             if self.muon_buckets:
                 key += (self.is_muon(n, p),)
             groups.setdefault(key, []).append((n, p))

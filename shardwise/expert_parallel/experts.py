@@ -12,12 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import wrap_torch_function
 
+from ..models.params import declare
+from ..rules.inventory import Param, experts
 from ..tensor_parallel.layers import ShardSpec, set_spec
 
 
-def _expert_param(n_experts, n_local, start, shape, replicas, device, dtype) -> nn.Parameter:
-    p = nn.Parameter(torch.empty((n_local, *shape), device=device, dtype=dtype))
-    set_spec(p, ShardSpec((n_experts, *shape), 0, start, n_local, n_local, replicas))
+def _expert_param(entry: Param, n_local, start, replicas, device, dtype) -> nn.Parameter:
+    """This rank's n_local experts of the inventory's stacked [E, ...] `entry`, from expert `start` on."""
+    p = nn.Parameter(torch.empty((n_local, *entry.shape[1:]), device=device, dtype=dtype))
+    declare(p, entry.init, entry.head_partial)
+    set_spec(p, ShardSpec(entry.shape, 0, start, n_local, n_local, replicas))
     p._sw_expert = True
     return p
 
@@ -67,14 +71,9 @@ class GroupedExperts(nn.Module):
         self.n_experts, self.n_local = n_experts, n_experts // ep_axis.size
         self.first = ep_axis.rank * self.n_local
         self.grouped_mm = grouped_mm
-        args = (n_experts, self.n_local, self.first)
-        self.w1 = _expert_param(*args, (ffn_dim, dim), replicas, device, dtype)
-        self.w3 = _expert_param(*args, (ffn_dim, dim), replicas, device, dtype)
-        self.w2 = _expert_param(*args, (dim, ffn_dim), replicas, device, dtype)
-        # gpt-oss: biases on the three projections and the clamped SwiGLU (`glu`)
-        self.b1 = _expert_param(*args, (ffn_dim,), replicas, device, dtype) if bias else None
-        self.b3 = _expert_param(*args, (ffn_dim,), replicas, device, dtype) if bias else None
-        self.b2 = _expert_param(*args, (dim,), replicas, device, dtype) if bias else None
+        self.b1 = self.b3 = self.b2 = None  # gpt-oss's biases (and its clamped SwiGLU, `glu`) when `bias`
+        for e in experts(n_experts, dim, ffn_dim, bias):  # w1, w3, w2, then the biases
+            setattr(self, e.name, _expert_param(e, self.n_local, self.first, replicas, device, dtype))
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..mesh import Axis
 from ..models.llama import FeedForward
-from ..models.params import declare, linear
+from ..models.params import linear_of
+from ..rules import inventory
 from .dispatch import AllToAllDispatcher
 from .experts import GroupedExperts
 from .router import Router
@@ -147,20 +148,14 @@ class MoE(nn.Module):
                              bias_update_rate, device=device, dtype=dtype, aux_scope=aux_scope, n_group=n_group,
                              topk_group=topk_group, norm_topk=norm_topk, scaling=routed_scaling, group_topk=group_topk,
                              bias=router_bias)
-        declare(self.router.weight)
         self.dispatcher = AllToAllDispatcher(n_experts, ep_axis, capacity_factor, drop_policy)
         self.experts = GroupedExperts(n_experts, dim, ffn_dim, ep_axis, expert_replicas, grouped_mm,
                                       device=device, dtype=dtype, bias=expert_bias, swiglu_limit=swiglu_limit,
                                       swiglu_alpha=swiglu_alpha)
-        declare(self.experts.w1)
-        declare(self.experts.w3)
-        declare(self.experts.w2, "residual")
-        for p in (self.router.bias, self.experts.b1, self.experts.b3, self.experts.b2):  # gpt-oss's biases
-            if p is not None:
-                declare(p, "zeros")
         self.shared = FeedForward(dim, shared_experts * ffn_dim, device, dtype) if shared_experts else None
         # Qwen3-Next: the shared expert's output times sigmoid(w·x), a per-token scalar gate
-        self.shared_gate = linear(dim, 1, device=device, dtype=dtype) if shared_gate and shared_experts else None
+        gate = inventory.by_name(inventory.moe(dim, ffn_dim, n_experts, shared_experts, shared_gate=shared_gate))
+        self.shared_gate = linear_of(gate, "shared_gate", device, dtype) if "shared_gate.weight" in gate else None
         self.aux_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
         self.aux_scale = 1.0  # weight of this microbatch's aux loss in the step's loss (set by the loop)

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from ..models.params import create
+from ..rules.inventory import by_name, router
 
 
 @dataclass
@@ -99,9 +101,10 @@ class Router(nn.Module):
         self.group_topk = group_topk
         self.softmax_before_topk = softmax_before_topk
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
-        self.weight = nn.Parameter(torch.empty(n_experts, dim, device=device, dtype=dtype))
+        p = by_name(router(dim, n_experts, bias))
+        self.weight = create(p["weight"], device, dtype)
         # gpt-oss: a learned logit bias, part of the scores (selection and weights), unlike the selection-only one
-        self.bias = nn.Parameter(torch.empty(n_experts, device=device, dtype=dtype)) if bias else None
+        self.bias = create(p["bias"], device, dtype) if bias else None
         # Selection-only bias (fp32, in checkpoints) and the selected counts since the last update.
         self.register_buffer("expert_bias", torch.zeros(n_experts, device=device))
         self.register_buffer("pending_counts", torch.zeros(n_experts, device=device), persistent=False)

@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..rules import inventory
+from ..rules.inventory import CHUNK
 from .context import ParallelContext
-from .params import declare, linear
-
-CHUNK = 64
-"""Tokens per chunk of the chunked form (transformers' and FLA's default)."""
+from .params import create, linear_of
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -173,10 +172,10 @@ class GatedNormFunction(torch.autograd.Function):
 class GatedRMSNorm(nn.Module):
     """RMSNorm over one head's values, times silu(z): one d_v weight shared by every head (head-partial under TP)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, weight: inventory.Param, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = declare(nn.Parameter(torch.empty(dim)), "ones", head_partial=True)
+        self.weight = create(weight)
 
     def forward(self, x, z):
         return GatedNormFunction.apply(x, z, self.weight, self.eps)
@@ -187,23 +186,22 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None, layer_id: int = 0):
         super().__init__()
-        h, nk, nv = cfg.dim, cfg.linear_k_heads, cfg.linear_v_heads
+        p = inventory.by_name(inventory.gated_deltanet(cfg))
         self.dk, self.dv, self.ctx, self.layer_id = cfg.linear_k_dim, cfg.linear_v_dim, ctx or ParallelContext(), layer_id
-        self.wq = linear(h, nk * self.dk)
-        self.wk = linear(h, nk * self.dk)
-        self.wv = linear(h, nv * self.dv)
-        self.wz = linear(h, nv * self.dv)
-        self.wb = linear(h, nv)
-        self.wa = linear(h, nv)
-        kw = cfg.linear_conv_kernel
+        self.wq = linear_of(p, "wq")
+        self.wk = linear_of(p, "wk")
+        self.wv = linear_of(p, "wv")
+        self.wz = linear_of(p, "wz")
+        self.wb = linear_of(p, "wb")
+        self.wa = linear_of(p, "wa")
         # Depthwise kernels of q, k and v kept apart, so TP cuts each by heads like its projection.
-        self.conv_q = declare(nn.Parameter(torch.empty(nk * self.dk, kw)), "conv")
-        self.conv_k = declare(nn.Parameter(torch.empty(nk * self.dk, kw)), "conv")
-        self.conv_v = declare(nn.Parameter(torch.empty(nv * self.dv, kw)), "conv")
-        self.A_log = declare(nn.Parameter(torch.empty(nv)), "a_log")
-        self.dt_bias = declare(nn.Parameter(torch.empty(nv)), "ones")
-        self.norm = GatedRMSNorm(self.dv, cfg.norm_eps)
-        self.wo = linear(nv * self.dv, h, init="residual")
+        self.conv_q = create(p["conv_q"])
+        self.conv_k = create(p["conv_k"])
+        self.conv_v = create(p["conv_v"])
+        self.A_log = create(p["A_log"])
+        self.dt_bias = create(p["dt_bias"])
+        self.norm = GatedRMSNorm(p["norm.weight"], cfg.norm_eps)
+        self.wo = linear_of(p, "wo")
         self.decode_state: dict | None = None
         """While decoding (`generate`): {"conv": the last K−1 convolution inputs, "state": S}, read and advanced by
         each call, so a new token costs one recurrence step instead of a rerun of the window."""

@@ -15,20 +15,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..rules import inventory
 from .attention import AttentionCore, attend
 from .context import ParallelContext
 from .gated_deltanet import GatedDeltaNet
 from .mla import MLA
 from .mtp import MTPLayer, mtp_forward
-from .params import declare, linear
+from .params import create, declare, linear_of
 from .rope import apply_rope, rope_tables
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, head_partial: bool = False):
+    def __init__(self, weight: inventory.Param, eps: float):
+        """`weight`: the inventory's entry of its weight."""
         super().__init__()
         self.eps = eps
-        self.weight = declare(nn.Parameter(torch.empty(dim)), "ones", head_partial)
+        self.weight = create(weight)
 
     def forward(self, x):
         xf = x.float()
@@ -40,20 +42,20 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext | None = None, layer_id: int = 0):
         super().__init__()
-        h, hd = cfg.dim, cfg.head_dim
-        self.head_dim, self.rope_dim, self.gated = hd, cfg.rope_dim, cfg.attn_output_gate
+        p = inventory.by_name(inventory.attention(cfg))
+        self.head_dim, self.rope_dim, self.gated = cfg.head_dim, cfg.rope_dim, cfg.attn_output_gate
         # Gated attention (Qwen3-Next): each head's q rows are followed by its gate rows, [q_h | gate_h], so TP's
         # split by whole heads keeps a head's gate with it.
-        self.wq = linear(h, cfg.n_heads * hd * (2 if self.gated else 1), bias=cfg.attention_bias)
-        self.wk = linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.wv = linear(h, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.wo = linear(cfg.n_heads * hd, h, bias=cfg.attention_out_bias, init="residual")
+        self.wq = linear_of(p, "wq")
+        self.wk = linear_of(p, "wk")
+        self.wv = linear_of(p, "wv")
+        self.wo = linear_of(p, "wo")
         # gpt-oss's sinks: one logit per query head (under TP split with the heads)
-        self.sinks = declare(nn.Parameter(torch.empty(cfg.n_heads)), "normal") if cfg.attention_sinks else None
+        self.sinks = create(p["sinks"]) if "sinks" in p else None
         # Qwen3's per-head q/k norms: one head_dim weight shared by every head, so under TP each rank applies
         # it to its own heads with no collective (its gradient is partial per rank: summed over TP).
-        self.q_norm = RMSNorm(hd, cfg.norm_eps, head_partial=True) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps, head_partial=True) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(p["q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(p["k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
         self.core = AttentionCore(ctx or ParallelContext(), layer_id, cfg.attn_dropout, window=cfg.window(layer_id))
 
     def forward(self, x, cos, sin, doc_ids=None):
@@ -85,9 +87,10 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int, device=None, dtype=None):
         super().__init__()
-        self.w1 = linear(dim, hidden, device=device, dtype=dtype)
-        self.w3 = linear(dim, hidden, device=device, dtype=dtype)
-        self.w2 = linear(hidden, dim, init="residual", device=device, dtype=dtype)
+        p = inventory.by_name(inventory.mlp(dim, hidden))
+        self.w1 = linear_of(p, "w1", device, dtype)
+        self.w3 = linear_of(p, "w3", device, dtype)
+        self.w2 = linear_of(p, "w2", device, dtype)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -113,11 +116,12 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int = 0, ctx: ParallelContext | None = None):
         super().__init__()
         ctx = ctx or ParallelContext()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        p = inventory.by_name(inventory.block(cfg, cfg.is_moe_layer(layer_id), cfg.is_linear_layer(layer_id)))
+        self.attention_norm = RMSNorm(p["attention_norm.weight"], cfg.norm_eps)
         self.attention = (GatedDeltaNet(cfg, ctx, layer_id) if cfg.is_linear_layer(layer_id) else
                           MLA(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id))
         self.attn_resid_dropout = Dropout(cfg.dropout, ctx)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(p["ffn_norm.weight"], cfg.norm_eps)
         self.feed_forward = _moe(cfg, layer_id, ctx) if cfg.is_moe_layer(layer_id) else FeedForward(cfg.dim, cfg.ffn_dim)
         self.ffn_resid_dropout = Dropout(cfg.dropout, ctx)
 
@@ -139,11 +143,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ctx = ctx = ctx or ParallelContext()
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        declare(self.tok_embeddings.weight)
+        emb = inventory.embedding(cfg)[0]
+        self.tok_embeddings = nn.Embedding(*emb.shape)
+        declare(self.tok_embeddings.weight, emb.init, emb.head_partial)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, ctx) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = linear(cfg.dim, cfg.vocab_size)
+        head = inventory.by_name(inventory.head(cfg, tied=False))
+        self.norm = RMSNorm(head["norm.weight"], cfg.norm_eps)
+        self.output = linear_of(head, "output")
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # DeepSeek-V3 MTP modules; module k's block is layer n_layers + k, as in DeepSeek's checkpoints.

@@ -16,29 +16,30 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..rules import inventory
 from .attention import AttentionCore, attend
 from .context import ParallelContext
-from .params import linear
+from .params import linear_of
 from .rope import apply_rope
 
 
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, norm_cls, ctx: ParallelContext | None = None, layer_id: int = 0):
         super().__init__()
-        h, nh = cfg.dim, cfg.n_heads
+        p = inventory.by_name(inventory.mla(cfg))
         self.nope, self.rope, self.v_dim, self.kv_rank = cfg.head_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
         qk = self.nope + self.rope
         self.scale = qk ** -0.5 * cfg.mla_mscale  # DeepSeek's YaRN multiplies the softmax scale by mscale²
         if cfg.q_lora_rank:
-            self.wq_a = linear(h, cfg.q_lora_rank, head_partial=True)
-            self.q_a_norm = norm_cls(cfg.q_lora_rank, cfg.mla_norm_eps, head_partial=True)
-            self.wq_b = linear(cfg.q_lora_rank, nh * qk)
+            self.wq_a = linear_of(p, "wq_a")
+            self.q_a_norm = norm_cls(p["q_a_norm.weight"], cfg.mla_norm_eps)
+            self.wq_b = linear_of(p, "wq_b")
         else:
-            self.wq = linear(h, nh * qk)
-        self.wkv_a = linear(h, self.kv_rank + self.rope, head_partial=True)
-        self.kv_a_norm = norm_cls(self.kv_rank, cfg.mla_norm_eps, head_partial=True)
-        self.wkv_b = linear(self.kv_rank, nh * (self.nope + self.v_dim))
-        self.wo = linear(nh * self.v_dim, h, init="residual")
+            self.wq = linear_of(p, "wq")
+        self.wkv_a = linear_of(p, "wkv_a")
+        self.kv_a_norm = norm_cls(p["kv_a_norm.weight"], cfg.mla_norm_eps)
+        self.wkv_b = linear_of(p, "wkv_b")
+        self.wo = linear_of(p, "wo")
         # MLA's scale (nope + rope)^-0.5 is 1/√(q's head size), the kernels' default, but q/k head size differs
         # from v's: the core pads and must keep the scale explicit.
         self.core = AttentionCore(ctx or ParallelContext(), layer_id, cfg.attn_dropout, self.scale)

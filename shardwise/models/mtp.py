@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .params import linear
+from ..rules import inventory
+from .params import linear_of
 
 IGNORE = -100  # the data loader's IGNORE_INDEX (models import no data module)
 
@@ -29,12 +30,13 @@ class MTPLayer(nn.Module):
 
     def __init__(self, dim: int, eps: float, block: nn.Module, norm):
         super().__init__()
-        self.enorm = norm(dim, eps)
-        self.hnorm = norm(dim, eps)
+        p = inventory.by_name(inventory.mtp_inputs(dim))
+        self.enorm = norm(p["enorm.weight"], eps)
+        self.hnorm = norm(p["hnorm.weight"], eps)
         # [embedding; hidden] as DeepSeek's checkpoint, vLLM's deepseek_mtp.py and Megatron concatenate them.
-        self.eh_proj = linear(2 * dim, dim)
+        self.eh_proj = linear_of(p, "eh_proj")
         self.block = block
-        self.head_norm = norm(dim, eps)
+        self.head_norm = norm(inventory.norm("head_norm", dim)[0], eps)
 
     def forward(self, h, emb, cos, sin, doc_ids=None):
         """h^{k-1} [b, s, d] and Emb(t_{i+k}) [b, s, d] → [h^k, shared_head.norm(h^k)] stacked [2, b, s, d]: every

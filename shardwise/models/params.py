@@ -1,5 +1,8 @@
 """A parameter says, where it is created, how it starts and whether TP leaves its gradient partial.
 
+Modules create their parameters from `shardwise.rules.inventory` entries (`create`, `linear_of`): name, shape,
+init and head-partial are declared there once, and the planner counts from the same entries.
+
 The declaration rides on the Parameter (`_sw_init`, `_sw_head_partial`), so materialising a layout reads it off
 each tensor instead of matching names, and a plan that swaps a module for its sharded version carries it over
 (`carry`). Initial values themselves are drawn by `shardwise.parallelize` (seeded by name, layout-independent).
@@ -8,14 +11,10 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
-INITS = ("normal", "residual", "ones", "zeros", "conv", "a_log")
-"""normal: N(0, 0.02); residual: a residual branch's output projection, N(0, 0.02/√(2·layers)) (GPT-2's scaling,
-so the stream's variance does not grow with depth); ones / zeros: norm scales and biases; conv: a depthwise
-convolution [channels, kernel], N(0, 1/√kernel) (PyTorch's Conv1d scale); a_log: Gated DeltaNet's log decay
-rates, log U(1, 16) (Mamba-2's and Megatron's range)."""
-
+from ..rules.inventory import INITS, Param
 
 def declare(p: nn.Parameter, init: str = "normal", head_partial: bool = False) -> nn.Parameter:
     """Record `p`'s initial rule and whether it is a replicated weight each TP rank back-propagates through its
@@ -28,13 +27,19 @@ def declare(p: nn.Parameter, init: str = "normal", head_partial: bool = False) -
     return p
 
 
-def linear(in_features: int, out_features: int, bias: bool = False, init: str = "normal",
-           head_partial: bool = False, device=None, dtype=None) -> nn.Linear:
-    """nn.Linear with its weight declared (`init`) and its bias, if any, starting at zero."""
-    layer = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
-    declare(layer.weight, init, head_partial)
-    if bias:
-        declare(layer.bias, "zeros", head_partial)
+def create(entry: Param, device=None, dtype=None) -> nn.Parameter:
+    """The parameter an inventory entry declares, uninitialised (its values are drawn by the plan). Models pass no
+    `device`: they are built under build_model's torch.device('meta') context and materialised on mesh.device."""
+    return declare(nn.Parameter(torch.empty(entry.shape, device=device, dtype=dtype)), entry.init, entry.head_partial)
+
+
+def linear_of(entries: dict[str, Param], name: str, device=None, dtype=None) -> nn.Linear:
+    """nn.Linear `name` as the inventory's `name.weight` (and `name.bias`, if listed) declare it."""
+    w, b = entries[f"{name}.weight"], entries.get(f"{name}.bias")
+    layer = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=device, dtype=dtype)
+    declare(layer.weight, w.init, w.head_partial)
+    if b is not None:
+        declare(layer.bias, b.init, b.head_partial)
     return layer
 
 

@@ -1,11 +1,7 @@
 """One layout's prediction: memory per rank, FLOPs, communication, pipeline bubble, step time and MFU.
 
-FLOPs follow Narayanan et al. 2021 (SC'21, "Efficient Large-Scale Language Model Training on GPU Clusters
-Using Megatron-LM", §5.1) generalised from GPT's 24h² matmul FLOPs per token and layer to the model's real
-projections (GQA, SwiGLU, MoE routed + shared experts, MLA): forward = 2 × matmul weights a token passes
-through + 4·s·h for the attention scores (no causal discount, as in the paper) + 2·h·V for the LM head;
-backward is twice the forward. Model FLOPs exclude recomputation; hardware FLOPs add the attention core
-(selective) or every layer's forward (full) once more.
+FLOPs are `rules.flops`' (Narayanan et al. 2021 generalised to the model's real projections), the count the
+training run's MFU uses too; here split per stage and tp rank.
 
 The step-time model is deliberately simple and its knobs are flags (`Assumptions`): compute runs at a
 fixed fraction of peak; TP, EP and PP traffic sits on the critical path of every microbatch; CP ring
@@ -18,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from shardwise.rules import flops
+from shardwise.rules.flops import layer_flops_per_token, linear_layer_delta, mtp_flops_per_token
 from shardwise.planner import gpt_oss, linear_attention
 from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
@@ -28,8 +26,7 @@ from shardwise.planner.layout import (
 from shardwise.planner.activations import ACTIVATION_MODELS, stage_activation_bytes
 from shardwise.planner.memory import stage_params, static_bytes, zero_buckets
 from shardwise.planner.muon import muon_static
-from shardwise.planner.models import ModelSpec, active_params, local_kv_heads, padded_vocab, total_params
-from shardwise.planner.mtp import mtp_flops_per_token
+from shardwise.planner.models import ModelSpec, active_params, padded_vocab, total_params
 from shardwise.planner.peak import peak_terms
 from shardwise.planner.schedule import bubble_fraction
 from shardwise.planner.tp_overlap import LATENCY_S, exposed_tp
@@ -61,68 +58,13 @@ class Assumptions:
 
 
 def peak_flops(cluster: Cluster, wl: Workload) -> float:
-    """Dense BF16 peak; fp32 runs on TF32 tensor cores at half that rate (every preset's datasheet)."""
-    return cluster.gpu.peak_bf16_flops * (1.0 if wl.precision == "bf16" else 0.5)
-
-
-def layer_flops_per_token(spec: ModelSpec, moe: bool, seq_len: int, tp: int = 1,
-                          sp: bool = False) -> tuple[float, float]:
-    """(matmul, attention-core) forward FLOPs per token of one layer on one tp rank (tp=1: the whole layer).
-
-    shardwise replicates an MoE block over tp: without SP every tp rank runs it on all tokens, with SP on
-    its s/tp shard (per token of the rank's sequence: 1/tp of the work).
-    """
-    h, hq = spec.dim, spec.n_heads // tp
-    if spec.is_mla:
-        q = (h * spec.q_lora_rank + spec.q_lora_rank * hq * spec.k_dim) if spec.q_lora_rank else h * hq * spec.k_dim
-        kv = h * (spec.kv_lora_rank + spec.qk_rope_dim) + spec.kv_lora_rank * hq * (spec.head_dim + spec.v_dim)
-        attn = q + kv + hq * spec.v_dim * h
-    else:
-        attn = 2 * h * hq * spec.head_dim + 2 * h * local_kv_heads(spec, tp) * spec.head_dim
-        attn += h * hq * spec.head_dim if spec.attn_output_gate else 0  # gated attention: wq also yields the gate
-    if moe:
-        mlp = h * spec.moe_experts + (spec.moe_topk + spec.moe_shared_experts) * spec.mlp_mats * h * spec.expert_ffn_dim
-        mlp /= tp if sp else 1
-    else:
-        mlp = spec.mlp_mats * h * (spec.ffn_dim // tp)
-    core = 2.0 * seq_len * hq * (spec.k_dim + spec.v_dim)
-    return 2.0 * (attn + mlp), core
-
-
-def linear_layer_delta(spec: ModelSpec, seq_len: int, tp: int = 1) -> tuple[float, float]:
-    """(matmul, core) forward FLOPs per token a Gated DeltaNet layer does beyond the attention layer
-    `layer_flops_per_token` counts in its place (`linear_attention.flops_per_token`)."""
-    if not spec.linear_layers:
-        return 0.0, 0.0
-    hq = spec.n_heads // tp
-    proj, core = linear_attention.flops_per_token(spec, seq_len, tp)
-    attn = 2.0 * ((3 if spec.attn_output_gate else 2) * spec.dim * hq * spec.head_dim
-                  + 2 * spec.dim * local_kv_heads(spec, tp) * spec.head_dim)
-    return proj - attn, core - 2.0 * seq_len * hq * (spec.k_dim + spec.v_dim)
+    return flops.peak_flops(cluster.gpu, wl.precision)
 
 
 @lru_cache(maxsize=256)
 def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none", recomputed: frozenset | None = None) -> float:
-    """FLOPs of one optimizer step over the whole cluster (3× forward, plus the recomputation of the layers
-    `recomputed`, every layer when None; the MTP modules are never recomputed)."""
-    tokens = wl.global_batch * wl.seq_len
-    per_kind = {moe: layer_flops_per_token(spec, moe, wl.seq_len) for moe in (False, True)}
-    kinds = [spec.is_moe_layer(i) for i in range(spec.n_layers)]
-    matmul = sum(per_kind[k][0] for k in kinds)
-    core = sum(per_kind[k][1] * gpt_oss.window_share(spec, i, wl.seq_len) for i, k in enumerate(kinds))
-    again = [(i, k) for i, k in enumerate(kinds) if recomputed is None or i in recomputed]
-    rec_mm = sum(per_kind[k][0] for _, k in again)
-    rec_core = sum(per_kind[k][1] * gpt_oss.window_share(spec, i, wl.seq_len) for i, k in again)
-    mm, cc = mtp_flops_per_token(spec, lambda moe: per_kind[moe], spec.vocab_size)
-    matmul, core = matmul + mm, core + cc
-    d_mm, d_core = linear_layer_delta(spec, wl.seq_len)
-    lin, lin_again = len(spec.linear_layers), sum(1 for i, _ in again if spec.is_linear_layer(i))
-    matmul, core, rec_mm = matmul + lin * d_mm, core + lin * d_core, rec_mm + lin_again * d_mm
-    # full recompute re-runs a linear layer's core; selective replays attention cores only, none in a linear layer
-    rec_core += lin_again * (d_core if recompute == "full" else -per_kind[False][1])
-    fwd = tokens * (matmul + core + 2.0 * spec.dim * spec.vocab_size)
-    extra = {"none": 0.0, "selective": tokens * rec_core, "full": tokens * (rec_mm + rec_core)}[recompute]
-    return 3.0 * fwd + extra
+    """`rules.flops.model_flops` of one step of `wl` (cached: the search asks per layout)."""
+    return flops.model_flops(spec, wl.seq_len, wl.global_batch, recompute, recomputed)
 
 
 @lru_cache(maxsize=8192)

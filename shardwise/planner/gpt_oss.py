@@ -1,10 +1,6 @@
-"""gpt-oss's terms in the planner, each a hook the generic counting calls: the tensors its biases and sinks add
-(in shardwise's parameter order) and the attention-core work of its sliding-window layers.
-
-Tensors are (element count on one rank, `Tensor` flags) pairs, so the generic `models.py` makes them without this
-module importing it. Under TP the sinks split with the query heads (complete gradients), wo's bias is replicated
-(partial under SP, like every replicated weight fed sequence shards); the router's bias is replicated like the
-router; the expert biases split over ep with their experts.
+"""gpt-oss's terms in the planner, each a hook the generic counting calls: the parameters its unchosen experts' biases
+leave idle and the attention-core work of its sliding-window layers (its sinks and biases are inventory entries:
+`rules/inventory.py`).
 
 A sliding layer's attention core is counted twice over (docs/planner.md, "FLOPs"): its model FLOPs (MFU's
 numerator) let each query see min(W, s) keys where a full layer's see s (no causal discount, as for full layers);
@@ -18,40 +14,9 @@ from functools import lru_cache
 from shardwise.rules.partition import local_scores, ring_scores, ring_step_list
 
 
-def attention_sinks(spec, tp: int) -> list[tuple[int, dict]]:
-    """Before wq (the attention module's own parameter comes before its projections'): this rank's heads' sinks."""
-    return [(spec.n_heads // tp, dict(matrix=False))] if spec.attention_sinks else []
-
-
-def out_bias(spec) -> list[tuple[int, dict]]:
-    """After wo's weight: its bias."""
-    return [(spec.dim, dict(matrix=False, sp_replicated=True))] if spec.attention_out_bias else []
-
-
-def router_extras(spec) -> list[tuple[int, dict]]:
-    """After the router's weight: its bias (replicated over tp and ep)."""
-    return [(spec.moe_experts, dict(matrix=False, sp_replicated=True))] if spec.moe_router_bias else []
-
-
-def expert_extras(spec, ep: int) -> list[tuple[int, dict]]:
-    """After the routed experts' w1, w3, w2: their biases b1, b3 [E/ep, ffn] and b2 [E/ep, h]."""
-    if not spec.moe_expert_bias:
-        return []
-    e, f = spec.moe_experts // ep, spec.expert_ffn_dim
-    kw = dict(matrix=False, expert=True, sp_replicated=True)
-    return [(e * f, kw), (e * f, kw), (e * spec.dim, kw)]
-
-
 def idle_expert_bias(spec) -> int:
     """Expert-bias parameters one token does not use in one MoE layer (its E − k unchosen experts)."""
     return (2 * spec.expert_ffn_dim + spec.dim) * (spec.moe_experts - spec.moe_topk) if spec.moe_expert_bias else 0
-
-
-def window_share(spec, layer: int, seq_len: int) -> float:
-    """The fraction of a full layer's attention-core model FLOPs layer `layer` has at `seq_len` tokens: each query
-    against the min(W, s) keys its window holds (the model's own FLOPs; what the kernels run: `work_share`)."""
-    w = spec.window(layer)
-    return min(w, seq_len) / seq_len if w else 1.0
 
 
 @lru_cache(maxsize=1024)

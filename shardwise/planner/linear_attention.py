@@ -1,36 +1,16 @@
 """Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) in the planner, derived from the runtime
-(`models/gated_deltanet.py`, `context_parallel/linear_attention.py`): the tensors one rank holds of a layer's
-mixer, what its forward saves, its FLOPs and its context-parallel traffic.
+(`models/gated_deltanet.py`, `context_parallel/linear_attention.py`): what a layer's mixer saves for backward, its
+FLOPs and its context-parallel traffic. Its parameters are the inventory's (`rules.inventory.gated_deltanet`).
 
-Parameters, under its TP plan (`parallelize._linear_attention_tensor_parallel`): key heads and the value heads they
-serve split over tp, the q/k/v/z/b/a projections and the convolution kernels, A_log and dt_bias cut by heads, `wo`
-by input columns, the gated norm's one-head weight replicated with a gradient partial over tp under any TP
-(head-partial). The six input projections are one TP region (one entry, like attention's q/k/v), `wo` its exit, so
-the layer's TP traffic is attention's; only the per-step sum of partial gradients differs (`tp_partial_params`).
-
-Torch-free; `planner/models.py` asks for these instead of attention's for the layers in `linear_layers`, and a
-`Stage` lists which of its layers they are (`Stage.linear`).
+The six input projections are one TP region (one entry, like attention's q/k/v), `wo` its exit, so the layer's TP
+traffic is attention's; only the per-step sum of partial gradients differs (`tp_partial_params`). A `Stage` lists
+which of its layers are Gated DeltaNet ones (`Stage.linear`).
 """
 from __future__ import annotations
 
+from shardwise.rules import inventory
+from shardwise.rules.inventory import CHUNK
 from shardwise.rules.partition import chunk_ids
-
-CHUNK = 64
-"""Tokens per chunk of the runtime's chunked form (`models.gated_deltanet.CHUNK`)."""
-
-
-def linear_attention_tensors(spec, tp: int, tensor_cls, norm: list) -> list:
-    """The block's input norm (`norm`), then wq, wk, wv, wz, wb, wa, conv_q, conv_k, conv_v, A_log, dt_bias,
-    norm.weight, wo as `tensor_cls` (planner.models.Tensor) entries for one tp rank."""
-    h, kw = spec.dim, spec.linear_conv_kernel
-    nk, nv = spec.linear_k_heads // tp, spec.linear_v_heads // tp
-    qk, v = nk * spec.linear_k_dim, nv * spec.linear_v_dim
-    out = list(norm)
-    out += [tensor_cls(rows * h) for rows in (qk, qk, v, v, nv, nv)]
-    out += [tensor_cls(rows * kw) for rows in (qk, qk, v)]  # depthwise kernels [channels, K]: matrices
-    out += [tensor_cls(nv, matrix=False), tensor_cls(nv, matrix=False)]
-    out += [tensor_cls(spec.linear_v_dim, matrix=False, sp_replicated=True), tensor_cls(v * h)]
-    return out
 
 
 def held_layers(stage, lay) -> tuple[int, int]:
@@ -48,7 +28,7 @@ def held_layers(stage, lay) -> tuple[int, int]:
 
 def tp_partial_params(spec) -> int:
     """Per layer, the parameters whose gradient is partial over tp even without SP: the gated norm's weight."""
-    return spec.linear_v_dim
+    return sum(p.local_numel() for p in inventory.gated_deltanet(spec) if p.head_partial)
 
 
 def cp_comm(led, spec, lay, wl, layers: int, again: int) -> None:
@@ -68,22 +48,6 @@ def cp_comm(led, spec, lay, wl, layers: int, again: int) -> None:
     for nbytes in (maps, tails):
         led.add("cp", "all_gather", nbytes, c, layers + again)
         led.add("cp", "reduce_scatter", c * nbytes, c, layers)
-
-
-def flops_per_token(spec, seq_len: int, tp: int = 1) -> tuple[float, float]:
-    """(projection, core) forward FLOPs per token of one Gated DeltaNet mixer on one tp rank, as the runtime
-    computes it: the six input projections and `wo`; the core per value head and token, in chunks of C = 64:
-    the conv (2·K per channel), k·kᵀ and q·kᵀ within the chunk (2·2·C·d_k), the two triangular solves
-    (C·(d_v + d_k)), v_new = u − w·S and the state reads q·S (2·2·d_k·d_v), the intra-chunk product with
-    v_new (2·C·d_v) and the state update kᵀ·v_new (2·d_k·d_v)."""
-    h, C, kw = spec.dim, CHUNK, spec.linear_conv_kernel
-    nk, nv = spec.linear_k_heads // tp, spec.linear_v_heads // tp
-    dk, dv = spec.linear_k_dim, spec.linear_v_dim
-    proj = 2.0 * h * (2 * nk * dk + 2 * nv * dv + 2 * nv) + 2.0 * nv * dv * h
-    c = min(C, seq_len)
-    core = 2.0 * kw * (2 * nk * dk + nv * dv)
-    core += nv * (4.0 * c * dk + c * (dv + dk) + 6.0 * dk * dv + 2.0 * c * dv)
-    return proj, core
 
 
 def chunk_rule_terms(b: int, s: int, nv: int, dk: int, dv: int, e: int, transition: bool = False) -> dict[str, int]:

@@ -17,13 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardwise.rules.buckets import cut_runs
+from shardwise.rules.buckets import bucket_key, cut_runs
+from shardwise.rules.inventory import unit_params, zero_units
 from shardwise.rules.partition import balanced_counts
 from shardwise.planner.layout import Layout, Stage, chunk_owners
 from shardwise.planner.models import (
-    ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors,
+    ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, mtp_module_tensors,
+    tensors,
 )
-from shardwise.planner.mtp import mtp_stage_tensors, mtp_units
+from shardwise.planner.mtp import embedding_copy, mtp_stage_tensors
 
 BYTES_WEIGHT, BYTES_GRAD, BYTES_ADAM = 4, 4, 8
 
@@ -93,35 +95,45 @@ class ZeroBuckets(tuple):
         return self
 
 
-def stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, list[tuple[Tensor, bool]]]]:
-    """(chunk, [(tensor, TP-partial gradient?)]) of every ZeRO-3 unit of a stage in model order: the
-    embedding, each block, the final norm, the LM head — shardwise's `model_units`."""
-    t, sp = lay.tp, lay.sp and lay.tp > 1
-    n_norm = 2 if spec.norm == "layernorm" else 1
-    step = 2 if (spec.attention_bias or spec.linear_bias) else 1
-    kv = set(range(n_norm + step, n_norm + 3 * step)) if t > spec.n_kv_heads and not spec.is_mla else set()
+def stage_unit_names(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, str]]:
+    """(chunk, unit name) of every ZeRO-3 unit of a stage in model order: `inventory.zero_units` of each of its
+    chunks, the units the runtime's `model_units` gathers."""
     owner = chunk_owners(lay)
-    units, start, chunk = [], 0, 0
+    out, start, chunk = [], 0, 0
     for j, size in enumerate(balanced_counts(spec.n_layers, len(owner))):
         ids = range(start, start + size)
         start += size
         if owner[j] != stage.index:
             continue
-        if j == 0:  # under PP reduced at the end when summed over emb with the last stage's copy (MTP's, or the
-            # tied head's on another rank) or (MTP under dualpipev) accumulated by two chunks: `tied_partial`
-            late = lay.pp > 1 and (bool(spec.mtp_layers) or (spec.tie_embeddings and not stage.head))
-            units.append((chunk, [(x, late) for x in embedding_tensors(spec, t)]))
-        for i in ids:
-            layer = layer_tensors(spec, spec.is_moe_layer(i), t, lay.ep, spec.is_linear_layer(i))
-            units.append((chunk, [(x, (sp and x.sp_replicated) or k in kv) for k, x in enumerate(layer)]))
-        if j == len(owner) - 1:
-            head = head_tensors(spec, t, separate_copy=not stage.embedding)
-            norm, out = head[:n_norm], head[n_norm:]
-            copy = spec.tie_embeddings and not stage.embedding  # a tied head's copy: summed over emb, then reduced
-            units += [(chunk, [(x, sp) for x in norm]), (chunk, [(x, copy) for x in out])]
-            units += [(chunk, u) for u in mtp_units(spec, stage.embedding, t, lay.ep, sp)]
+        names = zero_units(ids, j == 0, j == len(owner) - 1, spec.mtp_layers, embedding_copy(spec, stage.embedding))
+        out += [(chunk, name) for name in names]
         chunk += 1
-    return units
+    return out
+
+
+def unit_index(spec: ModelSpec, stage: Stage, lay: Layout) -> dict[str, int]:
+    """Each ZeRO-3 unit's index into `stage_units`, by name ('output', 'mtp.0', ...)."""
+    return {name: i for i, (_, name) in enumerate(stage_unit_names(spec, stage, lay))}
+
+
+def stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, list[tuple[Tensor, bool]]]]:
+    """(chunk, [(tensor, TP-partial gradient?)]) of every ZeRO-3 unit of `stage_unit_names`."""
+    t, ep, sp = lay.tp, lay.ep, lay.sp and lay.tp > 1
+    # under PP the embedding is reduced at the end when summed over emb with the last stage's copy (MTP's, or the
+    # tied head's on another rank) or (MTP under dualpipev) accumulated by two chunks: `tied_partial`
+    late = lay.pp > 1 and (bool(spec.mtp_layers) or (spec.tie_embeddings and not stage.head))
+    copy = spec.tie_embeddings and not stage.embedding  # a tied head's copy: summed over emb, then reduced
+
+    def unit(name: str) -> list[tuple[Tensor, bool]]:
+        kind, _, i = name.partition(".")
+        if kind in ("layers", "mtp"):
+            xs = (layer_tensors(spec, spec.is_moe_layer(int(i)), t, ep, spec.is_linear_layer(int(i))) if kind == "layers"
+                  else mtp_module_tensors(spec, int(i), t, ep))
+            return [(x, (sp and x.sp_replicated) or x.whole_head) for x in xs]
+        partial = {"norm": sp, "output": copy, "tok_embeddings": late, "mtp_embed": True}[kind]
+        return [(x, partial) for x in tensors(unit_params(spec, name, tied_head=spec.tie_embeddings and stage.embedding), t)]
+
+    return [(chunk, unit(name)) for chunk, name in stage_unit_names(spec, stage, lay)]
 
 
 def zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
@@ -146,8 +158,7 @@ def _zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:
     tied = spec.tie_embeddings and stage.embedding and stage.head
     for u, (chunk, tensors) in enumerate(stage_units(spec, stage, lay)):
         for x, partial in tensors:
-            key = ((x.expert, x.matrix) if lay.zero <= 1 else (chunk, x.expert, x.matrix) if lay.zero == 2
-                   else (chunk, u, x.expert, x.matrix))
+            key = bucket_key(lay.zero, chunk, u, x.expert, x.matrix)
             groups.setdefault(key, []).append((x, partial, u == 0 and tied))
     out = []
     for key, items in sorted(groups.items()):

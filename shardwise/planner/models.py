@@ -9,22 +9,17 @@ model `shardwise train` builds; `untrainable` says why train cannot build a spec
 files of the llama, mistral, mixtral, qwen2, qwen3, qwen3_moe and deepseek_v3 families are read by the trainer's
 reader (`shardwise.hf.config`); shapes it refuses, and gpt2, are read leniently (`shardwise.hf.shapes`).
 
-Counting follows shardwise's TP plan: the vocabulary is padded to a
-multiple of tp and sharded, wq/wk/wv/w1/w3 are split by output rows, wo/w2 by input columns, norms are
-replicated, and when n_kv_heads < tp every rank keeps one full K/V head. An MoE block is shardwise's
-(`parallelize.apply_expert_parallel`): routed experts are split over ep by expert — each rank holds
-one stacked [E/ep, ...] tensor per projection — and the whole block (router, routed and shared
-experts) is replicated over tp, not tensor-sharded; routers and shared experts are dense weights
-(replicated over ep). MoE layers are those with i >= n_dense_layers and i % moe_every == 0
-(shardwise's `moe_every`, Megatron's moe_layer_freq; DeepSeek-V3's first-k-dense).
+Parameters are counted from `shardwise.rules.inventory`, the list the runtime's modules create theirs from: each
+entry's shape as one rank holds it under tp and ep (vocabulary padded to a multiple of tp; heads split whole, one
+whole K/V head per rank when n_kv_heads < tp; an MoE block replicated over tp with its routed experts split over ep),
+and the flags that decide its optimizer group and its gradient's reductions. MoE layers are those with
+i >= n_dense_layers and i % moe_every == 0 (shardwise's `moe_every`, Megatron's moe_layer_freq; DeepSeek-V3's
+first-k-dense).
 
-DeepSeek-V3's Multi-head Latent Attention is modelled by its real projection shapes (q_a, q_b, kv_a,
-kv_b, o), with the down-projections and their norms replicated over tp (as shardwise's plan and Megatron do) and
-the up-projections and o sharded by heads. For FLOPs and context-parallel traffic it is treated
-as multi-head attention with n_heads K/V heads of qk_nope+qk_rope (K) and v_head_dim (V) — the
-decompressed tensors training materialises; its activations are counted term by term (latents, padded
-core: `planner.activations`). Its multi-token-prediction modules (`--mtp-layers`) are counted on the last stage
-(planner/mtp.py).
+For FLOPs and context-parallel traffic DeepSeek-V3's Multi-head Latent Attention is treated as multi-head attention
+with n_heads K/V heads of qk_nope+qk_rope (K) and v_head_dim (V) — the decompressed tensors training materialises;
+its activations are counted term by term (latents, padded core: `planner.activations`). Its multi-token-prediction
+modules (`--mtp-layers`) are counted on the last stage (planner/mtp.py).
 """
 from __future__ import annotations
 
@@ -36,7 +31,7 @@ from shardwise.config import MODEL_PRESETS, ConfigError, ModelConfig
 from shardwise.hf.shapes import model_fields_from_hf
 from shardwise.planner import gpt_oss
 from shardwise.planner.errors import PlanError
-from shardwise.planner.linear_attention import linear_attention_tensors
+from shardwise.rules import flops, inventory
 
 INT64, BOOL = 8, 1
 """Bytes per element of the token ids and targets (int64) and of the masks (bool) the loss and embedding keep."""
@@ -67,7 +62,7 @@ class ModelSpec(ModelConfig):
 
     @property
     def expert_ffn_dim(self) -> int:
-        return self.moe_ffn_dim or self.ffn_dim
+        return flops.expert_ffn_dim(self)
 
     @property
     def aux_loss(self) -> bool:
@@ -81,11 +76,11 @@ class ModelSpec(ModelConfig):
     @property
     def k_dim(self) -> int:
         """Per-head query/key width (MLA: nope + rope part)."""
-        return self.head_dim + self.qk_rope_dim if self.is_mla else self.head_dim
+        return flops.k_dim(self)
 
     @property
     def v_dim(self) -> int:
-        return self.v_head_dim if self.is_mla else self.head_dim
+        return flops.v_dim(self)
 
     @property
     def attn_kv_heads(self) -> int:
@@ -109,24 +104,30 @@ class ModelSpec(ModelConfig):
 
     @property
     def mlp_mats(self) -> int:
-        return 3 if self.mlp == "swiglu" else 2
-
-    @property
-    def norm_params(self) -> int:
-        return self.dim * (2 if self.norm == "layernorm" else 1)
+        return flops.mlp_mats(self)
 
 
 @dataclass(frozen=True)
 class Tensor:
-    """One parameter tensor as a rank holds it, with what decides its optimizer group and reductions."""
+    """One inventory parameter as a rank holds it, with what decides its optimizer group and reductions."""
 
     numel: int
     matrix: bool = True
-    """ndim >= 2: shardwise's weight-decayed optimizer group (norms and biases form the other)."""
+    """shardwise's weight-decayed optimizer group (norms and biases form the other)."""
     expert: bool = False
     """Routed-expert weight: its grad is reduced over the expert-data-parallel group, not dp×cp."""
     sp_replicated: bool = False
     """Replicated over tp but fed sequence shards under SP, so its grad needs a tp all-reduce."""
+    whole_head: bool = False
+    """A whole K/V head several tp ranks keep (n_kv_heads < tp): its grad is partial over tp."""
+
+    @classmethod
+    def of(cls, p: inventory.Param, tp: int = 1, ep: int = 1) -> Tensor:
+        return cls(p.local_numel(tp, ep), p.matrix, p.expert, p.sp_replicated, p.whole_heads(tp))
+
+
+def tensors(params, tp: int = 1, ep: int = 1) -> list[Tensor]:
+    return [Tensor.of(p, tp, ep) for p in params]
 
 
 @dataclass(frozen=True)
@@ -162,77 +163,28 @@ class Params:
 
 
 def padded_vocab(spec: ModelSpec, tp: int) -> int:
-    return -(-spec.vocab_size // tp) * tp
+    """The vocabulary rows over all tp ranks: each rank's shard of the vocabulary-parallel embedding, tp times."""
+    return inventory.embedding(spec)[0].local_shape(tp)[0] * tp
 
 
-def local_kv_heads(spec: ModelSpec, tp: int) -> int:
-    """K/V heads on one tp rank: a 1/tp share, or one whole replicated head when n_kv_heads < tp."""
-    return max(spec.attn_kv_heads // tp, 1)
-
-
-def _norm(spec: ModelSpec) -> list[Tensor]:
-    n = [Tensor(spec.dim, matrix=False, sp_replicated=True)]
-    return n * 2 if spec.norm == "layernorm" else n
+local_kv_heads = flops.local_kv_heads
 
 
 def attention_tensors(spec: ModelSpec, tp: int) -> list[Tensor]:
-    """Norm, then wq, wk, wv, wo (MLA: q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o), shardwise's order."""
-    h, hq = spec.dim, spec.n_heads // tp
-    out = _norm(spec)
-    if spec.is_mla:
-        rep = dict(sp_replicated=True)
-        if spec.q_lora_rank:
-            out += [Tensor(h * spec.q_lora_rank, **rep), Tensor(spec.q_lora_rank, matrix=False, **rep),
-                    Tensor(spec.q_lora_rank * hq * spec.k_dim)]
-        else:
-            out.append(Tensor(h * hq * spec.k_dim))
-        out += [Tensor(h * (spec.kv_lora_rank + spec.qk_rope_dim), **rep),
-                Tensor(spec.kv_lora_rank, matrix=False, **rep),
-                Tensor(spec.kv_lora_rank * hq * (spec.head_dim + spec.v_dim)), Tensor(hq * spec.v_dim * h)]
-        return out
-    q, kv = hq * spec.head_dim, local_kv_heads(spec, tp) * spec.head_dim
-    bias = spec.attention_bias or spec.linear_bias
-    out += [Tensor(n, **kw) for n, kw in gpt_oss.attention_sinks(spec, tp)]  # gpt-oss: its sinks, wo's bias below
-    for rows in (q * (2 if spec.attn_output_gate else 1), kv, kv):  # gated attention: wq also yields the gate
-        out += [Tensor(rows * h)] + ([Tensor(rows, matrix=False)] if bias else [])
-    out.append(Tensor(q * h))
-    out += [Tensor(n, **kw) for n, kw in gpt_oss.out_bias(spec)]
-    if spec.linear_bias:
-        out.append(Tensor(h, matrix=False, sp_replicated=True))
-    if spec.qk_norm:  # Qwen3's per-head q/k norms (after wo, as in shardwise's module): partial grads under any tp
-        out += [Tensor(spec.head_dim, matrix=False, sp_replicated=True)] * 2
-    return out
+    """A block's attention half (its norm, then attention or MLA) on one tp rank, in the runtime's order."""
+    return [x for p, x in zip(inventory.block(spec, False), layer_tensors(spec, False, tp)) if p.name.startswith("attention")]
 
 
 def mlp_tensors(spec: ModelSpec, moe: bool, tp: int, ep: int) -> list[Tensor]:
-    """Norm, then w1, w3, w2 (GELU: fc1, fc2 with biases); MoE (shardwise's order): router, the local routed
-    experts as one stacked tensor per projection, the shared experts as one MLP of n_shared·expert_ffn_dim.
-
-    The MoE block is replicated over tp: under SP each tp rank routes its own sequence shard, so every
-    MoE gradient is partial and summed over tp (`sp_replicated`).
-    """
-    h, out = spec.dim, _norm(spec)
-    if not moe:
-        f = spec.ffn_dim // tp
-        if spec.mlp == "gelu":
-            out += [Tensor(h * f)] + ([Tensor(f, matrix=False)] if spec.linear_bias else []) + [Tensor(f * h)]
-            return out + ([Tensor(h, matrix=False, sp_replicated=True)] if spec.linear_bias else [])
-        return out + [Tensor(h * f)] * 3
-    rep = dict(sp_replicated=True)
-    routed = [Tensor(spec.moe_experts // ep * h * spec.expert_ffn_dim, expert=True, **rep)] * spec.mlp_mats
-    shared = [Tensor(h * spec.moe_shared_experts * spec.expert_ffn_dim, **rep)] * spec.mlp_mats \
-        if spec.moe_shared_experts else []
-    router = [Tensor(h * spec.moe_experts, **rep)] + [Tensor(n, **kw) for n, kw in gpt_oss.router_extras(spec)]
-    biases = [Tensor(n, **kw) for n, kw in gpt_oss.expert_extras(spec, ep)]  # gpt-oss's expert biases
-    gate = [Tensor(h, **rep)] if spec.moe_shared_gate and spec.moe_shared_experts else []  # Qwen3-Next
-    return out + router + routed + biases + shared + gate
+    """A block's MLP half (its norm, then the dense or MoE MLP) on one rank, in the runtime's order."""
+    block = inventory.block(spec, moe)
+    return [x for p, x in zip(block, layer_tensors(spec, moe, tp, ep)) if not p.name.startswith("attention")]
 
 
 @lru_cache(maxsize=4096)
 def layer_tensors(spec: ModelSpec, moe: bool, tp: int = 1, ep: int = 1, linear: bool = False) -> tuple[Tensor, ...]:
-    """`linear`: a Gated DeltaNet layer (Qwen3-Next), its mixer's tensors from planner/linear_attention.py."""
-    mixer = linear_attention_tensors(spec, tp, Tensor, _norm(spec)) if linear else attention_tensors(spec, tp)
-    return tuple(mixer + mlp_tensors(spec, moe, tp, ep))
+    """One block on one rank; `linear`: a Gated DeltaNet layer (Qwen3-Next)."""
+    return tuple(tensors(inventory.block(spec, moe, linear), tp, ep))
 
 
 @lru_cache(maxsize=4096)
@@ -241,21 +193,17 @@ def layer_params(spec: ModelSpec, moe: bool, tp: int = 1, ep: int = 1, linear: b
 
 
 def embedding_tensors(spec: ModelSpec, tp: int = 1) -> list[Tensor]:
-    pos = [Tensor(spec.max_seq_len * spec.dim)] if spec.learned_pos else []
-    return [Tensor(padded_vocab(spec, tp) // tp * spec.dim)] + pos
+    return tensors(inventory.embedding(spec), tp)
 
 
 def head_tensors(spec: ModelSpec, tp: int = 1, separate_copy: bool = False) -> list[Tensor]:
     """Final norm plus LM head; a tied head costs nothing unless it sits on another stage than the embedding."""
-    tied = spec.tie_embeddings and not separate_copy
-    return _norm(spec) + ([] if tied else [Tensor(padded_vocab(spec, tp) // tp * spec.dim)])
+    return tensors(inventory.head(spec, tied=spec.tie_embeddings and not separate_copy), tp)
 
 
 def mtp_module_tensors(spec: ModelSpec, k: int, tp: int = 1, ep: int = 1) -> list[Tensor]:
-    """Module k's tensors in shardwise's named_parameters order: enorm, hnorm, eh_proj, block, shared_head.norm."""
-    norm = Tensor(spec.dim, matrix=False, sp_replicated=True)
-    block = list(layer_tensors(spec, spec.is_moe_layer(spec.n_layers + k), tp, ep))
-    return [norm, norm, Tensor(2 * spec.dim * spec.dim, sp_replicated=True)] + block + [norm]
+    """Module k's tensors in the runtime's order: enorm, hnorm, eh_proj, block, shared_head.norm."""
+    return tensors(inventory.mtp_module(spec, k), tp, ep)
 
 
 def mtp_params(spec: ModelSpec) -> tuple[int, int]:

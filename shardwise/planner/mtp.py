@@ -23,25 +23,6 @@ def mtp_stage_tensors(spec: ModelSpec, embedding: bool, tp: int = 1, ep: int = 1
     return out + (embedding_tensors(spec, tp) if embedding_copy(spec, embedding) else [])
 
 
-def mtp_units(spec: ModelSpec, embedding: bool, tp: int, ep: int, sp: bool) -> list[list[tuple[Tensor, bool]]]:
-    """ZeRO-3 units after the LM head (the reducer's `model_units`): the embedding copy (its gradient waits for the
-    emb sum), then each module ((tensor, TP-partial gradient?) as the layers' units)."""
-    units = [[(x, True) for x in embedding_tensors(spec, tp)]] if embedding_copy(spec, embedding) else []
-    return units + [[(x, sp and x.sp_replicated) for x in mtp_module_tensors(spec, k, tp, ep)]
-                    for k in range(spec.mtp_layers)]
-
-
-def mtp_flops_per_token(spec: ModelSpec, layer_flops, vocab_local: int) -> tuple[float, float]:
-    """(matmul, attention-core) forward FLOPs per token of the D modules on one rank: each module's eh_proj
-    (2d → d, replicated), its block (`layer_flops(moe)` → the layers' per-token figures) and one more LM head."""
-    matmul = core = 0.0
-    for k in range(spec.mtp_layers):
-        mm, cc = layer_flops(spec.is_moe_layer(spec.n_layers + k))
-        matmul += mm + 2.0 * 2 * spec.dim * spec.dim + 2.0 * spec.dim * vocab_local
-        core += cc
-    return matmul, core
-
-
 def mtp_activation_bytes(spec: ModelSpec, layer_bytes, tokens: int, tokens_local: int, vocab_local: int,
                          act_bytes: int, resid_bytes: int, tp: int, sp: bool) -> float:
     """Saved for backward by the D modules per microbatch (`layer_bytes(moe)`: a block's figure). Each module:

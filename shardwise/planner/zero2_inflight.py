@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shardwise.rules.buckets import MAX_INFLIGHT, cut_runs
+from shardwise.rules.buckets import MAX_INFLIGHT, bucket_key, cut_runs
 from shardwise.planner.layout import Layout, Stage, Workload
-from shardwise.planner.memory import BYTES_GRAD, shard_size, stage_units
+from shardwise.planner.memory import BYTES_GRAD, shard_size, stage_unit_names, stage_units
 from shardwise.planner.models import ModelSpec
 
 
@@ -31,7 +31,7 @@ def chunk_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
         j = counts.get(chunk, 0)
         counts[chunk] = j + 1
         for x, partial in tensors:
-            groups.setdefault((chunk, x.expert, x.matrix), []).append((x, partial, j))
+            groups.setdefault(bucket_key(2, chunk, u, x.expert, x.matrix), []).append((x, partial, j))
     out: dict[int, list] = {c: [] for c in counts}
     for key, items in sorted(groups.items()):
         for r in cut_runs(items, lambda item: BYTES_GRAD * item[0].numel):
@@ -74,9 +74,9 @@ def zero2_bucket_moments(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workloa
     layer, freed once its backward is over."""
     key = Layout(dp=lay.dp * lay.cp, pp=lay.pp, tp=lay.tp, ep=lay.ep, vp=lay.vp, schedule=lay.schedule,
                  zero=2, sequence_parallel=lay.sp, dp_shard=lay.shard * lay.cp if lay.hsdp else None)
-    layers: dict[int, list[float]] = {}  # per chunk, what each unit's backward frees (a layer: > 2 tensors)
-    for chunk, tensors in stage_units(spec, stage, key):
-        layers.setdefault(chunk, []).append(per_layer if len(tensors) > 2 else 0.0)
+    layers: dict[int, list[float]] = {}  # per chunk, what each unit's backward frees (a block's saved tensors)
+    for chunk, name in stage_unit_names(spec, stage, key):
+        layers.setdefault(chunk, []).append(per_layer if name.startswith(("layers.", "mtp.")) else 0.0)
     best = after = 0.0
     chunks = chunk_buckets(spec, stage, key)
     for (units, buckets), per_unit in zip(chunks, layers.values()):

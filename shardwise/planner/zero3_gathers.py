@@ -25,36 +25,32 @@ hold, so its count stays 2.
 from __future__ import annotations
 
 from shardwise.planner.layout import Layout, Stage
-from shardwise.planner.memory import stage_units, zero_buckets
+from shardwise.planner.memory import stage_units, unit_index, zero_buckets
 from shardwise.planner.models import ModelSpec
-from shardwise.planner.mtp import embedding_copy
 
 
 def unit_gathers(spec: ModelSpec, stage: Stage, lay: Layout) -> list[int]:
     """All-gathers per step of each unit of `stage_units`, in its order; a bucket tied to the head's unit is
     counted whole on the embedding's unit (with MTP; without, each unit gathers it 2·m times), or under PP on the
     head's."""
-    units = stage_units(spec, stage, lay)
-    out = [2 * lay.m] * len(units)
+    at = unit_index(spec, stage, lay)
+    out = [2 * lay.m] * len(at)
     d = spec.mtp_layers
-    if not d:
+    if not d or not stage.head:
         return out
-    copy = embedding_copy(spec, stage.embedding)
-    head = len(units) - d - copy - 1
-    if not stage.head:
-        return out
+    head = at["output"]
     if stage.embedding:  # the MTP reads this rank's embedding (no PP, or dualpipev's V)
         tied = spec.tie_embeddings  # the head's 1 + D forward uses alternate with the MTP's D embedding uses
         forward = 1 + (1 + 2 * d if tied else d)  # the main embedding's use, then the MTP chunk's
         backward = (2 if tied else 1) + (lay.pp > 1)  # the MTP chunk's (under PP chunk 0's is another backward)
-        out[0] = lay.m * (forward + backward)
+        out[at["tok_embeddings"]] = lay.m * (forward + backward)
         out[head] = lay.m * 2 * (1 + d)  # tied: an empty unit (the bucket is counted on the embedding's)
     elif spec.tie_embeddings:  # the head is the copy: one bucket for the head's and the copy's units
         out[head] = lay.m * (1 + 2 * d + 2)
     else:
         out[head] = lay.m * 2 * (1 + d)
-        if copy:
-            out[head + 1] = lay.m * (1 + d)
+        if "mtp_embed" in at:
+            out[at["mtp_embed"]] = lay.m * (1 + d)
     return out
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shardwise.rules.buckets import MAX_INFLIGHT
+from shardwise.rules.buckets import MAX_INFLIGHT, bucket_key
 from shardwise.planner.activations import layer_activation_bytes
 from shardwise.planner.layout import Layout, Stage, Workload
-from shardwise.planner.memory import bucket_layout, stage_units
+from shardwise.planner.memory import bucket_layout, stage_unit_names, stage_units
 from shardwise.planner.models import ModelSpec
 from shardwise.planner.rank_actions import backward_then_forward
 
@@ -32,15 +32,17 @@ def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
     g = lay.dp
     gd = lay.dp_shard if lay.hsdp else g  # hybrid sharding: dense buckets pad to the shard group
     out = []
-    for chunk, tensors in stage_units(spec, stage, lay):
+    for u, ((chunk, tensors), (_, name)) in enumerate(zip(stage_units(spec, stage, lay),
+                                                          stage_unit_names(spec, stage, lay))):
         groups: dict[tuple, list[int]] = {}
         for x, partial in tensors:
-            acc = groups.setdefault((x.expert, x.matrix), [0, 0])
+            acc = groups.setdefault(bucket_key(3, chunk, u, x.expert, x.matrix), [0, 0])
             acc[0] += x.numel
             acc[1] |= partial
         buckets = tuple((4 * _pad(n, grp), grp, bool(d))
-                        for key, (n, d) in sorted(groups.items()) for grp in [max(1, g // lay.ep) if key[0] else gd])
-        cast = sum(x.numel for x, _ in tensors if x.matrix) if len(tensors) > 2 else 0  # a layer: > 2 tensors
+                        for key, (n, d) in sorted(groups.items()) for grp in [max(1, g // lay.ep) if key[-2] else gd])
+        layer = name.startswith(("layers.", "mtp."))  # a block (an MTP module's too): its matrices are cast
+        cast = sum(x.numel for x, _ in tensors if x.matrix) if layer else 0
         out.append((chunk, sum(b for b, _, _ in buckets), cast, buckets))
     return tuple(out)
 
@@ -97,8 +99,8 @@ def _last_launched_at_w(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload
     key = bucket_layout(lay)
     gd = key.dp_shard if key.hsdp else key.dp
     late: dict[int, list[float]] = {}
-    for u, (chunk, tensors) in enumerate(stage_units(spec, stage, key)):
-        if u == 0 and stage.embedding:
+    for (chunk, tensors), (_, name) in zip(stage_units(spec, stage, key), stage_unit_names(spec, stage, key)):
+        if name == "tok_embeddings":
             continue
         n = sum(x.numel for x, _ in tensors if x.matrix and not x.expert)
         if n and not any(d for x, d in tensors if x.matrix and not x.expert):

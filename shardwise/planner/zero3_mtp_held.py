@@ -19,8 +19,8 @@ The D modules call the LM head and an embedding once more per depth, and every c
 from __future__ import annotations
 
 from shardwise.planner.layout import Layout, Stage
+from shardwise.planner.memory import stage_unit_names
 from shardwise.planner.models import ModelSpec
-from shardwise.planner.mtp import embedding_copy
 from shardwise.planner.zero3_inflight import unit_bytes
 
 
@@ -30,20 +30,21 @@ def held_beside_backward(spec: ModelSpec, stage: Stage, lay: Layout) -> dict[int
     d = spec.mtp_layers
     if lay.zero < 3 or not d or not stage.head:
         return {}
-    units = unit_bytes(spec, stage, lay)
-    copy = embedding_copy(spec, stage.embedding)
-    head = len(units) - d - copy - 1
-    norm, first = head - 1, min(i for i, u in enumerate(units) if u[0] == units[head][0])
-    own = stage.embedding  # the MTP reads this rank's embedding (unit 0); its first layer is unit 1
-    read = 0 if own else head + 1 if copy else head  # the unit whose buffer the MTP's embedding calls gather
+    names = stage_unit_names(spec, stage, lay)
+    at = {name: i for i, (_, name) in enumerate(names)}
+    head, norm, copy = at["output"], at["norm"], "mtp_embed" in at
+    own = stage.embedding  # the MTP reads this rank's embedding
+    emb, first = at.get("tok_embeddings"), at.get("layers.0")  # without PP: units 0 and 1
+    read = emb if own else at["mtp_embed"] if copy else head  # the unit whose buffer the MTP's embedding calls gather
     out = {}
     for k in range(d):
-        held = {norm} | ({1} if own and lay.pp == 1 and stage.n_layers else set())
+        held = {norm} | ({first} if own and lay.pp == 1 and stage.n_layers else set())
         if copy or k < d - 1:
             held.add(read)
-        out[head + copy + 1 + k] = held
-    for i in range(max(first, 1), norm):  # the main layers of the MTP's chunk
-        out[i] = {0, 1} if own and lay.pp == 1 else set()
+        out[at[f"mtp.{k}"]] = held
+    for i, (chunk, name) in enumerate(names):  # the main layers of the MTP's chunk
+        if chunk == names[head][0] and name.startswith("layers."):
+            out[i] = {emb, first} if own and lay.pp == 1 else set()
     return out
 
 
@@ -66,9 +67,8 @@ def mtp_held_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
 
 def head_backward_units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple[int, int]:
     """(the final norm, the LM head) as indexes into `stage_units`: with MTP the head is not the last unit."""
-    n = len(unit_bytes(spec, stage, lay))
-    head = n - spec.mtp_layers - embedding_copy(spec, stage.embedding) - 1
-    return head - 1, head
+    at = {name: i for i, (_, name) in enumerate(stage_unit_names(spec, stage, lay))}
+    return at["norm"], at["output"]
 
 
 def head_held_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
@@ -84,17 +84,17 @@ def head_held_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
     if lay.zero < 3 or not d or not stage.head:
         return 0.0
     units = [full for _, full, _, _ in unit_bytes(spec, stage, lay)]
-    copy = embedding_copy(spec, stage.embedding)
-    _, head = head_backward_units(spec, stage, lay)
+    at = {name: i for i, (_, name) in enumerate(stage_unit_names(spec, stage, lay))}
+    head, copy = at["output"], "mtp_embed" in at
     own = stage.embedding
     # the unit after the head: under PP with tied embeddings the copy's unit shares the head's bucket (nothing more)
     after = None if spec.tie_embeddings and not own else head + 1
     worst = 0.0
     for k in range(d + 1):
-        held = ({after} if k >= 1 and after is not None else set()) | ({1} if own and lay.pp == 1 else set())
+        held = ({after} if k >= 1 and after is not None else set()) | ({at["layers.0"]} if own and lay.pp == 1 else set())
         if copy and d > 1 and k >= 1:  # the copy's later calls prefetch its next unit, the first MTP module, again
-            held.add(head + 2)
+            held.add(at["mtp.0"])
         if own and k < d and (lay.pp == 1 or k >= 1) and not spec.tie_embeddings:
-            held.add(0)
+            held.add(at["tok_embeddings"])
         worst = max(worst, float(sum(units[i] for i in held)))
     return worst

@@ -18,6 +18,13 @@ MAX_INFLIGHT = 2
 the gradient buffers held by collectives (ZeRO 0/1 reduce once per step from persistent buffers: no bound)."""
 
 
+def bucket_key(zero: int, chunk: int, unit: int, expert: bool, decay: bool) -> tuple:
+    """The group a parameter's gradient is bucketed with at ZeRO stage `zero`: by expert? (ZeRO-0), and decayed?
+    (ZeRO-1), and pipeline chunk (ZeRO-2), and ZeRO-3 unit (ZeRO-3); a bucket never spans two groups."""
+    return ((expert,) if zero == 0 else (expert, decay) if zero == 1 else (chunk, expert, decay) if zero == 2
+            else (chunk, unit, expert, decay))
+
+
 def cut_runs(items: Iterable[T], nbytes: Callable[[T], int], bucket_bytes: int = BUCKET_BYTES) -> Iterator[list[T]]:
     """Consecutive runs of `items`, in order, each closed as soon as it holds at least `bucket_bytes` (the last
     one may hold less)."""

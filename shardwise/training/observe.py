@@ -3,9 +3,9 @@
 * `--profile-steps A:B` records steps A..B (1-based, inclusive) with torch.profiler on every rank and
   writes RUN/profile/rank<R>.json (Chrome trace: chrome://tracing or Perfetto); on a GPU also
   RUN/profile/rank<R>_memory.pickle (`torch.cuda.memory._dump_snapshot`, for pytorch.org/memory_viz).
-* Each step's record gains `tflops_per_rank` — the model FLOPs of the step (the planner's count: 3× the
-  forward's matmuls, attention and LM head; recomputation excluded, as MFU is conventionally defined)
-  over the step time and the world size — and `mfu`, that over the device's dense peak (the planner's GPU
+* Each step's record gains `tflops_per_rank` — the model FLOPs of the step (`rules.flops`, the planner's count too:
+  3× the forward's matmuls, attention and LM head; recomputation excluded, as MFU is conventionally defined)
+  over the step time and the world size — and `mfu`, that over the device's dense peak (`rules.hardware`'s GPU
   presets; TF32 at half the BF16 rate under fp32), or None where the peak is unknown (CPU, other GPUs).
 * `--log-to wandb|mlflow` mirrors the scalars to W&B (offline unless WANDB_MODE says otherwise) or MLflow
   (a local file store under RUN/mlruns unless MLFLOW_TRACKING_URI is set). Neither package is a
@@ -16,43 +16,28 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from types import SimpleNamespace
 
 import torch
 
 from ..config import ConfigError, TrainConfig
+from ..rules.flops import model_flops, peak_flops
+from ..rules.hardware import preset_of_device
 from .report import SCALARS
 
-# torch.cuda.get_device_name() substring -> planner GPU preset (longest names first: GB200 before B200).
-_GPU_NAMES = (("GB200", "gb200-nvl72"), ("B200", "b200"), ("H200", "h200"), ("H100", "h100-80gb"),
-              ("A100", "a100-80gb"), ("MI300X", "mi300x"))
 _LOGGERS = ("wandb", "mlflow")
 
 
 def step_model_flops(cfg: TrainConfig, global_batch: int) -> float:
     """Model FLOPs of one optimizer step over the whole job (no recomputation)."""
-    from ..planner.estimate import model_flops
-    from ..planner.layout import Workload
-    from ..planner.models import ModelSpec
-
-    wl = Workload(seq_len=cfg.seq_len, global_batch=global_batch, precision=cfg.dtype)
-    return model_flops(ModelSpec.of(cfg.model_config()), wl)
+    return model_flops(cfg.model_config(), cfg.seq_len, global_batch)
 
 
 def device_peak_flops(device: torch.device, dtype: str) -> float | None:
     """Dense peak FLOP/s of this rank's device for `dtype` ('bf16'; 'fp32' runs on TF32 at half), or None."""
     if device.type != "cuda":
         return None
-    from ..planner.estimate import peak_flops
-    from ..planner.hardware import get_gpu
-    from ..planner.layout import Workload
-
-    name = torch.cuda.get_device_name(device)
-    preset = next((p for key, p in _GPU_NAMES if key in name), None)
-    if preset is None:
-        return None
-
-    return peak_flops(SimpleNamespace(gpu=get_gpu(preset)), Workload(precision=dtype))  # reads only .gpu
+    gpu = preset_of_device(torch.cuda.get_device_name(device))
+    return None if gpu is None else peak_flops(gpu, dtype)
 
 
 def _import(name: str):
