@@ -17,7 +17,7 @@ import os
 import torch
 
 from shardwise.config import ParallelConfig, TrainConfig
-from shardwise.data.shards import sha256_file
+from shardwise.data.checksum import sha256_file
 from shardwise.mesh import Mesh
 from shardwise.training.trainer import Trainer
 

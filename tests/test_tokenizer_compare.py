@@ -12,7 +12,8 @@ from shardwise.cli import main
 from shardwise.config import ConfigError
 from shardwise.data import open_data
 from shardwise.data.prepare import prepare_data
-from shardwise.data.shards import PreparedData, sha256_file, tokenizer_fingerprint
+from shardwise.data.checksum import sha256_file
+from shardwise.data.shards import PreparedData, tokenizer_fingerprint
 from shardwise.data.tokenizer import byte_fingerprint, byte_tokenizer_json, fingerprint, load_tokenizer
 from shardwise.hf.init import check_data_tokenizer
 

@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from ..data.shards import sha256_file
+from ..data.checksum import sha256_file
 
 log = logging.getLogger("shardwise.checkpoint")
 

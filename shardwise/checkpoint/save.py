@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .. import comm, host
-from ..data.shards import sha256_file
+from ..data.checksum import sha256_file
 from .boxes import BoxSavePlanner, run_dcp, ensure_state, state_entries
 from .files import (FORMAT_VERSION, LATEST, MANIFEST, META, SHARD_OWNER, to_b64, fsync_dir, write_json, write_text,
                     list_checkpoints)

@@ -20,6 +20,7 @@ import os
 import numpy as np
 
 from ..config import ConfigError
+from .checksum import sha256_file
 
 FORMAT = "shardwise-tokens/1"
 MANIFEST = "manifest.json"
@@ -27,11 +28,6 @@ MANIFEST = "manifest.json"
 
 def dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def sha256_file(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class ShardWriter:

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from ..config import ConfigError
-from .shards import sha256_file
+from .checksum import sha256_file
 
 EOS = 256
 VOCAB_SIZE = 257
