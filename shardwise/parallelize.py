@@ -46,18 +46,44 @@ from .tensor_parallel.layers import (ColumnParallelLinear, ColumnRegion, RowPara
 from .tensor_parallel.random import RNGTracker, replicated_dropout
 
 
-def _kv_rows(cfg: ModelConfig, tp) -> tuple[tuple[int, int], int, str | None]:
-    """Rows of wk/wv this rank holds: an even split when n_kv >= tp, else the one K/V head its queries use."""
-    hd = cfg.head_dim
-    if cfg.n_kv_heads >= tp.size:
-        per = cfg.n_kv_heads // tp.size * hd
-        return (tp.rank * per, per), 1, None
-    ranks_per_kv = tp.size // cfg.n_kv_heads
-    return (tp.rank // ranks_per_kv * hd, hd), ranks_per_kv, "tp_kv"
+def parallelize(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfig | None = None, *, schedule=None,
+                act_dtype: torch.dtype = torch.float32, load: Callable[[Transformer], None] | None = None,
+                train: TrainConfig | None = None, rounds: int = 1) -> tuple[Transformer, GradReducer | None]:
+    """The model for this rank of `mesh` under `parallel` (None: the single-device model), each axis applied in
+    the order the module docstring gives; with `train` (the run `parallel` belongs to), its gradient reducer too.
+
+    `schedule`: a pipeline schedule (only this rank's stages are kept; a split-backward one defers dW).
+    `act_dtype` (bf16 activations) is the embedding's output dtype, so the residual stream and every activation
+    payload downstream follow it. `load(model)`: the starting weights, written before DP copies them into
+    ZeRO's buffers. `rounds`: the microbatches each step runs (the reducer's backward passes per step).
+    """
+    p = parallel or ParallelConfig()
+    ctx = ParallelContext(moe=_unsplit_moe, attention=local_attention)  # apply_ep splits the experts over ep
+    with torch.device("meta"):
+        model = Transformer(cfg, ctx)
+    apply_tp(model, mesh, p)
+    apply_ep(model, mesh, p)
+    model.tok_embeddings.out_dtype = act_dtype  # the residual stream's dtype, from the embedding apply_tp made
+    apply_cp(model, mesh, p)
+    apply_pp(model, mesh, p, schedule, act_dtype)
+    init_weights(model, mesh, p, seed)
+    if p.compile:
+        apply_compile(model)
+    apply_recompute(model, p.recompute, p.recompute_layers, compiled=p.compile)
+    if load is not None:
+        load(model)
+    reducer = None
+    if train is not None:
+        # the gradient reduction and the ZeRO-3 gathers are installed here (apply_dp lists their hooks)
+        reducer = apply_dp(model, mesh, train, rounds)
+    return model, reducer
 
 
-def _unsplit_moe(cfg: ModelConfig, _layer_id: int) -> MoE:
-    return build_moe(cfg)
+def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfig | None = None, *,
+                schedule=None, act_dtype: torch.dtype = torch.float32) -> Transformer:
+    """`parallelize`'s model without data parallelism: what HF import and export, generation and the parity
+    tests build."""
+    return parallelize(cfg, mesh, seed, parallel, schedule=schedule, act_dtype=act_dtype)[0]
 
 
 def plain_model(cfg: ModelConfig) -> Transformer:
@@ -68,81 +94,8 @@ def plain_model(cfg: ModelConfig) -> Transformer:
     return model
 
 
-def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
-    """parent.name = new, carrying the old module's parameter declarations (init rule, partial-ness)."""
-    setattr(parent, name, carry(getattr(parent, name), new))
-
-
-def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool, overlap: bool = False, fused: bool = False) -> None:
-    """MLA's plan: heads split (wq / wq_b and wkv_b column-parallel by head, wo row-parallel), down-projections
-    and norms replicated; the block input enters the region once (SP all-gather, else Megatron's f, whose
-    backward sums the per-rank partial input gradients). Under `overlap` or `fused` the projections that read the
-    block input (wq_a or wq, and wkv_a) form one `ColumnRegion` (overlapped with `overlap`, one GEMM with `fused`)."""
-    kw = dict(device="meta")
-    qk, h = cfg.head_dim + cfg.qk_rope_dim, cfg.dim
-    if cfg.q_lora_rank:
-        _swap(attn, "wq_b", ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * qk, tp, enter=False, **kw))
-    else:
-        _swap(attn, "wq", ColumnParallelLinear(h, cfg.n_heads * qk, tp, enter=False, **kw))
-    _swap(attn, "wkv_b", ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim), tp,
-                                              enter=False, **kw))
-    _swap(attn, "wo", RowParallelLinear(cfg.n_heads * cfg.v_head_dim, h, tp, sequence_parallel=sp, **kw))
-    if overlap or fused:
-        for name in ("wq_a", "wkv_a") if cfg.q_lora_rank else ("wkv_a",):
-            old = getattr(attn, name)
-            _swap(attn, name, _replicated_column(old.in_features, old.out_features, tp))
-        first = attn.wq_a if cfg.q_lora_rank else attn.wq
-        if tp.active and not overlap:
-            attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
-        attn.register_forward_pre_hook(ColumnRegion([first, attn.wkv_a], tp, reduce=False, overlap=overlap,
-                                                    fused=fused))
-    elif tp.active:
-        attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
-
-
-def _replicated_column(in_features: int, out_features: int, tp, partial: bool | None = None) -> ColumnParallelLinear:
-    """A replicated projection as a column layer holding every row, so it can join a region. `partial`: its
-    gradient is a partial sum over TP (default: under any TP, as MLA's down-projections, whose ranks each
-    back-propagate their own heads)."""
-    layer = ColumnParallelLinear(in_features, out_features, tp, enter=False, rows=(0, out_features), device="meta")
-    partial = tp.active if partial is None else partial
-    set_spec(layer.weight, ShardSpec((out_features, in_features), replicas=tp.size,
-                                     grad_reduce="tp_sum" if partial else None))
-    return layer
-
-
-def _fuse_shared_experts(ffn: nn.Module, tp, sp: bool) -> None:
-    """The MoE's shared experts (replicated over TP, on this rank's tokens) with w1/w3 as one fused region; no TP
-    entry: their input is already this rank's. Under SP each rank sees its own tokens, so gradients are partial."""
-    for name in ("w1", "w3"):
-        old = getattr(ffn, name)
-        _swap(ffn, name, _replicated_column(old.in_features, old.out_features, tp, partial=sp))
-    ffn.register_forward_pre_hook(ColumnRegion([ffn.w1, ffn.w3], tp, reduce=False, fused=True))
-
-
-def _linear_attention_tensor_parallel(mixer: GatedDeltaNet, cfg: ModelConfig, tp, sp: bool) -> None:
-    """Gated DeltaNet's plan: its key heads, and the value heads each serves, split evenly over tp. The q/k/v/z/b/a
-    projections are column-parallel by those heads, the convolution's channels, A_log and dt_bias are cut the same
-    way, `wo` is row-parallel; the gated norm's weight (one head's width) stays replicated with a head-partial
-    gradient. The recurrence needs no communication: each rank runs its own heads."""
-    nk, nv, dk, dv, h = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim, cfg.dim
-    if nk % tp.size:
-        raise ValueError(f"tp={tp.size} must divide the Gated DeltaNet key heads linear_k_heads={nk}")
-    kw = dict(device="meta")
-    for name, rows in (("wq", nk * dk), ("wk", nk * dk), ("wv", nv * dv), ("wz", nv * dv), ("wb", nv), ("wa", nv)):
-        _swap(mixer, name, ColumnParallelLinear(h, rows, tp, enter=False, **kw))
-    _swap(mixer, "wo", RowParallelLinear(nv * dv, h, tp, sequence_parallel=sp, **kw))
-    for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
-        old = getattr(mixer, name)
-        rows = old.shape[0] // tp.size
-        new = nn.Parameter(torch.empty(rows, *old.shape[1:], device="meta"))
-        set_spec(new, ShardSpec(tuple(old.shape), 0, tp.rank * rows, rows, rows))
-        setattr(mixer, name, carry_param(old, new))
-
-
-def all_blocks(model: Transformer) -> list[nn.Module]:
-    """Every transformer block: the model's layers, then the MTP modules' blocks (same kind, same plan)."""
-    return list(model.layers.values()) + ([m.block for m in model.mtp.values()] if model.mtp is not None else [])
+def _unsplit_moe(cfg: ModelConfig, _layer_id: int) -> MoE:
+    return build_moe(cfg)
 
 
 def apply_tp(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
@@ -212,6 +165,96 @@ def apply_tp(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
     _replicated_over_tp([q for q in model.parameters() if id(q) not in moe], tp, sp)
 
 
+def all_blocks(model: Transformer) -> list[nn.Module]:
+    """Every transformer block: the model's layers, then the MTP modules' blocks (same kind, same plan)."""
+    return list(model.layers.values()) + ([m.block for m in model.mtp.values()] if model.mtp is not None else [])
+
+
+def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
+    """parent.name = new, carrying the old module's parameter declarations (init rule, partial-ness)."""
+    setattr(parent, name, carry(getattr(parent, name), new))
+
+
+def _kv_rows(cfg: ModelConfig, tp) -> tuple[tuple[int, int], int, str | None]:
+    """Rows of wk/wv this rank holds: an even split when n_kv >= tp, else the one K/V head its queries use."""
+    hd = cfg.head_dim
+    if cfg.n_kv_heads >= tp.size:
+        per = cfg.n_kv_heads // tp.size * hd
+        return (tp.rank * per, per), 1, None
+    ranks_per_kv = tp.size // cfg.n_kv_heads
+    return (tp.rank // ranks_per_kv * hd, hd), ranks_per_kv, "tp_kv"
+
+
+def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool, overlap: bool = False, fused: bool = False) -> None:
+    """MLA's plan: heads split (wq / wq_b and wkv_b column-parallel by head, wo row-parallel), down-projections
+    and norms replicated; the block input enters the region once (SP all-gather, else Megatron's f, whose
+    backward sums the per-rank partial input gradients). Under `overlap` or `fused` the projections that read the
+    block input (wq_a or wq, and wkv_a) form one `ColumnRegion` (overlapped with `overlap`, one GEMM with `fused`)."""
+    kw = dict(device="meta")
+    qk, h = cfg.head_dim + cfg.qk_rope_dim, cfg.dim
+    if cfg.q_lora_rank:
+        _swap(attn, "wq_b", ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * qk, tp, enter=False, **kw))
+    else:
+        _swap(attn, "wq", ColumnParallelLinear(h, cfg.n_heads * qk, tp, enter=False, **kw))
+    _swap(attn, "wkv_b", ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim), tp,
+                                              enter=False, **kw))
+    _swap(attn, "wo", RowParallelLinear(cfg.n_heads * cfg.v_head_dim, h, tp, sequence_parallel=sp, **kw))
+    if overlap or fused:
+        for name in ("wq_a", "wkv_a") if cfg.q_lora_rank else ("wkv_a",):
+            old = getattr(attn, name)
+            _swap(attn, name, _replicated_column(old.in_features, old.out_features, tp))
+        first = attn.wq_a if cfg.q_lora_rank else attn.wq
+        if tp.active and not overlap:
+            attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+        attn.register_forward_pre_hook(ColumnRegion([first, attn.wkv_a], tp, reduce=False, overlap=overlap,
+                                                    fused=fused))
+    elif tp.active:
+        attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+
+
+def _replicated_column(in_features: int, out_features: int, tp, partial: bool | None = None) -> ColumnParallelLinear:
+    """A replicated projection as a column layer holding every row, so it can join a region. `partial`: its
+    gradient is a partial sum over TP (default: under any TP, as MLA's down-projections, whose ranks each
+    back-propagate their own heads)."""
+    layer = ColumnParallelLinear(in_features, out_features, tp, enter=False, rows=(0, out_features), device="meta")
+    partial = tp.active if partial is None else partial
+    set_spec(layer.weight, ShardSpec((out_features, in_features), replicas=tp.size,
+                                     grad_reduce="tp_sum" if partial else None))
+    return layer
+
+
+def _linear_attention_tensor_parallel(mixer: GatedDeltaNet, cfg: ModelConfig, tp, sp: bool) -> None:
+    """Gated DeltaNet's plan: its key heads, and the value heads each serves, split evenly over tp. The q/k/v/z/b/a
+    projections are column-parallel by those heads, the convolution's channels, A_log and dt_bias are cut the same
+    way, `wo` is row-parallel; the gated norm's weight (one head's width) stays replicated with a head-partial
+    gradient. The recurrence needs no communication: each rank runs its own heads."""
+    nk, nv, dk, dv, h = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim, cfg.dim
+    if nk % tp.size:
+        raise ValueError(f"tp={tp.size} must divide the Gated DeltaNet key heads linear_k_heads={nk}")
+    kw = dict(device="meta")
+    for name, rows in (("wq", nk * dk), ("wk", nk * dk), ("wv", nv * dv), ("wz", nv * dv), ("wb", nv), ("wa", nv)):
+        _swap(mixer, name, ColumnParallelLinear(h, rows, tp, enter=False, **kw))
+    _swap(mixer, "wo", RowParallelLinear(nv * dv, h, tp, sequence_parallel=sp, **kw))
+    for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
+        old = getattr(mixer, name)
+        rows = old.shape[0] // tp.size
+        new = nn.Parameter(torch.empty(rows, *old.shape[1:], device="meta"))
+        set_spec(new, ShardSpec(tuple(old.shape), 0, tp.rank * rows, rows, rows))
+        setattr(mixer, name, carry_param(old, new))
+
+
+def _head_sinks(cfg: ModelConfig, tp) -> nn.Parameter:
+    """gpt-oss's sinks split with the query heads: this rank's heads' logits (their gradient is complete here)."""
+    per = cfg.n_heads // tp.size
+    p = declare(nn.Parameter(torch.empty(per, device="meta")), "normal")
+    return set_spec(p, ShardSpec((cfg.n_heads,), 0, tp.rank * per, per, per))
+
+
+def _vocab_parallel_loss(tp, vocab_start: int, vocab_size: int, logits, targets, ignore_index: int = -100,
+                         label_smoothing: float = 0.0):
+    return vocab_parallel_cross_entropy(logits, targets, tp, vocab_start, vocab_size, ignore_index, label_smoothing)
+
+
 def _set_overlap(module: nn.Module, overlap: bool) -> None:
     for m in module.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
@@ -226,18 +269,6 @@ def _replicated_over_tp(params, tp, sp: bool) -> None:
         if not hasattr(p, "_sw_shard"):
             partial = sp or (tp.active and head_partial(p))
             set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if partial else None))
-
-
-def _head_sinks(cfg: ModelConfig, tp) -> nn.Parameter:
-    """gpt-oss's sinks split with the query heads: this rank's heads' logits (their gradient is complete here)."""
-    per = cfg.n_heads // tp.size
-    p = declare(nn.Parameter(torch.empty(per, device="meta")), "normal")
-    return set_spec(p, ShardSpec((cfg.n_heads,), 0, tp.rank * per, per, per))
-
-
-def _vocab_parallel_loss(tp, vocab_start: int, vocab_size: int, logits, targets, ignore_index: int = -100,
-                         label_smoothing: float = 0.0):
-    return vocab_parallel_cross_entropy(logits, targets, tp, vocab_start, vocab_size, ignore_index, label_smoothing)
 
 
 def apply_ep(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
@@ -270,6 +301,57 @@ def _expert_parallel_moe(cfg: ModelConfig, mesh: Mesh, sp: bool, fused: bool) ->
     if fused and moe.shared is not None:
         _fuse_shared_experts(moe.shared, tp, sp)
     return moe
+
+
+def _fuse_shared_experts(ffn: nn.Module, tp, sp: bool) -> None:
+    """The MoE's shared experts (replicated over TP, on this rank's tokens) with w1/w3 as one fused region; no TP
+    entry: their input is already this rank's. Under SP each rank sees its own tokens, so gradients are partial."""
+    for name in ("w1", "w3"):
+        old = getattr(ffn, name)
+        _swap(ffn, name, _replicated_column(old.in_features, old.out_features, tp, partial=sp))
+    ffn.register_forward_pre_hook(ColumnRegion([ffn.w1, ffn.w3], tp, reduce=False, fused=True))
+
+
+def apply_cp(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
+    """Context parallelism: under cp > 1, attention over the cp axis (ring or Ulysses) and RoPE at the layout's
+    global positions."""
+    cp = mesh["cp"]
+    model.ctx.cp = ContextParallel(cp, parallel.cp_order, parallel.cp_impl) if cp.active else None
+
+
+def apply_pp(model: Transformer, mesh: Mesh, parallel: ParallelConfig, schedule, act_dtype: torch.dtype) -> None:
+    """Pipeline parallelism: with a `schedule`, only this rank's stages are kept (`model.chunks` lists them in
+    local-chunk order), the embedding's copies on other stages are marked (tied head, MTP), and under a
+    split-backward schedule every linear layer defers its dW to one store. Without one, `model.chunks` is None."""
+    model.chunks = None
+    if schedule is None:
+        return
+    from .tensor_parallel.grad_store import WeightGradStore
+    from .rules.partition import split_layers
+    from .pipeline.stage import prune_to_stages
+    from .pipeline.tied_embedding import mark_mtp_embedding, mark_tied_copies
+
+    stage_layers = split_layers(model.cfg.n_layers, schedule.num_stages, parallel.pp_layers)
+    model.chunks = prune_to_stages(model, mesh["pp"].rank, schedule.layout, stage_layers)
+    mark_tied_copies(model, mesh)
+    mark_mtp_embedding(model, mesh, act_dtype)
+    model.grad_store = WeightGradStore() if schedule.split_bw else None
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.grad_store = model.grad_store
+
+
+def init_weights(model: Transformer, mesh: Mesh, parallel: ParallelConfig, seed: int) -> None:
+    """Every random draw the ranks must agree on: the parameters (`materialize`, seeded by name), then, with
+    fused projections, each fused region's weights moved into one buffer (before anything holds them), and the
+    dropout streams (`RNGTracker`: one mask over TP where it must agree, per-rank where heads differ)."""
+    materialize(model, model.cfg, seed, mesh.device)
+    if parallel.fused_projections:
+        store_fused(model)
+    ctx = model.ctx
+    tracker = RNGTracker(seed, mesh["tp"].rank, mesh["pp"].rank, mesh.device)
+    ctx.rng = tracker
+    ctx.dropout = functools.partial(_dropout, tracker, ctx.tp_axis if ctx.sequence_parallel else None)
 
 
 def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> None:
@@ -317,46 +399,8 @@ def global_init(name: str, shape, init: str, cfg: ModelConfig, seed: int) -> tor
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
-def apply_cp(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
-    """Context parallelism: under cp > 1, attention over the cp axis (ring or Ulysses) and RoPE at the layout's
-    global positions."""
-    cp = mesh["cp"]
-    model.ctx.cp = ContextParallel(cp, parallel.cp_order, parallel.cp_impl) if cp.active else None
-
-
-def apply_pp(model: Transformer, mesh: Mesh, parallel: ParallelConfig, schedule, act_dtype: torch.dtype) -> None:
-    """Pipeline parallelism: with a `schedule`, only this rank's stages are kept (`model.chunks` lists them in
-    local-chunk order), the embedding's copies on other stages are marked (tied head, MTP), and under a
-    split-backward schedule every linear layer defers its dW to one store. Without one, `model.chunks` is None."""
-    model.chunks = None
-    if schedule is None:
-        return
-    from .tensor_parallel.grad_store import WeightGradStore
-    from .rules.partition import split_layers
-    from .pipeline.stage import prune_to_stages
-    from .pipeline.tied_embedding import mark_mtp_embedding, mark_tied_copies
-
-    stage_layers = split_layers(model.cfg.n_layers, schedule.num_stages, parallel.pp_layers)
-    model.chunks = prune_to_stages(model, mesh["pp"].rank, schedule.layout, stage_layers)
-    mark_tied_copies(model, mesh)
-    mark_mtp_embedding(model, mesh, act_dtype)
-    model.grad_store = WeightGradStore() if schedule.split_bw else None
-    for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            m.grad_store = model.grad_store
-
-
-def init_weights(model: Transformer, mesh: Mesh, parallel: ParallelConfig, seed: int) -> None:
-    """Every random draw the ranks must agree on: the parameters (`materialize`, seeded by name), then, with
-    fused projections, each fused region's weights moved into one buffer (before anything holds them), and the
-    dropout streams (`RNGTracker`: one mask over TP where it must agree, per-rank where heads differ)."""
-    materialize(model, model.cfg, seed, mesh.device)
-    if parallel.fused_projections:
-        store_fused(model)
-    ctx = model.ctx
-    tracker = RNGTracker(seed, mesh["tp"].rank, mesh["pp"].rank, mesh.device)
-    ctx.rng = tracker
-    ctx.dropout = functools.partial(_dropout, tracker, ctx.tp_axis if ctx.sequence_parallel else None)
+def _dropout(tracker: RNGTracker, sp_axis, x: torch.Tensor, p: float) -> torch.Tensor:
+    return replicated_dropout(x, p, tracker, sp_axis)
 
 
 def apply_compile(model: Transformer) -> None:
@@ -396,47 +440,3 @@ def apply_dp(model: Transformer, mesh: Mesh, train: TrainConfig, rounds: int) ->
     are not hooks: they run in `reduce_and_clip`, before the buckets holding those gradients are reduced.
     """
     return build_reducer(train, model, mesh, rounds)
-
-
-def parallelize(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfig | None = None, *, schedule=None,
-                act_dtype: torch.dtype = torch.float32, load: Callable[[Transformer], None] | None = None,
-                train: TrainConfig | None = None, rounds: int = 1) -> tuple[Transformer, GradReducer | None]:
-    """The model for this rank of `mesh` under `parallel` (None: the single-device model), each axis applied in
-    the order the module docstring gives; with `train` (the run `parallel` belongs to), its gradient reducer too.
-
-    `schedule`: a pipeline schedule (only this rank's stages are kept; a split-backward one defers dW).
-    `act_dtype` (bf16 activations) is the embedding's output dtype, so the residual stream and every activation
-    payload downstream follow it. `load(model)`: the starting weights, written before DP copies them into
-    ZeRO's buffers. `rounds`: the microbatches each step runs (the reducer's backward passes per step).
-    """
-    p = parallel or ParallelConfig()
-    ctx = ParallelContext(moe=_unsplit_moe, attention=local_attention)  # apply_ep splits the experts over ep
-    with torch.device("meta"):
-        model = Transformer(cfg, ctx)
-    apply_tp(model, mesh, p)
-    apply_ep(model, mesh, p)
-    model.tok_embeddings.out_dtype = act_dtype
-    apply_cp(model, mesh, p)
-    apply_pp(model, mesh, p, schedule, act_dtype)
-    init_weights(model, mesh, p, seed)
-    if p.compile:
-        apply_compile(model)
-    apply_recompute(model, p.recompute, p.recompute_layers, compiled=p.compile)
-    if load is not None:
-        load(model)
-    reducer = None
-    if train is not None:
-        # the gradient reduction and the ZeRO-3 gathers are installed here (apply_dp lists their hooks)
-        reducer = apply_dp(model, mesh, train, rounds)
-    return model, reducer
-
-
-def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfig | None = None, *,
-                schedule=None, act_dtype: torch.dtype = torch.float32) -> Transformer:
-    """`parallelize`'s model without data parallelism: what HF import and export, generation and the parity
-    tests build."""
-    return parallelize(cfg, mesh, seed, parallel, schedule=schedule, act_dtype=act_dtype)[0]
-
-
-def _dropout(tracker: RNGTracker, sp_axis, x: torch.Tensor, p: float) -> torch.Tensor:
-    return replicated_dropout(x, p, tracker, sp_axis)
