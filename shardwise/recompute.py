@@ -118,6 +118,7 @@ def apply_recompute(model, mode: str, layers: int | None = None, compiled: bool 
     chosen = recomputed_layers(chunks, layers)
     if mode == "selective":  # the attention cores read this from the model's context
         model.ctx.selective = frozenset(chosen)
+
         def checkpoint_core(core, *qkv):
             return checkpoint(core, *qkv, use_reentrant=False, context_fn=_Replay(tracker, []), preserve_rng_state=True)
         model.ctx.checkpoint_core = torch.compiler.disable(checkpoint_core) if compiled else checkpoint_core

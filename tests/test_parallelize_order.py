@@ -95,9 +95,9 @@ def test_the_checks_catch_a_swap_and_a_step_moved_elsewhere():
         "    init_weights(", "    apply_cp(model, mesh, p)\n    init_weights(", 1)
     assert swapped != source and order_problems(swapped)
     trainer = (ROOT / "training" / "trainer.py").read_text()
-    assert "self.reducer = build_reducer(cfg, self.model, mesh, 1)" not in trainer
-    moved = trainer.replace("        self.model.train()\n",
-                            "        self.model.train()\n        self.reducer = build_reducer(cfg, self.model, mesh, 1)\n", 1)
+    dp_in_trainer = "        self.reducer = build_reducer(cfg, self.model, mesh, 1)\n"
+    assert dp_in_trainer not in trainer
+    moved = trainer.replace("        self.model.train()\n", "        self.model.train()\n" + dp_in_trainer, 1)
     assert moved != trainer
     assert elsewhere_problems({"training/trainer.py": moved}) == [
         "training/trainer.py: build_reducer called in __init__, only apply_dp may"]
