@@ -434,9 +434,10 @@ def apply_dp(model: Transformer, mesh: Mesh, train: TrainConfig, rounds: int) ->
       hook per parameter that releases a unit no input gradient passes through;
     * the gradient reduction (data_parallel/buckets.py `OverlappedReduction`): a post-accumulate-grad hook per
       parameter that counts its bucket down and launches the bucket's dp×cp (edp) all-reduce (ZeRO 0) or
-      reduce-scatter (ZeRO ≥ 1) from backward once it is complete (ZeRO 0/1 without overlap: only adopts the
-      gradient into the bucket's buffer).
+      reduce-scatter (ZeRO ≥ 1) from backward once it is complete. At ZeRO 0/1 without overlap the hook only
+      adopts the gradient into the bucket's buffer; those buckets, and every bucket holding a TP-partial
+      gradient, are reduced in `reduce_and_clip`.
     The TP sums of partial gradients, the tied embedding's sum over emb and HSDP's all-reduce over the replicas
-    are not hooks: they run in `reduce_and_clip`, before the buckets holding those gradients are reduced.
+    are not hooks either: they run in `reduce_and_clip`, the first two before the buckets holding those gradients.
     """
     return build_reducer(train, model, mesh, rounds)
