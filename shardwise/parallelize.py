@@ -1,30 +1,43 @@
-"""The one entry point that turns the plain model into the layout's model.
+"""The one place the plain model becomes the layout's model: `parallelize` applies the axes in this order.
 
-`build_model` makes the model on the meta device with one `ParallelContext` (the model's only view of the
-layout), swaps modules for their tensor-parallel versions by name (the plan below), fills the context (CP
-attention, the vocabulary-parallel loss, dropout streams, recompute), then materialises every parameter from
-the rule declared where it was created: the global tensor is drawn from a generator seeded by
-(seed, parameter name) and each rank keeps its slice. Every layout therefore starts from bit-identical
-global weights.
+1. the model on the meta device, with one `ParallelContext` (the model's only view of the layout);
+2. `apply_tp`: tensor parallelism — modules swapped for their TP versions by name (Megatron's plan), the SP
+   regions, the vocabulary-parallel loss, and each replicated parameter's TP gradient rule;
+3. `apply_ep`: expert parallelism — every MoE block rebuilt with its experts split over ep (replicated over TP);
+4. `apply_cp`: context parallelism — attention over the cp axis (ring or Ulysses), RoPE at global positions;
+5. `apply_pp`: pipeline parallelism — only this rank's stages kept, tied embedding copies marked, dW deferred
+   under the split-backward schedules;
+6. `init_weights`: every parameter materialised from the rule declared where it was created — the global tensor
+   drawn from a generator seeded by (seed, parameter name), each rank keeping its slice, so every layout starts
+   from bit-identical global weights — and the dropout streams;
+7. `apply_compile`: torch.compile of each block, before recompute so a recomputed block checkpoints the
+   compiled forward;
+8. `apply_recompute`: activation recompute (selective or full);
+9. `load`: the run's starting weights (--init-from-hf), over the initialised ones;
+10. `apply_dp`: data parallelism and ZeRO — the gradient reducer, which installs the gradient reduction and
+    the ZeRO-3 gathers; last, because ZeRO ≥ 1 moves every parameter into its bucket's flat buffer.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import zlib
+from typing import Callable
 
 import torch
 from torch import nn
 
-from .config import ModelConfig, ParallelConfig
+from .config import ModelConfig, ParallelConfig, TrainConfig
 from .context_parallel.local import local_attention
 from .context_parallel.plan import ContextParallel
+from .data_parallel import GradReducer
 from .expert_parallel.moe import MoE, build_moe, share_aux_pool
 from .mesh import Mesh
 from .models.context import ParallelContext
 from .models.gated_deltanet import GatedDeltaNet
 from .models.llama import Transformer
 from .models.params import carry, carry_param, declare, head_partial, init_of, init_std
+from .optim import build_reducer
 from .recompute import apply_recompute
 from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .tensor_parallel.fused import store_fused
@@ -33,18 +46,44 @@ from .tensor_parallel.layers import (ColumnParallelLinear, ColumnRegion, RowPara
 from .tensor_parallel.random import RNGTracker, replicated_dropout
 
 
-def _kv_rows(cfg: ModelConfig, tp) -> tuple[tuple[int, int], int, str | None]:
-    """Rows of wk/wv this rank holds: an even split when n_kv >= tp, else the one K/V head its queries use."""
-    hd = cfg.head_dim
-    if cfg.n_kv_heads >= tp.size:
-        per = cfg.n_kv_heads // tp.size * hd
-        return (tp.rank * per, per), 1, None
-    ranks_per_kv = tp.size // cfg.n_kv_heads
-    return (tp.rank // ranks_per_kv * hd, hd), ranks_per_kv, "tp_kv"
+def parallelize(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfig | None = None, *, schedule=None,
+                act_dtype: torch.dtype = torch.float32, load: Callable[[Transformer], None] | None = None,
+                train: TrainConfig | None = None, rounds: int = 1) -> tuple[Transformer, GradReducer | None]:
+    """The model for this rank of `mesh` under `parallel` (None: the single-device model), each axis applied in
+    the order the module docstring gives; with `train` (the run `parallel` belongs to), its gradient reducer too.
+
+    `schedule`: a pipeline schedule (only this rank's stages are kept; a split-backward one defers dW).
+    `act_dtype` (bf16 activations) is the embedding's output dtype, so the residual stream and every activation
+    payload downstream follow it. `load(model)`: the starting weights, written before DP copies them into
+    ZeRO's buffers. `rounds`: the microbatches each step runs (the reducer's backward passes per step).
+    """
+    p = parallel or ParallelConfig()
+    ctx = ParallelContext(moe=_unsplit_moe, attention=local_attention)  # apply_ep splits the experts over ep
+    with torch.device("meta"):
+        model = Transformer(cfg, ctx)
+    apply_tp(model, mesh, p)
+    apply_ep(model, mesh, p)
+    model.tok_embeddings.out_dtype = act_dtype  # the residual stream's dtype, from the embedding apply_tp made
+    apply_cp(model, mesh, p)
+    apply_pp(model, mesh, p, schedule, act_dtype)
+    init_weights(model, mesh, p, seed)
+    if p.compile:
+        apply_compile(model)
+    apply_recompute(model, p.recompute, p.recompute_layers, compiled=p.compile)
+    if load is not None:
+        load(model)
+    reducer = None
+    if train is not None:
+        # the gradient reduction and the ZeRO-3 gathers are installed here (apply_dp lists their hooks)
+        reducer = apply_dp(model, mesh, train, rounds)
+    return model, reducer
 
 
-def _unsplit_moe(cfg: ModelConfig, _layer_id: int) -> MoE:
-    return build_moe(cfg)
+def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfig | None = None, *,
+                schedule=None, act_dtype: torch.dtype = torch.float32) -> Transformer:
+    """`parallelize`'s model without data parallelism: what HF import and export, generation and the parity
+    tests build."""
+    return parallelize(cfg, mesh, seed, parallel, schedule=schedule, act_dtype=act_dtype)[0]
 
 
 def plain_model(cfg: ModelConfig) -> Transformer:
@@ -55,101 +94,28 @@ def plain_model(cfg: ModelConfig) -> Transformer:
     return model
 
 
-def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
-    """parent.name = new, carrying the old module's parameter declarations (init rule, partial-ness)."""
-    setattr(parent, name, carry(getattr(parent, name), new))
+def _unsplit_moe(cfg: ModelConfig, _layer_id: int) -> MoE:
+    return build_moe(cfg)
 
 
-def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool, overlap: bool = False, fused: bool = False) -> None:
-    """MLA's plan: heads split (wq / wq_b and wkv_b column-parallel by head, wo row-parallel), down-projections
-    and norms replicated; the block input enters the region once (SP all-gather, else Megatron's f, whose
-    backward sums the per-rank partial input gradients). Under `overlap` or `fused` the projections that read the
-    block input (wq_a or wq, and wkv_a) form one `ColumnRegion` (overlapped with `overlap`, one GEMM with `fused`)."""
-    kw = dict(device="meta")
-    qk, h = cfg.head_dim + cfg.qk_rope_dim, cfg.dim
-    if cfg.q_lora_rank:
-        _swap(attn, "wq_b", ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * qk, tp, enter=False, **kw))
-    else:
-        _swap(attn, "wq", ColumnParallelLinear(h, cfg.n_heads * qk, tp, enter=False, **kw))
-    _swap(attn, "wkv_b", ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim), tp,
-                                              enter=False, **kw))
-    _swap(attn, "wo", RowParallelLinear(cfg.n_heads * cfg.v_head_dim, h, tp, sequence_parallel=sp, **kw))
-    if overlap or fused:
-        for name in ("wq_a", "wkv_a") if cfg.q_lora_rank else ("wkv_a",):
-            old = getattr(attn, name)
-            _swap(attn, name, _replicated_column(old.in_features, old.out_features, tp))
-        first = attn.wq_a if cfg.q_lora_rank else attn.wq
-        if tp.active and not overlap:
-            attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
-        attn.register_forward_pre_hook(ColumnRegion([first, attn.wkv_a], tp, reduce=False, overlap=overlap,
-                                                    fused=fused))
-    elif tp.active:
-        attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+def apply_tp(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
+    """Tensor parallelism, Megatron's plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel
+    embedding, head and loss; every parameter no plan splits is replicated over TP. MoE blocks are `apply_ep`'s.
 
-
-def _replicated_column(in_features: int, out_features: int, tp, partial: bool | None = None) -> ColumnParallelLinear:
-    """A replicated projection as a column layer holding every row, so it can join a region. `partial`: its
-    gradient is a partial sum over TP (default: under any TP, as MLA's down-projections, whose ranks each
-    back-propagate their own heads)."""
-    layer = ColumnParallelLinear(in_features, out_features, tp, enter=False, rows=(0, out_features), device="meta")
-    partial = tp.active if partial is None else partial
-    set_spec(layer.weight, ShardSpec((out_features, in_features), replicas=tp.size,
-                                     grad_reduce="tp_sum" if partial else None))
-    return layer
-
-
-def _fuse_shared_experts(ffn: nn.Module, tp, sp: bool) -> None:
-    """The MoE's shared experts (replicated over TP, on this rank's tokens) with w1/w3 as one fused region; no TP
-    entry: their input is already this rank's. Under SP each rank sees its own tokens, so gradients are partial."""
-    for name in ("w1", "w3"):
-        old = getattr(ffn, name)
-        _swap(ffn, name, _replicated_column(old.in_features, old.out_features, tp, partial=sp))
-    ffn.register_forward_pre_hook(ColumnRegion([ffn.w1, ffn.w3], tp, reduce=False, fused=True))
-
-
-def _linear_attention_tensor_parallel(mixer: GatedDeltaNet, cfg: ModelConfig, tp, sp: bool) -> None:
-    """Gated DeltaNet's plan: its key heads, and the value heads each serves, split evenly over tp. The q/k/v/z/b/a
-    projections are column-parallel by those heads, the convolution's channels, A_log and dt_bias are cut the same
-    way, `wo` is row-parallel; the gated norm's weight (one head's width) stays replicated with a head-partial
-    gradient. The recurrence needs no communication: each rank runs its own heads."""
-    nk, nv, dk, dv, h = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim, cfg.dim
-    if nk % tp.size:
-        raise ValueError(f"tp={tp.size} must divide the Gated DeltaNet key heads linear_k_heads={nk}")
-    kw = dict(device="meta")
-    for name, rows in (("wq", nk * dk), ("wk", nk * dk), ("wv", nv * dv), ("wz", nv * dv), ("wb", nv), ("wa", nv)):
-        _swap(mixer, name, ColumnParallelLinear(h, rows, tp, enter=False, **kw))
-    _swap(mixer, "wo", RowParallelLinear(nv * dv, h, tp, sequence_parallel=sp, **kw))
-    for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
-        old = getattr(mixer, name)
-        rows = old.shape[0] // tp.size
-        new = nn.Parameter(torch.empty(rows, *old.shape[1:], device="meta"))
-        set_spec(new, ShardSpec(tuple(old.shape), 0, tp.rank * rows, rows, rows))
-        setattr(mixer, name, carry_param(old, new))
-
-
-def all_blocks(model: Transformer) -> list[nn.Module]:
-    """Every transformer block: the model's layers, then the MTP modules' blocks (same kind, same plan)."""
-    return list(model.layers.values()) + ([m.block for m in model.mtp.values()] if model.mtp is not None else [])
-
-
-def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False,
-                          fused: bool = False, overlap: bool = False) -> Transformer:
-    """Megatron plan: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel, vocab-parallel embedding and head.
-
-    `fused`: q/k/v and w1/w3 each run as one GEMM (`ColumnRegion`); without it, separate GEMMs. `overlap`
-    (needs SP): every SP all-gather before a column-parallel GEMM and reduce-scatter after a row-parallel one
-    runs in tp chunks under the GEMMs.
+    `fused_projections`: q/k/v and w1/w3 each run as one GEMM (`ColumnRegion`); without it, separate GEMMs.
+    `tp_overlap` (needs SP): every SP all-gather before a column-parallel GEMM and reduce-scatter after a
+    row-parallel one runs in tp chunks under the GEMMs.
     """
     cfg, tp = model.cfg, mesh["tp"]
-    sp = sequence_parallel and tp.active
-    overlap = overlap and sp
+    sp = parallel.sequence_parallel and tp.active
+    overlap = parallel.tp_overlap and sp
+    fused = parallel.fused_projections
     kw = dict(device="meta")
     _swap(model, "tok_embeddings", VocabParallelEmbedding(cfg.vocab_size, cfg.dim, tp, sp, **kw))
     for block in all_blocks(model):
         attn, ffn = block.attention, block.feed_forward
         h, hd = cfg.dim, cfg.head_dim
         if isinstance(ffn, MoE):
-            block.feed_forward = apply_expert_parallel(cfg, mesh, sp, fused)  # declares its own parameters
             ffn = None
         linear_layers = None
         if isinstance(attn, GatedDeltaNet):
@@ -191,20 +157,90 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     _swap(model, "output", ColumnParallelLinear(cfg.dim, cfg.vocab_size, tp, sequence_parallel=sp, **kw))
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            m.overlap = overlap
+    _set_overlap(model, overlap)
     ctx = model.ctx
     ctx.tp_axis, ctx.sequence_parallel = tp, sp
     ctx.cross_entropy = functools.partial(_vocab_parallel_loss, tp, model.tok_embeddings.vocab_start, cfg.vocab_size)
-    share_aux_pool(model)  # the plan rebuilt the MoE blocks
-    # Replicated parameters: norms (partial gradients under SP, since each rank sees s/tp tokens). Those declared
-    # head-partial (per-head q/k norms, MLA's down-projections) see only this rank's heads: partial under any TP.
-    for p in model.parameters():
-        if not hasattr(p, "_sw_shard"):
-            partial = sp or (tp.active and head_partial(p))
-            set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if partial else None))
-    return model
+    moe = {id(q) for m in model.modules() if isinstance(m, MoE) for q in m.parameters()}
+    _replicated_over_tp([q for q in model.parameters() if id(q) not in moe], tp, sp)
+
+
+def all_blocks(model: Transformer) -> list[nn.Module]:
+    """Every transformer block: the model's layers, then the MTP modules' blocks (same kind, same plan)."""
+    return list(model.layers.values()) + ([m.block for m in model.mtp.values()] if model.mtp is not None else [])
+
+
+def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
+    """parent.name = new, carrying the old module's parameter declarations (init rule, partial-ness)."""
+    setattr(parent, name, carry(getattr(parent, name), new))
+
+
+def _kv_rows(cfg: ModelConfig, tp) -> tuple[tuple[int, int], int, str | None]:
+    """Rows of wk/wv this rank holds: an even split when n_kv >= tp, else the one K/V head its queries use."""
+    hd = cfg.head_dim
+    if cfg.n_kv_heads >= tp.size:
+        per = cfg.n_kv_heads // tp.size * hd
+        return (tp.rank * per, per), 1, None
+    ranks_per_kv = tp.size // cfg.n_kv_heads
+    return (tp.rank // ranks_per_kv * hd, hd), ranks_per_kv, "tp_kv"
+
+
+def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool, overlap: bool = False, fused: bool = False) -> None:
+    """MLA's plan: heads split (wq / wq_b and wkv_b column-parallel by head, wo row-parallel), down-projections
+    and norms replicated; the block input enters the region once (SP all-gather, else Megatron's f, whose
+    backward sums the per-rank partial input gradients). Under `overlap` or `fused` the projections that read the
+    block input (wq_a or wq, and wkv_a) form one `ColumnRegion` (overlapped with `overlap`, one GEMM with `fused`)."""
+    kw = dict(device="meta")
+    qk, h = cfg.head_dim + cfg.qk_rope_dim, cfg.dim
+    if cfg.q_lora_rank:
+        _swap(attn, "wq_b", ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * qk, tp, enter=False, **kw))
+    else:
+        _swap(attn, "wq", ColumnParallelLinear(h, cfg.n_heads * qk, tp, enter=False, **kw))
+    _swap(attn, "wkv_b", ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim), tp,
+                                              enter=False, **kw))
+    _swap(attn, "wo", RowParallelLinear(cfg.n_heads * cfg.v_head_dim, h, tp, sequence_parallel=sp, **kw))
+    if overlap or fused:
+        for name in ("wq_a", "wkv_a") if cfg.q_lora_rank else ("wkv_a",):
+            old = getattr(attn, name)
+            _swap(attn, name, _replicated_column(old.in_features, old.out_features, tp))
+        first = attn.wq_a if cfg.q_lora_rank else attn.wq
+        if tp.active and not overlap:
+            attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+        attn.register_forward_pre_hook(ColumnRegion([first, attn.wkv_a], tp, reduce=False, overlap=overlap,
+                                                    fused=fused))
+    elif tp.active:
+        attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+
+
+def _replicated_column(in_features: int, out_features: int, tp, partial: bool | None = None) -> ColumnParallelLinear:
+    """A replicated projection as a column layer holding every row, so it can join a region. `partial`: its
+    gradient is a partial sum over TP (default: under any TP, as MLA's down-projections, whose ranks each
+    back-propagate their own heads)."""
+    layer = ColumnParallelLinear(in_features, out_features, tp, enter=False, rows=(0, out_features), device="meta")
+    partial = tp.active if partial is None else partial
+    set_spec(layer.weight, ShardSpec((out_features, in_features), replicas=tp.size,
+                                     grad_reduce="tp_sum" if partial else None))
+    return layer
+
+
+def _linear_attention_tensor_parallel(mixer: GatedDeltaNet, cfg: ModelConfig, tp, sp: bool) -> None:
+    """Gated DeltaNet's plan: its key heads, and the value heads each serves, split evenly over tp. The q/k/v/z/b/a
+    projections are column-parallel by those heads, the convolution's channels, A_log and dt_bias are cut the same
+    way, `wo` is row-parallel; the gated norm's weight (one head's width) stays replicated with a head-partial
+    gradient. The recurrence needs no communication: each rank runs its own heads."""
+    nk, nv, dk, dv, h = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim, cfg.dim
+    if nk % tp.size:
+        raise ValueError(f"tp={tp.size} must divide the Gated DeltaNet key heads linear_k_heads={nk}")
+    kw = dict(device="meta")
+    for name, rows in (("wq", nk * dk), ("wk", nk * dk), ("wv", nv * dv), ("wz", nv * dv), ("wb", nv), ("wa", nv)):
+        _swap(mixer, name, ColumnParallelLinear(h, rows, tp, enter=False, **kw))
+    _swap(mixer, "wo", RowParallelLinear(nv * dv, h, tp, sequence_parallel=sp, **kw))
+    for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
+        old = getattr(mixer, name)
+        rows = old.shape[0] // tp.size
+        new = nn.Parameter(torch.empty(rows, *old.shape[1:], device="meta"))
+        set_spec(new, ShardSpec(tuple(old.shape), 0, tp.rank * rows, rows, rows))
+        setattr(mixer, name, carry_param(old, new))
 
 
 def _head_sinks(cfg: ModelConfig, tp) -> nn.Parameter:
@@ -219,8 +255,38 @@ def _vocab_parallel_loss(tp, vocab_start: int, vocab_size: int, logits, targets,
     return vocab_parallel_cross_entropy(logits, targets, tp, vocab_start, vocab_size, ignore_index, label_smoothing)
 
 
-def apply_expert_parallel(cfg: ModelConfig, mesh: Mesh, sp: bool, fused: bool = False) -> MoE:
-    """An MoE block whose experts are split over ep; router, shared experts and experts are replicated over TP.
+def _set_overlap(module: nn.Module, overlap: bool) -> None:
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.overlap = overlap
+
+
+def _replicated_over_tp(params, tp, sp: bool) -> None:
+    """Parameters no plan split (norms, routers, shared experts) are replicated over TP: their gradients are partial
+    under SP, since each rank sees s/tp tokens. Those declared head-partial (per-head q/k norms, MLA's
+    down-projections) see only this rank's heads: partial under any TP."""
+    for p in params:
+        if not hasattr(p, "_sw_shard"):
+            partial = sp or (tp.active and head_partial(p))
+            set_spec(p, ShardSpec(tuple(p.shape), replicas=tp.size, grad_reduce="tp_sum" if partial else None))
+
+
+def apply_ep(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
+    """Expert parallelism: every MoE block (the layers' and the MTP modules') rebuilt with its routed experts split
+    over ep; router, shared experts and experts are replicated over TP, and the blocks share one aux-loss pool
+    when the model's aux loss is pooled over layers."""
+    tp = mesh["tp"]
+    sp = parallel.sequence_parallel and tp.active
+    for block in all_blocks(model):
+        if isinstance(block.feed_forward, MoE):
+            block.feed_forward = moe = _expert_parallel_moe(model.cfg, mesh, sp, parallel.fused_projections)
+            _set_overlap(moe, parallel.tp_overlap and sp)
+            _replicated_over_tp(moe.parameters(), tp, sp)
+    share_aux_pool(model)
+
+
+def _expert_parallel_moe(cfg: ModelConfig, mesh: Mesh, sp: bool, fused: bool) -> MoE:
+    """An MoE block whose experts are split over ep (it declares its own parameters).
 
     Without SP every TP rank routes the same tokens, so replicas compute identical gradients. Under
     SP each TP rank routes its own sequence shard: gradients are partial and summed over TP, and the
@@ -235,6 +301,57 @@ def apply_expert_parallel(cfg: ModelConfig, mesh: Mesh, sp: bool, fused: bool = 
     if fused and moe.shared is not None:
         _fuse_shared_experts(moe.shared, tp, sp)
     return moe
+
+
+def _fuse_shared_experts(ffn: nn.Module, tp, sp: bool) -> None:
+    """The MoE's shared experts (replicated over TP, on this rank's tokens) with w1/w3 as one fused region; no TP
+    entry: their input is already this rank's. Under SP each rank sees its own tokens, so gradients are partial."""
+    for name in ("w1", "w3"):
+        old = getattr(ffn, name)
+        _swap(ffn, name, _replicated_column(old.in_features, old.out_features, tp, partial=sp))
+    ffn.register_forward_pre_hook(ColumnRegion([ffn.w1, ffn.w3], tp, reduce=False, fused=True))
+
+
+def apply_cp(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
+    """Context parallelism: under cp > 1, attention over the cp axis (ring or Ulysses) and RoPE at the layout's
+    global positions."""
+    cp = mesh["cp"]
+    model.ctx.cp = ContextParallel(cp, parallel.cp_order, parallel.cp_impl) if cp.active else None
+
+
+def apply_pp(model: Transformer, mesh: Mesh, parallel: ParallelConfig, schedule, act_dtype: torch.dtype) -> None:
+    """Pipeline parallelism: with a `schedule`, only this rank's stages are kept (`model.chunks` lists them in
+    local-chunk order), the embedding's copies on other stages are marked (tied head, MTP), and under a
+    split-backward schedule every linear layer defers its dW to one store. Without one, `model.chunks` is None."""
+    model.chunks = None
+    if schedule is None:
+        return
+    from .tensor_parallel.grad_store import WeightGradStore
+    from .rules.partition import split_layers
+    from .pipeline.stage import prune_to_stages
+    from .pipeline.tied_embedding import mark_mtp_embedding, mark_tied_copies
+
+    stage_layers = split_layers(model.cfg.n_layers, schedule.num_stages, parallel.pp_layers)
+    model.chunks = prune_to_stages(model, mesh["pp"].rank, schedule.layout, stage_layers)
+    mark_tied_copies(model, mesh)
+    mark_mtp_embedding(model, mesh, act_dtype)
+    model.grad_store = WeightGradStore() if schedule.split_bw else None
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.grad_store = model.grad_store
+
+
+def init_weights(model: Transformer, mesh: Mesh, parallel: ParallelConfig, seed: int) -> None:
+    """Every random draw the ranks must agree on: the parameters (`materialize`, seeded by name), then, with
+    fused projections, each fused region's weights moved into one buffer (before anything holds them), and the
+    dropout streams (`RNGTracker`: one mask over TP where it must agree, per-rank where heads differ)."""
+    materialize(model, model.cfg, seed, mesh.device)
+    if parallel.fused_projections:
+        store_fused(model)
+    ctx = model.ctx
+    tracker = RNGTracker(seed, mesh["tp"].rank, mesh["pp"].rank, mesh.device)
+    ctx.rng = tracker
+    ctx.dropout = functools.partial(_dropout, tracker, ctx.tp_axis if ctx.sequence_parallel else None)
 
 
 def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> None:
@@ -282,58 +399,6 @@ def global_init(name: str, shape, init: str, cfg: ModelConfig, seed: int) -> tor
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
-def apply_context_parallel(model: Transformer, mesh: Mesh, order: str, impl: str) -> None:
-    """Under cp > 1, point attention at the cp axis (ring or Ulysses) and RoPE at the layout's global positions."""
-    cp = mesh["cp"]
-    model.ctx.cp = ContextParallel(cp, order, impl) if cp.active else None
-
-
-def build_model(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfig | None = None, *,
-                schedule=None, act_dtype: torch.dtype = torch.float32) -> Transformer:
-    """The model for this rank of `mesh` under `parallel` (None: the single-device model).
-
-    With a pipeline `schedule`, only this rank's stages are kept and `model.chunks` lists them in
-    local-chunk order; with a split-backward schedule its linear layers defer dW to a store.
-    `act_dtype` (bf16 activations) is the embedding's output dtype, so the residual stream and
-    every activation payload downstream follow it.
-    """
-    p = parallel or ParallelConfig()
-    ctx = ParallelContext(moe=_unsplit_moe, attention=local_attention)  # the TP plan splits the experts over ep
-    with torch.device("meta"):
-        model = Transformer(cfg, ctx)
-    apply_tensor_parallel(model, mesh, p.sequence_parallel, fused=p.fused_projections, overlap=p.tp_overlap)
-    model.tok_embeddings.out_dtype = act_dtype
-    apply_context_parallel(model, mesh, p.cp_order, p.cp_impl)
-    model.chunks = None
-    if schedule is not None:
-        from .tensor_parallel.grad_store import WeightGradStore
-        from .rules.partition import split_layers
-        from .pipeline.stage import prune_to_stages
-        from .pipeline.tied_embedding import mark_mtp_embedding, mark_tied_copies
-
-        stage_layers = split_layers(cfg.n_layers, schedule.num_stages, p.pp_layers)
-        model.chunks = prune_to_stages(model, mesh["pp"].rank, schedule.layout, stage_layers)
-        mark_tied_copies(model, mesh)
-        mark_mtp_embedding(model, mesh, act_dtype)
-        model.grad_store = WeightGradStore() if schedule.split_bw else None
-        for m in model.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-                m.grad_store = model.grad_store
-    materialize(model, cfg, seed, mesh.device)
-    if p.fused_projections:
-        store_fused(model)
-    tracker = RNGTracker(seed, mesh["tp"].rank, mesh["pp"].rank, mesh.device)
-    ctx.rng = tracker
-    ctx.dropout = functools.partial(_dropout, tracker, ctx.tp_axis if ctx.sequence_parallel else None)
-    if p.compile:  # before recompute, so a fully recomputed block checkpoints the compiled forward
-        apply_compile(model)
-    apply_recompute(model, p.recompute, p.recompute_layers)
-    if p.compile and ctx.checkpoint_core is not None:
-        # checkpoint with our RNG-replay context_fn is not traceable: the selective core runs eagerly
-        ctx.checkpoint_core = torch.compiler.disable(ctx.checkpoint_core)
-    return model
-
-
 def _dropout(tracker: RNGTracker, sp_axis, x: torch.Tensor, p: float) -> torch.Tensor:
     return replicated_dropout(x, p, tracker, sp_axis)
 
@@ -355,3 +420,24 @@ def apply_compile(model: Transformer) -> None:
             # block shape), so the whole context-parallel core runs eagerly instead.
             core.compute = torch.compiler.disable(core.compute)
         block.forward = torch.compile(block.forward)
+
+
+def apply_dp(model: Transformer, mesh: Mesh, train: TrainConfig, rounds: int) -> GradReducer:
+    """Data parallelism over dp×cp (experts over edp) at ZeRO stage `train.parallel.zero`: the gradient reducer,
+    with the run's optimizer(s) on the shards it owns (data_parallel/reducer.py: a step's gradient work, in order).
+    `rounds`: the backward passes (microbatches) of each step.
+
+    The reducer installs, in this order:
+    * the ZeRO-3 gathers (ZeRO 3, data_parallel/zero3.py `ParamUnits`): on every unit — the embedding, each block,
+      the final norm, the head, the MTP modules — a forward pre-hook that all-gathers it (and prefetches the next),
+      a forward hook that frees it and re-gathers it when its output's gradient arrives, and a post-accumulate-grad
+      hook per parameter that releases a unit no input gradient passes through;
+    * the gradient reduction (data_parallel/buckets.py `OverlappedReduction`): a post-accumulate-grad hook per
+      parameter that counts its bucket down and launches the bucket's dp×cp (edp) all-reduce (ZeRO 0) or
+      reduce-scatter (ZeRO ≥ 1) from backward once it is complete. At ZeRO 0/1 without overlap the hook only
+      adopts the gradient into the bucket's buffer; those buckets, and every bucket holding a TP-partial
+      gradient, are reduced in `reduce_and_clip`.
+    The TP sums of partial gradients, the tied embedding's sum over emb and HSDP's all-reduce over the replicas
+    are not hooks either: they run in `reduce_and_clip`, the first two before the buckets holding those gradients.
+    """
+    return build_reducer(train, model, mesh, rounds)

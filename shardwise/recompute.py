@@ -105,8 +105,10 @@ def _checkpointed(fn, replay: _Replay):
     return run
 
 
-def apply_recompute(model, mode: str, layers: int | None = None) -> None:
-    """Recompute the first `layers` blocks (default all) of every pipeline chunk (or of the model)."""
+def apply_recompute(model, mode: str, layers: int | None = None, compiled: bool = False) -> None:
+    """Recompute the first `layers` blocks (default all) of every pipeline chunk (or of the model). `compiled`:
+    the blocks are compiled (`parallelize.apply_compile`), and checkpoint with our RNG-replay context_fn is not
+    traceable, so the selective core's checkpoint runs eagerly."""
     if mode == "none":
         return
     if mode not in MODES:
@@ -116,8 +118,10 @@ def apply_recompute(model, mode: str, layers: int | None = None) -> None:
     chosen = recomputed_layers(chunks, layers)
     if mode == "selective":  # the attention cores read this from the model's context
         model.ctx.selective = frozenset(chosen)
-        model.ctx.checkpoint_core = lambda core, *qkv: checkpoint(
-            core, *qkv, use_reentrant=False, context_fn=_Replay(tracker, []), preserve_rng_state=True)
+
+        def checkpoint_core(core, *qkv):
+            return checkpoint(core, *qkv, use_reentrant=False, context_fn=_Replay(tracker, []), preserve_rng_state=True)
+        model.ctx.checkpoint_core = torch.compiler.disable(checkpoint_core) if compiled else checkpoint_core
         return
     for i in chosen:
         block = model.layers[str(i)]

@@ -23,8 +23,8 @@ from ..expert_parallel import metrics as moe_metrics
 from ..expert_parallel.metrics import MoEMetrics
 from ..expert_parallel.moe import MoE
 from ..mesh import Mesh
-from ..optim import build_reducer, optimizers
-from ..parallelize import build_model
+from ..optim import optimizers
+from ..parallelize import parallelize
 from ..pipeline.tied_embedding import emb_stages
 from .step_timer import StepTimer
 
@@ -53,15 +53,14 @@ class Trainer:
 
             self.schedule = build_schedule(p.schedule, p.pp, self.microbatches_run, p.vp)
         self.act_dtype = torch.bfloat16 if cfg.residual_dtype() == "bf16" else torch.float32
-        self.model = build_model(self.model_cfg, mesh, cfg.seed, p, schedule=self.schedule, act_dtype=self.act_dtype)
-        if cfg.init_from_hf:  # before the reducer: ZeRO's flat buffers start from the parameters' values
-            from ..hf.weights import load_hf_into
-
-            load_hf_into(self.model, cfg.init_from_hf, mesh, cfg.mtp_init)
-        self.model.train()
         self.global_batch = cfg.global_batch or cfg.micro_batch * p.dp
         rounds = microbatches or self.global_batch // mesh.dims.dp // cfg.micro_batch  # the microbatches run
-        self.reducer = build_reducer(cfg, self.model, mesh, rounds)
+        # every axis, in one order (parallelize.py): TP, EP, CP, PP, init, compile, recompute, the starting
+        # weights, then DP/ZeRO — the reducer (gradient reduction, ZeRO-3 gathers) with the optimizer
+        self.model, self.reducer = parallelize(self.model_cfg, mesh, cfg.seed, p, schedule=self.schedule,
+                                               act_dtype=self.act_dtype, load=self._load if cfg.init_from_hf else None,
+                                               train=cfg, rounds=rounds)
+        self.model.train()
         with self._host():  # a pure function of the step: the checkpoint's step is the data position
             self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
                                  cfg.seed)
@@ -84,6 +83,13 @@ class Trainer:
                                              (cfg.micro_batch, s_local, self.model_cfg.dim), self.act_dtype,
                                              lambda logits, y: self.model.loss_fn(logits, y, IGNORE_INDEX, cfg.label_smoothing),
                                              self.model.grad_store, self._autocast, p.pp_scatter_gather)
+
+    def _load(self, model) -> None:
+        """--init-from-hf: the checkpoint's weights over the seeded ones (before DP: ZeRO's flat buffers start
+        from the parameters' values)."""
+        from ..hf.weights import load_hf_into
+
+        load_hf_into(model, self.cfg.init_from_hf, self.mesh, self.cfg.mtp_init)
 
     def _host(self):
         """The host side of the loop: the loader and each batch's preparation."""
