@@ -96,7 +96,7 @@ def test_sigterm_saves_once_and_resume_is_bitwise(tmp_path):
         assert 2 <= step < END, (target, step)
         assert [row["step"] for row in _rows(run)] == list(range(1, step + 1))  # every step run is recorded
         ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
-        assert ckpts == [f"step-{step}", "latest"], ckpts  # one checkpoint, at the step reached
+        assert ckpts == ["latest", f"step-{step}"], ckpts  # one checkpoint, at the step reached
         assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{step}"
         assert all(_gone(pid) for pid in ranks), (target, ranks)
 
