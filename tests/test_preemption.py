@@ -148,6 +148,8 @@ def test_one_rank_run_stops_after_the_signal_step_and_resumes_bitwise(tmp_path, 
     assert got["preempted"] == {"step": 3, "signal": "SIGUSR1", "checkpoint": "step-3"}
     assert preemption.preempted_line(got["preempted"]) == (
         "preempted at step 3 (SIGUSR1); saved checkpoint step-3; continue with --resume")
+    assert (tmp_path / "cut" / "checkpoints" / "latest").read_text().strip() == "step-3"
+    assert len(_rows(tmp_path / "cut")) == 3
     monkeypatch.setattr(loop, "install_faults", real)
     loop.train_main(cfg(tmp_path / "cut", resume=True))
     assert [r["loss"] for r in _rows(tmp_path / "cut")] == [r["loss"] for r in _rows(tmp_path / "full")]
