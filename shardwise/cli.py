@@ -121,12 +121,29 @@ def main(argv=None) -> int:
         return 1
     except ConfigError as e:  # decided by the ranks together (a resume whose every checkpoint fails its checksum)
         return _refuse(args.command, e, rank0, torchrun_world is not None)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # SIGINT stops at once; --save-on-signal's signal stops after a save (`_preempted`)
         if rank0:
             start = "\n" if sys.stderr.isatty() else ""  # on its own line, not after a progress bar or ^C
             print(f"{start}shardwise {args.command}: {_interrupted_line(cfg)}", file=sys.stderr)
         return 130
+    if isinstance(result, dict) and result.get("preempted"):
+        return _preempted(args.command, result["preempted"], rank0, torchrun_world is not None)
     return _report(args.command, result) if rank0 else 0
+
+
+def _preempted(command: str, stopped: dict, speak: bool, torchrun: bool) -> int:
+    """--save-on-signal stopped every rank after the same step: one line (also for torchrun's failure summary)
+    and the documented exit status, on every rank."""
+    from .training.preemption import PREEMPTED_EXIT_CODE, preempted_line
+
+    line = f"shardwise {command}: {preempted_line(stopped)}"
+    if speak:
+        print(line, file=sys.stderr)
+    if torchrun:
+        from .training.launch import note_torchrun_failure
+
+        note_torchrun_failure(line)
+    return PREEMPTED_EXIT_CODE
 
 
 def _refuse(command: str, error: ConfigError, speak: bool, torchrun: bool) -> int:
@@ -197,9 +214,12 @@ def _plan_launch(args, cfg: TrainConfig, torchrun_world: int | None):
 
 def _launch(kind: str, cfg: TrainConfig, launch, torchrun_world: int | None):
     """Run the ranks: join torchrun's job, run in this process (one rank), or fork the local ranks; rank 0's result."""
+    save_signal = cfg.save_on_signal if kind == "train" else None
     if torchrun_world is not None:
         from .training.launch import init_distributed
+        from .training.preemption import die_with_parent
 
+        die_with_parent(save_signal, os.getppid())  # torchrun's agent: its death is this worker's stop request
         return _run(kind, cfg, init_distributed(cfg.timeout_s, launch.device, cfg.out))
     world = cfg.parallel.world_size
     if world == 1:
@@ -209,7 +229,7 @@ def _launch(kind: str, cfg: TrainConfig, launch, torchrun_world: int | None):
     from .training.launch import run_local
 
     return run_local(_rank_run, world, kind, cfg, timeout_s=cfg.timeout_s, backend=launch.backend,
-                     run_dir=cfg.out)[0]
+                     run_dir=cfg.out, save_signal=save_signal)[0]
 
 
 def _report(kind: str, result) -> int:

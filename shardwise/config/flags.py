@@ -61,6 +61,22 @@ def _pp_layers(text: str | None) -> tuple[int, ...] | None:
         raise ConfigError(f"--pp-layers {text!r} must be comma-separated integers, e.g. 3,3,2") from None
 
 
+SAVE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+"""What --save-on-signal takes (SIGINT is Ctrl-C's: it stops at once, without a save)."""
+
+
+def _signal_name(text: str | None) -> str | None:
+    """'TERM', 'sigusr1', 'SIGTERM' → the canonical name; 'none' → None (no handler)."""
+    from .errors import ConfigError
+
+    if text is None or text.lower() == "none":
+        return None
+    name = text.upper() if text.upper().startswith("SIG") else f"SIG{text.upper()}"
+    if name not in SAVE_SIGNALS:
+        raise ConfigError(f"--save-on-signal {text!r} is not supported; valid: {', '.join(SAVE_SIGNALS)}, none")
+    return name
+
+
 LAYOUT = "layout"
 OPTIM = "optimizer and learning-rate schedule"
 MOE = "mixture of experts (override the preset)"
@@ -191,6 +207,9 @@ RUN_FLAGS: tuple[Flag, ...] = (
          kind="switch", group=CHECKPOINTS),
     Flag("--overwrite", "start fresh in a non-empty --out, removing its old checkpoints", kind="switch",
          group=CHECKPOINTS),
+    Flag("--save-on-signal", "on this signal to the launcher, any rank or the job (a scheduler's preemption notice): "
+         "finish the step, save a checkpoint, exit 143 (none: die at once)", "save_on_signal", type=str,
+         default="SIGTERM", metavar="SIG", group=CHECKPOINTS, convert=_signal_name),
     Flag("--async-save", "write checkpoints in the background (torch.distributed.checkpoint.async_save)",
          "async_save", kind="switch", group=CHECKPOINTS),
     Flag("--fault-inject", "make RANK crash, hang or produce NaN (KIND) at STEP — for testing recovery",

@@ -115,6 +115,9 @@ class TrainConfig:
     async_save: bool = False
     """Write checkpoints with torch.distributed.checkpoint.async_save while training continues; each is
     published (manifest, rename, `latest`) only once every rank's write completed."""
+    save_on_signal: str | None = None
+    """SIGTERM, SIGUSR1 or SIGUSR2: on it, every rank finishes its step, one checkpoint is saved and the run stops
+    (`training.preemption`); None: no handler (the library default; the CLI's is SIGTERM)."""
     fault_inject: str | None = None
     """RANK:STEP:{crash,hang,nan} — make global rank RANK crash, hang or produce a NaN loss at STEP (tests)."""
     bad_step: str = "skip"

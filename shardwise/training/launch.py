@@ -10,6 +10,7 @@ recorder's dumps go to the run directory. On clusters: each process takes the GP
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib
 import json
@@ -19,10 +20,12 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -266,7 +269,14 @@ class ForkAfterCudaError(RuntimeError):
     """run_local would fork ranks from a process that already initialised CUDA (the children could not use it)."""
 
 
-def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", lastop_dir=None, run_dir=None):
+def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", lastop_dir=None, run_dir=None,
+            save_signal=None, launcher=None):
+    from .preemption import die_with_parent, install
+
+    if save_signal:
+        install(save_signal)  # before the launcher's block is lifted: a signal now is a stop request, not death
+    if launcher is not None:
+        die_with_parent(save_signal, launcher)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
@@ -285,7 +295,8 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
         out = fn(*args) if device is None else fn(*args, device=device)
         # Plain pickle copies tensor bytes into the message: torch's queue reducer would pass a shared-memory
         # fd that the parent can no longer open once this process has exited (connection reset).
-        results.put((rank, True, pickle.dumps(out)))
+        if launcher is None or os.getppid() == launcher:  # a rank that saved after its launcher died has no one to tell
+            results.put((rank, True, pickle.dumps(out)))
         dist.destroy_process_group()
     except BaseException as e:  # report everything, including KeyboardInterrupt, to the parent
         from ..config import ConfigError  # the user's input, said in one line: no traceback to read past
@@ -299,7 +310,7 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
 
 
 def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
-              grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None):
+              grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None, save_signal: str | None = None):
     """Run `fn(*args)` on `world` local ranks; return the per-rank results in rank order.
 
     gloo: forked CPU ranks. nccl: spawned ranks, rank r on cuda:r, `fn(*args, device=cuda:r)`, flight
@@ -310,6 +321,10 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
     a RankError names the culprit: a rank that died (its exit code), or a rank still alive that
     reported nothing while its peers failed (hung), what each failing rank was doing, and each
     rank's last collective call (which rank stopped earliest, on which op and axis).
+
+    `save_signal` (--save-on-signal): this process forwards it to every rank, and each rank catches it from its
+    first instruction on (the signal stays blocked while they start). Whatever `save_signal`, a rank gets it
+    (else SIGKILL) from the kernel when this process dies: no rank outlives its launcher.
     """
     fork = backend == "gloo"
     if fork and torch.cuda.is_initialized():
@@ -325,10 +340,9 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
     port = free_port()
     lastops = tempfile.mkdtemp(prefix="shardwise-lastop-")
     procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, fn, args, results, backend, lastops,
-                                               run_dir), daemon=False)
+                                               run_dir, save_signal, os.getpid()), daemon=False)
              for r in range(world)]
-    for p in procs:
-        p.start()
+    stop_forwarding = _start(procs, save_signal)
     out: dict[int, object] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + (wall_timeout_s or float("inf"))
@@ -364,15 +378,38 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
         for p in procs:
             p.join(timeout=30)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
+        stop_forwarding()
+        for p in procs:  # SIGKILL: SIGTERM may be a rank's stop request now, which a stuck rank would not act on
             if p.is_alive():
                 p.kill()
+        for p in procs:
+            p.join(timeout=5)
         shutil.rmtree(lastops, ignore_errors=True)
     return [out[r] for r in range(world)]
+
+
+def _start(procs, save_signal: str | None):
+    """Start the ranks; with `save_signal`, forward it to each from then on. Returns what ends the forwarding."""
+    if not save_signal or threading.current_thread() is not threading.main_thread():
+        for p in procs:
+            p.start()
+        return lambda: None
+    signum = signal.Signals[save_signal]
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signum})  # held until the ranks have their handlers (`_worker`)
+    try:
+        for p in procs:
+            p.start()
+
+        def forward(sig, frame):
+            for p in procs:
+                if p.exitcode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, sig)
+
+        previous = signal.signal(signum, forward)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # one that came meanwhile is forwarded now
+    return lambda: signal.signal(signum, signal.SIG_DFL if previous is None else previous)
 
 
 def _failure_report(procs, out, errors, lastops: str | None = None) -> str:

@@ -15,6 +15,7 @@ from .activation_memory import SavedActivationMeter, static_storage_bytes
 from ..config import TrainConfig
 from ..config.schedule import lr_plan
 from .faults import install_faults
+from . import preemption
 from .assemble import assembled, checkpoint_root
 from .run_dir import resume
 from .writer import RunWriter
@@ -24,7 +25,12 @@ from .trainer import Trainer, make_mesh
 def train_main(cfg: TrainConfig, device: torch.device | None = None, planned_activations: dict | None = None) -> dict:
     """Train on this rank; rank 0 writes the run directory and returns the summary. `planned_activations`: the
     planner's figures for this run (`planner.run_figures`), which the entry point hands in so that the runtime
-    imports no planner module."""
+    imports no planner module. Stopped by --save-on-signal, every rank's result has `preempted`."""
+    with preemption.catching(cfg.save_on_signal):  # from the start: a signal during setup stops after step 1
+        return _train(cfg, device, planned_activations)
+
+
+def _train(cfg: TrainConfig, device: torch.device | None, planned_activations: dict | None) -> dict:
     cfg = assembled(cfg)
     device = device or torch.device("cpu")
     if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls (verify keeps full fp32)
@@ -49,19 +55,24 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None, planned_act
         lambda *_: static_peak.append(static_storage_bytes(trainer)) if not static_peak else None)
     writer = RunWriter(cfg, trainer, start, planned_activations)
     try:
-        act_peak, sites = train_steps(cfg, trainer, writer, start, ckpt_dir)
+        act_peak, sites, stopped = train_steps(cfg, trainer, writer, start, ckpt_dir)
     finally:
         hook.remove()
         writer.close()
     from ..checkpoint import wait_for_save
 
     wait_for_save(trainer)  # an async save's last checkpoint is published before the run ends
-    return writer.finish(act_peak, static_peak[0] if static_peak else 0, sites)
+    if stopped is not None:  # the scheduler's grace period is short: no report PNGs
+        writer.cfg = dataclasses.replace(writer.cfg, report=False)
+    summary = writer.finish(act_peak, static_peak[0] if static_peak else 0, sites)
+    return summary if stopped is None else summary | {"preempted": stopped}
 
 
-def train_steps(cfg: TrainConfig, trainer: Trainer, writer: RunWriter, start: int, ckpt_dir: str) -> tuple[int, dict]:
+def train_steps(cfg: TrainConfig, trainer: Trainer, writer: RunWriter, start: int,
+                ckpt_dir: str) -> tuple[int, dict, dict | None]:
     """Steps start+1..cfg.steps, each followed by its evaluation and checkpoint when due. Returns the first
-    step's saved-activation peak and the last step's host reads by call site."""
+    step's saved-activation peak, the last step's host reads by call site, and — when --save-on-signal stopped
+    the run at a step boundary — {step, signal, checkpoint}."""
     from .evaluate import Evaluator
 
     tokenizer = None  # what hf-export writes beside the weights (rank 0's extra_state is the one stored)
@@ -81,15 +92,23 @@ def train_steps(cfg: TrainConfig, trainer: Trainer, writer: RunWriter, start: in
         ev = None
         if evaluator is not None and evaluator.due(step + 1, cfg.steps):
             ev = {"step": step + 1, "eval_loss": evaluator.run()}
-        if checkpoint_due(cfg, step + 1):
+        saving = cfg.save_every or cfg.final_checkpoint
+        due = checkpoint_due(cfg, step + 1)
+        # one gather per boundary, only under a handler, never after the last step (nothing left to stop)
+        signal = preemption.stop_agreed(trainer.mesh) if cfg.save_on_signal and step + 1 < cfg.steps else None
+        if due or (signal and saving):
             from ..checkpoint import save_checkpoint
 
             save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"], "lr_plan": lr_plan(cfg),
                                                          "tokenizer": tokenizer},
                             keep=cfg.keep, async_save=cfg.async_save)
         writer.step_done(rec, ev)
+        if signal:
+            writer.steps_done()
+            return act_peak, sites, {"step": step + 1, "signal": signal,
+                                     "checkpoint": f"step-{step + 1}" if saving else None}
     writer.steps_done()
-    return act_peak, sites
+    return act_peak, sites, None
 
 
 def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
