@@ -23,8 +23,7 @@ from shardwise.rules.inventory import Param, unit_params, zero_units
 from shardwise.rules.partition import balanced_counts
 from shardwise.planner.layout import Layout, Stage, chunk_owners
 from shardwise.planner.models import (
-    ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, mtp_module_tensors,
-    tensors,
+    ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, tensors,
 )
 from shardwise.planner.mtp import embedding_copy, mtp_stage_tensors
 
