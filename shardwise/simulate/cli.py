@@ -38,7 +38,7 @@ def choose_ranks(text: str, world: int, pp: int, cp: int, tp: int) -> list[int]:
     from ..config import ConfigError
 
     if text == "stages":
-        grid = SimpleNamespace(dp=world // (pp * cp * tp), pp=pp, cp=cp, tp=tp)
+        grid = SimpleNamespace(pp=pp, cp=cp, tp=tp)  # rank_of reads no dp
         return [rank_of(grid, dict(dp=0, pp=s, cp=0, tp=0)) for s in range(pp)]
     if text == "all":
         return list(range(world))
