@@ -28,13 +28,14 @@ input has the wire dtype, as in a real run.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig, TrainConfig
+from shardwise.config import MODEL_PRESETS, ParallelConfig, TrainConfig
 from shardwise.context_parallel.sharding import shard_sequence
 from shardwise.planner import Cluster, estimate, get_gpu
 from shardwise.planner.layout import from_train_config, stages
@@ -45,6 +46,10 @@ from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 from test_model_families import DEEPSEEK, DEEPSEEK_NOQ, QWEN3, QWEN3_MOE
+
+# gpt-oss's router and [E, n] expert biases (2-D: decayed, in the expert matrix buckets, stepped by Muon)
+OSS_BIASES = dataclasses.replace(MODEL_PRESETS["tiny-moe"], name="oss-biases", moe_router_bias=True,
+                                 moe_expert_bias=True, moe_swiglu_limit=7.0)
 
 KW = dict(seq_len=32, micro_batch=2)
 # name: (world, model, ParallelConfig kwargs, TrainConfig kwargs); m = global_batch / (micro_batch·dp)
@@ -100,6 +105,11 @@ LAYOUTS = {
     "dp4-hs2-zero2": (4, "tiny", dict(dp=4, dp_shard=2, zero=2), dict(KW, global_batch=16)),
     "dp4-hs2-zero3": (4, "tiny", dict(dp=4, dp_shard=2, zero=3), dict(KW, global_batch=16)),
     "dp2-cp2-hs1-zero3": (4, "tiny", dict(dp=2, cp=2, dp_shard=1, zero=3), dict(KW, global_batch=8)),
+    # head-partial weights (q/k norms; MLA's down-projections) are TP-partial without SP: their buckets wait for the
+    # TP sum (held whole, reduce-scattered once per step)
+    "dp2-tp2-zero2-qwen3": (4, QWEN3, dict(dp=2, tp=2, zero=2), dict(KW, global_batch=8)),
+    "dp2-tp2-zero3-deepseek-noq": (4, DEEPSEEK_NOQ, dict(dp=2, tp=2, zero=3), dict(KW, global_batch=8)),
+    "ep2-dp2-zero1-oss-biases": (2, OSS_BIASES, dict(dp=2, ep=2, zero=1), dict(KW, global_batch=8)),
     "dp2-hs1-pp2-tp2-sp-zero2": (8, "tiny", dict(dp=2, pp=2, tp=2, dp_shard=1, sequence_parallel=True, zero=2),
                                  dict(KW, global_batch=16)),
 }
@@ -203,14 +213,17 @@ def _run(names: list[str], seed: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def measured():
-    """{layout: [per-rank report]}, from one spawn per world size."""
+def measured(request):
+    """{layout: [per-rank report]}, from one spawn per world size, of the layouts the session selected (-k)."""
+    chosen = {item.callspec.params["name"] for item in request.session.items
+              if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})}
     with torch.device("meta"):  # warm torch's lazy imports (meta init pulls in dynamo) once, before forking
         torch.nn.Embedding(2, 2)
     seed = fresh_seed()
     by_world = defaultdict(list)
     for name, (world, *_) in LAYOUTS.items():
-        by_world[world].append(name)
+        if name in chosen:
+            by_world[world].append(name)
     out = {}
     for world, names in sorted(by_world.items()):
         ranks = run_ranks(world, _run, names, seed)

@@ -16,7 +16,6 @@ import pytest
 from shardwise.planner import Layout, Workload, get_gpu, get_model, load_hf_config, memory_by_stage
 from shardwise.planner.comm_model import CommLedger, tp_grad_sync
 from shardwise.planner.layout import stages
-from shardwise.planner.memory import stage_params
 from shardwise.planner.peak import tp_reduction_bytes
 
 GPT_1T = {"_name_or_path": "1T", "model_type": "gpt2", "n_embd": 25600, "n_layer": 128, "n_head": 160, "vocab_size": 51200,
@@ -45,7 +44,7 @@ def _held(spec, stage) -> float:
 def _all_reduced(spec, stage, lay) -> float:
     """The payload of the step's TP gradient all-reduces (comm_model): the concatenation itself."""
     led = CommLedger()
-    tp_grad_sync(led, spec, stage, lay, stage_params(spec, stage, lay))
+    tp_grad_sync(led, spec, stage, lay)
     return float(led.as_dict().get("tp", {}).get("all_reduce", {}).get("bytes", 0))
 
 

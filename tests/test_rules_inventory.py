@@ -52,8 +52,7 @@ def test_the_runtimes_parameters_are_the_inventory(family):
            for n, p in model.named_parameters()]
     want = [(p.name, p.shape, p.init, p.head_partial, p.expert) for p in inventory.model(cfg)]
     assert got == want
-    assert [p.matrix for p in inventory.model(cfg) if not p.expert] == [
-        p.ndim >= 2 for p in model.parameters() if not getattr(p, "_sw_expert", False)]
+    assert [p.matrix for p in inventory.model(cfg)] == [p.ndim >= 2 for p in model.parameters()]
     assert total_params(ModelSpec.of(cfg)) == sum(p.numel() for p in model.parameters())
 
 
@@ -149,7 +148,7 @@ def _call_name(node) -> str:
 def second_copies(root: Path = ROOT) -> list[str]:
     """Where a parameter inventory or one of its constants is written outside rules/inventory.py: an assignment
     of an inventory constant; a parameter or linear layer made in the model packages other than from an entry; a
-    planner tensor made other than from an entry; a literal list of the runtime's parameter names in the planner
+    planner tensor or Muon matrix made other than from an entry (in an `of` constructor); a literal list of the runtime's parameter names in the planner
     or the model packages."""
     names = {p.name.split(".")[-2] if p.name.endswith((".weight", ".bias")) else p.name.split(".")[-1]
              for cfg in FAMILIES.values() for p in inventory.model(cfg)}
@@ -169,8 +168,8 @@ def second_copies(root: Path = ROOT) -> list[str]:
                 call = _call_name(node)
                 if package in MODEL_PACKAGES and call in ("Parameter", "Linear") and (rel, fn) not in CREATORS:
                     out.append(f"{where}: nn.{call}(...) not from an inventory entry")
-                if package == "planner" and call == "Tensor" and fn != "of":
-                    out.append(f"{where}: Tensor(...) not from an inventory entry")
+                if package == "planner" and call in ("Tensor", "Matrix") and fn != "of":
+                    out.append(f"{where}: {call}(...) not from an inventory entry")
             if package in ("planner", *MODEL_PACKAGES) and isinstance(node, (ast.List, ast.Tuple, ast.Set)):
                 listed = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
                 if sum(x in names for x in listed) >= 2:
@@ -190,8 +189,10 @@ def test_a_second_copy_is_found(tmp_path):
     (pkg / "rules" / "inventory.py").write_text("CHUNK = 64\n")
     (pkg / "planner" / "linear_attention.py").write_text("CHUNK = 64\n")
     (pkg / "planner" / "models.py").write_text("def attention_tensors(h):\n    return [Tensor(h * h)] * 4\n")
+    (pkg / "planner" / "muon.py").write_text("def attention_matrices(h, tp):\n"
+                                             "    return [Matrix(h, h, h * h // tp, tp_split=tp > 1)] * 4\n")
     (pkg / "models" / "mla.py").write_text("ORDER = ('wq_a', 'wkv_a', 'wkv_b')\n"
                                            "def make(d):\n    return nn.Parameter(torch.empty(d))\n")
     found = second_copies(pkg)
     assert [f.split(":")[0] for f in found] == ["models/mla.py", "models/mla.py", "planner/linear_attention.py",
-                                                "planner/models.py"], found
+                                                "planner/models.py", "planner/muon.py"], found

@@ -7,17 +7,15 @@ import torch
 from ..config import TrainConfig
 from ..config.schedule import parse_betas
 from ..data_parallel import GradReducer
+from ..rules.muon import is_hidden_matrix
 from .muon import ns_dtype
 from .qk_clip import QKClip
 from .sharded import Muon
 
-NOT_HIDDEN = ("tok_embeddings", "output", "router", "mtp_embed")
-"""Modules whose matrices are not hidden transformations: embeddings, the LM head and MoE routers (AdamW)."""
-
 
 def is_muon_param(name: str, p: torch.Tensor) -> bool:
-    """A hidden weight matrix (attention and MLA projections, MLP and expert matrices, MTP projections)."""
-    return p.ndim >= 2 and not any(part in NOT_HIDDEN for part in name.split("."))
+    """A hidden weight matrix, by the rule the planner counts from (`rules.muon.is_hidden_matrix`)."""
+    return is_hidden_matrix(name, p.ndim)
 
 
 def build_reducer(cfg: TrainConfig, model, mesh, rounds: int) -> GradReducer:

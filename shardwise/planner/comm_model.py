@@ -28,7 +28,7 @@ from shardwise.rules.wire import wire_bytes
 from shardwise.planner import gpt_oss, linear_attention
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, recomputed_layer_ids, stage_layer_ids
 from shardwise.planner.tp_overlap import chunks
-from shardwise.planner.memory import BYTES_GRAD, stage_tensors, zero_buckets
+from shardwise.planner.memory import BYTES_GRAD, stage_tensors, stage_unit_entries, zero_buckets
 from shardwise.planner.models import ModelSpec, Params, local_kv_heads, padded_vocab
 from shardwise.planner.muon import muon_comm, qk_clip_comm
 from shardwise.planner.zero3_gathers import bucket_gathers
@@ -128,26 +128,23 @@ def tp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
         led.add("tp", "all_reduce", n * 2 * 4, t)  # CE: SUM of exp-sums and target logits
 
 
-def tp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, local: Params) -> None:
-    """Per-step TP grad reductions: one flat all-reduce of the SP-partial grads (norms, and under SP the whole
-    MoE block), one of the K/V heads duplicated when n_kv < tp."""
+def tp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout) -> None:
+    """Per-step TP grad reductions (`GradReducer._reduce_tp`), from the gradients `memory.stage_unit_entries` marks
+    TP-partial (MTP's blocks included): one flat all-reduce of the summed ones (under SP every replicated weight fed
+    sequence shards — norms, and the whole MoE block; under any tp the head-partial weights), and one of the K/V
+    heads kept whole when n_kv < tp, as an [n_kv_heads, local K/V gradients] buffer."""
     t = lay.tp
-    if lay.sp and local.sp_replicated:
-        led.add("tp", "all_reduce", local.sp_replicated * 4, t)
-    elif t > 1 and stage.n_layers and (spec.qk_norm or spec.is_mla):
-        # replicated weights that see this rank's heads only (Qwen3's q/k norms, MLA's down-projections and
-        # latent norms): partial gradients even without SP
-        r = spec.q_lora_rank
-        per_layer = 2 * spec.head_dim if spec.qk_norm else \
-            (spec.dim * r + r) + (spec.dim + 1) * spec.kv_lora_rank + spec.dim * spec.qk_rope_dim
-        linear = sum(stage.linear)  # Gated DeltaNet layers: their gated norm's weight instead of q/k norms
-        partial = per_layer * (stage.n_layers - linear) + linear_attention.tp_partial_params(spec) * linear
-        led.add("tp", "all_reduce", partial * 4, t)
-    if not spec.is_mla and spec.n_kv_heads < t and stage.n_layers - sum(stage.linear):
-        per_layer = spec.n_kv_heads * spec.head_dim * (spec.dim + (1 if spec.attention_bias or spec.linear_bias else 0)) * 2
-        led.add("tp", "all_reduce", per_layer * (stage.n_layers - sum(stage.linear)) * 4, t)
-
-
+    tp_sum = kv = 0
+    for _, name, rows in stage_unit_entries(spec, stage, lay):
+        if name.partition(".")[0] in ("layers", "mtp", "norm"):  # not the emb-summed copies of the embedding
+            for _, x, partial in rows:
+                if partial:
+                    kv += x.numel if x.whole_head else 0
+                    tp_sum += 0 if x.whole_head else x.numel
+    if tp_sum:
+        led.add("tp", "all_reduce", tp_sum * 4, t)
+    if kv:
+        led.add("tp", "all_reduce", spec.n_kv_heads * kv * 4, t)
 
 
 @lru_cache(maxsize=4096)
@@ -359,7 +356,7 @@ def stage_ledgers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, loca
     sync = CommLedger()
     if lay.tp > 1:
         # one flat all-reduce, the MTP blocks' TP-partial gradients (MLA's down-projections) included
-        tp_grad_sync(sync, spec, replace(stage, n_dense=stage.n_dense + len(mtp_stages(spec, stage))), lay, local)
+        tp_grad_sync(sync, spec, stage, lay)
     pp_grad_sync(sync, spec, stage, lay)
     dp_grad_sync(sync, spec, stage, lay, local, wl.grad_reduce_bytes)
     for st in [stage] + mtp_stages(spec, stage):

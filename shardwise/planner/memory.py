@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.rules.buckets import bucket_key, cut_runs
-from shardwise.rules.inventory import unit_params, zero_units
+from shardwise.rules import inventory
+from shardwise.rules.inventory import Param, unit_params, zero_units
 from shardwise.rules.partition import balanced_counts
 from shardwise.planner.layout import Layout, Stage, chunk_owners
 from shardwise.planner.models import (
-    ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, mtp_module_tensors,
-    tensors,
+    ModelSpec, Params, Tensor, embedding_tensors, head_tensors, layer_params, layer_tensors, tensors,
 )
 from shardwise.planner.mtp import embedding_copy, mtp_stage_tensors
 
@@ -116,24 +116,56 @@ def unit_index(spec: ModelSpec, stage: Stage, lay: Layout) -> dict[str, int]:
     return {name: i for i, (_, name) in enumerate(stage_unit_names(spec, stage, lay))}
 
 
-def stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, list[tuple[Tensor, bool]]]]:
-    """(chunk, [(tensor, TP-partial gradient?)]) of every ZeRO-3 unit of `stage_unit_names`."""
+@lru_cache(maxsize=4096)
+def _unit_entries(spec: ModelSpec, unit: str, tied_head: bool, tp: int, ep: int) -> tuple[tuple[Param, Tensor], ...]:
+    """Each inventory entry of a ZeRO-3 unit with the tensor one rank holds of it (a block's by its kind, so the
+    cache holds one per kind of layer)."""
+    kind, _, i = unit.partition(".")
+    params = (inventory.block(spec, spec.is_moe_layer(int(i)), spec.is_linear_layer(int(i))) if kind == "layers"
+              else unit_params(spec, unit, tied_head=tied_head))
+    return tuple(zip(params, tensors(params, tp, ep)))
+
+
+def unit_key(spec: ModelSpec, unit: str) -> str:
+    """`_unit_entries`' cache key of a unit: a block by its kind (MoE?, Gated DeltaNet?), others by name."""
+    kind, _, i = unit.partition(".")
+    if kind != "layers":
+        return unit
+    return f"layers.{_kind_layer(spec, spec.is_moe_layer(int(i)), spec.is_linear_layer(int(i)), int(i))}"
+
+
+def _kind_layer(spec: ModelSpec, moe: bool, linear: bool, i: int) -> int:
+    """The first layer of the same kind as layer i (its entries are the same)."""
+    return next(j for j in range(i + 1) if spec.is_moe_layer(j) == moe and spec.is_linear_layer(j) == linear)
+
+
+def stage_unit_entries(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, str, list[tuple[Param, Tensor, bool]]]]:
+    """(chunk, unit name, [(inventory entry, tensor one rank holds, TP-partial gradient?)]) of every ZeRO-3 unit of
+    `stage_unit_names`. A gradient is TP-partial as the runtime's `parallelize` marks it: a replicated weight fed
+    sequence shards under SP, a whole K/V head several tp ranks keep, and under any tp a head-partial weight (Qwen3's
+    q/k norms, MLA's down-projections and latent norms, the gated norm), which sees this rank's heads only."""
     t, ep, sp = lay.tp, lay.ep, lay.sp and lay.tp > 1
     # under PP the embedding is reduced at the end when summed over emb with the last stage's copy (MTP's, or the
     # tied head's on another rank) or (MTP under dualpipev) accumulated by two chunks: `tied_partial`
     late = lay.pp > 1 and (bool(spec.mtp_layers) or (spec.tie_embeddings and not stage.head))
     copy = spec.tie_embeddings and not stage.embedding  # a tied head's copy: summed over emb, then reduced
-
-    def unit(name: str) -> list[tuple[Tensor, bool]]:
-        kind, _, i = name.partition(".")
+    tied = spec.tie_embeddings and stage.embedding
+    out = []
+    for chunk, name in stage_unit_names(spec, stage, lay):
+        kind = name.partition(".")[0]
+        entries = _unit_entries(spec, unit_key(spec, name), tied, t, ep)
         if kind in ("layers", "mtp"):
-            xs = (layer_tensors(spec, spec.is_moe_layer(int(i)), t, ep, spec.is_linear_layer(int(i))) if kind == "layers"
-                  else mtp_module_tensors(spec, int(i), t, ep))
-            return [(x, (sp and x.sp_replicated) or x.whole_head) for x in xs]
-        partial = {"norm": sp, "output": copy, "tok_embeddings": late, "mtp_embed": True}[kind]
-        return [(x, partial) for x in tensors(unit_params(spec, name, tied_head=spec.tie_embeddings and stage.embedding), t)]
+            rows = [(p, x, (sp and p.sp_replicated) or x.whole_head or (t > 1 and p.head_partial)) for p, x in entries]
+        else:
+            partial = {"norm": sp, "output": copy, "tok_embeddings": late, "mtp_embed": True}[kind]
+            rows = [(p, x, partial) for p, x in entries]
+        out.append((chunk, name, rows))
+    return out
 
-    return [(chunk, unit(name)) for chunk, name in stage_unit_names(spec, stage, lay)]
+
+def stage_units(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, list[tuple[Tensor, bool]]]]:
+    """(chunk, [(tensor, TP-partial gradient?)]) of every ZeRO-3 unit of `stage_unit_names`."""
+    return [(chunk, [(x, partial) for _, x, partial in rows]) for chunk, _, rows in stage_unit_entries(spec, stage, lay)]
 
 
 def zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> ZeroBuckets:

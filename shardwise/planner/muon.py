@@ -10,14 +10,17 @@ data axis, each rank's buffer padded to the busiest rank's load.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 from shardwise.planner.layout import Layout, Stage
-from shardwise.rules.buckets import cut_runs
-from shardwise.rules.muon import busiest_numel
+from shardwise.rules.buckets import bucket_key, cut_runs
+from shardwise.rules.inventory import Param
+from shardwise.rules.muon import busiest_numel, is_hidden_matrix
 from shardwise.planner.memory import (
-    BYTES_ADAM, BYTES_GRAD, ZeroBucket, ZeroBuckets, bucket_layout, stage_params, stage_units, static_bytes,
+    BYTES_ADAM, BYTES_GRAD, ZeroBucket, ZeroBuckets, bucket_layout, stage_params,
+    stage_unit_entries, static_bytes,
 )
-from shardwise.planner.models import ModelSpec, local_kv_heads
+from shardwise.planner.models import ModelSpec
 
 BYTES_MOMENTUM = 4
 """fp32 momentum per Muon element (AdamW keeps 8: exp_avg and exp_avg_sq)."""
@@ -25,8 +28,8 @@ BYTES_MOMENTUM = 4
 
 @dataclass(frozen=True)
 class Matrix:
-    """One Muon parameter as a rank holds it: whole shape (rows, cols), how many (stacked experts), the local
-    elements, and whether tp splits it."""
+    """One Muon parameter as a rank holds it: the shape Newton–Schulz sees (rows, cols), how many (stacked
+    experts), the local elements, and whether tp splits it."""
 
     rows: int
     cols: int
@@ -35,56 +38,23 @@ class Matrix:
     tp_split: bool = False
     expert: bool = False
 
-
-def _split(rows: int, cols: int, local: int, tp: int) -> Matrix:
-    return Matrix(rows, cols, local, tp_split=tp > 1)
-
-
-def attention_matrices(spec: ModelSpec, tp: int) -> list[Matrix]:
-    h, nh = spec.dim, spec.n_heads
-    if spec.is_mla:
-        out = []
-        if spec.q_lora_rank:
-            out += [Matrix(spec.q_lora_rank, h, spec.q_lora_rank * h),
-                    _split(nh * spec.k_dim, spec.q_lora_rank, nh // tp * spec.k_dim * spec.q_lora_rank, tp)]
-        else:
-            out.append(_split(nh * spec.k_dim, h, nh // tp * spec.k_dim * h, tp))
-        kv_a = spec.kv_lora_rank + spec.qk_rope_dim
-        kv_b = spec.head_dim + spec.v_dim
-        return out + [Matrix(kv_a, h, kv_a * h), _split(nh * kv_b, spec.kv_lora_rank, nh // tp * kv_b * spec.kv_lora_rank, tp),
-                      _split(h, nh * spec.v_dim, h * nh // tp * spec.v_dim, tp)]
-    hd, kv = spec.head_dim, spec.attn_kv_heads
-    q, kv_local = nh * hd, local_kv_heads(spec, tp) * hd
-    return [_split(q, h, q // tp * h, tp), _split(kv * hd, h, kv_local * h, tp), _split(kv * hd, h, kv_local * h, tp),
-            _split(h, q, h * q // tp, tp)]
-
-
-def mlp_matrices(spec: ModelSpec, moe: bool, tp: int, ep: int) -> list[Matrix]:
-    h = spec.dim
-    if not moe:
-        f = spec.ffn_dim
-        up = [_split(f, h, f // tp * h, tp)] * (spec.mlp_mats - 1)
-        return up + [_split(h, f, h * f // tp, tp)]
-    e, n = spec.expert_ffn_dim, spec.moe_experts // ep
-    out = [Matrix(e, h, n * e * h, n, expert=True)] * (spec.mlp_mats - 1) + [Matrix(h, e, n * h * e, n, expert=True)]
-    if spec.moe_shared_experts:
-        s = spec.moe_shared_experts * e
-        out += [Matrix(s, h, s * h)] * (spec.mlp_mats - 1) + [Matrix(h, s, h * s)]
-    return out
+    @classmethod
+    def of(cls, p: Param, tp: int, ep: int) -> Matrix:
+        """The inventory entry `p` as `optim.sharded.Muon` assembles it: a TP-split weight gathered whole (its
+        global shape), a replicated one as held, a stacked expert weight [E/ep, r, c] as E/ep matrices, a 2-D expert
+        tensor (gpt-oss's [E/ep, n] biases) as one."""
+        local = p.local_shape(tp, ep)
+        n = prod(local)
+        if p.expert:
+            return cls(*local[1:], n, local[0], expert=True) if len(local) == 3 else cls(*local, n, expert=True)
+        return cls(*p.shape, n, tp_split=tp > 1 and p.tp != "rep")
 
 
 def unit_matrices(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[Matrix]]:
-    """The Muon parameters one rank of `stage` holds, per ZeRO-3 unit: each block, then (last stage) each MTP
-    module."""
-    t, ep = lay.tp, lay.ep
-    out = []
-    for moe in stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe:
-        out.append(attention_matrices(spec, t) + mlp_matrices(spec, moe, t, ep))
-    if stage.head:
-        for k in range(spec.mtp_layers):
-            out.append([Matrix(spec.dim, 2 * spec.dim, 2 * spec.dim * spec.dim)] + attention_matrices(spec, t)
-                       + mlp_matrices(spec, spec.is_moe_layer(spec.n_layers + k), t, ep))
-    return out
+    """The Muon parameters one rank of `stage` holds, per ZeRO-3 unit (`memory.stage_unit_entries`): the inventory
+    entries `rules.muon.is_hidden_matrix` selects by their model-level name, as the runtime's `is_muon_param`."""
+    return [[Matrix.of(p, lay.tp, lay.ep) for p, _, _ in rows if is_hidden_matrix(f"{name}.{p.name}", len(p.shape))]
+            for _, name, rows in stage_unit_entries(spec, stage, lay)]
 
 
 def stage_matrices(spec: ModelSpec, stage: Stage, lay: Layout) -> list[Matrix]:
@@ -135,23 +105,16 @@ def muon_static(static: dict, spec: ModelSpec, stage: Stage, lay: Layout) -> dic
 
 def split_zero_buckets(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple[list, list]:
     """(AdamW's, Muon's) ZeRO buckets of one rank of `stage`: `memory.zero_buckets` with the runtime's extra key,
-    whether Muon steps the tensor. A tensor is Muon's when it is a matrix matching (expert?, elements) one of the
-    stage's Muon matrices not yet claimed, in model order."""
+    whether Muon steps the tensor (`rules.muon.is_hidden_matrix` of its name)."""
     lay_b = bucket_layout(lay)
     g = lay_b.dp
     dense, gd = ("dp_shard", lay_b.dp_shard) if lay_b.hsdp else ("dp_cp", g)
-    left: dict[tuple[bool, int], int] = {}
-    for m in stage_matrices(spec, stage, lay):
-        left[(m.expert, m.local)] = left.get((m.expert, m.local), 0) + 1
     groups: dict[tuple, list] = {}
     tied = spec.tie_embeddings and stage.embedding and stage.head
-    for u, (chunk, tensors) in enumerate(stage_units(spec, stage, lay_b)):
-        for x, partial in tensors:
-            muon = x.matrix and left.get((x.expert, x.numel), 0) > 0
-            if muon:
-                left[(x.expert, x.numel)] -= 1
-            key = ((x.expert, x.matrix) if lay.zero <= 1 else (chunk, x.expert, x.matrix) if lay.zero == 2
-                   else (chunk, u, x.expert, x.matrix)) + (muon,)
+    for u, (chunk, name, rows) in enumerate(stage_unit_entries(spec, stage, lay_b)):
+        for p, x, partial in rows:
+            muon = is_hidden_matrix(f"{name}.{p.name}", len(p.shape))
+            key = bucket_key(lay.zero, chunk, u, x.expert, x.matrix) + (muon,)
             groups.setdefault(key, []).append((x, partial, u == 0 and tied))
     out: tuple[list, list] = ([], [])
     for key, items in sorted(groups.items()):

@@ -16,6 +16,7 @@ from shardwise.planner.estimate import Assumptions, axis_links, estimate, fits, 
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout, Workload, layout_problems
 from shardwise.planner.models import ModelSpec
+from shardwise.rules.validation import cp_seq_problem, dp_shard_problem, heads_tp_problem, layers_pp_problem
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def _schedules(space: SearchSpace, spec: ModelSpec, pp: int) -> list[tuple[str, 
     for sched in space.schedules:
         if sched == "interleaved":
             vps = [space.vp] if space.vp else range(2, space.max_vp + 1)
-            out += [(sched, v) for v in vps if (spec.n_layers // pp) % v == 0 or space.uneven_pp]
+            out += [(sched, v) for v in vps if not layers_pp_problem(spec.n_layers, pp * v, space.uneven_pp)]
         else:
             out.append((sched, 2 if sched == "dualpipev" else 1))
     return out
@@ -61,7 +62,7 @@ def _dp_shards(space: SearchSpace, dp: int, pp: int, cp: int, tp: int, domain: i
     if space.zero < 2 or dp == 1:
         return [None]
     if space.dp_shard is not None:
-        return [space.dp_shard if 0 < space.dp_shard < dp and dp % space.dp_shard == 0 else None]
+        return [space.dp_shard if 0 < space.dp_shard < dp and not dp_shard_problem(dp, space.dp_shard) else None]
     inside = [s for s in divisors(dp)[:-1] if axis_links(dp, pp, cp, tp, 1, domain, s)["dp_shard"] != "network"]
     return [None] + inside[-1:]
 
@@ -70,10 +71,10 @@ def candidates(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpa
     """Every layout that can run (memory not yet checked)."""
     n = cluster.gpus
     for tp in divisors(n):
-        if spec.n_heads % tp:
+        if heads_tp_problem(spec.n_heads, tp):
             continue
         for pp in divisors(n // tp):
-            if pp > spec.n_layers:
+            if layers_pp_problem(spec.n_layers, pp, uneven=True):
                 continue
             for cp in divisors(n // (tp * pp)):
                 if space.max_cp and cp > space.max_cp:
@@ -123,7 +124,7 @@ def _may_have_layout(spec: ModelSpec, cluster: Cluster, wl: Workload, space: Sea
                 continue
             for pp in divisors(inner // tp):
                 cp = inner // (tp * pp)
-                if pp <= spec.n_layers and (space.uneven_pp or spec.n_layers % pp == 0) and wl.seq_len % cp == 0 \
+                if not layers_pp_problem(spec.n_layers, pp, space.uneven_pp) and not cp_seq_problem(wl.seq_len, cp) \
                         and not (space.max_cp and cp > space.max_cp):
                     return True
     return False

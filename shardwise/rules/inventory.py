@@ -52,13 +52,12 @@ class Param:
     head_partial: bool = False
     """Replicated over tp, and each rank back-propagates through its own heads only: the gradient is partial over tp
     even without SP (Qwen3's q/k norms, MLA's down-projections and latent norms, the gated norm)."""
-    vector: bool | None = None
-    """In the optimizer's no-decay group (norms, biases); None: by its shape (1-D). The planner counts gpt-oss's
-    [E, n] expert biases as vectors."""
 
     @property
     def matrix(self) -> bool:
-        return len(self.shape) >= 2 if self.vector is None else not self.vector
+        """In the optimizer's weight-decayed group and the reducer's matrix buckets: 2-D or more, as the runtime
+        decides by `ndim >= 2` (so gpt-oss's [E, n] expert biases are matrices; norms and other biases are not)."""
+        return len(self.shape) >= 2
 
     def local_shape(self, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
         """The shape one rank holds at tensor-parallel degree `tp` and expert-parallel degree `ep`."""
@@ -195,7 +194,7 @@ def experts(n_experts: int, dim: int, ffn: int, bias: bool = False) -> list[Para
     out = [_rep("w1", (n_experts, ffn, dim), **kw), _rep("w3", (n_experts, ffn, dim), **kw),
            _rep("w2", (n_experts, dim, ffn), "residual", **kw)]
     if bias:
-        out += [_rep(n, (n_experts, f), "zeros", vector=True, **kw) for n, f in (("b1", ffn), ("b3", ffn), ("b2", dim))]
+        out += [_rep(n, (n_experts, f), "zeros", **kw) for n, f in (("b1", ffn), ("b3", ffn), ("b2", dim))]
     return out
 
 

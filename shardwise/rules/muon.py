@@ -5,6 +5,15 @@ read the same rule.
 """
 from __future__ import annotations
 
+NOT_HIDDEN = ("tok_embeddings", "output", "router", "mtp_embed")
+"""Modules whose matrices are not hidden transformations: embeddings, the LM head and MoE routers (AdamW)."""
+
+
+def is_hidden_matrix(name: str, ndim: int) -> bool:
+    """Muon steps this parameter (`--optimizer muon`): a hidden weight matrix (attention and MLA projections, MLP
+    and expert matrices, MTP projections); AdamW the rest. `name` as `named_parameters` gives it."""
+    return ndim >= 2 and not any(part in NOT_HIDDEN for part in name.split("."))
+
 
 def _cost(shape: tuple[int, int]) -> int:
     """Newton–Schulz work of one matrix, up to a constant: rows·cols·min(rows, cols)."""

@@ -57,3 +57,18 @@ def dp_shard_problem(dp: int, dp_shard: int | None) -> bool:
 def hsdp_zero_problem(hsdp: bool, zero: int) -> bool:
     """Hybrid sharding shards gradients (ZeRO 2) or parameters (ZeRO 3): under ZeRO 0/1 it shards nothing."""
     return hsdp and zero < 2
+
+
+def heads_tp_problem(n_heads: int, tp: int) -> bool:
+    """tp splits the query heads whole: tp divides n_heads."""
+    return bool(n_heads % tp)
+
+
+def layers_pp_problem(n_layers: int, chunks: int, uneven: bool = False) -> bool:
+    """Every pipeline chunk (pp×vp of them) holds at least one layer, and as many as the others unless uneven."""
+    return n_layers < chunks or bool(n_layers % chunks and not uneven)
+
+
+def cp_seq_problem(seq_len: int, cp: int) -> bool:
+    """Context parallelism splits each sequence evenly over cp."""
+    return bool(seq_len % cp)

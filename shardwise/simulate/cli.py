@@ -10,6 +10,9 @@ import json
 import math
 import sys
 import time
+from types import SimpleNamespace
+
+from ..rules.geometry import rank_of
 
 BOUNDS = {"static_bytes": 0.01, "activation_bytes": 0.02, "peak_bytes": 0.03}
 """Largest relative difference |measured − planned| / planned accepted per figure; comm bytes must be equal."""
@@ -35,7 +38,8 @@ def choose_ranks(text: str, world: int, pp: int, cp: int, tp: int) -> list[int]:
     from ..config import ConfigError
 
     if text == "stages":
-        return [s * cp * tp for s in range(pp)]
+        grid = SimpleNamespace(pp=pp, cp=cp, tp=tp)  # rank_of reads no dp
+        return [rank_of(grid, dict(dp=0, pp=s, cp=0, tp=0)) for s in range(pp)]
     if text == "all":
         return list(range(world))
     try:
