@@ -14,6 +14,7 @@ from dataclasses import replace
 from shardwise.config import ConfigError
 from shardwise.config.flags import plan_argument
 from shardwise.hf.config import config_from_hf
+from shardwise.hf.shapes import LENIENT_TYPES
 from shardwise.planner.errors import PlanError
 from shardwise.planner.estimate import Assumptions, estimate
 from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
@@ -25,6 +26,7 @@ from shardwise.planner.activations import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
 from shardwise.planner.peak import PEAK_TERMS
 from shardwise.planner.search import SearchSpace, candidates, no_layout_reason, search
+from shardwise.rules.hf_types import model_types
 
 GB = 1e9
 TABLE_AXES = ("tp", "cp", "pp", "emb", "dp_cp", "dp_shard", "dp_replicate", "ep", "edp")
@@ -33,11 +35,13 @@ TABLE_AXES = ("tp", "cp", "pp", "emb", "dp_cp", "dp_shard", "dp_replicate", "ep"
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="predict and rank parallel layouts for a model on a cluster (no GPUs needed)",
-        description="Predict memory, FLOPs, communication, bubble and step time of parallel layouts; rank them.",
+        description="Predict memory, FLOPs, communication, bubble and step time of parallel layouts; rank them. "
+                    "The table's layout names and columns are explained under it (docs/planner.md).",
     )
     src = p.add_mutually_exclusive_group(required=True)
     train_flag(src, "--model", presets=", ".join(PRESETS))
-    train_flag(src, "--model-config")
+    train_flag(src, "--model-config", model_types=", ".join(LENIENT_TYPES),
+               shapes_only=", ".join(t for t in LENIENT_TYPES if t not in model_types()))
     train_flag(p, "--mtp-layers")
     p.add_argument("--gpus", type=int, default=8, help="total GPUs (default 8)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the GPU preset's)")
@@ -153,7 +157,7 @@ def _explain(args, spec, cluster, wl, assume) -> int:
         raise PlanError(f"--explain {args.explain!r}: " + "; ".join(bad))
     wl = replace(wl, global_batch=lay.m * lay.mb * lay.dp)
     est = estimate(spec, cluster, lay, wl, assume, detail=True)
-    est |= row_command(model_flags(args), spec, cluster, lay, wl)
+    est |= runnable(row_command(model_flags(args), spec, cluster, lay, wl))
     print(json.dumps(est, indent=2) if args.json else explain_text(est))
     return 0
 
@@ -174,7 +178,7 @@ def _search(args, spec, cluster, wl, assume) -> int:
     if n_valid == 0:
         raise PlanError(no_layout_reason(spec, cluster, wl, space))
     for r in results[: args.top]:
-        r |= row_command(model_flags(args), spec, cluster, Layout.from_dict(r["layout"]), wl)
+        r |= runnable(row_command(model_flags(args), spec, cluster, Layout.from_dict(r["layout"]), wl))
     if args.trace:
         from shardwise.commands.plan_trace import trace_rows
 
@@ -192,9 +196,53 @@ def _search(args, spec, cluster, wl, assume) -> int:
     return 0
 
 
+def runnable(command: dict) -> dict:
+    """A row's `row_command` fields plus "trainable": whether `shardwise train` runs its command as printed (False
+    for a model train cannot build, "untrainable", and for flags train refuses, "command_refused")."""
+    return command | {"trainable": command["command"] is not None and command["command_refused"] is None}
+
+
 def _header(spec_name: str, params: int, cluster: Cluster, wl: Workload) -> str:
     return (f"{spec_name} ({params / 1e9:.2f}B params) on {cluster.describe()}; "
             f"seq {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}")
+
+
+def sp_state(rows: list[dict], asked: bool) -> str:
+    """The header's SP state, true to the rows: SP needs tp > 1, so a tp1 row runs without it whatever was asked."""
+    on = [r["layout"]["sp"] for r in rows]
+    if all(on):
+        return "SP on"
+    if not any(on):
+        return "SP off" + (" (it needs tp > 1)" if asked else "")
+    return "SP on where tp > 1 (rows marked sp)"
+
+
+AXIS_MEANING = {
+    "tp": "tensor-parallel collectives", "cp": "context-parallel K/V exchange",
+    "pp": "activations and gradients between stages", "emb": "the tied embedding's gradient between first and last stage",
+    "dp_cp": "gradient reduction over dp×cp", "dp_shard": "ZeRO 2/3 traffic inside a hybrid shard group",
+    "dp_replicate": "gradient all-reduce across hybrid replicas", "ep": "MoE token all-to-all",
+    "edp": "expert gradients over the dp×cp ranks left once ep is carved out",
+}
+"""What each axis's "<axis> GB" column (and --explain's comm table) counts."""
+
+
+def legend(rows: list[dict], names: list[str], axes: list[str]) -> list[str]:
+    """The table's key: the layout name's tokens that occur in it, then the columns."""
+    tokens = ["dpN tpN ppN (cpN epN where > 1): degrees", "mbN: sequences per microbatch",
+              "mN: microbatches per step per dp rank"]
+    if any(Layout.from_dict(r["layout"]).pp > 1 for r in rows):
+        tokens.insert(1, "1f1b/interleaved/vN: pipeline schedule, N chunks per rank")
+    if any(" hs" in n for n in names):
+        tokens.append("hsN: hybrid sharding, ZeRO shards over N dp ranks, dp/N replicas")
+    if any(n.endswith(" sp") for n in names):
+        tokens.append("sp: sequence parallelism")
+    comm = "; ".join(f"{a}: {AXIS_MEANING[a]}" for a in axes)
+    return ["layout: " + "; ".join(tokens) + ".",
+            "GB per rank: static = weights, gradients, optimizer state; act = activations held; total = static + act; "
+            "peak = the step's live peak. bubble: the pipeline's idle fraction. step s: estimated step time; MFU: model "
+            "FLOP/s over peak.",
+            *([f"<axis> GB: payload per step on the busiest rank of the axis; {comm}."] if axes else [])]
 
 
 def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchSpace, assume: Assumptions,
@@ -203,17 +251,20 @@ def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchS
     `traced`, each simulated row's traced peak (blank for rows not simulated) and why a row no longer fits."""
     names = [Layout.from_dict(r["layout"]).short() for r in rows]
     axes = [a for a in TABLE_AXES if any(r["comm_bytes_per_step_max"].get(a) for r in rows)]
+    refused = not all(r["trainable"] for r in rows)
     cols = [("#", 3), ("layout", max(map(len, names))), ("params/rank", 11), ("static GB", 9), ("act GB", 7),
             ("total GB", 8), ("peak GB", 7)] + [("traced GB", 9)] * traced + [("bubble", 6)]
-    cols += [(f"{a} GB", max(8, len(a) + 3)) for a in axes] + [("step s", 7), ("MFU", 5)]
+    cols += [(f"{a} GB", max(8, len(a) + 3)) for a in axes] + [("step s", 7), ("MFU", 5)] + [("train", 5)] * refused
 
     def line(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, cols)))
 
     out = [_header(spec.name, rows[0]["params_total"], cluster, wl),
-           f"ZeRO-{space.zero}, recompute {space.recompute}, SP {'on' if space.sp else 'off'}; "
-           f"{n_fit} layouts fit in {rows[0]['usable_bytes_per_rank'] / GB:.1f} GB per GPU; best {len(rows)}:",
-           "", line([c for c, _ in cols]), line(["-" * w for _, w in cols])]
+           f"ZeRO-{space.zero}, recompute {space.recompute}, {sp_state(rows, space.sp)}; "
+           f"{n_fit} layouts fit in {rows[0]['usable_bytes_per_rank'] / GB:.1f} GB per GPU; best {len(rows)}:"]
+    if spec.untrainable:
+        out.append(f"! {spec.untrainable}: the rows plan its shapes only; no row has a command (train column: no)")
+    out += ["", line([c for c, _ in cols]), line(["-" * w for _, w in cols])]
     for i, (r, name) in enumerate(zip(rows, names), 1):
         comm = r["comm_bytes_per_step_max"]
         cells = [str(i), name, f"{r['params_per_rank'] / 1e9:.2f}B", f"{r['static_bytes_per_rank'] / GB:.1f}",
@@ -224,10 +275,11 @@ def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchS
             cells.append(f"{t['peak_bytes'] / GB:.1f}" if "peak_bytes" in t else "")
         cells.append(f"{r['bubble_fraction']:.3f}")
         cells += [f"{comm[a] / GB:.1f}" if a in comm else "-" for a in axes]
-        out.append(line(cells + [f"{r['step_time_s']:.2f}", f"{r['mfu']:.3f}"]))
-        out += command_lines(r, "     ") + trace_lines(r, "     ")
-    out += ["", f"comm: payload GB per step on the busiest rank of each axis. Assumed {assume.flops_efficiency:.0%} of "
-                f"peak FLOP/s and {assume.link_efficiency:.0%} of link bandwidth.",
+        cells += [f"{r['step_time_s']:.2f}", f"{r['mfu']:.3f}"] + [("yes" if r["trainable"] else "no")] * refused
+        out.append(line(cells))
+        out += command_lines(r, "     ", spec.untrainable) + trace_lines(r, "     ")
+    out += ["", *legend(rows, names, axes),
+            f"Assumed {assume.flops_efficiency:.0%} of peak FLOP/s and {assume.link_efficiency:.0%} of link bandwidth.",
             "Each row's $ line is the command that runs it (torchrun: on every node, HEAD_NODE_IP = node 0's address).",
             f"Details of #1: --explain \"{rows[0]['layout_str']}\""]
     return "\n".join(out)
@@ -283,8 +335,7 @@ def explain_text(est: dict) -> str:
                        f"{human_bytes(e['wire_bytes']):>10} {head[1]:>8} {head[2]:>8}")
     a = est["assumptions"]
     out += [
-        "  (tp, pp and ep time is on every microbatch's critical path; the cp ring hides behind attention;",
-        "   dp_cp and edp reductions run after the last backward)",
+        *_comm_notes(est["comm_ops_per_step"]),
         *_tp_overlap_lines(est),
         "",
         f"step time {est['step_time_s']:.3f} s, MFU {est['mfu']:.3f}, {est['tokens_per_s']:,.0f} tokens/s "
@@ -295,6 +346,15 @@ def explain_text(est: dict) -> str:
         *command_lines(est, "  "),
     ]
     return "\n".join(out)
+
+
+def _comm_notes(axes) -> list[str]:
+    """When each axis's time is paid; the expert axes only where the step has them (a dense model has none)."""
+    path = "tp, pp and ep" if "ep" in axes else "tp and pp"
+    after = "dp_cp and edp" if "edp" in axes else "dp_cp"
+    out = [f"  ({path} time is on every microbatch's critical path; the cp ring hides behind attention;",
+           f"   {after} reductions run after the last backward)"]
+    return out + [f"  (edp: {AXIS_MEANING['edp']})"] * ("edp" in axes)
 
 
 def _tp_overlap_lines(est: dict) -> list[str]:
@@ -331,10 +391,11 @@ def trace_lines(row: dict, indent: str) -> list[str]:
     return []
 
 
-def command_lines(row: dict, indent: str) -> list[str]:
-    """The row's command ($ line), or why there is none, and the trainer's refusal if it has one."""
+def command_lines(row: dict, indent: str, said: str = "") -> list[str]:
+    """The row's command ($ line), or why there is none (briefly when the header `said` it), and the trainer's
+    refusal if it has one."""
     if row["command"] is None:
-        return [f"{indent}(no command: {row['untrainable']})"]
+        return [f"{indent}(no command: {'see above' if said == row['untrainable'] else row['untrainable']})"]
     refused = [f"{indent}! shardwise train refuses it today: {row['command_refused']}"] if row["command_refused"] else []
     return [f"{indent}$ {row['command']}"] + refused
 

@@ -91,16 +91,27 @@ def degrees(args, torchrun_world: int | None) -> dict:
 
 
 def global_batch(args, degrees: dict, torchrun_world: int | None) -> int | None:
-    """--global-batch, or --microbatches M as M × micro-batch × dp."""
-    if args.microbatches is None:
+    """--global-batch, or --microbatches M as M × micro-batch × dp; `verify` under pp with neither runs
+    `verify_microbatches`."""
+    microbatches = args.microbatches
+    if microbatches is None and args.global_batch is None and args.command == "verify" and degrees["pp"] > 1:
+        microbatches = verify_microbatches(args.schedule, degrees["pp"])
+    if microbatches is None:
         return args.global_batch
-    if args.microbatches <= 0 or (args.global_batch is not None):
-        raise ConfigError(f"--microbatches {args.microbatches} must be positive and not combined with "
+    if microbatches <= 0 or (args.global_batch is not None):
+        raise ConfigError(f"--microbatches {microbatches} must be positive and not combined with "
                           "--global-batch")
     dp = degrees["dp"]
     if dp == REST:  # under torchrun: the rest of the world (resolution reports a bad split)
         dp = rest_of_world(torchrun_world, degrees["pp"], degrees["cp"], degrees["tp"]) or 1
-    return args.microbatches * args.micro_batch * dp
+    return microbatches * args.micro_batch * dp
+
+
+def verify_microbatches(schedule: str, pp: int) -> int:
+    """verify's microbatches per step under pp when no batch flag is given: the fewest that keep every stage busy
+    in the steady phase (one per stage; dualpipev's V needs two), so the check runs the schedule a pipeline layout
+    trains with. train keeps its default of one microbatch, and warns."""
+    return 2 * pp if schedule == "dualpipev" else pp
 
 
 def default_vp(args) -> int:

@@ -12,6 +12,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
+from ..rules.hf_types import model_types
 from ..rules.validation import CP_IMPLS, RECOMPUTE, ZERO_STAGES
 from .schedule import LR_SCHEDULES, parse_betas
 
@@ -84,7 +85,9 @@ MTP = "multi-token prediction (DeepSeek-V3 architecture; docs/mtp.md)"
 CHECKPOINTS = "checkpoints"
 OBSERVE = "evaluation and observability"
 
-_DEGREES = [Flag(f"--{axis}", f"{what}-parallel degree" + (" (-1: the rest of the world size)" if axis == "dp" else ""),
+_DEGREES = [Flag(f"--{axis}", f"{what}-parallel degree" + (
+    " (-1: the rest of the world size). Omitted degrees are 1, but under torchrun an omitted --dp is the rest of its "
+    "world, and train with no layout flag and no torchrun forks dp=2 × tp=2" if axis == "dp" else ""),
                  f"parallel.{axis}", type=int, default=None, group=LAYOUT)
             for axis, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"),
                                ("ep", "expert"))]
@@ -117,7 +120,8 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--schedule", "pipeline schedule: gpipe, 1f1b, interleaved, zb, dualpipev", "parallel.schedule", group=LAYOUT),
     Flag("--vp", "model chunks per pipeline rank (default 2 under --schedule interleaved, else 1)", "parallel.vp",
          default=None, group=LAYOUT),
-    Flag("--microbatches", "microbatches per step per dp rank (sets global batch = M × micro-batch × dp)",
+    Flag("--microbatches", "microbatches per step per dp rank (sets global batch = M × micro-batch × dp; verify under "
+         "pp with no batch flag: pp, 2 × pp under dualpipev)",
          type=int, default=None, group=LAYOUT),
     Flag("--pp-layers", "layers per stage, comma-separated (pp × vp counts)", "parallel.pp_layers", type=str,
          group=LAYOUT, convert=_pp_layers),
@@ -133,7 +137,8 @@ RUN_FLAGS: tuple[Flag, ...] = (
          kind="switch", group=LAYOUT),
     Flag("--model", "model preset (tiny, small, llama3-8b, ...; default tiny)", type=str, default=None,
          exclusive="source"),
-    Flag("--model-config", "a Hugging Face config.json (or model directory): llama, mistral, qwen2 or mixtral shapes",
+    Flag("--model-config", "a Hugging Face config.json (or model directory) of model_type "
+         f"{', '.join(model_types())}",
          type=str, default=None, metavar="HF_CONFIG.json", exclusive="source"),
     Flag("--init-from-hf", "fine-tune a Hugging Face model directory: its config, weights (each rank reads its slices) "
          "and tokenizer", "init_from_hf", metavar="DIR"),
@@ -310,8 +315,8 @@ class PlanFlag:
 
 PLAN_FLAGS: tuple[PlanFlag, ...] = (
     PlanFlag("--model", "model preset: {presets}"),
-    PlanFlag("--model-config", "Hugging Face config.json (model_type llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, "
-             "deepseek_v3 or gpt2)", metavar="PATH"),
+    PlanFlag("--model-config", "Hugging Face config.json of model_type {model_types} ({shapes_only}: planned for its "
+             "shapes, with no command: train cannot build it)", metavar="PATH"),
     PlanFlag("--mtp-layers", "DeepSeek-V3 multi-token prediction modules on the last stage (train's --mtp-layers; "
              "default 0)", default=0),
     PlanFlag("--seq-len", "tokens per sequence (default 4096)", default=4096),

@@ -25,7 +25,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (1: in this process)")
     p.add_argument("--no-eos", action="store_true", help="do not append the end-of-document id to each document")
     p.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a bar on a terminal, else a line every 30 s)")
     p.add_argument("--glob", action="append", default=None, metavar="PATTERN",
                    help="read every file whose name matches PATTERN (e.g. '*.py', repeatable) as plain text, one "
                         "document per file; in directories only matching files are taken")

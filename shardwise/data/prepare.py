@@ -17,6 +17,8 @@ import gzip
 import json
 import os
 import shutil
+import sys
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -265,22 +267,56 @@ def prepare_data(inputs: list[str], tokenizer: str, out: str, text_key: str = "t
 
 
 def _run(files, text_key, spec, no_eos, dtype, workers, writer: ShardWriter, progress: bool, chat: bool) -> None:
-    from tqdm import tqdm
-
-    bar = tqdm(unit="tok", unit_scale=True, desc="prepare-data", disable=not progress, dynamic_ncols=True)
+    shown = Progress(progress)
     try:
         if workers == 1:
             _init_worker(spec, no_eos, dtype, chat=chat)
-            results = map(encode_documents, _batches(files, text_key))
-            for tokens, lengths, mask in results:
+            for tokens, lengths, mask in map(encode_documents, _batches(files, text_key)):
                 writer.add(tokens, lengths, mask)
-                bar.update(len(tokens))
+                shown.update(len(tokens), len(lengths))
             return
         import multiprocessing as mp
 
         with mp.get_context("fork").Pool(workers, _init_worker, (spec, no_eos, dtype, True, chat)) as pool:
             for tokens, lengths, mask in pool.imap(encode_documents, _batches(files, text_key)):
                 writer.add(tokens, lengths, mask)
-                bar.update(len(tokens))
+                shown.update(len(tokens), len(lengths))
     finally:
-        bar.close()
+        shown.close()
+
+
+class Progress:
+    """prepare-data's progress on stderr: a tqdm bar on a terminal; elsewhere (a job's log file, where a bar is a
+    stream of carriage returns) one `prepare-data documents=N tokens=N tokens_per_s=N` line every `every_s`
+    seconds, as `train` prints its lines (training/console.py)."""
+
+    def __init__(self, enabled: bool = True, every_s: float = 30.0, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled, self.every_s, self.tokens, self.documents = enabled, every_s, 0, 0
+        self.start = self.last = time.monotonic()
+        self.bar = None
+        if enabled and self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit="tok", unit_scale=True, desc="prepare-data", dynamic_ncols=True, file=self.stream)
+
+    def update(self, tokens: int, documents: int) -> None:
+        self.tokens += tokens
+        self.documents += documents
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(tokens)
+            return
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            print(self.line(now), file=self.stream, flush=True)
+
+    def line(self, now: float) -> str:
+        rate = self.tokens / max(now - self.start, 1e-9)
+        return f"prepare-data documents={self.documents} tokens={self.tokens} tokens_per_s={rate:.0f}"
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -15,9 +15,8 @@ import os
 import warnings
 
 from ..config import ConfigError, ModelConfig
+from ..rules.hf_types import MULTIMODAL, SUPPORTED, model_types
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
-             "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Each model class's rope_theta when config.json omits it (HF's class defaults).
 DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
                  "qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "deepseek_v3": 10000.0, "gpt_oss": 150000.0,
@@ -28,9 +27,6 @@ ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtr
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 QWEN3_NEXT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # Gated DeltaNet + gated attention hybrids
-# The published Qwen3.5 checkpoints are multimodal: the language model's config.json fields nest under `text_config`
-# (model_type -> that of the text model), beside a vision tower shardwise does not model.
-MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 MULTIMODAL_ARCHITECTURE = {"qwen3_5": "Qwen3_5ForConditionalGeneration",
                            "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 QWEN3 = ("qwen3", "qwen3_moe", *QWEN3_NEXT)  # per-head q/k RMSNorm, explicit head_dim
@@ -172,8 +168,7 @@ def config_from_hf(path: str) -> ModelConfig:
     where = where if hf is outer else f"{where} text_config"
     mt = hf.get("model_type")
     if mt not in SUPPORTED:
-        raise ConfigError(f"{where}: model_type={mt!r} is not supported; supported: "
-                          f"{', '.join(SUPPORTED + tuple(MULTIMODAL))}")
+        raise ConfigError(f"{where}: model_type={mt!r} is not supported; supported: {', '.join(model_types())}")
     if arch and not any(a.endswith("ForCausalLM") for a in arch):
         raise ConfigError(f"{where}: architectures={arch!r}: only *ForCausalLM models (and Qwen3.5's "
                           f"{', '.join(MULTIMODAL_ARCHITECTURE.values())}) are supported")
