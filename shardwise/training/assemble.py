@@ -159,7 +159,8 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False,
     if overwrite and (cfg.resume or auto_resume):
         raise ConfigError(f"--overwrite replaces the run in {cfg.out}; --{'resume' if cfg.resume else 'auto-resume'} "
                           "continues it: choose one")
-    from .preflight import LOCK, check_lock, check_writable
+    from ..paths import check_writable
+    from .preflight import LOCK, check_lock
 
     root = checkpoint_root(cfg)
     check_writable(cfg.out, "--out")

@@ -1,45 +1,20 @@
-"""What a run's surroundings must offer before any rank starts, each refused in one line: output directories
-that are directories and writable, room for one checkpoint, no live run writing the same `--out` (a lock
+"""What a run's surroundings must offer before any rank starts, each refused in one line (its directories are
+`paths.check_writable`s): room for one checkpoint, no live run writing the same `--out` (a lock
 file naming its host and PID), and a resumed checkpoint made by this model."""
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import errno
 import json
 import math
 import os
 import shutil
 import socket
-import tempfile
 
 from ..config import ConfigError
 
 LOCK = ".shardwise-lock"
 """In --out while a run writes it: {"host", "pid"}; a dead PID on this host is a stale lock, taken over."""
-
-
-def check_writable(path: str, flag: str) -> None:
-    """`path` is (or can be created as) a directory this process can write: a real file is created and removed,
-    since permission bits alone say nothing for root or a read-only mount."""
-    probe = path
-    while not os.path.isdir(probe):
-        if os.path.lexists(probe):
-            raise ConfigError(f"{flag} {path}: {probe} is a file, not a directory; choose a directory for {flag}")
-        parent = os.path.dirname(os.path.abspath(probe))
-        if parent == os.path.abspath(probe):
-            break
-        probe = parent
-    try:
-        if not os.access(probe, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-        fd, name = tempfile.mkstemp(prefix=".shardwise-probe-", dir=probe)
-        os.close(fd)
-        os.remove(name)
-    except OSError as e:
-        where = path if probe == path else f"{path} (to be created in {probe})"
-        raise ConfigError(f"{flag} {where} is not writable ({e.strerror or e}); choose a writable directory "
-                          f"for {flag}") from None
 
 
 def checkpoint_bytes(model, optimizer: str) -> int:
