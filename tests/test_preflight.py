@@ -66,6 +66,9 @@ def test_lock_on_out_names_a_live_run_and_takes_over_a_stale_one(tmp_path, capsy
         live.wait()
     lock.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242}))
     _refused(capsys, ["train", *ONE, "--out", str(run)], "host node-elsewhere", "PID 4242", str(lock))
+    lock.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "job": "77"}))
+    with mock.patch.dict(os.environ, {"SLURM_JOB_ID": "77"}):  # the same job, requeued onto another node
+        _starts(["train", *ONE, "--out", str(run)])
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": live.pid}))  # that run is gone: stale
     _starts(["train", *ONE, "--out", str(run)])
     assert json.loads(lock.read_text()) == {"host": socket.gethostname(), "pid": os.getpid()}

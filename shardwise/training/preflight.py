@@ -14,7 +14,8 @@ import socket
 from ..config import ConfigError
 
 LOCK = ".shardwise-lock"
-"""In --out while a run writes it: {"host", "pid"}; a dead PID on this host is a stale lock, taken over."""
+"""In --out while a run writes it: {"host", "pid"} (and "job": SLURM_JOB_ID); a dead PID on this host, or the
+same Slurm job requeued, is a stale lock, taken over."""
 
 
 def checkpoint_bytes(model, optimizer: str) -> int:
@@ -72,6 +73,9 @@ def check_lock(out: str) -> None:
     if not held or (held.get("host") == socket.gethostname() and held.get("pid") == os.getpid()):
         return
     host, pid = held.get("host"), held.get("pid")
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and held.get("job") == job:
+        return  # this job's earlier run (requeued, perhaps onto another node) is over: its lock is stale
     here = host == socket.gethostname()
     if here and isinstance(pid, int) and not _alive(pid):
         return  # stale: that run died; `take_lock` takes it over
@@ -87,6 +91,8 @@ def take_lock(out: str) -> None:
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, LOCK)
     mine = {"host": socket.gethostname(), "pid": os.getpid()}
+    if os.environ.get("SLURM_JOB_ID"):
+        mine["job"] = os.environ["SLURM_JOB_ID"]
     if _read_lock(out) == mine:
         return
     tmp = f"{path}.{os.getpid()}"
