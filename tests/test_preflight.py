@@ -166,6 +166,7 @@ def _failing_writer(code: int, step: int):
     return mock.patch.object(fs, "_write_item", write_item)
 
 
+@pytest.mark.slow  # a whole (one-rank) train run
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
 def test_a_save_the_filesystem_refuses_is_one_line(tmp_path, capsys, code):
     run = tmp_path / "run"
@@ -179,6 +180,7 @@ def test_a_save_the_filesystem_refuses_is_one_line(tmp_path, capsys, code):
     assert (ckpts / "latest").read_text() == "step-1\n"
 
 
+@pytest.mark.slow
 def test_debug_keeps_the_traceback(tmp_path):
     with _failing_writer(errno.ENOSPC, 1), pytest.raises(BaseException) as e:
         main(["train", *ONE, "--steps", "1", "--out", str(tmp_path / "run"), "--debug"])
