@@ -211,10 +211,13 @@ def run_export(args) -> int:
     """hf-export: weights, config.json, tokenizer files and generation_config.json; exit 2 on bad input."""
     from .. import checkpoint as ck
     from ..config import ModelConfig
-    from ..hf.weights import export_hf
+    from ..hf.weights import export_hf, need_safetensors
     from ..hf.export import multimodal_source, prepare_out_dir, record_from_flag, record_from_run_dir, text_source
+    from ..paths import check_writable
 
     try:
+        need_safetensors("hf-export")
+        check_writable(args.out_dir, "OUT")
         prepare_out_dir(args.out_dir, getattr(args, "overwrite", False))
     except ConfigError as e:
         print(f"shardwise hf-export: error: {e}", file=sys.stderr)

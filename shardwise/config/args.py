@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 
 from .flags import GIVEN, RUN_FLAGS, flag_default, flag_type
 from ..rules.validation import REST, rest_of_world
@@ -57,6 +58,10 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
         where.add_argument(flag.name, **kw)
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+"""argparse's own pattern misses exponents, so `-1e-3` read as a flag and printed the whole usage."""
+
+
 def add_run_command(sub, name: str, help: str) -> argparse.ArgumentParser:
     """A run subcommand (train, verify): the run flags, --config and --print-config."""
     p = sub.add_parser(name, help=help, formatter_class=HelpFormatter)
@@ -72,6 +77,7 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def _run_command_flags(p: argparse.ArgumentParser, name: str) -> None:
+    p._negative_number_matcher = NEGATIVE_NUMBER  # `--lr -1e-3` reaches the range check's one line
     add_run_flags(p, name)
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="TOML file whose keys are these flags' names; flags given on the command line win")

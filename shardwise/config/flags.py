@@ -219,6 +219,8 @@ RUN_FLAGS: tuple[Flag, ...] = (
          "async_save", kind="switch", group=CHECKPOINTS),
     Flag("--fault-inject", "make RANK crash, hang or produce NaN (KIND) at STEP — for testing recovery",
          "fault_inject", metavar="RANK:STEP:KIND"),
+    Flag("--debug", "show the full traceback of an environmental failure (full disk, read-only directory) instead "
+         "of its one line", "debug", kind="switch"),
     Flag("--bad-step", "on non-finite loss/grads: skip (logged) or abort", "bad_step"),
     Flag("--max-bad-steps", "abort once more steps than this were skipped", "max_bad_steps"),
     Flag("--label-smoothing", "cross-entropy label smoothing in [0, 1)", "label_smoothing"),

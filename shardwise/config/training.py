@@ -120,6 +120,8 @@ class TrainConfig:
     (`training.preemption`); None: no handler (the library default; the CLI's is SIGTERM)."""
     fault_inject: str | None = None
     """RANK:STEP:{crash,hang,nan} — make global rank RANK crash, hang or produce a NaN loss at STEP (tests)."""
+    debug: bool = False
+    """Environmental failures (a checkpoint the filesystem refused) keep their traceback instead of one line."""
     bad_step: str = "skip"
     """Non-finite loss or gradients: 'skip' the step (logged), or 'abort' the run at once."""
     max_bad_steps: int = 5

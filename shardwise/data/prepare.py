@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..config import ConfigError
+from ..paths import check_writable
 from .chat import ChatTemplate, Conversation, read_messages
 from .shards import ShardWriter, dtype_for
 from .tokenizer import load_tokenizer
@@ -244,6 +245,7 @@ def prepare_data(inputs: list[str], tokenizer: str, out: str, text_key: str = "t
         raise ConfigError(f"--workers {workers} / --shard-tokens {shard_tokens} must be positive")
     dtype = dtype_for(tok.vocab_size)
     parent = os.path.dirname(os.path.abspath(out))
+    check_writable(parent, "--out", shown=out)  # the shards are written beside it, then renamed into place
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

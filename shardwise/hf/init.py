@@ -19,7 +19,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..data.tokenizer import load_tokenizer
-from .weights import WeightFiles, tensor_source
+from .weights import WeightFiles, check_weight_files, need_safetensors, tensor_source
 from .multimodal import aside_line
 
 
@@ -100,6 +100,8 @@ def check_init_from_hf(path: str, cfg: ModelConfig, data_vocab: int, data_tokeni
     `init_record(path)`. (`data_tokenizer_sha256` is read from the manifest now; kept for callers.)"""
     from ..parallelize import plain_model
 
+    need_safetensors(f"--init-from-hf {path}")
+    check_weight_files(path, "--init-from-hf")
     record = init_record(path)
     files = WeightFiles(path)
     with torch.device("meta"):

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from . import qwen3_next as hf_qwen3_next
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from .config import export_config, is_gpt_oss
 from .gpt_oss import EXPERT as GPT_OSS_EXPERT, expert_source, export_tensors as gpt_oss_tensors
 from .multimodal import into_multimodal, is_multimodal, multimodal_config, stored_name, text_view
@@ -41,6 +41,66 @@ INDEX = "model.safetensors.index.json"
 
 
 # ---------------------------------------------------------------- reading slices
+def need_safetensors(command: str) -> None:
+    """The optional package, or one line naming the extra that installs it."""
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{command} reads and writes .safetensors files: pip install 'shardwise[hf]' (the "
+                          "safetensors package is not installed)") from None
+
+
+def weight_file_names(path: str) -> list[str]:
+    """The *.safetensors files of a model directory: those its index names, else every one there."""
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                return sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index} is unreadable ({e.__class__.__name__}: {e})") from None
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def check_weight_files(path: str, what: str) -> None:
+    """Every safetensors file of `path` whole: its header parses and the file reaches the end of the last
+    tensor it lists (a download cut short is one line here, not a traceback in the middle of loading)."""
+    for fn in weight_file_names(path):
+        problem = safetensors_problem(fn)
+        if problem:
+            raise ConfigError(f"{what} {path}: {os.path.basename(fn)} {problem}; download or export it again")
+
+
+def safetensors_problem(fn: str) -> str | None:
+    """Why `fn` is not a whole safetensors file (None when it is): an 8-byte header length, the JSON header,
+    then the tensors' bytes up to the largest `data_offsets` end."""
+    try:
+        size = os.path.getsize(fn)
+        with open(fn, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"has {size} bytes: no header (truncated)"
+            n = int.from_bytes(head, "little")
+            if 8 + n > size:
+                return f"has {size} bytes but its header alone needs {8 + n} (truncated)"
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    except (ValueError, UnicodeDecodeError):
+        return "has a header that is not JSON (not a safetensors file, or damaged)"
+    if not isinstance(header, dict):
+        return "has a header that is not a JSON object (damaged)"
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return "has a header without valid data_offsets (damaged)"
+    if 8 + n + end > size:
+        return f"has {size} bytes, its header says {8 + n + end} (truncated)"
+    return None
+
+
 class WeightFiles:
     """The checkpoint's tensors by name: one lazily opened safe_open handle per file (headers only)."""
 

@@ -159,7 +159,16 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False,
     if overwrite and (cfg.resume or auto_resume):
         raise ConfigError(f"--overwrite replaces the run in {cfg.out}; --{'resume' if cfg.resume else 'auto-resume'} "
                           "continues it: choose one")
+    from ..paths import check_writable
+    from .preflight import LOCK, check_lock
+
     root = checkpoint_root(cfg)
+    check_writable(cfg.out, "--out")
+    if cfg.checkpoint_dir:
+        check_writable(root, "--checkpoint-dir")
+    lead = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 holds the lock for the job
+    if lead:
+        check_lock(cfg.out)
     if cfg.resume or auto_resume:
         path, meta, rejected = first_intact_checkpoint(root)
         why = "; ".join(f"{os.path.basename(p)}: {r}" for p, r in rejected)
@@ -172,7 +181,8 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False,
         if path is None:
             if rejected:
                 _say(f"--auto-resume: no intact checkpoint under {root} ({why}); starting fresh")
-            return cfg, None  # a requeued job's own directory: nothing in it to protect from itself
+            return _start(cfg, root, lead)  # a requeued job's own directory: nothing in it to protect from itself
+        _check_resumed(cfg, path, meta)
         if meta["step"] >= cfg.steps:
             return cfg, (f"{path} is already at step {meta['step']} (--steps {cfg.steps}): nothing to train; "
                          "raise --steps to continue")
@@ -180,14 +190,40 @@ def check_run_dir(cfg: TrainConfig, auto_resume: bool = False,
         if cfg.lr_decay_steps is None and stored:
             cfg = dataclasses.replace(cfg, lr_decay_steps=stored["lr_decay_steps"])
             validate_optim(cfg)
-        return cfg, None
-    busy = [d for d in dict.fromkeys((cfg.out, root)) if os.path.isdir(d) and os.listdir(d)]
+        return _start(cfg, root, lead)
+    busy = [d for d in dict.fromkeys((cfg.out, root)) if os.path.isdir(d) and set(os.listdir(d)) - {LOCK}]
     if busy and not overwrite:
         raise ConfigError(f"--out {busy[0]} is not empty (an earlier run?); continue it with --resume or "
                           "--auto-resume, choose another --out, or pass --overwrite to replace it")
     if overwrite:
         remove_checkpoints(root)
+    return _start(cfg, root, lead)
+
+
+def _start(cfg: TrainConfig, root: str, lead: bool) -> tuple[TrainConfig, None]:
+    """A run that will write: room for its checkpoints, then --out held for it (the launching process)."""
+    from .preflight import check_free_space, take_lock
+
+    if cfg.save_every or cfg.final_checkpoint:
+        check_free_space(root, cfg.resolved_model or cfg.model_config(), cfg.optimizer)
+    if lead:
+        take_lock(cfg.out)
     return cfg, None
+
+
+def _check_resumed(cfg: TrainConfig, path: str, meta: dict) -> None:
+    """The resumed checkpoint was made by this model and tokenizer (the first difference, in one line)."""
+    from .preflight import check_resumed_model
+
+    tokenizer = None
+    if cfg.data is not None:
+        from ..hf.export import tokenizer_record
+
+        try:
+            tokenizer = tokenizer_record(cfg.data, cfg.init_from_hf)
+        except (OSError, ValueError, KeyError):
+            tokenizer = None  # unreadable data is check_sources' to report
+    check_resumed_model(path, meta, cfg.resolved_model or cfg.model_config(), tokenizer)
 
 
 def first_intact_checkpoint(root: str) -> tuple[str | None, dict | None, list[tuple[str, str]]]:

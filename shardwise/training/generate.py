@@ -115,9 +115,11 @@ def load_source(source: str, device=None):
         record = meta.get("extra_state", {}).get("tokenizer") or record_from_run_dir(os.path.dirname(path)) or {}
         return model.eval(), record.get("source"), record.get("eos_id"), "checkpoint", path
     if _is_hf_dir(source):
-        from ..hf.weights import load_hf_into
+        from ..hf.weights import check_weight_files, load_hf_into, need_safetensors
         from ..hf.config import config_from_hf
 
+        need_safetensors("generate")
+        check_weight_files(source, "model directory")
         model = build_model(config_from_hf(source), Mesh.single(device), seed=0)
         load_hf_into(model, source)
         has_tok = os.path.isfile(os.path.join(source, "tokenizer.json"))
