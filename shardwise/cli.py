@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in runs.items():
         add_run_command(sub, name, what)
     parser._sw_runs = {name: sub.choices[name] for name in runs}
-    for mod in ("shardwise.pipeline.cli", "shardwise.commands.plan", "shardwise.checkpoint.cli", "shardwise.training.report",
+    for mod in ("shardwise.pipeline.cli", "shardwise.commands.plan", "shardwise.commands.checkpoint", "shardwise.training.report",
                 "shardwise.commands.hf", "shardwise.data.cli", "shardwise.training.generate", "shardwise.simulate.cli"):
         importlib.import_module(mod).add_parser(sub)
     return parser

@@ -170,7 +170,7 @@ def test_zero1_loads_tp_checkpoint_and_saves_one_that_reshards(saved, tmp_path):
 
 def test_single_device_load_and_safetensors_round_trip(saved, tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
-    from shardwise.checkpoint import cli as checkpoint_cli
+    from shardwise.commands import checkpoint as checkpoint_cli
 
     t = _trainer(_cfg(saved["seed"]))
     info = load_checkpoint(saved["root"], t)

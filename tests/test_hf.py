@@ -531,7 +531,7 @@ def _finetune(path, ckpt):
 
     cfg = TrainConfig(model=None, init_from_hf=path, parallel=ParallelConfig(dp=2, tp=2, zero=1), steps=5,
                       seq_len=16, micro_batch=2, global_batch=8, lr=3e-3, warmup_steps=1, progress=False)
-    assemble(cfg)
+    cfg = assemble(cfg)  # a new, resolved config
     trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
     losses = [trainer.train_step(s)["loss"] for s in range(cfg.steps)]
     save_checkpoint(ckpt, cfg.steps, trainer)

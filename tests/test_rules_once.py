@@ -28,6 +28,9 @@ RULES = {
     "SP splits each cp rank's tokens over tp": ("rules/validation.py", r"\(seq_len//cp\)%(?:tp|t)\b"),
     "dp_shard divides dp": ("rules/validation.py", r"dp%dp_shard"),
     "hybrid sharding needs ZeRO 2/3": ("rules/validation.py", r"hsdp and zero<2"),
+    "tp splits the query heads whole": ("rules/validation.py", r"\bn_heads%(?:tp|t)\b"),
+    "every pipeline chunk holds whole layers": ("rules/validation.py", r"\bn_layers%chunks\b"),
+    "cp splits each sequence evenly": ("rules/validation.py", r"\bseq_len%cp\b"),
 }
 OWNERS = {"dims", "lay", "self", "p", "m", "spec", "cfg", "parallel", "args"}
 

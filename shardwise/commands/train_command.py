@@ -16,7 +16,7 @@ from functools import lru_cache
 
 from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.rules.partition import balanced_counts
-from shardwise.rules.validation import REST, rest_of_world
+from shardwise.rules.validation import REST, layers_pp_problem, rest_of_world
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout, Workload
@@ -38,7 +38,7 @@ def train_flags(model_flags: list[str], spec: ModelSpec, lay: Layout, wl: Worklo
     if lay.recompute_layers is not None and lay.recompute != "none":
         out += ["--recompute-layers", str(lay.recompute_layers)]
     chunks = lay.pp * lay.vp
-    if lay.pp > 1 and spec.n_layers % chunks:
+    if lay.pp > 1 and layers_pp_problem(spec.n_layers, chunks):  # uneven: the split is stated
         out += ["--pp-layers", ",".join(map(str, balanced_counts(spec.n_layers, chunks)))]
     out += ["--seq-len", str(wl.seq_len), "--micro-batch", str(lay.mb), "--global-batch", str(lay.m * lay.mb * lay.dp),
             "--dtype", wl.precision, "--grad-reduce-dtype", wl.grad_reduce]
@@ -55,7 +55,7 @@ def train_config(model: str | ModelConfig, spec: ModelSpec, lay: Layout, wl: Wor
     ModelConfig of --model-config."""
     parallel = ParallelConfig(**{f.name: getattr(lay, f.name) for f in fields(ParallelConfig)})
     chunks = lay.pp * lay.vp
-    if lay.pp > 1 and spec.n_layers % chunks:
+    if lay.pp > 1 and layers_pp_problem(spec.n_layers, chunks):  # uneven: the split is stated
         parallel = replace(parallel, pp_layers=tuple(balanced_counts(spec.n_layers, chunks)))
     return TrainConfig(model=model, parallel=parallel, steps=steps, seq_len=wl.seq_len, micro_batch=lay.mb,
                        global_batch=lay.m * lay.mb * lay.dp, dtype=wl.precision, grad_reduce_dtype=wl.grad_reduce,

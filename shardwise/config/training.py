@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 from ..rules.partition import ORDERS, check_seq_len, split_layers
 from ..rules.schedules import SCHEDULE_NAMES, build_schedule
 from ..rules.validation import (
-    CP_IMPLS, RECOMPUTE, REST, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, hsdp_zero_problem, rest_of_world,
-    sp_tokens_problem, tp_kv_problem, ulysses_problem,
+    CP_IMPLS, RECOMPUTE, REST, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, heads_tp_problem, hsdp_zero_problem,
+    rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
 )
 from .errors import ConfigError
 from .schedule import validate_optim
@@ -21,7 +21,7 @@ from .parallel import AXES, ParallelConfig
 
 def _tp_problem(tp: int, m: ModelConfig) -> str | None:
     """Why `tp` cannot shard model `m`'s heads and FFN (None: it can)."""
-    if m.n_heads % tp:
+    if heads_tp_problem(m.n_heads, tp):
         return f"does not divide n_heads={m.n_heads}"
     kv = tp_kv_problem(tp, m.n_kv_heads)
     if kv:

@@ -15,8 +15,8 @@ from shardwise.config.parallel import ParallelConfig
 from shardwise.rules.geometry import GRID, axis_lines
 from shardwise.rules.partition import balanced_counts, recomputed_layers
 from shardwise.rules.validation import (
-    CP_IMPLS, RECOMPUTE, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, hsdp_zero_problem, rest_of_world,
-    sp_tokens_problem, tp_kv_problem, ulysses_problem,
+    CP_IMPLS, RECOMPUTE, ZERO_STAGES, cp_seq_problem, dp_shard_problem, ep_dpcp_problem, heads_tp_problem,
+    hsdp_zero_problem, layers_pp_problem, rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
 )
 from shardwise.planner.errors import PlanError
 from shardwise.planner.models import ModelSpec
@@ -162,7 +162,7 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
     if lay.world_size != gpus:
         bad.append(f"dp×tp×pp×cp = {lay.world_size} != {gpus} GPUs")
     t = lay.tp
-    if spec.n_heads % t:
+    if heads_tp_problem(spec.n_heads, t):
         bad.append(f"tp={t} does not divide n_heads={spec.n_heads}")
     kv = spec.attn_kv_heads
     if tp_kv_problem(t, kv):
@@ -177,9 +177,9 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
     if not spec.is_moe and lay.ep > 1:
         bad.append(f"ep={lay.ep} needs an MoE model")
     chunks = lay.pp * lay.vp
-    if spec.n_layers < chunks or (spec.n_layers % chunks and not uneven_pp):
+    if layers_pp_problem(spec.n_layers, chunks, uneven_pp):
         bad.append(f"pp×vp = {chunks} does not divide n_layers={spec.n_layers}")
-    if seq_len % lay.cp:
+    if cp_seq_problem(seq_len, lay.cp):
         bad.append(f"cp={lay.cp} does not divide seq_len={seq_len}")
     elif lay.sp and sp_tokens_problem(seq_len, lay.cp, t):
         bad.append(f"seq_len/cp = {seq_len // lay.cp} is not divisible by tp={t} (sequence parallelism)")
