@@ -119,7 +119,7 @@ def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype:
     cfg = TrainConfig(model=model, parallel=ParallelConfig(compile=compile_), steps=steps, seq_len=seq_len,
                       micro_batch=micro_batch, dtype=dtype, out=tempfile.mkdtemp(prefix="gpu_check-"), progress=False,
                       report=False, optimizer=optimizer)
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     planned = planner_memory(cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -181,7 +181,7 @@ def verify_layouts(mode: str, seq_len: int = 64) -> list[dict]:
         pp = par.get("pp", 1)
         cfg = TrainConfig(model=model, parallel=ParallelConfig(**par), steps=2, seq_len=seq_len, micro_batch=2,
                           progress=False, global_batch=8 if pp > 1 else None, **RUN_OPTIONS.get(name, {}))
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         world = cfg.parallel.world_size
         args = (cfg, torch.device("cuda", 0)) if mode == "gloo-cuda" else (cfg,)
         t0 = time.perf_counter()

@@ -24,7 +24,7 @@ from _dist import fresh_seed, run_ranks
 def _cfg(out, seed, **kw) -> TrainConfig:
     cfg = TrainConfig(parallel=ParallelConfig(dp=2, zero=1), steps=4, seq_len=32, micro_batch=2, seed=seed,
                       progress=False, report=False, out=str(out), **dict(save_every=2) | kw)
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return cfg
 
 

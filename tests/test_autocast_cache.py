@@ -41,7 +41,7 @@ class _Copies(TorchDispatchMode):
 def _trainer(seed, layers=None):
     cfg = TrainConfig(model="tiny", parallel=ParallelConfig(recompute="full", recompute_layers=layers), steps=3,
                       seed=seed, progress=False, seq_len=32, micro_batch=2, global_batch=4, dtype="bf16")
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
 
 

@@ -37,7 +37,7 @@ def _ledgers(names, seed):
         model, par, gb, _ = LAYOUTS[name]
         for mode, kw in MODES.items():
             cfg = TrainConfig(model=model, parallel=ParallelConfig(**par), seed=seed, global_batch=gb, **KW, **kw)
-            cfg.resolve_world()
+            cfg = cfg.resolved()
             mesh = make_mesh(cfg, torch.device("cpu"))
             trainer = Trainer(cfg, mesh)
             dtypes = set()

@@ -27,7 +27,7 @@ from _dist import fresh_seed, run_ranks
 def _cfg(seed, **par) -> TrainConfig:
     cfg = TrainConfig(model="tiny", parallel=ParallelConfig(**par), steps=3, seq_len=16, micro_batch=2,
                       global_batch=4, seed=seed, progress=False, report=False)
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return cfg
 
 

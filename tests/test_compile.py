@@ -36,13 +36,13 @@ def _rank(seed: int):
     results = {}
     for name, degrees in LAYOUTS.items():
         cfg = _cfg(seed, **degrees)
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         results[name] = verify_main(cfg)
     graphs = counters["stats"]["unique_graphs"]
     ledgers = {}  # every collective (and so every ledger entry) runs eagerly under compile
     for compile in (True, False):
         cfg = _cfg(seed, compile, tp=2)
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
         for step in range(2):
             trainer.train_step(step)

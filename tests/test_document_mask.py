@@ -180,7 +180,7 @@ def _verify_layouts(seed, cfgs):
     tokens = packed_stream(seed)
     out = [_ring_checks(seed)]
     for cfg in cfgs:
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         out.append(verify_main(cfg, tokens=tokens))
     return out
 

@@ -308,7 +308,7 @@ def _rank_steps(path):
     for degrees in LAYOUTS.values():
         cfg = TrainConfig(model=config_from_hf(path), parallel=ParallelConfig(**degrees), steps=1, seq_len=SEQ,
                           micro_batch=2, global_batch=4, grad_clip=1e30, progress=False)
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         trainer = Trainer(cfg, trainer_mesh(cfg, torch.device("cpu")), tokens=TRAIN_TOKENS)
         hf.load_hf_into(trainer.model, path)
         loss = trainer.forward_backward(0)

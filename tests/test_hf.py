@@ -398,7 +398,7 @@ def _rank_grads(jobs):
     out = []
     for path, degrees, global_batch in jobs:
         cfg = _train_config(path, degrees, global_batch)
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")), tokens=TRAIN_TOKENS)
         hf.load_hf_into(trainer.model, path)
         loss = trainer.forward_backward(0)

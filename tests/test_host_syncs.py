@@ -27,7 +27,7 @@ def _train(root: str, seed: int):
     for name, (par, kw) in runs.items():
         cfg = TrainConfig(**({"model": "tiny", "global_batch": 4} | kw), parallel=ParallelConfig(**par), steps=3,
                           seq_len=32, micro_batch=2, seed=seed, progress=False, report=False, out=f"{root}/{name}")
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         s = train_main(cfg)
         if s:
             mc = cfg.model_config()

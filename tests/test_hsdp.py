@@ -35,7 +35,7 @@ def _cfg(seed, gb=8, steps=2, **par) -> TrainConfig:
 
 
 def _trainer(cfg) -> Trainer:
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
 
 

@@ -19,7 +19,7 @@ def _cfg(seed, microbatches=4, **parallel):
 def _peaks(cfgs):
     peaks = []
     for cfg in cfgs:
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
         trainer.train_step(0)
         peaks.append(trainer.executor.peak_inflight)
@@ -80,7 +80,7 @@ def test_pipeline_config_errors(parallel, gb, message):
 def _pp_send_bytes(cfgs):
     out = []
     for cfg in cfgs:
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         mesh = make_mesh(cfg, torch.device("cpu"))
         trainer = Trainer(cfg, mesh)
         mesh.ledger.reset()

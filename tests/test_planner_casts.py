@@ -45,7 +45,7 @@ def _config(model: str, layout: str, recompute: str) -> TrainConfig:
     p = ParallelConfig(recompute=recompute, **LAYOUTS[layout])
     cfg = TrainConfig(model=name, model_overrides=dict(overrides), parallel=p, steps=1, seed=0, progress=False,
                       seq_len=32, micro_batch=2, global_batch=2 * (2 // p.tp), dtype="bf16")
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return cfg
 
 
@@ -140,7 +140,7 @@ def _gate_config(gate: dict, fp32: bool) -> TrainConfig:
     cfg = TrainConfig(model="tiny", model_overrides=dict(GATED, **gate), parallel=ParallelConfig(dp=2), steps=1,
                       seed=0, progress=False, seq_len=32, micro_batch=2, global_batch=4, dtype="bf16",
                       fp32_residual=fp32)
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return cfg
 
 

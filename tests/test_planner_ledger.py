@@ -121,7 +121,7 @@ ROUTED_BYTES = ("all_to_all:combine", "all_to_all:dispatch_grad")  # rows this r
 def _config(name: str, seed: int) -> TrainConfig:
     _, model, par, kw = LAYOUTS[name]
     cfg = TrainConfig(model=model, parallel=ParallelConfig(**par), steps=1, seed=seed, progress=False, **kw)
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return cfg
 
 

@@ -298,7 +298,7 @@ def _rank_layouts(dense_dir, moe_dir, tokens):
                                  ("moe_tp2_ep2", moe_dir, ParallelConfig(dp=2, tp=2, ep=2))):
         tc = TrainConfig(model=config_from_hf(path), parallel=parallel, seq_len=tokens.shape[1], micro_batch=1,
                          global_batch=2, steps=1, progress=False)
-        tc.resolve_world()
+        tc = tc.resolved()
         out[name] = rank_forward(tc, path, tokens)["logits"]
     return out
 

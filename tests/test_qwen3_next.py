@@ -256,7 +256,7 @@ def _rank_all(seed, hf_dir):
         out["layer"].append(_layer_cp_checks(seed, cp, order, documents) + (cp, order))
     tc = TrainConfig(model=config_from_hf(hf_dir), parallel=ParallelConfig(dp=2, tp=2), seq_len=24,
                      micro_batch=1, global_batch=2, steps=1, progress=False)
-    tc.resolve_world()
+    tc = tc.resolved()
     out["tp2_logits"] = rank_forward(tc, hf_dir, _hf_tokens())["logits"]
     base = dict(model=HYBRID, seq_len=32, micro_batch=2, steps=3, progress=False, seed=seed % 10_000)
     layouts = {

@@ -24,7 +24,7 @@ def _step(name, mode, seed):
     cfg = TrainConfig(model=model, parallel=ParallelConfig(**par, recompute=mode), steps=1, seed=seed,
                       progress=False, seq_len=32, micro_batch=2, global_batch=8,
                       dropout=0.1 if "dropout" in name else None)
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")))
     loss = trainer.forward_backward(0)
     trainer.finish_gradients()  # overlapped reduction: buckets may still be in flight after backward

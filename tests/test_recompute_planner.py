@@ -40,7 +40,7 @@ def _cfg(name, mode, seed, **kw) -> TrainConfig:
     cfg = TrainConfig(model="tiny-moe" if moe else "tiny", parallel=ParallelConfig(recompute=mode, **LAYOUTS[name]),
                       steps=1, seq_len=64, micro_batch=2, global_batch=8 if "ep" in name else 4, seed=seed,
                       progress=False, **kw)
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return cfg
 
 

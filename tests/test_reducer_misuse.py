@@ -11,7 +11,7 @@ from shardwise.training.trainer import Trainer
 def _trainer(zero: int, overlap: bool = True) -> Trainer:
     cfg = TrainConfig(model="tiny", parallel=ParallelConfig(zero=zero), steps=2, seq_len=16, micro_batch=2,
                       global_batch=2, seed=3, progress=False, overlap_grad_reduce=overlap)
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return Trainer(cfg, Mesh.single(torch.device("cpu")))
 
 

@@ -35,7 +35,7 @@ LAYOUTS = {
 def _cfg(degrees, seed):
     cfg = TrainConfig(model=MODEL, parallel=ParallelConfig(**degrees), steps=2, seq_len=32, micro_batch=1,
                       global_batch=8, seed=seed, progress=False)
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return cfg
 
 

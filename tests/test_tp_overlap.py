@@ -21,7 +21,7 @@ def _cfg(seed, **degrees):
     cfg = TrainConfig(parallel=ParallelConfig(**dict(sequence_parallel=True, tp_overlap=True) | degrees), steps=2,
                       seq_len=64, micro_batch=2, seed=seed, progress=False, warmup_steps=20, lr_decay_steps=200)
     cfg = dataclasses.replace(cfg, **extra)
-    cfg.resolve_world()
+    cfg = cfg.resolved()
     return cfg
 
 
@@ -80,7 +80,7 @@ def test_verify_overlap_tp2_tp4_and_fused_projections():
     fused_tp4 = _cfg(seed, tp=4, fused_projections=True)
     fused_no_sp = TrainConfig(parallel=ParallelConfig(tp=2, dp=2, fused_projections=True), steps=2, seq_len=64,
                               micro_batch=2, seed=seed, progress=False, warmup_steps=20, lr_decay_steps=200)
-    fused_no_sp.resolve_world()
+    fused_no_sp = fused_no_sp.resolved()
     mla_zero3 = _cfg(seed, tp=2, dp=2, zero=3, model=DEEPSEEK, global_batch=4, tp_overlap=False, fused_projections=True)
     for result in run_ranks(4, verify_all, [fused_tp4, _cfg(seed, tp=2, dp=2), fused_no_sp, mla_zero3])[0]:
         assert result["passed"] and result["max_loss_abs_diff"] < 1e-5, (seed, result)
@@ -135,7 +135,7 @@ def test_fused_storage_and_checkpoints_interchange(tmp_path):
     unfused = _cfg(seed, tp=2)
     zero3 = dataclasses.replace(unfused, model=DEEPSEEK, global_batch=4,
                                 parallel=ParallelConfig(dp=2, zero=3, fused_projections=True))
-    zero3.resolve_world()
+    zero3 = zero3.resolved()
     for out in run_ranks(2, _fused_storage_and_checkpoints, fused, unfused, zero3, str(tmp_path)):
         assert len(out["built"]) == 2 * 8 and all(out["built"]) and all(out["trained"]) and all(out["loaded"]), out
         assert out["fused_to_unfused_differ"] == [] and out["unfused_to_fused_differ"] == [], (seed, out)

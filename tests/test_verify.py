@@ -129,7 +129,7 @@ def _verify_sabotaged(runs):
         trainer.Trainer.optimizer_step = frozen_step
         compare.grad_views = lambda t, drop=drop: (v for v in grads(t) if v[0] != drop)
         compare.param_views = lambda t, drop=drop: (v for v in params(t) if v[0] != drop)
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         out.append(verify.verify_main(cfg))
     return out
 
@@ -222,7 +222,7 @@ def _verify_broken(runs):
 
         train.Trainer.finish_gradients = broken_finish
         routing_replay.RoutingReplay.__init__ = broken_init
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         out.append(verify.verify_main(cfg))
     return out
 
@@ -352,7 +352,7 @@ def _hybrid_broken(runs):
         linear_attention.causal_conv = ((lambda x, w, halo, resets=None: conv(x, w, torch.zeros_like(halo), resets))
                                         if broken == "halo" else conv)
         FirstStepGradients.bound = 1e-7 if broken == "tight" else flat
-        cfg.resolve_world()
+        cfg = cfg.resolved()
         out.append(verify.verify_main(cfg))
     trainer.Trainer.finish_gradients, linear_attention.causal_conv = finish, conv
     FirstStepGradients.bound = flat
