@@ -65,18 +65,27 @@ def _run_source(ckpt_root: str) -> str | None:
         return None
 
 
-def text_source(ckpt_root: str) -> tuple[str | None, str]:
-    """(the Hugging Face text checkpoint the run started from, whose config.json the export keeps, or None; what the
-    export writes of it, in words, '' for none or a multimodal one — `multimodal_source` says those)."""
-    from .config import MULTIMODAL, read_hf_config
+def _source_type(ckpt_root: str) -> tuple[str, str | None]:
+    """(the run's --init-from-hf directory, '' for none; its model_type, None when there is none or it is gone)."""
+    from .config import read_hf_config
 
     source = _run_source(ckpt_root)
     if not source:
-        return None, ""
+        return "", None
     try:
-        mt = read_hf_config(source).get("model_type")
+        return source, read_hf_config(source).get("model_type", "")
     except ConfigError:
-        return None, f"config.json from the model alone: the run's --init-from-hf {source} is gone"
+        return source, None
+
+
+def text_source(ckpt_root: str) -> tuple[str | None, str]:
+    """(the Hugging Face text checkpoint the run started from, whose config.json the export keeps, or None; what the
+    export writes of it, in words, '' for none or a multimodal one — `multimodal_source` says those)."""
+    from .config import MULTIMODAL
+
+    source, mt = _source_type(ckpt_root)
+    if mt is None:
+        return None, source and f"config.json from the model alone: the run's --init-from-hf {source} is gone"
     if mt in MULTIMODAL:
         return None, ""
     return source, f"{source}'s config.json, only the fields the run changed rewritten"
@@ -88,15 +97,12 @@ def multimodal_source(ckpt_root: str) -> tuple[str | None, str]:
 
     Read from the run directory's config.json beside the checkpoints. Such a run is written back into that
     checkpoint's layout, its vision tower kept; when it is no longer there, the text model alone, saying so."""
-    from .config import MULTIMODAL, read_hf_config
+    from .config import MULTIMODAL
 
-    source = _run_source(ckpt_root)
-    if not source:
-        return None, ""
-    try:
-        mt = read_hf_config(source).get("model_type")
-    except ConfigError:
-        return None, f"the text model: the run's --init-from-hf {source} is gone, so its vision tower is not included"
+    source, mt = _source_type(ckpt_root)
+    if mt is None:
+        return None, source and (f"the text model: the run's --init-from-hf {source} is gone, so its vision tower "
+                                 "is not included")
     if mt not in MULTIMODAL:
         return None, ""
     return source, f"the trained language model in {source}'s multimodal layout, its vision tower copied"
