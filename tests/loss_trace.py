@@ -1,8 +1,10 @@
 """The stored loss trace: the per-step loss of three fixed `shardwise train` runs, kept in tests/data/loss_trace.json.
 
 A change that must keep numerics bitwise (a refactor, a new layout of the code) is checked against it: on the
-torch version and CPU that wrote the file every loss must be equal to the last bit; elsewhere within 1e-6
-relative per step (other kernels, other vector widths). The runs are the default layout (`shardwise train`),
+torch version and CPU that wrote the file every loss must be equal to the last bit; elsewhere the first
+`CROSS_STEPS` losses within `RTOL` relative (other kernels, other vector widths: a rounding difference is
+amplified by training — measured on an AVX2 and a second AVX512 machine, 1e-6 by step 13-17 and 1e-2 by step
+50 — so only the steps before that growth can tell a changed computation from another CPU). The runs are the default layout (`shardwise train`),
 tiny-moe over ep2 with the aux-loss-free bias, and a DeepSeek-V3-shaped model with one MTP module; each is one
 `shardwise train` subprocess, with output flags that do not touch numerics.
 
@@ -24,7 +26,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE = os.path.join(ROOT, "tests", "data", "loss_trace.json")
-RTOL = 1e-6
+RTOL = 1e-5  # elsewhere: the first CROSS_STEPS losses within this (seen: under 1e-6 through step 12)
+CROSS_STEPS = 8
 BITWISE_KEYS = ("torch", "cpu", "cpu_capability", "machine")  # equal: every loss must be equal to the last bit
 OUTPUT_FLAGS = ["--no-progress", "--no-report", "--no-checkpoint"]  # what a run writes, not what it computes
 
@@ -78,10 +81,11 @@ def load() -> dict:
 
 
 def first_difference(want: list[float], got: list[float], exact: bool) -> str | None:
-    """None when `got` matches `want` (bitwise, or within RTOL per step); else the first step that does not."""
+    """None when `got` matches `want` (every step bitwise, or the first CROSS_STEPS within RTOL); else the
+    first step that does not."""
     if len(want) != len(got):
         return f"{len(got)} steps, the trace has {len(want)}"
-    for step, (a, b) in enumerate(zip(want, got), start=1):
+    for step, (a, b) in enumerate(zip(want, got if exact else got[:CROSS_STEPS]), start=1):
         if (a != b) if exact else abs(a - b) > RTOL * abs(a):
             return f"step {step}: loss {b!r}, the trace has {a!r} (relative {abs(a - b) / abs(a):.1e})"
     return None
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
     failed = 0
     for name in names:
         diff = first_difference(trace["runs"][name]["loss"], run(name), exact)
-        print(f"{name}: {'bitwise equal' if exact else f'within {RTOL:g}'}" if diff is None else f"{name}: {diff}")
+        print(f"{name}: {'bitwise equal' if exact else f'first {CROSS_STEPS} steps within {RTOL:g}'}" if diff is None else f"{name}: {diff}")
         failed += diff is not None
     return 1 if failed else 0
 
