@@ -42,15 +42,25 @@ def test_output_directories_that_are_files_or_under_one(tmp_path, capsys):
              "--checkpoint-dir", "is a file")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through a read-only mode: the file cases stand in")
 def test_read_only_output_directory(tmp_path, capsys):
+    """A user's read-only directory (mode 0555); as root, which writes through modes, a read-only tmpfs mounted
+    there (CI runs as root)."""
     ro = tmp_path / "ro"
     ro.mkdir()
-    ro.chmod(0o555)
+    if os.geteuid() == 0:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
+                                 capture_output=True, text=True)
+        assert mounted.returncode == 0, f"root could not mount a read-only tmpfs: {mounted.stderr}"
+        undo = ["umount", str(ro)]
+    else:
+        ro.chmod(0o555)
+        undo = ["chmod", "755", str(ro)]
     try:
         _refused(capsys, ["train", *ONE, "--out", str(ro / "run")], "is not writable")
+        _refused(capsys, ["train", *ONE, "--out", str(tmp_path / "w"), "--checkpoint-dir", str(ro / "ckpt")],
+                 "--checkpoint-dir", "is not writable")
     finally:
-        ro.chmod(0o755)
+        subprocess.run(undo, check=True)
 
 
 def test_lock_on_out_names_a_live_run_and_takes_over_a_stale_one(tmp_path, capsys):
