@@ -287,17 +287,23 @@ def test_print_config_keeps_microbatches_from_the_cli(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- SIGTERM under torchrun
-@pytest.mark.slow  # three 2-rank runs, two under torchrun
-def test_sigterm_under_torchrun_saves_once_and_resumes_bitwise(tmp_path):
-    """The whole process group gets SIGTERM mid-step (what a scheduler's preemption does): torchrun's agent and both
-    workers. The workers finish the step, save one checkpoint, rank 0 prints the line, each exits 143; torchrun,
-    itself signalled, exits 1 (its own SignalException, as documented). No worker outlives it."""
-    full = tmp_path / "full"
-    r = subprocess.run([sys.executable, "-m", "shardwise", *COMMON, "--steps", str(END), "--out", str(full)],
-                       capture_output=True, text=True, timeout=600, env=ENV)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    """The losses of the whole run, by the built-in launcher."""
+    full = tmp_path_factory.mktemp("full")
+    r = subprocess.run([sys.executable, "-m", "shardwise", *COMMON, "--steps", str(END), "--out", str(full),
+                        "--overwrite"], capture_output=True, text=True, timeout=600, env=ENV)
     assert r.returncode == 0, r.stderr
-    reference = [row["loss"] for row in _rows(full)]
+    return [row["loss"] for row in _rows(full)]
 
+
+@pytest.mark.slow  # two 2-rank runs under torchrun (and the uninterrupted one once)
+@pytest.mark.parametrize("target", ["group", "agent"])
+def test_sigterm_under_torchrun_saves_once_and_resumes_bitwise(tmp_path, uninterrupted, target):
+    """SIGTERM mid-step to the whole process group (a scheduler's preemption: torchrun's agent and both workers) or
+    to torchrun alone (`scancel`, a batch script's trap; the agent forwards it). The workers finish the step, save
+    one checkpoint, rank 0 prints the line, each exits 143; torchrun, itself signalled, exits 1 (its own
+    SignalException, as documented). No worker outlives it."""
     run = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                 "shardwise"]
@@ -309,7 +315,10 @@ def test_sigterm_under_torchrun_saves_once_and_resumes_bitwise(tmp_path):
             workers = workers if len(workers) == 2 else _children(proc.pid)
             assert proc.poll() is None and time.monotonic() - t0 < 300, proc.communicate()
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGTERM)
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -325,4 +334,4 @@ def test_sigterm_under_torchrun_saves_once_and_resumes_bitwise(tmp_path):
     r = subprocess.run([*torchrun, *COMMON, "--steps", str(END), "--out", str(run), "--resume"],
                        capture_output=True, text=True, timeout=600, env=ENV)
     assert r.returncode == 0, r.stderr
-    assert [row["loss"] for row in _rows(run)] == reference  # bit-exact: floats compared as stored
+    assert [row["loss"] for row in _rows(run)] == uninterrupted  # bit-exact: floats compared as stored
