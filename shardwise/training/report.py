@@ -87,7 +87,8 @@ def summary_lines(s: dict) -> list[str]:
     steps = f"{run} steps" + (f" ({start + 1}..{start + run} of {s['steps']})" if start else "")
     lines = [f"trained {s['model']} on {layout_text(s['layout'])} for {steps}: loss {s['first_loss']:.4f} -> "
              f"{s['final_loss']:.4f}, {s['tokens_per_s']:.0f} tokens/s"]
-    comm_s = ", ".join(f"{a} {b / 2**20:.2f} MiB" for a, b in s["comm_bytes_per_step"].items()) or "none"
+    # Axes that carried no payload (the preemption check's object gather on ckpt counts 0 bytes) stay in comm.json.
+    comm_s = ", ".join(f"{a} {b / 2**20:.2f} MiB" for a, b in s["comm_bytes_per_step"].items() if b) or "none"
     lines.append(f"communication per step (payload bytes per rank): {comm_s}")
     if "pipeline" in s:
         pl = s["pipeline"]

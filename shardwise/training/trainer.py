@@ -62,7 +62,7 @@ class Trainer:
                                                train=cfg, rounds=rounds)
         self.model.train()
         with self._host():  # a pure function of the step: the checkpoint's step is the data position
-            self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
+            self.loader = Loader(open_data(cfg.data, debug=cfg.debug) if tokens is None else tokens, cfg.seq_len, self.global_batch,
                                  cfg.seed)
         self.eos_id = self.loader.eos_id if cfg.eos_id is None else cfg.eos_id  # the data's EOS (bytes: 256)
         self.moe = [m for m in self.model.modules() if isinstance(m, MoE)]
