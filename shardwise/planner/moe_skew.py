@@ -1,0 +1,84 @@
+"""Plans for the busiest expert rank: MoE routing that is not balanced.
+
+The planner's MoE counts assume every ep rank's experts receive the mean, n·k rows per layer and microbatch
+(n the rank's routed tokens). In a dropless run the busiest rank receives S× that, and it sets the step's peak
+(received rows, regroup permutations, the experts' four [rows, ffn] tensors, the rows' input gradient) and its
+time (its grouped GEMMs, the combine and dispatch-gradient all-to-alls it sends back). A `Workload` states the
+routing two ways, and `skew` turns either into S for a layout's ep (`rules.routing` counts the rows):
+
+* `moe_skew` S (`plan --moe-skew`, `simulate --moe-skew`): the busiest rank's share of every source rank's
+  assignments is S/ep — capped where top-k cannot send more (`rules.routing.max_skew`);
+* `moe_routing`: per-layer tokens per expert recorded by a run (RUN_DIR/routing.jsonl, summed over its steps;
+  `read_routing`); S is the worst layer's busiest rank at the layout's ep under contiguous placement.
+
+What the routing does not change: what each rank sends (its own tokens' n·k rows), the combined rows, the
+router's tensors, the weights and their gradients.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..rules.routing import max_skew, received_rows, skew_of
+from .errors import PlanError
+
+
+def skew(spec, lay, wl) -> float:
+    """S for this layout: the busiest ep rank's received rows over the mean (1 without ep or MoE)."""
+    if not spec.moe_experts or lay.ep < 2:
+        return 1.0
+    if wl.moe_routing:
+        return max(skew_of(list(layer), lay.ep) for layer in wl.moe_routing)
+    return min(wl.moe_skew, max_skew(spec.moe_experts, lay.ep, spec.moe_topk))
+
+
+def busiest_rows(spec, lay, wl, tokens: int) -> int:
+    """Rows the busiest rank's experts receive per MoE layer and microbatch from `tokens` routed per rank."""
+    return received_rows(tokens, spec.moe_topk, spec.moe_experts, lay.ep, skew(spec, lay, wl))
+
+
+def extra_expert_flops_per_token(spec, lay, wl) -> float:
+    """Forward matmul FLOPs per token of a rank's sequence the busiest rank's routed experts add beyond the mean
+    (`rules.flops.layer_flops_per_token` counts k rows per token; under SP 1/tp of them)."""
+    if not spec.moe_experts:
+        return 0.0
+    per_row = 2.0 * spec.mlp_mats * spec.dim * spec.expert_ffn_dim
+    return (skew(spec, lay, wl) - 1.0) * spec.moe_topk * per_row / (lay.tp if lay.sp else 1)
+
+
+def read_routing(run_dir: str, n_experts: int | None = None) -> tuple[tuple[float, ...], ...]:
+    """Per MoE layer, tokens per expert over every step of RUN_DIR/routing.jsonl (`train` writes it)."""
+    path = os.path.join(run_dir, "routing.jsonl")
+    if not os.path.exists(path):
+        raise PlanError(f"--routing {run_dir}: no routing.jsonl (a shardwise run directory of an MoE model)")
+    totals: dict[str, list[float]] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                for layer, counts in json.loads(line)["tokens_per_expert"].items():
+                    row = totals.setdefault(layer, [0.0] * len(counts))
+                    for e, c in enumerate(counts):
+                        row[e] += c
+    if not totals:
+        raise PlanError(f"--routing {run_dir}: routing.jsonl holds no step")
+    widths = {len(r) for r in totals.values()}
+    if n_experts is not None and widths != {n_experts}:
+        raise PlanError(f"--routing {run_dir}: recorded {sorted(widths)[0]} experts per layer, the model has "
+                        f"{n_experts}: record a run of the same expert count")
+    return tuple(tuple(totals[k]) for k in sorted(totals, key=int))
+
+
+def check_skew(value: float | None) -> None:
+    if value is not None and value < 1.0:
+        raise PlanError(f"--moe-skew {value}: the busiest rank's load over the mean must be >= 1 (1: balanced)")
+
+
+def skew_help(command: str) -> dict[str, str]:
+    """Help of the two routing flags, the same on plan and simulate."""
+    what = "plan" if command == "plan" else "force the router to"
+    return {
+        "--moe-skew": f"{what} MoE routing where the busiest ep rank's experts receive S× the mean rows (dropless; "
+                      "default 1: balanced; capped where top-k cannot send more to one rank)",
+        "--routing": f"{what} the per-layer tokens-per-expert histogram RUN_DIR/routing.jsonl a train run recorded "
+                     "(the worst layer's busiest ep rank at each layout's ep)",
+    }
