@@ -13,17 +13,20 @@ from shardwise.planner import Cluster, estimate, get_gpu
 from shardwise.planner.layout import Layout, Workload
 from shardwise.planner.models import get_model
 from shardwise.planner.moe_skew import read_routing, skew
-from shardwise.rules.routing import busiest_share, max_skew, received_rows, skew_of, skewed_send_counts
+from shardwise.rules.routing import busiest_share, max_skew, received_rows, send_counts, sent_rows, skew_of
 
 
 def test_the_routing_rule():
     """Every source sends its n·k rows; the hot rank gets round(S/ep·n·k) of them, capped by top-k; S=1 is the mean."""
     n, k, e, ep = 100, 2, 8, 4
     for s in (1.0, 1.5, 2.0, 3.0):
-        per = skewed_send_counts(n, k, e, ep, s, hot=1)
+        per = send_counts(n, k, e, ep, s, hot=1)
         assert sum(per) == n * k and min(per) >= 0
         assert sum(per[2:4]) * ep == received_rows(n, k, e, ep, s)
         assert received_rows(n, k, e, ep, s) == pytest.approx(s * n * k, abs=ep)
+        capped = send_counts(n, k, e, ep, s, hot=0, capacity_factor=1.25)  # ceil(1.25·200/8) = 32 rows per expert
+        assert max(capped) <= 32 and sum(capped) == sent_rows(n, k, e, ep, s, 1.25)
+        assert received_rows(n, k, e, ep, s, 1.25) == ep * sum(capped[:2]) <= ep * 64
     assert max_skew(e, ep, k) == 4.0 and max_skew(8, 8, 2) == 4.0  # one expert per rank: a token sends it ≤ 1 row
     assert received_rows(n, k, 8, 8, 8.0) == 8 * n  # capped at one row per token
     assert busiest_share([1, 1, 6, 0], 2) == 0.75 and skew_of([1, 1, 6, 0], 2) == 1.5
@@ -103,18 +106,35 @@ def test_train_records_routing_and_plan_reads_it(tmp_path):
     assert bad.returncode == 2 and "recorded 8 experts per layer, the model has 256" in bad.stderr
 
 
-def test_simulate_forces_the_skew_and_equals_its_plan():
-    """tiny-moe dp2·ep2 at S=2: the traced rank is the busiest and equals the skewed plan within simulate's bounds
-    (comm bytes exactly); the balanced plan does not describe it (its ep bytes differ)."""
+@pytest.mark.parametrize("capacity", [None, pytest.param(1.5, marks=pytest.mark.slow)])
+def test_simulate_forces_the_skew_and_equals_its_plan(capacity):
+    """tiny-moe dp2·ep2 at S=2 (dropless, and with capacity factor 1.5: drops): the traced rank is the busiest and
+    equals the skewed plan within simulate's bounds (comm bytes exactly); the balanced plan does not describe it."""
     from shardwise.simulate.cli import compare
     from shardwise.simulate.predict import planned
     from shardwise.simulate.sweep import _run
     from shardwise.simulate.world import simulate_rank
 
     cfg = _run(32, dtype="bf16", model="tiny-moe", micro_batch=2, microbatches=2, dp=2, ep=2)
+    if capacity:  # the busiest rank's experts keep ceil(F·n·k/E) rows of each source; the sources drop the rest
+        cfg = replace(cfg, model_overrides={"moe_capacity_factor": capacity})
     m = simulate_rank(cfg, 1, 2, moe_skew=2.0)
     skewed, balanced = compare(m, planned(cfg, 0, {"moe_skew": 2.0})), compare(m, planned(cfg, 0))
     assert skewed["passed"], skewed
     ep = skewed["comm_bytes"]["ep"]
     assert ep["measured"] == ep["planned"] > balanced["comm_bytes"]["ep"]["planned"]
     assert not balanced["passed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s", [1.5, 3.0])
+@pytest.mark.parametrize("name, rank", [("deepseek-v3-2048-1f1b-m4", 16), ("qwen3-235b-512-1f1b-m2", 0)])
+def test_full_size_rows_under_skew(name, rank, s):
+    """The sweep's DeepSeek-V3 row (stage 2: two MoE layers, the largest) and Qwen3-235B row (stage 0) traced as the
+    busiest ep rank at S: static 1%, activations 2%, peak 3%, comm bytes equal, as every simulate row."""
+    from shardwise.simulate.cli import run
+    from shardwise.simulate.sweep import LAYOUTS
+
+    rep = run(LAYOUTS[name], [rank], 2, routing={"moe_skew": s})
+    assert rep["passed"], rep["ranks"]
+    assert f"{s:g}x the mean" in rep["routing"]

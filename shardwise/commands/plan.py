@@ -24,7 +24,7 @@ from shardwise.planner.layout import (
 from shardwise.commands.train_command import parse_train_flags, row_command
 from shardwise.planner.activations import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
-from shardwise.planner.moe_skew import check_skew, read_routing, skew_help
+from shardwise.planner.moe_skew import balanced_skew, check_skew, read_routing, skew_help
 from shardwise.planner.peak import PEAK_TERMS
 from shardwise.planner.search import SearchSpace, candidates, no_layout_reason, search
 from shardwise.rules.hf_types import model_types
@@ -166,6 +166,7 @@ def _explain(args, spec, cluster, wl, assume) -> int:
     est = estimate(spec, cluster, lay, wl, assume, detail=True)
     if est.get("moe_skew", 1.0) != 1.0:  # the busiest ep rank beside the mean one
         est["moe_mean"] = mean_rank(estimate(spec, cluster, lay, replace(wl, moe_skew=1.0, moe_routing=None), assume))
+        est["moe_balanced_placement_skew"] = balanced_skew(spec, lay, wl)
     est |= runnable(row_command(model_flags(args), spec, cluster, lay, wl))
     print(json.dumps(est, indent=2) if args.json else explain_text(est))
     return 0
@@ -334,7 +335,7 @@ def explain_text(est: dict) -> str:
                    f"static {g(st['static_bytes'])}  activations {g(st['activation_bytes'])}  "
                    f"total {g(st['total_bytes'])}  peak {g(st['peak_bytes'])}  "
                    f"{st['microbatch_time_s'] * 1e3:8.2f} ms/microbatch")
-    out += peak_lines(est, g) + skew_lines(est, g)
+    out += peak_lines(est, g) + skew_lines(est)
     out += [
         "",
         f"compute: model {est['model_flops_per_step']:.3e} FLOP/step, hardware {est['hardware_flops_per_step']:.3e}"
@@ -395,19 +396,25 @@ def peak_lines(est: dict, g) -> list[str]:
     return out
 
 
-def skew_lines(est: dict, g) -> list[str]:
-    """Under skewed MoE routing: the busiest ep rank (what the plan is for) beside the mean rank."""
+def skew_lines(est: dict) -> list[str]:
+    """Under skewed MoE routing: the busiest ep rank (what the plan is for) beside the mean rank, and with a recorded
+    histogram what an even placement of its experts would leave."""
     mean = est.get("moe_mean")
     if mean is None:
         return []
-    ep = est["comm_bytes_per_step_max"].get("ep", 0)
-    return ["", f"MoE routing: the busiest ep rank receives {est['moe_skew']:.3g}x the mean rows (planned above)",
-            f"  {'':12} {'busiest':>12} {'mean':>12}",
-            f"  {'peak':12} {g(est['peak_bytes_per_rank']):>12} {g(mean['peak_bytes_per_rank']):>12}",
-            f"  {'activations':12} {g(est['activation_bytes_per_rank']):>12} {g(mean['activation_bytes_per_rank']):>12}",
-            f"  {'ep bytes':12} {g(ep):>12} {g(mean['comm_bytes_per_step_max'].get('ep', 0)):>12}",
-            f"  {'step time':12} {est['step_time_s']:>10.3f} s {mean['step_time_s']:>10.3f} s",
-            f"  {'fits':12} {'yes' if est['fits'] else 'NO':>12} {'yes' if mean['fits'] else 'NO':>12}"]
+    ep, b = est["comm_bytes_per_step_max"].get("ep", 0), human_bytes
+    out = ["", f"MoE routing: the busiest ep rank receives {est['moe_skew']:.3g}x the mean rows (planned above)",
+           f"  {'':12} {'busiest':>12} {'mean':>12}",
+           f"  {'peak':12} {b(est['peak_bytes_per_rank']):>12} {b(mean['peak_bytes_per_rank']):>12}",
+           f"  {'activations':12} {b(est['activation_bytes_per_rank']):>12} {b(mean['activation_bytes_per_rank']):>12}",
+           f"  {'ep bytes':12} {b(ep):>12} {b(mean['comm_bytes_per_step_max'].get('ep', 0)):>12}",
+           f"  {'step time':12} {est['step_time_s'] * 1e3:>9.1f} ms {mean['step_time_s'] * 1e3:>9.1f} ms",
+           f"  {'fits':12} {'yes' if est['fits'] else 'NO':>12} {'yes' if mean['fits'] else 'NO':>12}"]
+    placed = est.get("moe_balanced_placement_skew")
+    if placed is not None:
+        out.append(f"  the recorded experts placed for an even load over ep (each layer its own permutation) would make "
+                   f"the busiest rank {placed:.3g}x the mean")
+    return out
 
 
 def trace_lines(row: dict, indent: str) -> list[str]:

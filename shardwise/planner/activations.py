@@ -205,7 +205,8 @@ def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_
         mlp += 4 * n_r + (4 * n_r + 4 * rows if spec.moe_norm_topk else 0)
     elif not spec.moe_softmax_before_topk:  # softmax over the k chosen logits saves its output
         mlp += 4 * rows
-    mlp += 8 * rows * 2 + e * rows  # dispatch: send order, token index (int64), assignment weights
+    kept = moe_skew.kept_rows(spec, lay, wl, n_r)  # what a capacity factor leaves of the n_r·k (all, dropless)
+    mlp += 8 * rows + 8 * kept + e * kept  # dispatch: send order (all n_r·k), token index (int64), assignment weights
     mlp += 4 * (E // lay.ep)  # the grouped GEMM's int32 offsets
     got = moe_skew.busiest_rows(spec, lay, wl, n_r)  # what this rank's experts receive: rows, or the busiest's
     mlp += e * got * h  # received rows in the compute dtype (the grouped GEMM's input)
@@ -213,7 +214,7 @@ def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_
         mlp += 2 * 8 * got  # regroup permutation and its inverse
     mlp += 4 * e * got * f_e  # w1 out, silu out, w3 out, product
     mlp += gpt_oss.expert_activation_bytes(spec, e, got)  # gpt-oss: the clamped SwiGLU's and biases' extras
-    mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
+    mlp += 2 * e * kept * h  # combined rows and their router-weighted copy
     mlp += 4 * e * n_r * spec.moe_shared_experts * f_e
     if gate:  # sigmoid(gate(x)) · shared saves the shared experts' output [n_r, h] and sigmoid's [n_r, 1]
         mlp += e * n_r * h + e * n_r

@@ -309,7 +309,7 @@ def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
             led.add(axis, "all_reduce:aux_loss", (spec.moe_experts + 1) * 4, group, fwd)
     if lay.ep < 2:
         return
-    rows = spec.moe_topk * tokens * spec.dim
+    rows = moe_skew.kept_rows(spec, lay, wl, tokens) * spec.dim  # what this rank sends: its kept assignments
     got = moe_skew.busiest_rows(spec, lay, wl, tokens) * spec.dim  # what the (busiest) rank's experts received
     led.add("ep", "all_to_all:counts", spec.moe_experts * 8, lay.ep, fwd)
     led.add("ep", "all_to_all:dispatch", rows * wl.resid_bytes, lay.ep, fwd)

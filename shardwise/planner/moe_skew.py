@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..rules.routing import max_skew, received_rows, skew_of
+from ..rules.routing import balanced_placement, max_skew, received_rows, sent_rows, skew_of
 from .errors import PlanError
 
 
@@ -32,18 +32,34 @@ def skew(spec, lay, wl) -> float:
     return min(wl.moe_skew, max_skew(spec.moe_experts, lay.ep, spec.moe_topk))
 
 
+def balanced_skew(spec, lay, wl) -> float | None:
+    """With a recorded histogram: S if each layer's experts were placed over the ep ranks for an even load
+    (`rules.routing.balanced_placement`, per layer); None without one."""
+    if not wl.moe_routing or not spec.moe_experts or lay.ep < 2:
+        return None
+    return max(skew_of(list(layer), lay.ep, balanced_placement(list(layer), lay.ep)) for layer in wl.moe_routing)
+
+
 def busiest_rows(spec, lay, wl, tokens: int) -> int:
     """Rows the busiest rank's experts receive per MoE layer and microbatch from `tokens` routed per rank."""
-    return received_rows(tokens, spec.moe_topk, spec.moe_experts, lay.ep, skew(spec, lay, wl))
+    return received_rows(tokens, spec.moe_topk, spec.moe_experts, lay.ep, skew(spec, lay, wl),
+                         spec.moe_capacity_factor)
+
+
+def kept_rows(spec, lay, wl, tokens: int) -> int:
+    """Rows a rank keeps of its `tokens`·k and sends (all of them dropless; a capacity factor drops the rest)."""
+    return sent_rows(tokens, spec.moe_topk, spec.moe_experts, lay.ep, skew(spec, lay, wl), spec.moe_capacity_factor)
 
 
 def extra_expert_flops_per_token(spec, lay, wl) -> float:
-    """Forward matmul FLOPs per token of a rank's sequence the busiest rank's routed experts add beyond the mean
-    (`rules.flops.layer_flops_per_token` counts k rows per token; under SP 1/tp of them)."""
+    """Forward matmul FLOPs per token of a rank's sequence the busiest rank's routed experts run beyond the k rows per
+    token `rules.flops.layer_flops_per_token` counts (under SP 1/tp of them): S× the rows, less a capacity's drops."""
     if not spec.moe_experts:
         return 0.0
-    per_row = 2.0 * spec.mlp_mats * spec.dim * spec.expert_ffn_dim
-    return (skew(spec, lay, wl) - 1.0) * spec.moe_topk * per_row / (lay.tp if lay.sp else 1)
+    n = lay.mb * wl.seq_len // lay.cp
+    n_r = n // lay.tp if lay.sp else n
+    extra_rows = busiest_rows(spec, lay, wl, n_r) - n_r * spec.moe_topk
+    return 2.0 * spec.mlp_mats * spec.dim * spec.expert_ffn_dim * extra_rows / n
 
 
 def read_routing(run_dir: str, n_experts: int | None = None) -> tuple[tuple[float, ...], ...]:

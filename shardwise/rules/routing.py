@@ -8,9 +8,12 @@ assignments: the skew S = σ·ep (1: balanced, ep: every row to one rank).
 Every source rank routes alike (the simulator's stand-in and the planner's count): it sends
 h = round(σ·n·k) rows to the busiest rank — capped by what top-k allows, each token choosing at most
 min(k, E_l) of that rank's experts — and the rest as evenly as integers allow to the others; the busiest
-rank receives ep·h rows per MoE layer and microbatch.
+rank receives ep·h rows per MoE layer and microbatch. With a capacity factor F each expert keeps at most
+ceil(F·n·k/E) rows of each source (`expert_capacity`, the dispatcher's rule): the plan counts the drops.
 """
 from __future__ import annotations
+
+import math
 
 
 def busiest_share(counts: list[float], ep: int, placement: list[int] | None = None) -> float:
@@ -44,23 +47,57 @@ def hot_rows(tokens: int, topk: int, n_experts: int, ep: int, skew: float) -> in
     return min(round(skew / ep * rows), tokens * min(topk, n_experts // ep))
 
 
-def received_rows(tokens: int, topk: int, n_experts: int, ep: int, skew: float) -> int:
-    """Rows the busiest ep rank's experts receive per MoE layer and microbatch (tokens·k at skew 1)."""
-    if skew == 1.0 or ep < 2:
-        return tokens * topk
-    return ep * hot_rows(tokens, topk, n_experts, ep, skew)
+def expert_capacity(capacity_factor: float, tokens: int, topk: int, n_experts: int) -> int:
+    """Assignments each expert accepts from one source rank: ceil(F·N·k/E) (the dispatcher's `capacity`)."""
+    return math.ceil(capacity_factor * tokens * topk / n_experts)
 
 
-def skewed_send_counts(tokens: int, topk: int, n_experts: int, ep: int, skew: float, hot: int = 0) -> list[int]:
-    """Rows one source rank sends each expert: `hot_rows` spread over rank `hot`'s experts, the rest over the
-    other ranks' experts, each as evenly as integers allow."""
+def send_counts(tokens: int, topk: int, n_experts: int, ep: int, skew: float = 1.0, hot: int = 0,
+                capacity_factor: float | None = None) -> list[int]:
+    """Rows one source rank sends each expert: balanced (S = 1), or `hot_rows` spread over rank `hot`'s experts and
+    the rest over the other ranks' experts, each as evenly as integers allow; with a capacity factor, what each
+    expert keeps of them (the rest are dropped at the source)."""
     rows, e_l = tokens * topk, n_experts // ep
-    h = hot_rows(tokens, topk, n_experts, ep, skew)
-    others = [e for e in range(n_experts) if e // e_l != hot]
+    if skew == 1.0 or ep < 2:
+        blocks = [(list(range(n_experts)), rows)]
+    else:
+        h = hot_rows(tokens, topk, n_experts, ep, skew)
+        blocks = [([e for e in range(n_experts) if e // e_l == hot], h),
+                  ([e for e in range(n_experts) if e // e_l != hot], rows - h)]
     out = [0] * n_experts
-    for block, total in (([e for e in range(n_experts) if e // e_l == hot], h), (others, rows - h)):
-        if block:
-            base, extra = divmod(total, len(block))
-            for j, e in enumerate(block):
-                out[e] = base + (j < extra)
+    for block, total in blocks:
+        base, extra = divmod(total, len(block))
+        for j, e in enumerate(block):
+            out[e] = base + (j < extra)
+    if capacity_factor is not None:
+        cap = expert_capacity(capacity_factor, tokens, topk, n_experts)
+        out = [min(c, cap) for c in out]
+    return out
+
+
+def received_rows(tokens: int, topk: int, n_experts: int, ep: int, skew: float,
+                  capacity_factor: float | None = None) -> int:
+    """Rows the busiest ep rank's experts receive per MoE layer and microbatch (tokens·k balanced and dropless)."""
+    if (skew == 1.0 or ep < 2) and capacity_factor is None:
+        return tokens * topk
+    per = send_counts(tokens, topk, n_experts, ep, skew, 0, capacity_factor)
+    return ep * sum(per[:n_experts // ep])
+
+
+def sent_rows(tokens: int, topk: int, n_experts: int, ep: int, skew: float,
+              capacity_factor: float | None = None) -> int:
+    """Rows a source rank keeps of its tokens·k (all of them without a capacity factor) and sends."""
+    if capacity_factor is None:
+        return tokens * topk
+    return sum(send_counts(tokens, topk, n_experts, ep, skew, 0, capacity_factor))
+
+
+def balanced_placement(counts: list[float], ep: int) -> list[int]:
+    """The rank of each expert for an even expected load: the hottest expert first, each to the least-loaded rank
+    with a free slot (E/ep slots each; longest-processing-time first). Ties keep the contiguous rank."""
+    e_l = len(counts) // ep
+    loads, free, out = [0.0] * ep, [e_l] * ep, [0] * len(counts)
+    for e in sorted(range(len(counts)), key=lambda e: (-counts[e], e)):
+        r = min((r for r in range(ep) if free[r]), key=lambda r: (loads[r], r != e // e_l, r))
+        out[e], loads[r], free[r] = r, loads[r] + counts[e], free[r] - 1
     return out

@@ -31,7 +31,7 @@ from ..expert_parallel.experts import grouped_mm_available
 from ..mesh import Mesh
 from ..optim import optimizers
 from ..pipeline.tied_embedding import emb_stages
-from ..rules.routing import skewed_send_counts
+from ..rules.routing import send_counts
 from .dispatch_key import fake_mode
 from .live import LiveMemory
 from .shorten import ScaledLedger, Shortening, shorten
@@ -64,7 +64,7 @@ class Answers:
         self.experts, self.topk, self.ep = model.moe_experts, model.moe_topk, cfg.parallel.ep
         self.tokens = routed_tokens(cfg)
         self.rows = self.tokens * self.topk
-        self.skew = skew
+        self.skew, self.capacity_factor = skew, model.moe_capacity_factor
         self.ep_rank = 0  # set once the mesh is built
 
     def balanced(self) -> list[int]:
@@ -74,10 +74,10 @@ class Answers:
 
     def routed(self) -> list[int]:
         """Rows per expert every source rank sends: balanced, or under a skew with this rank's experts the hot ones
-        (the simulated rank is the busiest, as the plan is for it)."""
-        if self.skew == 1.0 or self.ep < 2:
+        (the simulated rank is the busiest, as the plan is for it); with a capacity factor, what each expert keeps."""
+        if (self.skew == 1.0 or self.ep < 2) and self.capacity_factor is None:
             return self.balanced()
-        return skewed_send_counts(self.tokens, self.topk, self.experts, self.ep, self.skew, self.ep_rank)
+        return send_counts(self.tokens, self.topk, self.experts, self.ep, self.skew, self.ep_rank, self.capacity_factor)
 
     def __call__(self, what: str, t: torch.Tensor):
         if what == "moe split sizes":  # E send counts, then ep·E_l receive counts (source rank, local expert)
