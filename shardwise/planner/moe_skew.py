@@ -91,10 +91,10 @@ def check_skew(value: float | None) -> None:
 
 def skew_help(command: str) -> dict[str, str]:
     """Help of the two routing flags, the same on plan and simulate."""
-    what = "plan" if command == "plan" else "force the router to"
+    verb = "plan for" if command == "plan" else "trace"
     return {
-        "--moe-skew": f"{what} MoE routing where the busiest ep rank's experts receive S× the mean rows (dropless; "
-                      "default 1: balanced; capped where top-k cannot send more to one rank)",
-        "--routing": f"{what} the per-layer tokens-per-expert histogram RUN_DIR/routing.jsonl a train run recorded "
-                     "(the worst layer's busiest ep rank at each layout's ep)",
+        "--moe-skew": f"MoE routing: {verb} the busiest ep rank's experts receiving S× the mean rows (default 1: "
+                      "balanced; capped where top-k cannot send more to one rank; a capacity factor's drops counted)",
+        "--routing": f"MoE routing: {verb} the worst layer of the tokens-per-expert histogram a train run recorded "
+                     "(RUN_DIR/routing.jsonl), its busiest ep rank at the layout's ep",
     }
