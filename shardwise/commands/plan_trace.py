@@ -53,8 +53,10 @@ def trace_rows(rows: list[dict], k: int, model, spec, wl, mtp_layers: int = 0) -
         if r.get("command") is None or r.get("command_refused"):
             r["traced"] = {"error": r.get("untrainable") or r.get("command_refused")}
             continue
-        skewed = {"moe_skew": wl.moe_skew, "moe_routing": wl.moe_routing}
-        r["traced"] = trace_row(simulate_config(model, spec, r, wl, mtp_layers), skewed)
+        cfg = simulate_config(model, spec, r, wl, mtp_layers)
+        skewed = wl.moe_skew != 1.0 or wl.moe_routing is not None
+        r["traced"] = trace_row(cfg, {"moe_skew": wl.moe_skew, "moe_routing": wl.moe_routing}) if skewed else \
+            trace_row(cfg)
         if "peak_bytes" in r["traced"]:
             r["traced"]["fits"] = r["traced"]["peak_bytes"] <= r["usable_bytes_per_rank"]
             r["fits"] = r["fits"] and r["traced"]["fits"]
