@@ -45,6 +45,10 @@ class Workload:
     """shardwise's --optimizer: muon adds its gathers and keeps one momentum buffer (planner/muon.py)."""
     muon_qk_clip: float = 0.0
     """shardwise's --muon-qk-clip τ (0: off): MuonClip completes each head's largest logit over dp×cp (and tp)."""
+    moe_skew: float = 1.0
+    """The busiest ep rank's received MoE rows over the mean (`moe_skew.py`; 1: balanced routing)."""
+    moe_routing: tuple | None = None
+    """A recorded run's tokens per expert per MoE layer (`moe_skew.read_routing`); replaces `moe_skew`."""
 
     @property
     def act_bytes(self) -> int:
