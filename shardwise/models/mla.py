@@ -2,7 +2,7 @@
 
 q = wq_b(norm(wq_a x)) (or wq x without a query latent), per head [nope | rope]; one latent
 c = wkv_a x = [c_kv | k_rope] with k_rope a single rotary key shared by all heads; wkv_b(norm(c_kv)) gives
-each head's [k_nope | v]. RoPE rotates only the rope parts (interleaved pairs: HF's rope_interleave layout,
+each head's [k_nope | v]. RoPE rotates only the rope parts (none under `mla_nope`, Kimi-Linear's) (interleaved pairs: HF's rope_interleave layout,
 so its weights load unpermuted). Softmax scale (head_dim + qk_rope_dim)^-0.5, times YaRN's mscale² when the
 RoPE is YaRN (`ModelConfig.mla_mscale`); the value head size v_head_dim may differ from the q/k size.
 
@@ -28,6 +28,7 @@ class MLA(nn.Module):
         super().__init__()
         p = inventory.by_name(inventory.mla(cfg))
         self.nope, self.rope, self.v_dim, self.kv_rank = cfg.head_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.rotary = not cfg.mla_nope
         qk = self.nope + self.rope
         self.scale = qk ** -0.5 * cfg.mla_mscale  # DeepSeek's YaRN multiplies the softmax scale by mscale²
         if cfg.q_lora_rank:
@@ -52,8 +53,11 @@ class MLA(nn.Module):
         c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)
         kv = self.wkv_b(self.kv_a_norm(c_kv)).view(b, s, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
+        if self.rotary:
+            q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope.unsqueeze(2), cos, sin)
+        else:  # Kimi-Linear's MLA: the shared key part unrotated
+            k_rope = k_rope.unsqueeze(2)
+        k_rope = k_rope.expand(-1, -1, k_nope.shape[2], -1)
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)
         k = torch.cat((k_nope, k_rope), dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)
