@@ -457,6 +457,16 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                                       linear_v_heads=64, experts=256, topk=8, expert_ffn=1024),
     "qwen3.5-397b-a17b": _qwen_hybrid("qwen3.5-397b-a17b", 248320, 4096, 60, 32, 2, 1024,
                                       linear_v_heads=64, experts=512, topk=10, expert_ffn=1024),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json: 27 layers, Kimi Delta Attention (32 heads of 128, kernel
+    # 4) except MLA at its full_attn_layers 4, 8, …, 24 and 27 (1-based; no RoPE, no query latent), a dense first
+    # layer, then 256 sigmoid-routed experts of 1024 (top-8 renormalised, × 2.446, one group) and one shared expert.
+    "kimi-linear-48b-a3b": ModelConfig(
+        name="kimi-linear-48b-a3b", vocab_size=163840, dim=2304, n_layers=27, n_heads=32, n_kv_heads=32, head_dim=128,
+        ffn_dim=9216, max_seq_len=1048576, norm_eps=1e-5, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
+        mla_nope=True, kda=True, linear_layers=tuple(i for i in range(27) if i not in (3, 7, 11, 15, 19, 23, 26)),
+        linear_k_heads=32, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128, moe_experts=256, moe_topk=8,
+        moe_ffn_dim=1024, moe_shared_experts=1, moe_dense_layers=(0,), moe_score="sigmoid", moe_routed_scaling=2.446,
+    ),
 }
 
 

