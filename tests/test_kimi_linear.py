@@ -12,7 +12,7 @@ Fast (one process):
 * greedy generation with the KDA state carried token by token gives transformers' tokens and logits;
 * the kimi-linear-48b-a3b preset against the model card.
 
-Slow: one 2-rank fork — tp2×SP, dp2×ep2, cp2 ring, cp2 Ulysses and pp2 against transformers' loss and every
+Slow: one 2-rank fork — tp2, tp2×SP, dp2×ep2, cp2 ring, cp2 Ulysses and pp2 against transformers' loss and every
 gradient; one 4-rank fork — a KDA layer under cp 2 and 4 (both orders, with and without documents) against one
 device, with the ledger's bytes, and `verify` (three AdamW steps) on cp2×tp2×SP and dp2×pp2×ep2 with ZeRO-1.
 """
@@ -219,3 +219,126 @@ def test_preset_size_matches_the_model_card():
     assert abs((cfg.num_params() - embeddings) / 48e9 - 1) < 0.01, cfg.num_params()
     assert cfg.num_active_params() - embeddings < 3e9 <= cfg.num_active_params(), cfg.num_active_params()
     assert len(cfg.linear_layers) == 20 and cfg.n_layers - len(cfg.linear_layers) == 7  # ~3:1 KDA:MLA
+
+
+# ---------------------------------------------------------------- layouts against transformers (one 2-rank fork)
+LAYOUTS = {
+    "tp2": dict(tp=2),  # heads split; wf_a, wg_a and the norm's gradients head-partial (summed over tp)
+    "tp2_sp": dict(tp=2, sequence_parallel=True),
+    "dp2_ep2": dict(dp=2, ep=2),  # the grouped sigmoid router's experts split
+    "cp2_ring": dict(cp=2),  # KDA by state composition, MLA by the ring (balanced order)
+    "cp2_ulysses": dict(cp=2, cp_impl="ulysses"),
+    "pp2": dict(pp=2),  # KDA, KDA | KDA, MLA
+}
+SEQ = 32
+TRAIN_TOKENS = torch.randint(0, SHAPE["vocab_size"], (2048,), generator=torch.Generator().manual_seed(1))
+
+
+def _rank_steps(path):
+    """Inside each rank, for every layout: load the checkpoint, one forward+backward, the loss and this rank's
+    reduced gradient slices (global name, shard dim, start, rows, values)."""
+    from shardwise.training.trainer import Trainer, make_mesh as trainer_mesh
+
+    out = []
+    for degrees in LAYOUTS.values():
+        cfg = TrainConfig(model=config_from_hf(path), parallel=ParallelConfig(**degrees), steps=1, seq_len=SEQ,
+                          micro_batch=2, global_batch=4, grad_clip=1e30, progress=False)
+        cfg = cfg.resolved()
+        trainer = Trainer(cfg, trainer_mesh(cfg, torch.device("cpu")), tokens=TRAIN_TOKENS)
+        hf.load_hf_into(trainer.model, path)
+        loss = trainer.forward_backward(0)
+        trainer.finish_gradients()
+        out.append((loss, grad_slices(trainer)))
+    return out
+
+
+@pytest.mark.slow
+def test_layouts_match_transformers(kimi, tmp_path):
+    from shardwise.data import Loader
+
+    per_rank = run_ranks(2, _rank_steps, kimi, timeout_s=300)
+    x, y = Loader(TRAIN_TOKENS, SEQ, 4, TrainConfig().seed).global_batch_at(0)
+    ref, _, ref_loss = _hf_step(kimi, x, y)
+    files = _hf_grads(ref, str(tmp_path / "g"))
+    cfg = config_from_hf(kimi)
+    shapes = {n: p.shape for n, p in plain_model(cfg).named_parameters()}
+    for i, layout in enumerate(LAYOUTS):
+        assert abs(per_rank[0][i][0] - float(ref_loss)) <= 1e-6 * float(ref_loss), (layout, per_rank[0][i][0])
+        _check_grads(global_grads([g for r in per_rank for g in r[i][1]], shapes), files, cfg, layout)
+
+
+# ---------------------------------------------------------------- KDA under cp, verify on mixed layouts (one 4-rank fork)
+def _layer_cp_checks(cfg, seed, cp, order, documents):
+    """A KDA layer under cp against the single-device layer: output, input and weight gradients, and this rank's
+    ledger rows (the convolution halos' and the state maps' all-gathers forward, their reduce-scatters backward)."""
+    import torch.distributed as dist
+
+    from shardwise.context_parallel import shard_sequence
+    from shardwise.context_parallel.plan import ContextParallel
+    from shardwise.models.context import ParallelContext
+    from shardwise.models.documents import document_ids
+
+    mesh = make_mesh(cp=cp)
+    axis = mesh["cp"]
+    g = torch.Generator().manual_seed(seed)
+    ref = KimiDeltaAttention(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    layer = KimiDeltaAttention(cfg, ParallelContext(cp=ContextParallel(axis, order)))
+    layer.load_state_dict(ref.state_dict())
+    b, s = 2, 8 * cp
+    x = torch.randn(b, s, cfg.dim, generator=g)
+    doc = document_ids(torch.randint(0, 6, (b, s), generator=g), 0) if documents else None
+    w = torch.randn(b, s, cfg.dim, generator=g)
+    x_ref = x.clone().requires_grad_()
+    (ref(x_ref, doc_ids=doc) * w).sum().backward()
+    x_loc = shard_sequence(x, axis.rank, cp, order).requires_grad_()
+    mesh.ledger.reset()
+    out = layer(x_loc, doc_ids=doc)
+    fwd = mesh.ledger.snapshot().get("cp", {})
+    (out * shard_sequence(w, axis.rank, cp, order)).sum().backward()
+    total = mesh.ledger.snapshot().get("cp", {})
+    what = f"seed {seed} cp{cp} {order} docs={documents}"
+    with torch.no_grad():
+        assert_close(out, shard_sequence(ref(x, doc_ids=doc), axis.rank, cp, order), rtol=1e-5, atol=1e-5,
+                     msg=lambda e: f"{what} out: {e}")
+    assert_close(x_loc.grad, shard_sequence(x_ref.grad, axis.rank, cp, order), rtol=1e-5, atol=1e-5,
+                 msg=lambda e: f"{what} dx: {e}")
+    for (n, p), r in zip(layer.named_parameters(), ref.parameters()):  # each rank holds its tokens' share
+        dist.all_reduce(p.grad, group=axis.group)
+        rel = float((p.grad - r.grad).norm() / r.grad.norm())
+        assert rel < 1e-5, f"{what} d{n}: relative difference {rel}"
+    return what, fwd, total, cp, order
+
+
+def _rank_all(seed, path):
+    cfg = dataclasses.replace(config_from_hf(path), vocab_size=257)  # verify trains on bytes
+    out = {"layer": [_layer_cp_checks(cfg, seed, cp, order, docs)
+                     for cp, order, docs in ((2, "balanced", False), (2, "contiguous", True), (4, "balanced", True))]}
+    base = dict(model=cfg, seq_len=32, micro_batch=2, steps=3, progress=False, seed=seed % 10_000)
+    cfgs = [TrainConfig(**base, parallel=ParallelConfig(cp=2, tp=2, sequence_parallel=True), global_batch=2),
+            TrainConfig(**base, parallel=ParallelConfig(dp=2, pp=2, ep=2, zero=1), global_batch=8)]
+    out["verify"] = verify_all(cfgs)
+    return out
+
+
+@pytest.mark.slow
+def test_kda_cp_and_verify_on_mixed_layouts(kimi):
+    seed = fresh_seed()
+    try:
+        per_rank = run_ranks(4, _rank_all, seed, kimi, timeout_s=400)
+    except Exception as e:
+        raise AssertionError(f"seed {seed}: {e}") from e
+    h, d, kw = SHAPE["linear_num_heads"], SHAPE["linear_head_dim"], 4
+    for r in per_rank:
+        for what, fwd, total, cp, order in r["layer"]:
+            pieces = 2 if order == "balanced" else 1
+            halo = pieces * 2 * (kw - 1) * 3 * h * d * 4  # per_rank·b rows of K−1 × (q, k, v channels), fp32
+            maps = pieces * 2 * h * d * (d + d) * 4  # per_rank·b·h maps [M | B] of d × (d + d)
+            assert set(fwd) == {"all_gather"} and fwd["all_gather"]["count"] == 2, (what, fwd)
+            assert fwd["all_gather"]["bytes"] == halo + maps, (what, fwd)
+            assert fwd["all_gather"]["wire_bytes"] == (cp - 1) * (halo + maps), (what, fwd)
+            assert total["reduce_scatter"]["count"] == 2 and total["all_gather"] == fwd["all_gather"], (what, total)
+        for name, result in zip(("cp2_tp2_sp", "dp2_pp2_ep2_zero1"), r["verify"]):
+            assert result["passed"], (seed, name, result)
