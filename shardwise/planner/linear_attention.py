@@ -27,8 +27,9 @@ def held_layers(stage, lay) -> tuple[int, int]:
 
 
 def tp_partial_params(spec) -> int:
-    """Per layer, the parameters whose gradient is partial over tp even without SP: the gated norm's weight."""
-    return sum(p.local_numel() for p in inventory.gated_deltanet(spec) if p.head_partial)
+    """Per layer, the parameters whose gradient is partial over tp even without SP: the gated norm's weight (and
+    Kimi Delta Attention's gate down-projections wf_a, wg_a)."""
+    return sum(p.local_numel() for p in inventory.linear_mixer(spec) if p.head_partial)
 
 
 def cp_comm(led, spec, lay, wl, layers: int, again: int) -> None:

@@ -183,6 +183,11 @@ def kimi_delta(cfg) -> list[Param]:
     return out + norm("norm", d, head_partial=True) + linear("wo", h, nh * d, "row", nh, init="residual")
 
 
+def linear_mixer(cfg) -> list[Param]:
+    """A linear-attention layer's mixer: Kimi Delta Attention's (`kda`) or Gated DeltaNet's."""
+    return kimi_delta(cfg) if getattr(cfg, "kda", False) else gated_deltanet(cfg)
+
+
 def mlp(dim: int, hidden: int, split: bool = True) -> list[Param]:
     """SwiGLU (`models.llama.FeedForward`): w1, w3 [hidden, dim], w2 [dim, hidden]; `split` False: replicated (the
     MoE's shared experts)."""
@@ -234,7 +239,6 @@ def block(cfg, moe_layer: bool, linear_layer: bool = False) -> list[Param]:
     """One transformer block (`models.llama.TransformerBlock`): attention_norm, the mixer (attention, MLA or Gated
     DeltaNet or Kimi Delta Attention), ffn_norm, the MLP (dense or MoE)."""
     ln = _layernorm(cfg)
-    linear_mixer = kimi_delta if getattr(cfg, "kda", False) else gated_deltanet
     mixer = linear_mixer(cfg) if linear_layer else mla(cfg) if cfg.is_mla else attention(cfg)
     if moe_layer:
         ffn = moe_of(cfg)
