@@ -267,7 +267,7 @@ def test_layouts_match_transformers(kimi, tmp_path):
         _check_grads(global_grads([g for r in per_rank for g in r[i][1]], shapes), files, cfg, layout)
 
 
-# ---------------------------------------------------------------- KDA under cp, verify on mixed layouts (one 4-rank fork)
+# ---------------------------------------------------------------- KDA under cp, verify (one 4-rank fork)
 def _layer_cp_checks(cfg, seed, cp, order, documents):
     """A KDA layer under cp against the single-device layer: output, input and weight gradients, and this rank's
     ledger rows (the convolution halos' and the state maps' all-gathers forward, their reduce-scatters backward)."""

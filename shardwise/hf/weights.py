@@ -380,7 +380,8 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         tensors.update({k: v.contiguous().clone() for k, v in _hf_tensors(n, t, cfg).items()})
     if gpt_oss:
         tensors.update({k: v.contiguous().clone() for k, v in gpt_oss_tensors(gpt_oss, cfg).items()})
-    if cfg.is_mla and cfg.moe_score == "sigmoid" and not cfg.kda:  # DeepSeek-V3 keeps the selection bias as e_score_correction_bias
+    # DeepSeek-V3 keeps the selection bias as e_score_correction_bias (Kimi-Linear's: hf_kimi_linear's export)
+    if cfg.is_mla and cfg.moe_score == "sigmoid" and not cfg.kda:
         for n, t in state.items():
             m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", _as_layer(n, cfg))
             if m:

@@ -2,13 +2,14 @@
 
 q = wq_b(norm(wq_a x)) (or wq x without a query latent), per head [nope | rope]; one latent
 c = wkv_a x = [c_kv | k_rope] with k_rope a single rotary key shared by all heads; wkv_b(norm(c_kv)) gives
-each head's [k_nope | v]. RoPE rotates only the rope parts (none under `mla_nope`, Kimi-Linear's) (interleaved pairs: HF's rope_interleave layout,
+each head's [k_nope | v]. RoPE rotates only the rope parts (interleaved pairs: HF's rope_interleave layout,
 so its weights load unpermuted). Softmax scale (head_dim + qk_rope_dim)^-0.5, times YaRN's mscale² when the
 RoPE is YaRN (`ModelConfig.mla_mscale`); the value head size v_head_dim may differ from the q/k size.
 
 Under TP the heads split: wq / wq_b and wkv_b column-parallel by head, wo row-parallel; the down-projections
 and their norms are replicated, and since each rank back-propagates only its heads into them, their gradients
 (and the block input's) are partial sums over TP: they are declared `head_partial` where they are made.
+Kimi-Linear's MLA (`mla_nope`) rotates nothing: its shared key part stays as projected.
 """
 from __future__ import annotations
 
