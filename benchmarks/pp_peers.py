@@ -42,7 +42,8 @@ measured - replayed is what the executor and the transport add; simulated_per_st
 stage imbalance, which a mean-cost simulation cannot see.
 
 
-The last stdout line is one JSON object: medians_s, ratios, bubbles, paired_ratios, loss_diff,
+The last stdout line is one JSON object: medians_s, ratios, bubbles, paired_ratios, cpu_paired_ratios
+(CPU seconds of all ranks, paired), breakdown (`--breakdown`: per rank, per category), loss_diff,
 max_grad_diff, config.
 
     python benchmarks/pp_peers.py                 # pp=2, m=8, dim 256, 8 layers, seq 128, mb 2
@@ -79,7 +80,7 @@ PAIRS = {  # key -> (shardwise schedule, vp, torch schedule class name)
     "dualpipev": ("dualpipev", 2, "ScheduleDualPipeV"),
 }
 SMOKE = {"m": 4, "mb": 1, "dim": 64, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 128, "seq": 32, "reps": 1,
-         "warmup": 0, "dualpipev": True}
+         "warmup": 0, "dualpipev": True, "breakdown": True}
 
 
 class TorchStageModule(nn.Module):
@@ -154,12 +155,71 @@ class TorchRunner:
         return float(sum(loss.detach() for loss in losses)) if losses else 0.0
 
 
+class Breakdown:
+    """Per-category wall and thread-CPU seconds of one run on this rank (`--breakdown`): the chunks' forward, the
+    loss, the autograd backward (with the gradient hooks inside it), posting p2p, waiting on p2p; `other` is the
+    rest of the step (the executor's or torch's own Python). Wrappers are the same on both sides."""
+
+    CATS = ("forward", "loss", "backward", "p2p_post", "p2p_wait")
+
+    def __init__(self):
+        self.acc: dict[str, list[float]] = {}
+        self.depth = 0
+
+    def wrap(self, cat: str, fn):
+        def timed(*a, **k):
+            if self.depth:  # the outermost category owns nested time (a loss inside a forward, etc.)
+                return fn(*a, **k)
+            self.depth += 1
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                e = self.acc.setdefault(cat, [0.0, 0.0])
+                e[0] += time.perf_counter() - t0
+                e[1] += time.thread_time() - c0
+                self.depth -= 1
+        return timed
+
+    def install(self) -> None:
+        import torch.distributed.pipelining.schedules as ts
+
+        import shardwise.comm as comm
+        import shardwise.pipeline.runtime as runtime
+        from shardwise.models.llama import Transformer
+        from shardwise.pipeline.stage import StageChunk
+
+        comm.p2p = self.wrap("p2p_post", comm.p2p)
+        comm.wait, comm.wait_all = self.wrap("p2p_wait", comm.wait), self.wrap("p2p_wait", comm.wait_all)
+        ts._batch_p2p, ts._wait_batch_p2p = self.wrap("p2p_post", ts._batch_p2p), self.wrap("p2p_wait", ts._wait_batch_p2p)
+        StageChunk.forward = self.wrap("forward", StageChunk.forward)
+        Transformer.loss_fn = self.wrap("loss", Transformer.loss_fn)
+        engine, wrap = torch.autograd.Variable._execution_engine, self.wrap
+
+        class Engine:  # torch.autograd.backward (torch's stages) and the executor's run_backward both land here
+            run_backward = staticmethod(wrap("backward", engine.run_backward))
+
+            def __getattr__(self, name):
+                return getattr(engine, name)
+
+        runtime._ENGINE = torch.autograd.Variable._execution_engine = Engine()
+
+    def take(self, wall: float, cpu: float) -> dict:
+        row = {c: tuple(self.acc.get(c, (0.0, 0.0))) for c in self.CATS}
+        row["other"] = (wall - sum(v[0] for v in row.values()), cpu - sum(v[1] for v in row.values()))
+        self.acc = {}
+        return row
+
+
 def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def rank_main(opts: dict) -> dict:
     warnings.filterwarnings("ignore")
+    breakdown = Breakdown() if opts["breakdown"] else None
+    if breakdown is not None:
+        breakdown.install()
     torch.manual_seed(0)
     cfg0 = make_cfg(opts, "1f1b", 1)
     mesh = make_mesh(cfg0, torch.device("cpu"))
@@ -202,6 +262,8 @@ def rank_main(opts: dict) -> dict:
                     "grads_missing": missing}
 
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpus: dict[str, list[float]] = {n: [] for n in names}  # this rank's CPU seconds per run (gloo's threads too)
+    parts: dict[str, list[dict]] = {n: [] for n in names}
     events: dict[str, list] = {n: [] for n in names if isinstance(runners[n], ShardwiseRunner)}
     groups = [[n for n in names if n.endswith(f"_{k}")] for k in keys]  # the implementations compared
     for it in range(opts["warmup"] + opts["reps"]):
@@ -212,11 +274,14 @@ def rank_main(opts: dict) -> dict:
             order += g[it % len(g):] + g[:it % len(g)]
         for name in order:
             dist.barrier(group=pp.group)
-            t0 = time.perf_counter()
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             run(name)
-            dt = time.perf_counter() - t0
+            dt, dc, dp = time.perf_counter() - t0, time.thread_time() - c0, time.process_time() - p0
             if it >= opts["warmup"]:
                 times[name].append(dt)
+                cpus[name].append(dp)
+                if breakdown is not None:
+                    parts[name].append(breakdown.take(dt, dc))
                 if name in events:
                     events[name].append(list(runners[name].trainer.executor.clock.events()))
 
@@ -224,7 +289,7 @@ def rank_main(opts: dict) -> dict:
     if opts["profile"]:
         prof = profile_tables(names, run, opts)
     peaks = {n: runners[n].trainer.executor.peak_inflight for n in events}
-    return {"times": times, "events": events, "check": check, "peaks": peaks, "profile": prof,
+    return {"times": times, "cpus": cpus, "parts": parts, "events": events, "check": check, "peaks": peaks, "profile": prof,
             "rank": pp.rank}
 
 
@@ -352,6 +417,8 @@ def main(argv=None) -> int:
                     help=f"comma-separated subset of {','.join(PAIRS)}")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table per implementation (rank 0)")
     ap.add_argument("--profile-rows", type=int, default=15)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per rank and implementation: forward, loss, backward, p2p post, p2p wait, other (wall, CPU)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes, one repetition, every pair: the test of the script")
     args = ap.parse_args(argv)
@@ -395,10 +462,26 @@ def main(argv=None) -> int:
 
     ratios = {f"vs_torch_{k}": medians[f"shardwise_{k}"] / medians[f"torch_{k}"] for k in keys}
     paired = {f"vs_torch_{k}": paired_ratio(f"shardwise_{k}", f"torch_{k}") for k in keys}
+    # CPU seconds of all ranks per run: what the machine's other load moves least.
+    cpu = {n: [sum(c) for c in zip(*(r["cpus"][n] for r in per_rank))] for n in names}
+    cpu_paired = {f"vs_torch_{k}": statistics.median(a / b for a, b in zip(cpu[f"shardwise_{k}"], cpu[f"torch_{k}"]))
+                  for k in keys}
     for k in keys:
         r, pr = ratios[f"vs_torch_{k}"], paired[f"vs_torch_{k}"]
         print(f"  shardwise/torch {k:12s} ratio of medians {r:.3f}, paired {pr:.3f} "
-              f"({'faster' if pr < 1 else 'slower'})")
+              f"({'faster' if pr < 1 else 'slower'}); CPU seconds of all ranks, paired {cpu_paired[f'vs_torch_{k}']:.3f}")
+    breakdown = {}
+    if opts["breakdown"]:
+        print("breakdown per rank, median ms per step, wall / thread CPU (other: the schedule's own Python and the "
+              "rest of the step):")
+        for n in names:
+            breakdown[n] = []
+            for rank, r in enumerate(per_rank):
+                med = {c: [statistics.median(row[c][0] for row in r["parts"][n]),
+                           statistics.median(row[c][1] for row in r["parts"][n])] for c in r["parts"][n][0]}
+                breakdown[n].append(med)
+                print(f"  {n:22s} rank {rank}: " + "  ".join(f"{c} {w * 1e3:.1f}/{c_ * 1e3:.1f}"
+                                                            for c, (w, c_) in med.items()))
     bubbles = {}
     print("shardwise bubble, median over reps. simulated: that rep's mean F/B/W over all ranks (as `shardwise\n"
           "  train`); per-stage: each rank's own mean F/B/W; replayed: every action at its measured duration;\n"
@@ -432,6 +515,7 @@ def main(argv=None) -> int:
               "reps": args.reps, "warmup": args.warmup, "threads_per_rank": 1, "torch": torch.__version__,
               "mapping": {k: f"shardwise {PAIRS[k][0]} (vp={PAIRS[k][1]}) vs torch {PAIRS[k][2]}" for k in keys}}
     print(json.dumps({"medians_s": medians, "ratios": ratios, "bubbles": bubbles, "paired_ratios": paired,
+                      "cpu_paired_ratios": cpu_paired, "breakdown": breakdown,
                       "loss_diff": loss_diff, "max_grad_diff": grad_diff, "config": config}))
     return 0
 

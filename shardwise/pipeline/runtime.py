@@ -14,14 +14,21 @@ Communication is point-to-point on the pp axis, non-blocking, and follows the p2
 Each action's start and end are recorded for the timeline (`timing.ActionClock`: CUDA events on
 the GPU); the number of microbatch-chunks whose activations are held (F done, B not yet) is
 tracked for the memory report.
+
+Everything that depends only on the schedule (the program, each action's stage, messages and peers)
+is derived once, at construction (`_Action`); a step walks that plan. Where the backend returns one
+handle per op (gloo), the next action waits only for its own receive, not for the sends beside it in
+the batch; one handle for the batch (NCCL, strict mode) is waited whole.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from .. import comm
 from ..tensor_parallel.grad_store import WeightGradStore
-from ..rules.p2p_program import build_programs, message_in, message_out
+from ..rules.p2p_program import build_program, messages
 from ..rules.schedules import Schedule
 from .timing import ActionClock
 
@@ -33,9 +40,25 @@ class _Batch:
 
     def __init__(self, works: list, frees: list):
         self.works, self.frees, self.done = works, frees, False
+        self.waited: set[int] = set()  # handles already waited on one by one (a gloo recv must not be waited twice)
 
     def completed(self) -> bool:
         return self.done or comm.completed(self.works)
+
+
+class _Action(NamedTuple):
+    """One action of this rank with everything the schedule fixes about it, derived once per program."""
+
+    kind: str
+    microbatch: int
+    chunk: int
+    last: bool                 # the model's last stage: F computes the loss, B starts from it
+    input_key: tuple | None    # key of the input handed over by this rank's other chunk (None: received or data)
+    first: bool                # the model's first stage: F reads the microbatch's tokens
+    starts_backward: bool      # B with no incoming gradient (the loss's own)
+    out_key: tuple | None      # key of the output this action produces for another stage
+    out_local: bool            # that stage is on this rank (handed over, never sent or freed)
+    label: dict                # the timeline's label of the action
 
 
 class PipelineExecutor:
@@ -46,7 +69,8 @@ class PipelineExecutor:
         self.rank = self.pp.rank
         self.act_shape, self.act_dtype, self.loss_fn = tuple(act_shape), act_dtype, loss_fn
         self.layout = schedule.layout
-        self.program = build_programs(schedule)[self.rank]
+        self.program = build_program(schedule, self.rank)
+        self.plan = self._plan(schedule)
         self.store = store if schedule.split_bw else None
         if schedule.split_bw and store is None:
             raise ValueError(f"schedule {schedule.name} splits B and W: pass the model's WeightGradStore")
@@ -69,15 +93,29 @@ class PipelineExecutor:
         self.clock = ActionClock(mesh.device)
         self.peak_inflight = 0
 
+    def _plan(self, schedule: Schedule) -> list[_Action]:
+        """This rank's actions with their stages and messages resolved: once per program, not per step."""
+        r, last = self.rank, schedule.num_stages - 1
+        ins, outs = messages(schedule)
+        plan = []
+        for a, src, dst in zip(schedule.actions[r], ins[r], outs[r]):
+            stage = self.layout.stage_of(r, a.chunk)
+            plan.append(_Action(a.kind, a.microbatch, a.chunk, stage == last,
+                                src[1] if src is not None and src[0] == r else None,
+                                stage == 0, src is None and a.kind == "B",
+                                dst[1] if dst is not None else None, dst is not None and dst[0] == r,
+                                {"kind": a.kind, "microbatch": a.microbatch, "chunk": a.chunk}))
+        return plan
+
     # ------------------------------------------------------------ messages
     def _begin(self):
-        self.inbox: dict[tuple, tuple[torch.Tensor, _Batch]] = {}
+        self.inbox: dict[tuple, tuple[torch.Tensor, _Batch, int | None]] = {}
         self.outbox: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.local: dict[tuple, torch.Tensor] = {}
         self.batches: list[_Batch] = []
 
     def _boundary(self, i: int) -> torch.Tensor | None:
-        """Post boundary i's batches; return the next action's input once its batch completed."""
+        """Post boundary i's batches; return the next action's input once its receive completed."""
         bnd = self.program[i]
         for ops in bnd.batches:
             items, frees, recvs = [], [], []
@@ -88,32 +126,35 @@ class PipelineExecutor:
                     frees.append(free)
                 else:
                     buf = torch.empty(self.wire_shape, dtype=self.act_dtype, device=self.mesh.device)
+                    recvs.append((op.key, buf, len(items)))
                     items.append(("recv", buf, self.pp, op.peer))
-                    recvs.append((op.key, buf))
-            batch = _Batch(comm.p2p(items), frees)
+            works = comm.p2p(items)
+            batch = _Batch(works, frees)
             self.batches.append(batch)
-            for key, buf in recvs:
-                self.inbox[key] = (buf, batch)
+            per_op = len(works) == len(items) > 1  # one handle per op: a receive can be waited alone
+            for key, buf, k in recvs:
+                self.inbox[key] = (buf, batch, k if per_op else None)
         if bnd.wait is None:
             return None
-        buf, batch = self.inbox.pop(bnd.wait)
-        self._wait(batch, f"recv of {bnd.wait[0]} for microbatch {bnd.wait[1]}, stage {bnd.wait[2]}")
+        buf, batch, k = self.inbox.pop(bnd.wait)
+        what = f"recv of {bnd.wait[0]} for microbatch {bnd.wait[1]}, stage {bnd.wait[2]}"
+        if k is None:
+            self._wait(batch, what)
+        elif not batch.done and k not in batch.waited:
+            comm.wait(batch.works[k], self.pp, what)
+            batch.waited.add(k)
         if self.scatter:  # every TP rank reaches this receive at the same point of the same action list
             buf = comm.all_gather(buf, self.tp).view(self.act_shape)
         return buf
 
     def _wait(self, batch: _Batch, what: str) -> None:
         if not batch.done:
-            comm.wait_all(batch.works, self.pp, what)
+            comm.wait_all([w for k, w in enumerate(batch.works) if k not in batch.waited], self.pp, what)
             batch.done = True
 
-    def _take(self, src_in: tuple[int, tuple], received: torch.Tensor | None) -> torch.Tensor:
-        """The input of the current action: from this rank's other chunk, or the boundary's receive."""
-        return self.local.pop(src_in[1]) if src_in[0] == self.rank else received
-
-    def _send(self, dst: int, key: tuple, t: torch.Tensor, free_after: torch.Tensor | None = None) -> None:
-        """Queue an output for the next boundary's batch to `dst` (or hand it over on this rank)."""
-        if dst == self.rank:
+    def _send(self, key: tuple, local: bool, t: torch.Tensor, free_after: torch.Tensor | None = None) -> None:
+        """Queue an output for the next boundary's batch (or hand it over to this rank's other chunk)."""
+        if local:
             self.local[key] = t
             return
         if t.shape != self.act_shape:
@@ -124,11 +165,14 @@ class PipelineExecutor:
 
     def _reap(self, wait: bool = False) -> None:
         """Free the outputs of sends that completed (all of them, waiting, at the end of the step)."""
+        if not self.batches:
+            return
         still = []
         for batch in self.batches:
             if wait:
                 self._wait(batch, "p2p batch at the end of the step")
             if batch.completed():
+                batch.done = True
                 for out in batch.frees:
                     if out is not None:
                         out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
@@ -145,34 +189,39 @@ class PipelineExecutor:
         every stage — each rank has the global batch, so nothing travels for them.
         """
         self._begin()
-        self.clock.begin_step()
-        last = self.schedule.num_stages - 1
+        clock = self.clock
+        clock.begin_step()
         state: dict[tuple[int, int], tuple] = {}
         loss_sum = torch.zeros(1, device=self.mesh.device)
         inflight = 0
-        for i, a in enumerate(self.schedule.actions[self.rank]):
+        for i, a in enumerate(self.plan):
             received = self._boundary(i)
-            stage = self.layout.stage_of(self.rank, a.chunk)
             chunk, mb = self.chunks[a.chunk], a.microbatch
-            src_in, dst_out = message_in(self.schedule, self.rank, a), message_out(self.schedule, self.rank, a)
             # Timing starts once the input has arrived: waiting on a peer is bubble, not work.
             if a.kind == "F":
-                x = inputs[mb] if src_in is None else self._take(src_in, received).requires_grad_()
-                t0 = self.clock.start()
+                if a.first:
+                    x = inputs[mb]
+                else:
+                    x = (self.local.pop(a.input_key) if a.input_key is not None else received).requires_grad_()
+                t0 = clock.start()
                 with self.autocast():
                     out = chunk(x, **(side[mb] if side else {}))
-                if stage == last:
+                if a.last:
                     out = self.loss_fn(out, targets[mb]).sum() / n_tokens
                     loss_sum += out.detach()
                 state[(mb, a.chunk)] = (x, out)
-                if dst_out is not None:
-                    self._send(*dst_out, out.detach(), free_after=out if dst_out[0] != self.rank else None)
+                if a.out_key is not None:
+                    self._send(a.out_key, a.out_local, out.detach(), free_after=None if a.out_local else out)
                 inflight += 1
-                self.peak_inflight = max(self.peak_inflight, inflight)
+                if inflight > self.peak_inflight:
+                    self.peak_inflight = inflight
             elif a.kind == "B":
                 x, out = state.pop((mb, a.chunk))
-                grad = torch.ones_like(out) if src_in is None else self._take(src_in, received)
-                t0 = self.clock.start()
+                if a.starts_backward:
+                    grad = torch.ones_like(out)
+                else:
+                    grad = self.local.pop(a.input_key) if a.input_key is not None else received
+                t0 = clock.start()
                 if self.store is not None:
                     self.store.capturing, self.store.key = True, (mb, a.chunk)
                 try:
@@ -180,15 +229,15 @@ class PipelineExecutor:
                 finally:
                     if self.store is not None:
                         self.store.capturing = False
-                if dst_out is not None:
-                    self._send(*dst_out, x.grad)
+                if a.out_key is not None:
+                    self._send(a.out_key, a.out_local, x.grad)
                 inflight -= 1
             else:
-                t0 = self.clock.start()
+                t0 = clock.start()
                 self.store.run((mb, a.chunk))
-            self.clock.stop({"kind": a.kind, "microbatch": mb, "chunk": a.chunk}, t0)
+            clock.stop(a.label, t0)
             self._reap()
-        self._boundary(len(self.schedule.actions[self.rank]))
+        self._boundary(len(self.plan))
         self._reap(wait=True)
         if state or self.inbox or self.outbox or (self.store is not None and len(self.store)):
             raise RuntimeError(f"pp rank {self.rank}: schedule {self.schedule.name} left work undone")

@@ -41,6 +41,7 @@ def find_problems(schedule: Schedule) -> list[str]:
     seen: Counter = Counter()
     for r, ops in enumerate(s.actions):
         done: set[tuple[str, int, int]] = set()
+        stages = [s.layout.stage_of(r, c) for c in range(s.v)]
         for i, a in enumerate(ops):
             where = f"rank {r} action #{i} {a!r}"
             if a.kind not in kinds:
@@ -53,7 +54,7 @@ def find_problems(schedule: Schedule) -> list[str]:
             if before and (before, a.microbatch, a.chunk) not in done:
                 problems.append(f"{where}: runs before {before}{a.microbatch} of chunk {a.chunk} here")
             done.add((a.kind, a.microbatch, a.chunk))
-            seen[(a.kind, a.stage(s.layout, r), a.microbatch)] += 1
+            seen[(a.kind, stages[a.chunk], a.microbatch)] += 1
     for stage in range(s.num_stages):
         for mb in range(s.m):
             for kind in kinds:
@@ -165,24 +166,41 @@ def simulate(
             return own + ([("B", stage + 1, a.microbatch)] if stage < last else [])
         return [("B", stage, a.microbatch)]
 
+    stages = [[layout.stage_of(r, c) for c in range(s.v)] for r in range(s.p)]
     remaining = sum(len(ops) for ops in s.actions)
     while remaining:
         progressed = False
         for r, ops in enumerate(s.actions):
-            while nxt[r] < len(ops):
-                a = ops[nxt[r]]
-                stage = a.stage(layout, r)
-                needed = deps(a, stage)
-                if any(d not in finished for d in needed):
-                    break
-                ready = [finished[d][0] + (comm if finished[d][1] != r else 0.0) for d in needed]
-                start = max([clock[r], *ready])
-                clock[r] = start + per_rank[r][a.kind]
-                finished[(a.kind, stage, a.microbatch)] = (clock[r], r)
+            n, i, tab, cost = len(ops), nxt[r], stages[r], per_rank[r]
+            while i < n:
+                a = ops[i]
+                kind, mb = a.kind, a.microbatch
+                stage = tab[a.chunk]
+                # deps(a, stage), unrolled: this loop is the whole cost of building a long schedule's p2p program
+                if kind == "F":
+                    d1, d2 = (("F", stage - 1, mb) if stage > 0 else None), None
+                elif kind == "B":
+                    d1, d2 = ("F", stage, mb), (("B", stage + 1, mb) if stage < last else None)
+                else:
+                    d1, d2 = ("B", stage, mb), None
+                start = clock[r]
+                if d1 is not None:
+                    f = finished.get(d1)
+                    if f is None:
+                        break
+                    start = max(start, f[0] + (comm if f[1] != r else 0.0))
+                if d2 is not None:
+                    f = finished.get(d2)
+                    if f is None:
+                        break
+                    start = max(start, f[0] + (comm if f[1] != r else 0.0))
+                clock[r] = start + cost[kind]
+                finished[(kind, stage, mb)] = (clock[r], r)
                 timeline[r].append((a, start, clock[r]))
-                nxt[r] += 1
+                i += 1
                 remaining -= 1
                 progressed = True
+            nxt[r] = i
         if not progressed:
             raise _deadlock(s, nxt, finished, deps)
 
