@@ -1,0 +1,49 @@
+"""`--mem-ckpt-every N`: every N steps each rank keeps a copy of its state on its own node and sends one to its
+holder on the next node (`peers`), where it lands in that node's store. The send travels on the `ckpt` gloo group
+(host tensors, like a disk checkpoint's metadata), so the ledger counts it on axis 'ckpt' as `send:mem_ckpt`."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import comm
+from .peers import holder_of, ward_of
+from .snapshot import snapshot
+from .store import NodeInfo, NodeStore
+
+
+def host_axis(mesh):
+    """The `ckpt` axis with host tensors: memory copies never touch the training device's communicator."""
+    return dataclasses.replace(mesh["ckpt"], device=torch.device("cpu"))
+
+
+class MemoryCopies:
+    """This rank's side of the copies: its own into its node store, its ward's (received) into the same store."""
+
+    def __init__(self, trainer, info: NodeInfo):
+        self.trainer, self.axis = trainer, host_axis(trainer.mesh)
+        world, self.rank = self.axis.size, trainer.mesh.rank
+        self.store = NodeStore(info.store)
+        self.holder = holder_of(self.rank, world, info.ranks_per_node)
+        self.ward = ward_of(self.rank, world, info.ranks_per_node)
+        self.before_send = []  # fn(step) called once the local copy is kept (fault injection's `mem-ckpt` phase)
+        self._ward_bytes = None
+
+    def copy(self, step: int) -> None:
+        """Collective over `ckpt` (each rank sends to one and receives from one). After `step` completed steps."""
+        blob = snapshot(self.trainer, step)
+        self.store.write(self.rank, step, blob)
+        for hook in self.before_send:
+            hook(step)
+        if self.holder == self.rank:  # one node: no peer to hold a second copy
+            return
+        if self._ward_bytes is None:  # a layout's copies keep their size: their sizes are exchanged once
+            size, got = torch.tensor([blob.numel()]), torch.zeros(1, dtype=torch.int64)
+            comm.wait_all(comm.p2p([("send", size, self.axis, self.holder), ("recv", got, self.axis, self.ward)],
+                                   tag="mem_ckpt"), self.axis, "memory copy size")
+            self._ward_bytes = int(got[0])
+        held = torch.empty(self._ward_bytes, dtype=torch.uint8)
+        comm.wait_all(comm.p2p([("send", blob, self.axis, self.holder), ("recv", held, self.axis, self.ward)],
+                               tag="mem_ckpt"), self.axis, "memory copy")
+        self.store.write(self.ward, step, held)
