@@ -4,6 +4,7 @@ holder on the next node (`peers`), where it lands in that node's store. The send
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 
 import torch
 
@@ -11,6 +12,14 @@ from .. import comm
 from .peers import holder_of, ward_of
 from .snapshot import snapshot
 from .store import NodeInfo, NodeStore
+
+
+def exchange(ops, axis, what: str, timeout_s: float) -> None:
+    """One p2p batch on the host axis, waited for at most the run's collective timeout (the `ckpt` group's own is an
+    hour, for disk checkpoints): a peer that hangs mid-copy fails its partners as it would any collective."""
+    timeout = timedelta(seconds=timeout_s)
+    for work in comm.p2p(ops, tag=what.replace(" ", "_")):
+        comm.guarded(axis, what, work.wait, timeout)
 
 
 def host_axis(mesh):
@@ -29,6 +38,7 @@ class MemoryCopies:
         self.ward = ward_of(self.rank, world, info.ranks_per_node)
         self.before_send = []  # fn(step) called once the local copy is kept (fault injection's `mem-ckpt` phase)
         self._ward_bytes = None
+        self.timeout_s = trainer.cfg.timeout_s
 
     def copy(self, step: int) -> None:
         """Collective over `ckpt` (each rank sends to one and receives from one). After `step` completed steps."""
@@ -40,10 +50,10 @@ class MemoryCopies:
             return
         if self._ward_bytes is None:  # a layout's copies keep their size: their sizes are exchanged once
             size, got = torch.tensor([blob.numel()]), torch.zeros(1, dtype=torch.int64)
-            comm.wait_all(comm.p2p([("send", size, self.axis, self.holder), ("recv", got, self.axis, self.ward)],
-                                   tag="mem_ckpt"), self.axis, "memory copy size")
+            exchange([("send", size, self.axis, self.holder), ("recv", got, self.axis, self.ward)], self.axis,
+                     "mem ckpt", self.timeout_s)
             self._ward_bytes = int(got[0])
         held = torch.empty(self._ward_bytes, dtype=torch.uint8)
-        comm.wait_all(comm.p2p([("send", blob, self.axis, self.holder), ("recv", held, self.axis, self.ward)],
-                               tag="mem_ckpt"), self.axis, "memory copy")
+        exchange([("send", blob, self.axis, self.holder), ("recv", held, self.axis, self.ward)], self.axis,
+                 "mem ckpt", self.timeout_s)
         self.store.write(self.ward, step, held)

@@ -27,14 +27,14 @@ def ward_of(rank: int, world: int, ranks_per_node: int) -> int:
     return ((node - 1) % nodes) * ranks_per_node + local
 
 
-def copies_on_node(node: int, world: int, ranks_per_node: int) -> set[int]:
-    """The ranks whose state the memory of `node` holds: its own ranks' and, as their holders, the previous node's."""
-    own = range(node * ranks_per_node, (node + 1) * ranks_per_node)
-    return set(own) | {ward_of(r, world, ranks_per_node) for r in own}
+def copies_on_node(node: int, world: int, ranks_per_node: int, holder=holder_of) -> set[int]:
+    """The ranks whose state the memory of `node` holds: its own ranks' and those whose `holder` is on it."""
+    own = set(range(node * ranks_per_node, (node + 1) * ranks_per_node))
+    return own | {r for r in range(world) if node_of(holder(r, world, ranks_per_node), ranks_per_node) == node}
 
 
-def survivors_cover(lost_node: int, world: int, ranks_per_node: int) -> bool:
-    """Whether every rank's state is still held in memory once `lost_node` is gone."""
+def survivors_cover(lost_node: int, world: int, ranks_per_node: int, holder=holder_of) -> bool:
+    """Whether every rank's state is still held in memory once `lost_node` is gone (under the rule `holder`)."""
     nodes = world // ranks_per_node
-    held = set().union(*(copies_on_node(n, world, ranks_per_node) for n in range(nodes) if n != lost_node))
+    held = set().union(*(copies_on_node(n, world, ranks_per_node, holder) for n in range(nodes) if n != lost_node))
     return held == set(range(world))

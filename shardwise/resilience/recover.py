@@ -13,7 +13,7 @@ import torch
 
 from .. import comm
 from ..checkpoint import META, newest_intact
-from .memory import host_axis
+from .memory import exchange, host_axis
 from .snapshot import read_meta, restore
 from .store import NodeInfo, NodeStore, Progress
 
@@ -69,7 +69,7 @@ def recover(trainer, ckpt_dir: str, info: NodeInfo, out: str | None) -> dict | N
         if who[rank] != rank:
             got = torch.empty(held[who[rank]][(rank, mem_step)], dtype=torch.uint8)
             ops.append(("recv", got, axis, who[rank]))
-        comm.wait_all(comm.p2p(ops, tag="mem_restore"), axis, "memory copy restore")
+        exchange(ops, axis, "mem restore", trainer.cfg.timeout_s)
         blob = store.read(rank, mem_step) if got is None else got
         step = restore(trainer, blob, skip)
         event |= {"source": "memory", "step": step, "from_peer": sorted(o for o, s in who.items() if s != o),
