@@ -60,6 +60,8 @@ def test_node_store_keeps_whole_copies_and_prunes(tmp_path):
     assert store.inventory() == {(3, 3): 3, (3, 4): 4, (1, 4): 7}
     assert KEEP == 2
     assert torch.equal(store.read(3, 4), torch.arange(4, dtype=torch.uint8))
+    store.write(3, 2, torch.zeros(2, dtype=torch.uint8))  # the run went back to step 2: later copies are stale
+    assert store.inventory() == {(3, 2): 2, (1, 4): 7}
     store.wipe()
     assert not os.path.exists(store.path)
 

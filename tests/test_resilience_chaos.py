@@ -19,10 +19,10 @@ from _dist import ForkedCli, warm_parent
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT = 15  # --collective-timeout: the hang job waits this long before its peers give up
+TIMEOUT = 30  # --collective-timeout of the hang job: its peers give up after this long
 STEPS = 5
 COMMON = ["train", "--no-progress", "--no-report", "--seq-len", "32", "--steps", str(STEPS), "--dropout", "0.1",
-          "--save-every", "2", "--collective-timeout", str(TIMEOUT)]
+          "--save-every", "2"]
 TP = ["--dp", "2", "--tp", "2"]
 PP = ["--dp", "2", "--pp", "2", "--microbatches", "2"]
 RECOVER = ["--max-restarts", "1", "--ranks-per-node", "2"]
@@ -34,7 +34,8 @@ JOBS = {  # name: (layout, extra flags, SHARDWISE_RECOVERY_SKIP)
     # node 1 (ranks 2, 3) and its memory are lost mid-forward: ranks 2 and 3 get their state from node 0
     "node_pp": (PP, [*RECOVER, "--mem-ckpt-every", "1", "--fault-inject", "2:4:node:forward"], None),
     # rank 3 hangs after keeping its copy of step 3, before sending it: its peers time out; step 2's copy is whole
-    "hang_pp": (PP, [*RECOVER, "--mem-ckpt-every", "1", "--fault-inject", "3:3:hang:mem-ckpt"], None),
+    "hang_pp": (PP, [*RECOVER, "--mem-ckpt-every", "1", "--fault-inject", "3:3:hang:mem-ckpt",
+                     "--collective-timeout", str(TIMEOUT)], None),
     # a copy every 2 steps, killed before step 4's optimizer step: step 2's copy, one step lost
     "every2_tp": (TP, [*RECOVER, "--mem-ckpt-every", "2", "--fault-inject", "0:4:kill:optimizer"], None),
     # no memory copies: the disk checkpoint of step 2

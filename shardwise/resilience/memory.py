@@ -37,7 +37,6 @@ class MemoryCopies:
         self.holder = holder_of(self.rank, world, info.ranks_per_node)
         self.ward = ward_of(self.rank, world, info.ranks_per_node)
         self.before_send = []  # fn(step) called once the local copy is kept (fault injection's `mem-ckpt` phase)
-        self._ward_bytes = None
         self.timeout_s = trainer.cfg.timeout_s
 
     def copy(self, step: int) -> None:
@@ -48,12 +47,11 @@ class MemoryCopies:
             hook(step)
         if self.holder == self.rank:  # one node: no peer to hold a second copy
             return
-        if self._ward_bytes is None:  # a layout's copies keep their size: their sizes are exchanged once
-            size, got = torch.tensor([blob.numel()]), torch.zeros(1, dtype=torch.int64)
-            exchange([("send", size, self.axis, self.holder), ("recv", got, self.axis, self.ward)], self.axis,
-                     "mem ckpt", self.timeout_s)
-            self._ward_bytes = int(got[0])
-        held = torch.empty(self._ward_bytes, dtype=torch.uint8)
+        # the size first (the metadata's length varies with the step and the RNG states' digits)
+        size, got = torch.tensor([blob.numel()]), torch.zeros(1, dtype=torch.int64)
+        exchange([("send", size, self.axis, self.holder), ("recv", got, self.axis, self.ward)], self.axis,
+                 "mem ckpt", self.timeout_s)
+        held = torch.empty(int(got[0]), dtype=torch.uint8)
         exchange([("send", blob, self.axis, self.holder), ("recv", held, self.axis, self.ward)], self.axis,
                  "mem ckpt", self.timeout_s)
         self.store.write(self.ward, step, held)

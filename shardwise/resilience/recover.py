@@ -96,7 +96,8 @@ def _log(event: dict, progress: dict, world: int, out: str | None) -> None:
     rec = {k: v for k, v in seen.items() if k not in ("detected_at", "lost_ranks")} | {
         "lost_ranks": lost, "failed_after_step": max(completed, seen.get("failed_after_step", 0)),
         "restored_from": event["source"], "restored_step": event["step"],
-        "memory_step": event["memory_step"], "disk_step": event["disk_step"], "restore_s": event["restore_s"]}
+        "memory_step": event["memory_step"], "disk_step": event["disk_step"], "restore_s": event["restore_s"],
+        "from_peer": event.get("from_peer", [])}
     rec["steps_lost"] = rec["failed_after_step"] - event["step"]
     if detected_at is not None:
         rec["recovery_s"] = round(time.time() - detected_at, 3)

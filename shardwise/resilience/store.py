@@ -11,6 +11,7 @@ recovery read how far the group had got.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -65,21 +66,26 @@ class NodeStore:
         return os.path.join(self.path, f"copy-r{owner}-s{step}.bin")
 
     def write(self, owner: int, step: int, data) -> None:
-        """Keep `data` (a uint8 tensor) as `owner`'s copy at `step`; prune that owner's older copies."""
+        """Keep `data` (a uint8 tensor) as `owner`'s copy at `step`; drop that owner's copies of later steps (a run
+        that went back) and all but the KEEP newest up to `step`."""
         final = self._file(owner, step)
         tmp = f"{final}.tmp"
         data.numpy().tofile(tmp)
         os.replace(tmp, final)
-        for old in sorted(s for o, s in self.inventory() if o == owner)[:-KEEP]:
-            os.remove(self._file(owner, old))
+        steps = sorted(s for o, s in self._names() if o == owner)
+        for old in [s for s in steps if s > step] + [s for s in steps if s <= step][:-KEEP]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._file(owner, old))
+
+    def _names(self) -> list[tuple[int, int]]:
+        return [(int(m.group(1)), int(m.group(2))) for name in os.listdir(self.path) if (m := COPY.match(name))]
 
     def inventory(self) -> dict[tuple[int, int], int]:
-        """{(owner, step): bytes} of the whole copies here."""
+        """{(owner, step): bytes} of the whole copies here (the node's other ranks may be pruning meanwhile)."""
         out = {}
-        for name in os.listdir(self.path):
-            m = COPY.match(name)
-            if m:
-                out[(int(m.group(1)), int(m.group(2)))] = os.path.getsize(os.path.join(self.path, name))
+        for owner, step in self._names():
+            with contextlib.suppress(FileNotFoundError):
+                out[(owner, step)] = os.path.getsize(self._file(owner, step))
         return out
 
     def read(self, owner: int, step: int):
