@@ -1,12 +1,13 @@
 """Resilience without processes: the peer assignment survives the loss of every node, the choice of the newest
 consistent memory step, a node store's copies and progress records, and the fault-injection spec."""
 import os
+import re
 
 import pytest
 import torch
 
 from shardwise.config import ConfigError, TrainConfig
-from shardwise.resilience.peers import copies_on_node, holder_of, node_of, survivors_cover, ward_of
+from shardwise.resilience.peers import holder_of, node_memory, node_of, survivors_cover, ward_of
 from shardwise.resilience.recover import newest_memory_step, suppliers
 from shardwise.resilience.store import KEEP, NodeStore, Progress, node_info, release
 
@@ -22,9 +23,9 @@ def test_every_rank_survives_the_loss_of_any_one_node(world, per_node):
         assert node_of(h, per_node) != node_of(rank, per_node)  # the peer copy sits on another node
         assert h % per_node == rank % per_node  # at the same position: one copy in and one out per rank
     assert sorted(holder_of(r, world, per_node) for r in range(world)) == list(range(world))
-    for node in range(nodes):
+    for node, held in node_memory(world, per_node).items():
         assert survivors_cover(node, world, per_node), node
-        assert len(copies_on_node(node, world, per_node)) == 2 * per_node  # each node holds twice its own state
+        assert len(held) == min(2, nodes) * per_node  # each node holds twice its own state (one node: once)
 
 
 def test_a_rule_that_keeps_the_peer_copy_on_the_same_node_is_caught():
@@ -103,3 +104,37 @@ def test_fault_spec(spec, parsed):
 def test_fault_spec_refused(spec):
     with pytest.raises(ConfigError, match="RANK:STEP:KIND\\[:PHASE\\]"):
         TrainConfig(fault_inject=spec).fault()
+
+
+def test_young_daly_interval_wastes_least():
+    from shardwise.planner.goodput import waste, young_daly
+
+    cost, mtbf = 30.0, 50_000.0
+    best = young_daly(cost, mtbf)
+    assert best == pytest.approx((2 * cost * mtbf) ** 0.5)
+    for other in (best / 2, best * 0.9, best * 1.1, best * 2):
+        assert waste(best, cost, 0, 0, mtbf) < waste(other, cost, 0, 0, mtbf)
+
+
+def test_plan_reports_goodput_per_row(capsys):
+    """Each row's goodput terms: the Llama 3 MTBF by default, memory copies beat disk checkpoints, and the table
+    shows them when --mtbf-gpu-hours is given; a bad figure exits 2."""
+    import json
+
+    from shardwise.commands.plan import main
+    from shardwise.planner.goodput import LLAMA3_MTBF_GPU_HOURS
+
+    assert round(LLAMA3_MTBF_GPU_HOURS) == 50_677
+    explain = ["plan", "--model", "llama3-8b", "--gpus", "64", "--explain", "dp=8,tp=8"]
+    assert main([*explain, "--json"]) == 0
+    g = json.loads(capsys.readouterr().out)["goodput"]
+    assert g["mtbf_job_h"] == pytest.approx(LLAMA3_MTBF_GPU_HOURS / 64)
+    assert 0 < g["goodput_disk"] < g["goodput_mem"] < 1 and g["mem_ckpt_every"] <= g["save_every"]
+    assert main([*explain, "--mtbf-gpu-hours", "500"]) == 0  # failures 100x as often: checkpoints more often
+    shown = re.search(r"Young–Daly --save-every (\d+):", capsys.readouterr().out)
+    assert 0 < int(shown.group(1)) < g["save_every"] / 5, shown  # the interval scales as sqrt(MTBF)
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "1", "--mtbf-gpu-hours", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "good disk" in out and "mem-every" in out
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--mtbf-gpu-hours", "0"]) == 2
+    assert "--mtbf-gpu-hours 0.0 must be positive" in capsys.readouterr().err

@@ -27,14 +27,15 @@ def ward_of(rank: int, world: int, ranks_per_node: int) -> int:
     return ((node - 1) % nodes) * ranks_per_node + local
 
 
-def copies_on_node(node: int, world: int, ranks_per_node: int, holder=holder_of) -> set[int]:
-    """The ranks whose state the memory of `node` holds: its own ranks' and those whose `holder` is on it."""
-    own = set(range(node * ranks_per_node, (node + 1) * ranks_per_node))
-    return own | {r for r in range(world) if node_of(holder(r, world, ranks_per_node), ranks_per_node) == node}
+def node_memory(world: int, ranks_per_node: int, holder=holder_of) -> dict[int, set[int]]:
+    """{node: the ranks whose state its memory holds}: its own ranks' and those whose `holder` is on it."""
+    held = {n: set(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(world // ranks_per_node)}
+    for r in range(world):
+        held[node_of(holder(r, world, ranks_per_node), ranks_per_node)].add(r)
+    return held
 
 
 def survivors_cover(lost_node: int, world: int, ranks_per_node: int, holder=holder_of) -> bool:
     """Whether every rank's state is still held in memory once `lost_node` is gone (under the rule `holder`)."""
-    nodes = world // ranks_per_node
-    held = set().union(*(copies_on_node(n, world, ranks_per_node, holder) for n in range(nodes) if n != lost_node))
-    return held == set(range(world))
+    held = node_memory(world, ranks_per_node, holder)
+    return set().union(*(h for n, h in held.items() if n != lost_node)) == set(range(world))
