@@ -23,7 +23,8 @@ def exchange(ops, axis, what: str, timeout_s: float) -> None:
 
 
 def host_axis(mesh):
-    """The `ckpt` axis with host tensors: memory copies never touch the training device's communicator."""
+    """The `ckpt` axis with host tensors (device="cpu" on purpose): memory copies live in host memory and travel on
+    the gloo `ckpt` group, never on the training device's communicator."""
     return dataclasses.replace(mesh["ckpt"], device=torch.device("cpu"))
 
 
@@ -48,10 +49,10 @@ class MemoryCopies:
         if self.holder == self.rank:  # one node: no peer to hold a second copy
             return
         # the size first (the metadata's length varies with the step and the RNG states' digits)
-        size, got = torch.tensor([blob.numel()]), torch.zeros(1, dtype=torch.int64)
+        size, got = torch.tensor([blob.numel()], device="cpu"), torch.zeros(1, dtype=torch.int64, device="cpu")
         exchange([("send", size, self.axis, self.holder), ("recv", got, self.axis, self.ward)], self.axis,
                  "mem ckpt", self.timeout_s)
-        held = torch.empty(int(got[0]), dtype=torch.uint8)
+        held = torch.empty(int(got[0]), dtype=torch.uint8, device="cpu")
         exchange([("send", blob, self.axis, self.holder), ("recv", held, self.axis, self.ward)], self.axis,
                  "mem ckpt", self.timeout_s)
         self.store.write(self.ward, step, held)

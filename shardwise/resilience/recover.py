@@ -67,7 +67,7 @@ def recover(trainer, ckpt_dir: str, info: NodeInfo, out: str | None) -> dict | N
         ops = [("send", store.read(o, mem_step), axis, o) for o, s in who.items() if s == rank and o != rank]
         got = None
         if who[rank] != rank:
-            got = torch.empty(held[who[rank]][(rank, mem_step)], dtype=torch.uint8)
+            got = torch.empty(held[who[rank]][(rank, mem_step)], dtype=torch.uint8, device="cpu")
             ops.append(("recv", got, axis, who[rank]))
         exchange(ops, axis, "mem restore", trainer.cfg.timeout_s)
         blob = store.read(rank, mem_step) if got is None else got

@@ -38,7 +38,7 @@ def snapshot(trainer, step: int) -> torch.Tensor:
             "torch_rng": torch.get_rng_state().tolist(),
             "tracker_rng": {k: g.get_state().tolist() for k, g in tracker.generators.items()}}
     head = json.dumps(meta).encode()
-    parts = [torch.frombuffer(bytearray(struct.pack("<Q", len(head)) + head), dtype=torch.uint8)]
+    parts = [torch.tensor(list(struct.pack("<Q", len(head)) + head), dtype=torch.uint8, device="cpu")]
     parts += [t.detach().to("cpu").contiguous().view(-1).view(torch.uint8) for _, t in views]
     return torch.cat(parts)
 
@@ -63,9 +63,9 @@ def restore(trainer, blob: torch.Tensor, skip: frozenset = frozenset()) -> int:
             t.copy_(blob[at:at + n].clone().view(t.dtype).view(t.shape))  # clone: aligned for the dtype
             at += n
     if "rng" not in skip:
-        torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+        torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8, device="cpu"))
         for k, g in trainer.model.rng_tracker.generators.items():
-            g.set_state(torch.tensor(meta["tracker_rng"][k], dtype=torch.uint8))
+            g.set_state(torch.tensor(meta["tracker_rng"][k], dtype=torch.uint8, device="cpu"))
     trainer.step = meta["step"]
     trainer.bad_steps = meta["bad_steps"]
     return meta["step"]

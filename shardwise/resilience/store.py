@@ -89,10 +89,10 @@ class NodeStore:
         return out
 
     def read(self, owner: int, step: int):
-        import numpy as np
         import torch
 
-        return torch.from_numpy(np.fromfile(self._file(owner, step), dtype=np.uint8))
+        path = self._file(owner, step)
+        return torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8, device="cpu")
 
     def wipe(self) -> None:
         """The node's memory is gone (a lost node; the fault injection's `node`)."""
