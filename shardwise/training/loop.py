@@ -169,7 +169,8 @@ def detected(trainer, error: Exception) -> None:
     progress = getattr(trainer, "progress", None)
     phase = progress.phase if progress is not None else "training"
     step = (progress.completed if progress is not None else trainer.step) + 1
-    print(f"shardwise: rank {trainer.mesh.rank} {DETECTED} in step {step} ({phase}): {error}", file=sys.stderr,
+    what = str(error).removeprefix(f"rank {trainer.mesh.rank}: ")  # the launcher's report names the rank's error too
+    print(f"shardwise: rank {trainer.mesh.rank} {DETECTED} in step {step} ({phase}): {what}", file=sys.stderr,
           flush=True)
     if progress is not None:
         progress.note(phase=f"{DETECTED} in step {step} ({phase})")
