@@ -77,10 +77,11 @@ def lose_node(store: str | None) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install_faults(cfg: TrainConfig, trainer, memory_copies=None, node=None) -> None:
+def install_faults(cfg: TrainConfig, trainer) -> None:
     """Add the run's fault (if any, and if it is this rank's) to the trainer's step hooks and, for a phase inside
-    the step, to the module, gradient, optimizer or memory-copy hooks where it strikes. A fault strikes once: a
-    restarted worker group (`node.restart` > 0) runs without it."""
+    the step, to the module, gradient, optimizer or memory-copy hooks where it strikes (`trainer.memory_copies`).
+    A fault strikes once: a restarted worker group (`trainer.node.restart` > 0) runs without it."""
+    memory_copies, node = getattr(trainer, "memory_copies", None), getattr(trainer, "node", None)
     fault = cfg.fault()
     if fault is None or fault[0] != trainer.mesh.rank or (node is not None and node.restart > 0):
         return

@@ -45,12 +45,12 @@ def _train(cfg: TrainConfig, device: torch.device | None, planned_activations: d
     trainer = Trainer(cfg, mesh)
     node = node_info(mesh["ckpt"].size, bool(cfg.mem_ckpt_every)) if mesh["world"].active else None
     copies = MemoryCopies(trainer, node) if node is not None and cfg.mem_ckpt_every else None
-    install_faults(cfg, trainer, copies, node)
+    trainer.memory_copies, trainer.node = copies, node  # where a fault in the mem-ckpt phase or a lost node strikes
+    install_faults(cfg, trainer)
     rank0 = mesh.rank == 0
     ckpt_dir = checkpoint_root(cfg)
     start, cfg = _starting_point(cfg, trainer, node, ckpt_dir)
     trainer.progress = Progress(node.store, mesh.rank) if node is not None else None
-    trainer.memory_copies = copies
     if start >= cfg.steps:  # nothing to train: the run directory stays as it is
         if rank0:
             print(f"shardwise: checkpoint at step {start} already reaches --steps {cfg.steps}", file=sys.stderr)
