@@ -94,7 +94,7 @@ def _log(event: dict, progress: dict, world: int, out: str | None) -> None:
     lost = seen.get("lost_ranks") or sorted(set(range(world)) - {r for r, (_, p, _, _) in progress.items()
                                                                   if p.startswith(DETECTED)})
     rec = {k: v for k, v in seen.items() if k not in ("detected_at", "lost_ranks")} | {
-        "lost_ranks": lost, "failed_after_step": max(completed, seen.get("failed_after_step", 0)),
+        "lost_ranks": lost, "failed_after_step": max(completed, seen.get("failed_after_step") or 0),
         "restored_from": event["source"], "restored_step": event["step"],
         "memory_step": event["memory_step"], "disk_step": event["disk_step"], "restore_s": event["restore_s"],
         "from_peer": event.get("from_peer", [])}
