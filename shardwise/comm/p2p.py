@@ -20,10 +20,10 @@ class _BatchWork:
     def __init__(self, works: list):
         self.works, self.done = works, False
 
-    def wait(self) -> bool:
+    def wait(self, *timeout) -> bool:
         if not self.done:
             for w in self.works:
-                w.wait()
+                w.wait(*timeout)
             self.done = True
         return True
 

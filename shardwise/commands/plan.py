@@ -15,6 +15,7 @@ from shardwise.config import ConfigError
 from shardwise.config.flags import plan_argument
 from shardwise.hf.config import config_from_hf
 from shardwise.hf.shapes import LENIENT_TYPES
+from shardwise.planner.goodput import LLAMA3_MTBF_GPU_HOURS, FailureModel, goodput, goodput_lines
 from shardwise.planner.errors import PlanError
 from shardwise.planner.estimate import Assumptions, estimate
 from shardwise.planner.hardware import GPU_PRESETS, Cluster, get_gpu
@@ -89,6 +90,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="simulate the best K rows on fake tensors (shardwise simulate, one process, one row after "
                         "another) and show each one's traced live peak; a row whose traced peak does not fit loses "
                         "its 'fits'")
+    p.add_argument("--mtbf-gpu-hours", type=float, default=None, metavar="H",
+                   help="GPU-hours between failures; given, the table adds goodput columns (JSON and --explain always "
+                        f"carry them, at the Llama 3 report's {LLAMA3_MTBF_GPU_HOURS:,.0f} by default)")
+    p.add_argument("--storage-gbps", type=float, default=100.0,
+                   help="checkpoint storage bandwidth for the job, GB/s (default 100)")
+    p.add_argument("--restart-s", type=float, default=180.0,
+                   help="seconds from a failure to a restarted worker group, state not counted (default 180)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
     return p
@@ -168,6 +176,7 @@ def _explain(args, spec, cluster, wl, assume) -> int:
         est["moe_mean"] = mean_rank(estimate(spec, cluster, lay, replace(wl, moe_skew=1.0, moe_routing=None), assume))
         est["moe_balanced_placement_skew"] = balanced_skew(spec, lay, wl)
     est |= runnable(row_command(model_flags(args), spec, cluster, lay, wl))
+    est["goodput"] = row_goodput(est, cluster, wl, assume, failure_model(args))
     print(json.dumps(est, indent=2) if args.json else explain_text(est))
     return 0
 
@@ -193,8 +202,10 @@ def _search(args, spec, cluster, wl, assume) -> int:
     n_valid = sum(1 for _ in candidates(spec, cluster, wl, space)) if not results else None
     if n_valid == 0:
         raise PlanError(no_layout_reason(spec, cluster, wl, space))
+    fm = failure_model(args)
     for r in results[: args.top]:
         r |= runnable(row_command(model_flags(args), spec, cluster, Layout.from_dict(r["layout"]), wl))
+        r["goodput"] = row_goodput(r, cluster, wl, assume, fm)
     if args.trace:
         from shardwise.commands.plan_trace import trace_rows
 
@@ -208,8 +219,24 @@ def _search(args, spec, cluster, wl, assume) -> int:
               f"--zero 3, --recompute full, a smaller --micro-batch or --uneven-pp", file=sys.stderr)
         return 1
     if not args.json:
-        print(table(results[: args.top], spec, cluster, wl, space, assume, len(results), traced=bool(args.trace)))
+        print(table(results[: args.top], spec, cluster, wl, space, assume, len(results), traced=bool(args.trace),
+                    goodput=args.mtbf_gpu_hours is not None))
     return 0
+
+
+def failure_model(args) -> FailureModel:
+    mtbf = LLAMA3_MTBF_GPU_HOURS if args.mtbf_gpu_hours is None else args.mtbf_gpu_hours
+    for name, v in (("--mtbf-gpu-hours", mtbf), ("--storage-gbps", args.storage_gbps), ("--restart-s", args.restart_s)):
+        if not v > 0:
+            raise PlanError(f"{name} {v} must be positive")
+    return FailureModel(mtbf, args.storage_gbps * 1e9, args.restart_s)
+
+
+def row_goodput(row: dict, cluster: Cluster, wl: Workload, assume: Assumptions, fm: FailureModel) -> dict:
+    """The row's goodput terms (`planner.goodput`): its state per rank is its weights and optimizer state."""
+    br = row["static_breakdown_per_rank"]
+    return goodput(cluster.gpus, row["step_time_s"], row["params_total"], br["weights"] + br["optimizer"],
+                   cluster.gpu.internode_bytes_per_s * assume.link_efficiency, wl.optimizer, fm)
 
 
 def runnable(command: dict) -> dict:
@@ -264,7 +291,7 @@ def legend(rows: list[dict], names: list[str], axes: list[str]) -> list[str]:
 
 
 def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchSpace, assume: Assumptions,
-          n_fit: int, traced: bool = False) -> str:
+          n_fit: int, traced: bool = False, goodput: bool = False) -> str:
     """Fixed-width ranking: layout, memory breakdown, bubble, per-axis traffic, step time and MFU; with
     `traced`, each simulated row's traced peak (blank for rows not simulated) and why a row no longer fits."""
     names = [Layout.from_dict(r["layout"]).short() for r in rows]
@@ -273,6 +300,7 @@ def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchS
     cols = [("#", 3), ("layout", max(map(len, names))), ("params/rank", 11), ("static GB", 9), ("act GB", 7),
             ("total GB", 8), ("peak GB", 7)] + [("traced GB", 9)] * traced + [("bubble", 6)]
     cols += [(f"{a} GB", max(8, len(a) + 3)) for a in axes] + [("step s", 7), ("MFU", 5)] + [("train", 5)] * refused
+    cols += [("good disk", 9), ("save-every", 10), ("good mem", 8), ("mem-every", 9)] * goodput
 
     def line(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, cols)))
@@ -294,12 +322,19 @@ def table(rows: list[dict], spec, cluster: Cluster, wl: Workload, space: SearchS
         cells.append(f"{r['bubble_fraction']:.3f}")
         cells += [f"{comm[a] / GB:.1f}" if a in comm else "-" for a in axes]
         cells += [f"{r['step_time_s']:.2f}", f"{r['mfu']:.3f}"] + [("yes" if r["trainable"] else "no")] * refused
+        if goodput:
+            gp = r["goodput"]
+            cells += [f"{gp['goodput_disk']:.3f}", str(gp["save_every"]), f"{gp['goodput_mem']:.3f}",
+                      str(gp["mem_ckpt_every"])]
         out.append(line(cells))
         out += command_lines(r, "     ", spec.untrainable) + trace_lines(r, "     ")
     out += ["", *legend(rows, names, axes),
             f"Assumed {assume.flops_efficiency:.0%} of peak FLOP/s and {assume.link_efficiency:.0%} of link bandwidth.",
             "Each row's $ line is the command that runs it (torchrun: on every node, HEAD_NODE_IP = node 0's address).",
             f"Details of #1: --explain \"{rows[0]['layout_str']}\""]
+    if goodput:
+        out.insert(-1, "good disk / good mem: expected goodput with disk checkpoints every save-every steps (Young–Daly) "
+                       "or memory copies to a peer node every mem-every steps (docs/fault-tolerance.md)")
     return "\n".join(out)
 
 
@@ -363,6 +398,9 @@ def explain_text(est: dict) -> str:
         "run it:",
         *command_lines(est, "  "),
     ]
+    if "goodput" in est:
+        out += ["", "under failures (Young–Daly; --mtbf-gpu-hours, --storage-gbps, --restart-s)",
+                *(f"  {x}" for x in goodput_lines(est["goodput"]))]
     return "\n".join(out)
 
 

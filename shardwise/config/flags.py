@@ -217,8 +217,17 @@ RUN_FLAGS: tuple[Flag, ...] = (
          default="SIGTERM", metavar="SIG", group=CHECKPOINTS, convert=_signal_name),
     Flag("--async-save", "write checkpoints in the background (torch.distributed.checkpoint.async_save)",
          "async_save", kind="switch", group=CHECKPOINTS),
-    Flag("--fault-inject", "make RANK crash, hang or produce NaN (KIND) at STEP — for testing recovery",
-         "fault_inject", metavar="RANK:STEP:KIND"),
+    Flag("--fault-inject", "make RANK crash, hang, produce NaN, be SIGKILLed or lose its node (KIND: crash, hang, "
+         "nan, kill, node) at STEP, in PHASE (start, forward, backward, optimizer, mem-ckpt) — for testing recovery",
+         "fault_inject", metavar="RANK:STEP:KIND[:PHASE]"),
+    Flag("--mem-ckpt-every", "copy each rank's training state every N steps into host memory on its node and on a "
+         "peer node, for recovery without a disk read (docs/fault-tolerance.md; 0: off)", "mem_ckpt_every",
+         metavar="N", group=CHECKPOINTS),
+    Flag("--max-restarts", "built-in launcher: restart the worker group up to N times after a lost rank, resuming from "
+         "the newest memory copy or checkpoint (torchrun: its own --max-restarts)", "max_restarts", metavar="N",
+         group=CHECKPOINTS),
+    Flag("--ranks-per-node", "built-in launcher: how many consecutive ranks stand for one node (default: all)",
+         "ranks_per_node", metavar="N", group=CHECKPOINTS),
     Flag("--debug", "show the full traceback of an environmental failure (full disk, read-only directory) instead "
          "of its one line", "debug", kind="switch"),
     Flag("--bad-step", "on non-finite loss/grads: skip (logged) or abort", "bad_step"),

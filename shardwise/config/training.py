@@ -119,7 +119,16 @@ class TrainConfig:
     """SIGTERM, SIGUSR1 or SIGUSR2: on it, every rank finishes its step, one checkpoint is saved and the run stops
     (`training.preemption`); None: no handler (the library default; the CLI's is SIGTERM)."""
     fault_inject: str | None = None
-    """RANK:STEP:{crash,hang,nan} — make global rank RANK crash, hang or produce a NaN loss at STEP (tests)."""
+    """RANK:STEP:KIND[:PHASE] — make global rank RANK crash, hang, produce a NaN loss, be SIGKILLed (kill) or lose its
+    whole node (node) at STEP, in PHASE (start, forward, backward, optimizer, mem-ckpt; default start) (tests)."""
+    mem_ckpt_every: int = 0
+    """Every N steps each rank copies its training state into host memory: its own node's and a peer node's
+    (`shardwise.resilience`); a restarted worker group resumes from it. 0: off."""
+    max_restarts: int = 0
+    """The built-in launcher restarts the worker group this many times after a lost rank (torchrun: its own flag)."""
+    ranks_per_node: int | None = None
+    """Built-in launcher: consecutive ranks that stand for one node (their memory copies are lost together);
+    default: every rank on one node. Under torchrun a node is an agent (LOCAL_WORLD_SIZE)."""
     debug: bool = False
     """Environmental failures (a checkpoint the filesystem refused) keep their traceback instead of one line."""
     bad_step: str = "skip"
@@ -169,15 +178,20 @@ class TrainConfig:
             raise ConfigError(f"--grad-reduce-dtype {self.grad_reduce_dtype!r}; valid: fp32, bf16")
         return "bf16" if self.dtype == "bf16" and not self.fp32_residual else "fp32"
 
-    def fault(self) -> tuple[int, int, str] | None:
+    def fault(self) -> tuple[int, int, str, str] | None:
+        """(rank, 1-based step, kind, phase) of --fault-inject, or None."""
         if not self.fault_inject:
             return None
         parts = self.fault_inject.split(":")
-        kinds = ("crash", "hang", "nan")
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in kinds:
-            raise ConfigError(f"--fault-inject {self.fault_inject!r} must be RANK:STEP:KIND with KIND in "
-                              f"{', '.join(kinds)}, e.g. 1:3:crash")
-        return int(parts[0]), int(parts[1]), parts[2]
+        kinds = ("crash", "hang", "nan", "kill", "node")
+        phases = ("start", "forward", "backward", "optimizer", "mem-ckpt")
+        if len(parts) == 3:
+            parts.append("start")
+        if (len(parts) != 4 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in kinds
+                or parts[3] not in phases):
+            raise ConfigError(f"--fault-inject {self.fault_inject!r} must be RANK:STEP:KIND[:PHASE] with KIND in "
+                              f"{', '.join(kinds)} and PHASE in {', '.join(phases)}, e.g. 1:3:crash")
+        return int(parts[0]), int(parts[1]), parts[2], parts[3]
 
     def profile_range(self) -> tuple[int, int] | None:
         """--profile-steps A:B as (A, B), 1-based and inclusive; None when off."""
@@ -377,6 +391,15 @@ class TrainConfig:
         fault = self.fault()
         if fault is not None and fault[0] >= world:
             raise ConfigError(f"--fault-inject rank {fault[0]} does not exist (world size {world})")
+        if fault is not None and fault[3] == "mem-ckpt" and not self.mem_ckpt_every:
+            raise ConfigError(f"--fault-inject {self.fault_inject}: phase mem-ckpt needs --mem-ckpt-every N")
+        for name in ("mem_ckpt_every", "max_restarts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a non-negative integer")
+        rpn = self.ranks_per_node
+        if rpn is not None and (not isinstance(rpn, int) or rpn < 1 or world % rpn):
+            raise ConfigError(f"--ranks-per-node {rpn!r} must divide the world size {world}")
         if self.bad_step not in ("skip", "abort"):
             raise ConfigError(f"--bad-step {self.bad_step!r} is not supported; valid: skip, abort")
         if not isinstance(self.max_bad_steps, int) or self.max_bad_steps < 0:

@@ -1,9 +1,17 @@
-"""`--fault-inject RANK:STEP:KIND`: a step hook that makes one rank fail the way real jobs fail, so the
-launcher's and the loop's handling of it can be tested: `crash` (the process dies, exit code 13), `hang`
-(it never reaches the next collective) or `nan` (its loss and gradients become NaN for that step)."""
+"""`--fault-inject RANK:STEP:KIND[:PHASE]`: make one rank fail the way real jobs fail, so the launcher's, the loop's
+and the recovery's handling of it can be tested.
+
+KIND: `crash` (the process exits, code 13), `hang` (it never reaches the next collective), `nan` (its loss and
+gradients become NaN for that step), `kill` (SIGKILL: no handler, no report, as the OOM killer does) or `node` (its
+node is lost: every rank of the node is SIGKILLed and the node's memory copies vanish). PHASE, where in step STEP
+it strikes: `start` (before the step; the default), `forward` (the first module's forward), `backward` (the first
+gradient accumulated), `optimizer` (before the optimizer step) or `mem-ckpt` (after the rank kept its memory copy,
+before it sends it to its peer).
+"""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -13,27 +21,82 @@ CRASH_EXIT_CODE = 13
 
 
 class FaultInjector:
-    """Called by `Trainer.train_step` before 0-based step `step`; acts at the 1-based step it was given."""
+    """Strikes once, at 1-based step `step` in `phase`; `arm` is a step hook called before 0-based step `step`."""
 
-    def __init__(self, step: int, kind: str):
-        self.step, self.kind = step, kind
+    def __init__(self, step: int, kind: str, phase: str = "start", node_store: str | None = None):
+        self.step, self.kind, self.phase, self.node_store = step, kind, phase, node_store
+        self.armed = False
 
     def __call__(self, trainer, step: int) -> None:
         if step + 1 != self.step:
             return
+        if self.phase == "start":
+            self.strike(trainer)
+        else:
+            self.armed = True
+
+    def at(self, trainer, phase: str):
+        """A hook for `phase` that strikes while armed (any arguments: module, optimizer and tensor hooks differ)."""
+        def hook(*_args, **_kwargs):
+            if self.armed and self.phase == phase:
+                self.armed = False
+                self.strike(trainer)
+        return hook
+
+    def strike(self, trainer) -> None:
         rank = trainer.mesh.rank
+        what = {"crash": "crashes", "hang": "hangs", "nan": "produces NaN", "kill": "is killed (SIGKILL)",
+                "node": "loses its node"}[self.kind]
+        print(f"shardwise: fault injection: rank {rank} {what} at step {self.step} ({self.phase})", file=sys.stderr,
+              flush=True)
         if self.kind == "crash":
-            print(f"shardwise: fault injection: rank {rank} crashes at step {step + 1}", file=sys.stderr, flush=True)
             os._exit(CRASH_EXIT_CODE)
         if self.kind == "hang":
-            print(f"shardwise: fault injection: rank {rank} hangs at step {step + 1}", file=sys.stderr, flush=True)
             while True:
                 time.sleep(3600)
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "node":
+            lose_node(self.node_store)
         trainer.poison = True
 
 
+def lose_node(store: str | None) -> None:
+    """SIGKILL every rank of this node (their progress records name their pids), wipe the node's memory copies,
+    then this process."""
+    from ..resilience.store import NodeStore, Progress
+
+    if store is not None:
+        for _, _, _, pid in Progress.read_all(store).values():
+            if pid != os.getpid():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        NodeStore(store).wipe()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def install_faults(cfg: TrainConfig, trainer) -> None:
-    """Add the run's fault (if any, and if it is this rank's) to the trainer's step hooks."""
+    """Add the run's fault (if any, and if it is this rank's) to the trainer's step hooks and, for a phase inside
+    the step, to the module, gradient, optimizer or memory-copy hooks where it strikes (`trainer.memory_copies`).
+    A fault strikes once: a restarted worker group (`trainer.node.restart` > 0) runs without it."""
+    memory_copies, node = getattr(trainer, "memory_copies", None), getattr(trainer, "node", None)
     fault = cfg.fault()
-    if fault is not None and fault[0] == trainer.mesh.rank:
-        trainer.step_hooks.append(FaultInjector(fault[1], fault[2]))
+    if fault is None or fault[0] != trainer.mesh.rank or (node is not None and node.restart > 0):
+        return
+    node_store = node.store if node is not None else None
+    _, step, kind, phase = fault
+    inj = FaultInjector(step, kind, phase, node_store)
+    trainer.step_hooks.append(inj)
+    if phase == "forward":
+        for m in trainer.model.modules():
+            m.register_forward_pre_hook(inj.at(trainer, phase))
+    elif phase == "backward":
+        for p in trainer.model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(inj.at(trainer, phase))
+    elif phase == "optimizer":
+        trainer.reducer.optimizer.register_step_pre_hook(inj.at(trainer, phase))
+    elif phase == "mem-ckpt" and memory_copies is not None:  # config validation requires --mem-ckpt-every
+        memory_copies.before_send.append(lambda s: inj.at(trainer, phase)() if s == step else None)

@@ -36,7 +36,10 @@ import torch.distributed as dist
 
 
 class RankError(RuntimeError):
-    """A rank failed; the message names it and carries its traceback."""
+    """A rank failed; the message names it and carries its traceback. `failure`: what the launcher saw
+    (`_failure_event`), or None."""
+
+    failure: dict | None = None
 
 
 def under_torchrun() -> bool:
@@ -270,7 +273,7 @@ class ForkAfterCudaError(RuntimeError):
 
 
 def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", lastop_dir=None, run_dir=None,
-            save_signal=None, launcher=None):
+            save_signal=None, launcher=None, group=None):
     from .preemption import die_with_parent, install
 
     if save_signal:
@@ -279,6 +282,8 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
         die_with_parent(save_signal, launcher)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
+    if group is not None:
+        os.environ.update(group.env(rank))
     torch.set_num_threads(1)
     try:
         if lastop_dir is not None:
@@ -309,9 +314,97 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
         os._exit(1)
 
 
+@dataclass(frozen=True)
+class WorkerGroup:
+    """One start of the worker group under `--max-restarts` / memory copies: which restart it is, where each node's
+    memory copies live (`shardwise.resilience.store`: shared memory this launcher owns, so the copies outlive the
+    ranks) and what the launcher saw of the failure that caused it."""
+
+    stores: str
+    ranks_per_node: int
+    restart: int = 0
+    failure: dict | None = None
+
+    def node_store(self, rank: int) -> str:
+        return os.path.join(self.stores, f"node{rank // self.ranks_per_node}")
+
+    def env(self, rank: int) -> dict[str, str]:
+        return {"SHARDWISE_NODE_STORE": self.node_store(rank), "SHARDWISE_RANKS_PER_NODE": str(self.ranks_per_node),
+                "SHARDWISE_RESTART_COUNT": str(self.restart), "SHARDWISE_FAILURE": json.dumps(self.failure or {})}
+
+
 def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
-              grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None, save_signal: str | None = None):
+              grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None, save_signal: str | None = None,
+              max_restarts: int = 0, ranks_per_node: int | None = None, node_stores: bool = False):
     """Run `fn(*args)` on `world` local ranks; return the per-rank results in rank order.
+
+    `max_restarts`: after a failure, the whole group is torn down and started again (each rank sees
+    SHARDWISE_RESTART_COUNT and the launcher's account of the failure, and resumes: `shardwise.resilience`), at
+    most that many times; the last failure is raised. `node_stores` (or any restarts): every `ranks_per_node`
+    consecutive ranks (default all) share a node's directory of memory copies in shared memory, removed at the end.
+    """
+    if not (max_restarts or node_stores):
+        return _run_group(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=wall_timeout_s, grace_s=grace_s,
+                          backend=backend, run_dir=run_dir, save_signal=save_signal)
+    from ..resilience.store import shm_root
+
+    stores = tempfile.mkdtemp(prefix=f"shardwise-mem-{os.getpid()}-", dir=shm_root())
+    group = WorkerGroup(stores, ranks_per_node or world)
+    try:
+        while True:
+            try:
+                return _run_group(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=wall_timeout_s,
+                                  grace_s=grace_s, backend=backend, run_dir=run_dir, save_signal=save_signal,
+                                  group=group)
+            except RankError as e:
+                if group.restart >= max_restarts or e.failure is None:
+                    raise
+                failure = e.failure | {"restart": group.restart + 1}
+                print(f"shardwise: {_failure_line(failure)}; restarting the worker group "
+                      f"({group.restart + 1} of {max_restarts})", file=sys.stderr, flush=True)
+                group = WorkerGroup(stores, group.ranks_per_node, group.restart + 1, failure)
+    finally:
+        shutil.rmtree(stores, ignore_errors=True)
+
+
+def _failure_line(f: dict) -> str:
+    """`lost rank 1 (exit code -9) after step 3, in train step (all_reduce on axis 'dp_cp')`."""
+    who = ", ".join(f"rank {r} ({why})" for r, why in f["why"].items())
+    where = f" after step {f['failed_after_step']}" if f.get("failed_after_step") is not None else ""
+    phase = f", in {f['phase']}" if f.get("phase") else ""
+    return f"lost {who}{where}{phase}"
+
+
+def _failure_event(procs, out, errors, lastops: str | None, group: WorkerGroup | None, detected_at: float) -> dict:
+    """What the launcher saw: the lost ranks and why, how far the group had got and where the first lost rank was
+    (its progress record's phase and its last collective call)."""
+    why = {}
+    for r, p in enumerate(procs):
+        if r in out or r in errors:
+            continue
+        why[r] = f"exit code {p.exitcode}" if p.exitcode not in (None, 0) else "hung"
+    if not why:  # every rank reported: the ones that raised first are the cause
+        why = {r: msg.splitlines()[0][:200] for r, msg in sorted(errors.items())}
+    progress = {}
+    if group is not None:
+        from ..resilience.store import Progress
+
+        for node in sorted({group.node_store(r) for r in range(len(procs))}):
+            progress |= Progress.read_all(node)
+    first = min(why)
+    rec = progress.get(first)
+    op = LastOp.read(lastops, first) if lastops else None
+    phase = (rec[1] if rec else "") + (f" ({op[1]} on axis '{op[2]}')" if op else "")
+    return {"lost_ranks": sorted(why), "why": {str(r): w for r, w in why.items()},
+            "failed_after_step": max((c for c, *_ in progress.values()), default=None),
+            "phase": phase.strip(), "detected_at": detected_at}
+
+
+def _run_group(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
+               grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None, save_signal: str | None = None,
+               group: WorkerGroup | None = None):
+    """One start of the ranks (`run_local` without restarts); the RankError it raises carries `failure`, what the
+    launcher saw (`_failure_event`), when the ranks failed rather than refused.
 
     gloo: forked CPU ranks. nccl: spawned ranks, rank r on cuda:r, `fn(*args, device=cuda:r)`, flight
     recorder dumps under `run_dir`. Forking after this process initialised CUDA is refused
@@ -340,13 +433,13 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
     port = free_port()
     lastops = tempfile.mkdtemp(prefix="shardwise-lastop-")
     procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, fn, args, results, backend, lastops,
-                                               run_dir, save_signal, os.getpid()), daemon=False)
+                                               run_dir, save_signal, os.getpid(), group), daemon=False)
              for r in range(world)]
     stop_forwarding = _start(procs, save_signal)
     out: dict[int, object] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + (wall_timeout_s or float("inf"))
-    failed_at = None
+    failed_at, detected_at = None, None
     try:
         while len(out) + len(errors) < world:
             now = time.monotonic()
@@ -358,7 +451,9 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out
                         and r not in errors]
                 if dead and results.empty() and failed_at is None:
-                    failed_at = now
+                    failed_at, detected_at = now, time.time()
+                if dead and results.empty() and len(out) + len(errors) + len(dead) == world:
+                    break  # every rank has reported or died: nothing left to wait for
                 if now > deadline and failed_at is None:
                     raise RankError(f"ranks {sorted(set(range(world)) - set(out))} did not finish within "
                                     f"{wall_timeout_s:.0f} s")
@@ -368,6 +463,7 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
             else:
                 errors[rank] = payload
                 failed_at = failed_at or time.monotonic()
+                detected_at = detected_at or time.time()
         # Ranks that refused in one line (a ConfigError or subclass — SaveFailed, an unreadable shard: no traceback)
         # while the others wait for them or lost them in a collective: the first such line, exit 2, as on one rank.
         refused = sorted(r for r, m in errors.items() if "\n" not in m)
@@ -377,7 +473,9 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
 
             raise ConfigError(errors[refused[0]].split(": ", 1)[1])
         if errors or len(out) < world:
-            raise RankError(_failure_report(procs, out, errors, lastops))
+            error = RankError(_failure_report(procs, out, errors, lastops))
+            error.failure = _failure_event(procs, out, errors, lastops, group, detected_at or time.time())
+            raise error
         for p in procs:
             p.join(timeout=30)
     finally:

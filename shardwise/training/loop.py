@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 
 import torch
@@ -15,6 +16,9 @@ from .activation_memory import SavedActivationMeter, static_storage_bytes
 from ..config import TrainConfig
 from ..config.schedule import lr_plan
 from .faults import install_faults
+from ..resilience.memory import MemoryCopies
+from ..resilience.recover import DETECTED, recover
+from ..resilience.store import Progress, node_info, release
 from . import preemption
 from .assemble import assembled, checkpoint_root
 from .run_dir import resume
@@ -39,13 +43,14 @@ def _train(cfg: TrainConfig, device: torch.device | None, planned_activations: d
     # Rank 0 names the run directory: under torchrun every process computed its own from its own clock.
     cfg = dataclasses.replace(cfg, out=comm.all_gather_object(cfg.out, mesh["ckpt"])[0])
     trainer = Trainer(cfg, mesh)
+    node = node_info(mesh["ckpt"].size, bool(cfg.mem_ckpt_every)) if mesh["world"].active else None
+    copies = MemoryCopies(trainer, node) if node is not None and cfg.mem_ckpt_every else None
+    trainer.memory_copies, trainer.node = copies, node  # where a fault in the mem-ckpt phase or a lost node strikes
     install_faults(cfg, trainer)
     rank0 = mesh.rank == 0
     ckpt_dir = checkpoint_root(cfg)
-    start = 0
-    if cfg.resume:
-        start, cfg = resume(cfg, trainer, ckpt_dir, rank0)
-        trainer.cfg = cfg  # the LR schedule's length the checkpoint decided
+    start, cfg = _starting_point(cfg, trainer, node, ckpt_dir)
+    trainer.progress = Progress(node.store, mesh.rank) if node is not None else None
     if start >= cfg.steps:  # nothing to train: the run directory stays as it is
         if rank0:
             print(f"shardwise: checkpoint at step {start} already reaches --steps {cfg.steps}", file=sys.stderr)
@@ -56,6 +61,9 @@ def _train(cfg: TrainConfig, device: torch.device | None, planned_activations: d
     writer = RunWriter(cfg, trainer, start, planned_activations)
     try:
         act_peak, sites, stopped = train_steps(cfg, trainer, writer, start, ckpt_dir)
+    except comm.CollectiveError as e:  # every survivor says where it was when it lost a peer
+        detected(trainer, e)
+        raise
     finally:
         hook.remove()
         writer.close()
@@ -65,7 +73,28 @@ def _train(cfg: TrainConfig, device: torch.device | None, planned_activations: d
     if stopped is not None:  # the scheduler's grace period is short: no report PNGs
         writer.cfg = dataclasses.replace(writer.cfg, report=False)
     summary = writer.finish(act_peak, static_peak[0] if static_peak else 0, sites)
+    release(node)  # after finish's barrier: no rank of this node reads its copies any more
     return summary if stopped is None else summary | {"preempted": stopped}
+
+
+def _starting_point(cfg: TrainConfig, trainer: Trainer, node, ckpt_dir: str) -> tuple[int, TrainConfig]:
+    """The step to start after, and the config with the LR schedule's length it decided: a restarted worker
+    group's newest consistent state (memory copies or disk: `resilience.recover`), else --resume's checkpoint,
+    else 0."""
+    rank0 = trainer.mesh.rank == 0
+    recovered = recover(trainer, ckpt_dir, node, cfg.out) if node is not None else None
+    if recovered is not None and recovered["source"] == "memory":
+        if recovered.get("lr_decay_steps") is not None:
+            cfg = trainer.cfg = dataclasses.replace(cfg, lr_decay_steps=recovered["lr_decay_steps"])
+        return recovered["start"], cfg
+    if cfg.resume or (recovered is not None and recovered["source"] == "disk"):
+        start, cfg = resume(cfg, trainer, ckpt_dir, rank0)
+        trainer.cfg = cfg  # the LR schedule's length the checkpoint decided
+        return start, cfg
+    if recovered is None and rank0 and cfg.out:  # a fresh run: no earlier run's recoveries
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(cfg.out, "recoveries.jsonl"))
+    return 0, cfg
 
 
 def train_steps(cfg: TrainConfig, trainer: Trainer, writer: RunWriter, start: int,
@@ -82,7 +111,10 @@ def train_steps(cfg: TrainConfig, trainer: Trainer, writer: RunWriter, start: in
         tokenizer = tokenizer_record(cfg.data, cfg.init_from_hf, trainer.eos_id)
     evaluator = Evaluator(trainer) if cfg.eval_data is not None else None
     act_peak, sites = 0, {}
+    progress = getattr(trainer, "progress", None) or _NoProgress()
+    progress.note(start, "training")
     for step in range(start, cfg.steps):
+        progress.note(phase="train step")
         meter = SavedActivationMeter(trainer.model.parameters()) if step == start else None
         with meter or contextlib.nullcontext(), writer.observer.step(step + 1):  # activation memory: first step only
             rec = trainer.train_step(step)
@@ -91,6 +123,7 @@ def train_steps(cfg: TrainConfig, trainer: Trainer, writer: RunWriter, start: in
             act_peak = meter.peak
         ev = None
         if evaluator is not None and evaluator.due(step + 1, cfg.steps):
+            progress.note(phase="evaluation")
             ev = {"step": step + 1, "eval_loss": evaluator.run()}
         saving = cfg.save_every or cfg.final_checkpoint
         due = checkpoint_due(cfg, step + 1)
@@ -99,10 +132,16 @@ def train_steps(cfg: TrainConfig, trainer: Trainer, writer: RunWriter, start: in
         if due or (signal and saving):
             from ..checkpoint import save_checkpoint
 
+            progress.note(phase="checkpoint")
             save_checkpoint(ckpt_dir, step + 1, trainer, {"loss": rec["loss"], "lr_plan": lr_plan(cfg),
                                                          "tokenizer": tokenizer},
                             keep=cfg.keep, async_save=cfg.async_save)
         writer.step_done(rec, ev)
+        copies = getattr(trainer, "memory_copies", None)
+        if copies is not None and (step + 1) % cfg.mem_ckpt_every == 0:  # after the step's metrics row is written
+            progress.note(phase="mem-ckpt")
+            copies.copy(step + 1)
+        progress.note(step + 1, "step boundary")
         if signal:
             writer.steps_done()
             return act_peak, sites, {"step": step + 1, "signal": signal,
@@ -115,3 +154,23 @@ def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
     """Every --save-every steps, and the last step when checkpoints are on (1-based `step`)."""
     return bool(cfg.save_every and step % cfg.save_every == 0) or \
         bool((cfg.save_every or cfg.final_checkpoint) and step == cfg.steps)
+
+
+class _NoProgress:
+    """No node store (a run without restarts or memory copies): progress goes nowhere."""
+
+    def note(self, completed: int | None = None, phase: str | None = None) -> None:
+        pass
+
+
+def detected(trainer, error: Exception) -> None:
+    """A survivor's line: the step and phase it was in when a collective failed (a peer died or hung), also left in
+    its progress record for the recovery's report."""
+    progress = getattr(trainer, "progress", None)
+    phase = progress.phase if progress is not None else "training"
+    step = (progress.completed if progress is not None else trainer.step) + 1
+    what = str(error).removeprefix(f"rank {trainer.mesh.rank}: ")  # the launcher's report names the rank's error too
+    print(f"shardwise: rank {trainer.mesh.rank} {DETECTED} in step {step} ({phase}): {what}", file=sys.stderr,
+          flush=True)
+    if progress is not None:
+        progress.note(phase=f"{DETECTED} in step {step} ({phase})")

@@ -1,0 +1,8 @@
+"""Surviving a lost rank: copies of each rank's training state in host memory (its own node's and a peer node's),
+and the recovery that resumes a restarted worker group from the newest consistent state (docs/fault-tolerance.md).
+
+Modules by idea: `peers` (which node holds whose copy; pure), `store` (a node's copies in shared memory that
+outlive the worker processes, and each rank's progress record), `snapshot` (one rank's state as one byte tensor,
+and back), `memory` (the copy every N steps over the `ckpt` group), `recover` (the newest consistent state: memory
+copies or disk). Nothing is imported here, so the launcher can read `peers` and `store` without the model code.
+"""

@@ -1,0 +1,110 @@
+"""The newest consistent state of a restarted worker group: the memory copies when every rank's copy of one step
+survives somewhere (its own node's store, or its holder's), else the newest intact disk checkpoint, whichever is
+newer; the event (what was lost, where, how long recovery took, how many steps were lost) goes to the run
+directory's `recoveries.jsonl`."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from .. import comm
+from ..checkpoint import META, newest_intact
+from .memory import exchange, host_axis
+from .snapshot import read_meta, restore
+from .store import NodeInfo, NodeStore, Progress
+
+DETECTED = "lost a peer"
+"""How a survivor's progress record says it saw the failure (the loop writes it)."""
+
+
+def skipped_state() -> frozenset:
+    """SHARDWISE_RECOVERY_SKIP=rng,data: recovery leaves that state out — a test mode, to show the chaos test fails."""
+    return frozenset(p for p in os.environ.get("SHARDWISE_RECOVERY_SKIP", "").split(",") if p)
+
+
+def newest_memory_step(held: list[dict], world: int) -> int | None:
+    """Pure: the newest step every rank 0..world-1 has a copy of, over each rank's {(owner, step): bytes}."""
+    have = {key for inv in held for key in inv}
+    steps = sorted({s for _, s in have}, reverse=True)
+    return next((s for s in steps if all((o, s) in have for o in range(world))), None)
+
+
+def suppliers(held: list[dict], step: int, world: int) -> dict[int, int]:
+    """Pure: {owner: the rank that hands owner its copy}: the owner itself when its node kept one, else the lowest
+    rank whose node holds it."""
+    return {o: o if (o, step) in held[o] else min(r for r, inv in enumerate(held) if (o, step) in inv)
+            for o in range(world)}
+
+
+def recover(trainer, ckpt_dir: str, info: NodeInfo, out: str | None) -> dict | None:
+    """Collective over `ckpt`. None on a first start; on a restart, the state restored and from where:
+    {"source": "memory" | "disk" | "scratch", "step", ...}. A memory copy is loaded here; a disk checkpoint is the
+    caller's to load (its resume handles LR plans and messages)."""
+    axis = host_axis(trainer.mesh)
+    world, rank = axis.size, trainer.mesh.rank
+    store = NodeStore(info.store)
+    mine = (info.restart, store.inventory(), Progress.read_all(info.store))
+    gathered = comm.all_gather_object(mine, axis)
+    if not any(g[0] for g in gathered):
+        return None
+    t0 = time.time()
+    held = [g[1] for g in gathered]
+    progress = {r: rec for g in gathered for r, rec in g[2].items()}
+    mem_step = newest_memory_step(held, world)
+    path, _ = newest_intact(ckpt_dir, axis) if os.path.isdir(ckpt_dir) else (None, [])
+    disk_step = None
+    if path is not None:
+        with open(os.path.join(path, META)) as f:
+            disk_step = json.load(f)["step"]
+    skip = skipped_state()
+    event = {"restart": max(g[0] for g in gathered), "memory_step": mem_step, "disk_step": disk_step}
+    if mem_step is not None and (disk_step is None or mem_step >= disk_step):
+        who = suppliers(held, mem_step, world)
+        ops = [("send", store.read(o, mem_step), axis, o) for o, s in who.items() if s == rank and o != rank]
+        got = None
+        if who[rank] != rank:
+            got = torch.empty(held[who[rank]][(rank, mem_step)], dtype=torch.uint8, device="cpu")
+            ops.append(("recv", got, axis, who[rank]))
+        exchange(ops, axis, "mem restore", trainer.cfg.timeout_s)
+        blob = store.read(rank, mem_step) if got is None else got
+        step = restore(trainer, blob, skip)
+        event |= {"source": "memory", "step": step, "from_peer": sorted(o for o, s in who.items() if s != o),
+                  "lr_decay_steps": read_meta(blob)[0].get("lr_decay_steps")}
+    elif disk_step is not None:
+        event |= {"source": "disk", "step": disk_step}
+    else:
+        event |= {"source": "scratch", "step": 0}
+    event["start"] = 0 if "data" in skip else event["step"]
+    event["restore_s"] = round(time.time() - t0, 3)
+    if rank == 0:
+        _log(event, progress, world, out)
+    return event
+
+
+def _log(event: dict, progress: dict, world: int, out: str | None) -> None:
+    """Rank 0: one line, and the event completed with what the launcher saw, appended to recoveries.jsonl."""
+    seen = json.loads(os.environ.get("SHARDWISE_FAILURE", "{}"))  # the built-in launcher's view of the failure
+    completed = max((rec[0] for rec in progress.values()), default=event["step"])
+    detected = [t for _, phase, t, _ in progress.values() if phase.startswith(DETECTED)]
+    detected_at = seen.get("detected_at") or (min(detected) if detected else None)
+    lost = seen.get("lost_ranks") or sorted(set(range(world)) - {r for r, (_, p, _, _) in progress.items()
+                                                                  if p.startswith(DETECTED)})
+    rec = {k: v for k, v in seen.items() if k not in ("detected_at", "lost_ranks")} | {
+        "lost_ranks": lost, "failed_after_step": max(completed, seen.get("failed_after_step") or 0),
+        "restored_from": event["source"], "restored_step": event["step"],
+        "memory_step": event["memory_step"], "disk_step": event["disk_step"], "restore_s": event["restore_s"],
+        "from_peer": event.get("from_peer", [])}
+    rec["steps_lost"] = rec["failed_after_step"] - event["step"]
+    if detected_at is not None:
+        rec["recovery_s"] = round(time.time() - detected_at, 3)
+    print(f"shardwise: restart {event['restart']}: resumed from {event['source']} at step {event['step']} "
+          f"({rec['steps_lost']} step(s) lost" + (f", {rec['recovery_s']:.1f} s after the failure was detected"
+                                                  if "recovery_s" in rec else "") + ")", file=sys.stderr, flush=True)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "recoveries.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
