@@ -33,7 +33,7 @@ from shardwise.parallelize import plain_model  # noqa: E402
 
 from _dist import fresh_seed, global_grads, grad_slices, run_ranks, verify_all  # noqa: E402
 
-BASE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+BASE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, max_position_embeddings=64, initializer_range=0.2)
 FAMILIES = {  # name -> (model class, config class, config)
     # grouped routing (2 groups, the best 1 kept), scaling 2.5, the first layer dense, per-head q/k norms, biases
@@ -200,3 +200,101 @@ def test_preset_sizes_match_model_cards(preset, total, active, without):
     assert abs(cfg.num_params() / total - 1) < 0.01, cfg.num_params()
     emb = cfg.vocab_size * cfg.dim * (2 if without == "embedding and head" else 1)
     assert round((cfg.num_active_params() - emb) / 1e9) == active / 1e9, cfg.num_active_params() - emb
+
+
+def test_glm_mtp_layer_loads_and_exports(saved, tmp_path):
+    """GLM's MTP layer is layer n_layers of the checkpoint (transformers skips it): a seeded one exported with
+    `--mtp-layers 1` reads back into every tensor, and transformers still loads the folder with the same logits."""
+    from shardwise.mesh import Mesh
+    from shardwise.parallelize import build_model
+
+    cfg = dataclasses.replace(config_from_hf(saved["glm"]), mtp_layers=1)
+    seeded = build_model(cfg, Mesh.single(), seed=3)
+    hf.load_hf_into(seeded, saved["glm"], mtp_init="fresh")
+    out = str(tmp_path / "mtp")
+    hf.export_hf(seeded, cfg, out)
+    assert json.load(open(os.path.join(out, "config.json")))["num_nextn_predict_layers"] == 1
+    back = plain_model(cfg)
+    hf.load_hf_into(back, out)
+    for (n, p), q in zip(seeded.named_parameters(), back.parameters()):
+        assert torch.equal(p, q), n
+    assert any(n.startswith("mtp.0.block.feed_forward.experts") for n, _ in back.named_parameters())
+    tokens, _ = _tokens(2)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert_close(back(tokens), ref(tokens).logits, **TOL)
+
+
+# ---------------------------------------------------------------- layouts against transformers (one 2-rank fork)
+LAYOUTS = {  # degrees; a global batch of 4 sequences of 16 tokens
+    "tp2_sp": dict(tp=2, sequence_parallel=True),  # heads split: MiniMax's width norms all-reduce their statistics
+    "dp2_ep2": dict(dp=2, ep=2),  # two experts per rank
+    "cp2_ring": dict(cp=2),
+    "cp2_ulysses": dict(cp=2, cp_impl="ulysses"),
+    "pp2": dict(pp=2),
+}
+TRAIN_TOKENS = torch.randint(0, 64, (2048,), generator=torch.Generator().manual_seed(1))
+LAYOUT_FAMILIES = ("glm", "minimax")
+
+
+def _rank_steps(paths):
+    """Inside each rank, for each family and layout: load the checkpoint, one forward+backward, the loss and this
+    rank's reduced gradient slices."""
+    from shardwise.training.trainer import Trainer, make_mesh
+
+    out = {}
+    for family in LAYOUT_FAMILIES:
+        for layout, degrees in LAYOUTS.items():
+            cfg = TrainConfig(model=config_from_hf(paths[family]), parallel=ParallelConfig(**degrees), steps=1,
+                              seq_len=SEQ, micro_batch=2, global_batch=4, grad_clip=1e30, progress=False).resolved()
+            trainer = Trainer(cfg, make_mesh(cfg, torch.device("cpu")), tokens=TRAIN_TOKENS)
+            hf.load_hf_into(trainer.model, paths[family])
+            loss = trainer.forward_backward(0)
+            trainer.finish_gradients()
+            out[family, layout] = (loss, grad_slices(trainer))
+    return out
+
+
+@pytest.mark.slow
+def test_layouts_match_transformers(saved, tmp_path):
+    from shardwise.data import Loader
+
+    per_rank = run_ranks(2, _rank_steps, saved, timeout_s=600)
+    x, y = Loader(TRAIN_TOKENS, SEQ, 4, TrainConfig().seed).global_batch_at(0)
+    for family in LAYOUT_FAMILIES:
+        cfg = config_from_hf(saved[family])
+        ref, _, ref_loss = _hf_step(saved[family], x, y)
+        want = _hf_grads(ref, cfg, str(tmp_path / family))
+        shapes = {n: t.shape for n, t in want.items()}
+        for layout in LAYOUTS:
+            loss = per_rank[0][family, layout][0]
+            assert abs(loss - float(ref_loss)) <= 1e-6 * float(ref_loss), (family, layout, loss, float(ref_loss))
+            ours = global_grads([g for r in per_rank for g in r[family, layout][1]], shapes)
+            for n, g in ours.items():
+                assert float(want[n].abs().max()) > 0, n
+                assert_close(g, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{family} {layout} {n}: {m}")
+
+
+# ---------------------------------------------------------------- verify on mixed layouts (one 4-rank fork)
+VERIFY_LAYOUTS = {  # (family, degrees, MTP depth): three AdamW steps each against one device
+    "glm_mtp_dp2_tp2_sp_ep2": ("glm", ParallelConfig(dp=2, tp=2, sequence_parallel=True, ep=2), 1),
+    "glm_pp2_cp2_ulysses": ("glm", ParallelConfig(pp=2, cp=2, cp_impl="ulysses"), 0),
+    "minimax_tp2_cp2_ring": ("minimax", ParallelConfig(tp=2, cp=2), 0),
+    "minimax_dp2_ep2_pp2_zero1": ("minimax", ParallelConfig(dp=2, ep=2, pp=2, zero=1), 0),
+}
+
+
+@pytest.mark.slow
+def test_verify_mixed_layouts(saved):
+    seed = fresh_seed()
+    cfgs = []
+    for family, parallel, mtp in VERIFY_LAYOUTS.values():
+        model = dataclasses.replace(config_from_hf(saved[family]), vocab_size=257, mtp_layers=mtp,
+                                    moe_bias_update_rate=0.01)
+        cfgs.append(TrainConfig(model=model, parallel=parallel, seq_len=SEQ, micro_batch=1,
+                                global_batch=2 * parallel.dp, steps=3, seed=seed, progress=False))
+    try:
+        results = run_ranks(4, verify_all, cfgs, timeout_s=600)[0]
+    except Exception as e:
+        raise AssertionError(f"seed {seed}: {e}") from e
+    for name, result in zip(VERIFY_LAYOUTS, results):
+        assert result["passed"], (seed, name, result)
