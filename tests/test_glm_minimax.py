@@ -306,7 +306,8 @@ def test_verify_mixed_layouts(saved):
 @pytest.mark.parametrize("family", LAYOUT_FAMILIES)
 def test_finetune_export_generates_the_same_greedy_tokens(tmp_path, family):
     """`train --init-from-hf` on dp2×ep2 (vocabulary 300: the byte data fits), three steps, `hf-export`: the weights
-    moved, transformers loads the export, and its greedy `generate` equals shardwise's token for token."""
+    moved, `hf-compare` of the export on tp2+SP passes, transformers loads it, and its greedy `generate` equals
+    shardwise's (from the checkpoint, its selection biases included) token for token."""
     from shardwise.cli import main
     from shardwise.training.generate import generate_ids, load_source
 
@@ -318,6 +319,7 @@ def test_finetune_export_generates_the_same_greedy_tokens(tmp_path, family):
                  "--seq-len", "16", "--micro-batch", "1", "--save-every", "3", "--out", run, "--no-report",
                  "--no-progress", "--data", str(text)]) == 0
     assert main(["hf-export", os.path.join(run, "checkpoints"), out]) == 0
+    assert main(["hf-compare", out, "--tp", "2", "--sequence-parallel", "--seq-len", "16"]) == 0
     before, after = hf.WeightFiles(path), hf.WeightFiles(out)
     name = "model.layers.1.self_attn.q_proj.weight"
     assert not torch.equal(before.read(name, (slice(0, 64),)), after.read(name, (slice(0, 64),)))
