@@ -15,6 +15,8 @@ LENIENT_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "
 """model_types a lenient reading accepts: gpt2 besides the trainer's families the planner models."""
 STRICT_ONLY = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", *QWEN3_NEXT, *MULTIMODAL)  # gpt-oss and the Gated DeltaNet hybrids: strictly
 """Families with no shape-only reading (their expert and attention layouts need the strict one)."""
+LENIENT_TYPES = LENIENT_TYPES + ("glm4_moe", "minimax_m2")  # GLM-4.5 and MiniMax-M2 (docs/families-2026.md):
+STRICT_ONLY = STRICT_ONLY + ("glm4_moe", "minimax_m2")  # strictly
 # Hugging Face's defaults for max_position_embeddings where a config.json leaves it out.
 _HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768, "qwen3": 32768}
 
