@@ -416,3 +416,28 @@ def test_glm45_full_size_row_within_the_planners_bounds():
 
     rank = rank_of(SimpleNamespace(pp=16, cp=16, tp=2), dict(dp=0, pp=1, cp=0, tp=0))
     _check_simulated(sweep.simulate(GLM45_ROW, str(rank)), activations=0.002, peak=0.003)
+
+
+def test_plan_reads_the_config_json(saved, capsys):
+    """`plan --model-config` of each family's config.json: rows whose command trains the same file."""
+    import shlex
+
+    from shardwise import cli
+
+    for family in ("glm", "minimax"):
+        assert cli.main(["plan", "--model-config", saved[family], "--gpus", "4", "--gpus-per-node", "4",
+                         "--seq-len", "64", "--global-batch", "8", "--json", "--top", "1"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert rows[0]["command_refused"] is None, rows[0]
+        assert shlex.split(rows[0]["command"])[2:4] == ["--model-config", saved[family]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["--model", "glm-4.5-air", "--gpus", "128", "--global-batch", "256"],
+                                  ["--model", "minimax-m2", "--gpus", "256", "--global-batch", "512"]])
+def test_plan_full_size_presets(capsys, argv):
+    from shardwise import cli
+
+    assert cli.main(["plan", *argv, "--seq-len", "4096", "--json", "--top", "1"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and rows[0]["command_refused"] is None and rows[0]["fits"] and rows[0]["step_time_s"] > 0, rows
