@@ -7,11 +7,13 @@ Fast (one process):
   save_pretrained: logits, loss and every gradient equal transformers';
 * export writes every tensor it read (the selection bias included) and transformers loads it with the same logits;
   GLM's MTP layer loads, trains and exports as layer n_layers;
-* preset totals and active counts against the model cards.
+* preset totals and active counts against the model cards; `plan --model-config` of both config.json files.
 
 Slow: one 2-rank fork runs both families on tp2+SP, dp2×ep2, cp2 ring, cp2 Ulysses and pp2 against transformers'
-loss and every gradient; one 4-rank fork runs `verify` on mixed layouts; init-from-hf → train → hf-export →
-transformers generates the same greedy tokens as shardwise.
+loss and every gradient; one 4-rank fork runs `verify` on mixed layouts (GLM with its MTP module among them);
+init-from-hf on dp2×ep2 → train → hf-export → hf-compare on tp2+SP → transformers generates the same greedy tokens
+as shardwise; small layouts of both families and stage 1 of a full-size GLM-4.5 plan row through `simulate` within
+the planner's bounds; `plan` of the full-size presets.
 """
 import dataclasses
 import json
