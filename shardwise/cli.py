@@ -119,8 +119,9 @@ def main(argv=None) -> int:
     except RankError as e:
         print(f"shardwise {args.command}: {e}", file=sys.stderr)
         return 1
-    except ConfigError as e:  # decided by the ranks together (a resume whose every checkpoint fails its checksum)
-        return _refuse(args.command, e, rank0, torchrun_world is not None)
+    except ConfigError as e:  # decided by the ranks together (a resume whose every checkpoint fails its checksum),
+        # or by one rank alone (a shard it can no longer read: `every_rank_alike` False), which then says it itself
+        return _refuse(args.command, e, rank0 or not getattr(e, "every_rank_alike", True), torchrun_world is not None)
     except KeyboardInterrupt:  # SIGINT stops at once; --save-on-signal's signal stops after a save (`_preempted`)
         if rank0:
             start = "\n" if sys.stderr.isatty() else ""  # on its own line, not after a progress bar or ^C

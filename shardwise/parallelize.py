@@ -35,6 +35,7 @@ from .expert_parallel.moe import MoE, build_moe, share_aux_pool
 from .mesh import Mesh
 from .models.context import ParallelContext
 from .models.gated_deltanet import GatedDeltaNet
+from .models.kimi_delta import KimiDeltaAttention
 from .models.llama import Transformer
 from .models.params import carry, carry_param, declare, head_partial, init_of, init_std
 from .optim import build_reducer
@@ -118,7 +119,10 @@ def apply_tp(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
         if isinstance(ffn, MoE):
             ffn = None
         linear_layers = None
-        if isinstance(attn, GatedDeltaNet):
+        if isinstance(attn, KimiDeltaAttention):
+            _kda_tensor_parallel(attn, cfg, tp, sp)
+            attn = None
+        elif isinstance(attn, GatedDeltaNet):
             _linear_attention_tensor_parallel(attn, cfg, tp, sp)
             linear_layers = [attn.wq, attn.wk, attn.wv, attn.wz, attn.wb, attn.wa]
         elif cfg.is_mla:
@@ -239,12 +243,36 @@ def _linear_attention_tensor_parallel(mixer: GatedDeltaNet, cfg: ModelConfig, tp
     for name, rows in (("wq", nk * dk), ("wk", nk * dk), ("wv", nv * dv), ("wz", nv * dv), ("wb", nv), ("wa", nv)):
         _swap(mixer, name, ColumnParallelLinear(h, rows, tp, enter=False, **kw))
     _swap(mixer, "wo", RowParallelLinear(nv * dv, h, tp, sequence_parallel=sp, **kw))
-    for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
+    _cut_by_heads(mixer, ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"), tp)
+
+
+def _cut_by_heads(mixer: nn.Module, names, tp) -> None:
+    """A linear mixer's bare parameters (kernels, A_log, dt_bias) cut evenly by rows: this rank's heads."""
+    for name in names:
         old = getattr(mixer, name)
         rows = old.shape[0] // tp.size
         new = nn.Parameter(torch.empty(rows, *old.shape[1:], device="meta"))
         set_spec(new, ShardSpec(tuple(old.shape), 0, tp.rank * rows, rows, rows))
         setattr(mixer, name, carry_param(old, new))
+
+
+def _kda_tensor_parallel(mixer: KimiDeltaAttention, cfg: ModelConfig, tp, sp: bool) -> None:
+    """Kimi Delta Attention's plan: heads split evenly over tp. q/k/v, the gates' up-projections wf_b, wg_b and β's
+    wb are column-parallel by heads, the kernels, A_log and dt_bias cut the same way, `wo` row-parallel; the gates'
+    down-projections wf_a, wg_a and the norm's weight stay replicated (head-partial gradients). The block input
+    enters the region once (SP all-gather, else Megatron's f, whose backward sums the ranks' partial input
+    gradients), as MLA's; the recurrence needs no communication."""
+    nh, d, h = cfg.linear_v_heads, cfg.linear_v_dim, cfg.dim
+    if nh % tp.size:
+        raise ValueError(f"tp={tp.size} must divide the Kimi Delta Attention heads linear_v_heads={nh}")
+    kw = dict(device="meta")
+    for name, inp, rows in (("wq", h, nh * d), ("wk", h, nh * d), ("wv", h, nh * d), ("wf_b", d, nh * d),
+                            ("wb", h, nh), ("wg_b", d, nh * d)):
+        _swap(mixer, name, ColumnParallelLinear(inp, rows, tp, enter=False, **kw))
+    _swap(mixer, "wo", RowParallelLinear(nh * d, h, tp, sequence_parallel=sp, **kw))
+    _cut_by_heads(mixer, ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"), tp)
+    if tp.active:
+        mixer.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
 
 
 def _head_sinks(cfg: ModelConfig, tp) -> nn.Parameter:

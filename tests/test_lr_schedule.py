@@ -121,14 +121,14 @@ def test_interleaved_without_vp_means_two_chunks_and_help_shows_defaults(capsys)
     assert "(default: cosine)" in text and "(default: 0.9,0.95)" in text and "(default: 200)" in text
 
 
-def test_pp_with_fewer_microbatches_than_stages_warns(capsys):
+def test_pp_with_fewer_microbatches_than_stages_warns(capsys, tmp_path):
     with pytest.raises(Launched):
-        main_without_ranks(["train", "--pp", "2", "--dp", "1", "--tp", "1", "--out", "/nonexistent/x"])
+        main_without_ranks(["train", "--pp", "2", "--dp", "1", "--tp", "1", "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err
     assert "warning: 1 microbatch(es) per step for 2 pipeline stages" in err
     with pytest.raises(Launched):
         main_without_ranks(["train", "--pp", "2", "--dp", "1", "--tp", "1", "--microbatches", "2",
-                            "--out", "/nonexistent/x"])
+                            "--out", str(tmp_path / "x")])
     assert "warning" not in capsys.readouterr().err
 
 

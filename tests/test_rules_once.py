@@ -31,6 +31,8 @@ RULES = {
     "tp splits the query heads whole": ("rules/validation.py", r"\bn_heads%(?:tp|t)\b"),
     "every pipeline chunk holds whole layers": ("rules/validation.py", r"\bn_layers%chunks\b"),
     "cp splits each sequence evenly": ("rules/validation.py", r"\bseq_len%cp\b"),
+    # the pipeline schedules' names (the runtime's builders and the planner's layouts read the same tuple)
+    "pipeline schedule names": ("rules/schedules.py", r"\(\"(?:gpipe|1f1b)\",\"(?:gpipe|1f1b)\",\"interleaved\""),
 }
 OWNERS = {"dims", "lay", "self", "p", "m", "spec", "cfg", "parallel", "args"}
 

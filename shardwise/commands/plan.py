@@ -24,6 +24,7 @@ from shardwise.planner.layout import (
 from shardwise.commands.train_command import parse_train_flags, row_command
 from shardwise.planner.activations import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
+from shardwise.planner.moe_skew import balanced_skew, check_skew, read_routing, skew_help
 from shardwise.planner.peak import PEAK_TERMS
 from shardwise.planner.search import SearchSpace, candidates, no_layout_reason, search
 from shardwise.rules.hf_types import model_types
@@ -75,6 +76,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--usable-memory", type=float, default=0.9, help="fraction of GPU memory to plan for (default 0.9)")
     p.add_argument("--activation-model", default="shardwise", choices=ACTIVATION_MODELS,
                    help="activation memory: what shardwise saves (default) or Korthikanti et al. 2022's formula")
+    routing = p.add_mutually_exclusive_group()
+    for flag, text in skew_help("plan").items():
+        routing.add_argument(flag, type=float if flag == "--moe-skew" else str,
+                             metavar="S" if flag == "--moe-skew" else "RUN_DIR", help=text)
     p.add_argument("--top", type=int, default=10, help="best layouts to print, as table rows or --json objects (default 10)")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="full breakdown of one layout, e.g. 'dp=8,tp=8,pp=4' (keys: dp tp pp cp ep vp mb m "
@@ -118,8 +123,10 @@ def _inputs(args):
         raise PlanError("--trace simulates ranked rows; to trace one layout run `shardwise simulate` with its flags")
     if not 0 <= args.dp_overlap <= 1:
         raise PlanError(f"--dp-overlap {args.dp_overlap} must be in [0, 1]")
+    check_skew(args.moe_skew)
     wl = Workload(args.seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, args.precision, args.fp32_residual,
-                  args.grad_reduce_dtype, args.optimizer)
+                  args.grad_reduce_dtype, args.optimizer, moe_skew=args.moe_skew or 1.0,
+                  moe_routing=read_routing(args.routing, spec.moe_experts) if args.routing else None)
     assume = Assumptions(args.flops_efficiency, args.link_efficiency, args.dp_overlap, args.usable_memory,
                          args.activation_model, args.tp_overlap)
     return spec, cluster, wl, assume
@@ -157,9 +164,18 @@ def _explain(args, spec, cluster, wl, assume) -> int:
         raise PlanError(f"--explain {args.explain!r}: " + "; ".join(bad))
     wl = replace(wl, global_batch=lay.m * lay.mb * lay.dp)
     est = estimate(spec, cluster, lay, wl, assume, detail=True)
+    if est.get("moe_skew", 1.0) != 1.0:  # the busiest ep rank beside the mean one
+        est["moe_mean"] = mean_rank(estimate(spec, cluster, lay, replace(wl, moe_skew=1.0, moe_routing=None), assume))
+        est["moe_balanced_placement_skew"] = balanced_skew(spec, lay, wl)
     est |= runnable(row_command(model_flags(args), spec, cluster, lay, wl))
     print(json.dumps(est, indent=2) if args.json else explain_text(est))
     return 0
+
+
+def mean_rank(est: dict) -> dict:
+    """The figures --explain sets beside the busiest ep rank's: the same layout under balanced routing."""
+    return {k: est[k] for k in ("peak_bytes_per_rank", "activation_bytes_per_rank", "step_time_s", "fits",
+                                "comm_bytes_per_step_max")}
 
 
 def _search(args, spec, cluster, wl, assume) -> int:
@@ -203,8 +219,10 @@ def runnable(command: dict) -> dict:
 
 
 def _header(spec_name: str, params: int, cluster: Cluster, wl: Workload) -> str:
+    skew = ("; MoE routing recorded (the busiest ep rank planned)" if wl.moe_routing else
+            f"; MoE busiest ep rank at {wl.moe_skew:g}x the mean" if wl.moe_skew != 1.0 else "")
     return (f"{spec_name} ({params / 1e9:.2f}B params) on {cluster.describe()}; "
-            f"seq {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}")
+            f"seq {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}{skew}")
 
 
 def sp_state(rows: list[dict], asked: bool) -> str:
@@ -317,7 +335,7 @@ def explain_text(est: dict) -> str:
                    f"static {g(st['static_bytes'])}  activations {g(st['activation_bytes'])}  "
                    f"total {g(st['total_bytes'])}  peak {g(st['peak_bytes'])}  "
                    f"{st['microbatch_time_s'] * 1e3:8.2f} ms/microbatch")
-    out += peak_lines(est, g)
+    out += peak_lines(est, g) + skew_lines(est)
     out += [
         "",
         f"compute: model {est['model_flops_per_step']:.3e} FLOP/step, hardware {est['hardware_flops_per_step']:.3e}"
@@ -375,6 +393,27 @@ def peak_lines(est: dict, g) -> list[str]:
     terms = st["peak_terms"]
     out = ["", f"live peak of stage {st['stage']}: {g(st['peak_bytes'])}, at {terms['moment']}"]
     out += [f"  {k:23} {g(terms[k]):>12}  {what}" for k, what in PEAK_TERMS.items() if terms.get(k)]
+    return out
+
+
+def skew_lines(est: dict) -> list[str]:
+    """Under skewed MoE routing: the busiest ep rank (what the plan is for) beside the mean rank, and with a recorded
+    histogram what an even placement of its experts would leave."""
+    mean = est.get("moe_mean")
+    if mean is None:
+        return []
+    ep, b = est["comm_bytes_per_step_max"].get("ep", 0), human_bytes
+    out = ["", f"MoE routing: the busiest ep rank receives {est['moe_skew']:.3g}x the mean rows (planned above)",
+           f"  {'':12} {'busiest':>12} {'mean':>12}",
+           f"  {'peak':12} {b(est['peak_bytes_per_rank']):>12} {b(mean['peak_bytes_per_rank']):>12}",
+           f"  {'activations':12} {b(est['activation_bytes_per_rank']):>12} {b(mean['activation_bytes_per_rank']):>12}",
+           f"  {'ep bytes':12} {b(ep):>12} {b(mean['comm_bytes_per_step_max'].get('ep', 0)):>12}",
+           f"  {'step time':12} {est['step_time_s'] * 1e3:>9.1f} ms {mean['step_time_s'] * 1e3:>9.1f} ms",
+           f"  {'fits':12} {'yes' if est['fits'] else 'NO':>12} {'yes' if mean['fits'] else 'NO':>12}"]
+    placed = est.get("moe_balanced_placement_skew")
+    if placed is not None:
+        out.append(f"  the recorded experts placed for an even load over ep (each layer its own permutation) would make "
+                   f"the busiest rank {placed:.3g}x the mean")
     return out
 
 

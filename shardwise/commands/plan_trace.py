@@ -21,10 +21,10 @@ def simulate_config(model, spec, row: dict, wl, mtp_layers: int = 0):
     return train_config(model, spec, Layout.from_dict(row["layout"]), wl, SIMULATED_STEPS, mtp_layers)
 
 
-def trace_row(cfg) -> dict:
+def trace_row(cfg, routing: dict | None = None) -> dict:
     """{peak_bytes, planned_peak_bytes, static_bytes, activation_bytes, microbatches_run, passed, wall_s} of one
     simulated row (each the maximum over its simulated ranks: `--ranks stages`), or {"error": why} when the
-    trainer refuses it."""
+    trainer refuses it. `routing`: the plan's skewed MoE routing (Workload fields), forced on the traced ranks."""
     from shardwise.config import ConfigError
     from shardwise.training.assemble import assemble
     from shardwise.simulate.cli import check_simulable, choose_ranks, run
@@ -34,7 +34,7 @@ def trace_row(cfg) -> dict:
         check_simulable(cfg)
         p = cfg.parallel
         ranks = choose_ranks("stages", p.world_size, p.pp, p.cp, p.tp)
-        report = run(cfg, ranks, cfg.steps)
+        report = run(cfg, ranks, cfg.steps, routing=routing)
     except ConfigError as e:
         return {"error": str(e)}
     rows = report["ranks"]
@@ -53,7 +53,10 @@ def trace_rows(rows: list[dict], k: int, model, spec, wl, mtp_layers: int = 0) -
         if r.get("command") is None or r.get("command_refused"):
             r["traced"] = {"error": r.get("untrainable") or r.get("command_refused")}
             continue
-        r["traced"] = trace_row(simulate_config(model, spec, r, wl, mtp_layers))
+        cfg = simulate_config(model, spec, r, wl, mtp_layers)
+        skewed = wl.moe_skew != 1.0 or wl.moe_routing is not None
+        r["traced"] = trace_row(cfg, {"moe_skew": wl.moe_skew, "moe_routing": wl.moe_routing}) if skewed else \
+            trace_row(cfg)
         if "peak_bytes" in r["traced"]:
             r["traced"]["fits"] = r["traced"]["peak_bytes"] <= r["usable_bytes_per_rank"]
             r["fits"] = r["fits"] and r["traced"]["fits"]

@@ -95,7 +95,6 @@ def render_config(sub: argparse.ArgumentParser, args, cfg) -> str:
     """The resolved run as TOML that `--config` accepts, plus the model's shape for reading."""
     p = cfg.parallel
     resolved = vars(args) | {a: getattr(p, a) for a in ("dp", "pp", "cp", "tp", "ep")}
-    resolved["microbatches"] = None  # folded into global-batch
     # Pipeline-only settings change nothing on one stage (and --config would warn about them): left out there.
     resolved["vp"] = p.vp if p.pp > 1 else None
     resolved["schedule"] = p.schedule if p.pp > 1 else None

@@ -138,6 +138,12 @@ class ModelConfig:
     qk_norm_full: bool = False
     """With qk_norm: one RMSNorm over all heads' width of q (weight n_heads·head_dim) and one over k's
     (n_kv_heads·head_dim), MiniMax-M2's, instead of a head_dim norm per head; under TP its statistics cross ranks."""
+    # Kimi-Linear: Kimi Delta Attention layers between MLA ones without RoPE (models/kimi_delta.py).
+    kda: bool = False
+    """The `linear_layers` are Kimi Delta Attention (a per-channel decay gate; linear_v_heads heads of linear_v_dim,
+    keys as wide) instead of Gated DeltaNet; the other layers may be MLA."""
+    mla_nope: bool = False
+    """MLA without RoPE (Kimi-Linear): the shared key part of qk_rope_dim is kept but not rotated."""
 
     def __post_init__(self):
         # head_dim 0 means "derived": resolve it, and remember so overrides of dim / n_heads re-derive it.
@@ -286,7 +292,11 @@ class ModelConfig:
         if self.linear_v_heads % self.linear_k_heads:
             raise ConfigError(f"model {self.name!r}: linear_v_heads={self.linear_v_heads} is not divisible by "
                               f"linear_k_heads={self.linear_k_heads}")
-        if self.is_mla:
+        if self.kda and (self.linear_k_heads != self.linear_v_heads or self.linear_k_dim != self.linear_v_dim):
+            raise ConfigError(f"model {self.name!r}: Kimi Delta Attention has as many key heads as value heads, as wide "
+                              f"(linear_k_heads={self.linear_k_heads}, linear_v_heads={self.linear_v_heads}, "
+                              f"linear_k_dim={self.linear_k_dim}, linear_v_dim={self.linear_v_dim})")
+        if self.is_mla and not self.kda:
             raise ConfigError(f"model {self.name!r}: Gated DeltaNet layers with MLA are not supported")
 
     def num_params(self) -> int:
@@ -317,6 +327,10 @@ class ModelConfig:
         """Parameters of one Gated DeltaNet mixer: q/k/v/z/b/a projections, the conv kernels, A_log and dt_bias,
         the gated norm and wo."""
         nk, nv, dk, dv = self.linear_k_heads, self.linear_v_heads, self.linear_k_dim, self.linear_v_dim
+        if self.kda:  # q/k/v, their kernels, the gate's and the output gate's low-rank pairs, dt_bias, A_log, β, norm
+            c = nv * dv
+            return (3 * self.dim * c + 3 * c * self.linear_conv_kernel + 2 * (dv * self.dim + c * dv) + c + nv
+                    + nv * self.dim + dv + c * self.dim)
         channels = 2 * nk * dk + nv * dv
         return (self.dim * (channels + nv * dv + 2 * nv) + channels * self.linear_conv_kernel + 2 * nv + dv
                 + nv * dv * self.dim)
@@ -451,6 +465,16 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                                       linear_v_heads=64, experts=256, topk=8, expert_ffn=1024),
     "qwen3.5-397b-a17b": _qwen_hybrid("qwen3.5-397b-a17b", 248320, 4096, 60, 32, 2, 1024,
                                       linear_v_heads=64, experts=512, topk=10, expert_ffn=1024),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json: 27 layers, Kimi Delta Attention (32 heads of 128, kernel
+    # 4) except MLA at its full_attn_layers 4, 8, …, 24 and 27 (1-based; no RoPE, no query latent), a dense first
+    # layer, then 256 sigmoid-routed experts of 1024 (top-8 renormalised, × 2.446, one group) and one shared expert.
+    "kimi-linear-48b-a3b": ModelConfig(
+        name="kimi-linear-48b-a3b", vocab_size=163840, dim=2304, n_layers=27, n_heads=32, n_kv_heads=32, head_dim=128,
+        ffn_dim=9216, max_seq_len=1048576, norm_eps=1e-5, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
+        mla_nope=True, kda=True, linear_layers=tuple(i for i in range(27) if i not in (3, 7, 11, 15, 19, 23, 26)),
+        linear_k_heads=32, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128, moe_experts=256, moe_topk=8,
+        moe_ffn_dim=1024, moe_shared_experts=1, moe_dense_layers=(0,), moe_score="sigmoid", moe_routed_scaling=2.446,
+    ),
 }
 
 

@@ -1,4 +1,5 @@
-"""Gated DeltaNet under context parallelism: exact, with one all-gather of per-chunk state maps per layer.
+"""Gated DeltaNet (and Kimi Delta Attention, whose per-channel gate the same rule takes) under context
+parallelism: exact, with one all-gather of per-chunk state maps per layer.
 
 A rank holds one or two cp chunks of the sequence (contiguous or load-balanced order). The layer's state after a
 chunk is affine in the state before it, S_end = M S_in + B, and so are the chunk's outputs, o = o(0) + Q S_in

@@ -30,6 +30,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--glob", action="append", default=None, metavar="PATTERN",
                    help="read every file whose name matches PATTERN (e.g. '*.py', repeatable) as plain text, one "
                         "document per file; in directories only matching files are taken")
+    p.add_argument("--debug", action="store_true",
+                   help="show the full traceback of a filesystem failure (full disk, read-only) instead of its one line")
     p.set_defaults(func=run)
     return p
 
@@ -39,7 +41,8 @@ def run(args) -> int:
 
     try:
         m = prepare_data(args.inputs, args.tokenizer, args.out, args.text_key, args.workers, args.no_eos,
-                         args.shard_tokens, progress=not args.no_progress, globs=args.glob, fmt=args.format)
+                         args.shard_tokens, progress=not args.no_progress, globs=args.glob, fmt=args.format,
+                         debug=args.debug)
     except ConfigError as e:
         print(f"shardwise prepare-data: error: {e}", file=sys.stderr)
         return 2

@@ -66,14 +66,15 @@ class TensorSource:
         return np.stack([self.tokens[s:s + length] for s in starts]).astype(np.int64)
 
 
-def open_data(spec: str | None, verify: bool = False) -> tuple[list, list[float]]:
+def open_data(spec: str | None, verify: bool = False, debug: bool = False) -> tuple[list, list[float]]:
     """--data → (sources, weights). `verify` streams every prepared shard's sha256 (the launcher does
-    this once before ranks start; ranks only check the manifest and the shard sizes)."""
+    this once before ranks start; ranks only check the manifest and the shard sizes). `debug` (--debug): a shard
+    unreadable mid-run keeps its original error."""
     if spec is None or os.path.isfile(spec):
         return [TensorSource(load_tokens(spec))], [1.0]
     sources, weights = [], []
     for path, w in data_sources(spec):
-        src = PreparedData(path)
+        src = PreparedData(path, debug)
         if verify:
             src.verify_checksums()
         sources.append(src)

@@ -11,6 +11,7 @@ tokens (and the EOS after a conversation that ends with one), 0 elsewhere.
 """
 from __future__ import annotations
 
+import errno
 import fnmatch
 import glob
 import gzip
@@ -31,6 +32,8 @@ from .tokenizer import load_tokenizer
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 FORMATS = ("text", "chat")
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO}
+"""The filesystem refusing the output: one line (the input side's errors are said where they are read)."""
 BATCH_CHARS = 1 << 20  # text per work item: large enough to amortise the hand-off between processes
 
 
@@ -228,9 +231,10 @@ def _encode_chats(docs: list[Conversation], eos: int | None, dtype) -> tuple[np.
 
 def prepare_data(inputs: list[str], tokenizer: str, out: str, text_key: str = "text", workers: int = 1,
                  no_eos: bool = False, shard_tokens: int = 1 << 27, progress: bool = True,
-                 globs: list[str] | None = None, fmt: str = "text") -> dict:
-    """Tokenize `inputs` into `out`; returns the manifest. Errors raise ConfigError and leave nothing at `out`.
-    `fmt` "chat" reads `messages` records (the module's docstring)."""
+                 globs: list[str] | None = None, fmt: str = "text", debug: bool = False) -> dict:
+    """Tokenize `inputs` into `out`; returns the manifest. Errors raise ConfigError and leave nothing at `out`:
+    a filesystem that refuses the shards midway (full disk, quota, read-only) too, unless `debug` (--debug: the
+    original error). `fmt` "chat" reads `messages` records (the module's docstring)."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is unknown; valid: {', '.join(FORMATS)}")
     files = resolve_inputs(inputs, globs)
@@ -262,9 +266,13 @@ def prepare_data(inputs: list[str], tokenizer: str, out: str, text_key: str = "t
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above): the rename below needs the name free
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if debug or not isinstance(e, OSError) or e.errno not in WRITE_ERRORS:
+            raise
+        what = f"{e.strerror} ({e.filename})" if e.filename else e.strerror
+        raise ConfigError(f"--out {out}: writing the shards failed: {what}; the partial output was removed, "
+                          "nothing is left at --out; free space or choose another --out") from e
     return manifest
 
 

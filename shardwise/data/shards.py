@@ -115,11 +115,18 @@ class ShardWriter:
         return manifest
 
 
+class ShardUnreadable(ConfigError):
+    """A shard checked at the start that a rank can no longer read mid-run (deleted, truncated, unreadable): one
+    line naming the file instead of each rank's traceback (`--debug` keeps the original error)."""
+
+    every_rank_alike = False  # only the ranks that read the file know: each says it (under torchrun)
+
+
 class PreparedData:
     """A prepared directory opened for reading: the manifest checked, shards sized, nothing loaded."""
 
-    def __init__(self, folder: str):
-        self.folder = folder
+    def __init__(self, folder: str, debug: bool = False):
+        self.folder, self.debug = folder, debug
         path = os.path.join(folder, MANIFEST)
         if not os.path.isfile(path):
             raise ConfigError(f"--data {folder!r} has no {MANIFEST}: not a complete prepared directory "
@@ -179,15 +186,26 @@ class PreparedData:
             while pos < end:
                 i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
                 if i not in maps:
-                    s = self.shards[i]
-                    maps[i] = np.memmap(os.path.join(self.folder, s["mask_file" if mask else "file"]),
-                                        dtype=np.uint8 if mask else self.dtype, mode="r", shape=(s["tokens"],))
+                    maps[i] = self._map(self.shards[i], mask)
                 take = min(end, int(self.offsets[i + 1])) - pos
                 lo = pos - int(self.offsets[i])
                 out[row, pos - start:pos - start + take] = maps[i][lo:lo + take]
                 pos += take
         del maps
         return out
+
+    def _map(self, shard: dict, mask: bool) -> np.memmap:
+        name = shard["mask_file" if mask else "file"]
+        try:
+            return np.memmap(os.path.join(self.folder, name), dtype=np.uint8 if mask else self.dtype, mode="r",
+                             shape=(shard["tokens"],))
+        except (OSError, ValueError) as e:  # ValueError: numpy's word for a file shorter than the manifest says
+            if self.debug:
+                raise
+            why = e.strerror if isinstance(e, OSError) and e.strerror else "shorter than the manifest says"
+            raise ShardUnreadable(f"--data {self.folder}: shard {name} can no longer be read ({why}); it was "
+                                  "intact when the run started: restore it (or prepare the directory again) and run "
+                                  "again (--resume continues from the last checkpoint)") from e
 
 
 def tokenizer_fingerprint(manifest: dict) -> str:

@@ -252,11 +252,15 @@ class GradReducer:
     def _grad_norm_sq(self) -> torch.Tensor:
         dense = torch.zeros(1, device=self.mesh.device)
         expert = torch.zeros(1, device=self.mesh.device)
+        # A dense model (or stage) has no expert norm to reduce: no edp/ep collective, none in its comm ledger.
+        # Every rank of an edp or ep group holds the same stage, so all of them skip it alike.
+        experts = any(b.expert for b in self.buckets)
         if self.zero:  # shards are disjoint over each group's axis: one reduce per axis (dp×cp, edp)
             for b in self.buckets:
                 (expert if b.expert else dense).add_(self._sq_sum(b.shard.grad, b.norm_weight))
             comm.all_reduce(dense, self.dense_axis, tag="grad_norm")
-            comm.all_reduce(expert, self.mesh["edp"], tag="grad_norm")
+            if experts:
+                comm.all_reduce(expert, self.mesh["edp"], tag="grad_norm")
         else:  # .grads are views of the bucket buffers: one norm kernel per bucket (per parameter under TP)
             for b in self.buckets:
                 reps = {get_spec(p).replicas for _, p, _, _ in b.offsets}
@@ -265,7 +269,8 @@ class GradReducer:
                     continue
                 for _, p, _, _ in b.offsets:
                     (expert if b.expert else dense).add_(self._sq_sum(_grad(p).reshape(-1)) / get_spec(p).replicas)
-        comm.all_reduce(expert, self.mesh["ep"], tag="grad_norm")  # each ep rank holds different experts
+        if experts:
+            comm.all_reduce(expert, self.mesh["ep"], tag="grad_norm")  # each ep rank holds different experts
         self._scratch = None  # transient: not part of the static footprint
         sq = dense + expert
         comm.all_reduce(sq, self.tp, tag="grad_norm")

@@ -21,13 +21,13 @@ all_to_all:counts, :dispatch, :combine and, in backward, :combine_grad and :disp
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch.overrides import wrap_torch_function
 
 from .. import comm, host
+from ..rules.routing import expert_capacity
 
 
 class _AllToAll(torch.autograd.Function):
@@ -56,8 +56,8 @@ def expert_counts(flat_e: torch.Tensor, n_experts: int, mask: torch.Tensor | Non
 
 
 def capacity(capacity_factor: float, n_tokens: int, topk: int, n_experts: int) -> int:
-    """Assignments each expert accepts from one rank: ceil(F·N·k/E)."""
-    return math.ceil(capacity_factor * n_tokens * topk / n_experts)
+    """Assignments each expert accepts from one rank: ceil(F·N·k/E) (`rules.routing`, the planner's rule too)."""
+    return expert_capacity(capacity_factor, n_tokens, topk, n_experts)
 
 
 def keep_mask(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, cap: int,

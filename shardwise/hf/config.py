@@ -20,12 +20,12 @@ from ..rules.hf_types import MULTIMODAL, SUPPORTED, model_types
 # Each model class's rope_theta when config.json omits it (HF's class defaults).
 DEFAULT_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6, "qwen3": 10000.0,
                  "qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "deepseek_v3": 10000.0, "gpt_oss": 150000.0,
-                 "qwen3_next": 10000.0, "qwen3_5_text": 10000.0, "qwen3_5_moe_text": 10000.0}
+                 "qwen3_next": 10000.0, "qwen3_5_text": 10000.0, "qwen3_5_moe_text": 10000.0, "kimi_linear": 10000.0}
 ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v2": "DeepseekV2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}
 QWEN3_NEXT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # Gated DeltaNet + gated attention hybrids
 MULTIMODAL_ARCHITECTURE = {"qwen3_5": "Qwen3_5ForConditionalGeneration",
                            "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
@@ -167,6 +167,8 @@ def config_from_hf(path: str) -> ModelConfig:
     hf = language_model_config(outer, where)
     where = where if hf is outer else f"{where} text_config"
     mt = hf.get("model_type")
+    if mt == "kimi_linear":
+        hf = kimi_keys(hf)
     if mt not in SUPPORTED:
         raise ConfigError(f"{where}: model_type={mt!r} is not supported; supported: {', '.join(model_types())}")
     if arch and not any(a.endswith("ForCausalLM") for a in arch):
@@ -192,7 +194,7 @@ def config_from_hf(path: str) -> ModelConfig:
         types = hf.get("layer_types")
         if mt not in QWEN3_NEXT and types and any(t != "full_attention" for t in types):
             refuse("layer_types", "only full_attention layers are supported")
-    elif mt in ("deepseek_v2", "deepseek_v3"):
+    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_linear"):
         head_dim = int(_req(hf, "qk_nope_head_dim", where))  # its head_dim key is the rotary size
     elif mt == "gpt_oss":  # GptOssConfig: head_dim 64 by default, independent of hidden_size
         head_dim = int(hf.get("head_dim") or 64)
@@ -237,6 +239,8 @@ def config_from_hf(path: str) -> ModelConfig:
         _gpt_oss(hf, kw, where, refuse)
     if mt in GLM_MINIMAX:
         _glm_minimax(mt, hf, kw, where, refuse)
+    if mt == "kimi_linear":
+        _kimi_linear(hf, kw, where, refuse)
     if mt == "mixtral":
         # HF Mixtral: softmax over all experts, top-k, renormalise = softmax over the top-k logits; dropless. Its
         # aux loss is Qwen3-MoE's (`load_balancing_loss_func`, pooled over all layers), added only when
@@ -502,6 +506,95 @@ def _glm_minimax_config(cfg: ModelConfig, refuse) -> dict:
     return out
 
 
+# KimiLinearConfig's attribute_map: the names its config.json (Moonshot's and transformers' own) uses → the names
+# the readers here share with DeepSeek-V3.
+_KIMI_KEYS = {"model_max_length": "max_position_embeddings", "moe_renormalize": "norm_topk_prob",
+              "num_expert_group": "n_group", "num_experts": "num_local_experts",
+              "num_experts_per_token": "num_experts_per_tok", "num_shared_experts": "n_shared_experts"}
+
+
+def kimi_keys(hf: dict) -> dict:
+    """A Kimi-Linear config.json under DeepSeek's key names (either spelling accepted, as KimiLinearConfig does)."""
+    out = dict(hf)
+    for theirs, ours in _KIMI_KEYS.items():
+        if theirs in hf and ours not in hf:
+            out[ours] = hf[theirs]
+    return out
+
+
+def _kimi_linear(hf: dict, kw: dict, where: str, refuse) -> None:
+    """KimiLinearForCausalLM: Kimi Delta Attention layers (`layer_types`, else linear_attn_config's 1-based
+    kda_layers / full_attn_layers, else every 4th layer from the 5th full) between MLA layers without RoPE; the
+    MLP kinds from `mlp_layer_types` (else first_k_dense_replace, default 1, dense layers first); MoE layers are
+    DeepSeek-V3's (sigmoid scores with the selection bias, groups scored by their top 2, optional renormalisation,
+    routed_scaling_factor, shared experts)."""
+    n = kw["n_layers"]
+    la = hf.get("linear_attn_config") or {}
+    types = hf.get("layer_types")
+    if types is None and "full_attn_layers" in la and "kda_layers" in la:
+        types = [None] * n
+        for i in la["full_attn_layers"]:
+            types[int(i) - 1] = "full_attention"
+        for i in la["kda_layers"]:
+            types[int(i) - 1] = "linear_attention"
+    if types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n or any(t not in ("linear_attention", "full_attention") for t in types):
+        refuse("layer_types", f"valid: {n} entries, each linear_attention or full_attention")
+    first = int(hf.get("first_k_dense_replace", 1))
+    mlps = hf.get("mlp_layer_types") or ["dense" if i < first else "sparse" for i in range(n)]
+    if len(mlps) != n or any(t not in ("dense", "sparse") for t in mlps):
+        refuse("mlp_layer_types", f"valid: {n} entries, each dense or sparse")
+    if hf.get("num_key_value_heads") not in (None, kw["n_heads"]):
+        refuse("num_key_value_heads", "MLA has one K/V head per query head")
+    if hf.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        refuse("moe_router_activation_func", "KimiLinearForCausalLM routes with sigmoid scores")
+    heads = int(la.get("num_heads", hf.get("linear_num_heads", 32)))
+    width = int(la.get("head_dim", hf.get("linear_head_dim", 128)))
+    n_group = int(hf.get("n_group") or 1)
+    kw.update(n_kv_heads=kw["n_heads"], q_lora_rank=int(hf.get("q_lora_rank") or 0),
+              kv_lora_rank=int(_req(hf, "kv_lora_rank", where)), qk_rope_dim=int(_req(hf, "qk_rope_head_dim", where)),
+              v_head_dim=int(_req(hf, "v_head_dim", where)), mla_nope=True, kda=True,
+              linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+              linear_k_heads=heads, linear_v_heads=heads, linear_k_dim=width, linear_v_dim=width,
+              linear_conv_kernel=int(la.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4))),
+              moe_experts=int(_req(hf, "num_local_experts", where)), moe_topk=int(hf.get("num_experts_per_tok") or 8),
+              moe_every=1, moe_dense_layers=tuple(i for i, t in enumerate(mlps) if t == "dense"),
+              moe_ffn_dim=int(_req(hf, "moe_intermediate_size", where)),
+              moe_shared_experts=int(hf.get("n_shared_experts") or 0), moe_score="sigmoid",
+              moe_softmax_before_topk=True, moe_n_group=n_group, moe_topk_group=int(hf.get("topk_group") or n_group),
+              moe_group_topk=2, moe_norm_topk=bool(hf.get("norm_topk_prob", True)),
+              moe_routed_scaling=float(hf.get("routed_scaling_factor", 2.446)), moe_aux_loss_coef=0.0)
+
+
+def _kimi_linear_config(cfg: ModelConfig, refuse) -> dict:
+    """config.json of a KimiLinearForCausalLM, in the key names transformers writes."""
+    if not (cfg.is_mla and cfg.mla_nope and cfg.moe_experts and cfg.moe_score == "sigmoid"):
+        refuse("kda", "KimiLinearForCausalLM pairs Kimi Delta Attention with RoPE-free MLA and sigmoid-routed experts")
+    if cfg.qk_norm or cfg.attention_bias or cfg.tie_embeddings or cfg.moe_group_topk != 2:
+        refuse("qk_norm" if cfg.qk_norm else "attention_bias" if cfg.attention_bias else
+               "tie_embeddings" if cfg.tie_embeddings else "moe_group_topk",
+               "KimiLinearForCausalLM has none of these (groups scored by their top 2)")
+    return {"architectures": [ARCHITECTURE["kimi_linear"]], "model_type": "kimi_linear", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_heads,
+            "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+            "qk_nope_head_dim": cfg.head_dim, "qk_rope_head_dim": cfg.qk_rope_dim, "v_head_dim": cfg.v_head_dim,
+            "hidden_act": "silu", "model_max_length": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+            "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": cfg.attn_dropout,
+            "layer_types": ["linear_attention" if cfg.is_linear_layer(i) else "full_attention"
+                            for i in range(cfg.n_layers)],
+            "mlp_layer_types": ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.n_layers)],
+            "linear_num_heads": cfg.linear_v_heads, "linear_head_dim": cfg.linear_v_dim,
+            "linear_conv_kernel_dim": cfg.linear_conv_kernel, "num_experts": cfg.moe_experts,
+            "num_experts_per_token": cfg.moe_topk, "moe_intermediate_size": cfg.moe_ffn_dim or cfg.ffn_dim,
+            "num_shared_experts": cfg.moe_shared_experts, "num_expert_group": cfg.moe_n_group,
+            "topk_group": cfg.moe_topk_group, "moe_renormalize": cfg.moe_norm_topk,
+            "routed_scaling_factor": cfg.moe_routed_scaling, "torch_dtype": "float32",
+            # KimiLinearConfig's defaults are the 163840-token vocabulary's ids: none unless a tokenizer gives them
+            "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+
+
 # ---------------------------------------------------------------- export
 def hf_config(cfg: ModelConfig) -> dict:
     """config.json for `cfg`: llama, qwen2 (q/k/v biases), mixtral, qwen3 or qwen3_moe (q/k norms); ConfigError for
@@ -514,6 +607,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     bias = getattr(cfg, "attention_bias", False)
     if cfg.qk_norm and bias:
         refuse("attention_bias", "Qwen3 (q/k norms) has no q/k/v-only biases")
+    if cfg.kda:
+        return _kimi_linear_config(cfg, refuse)
     if cfg.is_mla:
         return _deepseek_config(cfg, refuse)
     if is_gpt_oss(cfg):

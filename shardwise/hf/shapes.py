@@ -11,9 +11,10 @@ from ..config import ConfigError
 from .config import MULTIMODAL, QWEN3_NEXT, SUPPORTED, config_file, config_from_hf, read_hf_config
 
 LENIENT_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt2", "gpt_oss",
-                 "deepseek_v2", *QWEN3_NEXT, *MULTIMODAL)
+                 "deepseek_v2", *QWEN3_NEXT, *MULTIMODAL, "kimi_linear")
 """model_types a lenient reading accepts: gpt2 besides the trainer's families the planner models."""
-STRICT_ONLY = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", *QWEN3_NEXT, *MULTIMODAL)  # gpt-oss and the Gated DeltaNet hybrids: strictly
+STRICT_ONLY = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", *QWEN3_NEXT, *MULTIMODAL,
+               "kimi_linear")  # gpt-oss and the linear-attention hybrids: strictly
 """Families with no shape-only reading (their expert and attention layouts need the strict one)."""
 LENIENT_TYPES = LENIENT_TYPES + ("glm4_moe", "minimax_m2")  # GLM-4.5 and MiniMax-M2 (docs/families-2026.md):
 STRICT_ONLY = STRICT_ONLY + ("glm4_moe", "minimax_m2")  # strictly

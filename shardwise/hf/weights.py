@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import qwen3_next as hf_qwen3_next
+from . import kimi_linear as hf_kimi_linear, qwen3_next as hf_qwen3_next
 from ..config import ConfigError, ModelConfig
 from .config import export_config, glm_minimax_type, is_gpt_oss
 from .gpt_oss import EXPERT as GPT_OSS_EXPERT, expert_source, export_tensors as gpt_oss_tensors
@@ -245,6 +245,10 @@ def tensor_source(name: str, cfg: ModelConfig, files: WeightFiles) -> TensorSour
     if derived is not None:
         hf, shape, derive = derived
         return TensorSource([hf], tuple(shape), "derived", derive=derive)
+    kimi = hf_kimi_linear.source(name, cfg, files) if cfg.kda else None
+    if kimi is not None:  # Kimi-Linear's KDA layers and MLPs (hf_kimi_linear.py)
+        hf, shape, derive = kimi
+        return TensorSource([hf], tuple(shape), "direct" if derive is None else "derived", derive=derive)
     m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))", name)
     if m is None:
         hf, heads = _hf_name(name, cfg)
@@ -308,7 +312,7 @@ def load_hf_into(model: nn.Module, path: str, mesh=None, mtp_init: str = "checkp
         if fresh and name.startswith("mtp."):
             continue
         m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", _as_layer(name, cfg))
-        hf = m and f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
+        hf = m and f"model.layers.{m.group(1)}.{'block_sparse_moe' if cfg.kda else 'mlp'}.gate.e_score_correction_bias"
         if hf and hf not in files:  # MiniMax-M2 keeps it on the MoE block
             hf = f"model.layers.{m.group(1)}.block_sparse_moe.e_score_correction_bias"
         if hf and hf in files:
@@ -374,6 +378,8 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
     tensors, done, gpt_oss = {}, set(), {}
     if hf_qwen3_next.is_family(cfg):
         tensors, done = hf_qwen3_next.export_tensors(state, cfg, fused=config.get("model_type") == "qwen3_next")
+    if cfg.kda:
+        tensors, done = hf_kimi_linear.export_tensors(state, cfg)
     for n, ref in expected.items():
         if n in done:
             continue
@@ -386,8 +392,9 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         tensors.update({k: v.contiguous().clone() for k, v in _hf_tensors(n, t, cfg).items()})
     if gpt_oss:
         tensors.update({k: v.contiguous().clone() for k, v in gpt_oss_tensors(gpt_oss, cfg).items()})
-    if (cfg.is_mla or glm_minimax_type(cfg)) and cfg.moe_score == "sigmoid":
-        # DeepSeek-V3 and GLM-4.5 keep the selection bias as the gate's e_score_correction_bias, MiniMax-M2 the block's
+    # DeepSeek-V3 and GLM-4.5 keep the selection bias as the gate's e_score_correction_bias, MiniMax-M2 the block's
+    # (Kimi-Linear's: hf_kimi_linear's export)
+    if (cfg.is_mla or glm_minimax_type(cfg)) and cfg.moe_score == "sigmoid" and not cfg.kda:
         where = "block_sparse_moe" if glm_minimax_type(cfg) == "minimax_m2" else "mlp.gate"
         for n, t in state.items():
             m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", _as_layer(n, cfg))

@@ -79,6 +79,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, resets=None, ch
     All arithmetic in fp32 whatever autocast is on (as FLA's kernels accumulate): the state runs through every chunk
     of the sequence, and bf16 matmuls would round it once per chunk (and save a low-precision copy of each operand).
     Padded tail tokens carry β = 0, g = 0 (no write, no decay); an unpadded v or β is not copied.
+    `g` [b, h, s] decays each head's state by one scalar per token (Gated DeltaNet); `g` [b, h, s, d_k] decays each
+    key channel's row of the state by its own (Kimi Delta Attention, `models/kimi_delta.py`).
     """
     with torch.autocast(q.device.type, enabled=False):
         return _chunk_rule(q, k, v, g, beta, initial_state, resets, chunk, transition)
@@ -87,12 +89,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, resets=None, ch
 def _chunk_rule(q, k, v, g, beta, initial_state, resets, chunk, transition):
     """`chunk_gated_delta_rule`'s body, run with autocast off."""
     b, h, s, dk = k.shape
-    dv = v.shape[-1]
     pad = (chunk - s % chunk) % chunk
     q, k, v = (F.pad(x.float(), (0, 0, 0, pad)) if pad else x.float() for x in (q, k, v))  # .float(): fp32 as is
     # Contiguous q, k (as transformers makes them): the chunk matmuls then fold their batch dims by a view instead
     # of saving a copy of each operand (an unpadded q, k are transposes of [b, s, h, d], or narrowed cp pieces).
     q, k = q.contiguous(), k.contiguous()
+    if g.dim() == 4:
+        return _channel_rule(q, k, v, g, beta, initial_state, resets, chunk, transition, s, pad)
     g, beta = (F.pad(x.float(), (0, pad)) if pad else x.float() for x in (g, beta))
     n = (s + pad) // chunk
     q, k, v = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v))
@@ -121,13 +124,21 @@ def _chunk_rule(q, k, v, g, beta, initial_state, resets, chunk, transition):
     intra = (q @ k.transpose(-1, -2)) * pair
     qd = q * read_old.unsqueeze(-1)
     kd = k * to_end.unsqueeze(-1)
-    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
-    m = torch.eye(dk, device=q.device).expand(b, h, dk, dk) if transition else None
+    return _scan(qd, kd, intra, u, w, whole[..., None, None], initial_state, transition, s)
+
+
+def _scan(qd, kd, intra, u, w, decays, initial_state, transition: bool, s: int):
+    """The chunk-to-chunk pass shared by both gates: each chunk reads the state, corrects its values by what the
+    state already predicts, then decays the state (`decays` [b, h, n, d_k or 1, 1]: row by row) and writes."""
+    b, h, n, chunk, dk = qd.shape
+    dv = u.shape[-1]
+    state = qd.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    m = torch.eye(dk, device=qd.device).expand(b, h, dk, dk) if transition else None
     outs, reads = [], []
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
         outs.append(qd[:, :, i] @ state + intra[:, :, i] @ v_new)
-        decay = whole[:, :, i, None, None]
+        decay = decays[:, :, i]
         state = state * decay + kd[:, :, i].transpose(-1, -2) @ v_new
         if m is not None:  # how the segment's initial state reaches this chunk's outputs, then its end
             reads.append((qd[:, :, i] - intra[:, :, i] @ w[:, :, i]) @ m)
@@ -136,6 +147,39 @@ def _chunk_rule(q, k, v, g, beta, initial_state, resets, chunk, transition):
     if m is None:
         return o, state, None
     return o, state, (m, torch.stack(reads, dim=2).reshape(b, h, n * chunk, dk)[:, :, :s])
+
+
+def _channel_rule(q, k, v, g, beta, initial_state, resets, chunk, transition, s, pad):
+    """The rule with a per-channel gate g [b, h, s, d_k] (Kimi Delta Attention): the decay between tokens j <= i of
+    a chunk is the vector exp(G_i - G_j), so it weighs the chunk's q·k and k·k products channel by channel
+    ([C, C, d_k] per chunk) instead of scaling a [C, C] matrix; the state decays row by row (one row per key
+    channel). Sums in fp64 and the rest in fp32, as the scalar rule."""
+    b, h, _, dk = k.shape
+    g = F.pad(g.float(), (0, 0, 0, pad)) if pad else g.float()
+    beta = F.pad(beta.float(), (0, pad)) if pad else beta.float()
+    n = (s + pad) // chunk
+    q, k, v, g = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v, g))
+    beta = beta.reshape(b, h, n, chunk)
+    cum = g.double().cumsum(-2)  # [b, h, n, C, d_k]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    diff = (cum.unsqueeze(-2) - cum.unsqueeze(-3)).float()  # [.., i, j, d_k]
+    pair = diff.masked_fill(~lower[..., None], float("-inf")).exp()  # exp(Σ g over (j, i]) per channel
+    read_old = cum.float().exp()
+    to_end = (cum[..., -1:, :] - cum).float().exp()
+    whole = cum[..., -1, :].float().exp()  # [b, h, n, d_k]
+    if resets is not None:
+        r = F.pad(resets.to(torch.int32), (0, pad)).reshape(b, 1, n, chunk).cumsum(-1)
+        pair = pair * (r.unsqueeze(-1) == r.unsqueeze(-2)).unsqueeze(-1)
+        read_old = read_old * (r == 0).unsqueeze(-1)
+        to_end = to_end * (r[..., -1:] == r).unsqueeze(-1)
+        whole = whole * (r[..., -1] == 0).unsqueeze(-1)
+    kb = k * beta.unsqueeze(-1)
+    system = (kb.unsqueeze(-2) * k.unsqueeze(-3) * pair).sum(-1)
+    system = system.masked_fill(~lower.tril(-1), 0.0) + torch.eye(chunk, device=q.device)
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * read_old, upper=False, unitriangular=True)
+    intra = (q.unsqueeze(-2) * k.unsqueeze(-3) * pair).sum(-1)
+    return _scan(q * read_old, k * to_end, intra, u, w, whole[..., None], initial_state, transition, s)
 
 
 class GatedNormFunction(torch.autograd.Function):
@@ -181,6 +225,33 @@ class GatedRMSNorm(nn.Module):
         return GatedNormFunction.apply(x, z, self.weight, self.eps)
 
 
+def short_conv(qkv, weight, cp, cache: dict | None, doc_ids):
+    """A linear layer's causal convolution of its q/k/v channels: (silu output, the reset flags the single-device
+    rule then needs, or None). While decoding (`cache`) it continues from the cached K−1 inputs and keeps the last
+    K−1; under context parallelism (`cp`) each chunk reads the inputs before it from the preceding chunk."""
+    kw = weight.shape[-1]
+    if cache is not None:  # decoding one sequence: continue from the cached window and state
+        halo = cache.get("conv")
+        cache["conv"] = torch.cat((halo if halo is not None else qkv.new_zeros(qkv.shape[0], kw - 1, qkv.shape[-1]),
+                                   qkv), dim=1)[:, -(kw - 1):]
+        return causal_conv(qkv, weight, halo), None
+    if cp is None:
+        resets = None if doc_ids is None else resets_from_documents(doc_ids)
+        return causal_conv(qkv, weight, resets=None if resets is None else F.pad(resets, (kw - 1, 0))), resets
+    return cp.linear_conv(qkv, weight, doc_ids), None
+
+
+def run_delta_rule(args, cp, cache: dict | None, resets, doc_ids) -> torch.Tensor:
+    """The rule over [b, h, s, ·] inputs (q, k, v, g, β): while decoding from (and into) the cached state, on one
+    device with `resets`, or under context parallelism by state composition (`cp.delta_rule`)."""
+    if cache is not None:
+        o, cache["state"], _ = chunk_gated_delta_rule(*args, initial_state=cache.get("state"))
+        return o
+    if cp is None:
+        return chunk_gated_delta_rule(*args, resets=resets)[0]
+    return cp.delta_rule(*args, doc_ids)
+
+
 class GatedDeltaNet(nn.Module):
     """A Qwen3-Next / Qwen3.5 `linear_attention` mixer; forward(x, cos, sin, doc_ids) like attention's."""
 
@@ -214,18 +285,7 @@ class GatedDeltaNet(nn.Module):
         nk, nv = q.shape[-1] // self.dk, v.shape[-1] // self.dv  # this rank's heads
         weight = torch.cat((self.conv_q, self.conv_k, self.conv_v), dim=0)
         cp, cache = self.ctx.cp, self.decode_state
-        qkv = torch.cat((q, k, v), dim=-1)
-        if cache is not None:  # decoding one sequence: continue from the cached window and state
-            halo = cache.get("conv")
-            cache["conv"] = torch.cat((halo if halo is not None else qkv.new_zeros(b, weight.shape[-1] - 1,
-                                                                                   qkv.shape[-1]), qkv), dim=1)
-            qkv, resets = causal_conv(qkv, weight, halo), None
-            cache["conv"] = cache["conv"][:, -(weight.shape[-1] - 1):]
-        elif cp is None:
-            resets = None if doc_ids is None else resets_from_documents(doc_ids)
-            qkv = causal_conv(qkv, weight, resets=None if resets is None else F.pad(resets, (weight.shape[-1] - 1, 0)))
-        else:
-            qkv = cp.linear_conv(qkv, weight, doc_ids)
+        qkv, resets = short_conv(torch.cat((q, k, v), dim=-1), weight, cp, cache, doc_ids)
         q, k, v = qkv.split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
         q = l2norm(q.reshape(b, s, nk, self.dk).float()) * self.dk ** -0.5
         k = l2norm(k.reshape(b, s, nk, self.dk).float())
@@ -234,13 +294,7 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(nv // nk, dim=2), k.repeat_interleave(nv // nk, dim=2)
         beta = beta_in.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        args = [t.transpose(1, 2) for t in (q, k, v, g, beta)]
-        if cache is not None:
-            o, cache["state"], _ = chunk_gated_delta_rule(*args, initial_state=cache.get("state"))
-        elif cp is None:
-            o = chunk_gated_delta_rule(*args, resets=resets)[0]
-        else:
-            o = cp.delta_rule(*args, doc_ids)
+        o = run_delta_rule([t.transpose(1, 2) for t in (q, k, v, g, beta)], cp, cache, resets, doc_ids)
         o = o.transpose(1, 2).to(x.dtype)  # [b, s, nv, dv]
         o = self.norm(o, z.view(b, s, nv, self.dv))
         return self.wo(o.reshape(b, s, nv * self.dv))

@@ -19,6 +19,7 @@ from ..rules import inventory
 from .attention import AttentionCore, attend
 from .context import ParallelContext
 from .gated_deltanet import GatedDeltaNet
+from .kimi_delta import KimiDeltaAttention
 from .mla import MLA
 from .mtp import MTPLayer, mtp_forward
 from .params import create, declare, linear_of
@@ -126,7 +127,8 @@ class TransformerBlock(nn.Module):
         ctx = ctx or ParallelContext()
         p = inventory.by_name(inventory.block(cfg, cfg.is_moe_layer(layer_id), cfg.is_linear_layer(layer_id)))
         self.attention_norm = RMSNorm(p["attention_norm.weight"], cfg.norm_eps)
-        self.attention = (GatedDeltaNet(cfg, ctx, layer_id) if cfg.is_linear_layer(layer_id) else
+        linear = KimiDeltaAttention if cfg.kda else GatedDeltaNet
+        self.attention = (linear(cfg, ctx, layer_id) if cfg.is_linear_layer(layer_id) else
                           MLA(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id))
         self.attn_resid_dropout = Dropout(cfg.dropout, ctx)
         self.ffn_norm = RMSNorm(p["ffn_norm.weight"], cfg.norm_eps)

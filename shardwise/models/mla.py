@@ -9,6 +9,7 @@ RoPE is YaRN (`ModelConfig.mla_mscale`); the value head size v_head_dim may diff
 Under TP the heads split: wq / wq_b and wkv_b column-parallel by head, wo row-parallel; the down-projections
 and their norms are replicated, and since each rank back-propagates only its heads into them, their gradients
 (and the block input's) are partial sums over TP: they are declared `head_partial` where they are made.
+Kimi-Linear's MLA (`mla_nope`) rotates nothing: its shared key part stays as projected.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class MLA(nn.Module):
         super().__init__()
         p = inventory.by_name(inventory.mla(cfg))
         self.nope, self.rope, self.v_dim, self.kv_rank = cfg.head_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.rotary = not cfg.mla_nope
         qk = self.nope + self.rope
         self.scale = qk ** -0.5 * cfg.mla_mscale  # DeepSeek's YaRN multiplies the softmax scale by mscale²
         if cfg.q_lora_rank:
@@ -52,8 +54,11 @@ class MLA(nn.Module):
         c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)
         kv = self.wkv_b(self.kv_a_norm(c_kv)).view(b, s, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
+        if self.rotary:
+            q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope.unsqueeze(2), cos, sin)
+        else:  # Kimi-Linear's MLA: the shared key part unrotated
+            k_rope = k_rope.unsqueeze(2)
+        k_rope = k_rope.expand(-1, -1, k_nope.shape[2], -1)
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)
         k = torch.cat((k_nope, k_rope), dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from shardwise.planner import gpt_oss
+from shardwise.planner import gpt_oss, moe_skew
 from shardwise.planner.linear_attention import mixer_activation_bytes
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_layer_ids, chunk_owners
 from shardwise.planner.models import (
@@ -206,14 +206,16 @@ def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_
         mlp += 4 * n_r + (4 * n_r + 4 * rows if spec.moe_norm_topk else 0)
     elif not spec.moe_softmax_before_topk:  # softmax over the k chosen logits saves its output
         mlp += 4 * rows
-    mlp += 8 * rows * 2 + e * rows  # dispatch: send order, token index (int64), assignment weights
+    kept = moe_skew.kept_rows(spec, lay, wl, n_r)  # what a capacity factor leaves of the n_r·k (all, dropless)
+    mlp += 8 * rows + 8 * kept + e * kept  # dispatch: send order (all n_r·k), token index (int64), assignment weights
     mlp += 4 * (E // lay.ep)  # the grouped GEMM's int32 offsets
-    mlp += e * rows * h  # received rows in the compute dtype (the grouped GEMM's input)
+    got = moe_skew.busiest_rows(spec, lay, wl, n_r)  # what this rank's experts receive: rows, or the busiest's
+    mlp += e * got * h  # received rows in the compute dtype (the grouped GEMM's input)
     if lay.ep > 1 and E // lay.ep > 1:
-        mlp += 2 * 8 * rows  # regroup permutation and its inverse
-    mlp += 4 * e * rows * f_e  # w1 out, silu out, w3 out, product
-    mlp += gpt_oss.expert_activation_bytes(spec, e, rows)  # gpt-oss: the clamped SwiGLU's and biases' extras
-    mlp += 2 * e * rows * h  # combined rows and their router-weighted copy
+        mlp += 2 * 8 * got  # regroup permutation and its inverse
+    mlp += 4 * e * got * f_e  # w1 out, silu out, w3 out, product
+    mlp += gpt_oss.expert_activation_bytes(spec, e, got)  # gpt-oss: the clamped SwiGLU's and biases' extras
+    mlp += 2 * e * kept * h  # combined rows and their router-weighted copy
     mlp += 4 * e * n_r * spec.moe_shared_experts * f_e
     if gate:  # sigmoid(gate(x)) · shared saves the shared experts' output [n_r, h] and sigmoid's [n_r, 1]
         mlp += e * n_r * h + e * n_r
@@ -256,7 +258,7 @@ def korthikanti_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, 
     if not moe:
         mlp += inner * e * tokens * (spec.ffn_dim // t)
     else:
-        routed = spec.moe_topk * tokens  # tokens this rank's experts process on average (uniform routing)
+        routed = moe_skew.busiest_rows(spec, lay, wl, tokens)  # rows this rank's experts process (mean: k·tokens)
         mlp += 4 * tokens * spec.moe_experts  # fp32 router probabilities
         mlp += 2 * e * routed * h + inner * e * routed * (spec.expert_ffn_dim // t)  # dispatched in, out before combine
         mlp += inner * e * tokens * spec.moe_shared_experts * (spec.expert_ffn_dim // t)

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 from shardwise.rules.buckets import cut_runs
 from shardwise.rules.wire import wire_bytes
-from shardwise.planner import gpt_oss, linear_attention
+from shardwise.planner import gpt_oss, linear_attention, moe_skew
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, recomputed_layer_ids, stage_layer_ids
 from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BYTES_GRAD, stage_tensors, stage_unit_entries, zero_buckets
@@ -314,12 +314,13 @@ def ep_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
             led.add(axis, "all_reduce:aux_loss", (spec.moe_experts + 1) * 4, group, fwd)
     if lay.ep < 2:
         return
-    rows = spec.moe_topk * tokens * spec.dim
+    rows = moe_skew.kept_rows(spec, lay, wl, tokens) * spec.dim  # what this rank sends: its kept assignments
+    got = moe_skew.busiest_rows(spec, lay, wl, tokens) * spec.dim  # what the (busiest) rank's experts received
     led.add("ep", "all_to_all:counts", spec.moe_experts * 8, lay.ep, fwd)
     led.add("ep", "all_to_all:dispatch", rows * wl.resid_bytes, lay.ep, fwd)
-    led.add("ep", "all_to_all:combine", rows * wl.act_bytes, lay.ep, fwd)
+    led.add("ep", "all_to_all:combine", got * wl.act_bytes, lay.ep, fwd)
     led.add("ep", "all_to_all:combine_grad", rows * wl.act_bytes, lay.ep, L)
-    led.add("ep", "all_to_all:dispatch_grad", rows * wl.resid_bytes, lay.ep, L)
+    led.add("ep", "all_to_all:dispatch_grad", got * wl.resid_bytes, lay.ep, L)
 
 
 def moe_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout) -> None:

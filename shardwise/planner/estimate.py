@@ -16,7 +16,7 @@ from functools import lru_cache
 
 from shardwise.rules import flops
 from shardwise.rules.flops import layer_flops_per_token, linear_layer_delta, mtp_flops_per_token
-from shardwise.planner import gpt_oss, linear_attention
+from shardwise.planner import gpt_oss, linear_attention, moe_skew
 from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Cluster, spans_link
@@ -111,6 +111,7 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
                                                  held, held_again):
         if n:
             mm, cc = layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp)
+            mm += moe_skew.extra_expert_flops_per_token(spec, lay, wl) if moe else 0.0  # the busiest rank's rows
             matmul, core = matmul + n * mm, core + n_core * cc
             rec_mm, rec_core = rec_mm + again * mm, rec_core + again_core * cc
     d_mm, d_core = linear_layer_delta(spec, wl.seq_len, lay.tp)
@@ -223,6 +224,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         "tokens_per_s": wl.global_batch * wl.seq_len / step_time,
         "assumptions": asdict(assume),
     }
+    if spec.is_moe:  # the busiest ep rank's received rows over the mean this plan is for (moe_skew.py)
+        out["moe_skew"] = moe_skew.skew(spec, lay, wl)
     if detail:
         if lay.sp and lay.tp > 1:
             out["tp_exposed_per_layer"] = per_stage[0]["tp_layer"].as_dict()

@@ -14,6 +14,7 @@ from functools import lru_cache
 from shardwise.config.parallel import ParallelConfig
 from shardwise.rules.geometry import GRID, axis_lines
 from shardwise.rules.partition import balanced_counts, recomputed_layers
+from shardwise.rules.schedules import SCHEDULE_NAMES
 from shardwise.rules.validation import (
     CP_IMPLS, RECOMPUTE, ZERO_STAGES, cp_seq_problem, dp_shard_problem, ep_dpcp_problem, heads_tp_problem,
     hsdp_zero_problem, layers_pp_problem, rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
@@ -21,7 +22,7 @@ from shardwise.rules.validation import (
 from shardwise.planner.errors import PlanError
 from shardwise.planner.models import ModelSpec
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb", "dualpipev")
+SCHEDULES = SCHEDULE_NAMES  # the runtime's schedule names, declared once in rules/schedules.py
 DEFAULT_GLOBAL_BATCH = 1024
 AXIS_NAMES = (*GRID, "dp_cp", "ep", "edp", "dp_shard", "dp_replicate")
 """The communication axes whose groups `group_spans` reports."""
@@ -44,6 +45,10 @@ class Workload:
     """shardwise's --optimizer: muon adds its gathers and keeps one momentum buffer (planner/muon.py)."""
     muon_qk_clip: float = 0.0
     """shardwise's --muon-qk-clip τ (0: off): MuonClip completes each head's largest logit over dp×cp (and tp)."""
+    moe_skew: float = 1.0
+    """The busiest ep rank's received MoE rows over the mean (`moe_skew.py`; 1: balanced routing)."""
+    moe_routing: tuple | None = None
+    """A recorded run's tokens per expert per MoE layer (`moe_skew.read_routing`); replaces `moe_skew`."""
 
     @property
     def act_bytes(self) -> int:

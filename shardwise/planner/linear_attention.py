@@ -27,8 +27,9 @@ def held_layers(stage, lay) -> tuple[int, int]:
 
 
 def tp_partial_params(spec) -> int:
-    """Per layer, the parameters whose gradient is partial over tp even without SP: the gated norm's weight."""
-    return sum(p.local_numel() for p in inventory.gated_deltanet(spec) if p.head_partial)
+    """Per layer, the parameters whose gradient is partial over tp even without SP: the gated norm's weight (and
+    Kimi Delta Attention's gate down-projections wf_a, wg_a)."""
+    return sum(p.local_numel() for p in inventory.linear_mixer(spec) if p.head_partial)
 
 
 def cp_comm(led, spec, lay, wl, layers: int, again: int) -> None:
@@ -50,28 +51,32 @@ def cp_comm(led, spec, lay, wl, layers: int, again: int) -> None:
         led.add("cp", "reduce_scatter", c * nbytes, c, layers)
 
 
-def chunk_rule_terms(b: int, s: int, nv: int, dk: int, dv: int, e: int, transition: bool = False) -> dict[str, int]:
+def chunk_rule_terms(b: int, s: int, nv: int, dk: int, dv: int, e: int, transition: bool = False,
+                     channel: bool = False) -> dict[str, int]:
     """What `models.gated_deltanet.chunk_gated_delta_rule` saves on b·nv heads of s tokens (padded to S, nc chunks of
     C), by name. The rule runs in fp32 with autocast off, so every entry is fp32 whatever e is; e only decides how v
     arrives: fp32 and unpadded it is a view of the convolution's output (`pointwise_terms`), e-byte it is copied.
     Padding copies q, k, v and β; unpadded, β is the sigmoid's output and v (fp32) a view. q and k are made contiguous
     (a copy that replaces the L2 norms' or the head repeat's outputs, which nothing else saves; a cp piece is copied
     from its narrowed view), so the chunk matmuls view their operands and save no copies. Chunk slices are views. The
-    first chunk's state is a constant zero, so its two reads (w·S, q·S) save only the state."""
+    first chunk's state is a constant zero, so its two reads (w·S, q·S) save only the state. `channel` (Kimi Delta
+    Attention's per-channel gate): the decays and the elementwise k·k, q·k products before their channel sums carry
+    a d_k axis ([p, C, d_k]: the layer's largest tensors)."""
     C = CHUNK
     S = -(-s // C) * C
     nc, p = S // C, b * S * nv  # chunks; padded token-heads
     later = nc - 1  # chunks whose state needs a gradient
     padded = S != s
+    g = dk if channel else 1  # the gate's channels
     t = {
         "masks ~lower, ~lower.tril(-1) (bool [C, C])": 2 * C * C,
-        "pair decays exp(Σg) [p, C]": 4 * p * C,
+        "pair decays exp(Σg) [p, C, g]": 4 * p * C * g,
         "UT system (I + β k kᵀ ⊙ pair), solve's A [p, C]": 4 * p * C,
-        "k·kᵀ and q·kᵀ products, × pair's input [p, C] ×2": 2 * 4 * p * C,
+        "k·kᵀ and q·kᵀ products, × pair's input [p, C, g] ×2": 2 * 4 * p * C * g,
         "intra-chunk scores, intra·v_new's operand [p, C]": 4 * p * C,
-        "read_old, to_end decays [p]": 2 * 4 * p,
+        "read_old, to_end decays [p, g]": 2 * 4 * p * g,
         "β padded, β·k's and β·v's operand (unpadded: the sigmoid's output) [p]": 4 * p if padded else 0,
-        "whole-chunk decay [b, nv, nc]": 4 * b * nv * nc,
+        "whole-chunk decay [b, nv, nc, g]": 4 * b * nv * nc * g,
         "q, k (contiguous); β·k; w (solve's output) [p, d_k] ×4": 4 * 4 * p * dk,
         "u (solve's output) [p, d_v]": 4 * p * dv,
         "v padded or copied to fp32, β·v's operand [p, d_v]": 4 * p * dv if padded or e != 4 else 0,
@@ -133,19 +138,45 @@ def pointwise_terms(spec, mb: int, s_loc: int, tp: int, e: int) -> dict[str, int
     return t
 
 
+def kda_pointwise_terms(spec, mb: int, s_loc: int, tp: int, e: int) -> dict[str, int]:
+    """`pointwise_terms` of a Kimi Delta Attention mixer (`models/kimi_delta.py`): the conv and L2 norms as Gated
+    DeltaNet's, a per-channel gate (softplus over [n, v]), the gates' low-rank inputs, and the sigmoid-gated norm in
+    plain fp32 autograd (its input upcast, rsqrt, normed value, weight·normed, the sigmoid, the product)."""
+    n, kw, nh, d = mb * s_loc, spec.linear_conv_kernel, spec.linear_v_heads // tp, spec.linear_v_dim
+    c, cc = nh * d, _channels(spec, tp)
+    t = {
+        "conv's output, silu's input (e) [n, qkv]": e * n * cc,
+        "q/k L2 norms' rsqrts [n, h] ×2": 2 * 4 * n * nh,
+        "β = sigmoid(·) [n, h]": 4 * n * nh,
+        "softplus's input and output [n, v] ×2": 2 * 4 * n * c,
+        "exp(A_log), its negation [h] ×2": 2 * 4 * nh,
+        "wf_a's and wg_a's outputs, wf_b's and wg_b's inputs (e) [n, d] ×2": 2 * e * n * d,
+        "gated norm's rsqrt [n, h]": 4 * n * nh,
+        "normed, weight·normed, sigmoid(gate) [n, v] ×3": 3 * 4 * n * c,
+        "the gated product, wo's input (e) [n, v]": e * n * c,
+    }
+    if e == 4:
+        t["conv kernels concatenated [qkv, K]"] = 4 * cc * kw
+        t["silu's output, the L2 norms' input (a view of q, k, v) [n, qkv]"] = 4 * n * cc
+    else:
+        t["q, k fp32 copies, the L2 norms' input [n, v] ×2"] = 2 * 4 * n * c
+        t["the rule's output cast to e, upcast again: the norm's input [n, v]"] = 4 * n * c
+    return t
+
+
 def mixer_terms(spec, mb: int, s_loc: int, tp: int, e: int) -> dict[str, int]:
     """What one device's mixer saves past its region input (which the block counts) and its autocast weight copies
     (`activations.autocast_weight_bytes`), by name: b = mb sequences of s_loc tokens, this rank's nk key and nv value
     heads, e-byte activations over a residual of the same width. Every entry is one storage autograd keeps (views
     of one storage count once), its bytes from its shape; tests/test_planner_new_families.py checks the sum against
     the saved-tensor hooks of a real layer."""
-    nv, kw = spec.linear_v_heads // tp, spec.linear_conv_kernel
+    nv, kw, kda = spec.linear_v_heads // tp, spec.linear_conv_kernel, getattr(spec, "kda", False)
     t = {"conv's padded input (e) [b, s + K − 1, qkv]": e * mb * (s_loc + kw - 1) * _channels(spec, tp)}
-    t.update(pointwise_terms(spec, mb, s_loc, tp, e))
+    t.update(kda_pointwise_terms(spec, mb, s_loc, tp, e) if kda else pointwise_terms(spec, mb, s_loc, tp, e))
     if e == 4:
         t["the rule's stacked output (padded), the gated norm's input [b·S, v]"] = (
             4 * mb * -(-s_loc // CHUNK) * CHUNK * nv * spec.linear_v_dim)
-    t.update(chunk_rule_terms(mb, s_loc, nv, spec.linear_k_dim, spec.linear_v_dim, e))
+    t.update(chunk_rule_terms(mb, s_loc, nv, spec.linear_k_dim, spec.linear_v_dim, e, channel=kda))
     return t
 
 
@@ -159,11 +190,11 @@ def cp_mixer_terms(spec, mb: int, s_loc: int, tp: int, e: int, cp: int, order: s
     last = max(chunk_ids(rank, cp, order)) if rank is not None else cp * per - 1
     L = s_loc // per
     b, nv, dk, dv, kw = mb, spec.linear_v_heads // tp, spec.linear_k_dim, spec.linear_v_dim, spec.linear_conv_kernel
-    cc = _channels(spec, tp)
-    t = pointwise_terms(spec, mb, s_loc, tp, e)
+    cc, kda = _channels(spec, tp), getattr(spec, "kda", False)
+    t = kda_pointwise_terms(spec, mb, s_loc, tp, e) if kda else pointwise_terms(spec, mb, s_loc, tp, e)
     t["conv's padded input per chunk (e) [b, s/chunks + K − 1, qkv]"] = e * b * (L + kw - 1) * cc * per
     for j in range(per):
-        for k, v in chunk_rule_terms(b, L, nv, dk, dv, e, transition=True).items():
+        for k, v in chunk_rule_terms(b, L, nv, dk, dv, e, transition=True, channel=kda).items():
             t[f"chunk {j}: {k}"] = v
     t["gathered [M | B] maps, M·S's operand (none when S_in(0) is all this rank reads) "
       "[cp·chunks·b, nv, d_k, d_k + d_v]"] = 4 * cp * per * b * nv * dk * (dk + dv) if last else 0

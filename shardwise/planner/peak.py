@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from shardwise.planner import moe_skew
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.activations import (
     head_activation_bytes, head_loss_saved_bytes, microbatch_activation_bytes, rebuilt_weight_copies,
@@ -74,7 +75,7 @@ def layer_backward_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, w
         out = 2 * e * n * (spec.ffn_dim // lay.tp)
     if stage.n_moe:
         n_r = n // lay.tp if lay.sp else n
-        out = max(out, 2 * e * n_r * spec.moe_topk * spec.expert_ffn_dim)
+        out = max(out, 2 * e * moe_skew.busiest_rows(spec, lay, wl, n_r) * spec.expert_ffn_dim)
     return out + 2 * r * n * spec.dim
 
 
@@ -106,9 +107,9 @@ def layer_forward_transient_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl
     e, h = wl.act_bytes, spec.dim
     n = lay.mb * wl.seq_len // lay.cp
     sp = lay.sp and lay.tp > 1
-    ffn = spec.ffn_dim // lay.tp if dense else spec.moe_topk * spec.expert_ffn_dim
+    inner = n * (spec.ffn_dim // lay.tp) if dense else moe_skew.busiest_rows(spec, lay, wl, n) * spec.expert_ffn_dim
     cast = e * (n // lay.tp if sp else n) * h if e != 4 else 0
-    return float(cast + e * n * ffn + e * n * h * (3 if sp else 1))
+    return float(cast + e * inner + e * n * h * (3 if sp else 1))
 
 
 def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> tuple[float, float]:

@@ -19,6 +19,7 @@ Under zb and dualpipev on a pipeline the tp linears' weight gradients come from 
 """
 from __future__ import annotations
 
+from shardwise.planner import moe_skew
 from shardwise.planner.activations import head_activation_bytes, microbatch_activation_bytes
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners
 from shardwise.planner.models import ModelSpec, padded_vocab
@@ -37,7 +38,7 @@ def expert_weight_grad_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Wor
     n = lay.mb * wl.seq_len // lay.cp
     n_r = n // lay.tp if lay.sp else n
     stack = spec.moe_experts // lay.ep * spec.expert_ffn_dim * spec.dim
-    rows = n_r * spec.moe_topk
+    rows = moe_skew.busiest_rows(spec, lay, wl, n_r)  # the rows this rank's experts received
     recomputed = lay.recompute == "full" and stage.recompute_split(lay)[0][1]  # some MoE layer rebuilt in backward
     saved_copies = spec.mlp_mats * e * stack if e != 4 and not recomputed else 0
     saved_rows = e * rows * (spec.dim + 4 * spec.expert_ffn_dim)  # the GEMMs' input and four [rows, ffn] tensors

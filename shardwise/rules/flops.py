@@ -62,15 +62,18 @@ def layer_flops_per_token(cfg, moe: bool, seq_len: int, tp: int = 1, sp: bool = 
 
 
 def linear_flops_per_token(cfg, seq_len: int, tp: int = 1) -> tuple[float, float]:
-    """(projection, core) forward FLOPs per token of one Gated DeltaNet mixer on one tp rank, as the runtime
-    computes it: the six input projections and `wo`; the core per value head and token, in chunks of C = 64:
-    the conv (2·K per channel), k·kᵀ and q·kᵀ within the chunk (2·2·C·d_k), the two triangular solves
+    """(projection, core) forward FLOPs per token of one Gated DeltaNet (or Kimi Delta Attention) mixer on one tp
+    rank, as the runtime computes it: the six input projections and `wo`; the core per value head and token, in
+    chunks of C = 64: the conv (2·K per channel), k·kᵀ and q·kᵀ within the chunk (2·2·C·d_k), the two triangular solves
     (C·(d_v + d_k)), v_new = u − w·S and the state reads q·S (2·2·d_k·d_v), the intra-chunk product with
     v_new (2·C·d_v) and the state update kᵀ·v_new (2·d_k·d_v)."""
     h, C, kw = cfg.dim, CHUNK, cfg.linear_conv_kernel
     nk, nv = cfg.linear_k_heads // tp, cfg.linear_v_heads // tp
     dk, dv = cfg.linear_k_dim, cfg.linear_v_dim
     proj = 2.0 * h * (2 * nk * dk + 2 * nv * dv + 2 * nv) + 2.0 * nv * dv * h
+    if getattr(cfg, "kda", False):  # Kimi Delta Attention: q/k/v, β, the two gates' low-rank pairs (wf_a, wg_a
+        # replicated over tp), wo; its core has Gated DeltaNet's shapes (the chunk products weigh channels instead)
+        proj = 2.0 * h * (3 * nv * dv + nv) + 2 * 2.0 * (h * dv + nv * dv * dv) + 2.0 * nv * dv * h
     c = min(C, seq_len)
     core = 2.0 * kw * (2 * nk * dk + nv * dv)
     core += nv * (4.0 * c * dk + c * (dv + dk) + 6.0 * dk * dv + 2.0 * c * dv)

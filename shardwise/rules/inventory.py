@@ -177,6 +177,26 @@ def gated_deltanet(cfg) -> list[Param]:
     return out + norm("norm", dv, head_partial=True) + linear("wo", h, nv * dv, "row", nv, init="residual")
 
 
+def kimi_delta(cfg) -> list[Param]:
+    """A Kimi Delta Attention mixer (`models.kimi_delta.KimiDeltaAttention`): its own parameters (the depthwise
+    kernels, A_log per head, dt_bias per channel) before its modules' (q/k/v, the decay gate's pair wf_a → wf_b, β's
+    wb, the output gate's pair wg_a → wg_b, the gated norm, wo). Heads split over tp; the gates' down-projections
+    wf_a, wg_a (to one head's width) and the norm's one-head weight stay replicated, head-partial, as MLA's."""
+    h, kw, nh, d = cfg.dim, cfg.linear_conv_kernel, cfg.linear_v_heads, cfg.linear_v_dim
+    out = [Param(f"conv_{c}", (nh * d, kw), "conv", "col", nh) for c in "qkv"]
+    out += [Param("A_log", (nh,), "a_log", "col", nh), Param("dt_bias", (nh * d,), "ones", "col", nh)]
+    out += linear("wq", nh * d, h, "col", nh) + linear("wk", nh * d, h, "col", nh) + linear("wv", nh * d, h, "col", nh)
+    out += linear("wf_a", d, h, head_partial=True) + linear("wf_b", nh * d, d, "col", nh)
+    out += linear("wb", nh, h, "col", nh)
+    out += linear("wg_a", d, h, head_partial=True) + linear("wg_b", nh * d, d, "col", nh)
+    return out + norm("norm", d, head_partial=True) + linear("wo", h, nh * d, "row", nh, init="residual")
+
+
+def linear_mixer(cfg) -> list[Param]:
+    """A linear-attention layer's mixer: Kimi Delta Attention's (`kda`) or Gated DeltaNet's."""
+    return kimi_delta(cfg) if getattr(cfg, "kda", False) else gated_deltanet(cfg)
+
+
 def mlp(dim: int, hidden: int, split: bool = True) -> list[Param]:
     """SwiGLU (`models.llama.FeedForward`): w1, w3 [hidden, dim], w2 [dim, hidden]; `split` False: replicated (the
     MoE's shared experts)."""
@@ -226,9 +246,9 @@ def moe_of(cfg) -> list[Param]:
 
 def block(cfg, moe_layer: bool, linear_layer: bool = False) -> list[Param]:
     """One transformer block (`models.llama.TransformerBlock`): attention_norm, the mixer (attention, MLA or Gated
-    DeltaNet), ffn_norm, the MLP (dense or MoE)."""
+    DeltaNet or Kimi Delta Attention), ffn_norm, the MLP (dense or MoE)."""
     ln = _layernorm(cfg)
-    mixer = gated_deltanet(cfg) if linear_layer else mla(cfg) if cfg.is_mla else attention(cfg)
+    mixer = linear_mixer(cfg) if linear_layer else mla(cfg) if cfg.is_mla else attention(cfg)
     if moe_layer:
         ffn = moe_of(cfg)
     elif getattr(cfg, "mlp", "swiglu") == "gelu":

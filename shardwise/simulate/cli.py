@@ -28,6 +28,12 @@ def add_parser(sub) -> None:
     p.add_argument("--every-microbatch", action="store_true",
                    help="run every microbatch of each step (default: only those the rank's schedule needs to show "
                         "every moment of the step, its traffic scaled to the full count)")
+    from ..planner.moe_skew import skew_help
+
+    routing = p.add_mutually_exclusive_group()
+    for flag, text in skew_help("simulate").items():
+        routing.add_argument(flag, type=float if flag == "--moe-skew" else str,
+                             metavar="S" if flag == "--moe-skew" else "RUN_DIR", help=text)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=main)
 
@@ -109,20 +115,23 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run(cfg, ranks: list[int], steps: int, every_microbatch: bool = False) -> dict:
-    """Simulate `ranks` of `cfg`'s world; the report `--json` prints (`every_microbatch`: no shortened steps)."""
-    from .predict import planned
-    from .world import DOCUMENT_PLAN, ROUTING, simulate_rank, world_size
+def run(cfg, ranks: list[int], steps: int, every_microbatch: bool = False, routing: dict | None = None) -> dict:
+    """Simulate `ranks` of `cfg`'s world; the report `--json` prints (`every_microbatch`: no shortened steps;
+    `routing`: skewed MoE routing, the planner's Workload fields `moe_skew` or `moe_routing`)."""
+    from .predict import planned, routing_skew
+    from .world import DOCUMENT_PLAN, ROUTING, SKEWED, simulate_rank, world_size
 
     t0 = time.perf_counter()
     p = cfg.parallel
+    s = routing_skew(cfg, routing)
     rows = []
     for r in ranks:
-        m = simulate_rank(cfg, r, steps, every_microbatch)
-        rows.append(compare(m, planned(cfg, m["stage"])))
+        m = simulate_rank(cfg, r, steps, every_microbatch, moe_skew=s)
+        rows.append(compare(m, planned(cfg, m["stage"], routing)))
+    routed = ROUTING if s == 1.0 else SKEWED.format(s=s)
     lay = ",".join(f"{k}={v}" for k, v in p.as_dict().items() if v not in (None, False))
     return {"world": world_size(cfg), "layout": lay, "model": cfg.model_config().name, "steps": steps,
-            "routing": "; ".join(x for x, used in ((ROUTING, cfg.model_config().moe_experts),
+            "routing": "; ".join(x for x, used in ((routed, cfg.model_config().moe_experts),
                                                    (DOCUMENT_PLAN, _document_ring(cfg))) if used) or None,
             "ranks": rows,
             "passed": all(r["passed"] for r in rows), "wall_s": round(time.perf_counter() - t0, 2)}
@@ -149,9 +158,22 @@ def check_simulable(cfg) -> None:
                           "with; drop it to simulate the layout")
 
 
+def routing_fields(args, n_experts: int) -> dict | None:
+    """--moe-skew / --routing as the planner's Workload fields (None: balanced routing)."""
+    from ..planner.moe_skew import check_skew, read_routing
+
+    if getattr(args, "routing", None):
+        return {"moe_routing": read_routing(args.routing, n_experts)}
+    if getattr(args, "moe_skew", None) is not None:
+        check_skew(args.moe_skew)
+        return {"moe_skew": args.moe_skew}
+    return None
+
+
 def main(args) -> int:
     from ..training.assemble import config_from_args
     from ..config import ConfigError
+    from ..planner.errors import PlanError
 
     try:
         cfg = config_from_args(args, None)
@@ -159,11 +181,12 @@ def main(args) -> int:
         p = cfg.parallel
         world = p.world_size
         ranks = choose_ranks(args.ranks, world, p.pp, p.cp, p.tp)
-    except ConfigError as e:
+        routing = routing_fields(args, cfg.model_config().moe_experts)
+    except (ConfigError, PlanError) as e:
         print(f"shardwise simulate: error: {e}", file=sys.stderr)
         return 2
     try:
-        report = run(cfg, ranks, cfg.steps, args.every_microbatch)
+        report = run(cfg, ranks, cfg.steps, args.every_microbatch, routing)
     except ConfigError as e:
         print(f"shardwise simulate: error: {e}", file=sys.stderr)
         return 2

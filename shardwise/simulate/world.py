@@ -31,11 +31,14 @@ from ..expert_parallel.experts import grouped_mm_available
 from ..mesh import Mesh
 from ..optim import optimizers
 from ..pipeline.tied_embedding import emb_stages
+from ..rules.routing import send_counts
 from .dispatch_key import fake_mode
 from .live import LiveMemory
 from .shorten import ScaledLedger, Shortening, shorten
 
 ROUTING = "balanced MoE routing (the planner's assumption): each expert receives n·k/E rows from every ep rank"
+SKEWED = ("skewed MoE routing (--moe-skew / --routing): the simulated rank is the busiest ep rank, receiving {s:.3g}x "
+          "the mean rows (rules.routing)")
 DOCUMENT_PLAN = ("document mask: every ring block pair computed with its mask (documents taken to cross every "
                  "block boundary: no pair skipped, none unmasked)")
 IGNORED_TAGS = ("metrics", "grad_norm")  # bookkeeping all-reduces the planner leaves out
@@ -56,10 +59,12 @@ def routed_tokens(cfg: TrainConfig) -> int:
 class Answers:
     """The stand-in each host read gets in a simulation (`StandIns`)."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, skew: float = 1.0):
         model = cfg.model_config()
         self.experts, self.topk, self.ep = model.moe_experts, model.moe_topk, cfg.parallel.ep
-        self.rows = routed_tokens(cfg) * self.topk
+        self.tokens = routed_tokens(cfg)
+        self.rows = self.tokens * self.topk
+        self.skew, self.capacity_factor = skew, model.moe_capacity_factor
         self.ep_rank = 0  # set once the mesh is built
 
     def balanced(self) -> list[int]:
@@ -73,9 +78,16 @@ class Answers:
             out += [b + (j < x) for j in range(e_l)]
         return out
 
+    def routed(self) -> list[int]:
+        """Rows per expert every source rank sends: balanced, or under a skew with this rank's experts the hot ones
+        (the simulated rank is the busiest, as the plan is for it); with a capacity factor, what each expert keeps."""
+        if (self.skew == 1.0 or self.ep < 2) and self.capacity_factor is None:
+            return self.balanced()
+        return send_counts(self.tokens, self.topk, self.experts, self.ep, self.skew, self.ep_rank, self.capacity_factor)
+
     def __call__(self, what: str, t: torch.Tensor):
         if what == "moe split sizes":  # E send counts, then ep·E_l receive counts (source rank, local expert)
-            per, e_l = self.balanced(), self.experts // self.ep
+            per, e_l = self.routed(), self.experts // self.ep
             mine = per[self.ep_rank * e_l:(self.ep_rank + 1) * e_l]
             return per + mine * self.ep  # every source routes like this rank
         if what == "cp document plan":  # [pairs, (visible, one document)]: the most work and memory
@@ -255,7 +267,7 @@ def comm_bytes(axes: dict) -> dict[str, int]:
 
 
 def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch: bool = False,
-                  fast: bool = True) -> dict:
+                  fast: bool = True, moe_skew: float = 1.0) -> dict:
     """Run `steps` training steps of global rank `rank` on fake tensors; its measured memory and traffic.
 
     Each step runs only the microbatches the rank's schedule needs to show every moment of the full step
@@ -272,6 +284,7 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch:
     `fast` (the default) takes three shortcuts that change no figure: the dispatch cache's static-shape key
     (`StaticKeyMode`, where this torch has the hook), device queries answered by the live-memory trace, p2p batches that skip the fake
     backend. `fast=False` is the plain path, kept to show them equal (`tests/test_simulate_fast.py`).
+    `moe_skew`: the router's split sizes make this rank the busiest ep rank at S× the mean (`Answers.routed`).
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -280,7 +293,7 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch:
     world = world_size(cfg)
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is outside the world of {world} ranks")
-    answers = Answers(cfg)
+    answers = Answers(cfg, moe_skew)
     stand = StandIns(answers)
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

@@ -368,11 +368,14 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
             else:
                 errors[rank] = payload
                 failed_at = failed_at or time.monotonic()
-        said = set(errors.values())
-        if len(errors) == world and len(said) == 1 and next(iter(said)).startswith("ConfigError: "):
-            from ..config import ConfigError  # every rank refused the same input: one line, exit 2
+        # Ranks that refused in one line (a ConfigError or subclass — SaveFailed, an unreadable shard: no traceback)
+        # while the others wait for them or lost them in a collective: the first such line, exit 2, as on one rank.
+        refused = sorted(r for r, m in errors.items() if "\n" not in m)
+        if refused and not out and all(r in refused or procs[r].exitcode is None
+                                       or errors.get(r, "").startswith("CollectiveError: ") for r in range(world)):
+            from ..config import ConfigError
 
-            raise ConfigError(next(iter(said))[len("ConfigError: "):])
+            raise ConfigError(errors[refused[0]].split(": ", 1)[1])
         if errors or len(out) < world:
             raise RankError(_failure_report(procs, out, errors, lastops))
         for p in procs:

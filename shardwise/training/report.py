@@ -16,18 +16,25 @@ import sys
 
 # A step record's fields charted as train/<field> (TensorBoard, W&B, MLflow), where the record has them.
 SCALARS = ("loss", "loss_main", "loss_mtp", "lr", "grad_norm", "step_time_s", "tflops_per_rank", "mfu",
-           "moe_max_over_mean_load", "moe_aux_loss", "peak_mem_bytes")
+           "moe_max_over_mean_load", "moe_aux_loss", "peak_mem_bytes", "moe_busiest_ep_over_mean")
+
+
+def _keep_until(path: str, start: int):
+    """`path` opened for writing; resuming (`start` > 0) keeps its lines up to the checkpoint's step."""
+    rows = []
+    if start and os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
+    f = open(path, "w")
+    f.writelines(rows)
+    return f
 
 
 class RunLog:
     def __init__(self, out: str, start: int = 0):
-        path = os.path.join(out, "metrics.jsonl")
-        rows = []
-        if start and os.path.exists(path):  # resuming: keep rows up to the checkpoint, drop later ones
-            with open(path) as f:
-                rows = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
-        self.file = open(path, "w")
-        self.file.writelines(rows)
+        self.out, self.start = out, start
+        self.file = _keep_until(os.path.join(out, "metrics.jsonl"), start)
+        self.routing = None  # routing.jsonl, opened at the first MoE step
         self.tb = None
         events = os.path.join(out, "tensorboard")
         if not start:  # a fresh run (--overwrite, --auto-resume with nothing to resume): no old run's curves
@@ -52,6 +59,17 @@ class RunLog:
         for axis, ops in (comm_axes or {}).items():
             self.tb.add_scalar(f"comm_bytes/{axis}", sum(v["bytes"] for v in ops.values()), step)
 
+    def write_routing(self, step: int, routing: dict) -> None:
+        """One step's per-layer routing (`MoEMetrics.record`'s `moe_routing`) as a line of routing.jsonl, and the
+        busiest ep rank's load over the mean per layer as TensorBoard scalars routing/layer<i>."""
+        if self.routing is None:
+            self.routing = _keep_until(os.path.join(self.out, "routing.jsonl"), self.start)
+        self.routing.write(json.dumps({"step": step} | routing) + "\n")
+        self.routing.flush()
+        if self.tb is not None:
+            for layer, share in routing["busiest_ep_share"].items():
+                self.tb.add_scalar(f"routing/layer{layer}_busiest_ep_over_mean", share * routing["ep"], step)
+
     def write_eval(self, rec: dict | None) -> None:
         """One evaluation's `{"step": s, "eval_loss": x}` line (and the TensorBoard scalar eval/loss)."""
         if rec is None:
@@ -63,6 +81,8 @@ class RunLog:
 
     def close(self) -> None:
         self.file.close()
+        if self.routing is not None:
+            self.routing.close()
         if self.tb is not None:
             self.tb.close()
 
@@ -87,7 +107,8 @@ def summary_lines(s: dict) -> list[str]:
     steps = f"{run} steps" + (f" ({start + 1}..{start + run} of {s['steps']})" if start else "")
     lines = [f"trained {s['model']} on {layout_text(s['layout'])} for {steps}: loss {s['first_loss']:.4f} -> "
              f"{s['final_loss']:.4f}, {s['tokens_per_s']:.0f} tokens/s"]
-    comm_s = ", ".join(f"{a} {b / 2**20:.2f} MiB" for a, b in s["comm_bytes_per_step"].items()) or "none"
+    # Axes that carried no payload (the preemption check's object gather on ckpt counts 0 bytes) stay in comm.json.
+    comm_s = ", ".join(f"{a} {b / 2**20:.2f} MiB" for a, b in s["comm_bytes_per_step"].items() if b) or "none"
     lines.append(f"communication per step (payload bytes per rank): {comm_s}")
     if "pipeline" in s:
         pl = s["pipeline"]
@@ -182,10 +203,48 @@ def render(run_dir: str) -> list[str]:
         written.append(str(draw_timeline(doc["ranks"], os.path.join(run_dir, "timeline.png"),
                                          f"{doc['schedule']} p={doc['pp']} m={doc['microbatches']} (recorded)")))
         lines.append(f"pipeline {doc['schedule']}: measured bubble {measured_bubble(doc['ranks']):.3f}")
+    routing = os.path.join(run_dir, "routing.jsonl")
+    if os.path.exists(routing):
+        lines.extend(_routing_charts(plt, _read_jsonl(routing), save))
     if "moe_max_over_mean_load" in rows[-1]:
         lines.append(f"MoE max/mean expert load {rows[0]['moe_max_over_mean_load']:.2f} -> "
                      f"{rows[-1]['moe_max_over_mean_load']:.2f}")
     return lines + ["wrote " + ", ".join(os.path.basename(p) for p in written)]
+
+
+def _routing_charts(plt, recs: list[dict], save) -> list[str]:
+    """routing.jsonl drawn: moe_load.png, each layer's tokens per expert over the run relative to that layer's
+    mean (a layer × expert heat map), and moe_imbalance.png, the busiest ep rank's load over the mean per step."""
+    if not recs:
+        return []
+    layers = sorted({int(k) for r in recs for k in r["tokens_per_expert"]})
+    n_exp = len(next(iter(recs[0]["tokens_per_expert"].values())))
+    total = [[0.0] * n_exp for _ in layers]
+    for r in recs:
+        for i, layer in enumerate(layers):
+            for e, c in enumerate(r["tokens_per_expert"].get(str(layer), [])):
+                total[i][e] += c
+    rel = [[c * n_exp / (sum(row) or 1.0) for c in row] for row in total]
+    fig, ax = plt.subplots(figsize=(min(12, 3 + 0.12 * n_exp), min(10, 1.5 + 0.25 * len(layers))))
+    im = ax.imshow(rel, aspect="auto", cmap="magma", interpolation="nearest")
+    ax.set(xlabel="expert", ylabel="MoE layer", title="tokens per expert / layer mean (whole run)")
+    ax.set_yticks(range(len(layers)), [str(x) for x in layers])
+    fig.colorbar(im, ax=ax)
+    save(fig, "moe_load.png")
+    ep = recs[-1]["ep"]
+    steps = [r["step"] for r in recs]
+    per_step = [[s * r["ep"] for s in r["busiest_ep_share"].values()] for r in recs]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps, [max(v) for v in per_step], lw=1.2, label="worst layer")
+    ax.plot(steps, [sum(v) / len(v) for v in per_step], lw=1.2, label="mean over layers")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set(xlabel="step", ylabel="busiest ep rank / mean", title=f"MoE imbalance over ep={ep} (contiguous placement)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "moe_imbalance.png")
+    worst = max(range(len(recs)), key=lambda i: max(per_step[i]))
+    return [f"MoE busiest ep rank over mean (ep={ep}): last step {max(per_step[-1]):.2f} (worst layer), "
+            f"worst step {steps[worst]} at {max(per_step[worst]):.2f}"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from ..config.schedule import lr_at_plan, lr_plan
 from ..data import IGNORE_INDEX, Loader, open_data
 from ..expert_parallel import metrics as moe_metrics
 from ..expert_parallel.metrics import MoEMetrics
-from ..expert_parallel.moe import MoE
+from ..expert_parallel.routing_stats import moe_blocks, slot_count
 from ..mesh import Mesh
 from ..optim import optimizers
 from ..parallelize import parallelize
@@ -62,10 +62,10 @@ class Trainer:
                                                train=cfg, rounds=rounds)
         self.model.train()
         with self._host():  # a pure function of the step: the checkpoint's step is the data position
-            self.loader = Loader(open_data(cfg.data) if tokens is None else tokens, cfg.seq_len, self.global_batch,
+            self.loader = Loader(open_data(cfg.data, debug=cfg.debug) if tokens is None else tokens, cfg.seq_len, self.global_batch,
                                  cfg.seed)
         self.eos_id = self.loader.eos_id if cfg.eos_id is None else cfg.eos_id  # the data's EOS (bytes: 256)
-        self.moe = [m for m in self.model.modules() if isinstance(m, MoE)]
+        self.moe = moe_blocks(self.model, self.model_cfg.n_layers)  # each labelled with its layer id (routing record)
         for m in self.moe:  # every global microbatch's aux loss weighs tokens(microbatch) / tokens(step)
             m.aux_scale = 1.0 / cfg.grad_accum
         self.batches = BatchSlicer(cfg, mesh, self.global_batch, self.model_cfg.vocab_size, self.eos_id)
@@ -196,7 +196,7 @@ class Trainer:
         if n_parts:  # MTP: the main loss and the MTP modules' part of `loss`
             rec["loss_main"], rec["loss_mtp"] = loss - values[2], values[2]
         if moe is not None:
-            rec.update(MoEMetrics.from_values(values[2 + n_parts:], self.model_cfg.moe_experts).record())
+            rec.update(MoEMetrics.from_values(values[2 + n_parts:], self.model_cfg.moe_experts, self.mesh["ep"].size).record())
         return rec
 
     def _skip(self, step: int, loss: float, norm: float) -> float:
@@ -215,8 +215,8 @@ class Trainer:
         Collective over the token axes and pp. `read=False` leaves the metrics on the device as one vector."""
         axes = (self.mesh["dp_cp"], self.mesh["tp"]) if self.cfg.parallel.sequence_parallel else (self.mesh["dp_cp"],)
         n_exp = self.model_cfg.moe_experts
-        vec = moe_metrics.gather(self.moe, n_exp, axes, self.mesh["pp"], self.mesh.device)
-        return MoEMetrics.from_values(host.read(vec, "moe metrics"), n_exp) if read else vec
+        vec = moe_metrics.gather(self.moe, n_exp, axes, self.mesh["pp"], self.mesh.device, slot_count(self.model_cfg))
+        return MoEMetrics.from_values(host.read(vec, "moe metrics"), n_exp, self.mesh["ep"].size) if read else vec
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -35,6 +35,9 @@ class RunWriter:
 
     def step_done(self, rec: dict, ev: dict | None) -> None:
         """A step's record and, when one ran after it, an evaluation's `{"step", "eval_loss"}`."""
+        routing = rec.pop("moe_routing", None)  # per-layer histogram: routing.jsonl, not metrics.jsonl
+        if routing is not None and self.rank0:
+            self.metrics.write_routing(rec["step"], routing)
         self.records.append(rec)
         if ev is not None:
             self.evals.append(ev)
