@@ -142,6 +142,10 @@ def apply_tp(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
                                                 sequence_parallel=sp, **kw))
             if attn.sinks is not None:
                 attn.sinks = _head_sinks(cfg, tp)
+            if cfg.qk_norm_full:  # MiniMax-M2's width norms: their weights split with q's and k's columns
+                q_cols = cfg.n_heads * hd // tp.size
+                attn.q_norm.weight = _norm_shard(attn.q_norm.weight, (tp.rank * q_cols, q_cols), 1, None)
+                attn.k_norm.weight = _norm_shard(attn.k_norm.weight, kv_rows, kv_replicas, kv_reduce)
         if ffn is not None:
             _swap(ffn, "w1", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
             _swap(ffn, "w3", ColumnParallelLinear(h, cfg.ffn_dim, tp, enter=False, **kw))
@@ -276,6 +280,12 @@ def _head_sinks(cfg: ModelConfig, tp) -> nn.Parameter:
     per = cfg.n_heads // tp.size
     p = declare(nn.Parameter(torch.empty(per, device="meta")), "normal")
     return set_spec(p, ShardSpec((cfg.n_heads,), 0, tp.rank * per, per, per))
+
+
+def _norm_shard(old: nn.Parameter, rows: tuple[int, int], replicas: int, grad_reduce: str | None) -> nn.Parameter:
+    """A 1-D weight cut like the columns it scales (rows = (start, length) of the global vector)."""
+    p = carry_param(old, nn.Parameter(torch.empty(rows[1], device="meta")))
+    return set_spec(p, ShardSpec(tuple(old.shape), 0, rows[0], rows[1], rows[1], replicas, grad_reduce))
 
 
 def _vocab_parallel_loss(tp, vocab_start: int, vocab_size: int, logits, targets, ignore_index: int = -100,

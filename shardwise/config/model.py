@@ -134,6 +134,10 @@ class ModelConfig:
     """Fraction of each head RoPE rotates (HF partial_rotary_factor; Qwen3-Next 0.25); the rest passes unrotated."""
     moe_shared_gate: bool = False
     """The shared expert's output times sigmoid(w·x), one scalar gate per token (Qwen3-Next's shared_expert_gate)."""
+    # MiniMax-M2 (docs/families-2026.md).
+    qk_norm_full: bool = False
+    """With qk_norm: one RMSNorm over all heads' width of q (weight n_heads·head_dim) and one over k's
+    (n_kv_heads·head_dim), MiniMax-M2's, instead of a head_dim norm per head; under TP its statistics cross ranks."""
     # Kimi-Linear: Kimi Delta Attention layers between MLA ones without RoPE (models/kimi_delta.py).
     kda: bool = False
     """The `linear_layers` are Kimi Delta Attention (a per-channel decay gate; linear_v_heads heads of linear_v_dim,
@@ -173,8 +177,9 @@ class ModelConfig:
 
     @property
     def has_mtp_architecture(self) -> bool:
-        """DeepSeek-V3's architecture (MLA with sigmoid-routed experts): the only family with MTP modules."""
-        return self.is_mla and self.moe_experts > 0 and self.moe_score == "sigmoid"
+        """Sigmoid-routed experts with MLA (DeepSeek-V3, Kimi K2) or with a shared expert (GLM-4.5's GQA): the
+        families whose checkpoints hold their MTP modules as layers n_layers + k."""
+        return self.moe_experts > 0 and self.moe_score == "sigmoid" and (self.is_mla or self.moe_shared_experts > 0)
 
     @property
     def is_mla(self) -> bool:
@@ -238,7 +243,7 @@ class ModelConfig:
         if self.mtp_layers and not self.has_mtp_architecture:
             raise ConfigError(f"--mtp-layers {self.mtp_layers}: model {self.name!r} has no multi-token prediction; valid "
                               "only on DeepSeek-V3-architecture models (MLA with sigmoid-routed experts: the deepseek-v3 "
-                              "preset or a deepseek_v3 config.json)")
+                              "preset or a deepseek_v3 config.json) and GLM-4.5 ones (glm-4.5 presets, glm4_moe)")
         if self.mtp_layers and self.moe_aux_loss_scope == "model" and self.moe_aux_loss_coef:
             raise ConfigError(f"--mtp-layers {self.mtp_layers} with model {self.name!r}'s aux loss pooled over all layers "
                               "(moe_aux_loss_scope='model') is not supported; valid: moe_aux_loss_scope='layer'")
@@ -248,6 +253,9 @@ class ModelConfig:
                 raise ConfigError(f"model {self.name!r}: {f}={v} must be in [0, 1)")
         self._validate_gpt_oss()
         self._validate_linear()
+        if self.qk_norm_full and (not self.qk_norm or self.is_mla):
+            raise ConfigError(f"model {self.name!r}: qk_norm_full needs qk_norm on a GQA model (MiniMax-M2's norms "
+                              "over all heads' width)")
 
     def _validate_gpt_oss(self) -> None:
         if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
@@ -295,7 +303,7 @@ class ModelConfig:
         """Total parameter count (embedding and LM head counted once each unless tied)."""
         h, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.attention_bias else 0)
-        attn += 2 * self.head_dim if self.qk_norm else 0
+        attn += ((self.n_heads + self.n_kv_heads) if self.qk_norm_full else 2) * self.head_dim if self.qk_norm else 0
         attn += (h if self.attention_out_bias else 0) + (self.n_heads if self.attention_sinks else 0)
         attn += h * q if self.attn_output_gate else 0
         if self.is_mla:
@@ -469,6 +477,46 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+
+
+def _glm45(name: str, dim: int, n_layers: int, ffn: int, experts: int, expert_ffn: int, dense: int, qk_norm: bool,
+           scaling: float, max_seq_len: int = 131072) -> ModelConfig:
+    """A GLM-4.5-family preset (zai-org/GLM-4.5*/config.json, transformers' glm4_moe): 96 query heads of 128 over
+    8 K/V heads with q/k/v biases, half of each head rotary (θ 1e6), the first `dense` layers dense, then sigmoid
+    routing with the loss-free selection bias, top-8 renormalised × `scaling`, one shared expert, no groups; its one
+    MTP layer is in the checkpoint (`--mtp-layers 1` trains it)."""
+    return ModelConfig(name=name, vocab_size=151552, dim=dim, n_layers=n_layers, n_heads=96, n_kv_heads=8, head_dim=128,
+                       ffn_dim=ffn, max_seq_len=max_seq_len, rope_theta=1e6, norm_eps=1e-5, attention_bias=True,
+                       qk_norm=qk_norm, partial_rotary=0.5, moe_experts=experts, moe_topk=8, moe_ffn_dim=expert_ffn,
+                       moe_shared_experts=1, moe_dense_layers=tuple(range(dense)), moe_score="sigmoid",
+                       moe_routed_scaling=scaling, moe_bias_update_rate=0.001)
+
+
+# The 2025/2026 open flagships (docs/families-2026.md). GLM-4.6 and GLM-4.7 keep GLM-4.5's shapes with a 200K
+# context (max_position_embeddings 202752). Kimi K2 is DeepSeek-V3's architecture (moonshotai/Kimi-K2-Instruct
+# config.json: 384 experts, 64 heads, one dense layer, no groups, scaling 2.827, YaRN 32× over 4096 tokens with
+# mscale = mscale_all_dim = 1, θ 50000). MiniMax-M2 (MiniMaxAI/MiniMax-M2, transformers' minimax_m2): 62 layers
+# all MoE (256 experts of 1536, sigmoid with the selection bias, top-8 renormalised, no shared expert), q/k norms
+# over all heads' width, half-rotary heads of 128 (θ 5e6); its MTP modules are not in transformers' model.
+MODEL_PRESETS.update({
+    "glm-4.5": _glm45("glm-4.5", 5120, 92, 12288, 160, 1536, 3, True, 2.5),
+    "glm-4.5-air": _glm45("glm-4.5-air", 4096, 46, 10944, 128, 1408, 1, False, 1.0),
+    "glm-4.6": _glm45("glm-4.6", 5120, 92, 12288, 160, 1536, 3, True, 2.5, max_seq_len=202752),
+    "glm-4.7": _glm45("glm-4.7", 5120, 92, 12288, 160, 1536, 3, True, 2.5, max_seq_len=202752),
+    "kimi-k2": ModelConfig(
+        name="kimi-k2", vocab_size=163840, dim=7168, n_layers=61, n_heads=64, n_kv_heads=64, head_dim=128,
+        ffn_dim=18432, max_seq_len=131072, rope_theta=50000.0, norm_eps=1e-6, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_dim=64, v_head_dim=128, moe_experts=384, moe_topk=8, moe_ffn_dim=2048, moe_shared_experts=1,
+        moe_dense_layers=(0,), moe_score="sigmoid", moe_routed_scaling=2.827, moe_bias_update_rate=0.001,
+        rope_yarn=(32.0, 4096, 1.0, 1.0, 1.0, True), mla_mscale=(0.1 * math.log(32.0) + 1.0) ** 2,
+    ),
+    "minimax-m2": ModelConfig(
+        name="minimax-m2", vocab_size=200064, dim=3072, n_layers=62, n_heads=48, n_kv_heads=8, head_dim=128,
+        ffn_dim=1536, max_seq_len=196608, rope_theta=5e6, norm_eps=1e-6, qk_norm=True, qk_norm_full=True,
+        partial_rotary=0.5, moe_experts=256, moe_topk=8, moe_ffn_dim=1536, moe_score="sigmoid",
+        moe_bias_update_rate=0.001,
+    ),
+})
 
 def get_model_config(name: str, **overrides) -> ModelConfig:
     if name not in MODEL_PRESETS:

@@ -198,10 +198,12 @@ def config_from_hf(path: str) -> ModelConfig:
         head_dim = int(_req(hf, "qk_nope_head_dim", where))  # its head_dim key is the rotary size
     elif mt == "gpt_oss":  # GptOssConfig: head_dim 64 by default, independent of hidden_size
         head_dim = int(hf.get("head_dim") or 64)
+    elif mt in GLM_MINIMAX:  # getattr(config, "head_dim", hidden_size // heads): GLM-4.5's 96·128 > 5120
+        head_dim = int(hf.get("head_dim") or (128 if mt == "minimax_m2" else dim // heads))
     elif hf.get("head_dim") is not None and int(hf["head_dim"]) * heads != dim:
         refuse("head_dim", f"shardwise needs head_dim = hidden_size / num_attention_heads = {dim // heads}")
     # Qwen2 always has q/k/v biases; Llama's and Qwen3's attention_bias also put one on o_proj, which shardwise lacks.
-    if mt not in ("qwen2", "gpt_oss") and hf.get("attention_bias"):
+    if mt not in ("qwen2", "gpt_oss", "glm4_moe") and hf.get("attention_bias"):
         refuse("attention_bias", "only q/k/v biases (model_type qwen2) are supported")
     theta, scaling, yarn, mla_mscale = _rope(hf, where, mt)
     # Qwen3_5MoeTextConfig has no intermediate_size: every layer is MoE (the dense size is the expert's, unused)
@@ -235,6 +237,8 @@ def config_from_hf(path: str) -> ModelConfig:
         _deepseek(mt, hf, kw, where, refuse)
     if mt == "gpt_oss":
         _gpt_oss(hf, kw, where, refuse)
+    if mt in GLM_MINIMAX:
+        _glm_minimax(mt, hf, kw, where, refuse)
     if mt == "kimi_linear":
         _kimi_linear(hf, kw, where, refuse)
     if mt == "mixtral":
@@ -400,6 +404,108 @@ def _deepseek(mt: str, hf: dict, kw: dict, where: str, refuse) -> None:
               moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)), moe_aux_loss_coef=0.0)
 
 
+# ---------------------------------------------------------------- GLM-4.5 / MiniMax-M2 (docs/families-2026.md)
+GLM_MINIMAX = ("glm4_moe", "minimax_m2")
+DEFAULT_THETA.update({"glm4_moe": 10000.0, "minimax_m2": 5e6})
+ARCHITECTURE.update({"glm4_moe": "Glm4MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"})
+
+
+def _partial_rotary(mt: str, hf: dict, head_dim: int) -> float:
+    """The rotary fraction as transformers reads it: rope_parameters' or the top-level partial_rotary_factor
+    (Glm4MoeConfig's default 0.5), or MiniMax-M2's legacy rotary_dim / head_dim."""
+    params = hf.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if factor is None and mt == "minimax_m2" and hf.get("rotary_dim"):
+        factor = int(hf["rotary_dim"]) / head_dim
+    return float(factor if factor is not None else 0.5 if mt == "glm4_moe" else 1.0)
+
+
+def _glm_minimax(mt: str, hf: dict, kw: dict, where: str, refuse) -> None:
+    """Glm4MoeForCausalLM: q/k/v biases (attention_bias), per-head q/k norms (use_qk_norm), partial rotary,
+    first_k_dense_replace dense layers then MoE ones routed as DeepSeek-V3's (sigmoid, e_score_correction_bias for
+    selection, groups by their top-2, renormalised top-k × routed_scaling_factor) with n_shared_experts; no aux loss
+    (transformers computes none). MiniMaxM2ForCausalLM: q/k norms over all heads' width, partial rotary, every layer
+    MoE of intermediate_size, sigmoid top-k renormalised, no shared expert; its load-balancing loss (softmax of the
+    logits) is refused, as is router jitter."""
+    n, rotary = kw["n_layers"], _partial_rotary(mt, hf, kw["head_dim"])
+    kw.update(partial_rotary=rotary, moe_every=1, moe_score="sigmoid", moe_softmax_before_topk=True,
+              moe_aux_loss_coef=0.0, moe_topk=int(_req(hf, "num_experts_per_tok", where)))
+    if mt == "glm4_moe":
+        first = int(hf.get("first_k_dense_replace", 1) or 0)
+        n_group = int(hf.get("n_group") or 1)
+        kw.update(attention_bias=bool(hf.get("attention_bias", False)), qk_norm=bool(hf.get("use_qk_norm", False)),
+                  moe_experts=int(_req(hf, "n_routed_experts", where)),
+                  moe_ffn_dim=int(_req(hf, "moe_intermediate_size", where)),
+                  moe_shared_experts=int(hf.get("n_shared_experts", 1) or 0),
+                  moe_dense_layers=tuple(range(min(first, n))), moe_n_group=n_group,
+                  moe_topk_group=int(hf.get("topk_group") or 1), moe_group_topk=2,
+                  moe_norm_topk=bool(hf.get("norm_topk_prob", True)),
+                  moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)))
+        if not kw["moe_shared_experts"]:
+            refuse("n_shared_experts", "shardwise reads a GLM-4.5 MoE with its shared expert (n_shared_experts >= 1)")
+        return
+    if hf.get("output_router_logits"):
+        refuse("output_router_logits", "MiniMax-M2's load-balancing loss softmaxes its sigmoid router's logits; "
+                                       "train with it off (shardwise's loss-free bias: --moe-bias-update-rate)")
+    if float(hf.get("router_jitter_noise") or 0.0):
+        refuse("router_jitter_noise", "router input jitter is not implemented (valid: 0)")
+    experts_ffn = kw["ffn_dim"]
+    kw.update(qk_norm=True, qk_norm_full=True, moe_experts=int(_req(hf, "num_local_experts", where)),
+              moe_ffn_dim=experts_ffn, moe_shared_experts=0, moe_norm_topk=True)
+
+
+def glm_minimax_type(cfg: ModelConfig) -> str | None:
+    """The model_type an export of `cfg` writes: sigmoid-routed experts without MLA are GLM-4.5's (minimax_m2's
+    with the width q/k norms); None for every other family."""
+    if cfg.is_mla or not cfg.moe_experts or cfg.moe_score != "sigmoid":
+        return None
+    return "minimax_m2" if cfg.qk_norm_full else "glm4_moe"
+
+
+def _glm_minimax_config(cfg: ModelConfig, refuse) -> dict:
+    """config.json of a Glm4MoeForCausalLM or MiniMaxM2ForCausalLM; what neither expresses is refused."""
+    mt = glm_minimax_type(cfg)
+    first = next((i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)), cfg.n_layers)
+    if any(cfg.is_moe_layer(i) != (i >= first) for i in range(cfg.n_layers)):
+        refuse("moe_dense_layers", "GLM-4.5's dense layers are the first first_k_dense_replace ones")
+    checks = [("attention_out_bias", False), ("attention_sinks", False), ("sliding_layers", ()), ("linear_layers", ()),
+              ("attn_output_gate", False), ("rope_scaling", None), ("moe_router_bias", False),
+              ("moe_expert_bias", False), ("moe_swiglu_limit", 0.0), ("moe_shared_gate", False),
+              ("moe_softmax_before_topk", True)]
+    if mt == "minimax_m2":
+        checks += [("attention_bias", False), ("moe_shared_experts", 0), ("moe_n_group", 1), ("moe_norm_topk", True),
+                   ("moe_routed_scaling", 1.0), ("moe_dense_layers", ()), ("tie_embeddings", False)]
+    elif cfg.moe_n_group > 1:
+        checks += [("moe_group_topk", 2)]
+    for field, want in checks:
+        if getattr(cfg, field) != want:
+            refuse(field, f"{ARCHITECTURE[mt]} has {field}={want!r}")
+    if mt == "glm4_moe" and not cfg.moe_shared_experts:
+        refuse("moe_shared_experts", "Glm4MoeForCausalLM's MoE layers have a shared expert")
+    expert = cfg.moe_ffn_dim or cfg.ffn_dim
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.partial_rotary}
+    if cfg.rope_yarn is not None:
+        rope.update(_yarn_json(cfg))
+    out = {"architectures": [ARCHITECTURE[mt]], "model_type": mt, "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.dim, "intermediate_size": expert if mt == "minimax_m2" else cfg.ffn_dim,
+           "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+           "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+           "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+           "partial_rotary_factor": cfg.partial_rotary, "rope_parameters": rope,
+           "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": cfg.attn_dropout,
+           "num_experts_per_tok": cfg.moe_topk, "output_router_logits": False, "torch_dtype": "float32"}
+    if mt == "glm4_moe":
+        out.update(attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm, n_routed_experts=cfg.moe_experts,
+                   moe_intermediate_size=expert, n_shared_experts=cfg.moe_shared_experts, first_k_dense_replace=first,
+                   n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group, norm_topk_prob=cfg.moe_norm_topk,
+                   routed_scaling_factor=cfg.moe_routed_scaling, num_nextn_predict_layers=cfg.mtp_layers)
+    else:
+        out.update(num_local_experts=cfg.moe_experts, rotary_dim=cfg.rope_dim, router_jitter_noise=0.0,
+                   router_aux_loss_coef=0.0, qk_norm_type="per_layer", use_routing_bias=True,
+                   scoring_func="sigmoid")
+    return out
+
+
 # KimiLinearConfig's attribute_map: the names its config.json (Moonshot's and transformers' own) uses → the names
 # the readers here share with DeepSeek-V3.
 _KIMI_KEYS = {"model_max_length": "max_position_embeddings", "moe_renormalize": "norm_topk_prob",
@@ -496,6 +602,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     def refuse(field, why):
         raise ConfigError(f"export: {field}={getattr(cfg, field)!r} has no Hugging Face equivalent: {why}")
 
+    if glm_minimax_type(cfg):
+        return _glm_minimax_config(cfg, refuse)
     bias = getattr(cfg, "attention_bias", False)
     if cfg.qk_norm and bias:
         refuse("attention_bias", "Qwen3 (q/k norms) has no q/k/v-only biases")

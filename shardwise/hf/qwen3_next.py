@@ -32,7 +32,7 @@ def is_family(cfg: ModelConfig) -> bool:
     return cfg.attn_output_gate
 
 
-def _rope_rows(t: torch.Tensor, head_rows: int, rope_dim: int, to_interleaved: bool) -> torch.Tensor:
+def rope_rows(t: torch.Tensor, head_rows: int, rope_dim: int, to_interleaved: bool) -> torch.Tensor:
     """Permute the first `rope_dim` rows of every `head_rows`-row head: HF rotate-half ↔ interleaved pairs."""
     x = t.reshape(-1, head_rows, *t.shape[1:])
     rot, rest = x[:, :rope_dim], x[:, rope_dim:]
@@ -91,13 +91,13 @@ def source(name: str, cfg: ModelConfig, files, offset: float = 1.0
     attn = f"{base}.self_attn"
     if module == "attention.wq":
         hf = f"{attn}.q_proj.weight"
-        return hf, files.shape(hf), lambda f: _rope_rows(whole(hf), 2 * hd, rd, True)
+        return hf, files.shape(hf), lambda f: rope_rows(whole(hf), 2 * hd, rd, True)
     if module == "attention.wk":
         hf = f"{attn}.k_proj.weight"
-        return hf, files.shape(hf), lambda f: _rope_rows(whole(hf), hd, rd, True)
+        return hf, files.shape(hf), lambda f: rope_rows(whole(hf), hd, rd, True)
     if module in ("attention.q_norm", "attention.k_norm"):
         hf = f"{attn}.{module.split('.')[1]}.weight"
-        return hf, files.shape(hf), lambda f: _rope_rows(whole(hf) + offset, hd, rd, True)
+        return hf, files.shape(hf), lambda f: rope_rows(whole(hf) + offset, hd, rd, True)
     return None
 
 
@@ -157,10 +157,10 @@ def export_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, offset: flo
         a = f"{lay}.attention"
         if not cfg.is_linear_layer(i):
             sa = f"{base}.self_attn"
-            out[f"{sa}.q_proj.weight"] = _rope_rows(take(f"{a}.wq.weight"), 2 * hd, rd, False)
-            out[f"{sa}.k_proj.weight"] = _rope_rows(take(f"{a}.wk.weight"), hd, rd, False)
+            out[f"{sa}.q_proj.weight"] = rope_rows(take(f"{a}.wq.weight"), 2 * hd, rd, False)
+            out[f"{sa}.k_proj.weight"] = rope_rows(take(f"{a}.wk.weight"), hd, rd, False)
             for n in ("q_norm", "k_norm"):
-                out[f"{sa}.{n}.weight"] = _rope_rows(take(f"{a}.{n}.weight") - offset, hd, rd, False)
+                out[f"{sa}.{n}.weight"] = rope_rows(take(f"{a}.{n}.weight") - offset, hd, rd, False)
             continue
         la = f"{base}.linear_attn"
         p = {c: take(f"{a}.w{c}.weight") for c in "qkvzba"}

@@ -16,6 +16,8 @@ LENIENT_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "
 STRICT_ONLY = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", *QWEN3_NEXT, *MULTIMODAL,
                "kimi_linear")  # gpt-oss and the linear-attention hybrids: strictly
 """Families with no shape-only reading (their expert and attention layouts need the strict one)."""
+LENIENT_TYPES = LENIENT_TYPES + ("glm4_moe", "minimax_m2")  # GLM-4.5 and MiniMax-M2 (docs/families-2026.md):
+STRICT_ONLY = STRICT_ONLY + ("glm4_moe", "minimax_m2")  # strictly
 # Hugging Face's defaults for max_position_embeddings where a config.json leaves it out.
 _HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768, "qwen3": 32768}
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import kimi_linear as hf_kimi_linear, qwen3_next as hf_qwen3_next
 from ..config import ConfigError, ModelConfig
-from .config import export_config, is_gpt_oss
+from .config import export_config, glm_minimax_type, is_gpt_oss
 from .gpt_oss import EXPERT as GPT_OSS_EXPERT, expert_source, export_tensors as gpt_oss_tensors
 from .multimodal import into_multimodal, is_multimodal, multimodal_config, stored_name, text_view
 from ..pipeline.tied_embedding import tied_name
@@ -159,6 +159,8 @@ class TensorSource:
     offset: int = 0
     head_dim: int = 0
     derive: Callable | None = None
+    rope_dim: int = 0
+    """Rows of each head RoPE rotates (partial rotary: GLM-4.5, MiniMax-M2); 0 = the whole head."""
 
     def read(self, files: WeightFiles, box: tuple[slice, ...]) -> torch.Tensor:
         if self.kind == "derived":
@@ -168,16 +170,21 @@ class TensorSource:
         if self.offset:
             box = (box[0], slice(box[1].start + self.offset, box[1].stop + self.offset), *box[2:])
         t = files.read(self.names[0], box)
-        return to_interleaved(t, self.head_dim) if self.kind == "heads" else t
+        return to_interleaved(t, self.head_dim, self.rope_dim) if self.kind == "heads" else t
 
 
-def to_interleaved(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """HF (rotate_half) → Meta (interleaved pairs) order of the rows of whole heads of q/k (weight or bias)."""
+def to_interleaved(t: torch.Tensor, head_dim: int, rope_dim: int = 0) -> torch.Tensor:
+    """HF (rotate_half) → Meta (interleaved pairs) order of the rows of whole heads of q/k (weight or bias); with
+    partial rotary only each head's first `rope_dim` rows move."""
+    if rope_dim and rope_dim < head_dim:
+        return hf_qwen3_next.rope_rows(t, head_dim, rope_dim, True)
     return t.reshape(-1, 2, head_dim // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def to_rotate_half(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Meta → HF row order: the permutation of HF's convert_llama_weights_to_hf.py."""
+def to_rotate_half(t: torch.Tensor, head_dim: int, rope_dim: int = 0) -> torch.Tensor:
+    """Meta → HF row order: the permutation of HF's convert_llama_weights_to_hf.py (partial: `to_interleaved`'s)."""
+    if rope_dim and rope_dim < head_dim:
+        return hf_qwen3_next.rope_rows(t, head_dim, rope_dim, False)
     return t.reshape(-1, head_dim // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
@@ -245,7 +252,8 @@ def tensor_source(name: str, cfg: ModelConfig, files: WeightFiles) -> TensorSour
     m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))", name)
     if m is None:
         hf, heads = _hf_name(name, cfg)
-        return TensorSource([hf], files.shape(hf), "heads" if heads else "direct", head_dim=cfg.head_dim)
+        return TensorSource([hf], files.shape(hf), "heads" if heads else "direct", head_dim=cfg.head_dim,
+                            rope_dim=cfg.rope_dim)
     i, which = m.group(1), m.group(3)
     legacy = f"model.layers.{i}.block_sparse_moe"
     fused = f"model.layers.{i}.mlp"
@@ -305,6 +313,8 @@ def load_hf_into(model: nn.Module, path: str, mesh=None, mtp_init: str = "checkp
             continue
         m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", _as_layer(name, cfg))
         hf = m and f"model.layers.{m.group(1)}.{'block_sparse_moe' if cfg.kda else 'mlp'}.gate.e_score_correction_bias"
+        if hf and hf not in files:  # MiniMax-M2 keeps it on the MoE block
+            hf = f"model.layers.{m.group(1)}.block_sparse_moe.e_score_correction_bias"
         if hf and hf in files:
             buf.copy_(files.read(hf, (slice(0, buf.shape[0]),)))
             n, nbytes = n + 1, nbytes + buf.numel() * 4
@@ -317,8 +327,10 @@ def _hf_tensors(name: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch
     m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))", name)
     if m is None:
         hf, heads = _hf_name(name, cfg)
-        return {hf: to_rotate_half(t, cfg.head_dim) if heads else t}
-    qwen = cfg.qk_norm or cfg.is_mla  # Qwen3-MoE's / DeepSeek's names (mlp.gate, mlp.experts.{e}.gate_proj)
+        return {hf: to_rotate_half(t, cfg.head_dim, cfg.rope_dim) if heads else t}
+    # Qwen3-MoE's / DeepSeek's / GLM-4.5's names (mlp.gate, mlp.experts.{e}.gate_proj); MiniMax-M2 keeps Mixtral's
+    family = glm_minimax_type(cfg)
+    qwen = (cfg.qk_norm or cfg.is_mla or family == "glm4_moe") and family != "minimax_m2"
     base = f"model.layers.{m.group(1)}.{'mlp' if qwen else 'block_sparse_moe'}"
     if m.group(3) is None:
         return {f"{base}.gate.weight": t}
@@ -380,12 +392,14 @@ def export_hf(source, cfg: ModelConfig, out_dir: str, tokenizer: dict | None = N
         tensors.update({k: v.contiguous().clone() for k, v in _hf_tensors(n, t, cfg).items()})
     if gpt_oss:
         tensors.update({k: v.contiguous().clone() for k, v in gpt_oss_tensors(gpt_oss, cfg).items()})
-    # DeepSeek-V3 keeps the selection bias as e_score_correction_bias (Kimi-Linear's: hf_kimi_linear's export)
-    if cfg.is_mla and cfg.moe_score == "sigmoid" and not cfg.kda:
+    # DeepSeek-V3 and GLM-4.5 keep the selection bias as the gate's e_score_correction_bias, MiniMax-M2 the block's
+    # (Kimi-Linear's: hf_kimi_linear's export)
+    if (cfg.is_mla or glm_minimax_type(cfg)) and cfg.moe_score == "sigmoid" and not cfg.kda:
+        where = "block_sparse_moe" if glm_minimax_type(cfg) == "minimax_m2" else "mlp.gate"
         for n, t in state.items():
             m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.router\.expert_bias", _as_layer(n, cfg))
             if m:
-                tensors[f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"] = t.detach().float().cpu().clone()
+                tensors[f"model.layers.{m.group(1)}.{where}.e_score_correction_bias"] = t.detach().float().cpu().clone()
     for k in range(cfg.mtp_layers):  # DeepSeek's checkpoints also hold each MTP layer's embedding and head
         layer, head = f"model.layers.{cfg.n_layers + k}", "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
         tensors[f"{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()

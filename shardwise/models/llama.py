@@ -23,6 +23,7 @@ from .kimi_delta import KimiDeltaAttention
 from .mla import MLA
 from .mtp import MTPLayer, mtp_forward
 from .params import create, declare, linear_of
+from .qk_norm import WidthNorm
 from .rope import apply_rope, rope_tables
 
 
@@ -57,6 +58,11 @@ class Attention(nn.Module):
         # it to its own heads with no collective (its gradient is partial per rank: summed over TP).
         self.q_norm = RMSNorm(p["q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(p["k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
+        # MiniMax-M2: one norm over all heads' width instead (qk_norm.py), applied before the split into heads
+        self.full_norm = cfg.qk_norm_full
+        if self.full_norm:
+            self.q_norm = WidthNorm(p["q_norm.weight"], cfg.norm_eps, ctx or ParallelContext())
+            self.k_norm = WidthNorm(p["k_norm.weight"], cfg.norm_eps, ctx or ParallelContext())
         self.core = AttentionCore(ctx or ParallelContext(), layer_id, cfg.attn_dropout, window=cfg.window(layer_id))
 
     def forward(self, x, cos, sin, doc_ids=None):
@@ -67,8 +73,10 @@ class Attention(nn.Module):
         if self.gated:
             q, gate = q.view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(b, s, -1)
+        if self.full_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.reshape(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.full_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = partial_rope(q, cos, sin, self.rope_dim).transpose(1, 2)
         k = partial_rope(k, cos, sin, self.rope_dim).transpose(1, 2)

@@ -99,7 +99,8 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     lse = 4 * n * hq if recompute == "none" else 0  # selective recompute of the attention core drops it
     attn = _norm_saved(n_r, h) + mask
     if spec.qk_norm:  # Qwen3's fp32 per-head norms of this rank's q and k heads, on every token of its sequence
-        attn += 8 * n * (hq + hkv) * dk + 4 * n * (hq + hkv)
+        # (MiniMax-M2's width norms: one statistic per token for q and one for k)
+        attn += 8 * n * (hq + hkv) * dk + 4 * n * (2 if spec.qk_norm_full else hq + hkv)
     if spec.is_mla and (c == 1 or recompute == "selective") and not (c == 1 and spec.attn_dropout > 0):
         return attn + _mla_attention_bytes(spec, n, hq, e, r, recompute) + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
     attn += r * n * h if _column_region(spec, lay) else region_input(n, h, 2 if spec.is_mla else 3, e, r)

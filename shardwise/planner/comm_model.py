@@ -123,6 +123,11 @@ def tp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
             led.add("tp", "reduce_scatter", n * h * e, t, exits, k * exits)
         else:
             led.add("tp", "all_reduce", n * h * e, t, exits)
+    if spec.qk_norm_full and t > 1:
+        # MiniMax-M2's width q/k norms (models/qk_norm.py): per attention layer, q's and k's [n, 1] fp32 sums of
+        # squares all-reduced forward and their gradients backward; full recompute repeats the forward pair
+        led.add("tp", "all_reduce", n * 4, t, 4 * (stage.n_dense + stage.n_moe) + 2 * (dense + moe) * (
+            lay.recompute == "full"))
     if stage.head:
         led.add("tp", "all_reduce", n * 4, t)  # CE: MAX of the logits
         led.add("tp", "all_reduce", n * 2 * 4, t)  # CE: SUM of exp-sums and target logits

@@ -131,9 +131,18 @@ def attention(cfg) -> list[Param]:
     out += linear("wk", nkv * hd, h, "col", nkv, bias, kv=True)
     out += linear("wv", nkv * hd, h, "col", nkv, bias, kv=True)
     out += linear("wo", h, nh * hd, "row", nh, cfg.attention_out_bias or lb, "residual")
-    if cfg.qk_norm:
+    if getattr(cfg, "qk_norm_full", False):
+        out += qk_norms_full(cfg)
+    elif cfg.qk_norm:
         out += norm("q_norm", hd, head_partial=True) + norm("k_norm", hd, head_partial=True)
     return out
+
+
+def qk_norms_full(cfg) -> list[Param]:
+    """MiniMax-M2's q/k norms over all heads' width (`models.qk_norm.WidthNorm`): weights split with the heads."""
+    hd = cfg.head_dim
+    return [Param("q_norm.weight", (cfg.n_heads * hd,), "ones", "col", cfg.n_heads),
+            Param("k_norm.weight", (cfg.n_kv_heads * hd,), "ones", "col", cfg.n_kv_heads, kv=True)]
 
 
 def mla(cfg) -> list[Param]:

@@ -68,9 +68,15 @@ class Answers:
         self.ep_rank = 0  # set once the mesh is built
 
     def balanced(self) -> list[int]:
-        """Rows per expert of one rank's n·k assignments, as even as integers allow."""
-        base, extra = divmod(self.rows, self.experts)
-        return [base + (j < extra) for j in range(self.experts)]
+        """Rows per expert of one rank's n·k assignments, as even as integers allow: over the ep ranks first, then
+        over each rank's experts (GLM-4.5's 160 experts on ep 32: every rank still receives the group's mean)."""
+        e_l = self.experts // max(self.ep, 1)
+        base, extra = divmod(self.rows, self.experts // e_l)
+        out = []
+        for r in range(self.experts // e_l):
+            b, x = divmod(base + (r < extra), e_l)
+            out += [b + (j < x) for j in range(e_l)]
+        return out
 
     def routed(self) -> list[int]:
         """Rows per expert every source rank sends: balanced, or under a skew with this rank's experts the hot ones

@@ -111,7 +111,8 @@ def load_source(source: str, device=None):
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in known})
         model = build_model(cfg, Mesh.single(device), seed=0)
-        _load_global(model, ck.load_global_tensors(path))
+        # buffers (the sigmoid routers' selection bias) are saved under their own prefix
+        _load_global(model, ck.load_global_tensors(path) | ck.load_global_tensors(path, prefix="buffer."))
         record = meta.get("extra_state", {}).get("tokenizer") or record_from_run_dir(os.path.dirname(path)) or {}
         return model.eval(), record.get("source"), record.get("eos_id"), "checkpoint", path
     if _is_hf_dir(source):
