@@ -21,6 +21,7 @@ from .context import ParallelContext
 from .gated_deltanet import GatedDeltaNet
 from .mla import MLA
 from .mtp import MTPLayer, mtp_forward
+from .sparse_attention import SparseMLA
 from .params import create, declare, linear_of
 from .rope import apply_rope, rope_tables
 
@@ -119,7 +120,7 @@ class TransformerBlock(nn.Module):
         p = inventory.by_name(inventory.block(cfg, cfg.is_moe_layer(layer_id), cfg.is_linear_layer(layer_id)))
         self.attention_norm = RMSNorm(p["attention_norm.weight"], cfg.norm_eps)
         self.attention = (GatedDeltaNet(cfg, ctx, layer_id) if cfg.is_linear_layer(layer_id) else
-                          MLA(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id))
+                          (SparseMLA if cfg.is_dsa else MLA)(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id))
         self.attn_resid_dropout = Dropout(cfg.dropout, ctx)
         self.ffn_norm = RMSNorm(p["ffn_norm.weight"], cfg.norm_eps)
         self.feed_forward = _moe(cfg, layer_id, ctx) if cfg.is_moe_layer(layer_id) else FeedForward(cfg.dim, cfg.ffn_dim)
