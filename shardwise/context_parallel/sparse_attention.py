@@ -19,11 +19,28 @@ import torch
 from .. import comm
 from .sharding import layout_positions
 
+TAG = "dsa"
+"""The ledger's tag of these gathers (`all_gather:dsa`, `reduce_scatter:dsa` on the cp axis)."""
+
+
+class _GatherKeys(torch.autograd.Function):
+    """forward: all-gather along the sequence (dim 1) over cp / backward: reduce-scatter of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return comm.all_gather(x, axis, 1, tag=TAG)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.reduce_scatter(g.contiguous(), ctx.axis, 1, tag=TAG), None
+
 
 def gather_sequence(x: torch.Tensor, axis, order: str) -> torch.Tensor:
     """[b, s_local, ...] on every cp rank → [b, s, ...] in sequence order. Forward: all-gather over cp; backward:
-    reduce-scatter of the gradient (each rank gets the sum every rank's queries sent its keys)."""
-    gathered = comm.gather_from_sequence(x.contiguous(), axis, 1)  # rank order: each rank's chunks, in turn
-    seq_len = gathered.shape[1]
-    perm = torch.argsort(layout_positions(seq_len, axis.size, order, x.device))
+    reduce-scatter of the gradient (each rank gets the sum of what every rank's queries sent its keys)."""
+    if not axis.active:
+        return x
+    gathered = _GatherKeys.apply(x.contiguous(), axis)  # rank order: each rank's chunks, in turn
+    perm = torch.argsort(layout_positions(gathered.shape[1], axis.size, order, x.device))
     return gathered.index_select(1, perm)
