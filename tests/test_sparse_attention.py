@@ -274,3 +274,32 @@ def test_layout_matches_transformers(models, trained, i, layout):
         assert counted["count"] == 2 * cfg.n_layers * microbatches
         assert counted["bytes"] == cfg.n_layers * microbatches * 2 * (SEQ // cp) * per_token * 4, counted
         assert trained[0][i][2]["reduce_scatter:dsa"]["count"] == cfg.n_layers * microbatches  # the latent's grads
+
+
+def test_planned_flops_equal_flop_counter():
+    """The planner's per-layer FLOPs of a DSA layer (projections, the k-key sparse core, the indexer's forward)
+    equal torch's FlopCounterMode on a real forward, dense and MoE layers, at s below and above k."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise.planner.estimate import layer_flops_per_token
+    from shardwise.planner.models import ModelSpec
+    from shardwise.rules.flops import indexer_flops_per_token
+    from test_model_families import DEEPSEEK
+
+    cfg = dataclasses.replace(DEEPSEEK, name="dsa-tiny", index_topk=8, index_n_heads=4, index_head_dim=16)
+    torch.manual_seed(0)
+    model = plain_model(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    for b, s in ((2, 32), (1, 6)):
+        h = model.tok_embeddings(torch.randint(0, cfg.vocab_size, (b, s)))
+        cos, sin = model.rope(s, "cpu")
+        for i in (0, 1):
+            with FlopCounterMode(display=False) as fc:
+                model.layers[str(i)](h, cos, sin)
+            counted = fc.get_total_flops()
+            if cfg.is_moe_layer(i):  # the routed experts' _grouped_mm has no formula in the counter
+                counted += 3 * 2 * b * s * cfg.moe_topk * cfg.dim * cfg.moe_ffn_dim
+            mm, core = layer_flops_per_token(ModelSpec.of(cfg), cfg.is_moe_layer(i), s)
+            forward_only = 2 / 3 * sum(indexer_flops_per_token(cfg, s))  # the figures carry a third of it
+            assert counted == pytest.approx((mm + core + forward_only) * b * s, rel=1e-12), (i, s)
