@@ -274,6 +274,14 @@ def test_layout_matches_transformers(models, trained, i, layout):
         assert counted["count"] == 2 * cfg.n_layers * microbatches
         assert counted["bytes"] == cfg.n_layers * microbatches * 2 * (SEQ // cp) * per_token * 4, counted
         assert trained[0][i][2]["reduce_scatter:dsa"]["count"] == cfg.n_layers * microbatches  # the latent's grads
+        # the planner predicts every cp byte of every rank (the DSA gathers replace the ring and the all-to-alls)
+        from shardwise.planner import Cluster, estimate, get_gpu
+        from shardwise.planner.layout import from_train_config
+
+        spec, lay, wl = from_train_config(_train_config(path, degrees, global_batch).resolved())
+        est = estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl, detail=True)
+        for r in trained:
+            assert r[i][2] == est["stages"][0]["comm_ops_per_step"]["cp"], (layout, r[i][2])
 
 
 def test_planned_flops_equal_flop_counter():
