@@ -311,3 +311,34 @@ def test_planned_flops_equal_flop_counter():
             mm, core = layer_flops_per_token(ModelSpec.of(cfg), cfg.is_moe_layer(i), s)
             forward_only = 2 / 3 * sum(indexer_flops_per_token(cfg, s))  # the figures carry a third of it
             assert counted == pytest.approx((mm + core + forward_only) * b * s, rel=1e-12), (i, s)
+
+
+def test_planned_activations_equal_saved_tensors():
+    """The planner's activation bytes of a dense DSA block (fp32, one device) equal the unique storages autograd
+    saves in its forward (the shared cos/sin tables aside, as the planner books them per chunk)."""
+    from shardwise.planner.activations import shardwise_layer_activation_bytes
+    from shardwise.planner.layout import from_train_config
+    from test_model_families import DEEPSEEK
+
+    cfg = dataclasses.replace(DEEPSEEK, name="dsa-tiny", index_topk=8, index_n_heads=4, index_head_dim=16)
+    for b, s in ((2, 32), (1, 6)):
+        spec, lay, wl = from_train_config(TrainConfig(model=cfg, seq_len=s, micro_batch=b, global_batch=b,
+                                                      progress=False).resolved())
+        torch.manual_seed(0)
+        model = plain_model(cfg)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        cos, sin = model.rope(s, "cpu")
+        skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), cos, sin)}
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in skip and st.nbytes():
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        h = torch.randn(b, s, cfg.dim, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.layers["0"](h, cos, sin)
+        assert sum(seen.values()) == shardwise_layer_activation_bytes(spec, False, lay, wl), (b, s)

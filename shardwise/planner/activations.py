@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from shardwise.planner import gpt_oss
+from shardwise.planner import gpt_oss, sparse_attention
 from shardwise.planner.linear_attention import mixer_activation_bytes
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_layer_ids, chunk_owners
 from shardwise.planner.models import (
@@ -100,6 +100,10 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     attn = _norm_saved(n_r, h) + mask
     if spec.qk_norm:  # Qwen3's fp32 per-head norms of this rank's q and k heads, on every token of its sequence
         attn += 8 * n * (hq + hkv) * dk + 4 * n * (hq + hkv)
+    if spec.is_dsa:  # DeepSeek Sparse Attention: the latents and the k-key sparse core (planner/sparse_attention.py)
+        attn += region_input(n, h, 2, e, r) + _mla_latent_bytes(spec, n, e) - e * n * spec.kv_lora_rank
+        attn += sparse_attention.attention_bytes(spec, lay.mb, s_loc, wl.seq_len, hq, e, recompute)
+        return attn + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
     if spec.is_mla and (c == 1 or recompute == "selective") and not (c == 1 and spec.attn_dropout > 0):
         return attn + _mla_attention_bytes(spec, n, hq, e, r, recompute) + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
     attn += r * n * h if _column_region(spec, lay) else region_input(n, h, 2 if spec.is_mla else 3, e, r)
