@@ -342,3 +342,21 @@ def test_planned_activations_equal_saved_tensors():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.layers["0"](h, cos, sin)
         assert sum(seen.values()) == shardwise_layer_activation_bytes(spec, False, lay, wl), (b, s)
+
+
+def test_document_mask_selects_within_each_document(models):
+    """Packed documents (--document-mask, --reset-positions): each document's logits are those of the document
+    alone — the indexer selects only keys of the query's own document."""
+    cfg = config_from_hf(models["glm5"])
+    model = plain_model(cfg)
+    hf.load_hf_into(model, models["glm5"])
+    seed = fresh_seed()
+    x = torch.randint(0, cfg.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+    cut = 13  # documents of 13 and 19 tokens: both longer than the top-k
+    doc_ids = (torch.arange(SEQ) >= cut).long().expand(2, -1)
+    pos = torch.cat((torch.arange(cut), torch.arange(SEQ - cut))).expand(2, -1)
+    with torch.no_grad():
+        packed = model(x, doc_ids=doc_ids, positions=pos)
+        for part in (slice(0, cut), slice(cut, SEQ)):
+            torch.testing.assert_close(packed[:, part], model(x[:, part]), rtol=1e-5, atol=2e-5,
+                                       msg=lambda m: f"seed {seed}: {m}")
