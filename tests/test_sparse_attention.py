@@ -114,7 +114,7 @@ def test_single_device_matches_transformers(models, name, monkeypatch):
     cfg = config_from_hf(path)
     assert cfg.is_dsa and cfg.index_topk == TOPK and cfg.index_rope_interleave == (name == "glm5")
     g = torch.Generator().manual_seed(seed)
-    x, y = torch.randint(0, cfg.vocab_size, (2, SEQ), generator=g), torch.randint(0, cfg.vocab_size, (2, SEQ), generator=g)
+    x, y = (torch.randint(0, cfg.vocab_size, (2, SEQ), generator=g) for _ in range(2))
     ref_logits, ref_loss, ref_grads, ref_picked = _hf_run(path, x, y)
 
     picked = []

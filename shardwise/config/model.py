@@ -300,15 +300,15 @@ class ModelConfig:
         if not self.is_dsa and not (self.index_n_heads or self.index_head_dim):
             return
         if not self.is_mla or not self.q_lora_rank:
-            raise ConfigError(f"model {self.name!r}: index_topk={self.index_topk} (DeepSeek Sparse Attention) needs MLA "
-                              "with a query latent (kv_lora_rank > 0, q_lora_rank > 0): the indexer reads the query latent")
+            raise ConfigError(f"model {self.name!r}: index_topk={self.index_topk} (DeepSeek Sparse Attention) needs "
+                              "MLA with a query latent (kv_lora_rank > 0, q_lora_rank > 0): its indexer reads it")
         for f in ("index_topk", "index_n_heads", "index_head_dim"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ConfigError(f"model {self.name!r}: {f}={getattr(self, f)!r} must be a positive integer (the "
                                   "lightning indexer needs it)")
         if self.attn_dropout:
-            raise ConfigError(f"model {self.name!r}: attn_dropout={self.attn_dropout} with DeepSeek Sparse Attention is "
-                              "not supported (the sparse kernel runs without dropout); valid: attn_dropout=0")
+            raise ConfigError(f"model {self.name!r}: attn_dropout={self.attn_dropout} with DeepSeek Sparse Attention "
+                              "is not supported (the sparse kernel runs without dropout); valid: attn_dropout=0")
         if self.index_head_dim < self.qk_rope_dim:
             raise ConfigError(f"model {self.name!r}: index_head_dim={self.index_head_dim} must be >= qk_rope_dim="
                               f"{self.qk_rope_dim} (the indexer rotates its first qk_rope_dim dimensions)")

@@ -119,8 +119,9 @@ class TransformerBlock(nn.Module):
         ctx = ctx or ParallelContext()
         p = inventory.by_name(inventory.block(cfg, cfg.is_moe_layer(layer_id), cfg.is_linear_layer(layer_id)))
         self.attention_norm = RMSNorm(p["attention_norm.weight"], cfg.norm_eps)
+        mla = SparseMLA if cfg.is_dsa else MLA  # DeepSeek Sparse Attention: MLA over each query's top-k keys
         self.attention = (GatedDeltaNet(cfg, ctx, layer_id) if cfg.is_linear_layer(layer_id) else
-                          (SparseMLA if cfg.is_dsa else MLA)(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id))
+                          mla(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id))
         self.attn_resid_dropout = Dropout(cfg.dropout, ctx)
         self.ffn_norm = RMSNorm(p["ffn_norm.weight"], cfg.norm_eps)
         self.feed_forward = _moe(cfg, layer_id, ctx) if cfg.is_moe_layer(layer_id) else FeedForward(cfg.dim, cfg.ffn_dim)

@@ -3,7 +3,7 @@ lightning indexer picks, as transformers' DeepseekV32Attention / GlmMoeDsaAttent
 
 The indexer (`Indexer`): q_h = wq_b(query latent) per indexer head, one key k = LayerNorm(wk x) shared by the heads,
 their first qk_rope_dim dimensions rotated (halves for DeepSeek-V3.2, interleaved pairs for GLM-5); the score of key
-t for query s is I(s, t) = Σ_h w_h(s) · ReLU(q_h(s)·k(t) / √d), with w = weights_proj(x) / √heads, computed in fp32.
+t for query s is I(s, t) = Σ_h w_h(s) · ReLU(q_h(s)·k(t) / √d), w = weights_proj(x) / √heads, computed in fp32.
 Each query keeps the top-k of its causal keys (of its own document under document masking). Ties are broken by
 position, the earlier key first (a stable descending sort), so the choice depends on the scores alone, never on
 how a layout cuts the sequence. transformers runs the indexer under `no_grad`: it gets no gradient from the language

@@ -155,7 +155,7 @@ def mla(cfg) -> list[Param]:
 
 def indexer(cfg) -> list[Param]:
     """DeepSeek Sparse Attention's lightning indexer (`models.sparse_attention.Indexer`), after MLA's own parameters:
-    wq_b [heads·d, q_lora_rank] (from MLA's query latent), wk [d, dim], k_norm (a LayerNorm), weights_proj [heads, dim].
+    wq_b [heads·d, q_lora_rank] (reads MLA's query latent), wk [d, dim], k_norm (LayerNorm), weights_proj [heads, dim].
     Replicated over tp (every rank scores every key: the top-k needs the sum over all indexer heads); transformers
     runs it without gradient, so its gradients are zero unless the indexer's own loss trains it."""
     n, d = cfg.index_n_heads, cfg.index_head_dim
