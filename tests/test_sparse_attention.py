@@ -21,6 +21,7 @@ from shardwise.context_parallel import positions  # noqa: E402
 from shardwise.hf import weights as hf  # noqa: E402
 from shardwise.hf.config import config_from_hf, hf_config  # noqa: E402
 from shardwise.models import sparse_attention  # noqa: E402
+from shardwise.rules import inventory  # noqa: E402
 from shardwise.parallelize import plain_model  # noqa: E402
 from _dist import fresh_seed, global_grads, grad_slices, run_ranks  # noqa: E402
 
@@ -169,7 +170,7 @@ def test_chunked_sparse_attention_equals_one_chunk(monkeypatch):
     valid[..., 0] = True
     outs = []
     for chunk in (1 << 22, 2 * k * h):
-        monkeypatch.setattr(sparse_attention, "GATHER_CHUNK", chunk)
+        monkeypatch.setattr(inventory, "DSA_GATHER_CHUNK", chunk)
         out = sparse_attention.sparse_mla(q_lat, q_rope, latent, idx, valid, 0.3)
         outs.append((out, *torch.autograd.grad(out.square().sum(), (q_lat, q_rope, latent))))
     for a, b_ in zip(*outs):
@@ -333,15 +334,17 @@ def test_planned_flops_equal_flop_counter():
             assert counted == pytest.approx((mm + core + forward_only) * b * s, rel=1e-12), (i, s)
 
 
-def test_planned_activations_equal_saved_tensors():
+def test_planned_activations_equal_saved_tensors(monkeypatch):
     """The planner's activation bytes of a dense DSA block (fp32, one device) equal the unique storages autograd
-    saves in its forward (the shared cos/sin tables aside, as the planner books them per chunk)."""
+    saves in its forward (the shared cos/sin tables aside, as the planner books them per chunk): the core in one
+    query chunk, and cut into chunks (each recomputed in backward)."""
     from shardwise.planner.activations import shardwise_layer_activation_bytes
     from shardwise.planner.layout import from_train_config
     from test_model_families import DEEPSEEK
 
     cfg = dataclasses.replace(DEEPSEEK, name="dsa-tiny", index_topk=8, index_n_heads=4, index_head_dim=16)
-    for b, s in ((2, 32), (1, 6)):
+    for b, s, chunk in ((2, 32, 1 << 26), (1, 6, 1 << 26), (2, 32, 2048)):
+        monkeypatch.setattr(inventory, "DSA_GATHER_CHUNK", chunk)
         spec, lay, wl = from_train_config(TrainConfig(model=cfg, seq_len=s, micro_batch=b, global_batch=b,
                                                       progress=False).resolved())
         torch.manual_seed(0)
@@ -361,7 +364,7 @@ def test_planned_activations_equal_saved_tensors():
         h = torch.randn(b, s, cfg.dim, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.layers["0"](h, cos, sin)
-        assert sum(seen.values()) == shardwise_layer_activation_bytes(spec, False, lay, wl), (b, s)
+        assert sum(seen.values()) == shardwise_layer_activation_bytes(spec, False, lay, wl), (b, s, chunk)
 
 
 def test_document_mask_selects_within_each_document(models):

@@ -29,9 +29,8 @@ from .mla import MLA
 from .params import create, linear_of
 from .rope import apply_rope
 
-GATHER_CHUNK = 1 << 22
-"""Elements of the gathered latents (and of the indexer's per-head scores) per query chunk: the transient of one
-chunk, whatever the sequence length; chunks are recomputed in backward, not stored."""
+SCORE_CHUNK = 1 << 24
+"""Elements of the indexer's fp32 per-head scores [rows, heads, keys] per query chunk (no gradient: a transient)."""
 
 
 class LayerNorm(nn.Module):
@@ -100,7 +99,8 @@ def select(scores, q_pos, topk: int, q_doc=None, k_doc=None):
     if q_doc is not None:
         masked = masked | (q_doc.unsqueeze(-1) != k_doc.unsqueeze(1))
     scores = scores.masked_fill(masked, float("-inf"))
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :min(topk, t)]
+    # contiguous: a view would keep the whole [b, s, t] int64 sort alive for backward
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :min(topk, t)].contiguous()
     return order, ~masked.expand_as(scores).gather(-1, order)
 
 
@@ -111,7 +111,7 @@ def sparse_mla(q_lat, q_rope, latent, idx, valid, scale: float, report=None):
     normalised c and rotated k_rope); idx / valid [b, s, k]. Returns the latent output [b, h, s, r]."""
     b, h, s, r = q_lat.shape
     k, dim = idx.shape[-1], latent.shape[-1]
-    rows = max(1, GATHER_CHUNK // max(1, b * k * max(dim, h)))
+    rows = inventory.dsa_query_rows(b, k, dim, h)  # several chunks: each recomputed in backward, not stored
     outs = []
     for i in range(0, s, rows):
         j = min(s, i + rows)
@@ -185,7 +185,7 @@ class SparseMLA(MLA):
     def _select(self, iq, iw, ik, q_pos, q_doc, k_doc):
         """Top-k keys of every query, in query chunks that bound the [chunk, heads, keys] fp32 scores."""
         b, s, h = iw.shape
-        rows = max(1, (1 << 24) // max(1, b * h * ik.shape[1]))
+        rows = max(1, SCORE_CHUNK // max(1, b * h * ik.shape[1]))
         parts = [select(self.indexer.scores(iq[:, i:i + rows], iw[:, i:i + rows], ik), q_pos[i:i + rows], self.topk,
                         None if q_doc is None else q_doc[:, i:i + rows], k_doc) for i in range(0, s, rows)]
         return tuple(torch.cat(t, dim=1) for t in zip(*parts)) if len(parts) > 1 else parts[0]

@@ -2,6 +2,8 @@
 `context_parallel/sparse_attention.py` move under context parallelism (the FLOPs are `rules.flops`')."""
 from __future__ import annotations
 
+from shardwise.rules import inventory
+
 
 def cp_comm(led, spec, lay, wl, layers: int, again: int) -> None:
     """Per microbatch, each DSA layer under cp (either --cp-impl): forward one all-gather of this rank's MLA latents
@@ -25,15 +27,16 @@ def attention_bytes(spec, mb: int, s_loc: int, seq_len: int, hq: int, e: int, re
     the sparse core's inputs and outputs — the latents of all `seq_len` keys (gather keeps its source; under cp the
     gathered sequence, plus the int64 permutation into sequence order), the k selected latents of each query, the
     int64 indices and the bool mask, the per-head query [W_ukᵀq_nope | q_rope], the fp32 softmax, the latent output
-    — and wo's input. The indexer runs without gradient: it saves nothing. Selective recompute keeps the core's
-    inputs instead (q_lat, the rotated q_rope, the latents, indices, mask). Under bf16 the einsums' bf16 copies of
-    W_uk and W_uv and the softmax's bf16 copy come on top."""
+    — and wo's input. The indexer runs without gradient: it saves nothing. Selective recompute, or a core cut into
+    several query chunks (`inventory.dsa_query_rows`), keeps the core's inputs instead (q_lat, the rotated q_rope, the
+    latents, indices, mask). Under bf16 the einsums' bf16 copies of W_uk and W_uv and the softmax's bf16 copy come
+    on top."""
     n, k = mb * s_loc, min(spec.index_topk, seq_len)
     r, rope, qk = spec.kv_lora_rank, spec.qk_rope_dim, spec.head_dim + spec.qk_rope_dim
     out = e * n * hq * qk + e * mb * seq_len * (r + rope) + 8 * n * k + n * k + e * n * hq * (r + spec.v_head_dim)
     out += 8 * seq_len if seq_len > s_loc else 0  # cp: index_select's permutation into sequence order
     casts = e * hq * r * (spec.head_dim + spec.v_head_dim) if e != 4 else 0
-    if recompute == "selective":
-        return out + e * n * hq * rope + casts
+    if recompute == "selective" or inventory.dsa_query_rows(mb, k, r + rope, hq) < s_loc:
+        return out + e * n * hq * (r + rope) + casts
     out += e * n * k * (r + rope) + e * n * hq * (r + rope) + 4 * n * hq * k
     return out + casts + (e * n * hq * k if e != 4 else 0)

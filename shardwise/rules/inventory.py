@@ -153,6 +153,18 @@ def mla(cfg) -> list[Param]:
     return out + (_prefixed("indexer", indexer(cfg)) if getattr(cfg, "index_topk", 0) else [])
 
 
+DSA_GATHER_CHUNK = 1 << 26
+"""Elements of the selected latents (or of the per-head logits) one query chunk of DeepSeek Sparse Attention's core
+gathers (runtime: `models.sparse_attention`; planner: its saved tensors): with several chunks each is recomputed in
+backward instead of stored."""
+
+
+def dsa_query_rows(batch: int, keys: int, width: int, heads: int) -> int:
+    """Queries per chunk of the sparse core: `batch` sequences, `keys` selected per query, latents `width` wide,
+    `heads` local query heads."""
+    return max(1, DSA_GATHER_CHUNK // max(1, batch * keys * max(width, heads)))
+
+
 def indexer(cfg) -> list[Param]:
     """DeepSeek Sparse Attention's lightning indexer (`models.sparse_attention.Indexer`), after MLA's own parameters:
     wq_b [heads·d, q_lora_rank] (reads MLA's query latent), wk [d, dim], k_norm (LayerNorm), weights_proj [heads, dim].
