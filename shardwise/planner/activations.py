@@ -314,6 +314,9 @@ def _cast_terms(spec: ModelSpec, moe: bool, linear: bool, t: int, ep: int, regio
         if region and not spec.is_mla:  # MLA enters by Megatron's f instead: its projections stay plain linears
             hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
             cast -= h * spec.head_dim * (hq * (2 if spec.attn_output_gate else 1) + 2 * hkv)
+        if spec.is_dsa:  # the indexer runs without gradient: autocast's copies of its weights are not saved
+            cast -= (spec.q_lora_rank * spec.index_n_heads * spec.index_head_dim
+                     + h * (spec.index_head_dim + spec.index_n_heads))
         out["MLA wq_a, wq_b, wkv_a, wkv_b, wo" if spec.is_mla else "attention wq, wk, wv, wo"] = cast
     mlp = Params.of(mlp_tensors(spec, moe, t, ep))
     if not moe:

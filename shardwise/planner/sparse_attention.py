@@ -29,14 +29,13 @@ def attention_bytes(spec, mb: int, s_loc: int, seq_len: int, hq: int, e: int, re
     int64 indices and the bool mask, the per-head query [W_ukᵀq_nope | q_rope], the fp32 softmax, the latent output
     — and wo's input. The indexer runs without gradient: it saves nothing. Selective recompute, or a core cut into
     several query chunks (`inventory.dsa_query_rows`), keeps the core's inputs instead (q_lat, the rotated q_rope, the
-    latents, indices, mask). Under bf16 the einsums' bf16 copies of W_uk and W_uv and the softmax's bf16 copy come
-    on top."""
+    latents, indices, mask). Under bf16 the softmax's bf16 copy comes on top (the einsums' bf16 copies of W_uk and
+    W_uv are wkv_b's cast, which `layer_cast_terms` counts as for MLA)."""
     n, k = mb * s_loc, min(spec.index_topk, seq_len)
     r, rope, qk = spec.kv_lora_rank, spec.qk_rope_dim, spec.head_dim + spec.qk_rope_dim
     out = e * n * hq * qk + e * mb * seq_len * (r + rope) + 8 * n * k + n * k + e * n * hq * (r + spec.v_head_dim)
     out += 8 * seq_len if seq_len > s_loc else 0  # cp: index_select's permutation into sequence order
-    casts = e * hq * r * (spec.head_dim + spec.v_head_dim) if e != 4 else 0
     if recompute == "selective" or inventory.dsa_query_rows(mb, k, r + rope, hq) < s_loc:
-        return out + e * n * hq * (r + rope) + casts
+        return out + e * n * hq * (r + rope)
     out += e * n * k * (r + rope) + e * n * hq * (r + rope) + 4 * n * hq * k
-    return out + casts + (e * n * hq * k if e != 4 else 0)
+    return out + (e * n * hq * k if e != 4 else 0)
