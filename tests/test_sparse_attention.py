@@ -404,3 +404,24 @@ def test_verify_passes_on_mixed_layouts():
             cfg(pp=2, dp=2, ep=2, recompute="full"), cfg(cp=2, dp=2, cp_impl="ulysses")]
     for c, result in zip(cfgs, run_ranks(4, verify_all, cfgs, timeout_s=300)[0]):
         assert result["passed"] and result["first_step_grad_rel_diff"] < 1e-5, (seed, c.parallel, result)
+
+
+@pytest.mark.slow
+def test_simulate_equals_the_plan_in_bf16(tmp_path, capsys):
+    """`shardwise simulate` (fake tensors) of a bf16 dp2×tp2×cp2×ep2 DSA run: static and activation bytes equal the
+    plan's, every axis's comm bytes too (the cp gathers), the peak within simulate's bound."""
+    import json
+
+    from shardwise.cli import main
+    from test_model_families import DEEPSEEK
+
+    cfg = dataclasses.replace(DEEPSEEK, index_topk=8, index_n_heads=4, index_head_dim=16, moe_bias_update_rate=0.0)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg)))
+    rc = main(["simulate", "--model-config", str(tmp_path / "config.json"), "--dtype", "bf16", "--seq-len", "64",
+               "--micro-batch", "2", "--global-batch", "8", "--tp", "2", "--cp", "2", "--dp", "2", "--ep", "2",
+               "--ranks", "0", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and report["passed"], report
+    rank = report["ranks"][0]
+    for key in ("static_bytes", "activation_bytes"):
+        assert rank[key]["measured"] == rank[key]["planned"], (key, rank[key])
