@@ -144,6 +144,15 @@ class ModelConfig:
     keys as wide) instead of Gated DeltaNet; the other layers may be MLA."""
     mla_nope: bool = False
     """MLA without RoPE (Kimi-Linear): the shared key part of qk_rope_dim is kept but not rotated."""
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer picks each query's top-k keys for MLA.
+    index_topk: int = 0
+    """Keys each query's sparse MLA attends (HF index_topk: the indexer's top-k over the causal keys); 0 = dense MLA."""
+    index_n_heads: int = 0
+    """Lightning-indexer heads (index_n_heads): ReLU(q_h·k) summed over heads with per-token weights."""
+    index_head_dim: int = 0
+    """Lightning-indexer head size (index_head_dim); its first qk_rope_dim dimensions are rotated."""
+    index_rope_interleave: bool = False
+    """The indexer's RoPE rotates interleaved pairs (GLM-5) instead of halves (DeepSeek-V3.2)."""
 
     def __post_init__(self):
         # head_dim 0 means "derived": resolve it, and remember so overrides of dim / n_heads re-derive it.
@@ -256,6 +265,7 @@ class ModelConfig:
         if self.qk_norm_full and (not self.qk_norm or self.is_mla):
             raise ConfigError(f"model {self.name!r}: qk_norm_full needs qk_norm on a GQA model (MiniMax-M2's norms "
                               "over all heads' width)")
+        self._validate_dsa()
 
     def _validate_gpt_oss(self) -> None:
         if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
@@ -299,6 +309,35 @@ class ModelConfig:
         if self.is_mla and not self.kda:
             raise ConfigError(f"model {self.name!r}: Gated DeltaNet layers with MLA are not supported")
 
+    @property
+    def is_dsa(self) -> bool:
+        """MLA with DeepSeek Sparse Attention (a lightning indexer in every attention layer)."""
+        return self.index_topk > 0
+
+    def _validate_dsa(self) -> None:
+        if not self.is_dsa and not (self.index_n_heads or self.index_head_dim):
+            return
+        if not self.is_mla or not self.q_lora_rank:
+            raise ConfigError(f"model {self.name!r}: index_topk={self.index_topk} (DeepSeek Sparse Attention) needs "
+                              "MLA with a query latent (kv_lora_rank > 0, q_lora_rank > 0): its indexer reads it")
+        for f in ("index_topk", "index_n_heads", "index_head_dim"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ConfigError(f"model {self.name!r}: {f}={getattr(self, f)!r} must be a positive integer (the "
+                                  "lightning indexer needs it)")
+        if self.attn_dropout:
+            raise ConfigError(f"model {self.name!r}: attn_dropout={self.attn_dropout} with DeepSeek Sparse Attention "
+                              "is not supported (the sparse kernel runs without dropout); valid: attn_dropout=0")
+        if self.index_head_dim < self.qk_rope_dim:
+            raise ConfigError(f"model {self.name!r}: index_head_dim={self.index_head_dim} must be >= qk_rope_dim="
+                              f"{self.qk_rope_dim} (the indexer rotates its first qk_rope_dim dimensions)")
+
+    def indexer_params(self) -> int:
+        """Parameters of one lightning indexer: wq_b, wk, k_norm (LayerNorm: weight and bias), weights_proj."""
+        if not self.is_dsa:
+            return 0
+        n, d = self.index_n_heads, self.index_head_dim
+        return self.q_lora_rank * n * d + self.dim * d + 2 * d + self.dim * n
+
     def num_params(self) -> int:
         """Total parameter count (embedding and LM head counted once each unless tied)."""
         h, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -321,6 +360,7 @@ class ModelConfig:
         mlps += len(self.linear_layers) * (self.linear_params() - attn)
         emb = self.vocab_size * h
         mtp = self.mtp_layers * (3 * h + 2 * h * h)  # enorm, hnorm, shared_head.norm, eh_proj; embedding/head shared
+        attn += self.indexer_params()  # DeepSeek Sparse Attention: every MLA layer's lightning indexer
         return len(blocks) * (attn + 2 * h) + mlps + mtp + h + emb * (1 if self.tie_embeddings else 2)
 
     def linear_params(self) -> int:
@@ -476,6 +516,23 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         moe_ffn_dim=1024, moe_shared_experts=1, moe_dense_layers=(0,), moe_score="sigmoid", moe_routed_scaling=2.446,
     ),
 }
+
+# DeepSeek Sparse Attention presets (models/sparse_attention.py). deepseek-ai/DeepSeek-V3.2 config.json: DeepSeek-V3's
+# shapes (and YaRN) plus a lightning indexer per layer: 64 heads of 128, top-2048 keys, half-split indexer RoPE.
+# zai-org/GLM-5 config.json: 78 layers of width 6144, MLA with 64 heads (q/k 192 + 64 rotary, v 256, query latent
+# 2048), 3 dense layers then 256 sigmoid-routed experts top-8 (one group, renormalised, × 2.5) with one shared
+# expert, vocabulary 154880, plain RoPE θ 1e6, rms_norm_eps 1e-5; indexer 32 heads of 128, top-2048, interleaved RoPE.
+MODEL_PRESETS.update({
+    "deepseek-v3.2": dataclasses.replace(MODEL_PRESETS["deepseek-v3"], name="deepseek-v3.2", index_topk=2048,
+                                         index_n_heads=64, index_head_dim=128),
+    "glm-5": ModelConfig(
+        name="glm-5", vocab_size=154880, dim=6144, n_layers=78, n_heads=64, n_kv_heads=64, head_dim=192,
+        ffn_dim=12288, max_seq_len=202752, rope_theta=1e6, norm_eps=1e-5, q_lora_rank=2048, kv_lora_rank=512,
+        qk_rope_dim=64, v_head_dim=256, moe_experts=256, moe_topk=8, moe_ffn_dim=2048, moe_shared_experts=1,
+        moe_dense_layers=(0, 1, 2), moe_score="sigmoid", moe_n_group=1, moe_topk_group=1, moe_routed_scaling=2.5,
+        moe_bias_update_rate=0.001, index_topk=2048, index_n_heads=32, index_head_dim=128, index_rope_interleave=True,
+    ),
+})
 
 
 

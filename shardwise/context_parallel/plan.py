@@ -9,6 +9,7 @@ import torch
 
 from . import kernels
 from . import linear_attention
+from . import sparse_attention
 from .ring_attention import ring_attention
 from .sharding import positions, shard_sequence
 from .ulysses import ulysses_attention
@@ -45,6 +46,10 @@ class ContextParallel:
     def delta_rule(self, q, k, v, g, beta, doc_ids=None) -> torch.Tensor:
         """Gated DeltaNet's recurrence over this rank's tokens, from the state the earlier chunks leave."""
         return linear_attention.delta_rule(q, k, v, g, beta, self.axis, self.order, doc_ids)
+
+    def gather_sequence(self, x) -> torch.Tensor:
+        """Every rank's tokens of x [b, s_local, ...] in sequence order (DeepSeek Sparse Attention's keys)."""
+        return sparse_attention.gather_sequence(x, self.axis, self.order)
 
     def record_padding(self, what: str, head: int, to: int) -> None:
         """The caller zero-padded a head to one size before `attend` (summary.json reports it)."""

@@ -30,6 +30,10 @@ QWEN3_NEXT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # Gated DeltaNe
 MULTIMODAL_ARCHITECTURE = {"qwen3_5": "Qwen3_5ForConditionalGeneration",
                            "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 QWEN3 = ("qwen3", "qwen3_moe", *QWEN3_NEXT)  # per-head q/k RMSNorm, explicit head_dim
+# DeepSeek Sparse Attention: DeepSeek-V3's architecture plus a lightning indexer per layer (models/sparse_attention.py)
+DSA = ("deepseek_v32", "glm_moe_dsa")
+DEFAULT_THETA.update({"deepseek_v32": 10000.0, "glm_moe_dsa": 10000.0})
+ARCHITECTURE.update({"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"})
 # ModelConfig fields that newer shardwise versions add; a config needing a missing one is refused.
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
@@ -194,7 +198,7 @@ def config_from_hf(path: str) -> ModelConfig:
         types = hf.get("layer_types")
         if mt not in QWEN3_NEXT and types and any(t != "full_attention" for t in types):
             refuse("layer_types", "only full_attention layers are supported")
-    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_linear"):
+    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_linear", *DSA):
         head_dim = int(_req(hf, "qk_nope_head_dim", where))  # its head_dim key is the rotary size
     elif mt == "gpt_oss":  # GptOssConfig: head_dim 64 by default, independent of hidden_size
         head_dim = int(hf.get("head_dim") or 64)
@@ -222,7 +226,7 @@ def config_from_hf(path: str) -> ModelConfig:
         kw["rope_scaling"] = scaling
     if yarn is not None:
         kw["rope_yarn"] = yarn
-        if mt in ("deepseek_v2", "deepseek_v3"):  # only DeepSeek's attention scales its softmax by mscale²
+        if mt in ("deepseek_v2", "deepseek_v3", *DSA):  # only DeepSeek's attention scales its softmax by mscale²
             kw["mla_mscale"] = mla_mscale
     if mt == "qwen2":
         if "attention_bias" not in _FIELDS:
@@ -235,6 +239,8 @@ def config_from_hf(path: str) -> ModelConfig:
         _qwen3_next(mt, hf, kw, refuse)
     if mt in ("deepseek_v2", "deepseek_v3"):
         _deepseek(mt, hf, kw, where, refuse)
+    if mt in DSA:
+        _dsa(mt, hf, kw, where, refuse)
     if mt == "gpt_oss":
         _gpt_oss(hf, kw, where, refuse)
     if mt in GLM_MINIMAX:
@@ -293,6 +299,41 @@ def _gpt_oss(hf: dict, kw: dict, where: str, refuse) -> None:
               moe_softmax_before_topk=False, moe_score="softmax", moe_router_bias=True, moe_expert_bias=True,
               moe_swiglu_limit=float(hf.get("swiglu_limit", 7.0)), moe_swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
               moe_aux_loss_coef=coef, moe_aux_loss_scope="model")
+
+
+def _dsa(mt: str, hf: dict, kw: dict, where: str, refuse) -> None:
+    """DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM: DeepSeek-V3's MLA and sigmoid-routed experts (the query latent
+    always on; dense layers as mlp_layer_types lists them, else the first first_k_dense_replace), every layer's
+    lightning indexer: index_n_heads of index_head_dim, index_topk keys, RoPE on halves (V3.2) or interleaved (GLM).
+    GLM's "shared" layers, which reuse an earlier layer's top-k, are refused."""
+    _deepseek("deepseek_v3", {k: v for k, v in hf.items() if k != "rope_interleave"}, kw, where, refuse)
+    types = hf.get("mlp_layer_types")
+    if types is not None:
+        if len(types) != kw["n_layers"] or any(t not in ("dense", "sparse") for t in types):
+            refuse("mlp_layer_types", f"need {kw['n_layers']} entries, each dense or sparse")
+        kw["moe_dense_layers"] = tuple(i for i, t in enumerate(types) if t == "dense")
+    if any(t != "full" for t in hf.get("indexer_types") or []):
+        refuse("indexer_types", "only 'full' layers (each runs its own indexer) are supported")
+    if not kw["q_lora_rank"]:
+        refuse("q_lora_rank", "DeepSeek Sparse Attention's indexer reads the query latent")
+    kw.update(index_topk=int(hf.get("index_topk", 2048)), index_n_heads=int(hf.get("index_n_heads", 64)),
+              index_head_dim=int(hf.get("index_head_dim", 128)), index_rope_interleave=mt == "glm_moe_dsa")
+
+
+def _dsa_config(cfg: ModelConfig, refuse) -> dict:
+    """config.json of a DeepseekV32ForCausalLM (indexer RoPE on halves) or GlmMoeDsaForCausalLM (interleaved)."""
+    out = _deepseek_config(cfg, refuse)
+    if out["model_type"] != "deepseek_v3" or not cfg.q_lora_rank:
+        refuse("moe_score", "DeepSeek Sparse Attention models route with sigmoid scores and have a query latent")
+    mt = "glm_moe_dsa" if cfg.index_rope_interleave else "deepseek_v32"
+    for k in ("rope_interleave", "topk_method", "scoring_func"):  # not fields of these classes
+        out.pop(k, None)
+    out.update(architectures=[ARCHITECTURE[mt]], model_type=mt, index_topk=cfg.index_topk,
+               index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim,
+               mlp_layer_types=["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.n_layers)])
+    if mt == "glm_moe_dsa":
+        out["indexer_types"] = ["full"] * cfg.n_layers
+    return out
 
 
 def is_gpt_oss(cfg: ModelConfig) -> bool:
@@ -609,6 +650,8 @@ def hf_config(cfg: ModelConfig) -> dict:
         refuse("attention_bias", "Qwen3 (q/k norms) has no q/k/v-only biases")
     if cfg.kda:
         return _kimi_linear_config(cfg, refuse)
+    if cfg.is_dsa:
+        return _dsa_config(cfg, refuse)
     if cfg.is_mla:
         return _deepseek_config(cfg, refuse)
     if is_gpt_oss(cfg):

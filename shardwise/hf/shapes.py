@@ -8,7 +8,7 @@ import dataclasses
 import os
 
 from ..config import ConfigError
-from .config import MULTIMODAL, QWEN3_NEXT, SUPPORTED, config_file, config_from_hf, read_hf_config
+from .config import DSA, MULTIMODAL, QWEN3_NEXT, SUPPORTED, config_file, config_from_hf, read_hf_config
 
 LENIENT_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt2", "gpt_oss",
                  "deepseek_v2", *QWEN3_NEXT, *MULTIMODAL, "kimi_linear")
@@ -18,6 +18,8 @@ STRICT_ONLY = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", *QWEN3_NEXT
 """Families with no shape-only reading (their expert and attention layouts need the strict one)."""
 LENIENT_TYPES = LENIENT_TYPES + ("glm4_moe", "minimax_m2")  # GLM-4.5 and MiniMax-M2 (docs/families-2026.md):
 STRICT_ONLY = STRICT_ONLY + ("glm4_moe", "minimax_m2")  # strictly
+LENIENT_TYPES += DSA  # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): strictly, like DeepSeek-V3
+STRICT_ONLY += DSA
 # Hugging Face's defaults for max_position_embeddings where a config.json leaves it out.
 _HF_MAX_POS = {"llama": 2048, "mistral": 32768, "mixtral": 32768, "qwen2": 32768, "qwen3": 32768}
 

@@ -203,6 +203,9 @@ _LAYER = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layer
           "feed_forward.shared.w2": "mlp.shared_experts.down_proj"}
 
 
+# DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5)
+_LAYER.update({f"attention.indexer.{n}": f"self_attn.indexer.{n}" for n in ("wq_b", "wk", "k_norm", "weights_proj")})
+
 _EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 

@@ -22,6 +22,7 @@ from .gated_deltanet import GatedDeltaNet
 from .kimi_delta import KimiDeltaAttention
 from .mla import MLA
 from .mtp import MTPLayer, mtp_forward
+from .sparse_attention import SparseMLA
 from .params import create, declare, linear_of
 from .qk_norm import WidthNorm
 from .rope import apply_rope, rope_tables
@@ -128,8 +129,9 @@ class TransformerBlock(nn.Module):
         p = inventory.by_name(inventory.block(cfg, cfg.is_moe_layer(layer_id), cfg.is_linear_layer(layer_id)))
         self.attention_norm = RMSNorm(p["attention_norm.weight"], cfg.norm_eps)
         linear = KimiDeltaAttention if cfg.kda else GatedDeltaNet
+        mla = SparseMLA if cfg.is_dsa else MLA  # DeepSeek Sparse Attention: MLA over each query's top-k keys
         self.attention = (linear(cfg, ctx, layer_id) if cfg.is_linear_layer(layer_id) else
-                          MLA(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id))
+                          mla(cfg, RMSNorm, ctx, layer_id) if cfg.is_mla else Attention(cfg, ctx, layer_id))
         self.attn_resid_dropout = Dropout(cfg.dropout, ctx)
         self.ffn_norm = RMSNorm(p["ffn_norm.weight"], cfg.norm_eps)
         self.feed_forward = _moe(cfg, layer_id, ctx) if cfg.is_moe_layer(layer_id) else FeedForward(cfg.dim, cfg.ffn_dim)

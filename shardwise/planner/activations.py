@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from shardwise.planner import gpt_oss, moe_skew
+from shardwise.planner import gpt_oss, moe_skew, sparse_attention
 from shardwise.planner.linear_attention import mixer_activation_bytes
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_layer_ids, chunk_owners
 from shardwise.planner.models import (
@@ -101,6 +101,10 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
     if spec.qk_norm:  # Qwen3's fp32 per-head norms of this rank's q and k heads, on every token of its sequence
         # (MiniMax-M2's width norms: one statistic per token for q and one for k)
         attn += 8 * n * (hq + hkv) * dk + 4 * n * (2 if spec.qk_norm_full else hq + hkv)
+    if spec.is_dsa:  # DeepSeek Sparse Attention: the latents and the k-key sparse core (planner/sparse_attention.py)
+        attn += region_input(n, h, 2, e, r) + _mla_latent_bytes(spec, n, e) - e * n * spec.kv_lora_rank
+        attn += sparse_attention.attention_bytes(spec, lay.mb, s_loc, wl.seq_len, hq, e, recompute)
+        return attn + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
     if spec.is_mla and (c == 1 or recompute == "selective") and not (c == 1 and spec.attn_dropout > 0):
         return attn + _mla_attention_bytes(spec, n, hq, e, r, recompute) + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
     attn += r * n * h if _column_region(spec, lay) else region_input(n, h, 2 if spec.is_mla else 3, e, r)
@@ -313,6 +317,9 @@ def _cast_terms(spec: ModelSpec, moe: bool, linear: bool, t: int, ep: int, regio
         if region and not spec.is_mla:  # MLA enters by Megatron's f instead: its projections stay plain linears
             hq, hkv = spec.n_heads // t, local_kv_heads(spec, t)
             cast -= h * spec.head_dim * (hq * (2 if spec.attn_output_gate else 1) + 2 * hkv)
+        if spec.is_dsa:  # the indexer runs without gradient: autocast's copies of its weights are not saved
+            cast -= (spec.q_lora_rank * spec.index_n_heads * spec.index_head_dim
+                     + h * (spec.index_head_dim + spec.index_n_heads))
         out["MLA wq_a, wq_b, wkv_a, wkv_b, wo" if spec.is_mla else "attention wq, wk, wv, wo"] = cast
     mlp = Params.of(mlp_tensors(spec, moe, t, ep))
     if not moe:

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 from shardwise.rules.buckets import cut_runs
 from shardwise.rules.wire import wire_bytes
-from shardwise.planner import gpt_oss, linear_attention, moe_skew
+from shardwise.planner import gpt_oss, linear_attention, moe_skew, sparse_attention
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, recomputed_layer_ids, stage_layer_ids
 from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BYTES_GRAD, stage_tensors, stage_unit_entries, zero_buckets
@@ -251,6 +251,10 @@ def cp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
         return
     linear, linear_again = linear_attention.held_layers(stage, lay)  # Gated DeltaNet: its state maps, no ring
     linear_attention.cp_comm(led, spec, lay, wl, linear, linear_again if lay.recompute == "full" else 0)
+    if spec.is_dsa:  # DeepSeek Sparse Attention gathers latents and indexer keys instead of a ring or all-to-all
+        full_again = sum(stage.recompute_split(lay)[0]) if lay.recompute == "full" else 0
+        sparse_attention.cp_comm(led, spec, lay, wl, stage.n_layers, full_again)
+        return
     if lay.cp_impl == "ulysses":
         ulysses_microbatch(led, spec, stage, lay, wl)
         return

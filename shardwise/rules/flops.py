@@ -4,7 +4,8 @@ uses (`training.observe`) and the planner's step time starts from.
 Narayanan et al. 2021 (SC'21, §5.1) generalised from GPT's 24h² matmul FLOPs per token and layer to the model's
 real projections (GQA, SwiGLU, MoE routed + shared experts, MLA, Gated DeltaNet): forward = 2 × matmul weights a
 token passes through + the attention core (4·s·h for full attention, no causal discount, as in the paper; a sliding
-window's min(W, s) keys) + 2·h·V for the LM head; backward is twice the forward. Model FLOPs exclude recomputation;
+window's min(W, s) keys; DeepSeek Sparse Attention's min(k, s) selected keys, plus its indexer's forward) + 2·h·V
+for the LM head; backward is twice the forward. Model FLOPs exclude recomputation;
 hardware FLOPs add the attention core (selective) or every layer's forward (full) once more.
 
 The config is read duck-typed (a trainer `ModelConfig` or the planner's `ModelSpec`: GPT-2's GELU MLP, 2 matrices,
@@ -58,7 +59,29 @@ def layer_flops_per_token(cfg, moe: bool, seq_len: int, tp: int = 1, sp: bool = 
     else:
         mlp = mlp_mats(cfg) * h * (cfg.ffn_dim // tp)
     core = 2.0 * seq_len * hq * (k_dim(cfg) + v_dim(cfg))
+    if getattr(cfg, "index_topk", 0):  # DeepSeek Sparse Attention: k keys per query, and the indexer
+        core = sparse_core_flops_per_token(cfg, seq_len, tp)
+        proj, score = indexer_flops_per_token(cfg, seq_len)
+        return 2.0 * (attn + mlp) + proj / 3, core + score / 3
     return 2.0 * (attn + mlp), core
+
+
+def sparse_core_flops_per_token(cfg, seq_len: int, tp: int = 1) -> float:
+    """DeepSeek Sparse Attention's core per token on one tp rank, as `models.sparse_attention` runs it in MLA's
+    absorbed form: each head's logits over its min(k, s) selected latents (kv_lora_rank + qk_rope_dim) and the
+    weighted sum of their latents (kv_lora_rank). (The absorption itself, W_ukᵀq and W_uv·o, is wkv_b's count.)"""
+    keys = min(cfg.index_topk, seq_len)
+    return 2.0 * keys * (cfg.n_heads // tp) * (2 * cfg.kv_lora_rank + cfg.qk_rope_dim)
+
+
+def indexer_flops_per_token(cfg, seq_len: int) -> tuple[float, float]:
+    """(projections, scores) forward FLOPs per token of one lightning indexer on every tp rank (replicated): wq_b,
+    wk, weights_proj, then each head's q·k over all s keys (no causal discount, like the dense core) and the
+    weighted sum over heads. It runs forward only (no gradient), so `layer_flops_per_token` adds a third of it to
+    figures that count backward as twice the forward."""
+    n, d = cfg.index_n_heads, cfg.index_head_dim
+    proj = 2.0 * (cfg.q_lora_rank * n * d + cfg.dim * d + cfg.dim * n)
+    return proj, 2.0 * seq_len * n * (d + 1)
 
 
 def linear_flops_per_token(cfg, seq_len: int, tp: int = 1) -> tuple[float, float]:

@@ -158,7 +158,30 @@ def mla(cfg) -> list[Param]:
     out += linear("wkv_a", cfg.kv_lora_rank + cfg.qk_rope_dim, h, head_partial=True)
     out += norm("kv_a_norm", cfg.kv_lora_rank, head_partial=True)
     out += linear("wkv_b", nh * (cfg.head_dim + cfg.v_head_dim), cfg.kv_lora_rank, "col", nh)
-    return out + linear("wo", h, nh * cfg.v_head_dim, "row", nh, init="residual")
+    out += linear("wo", h, nh * cfg.v_head_dim, "row", nh, init="residual")
+    return out + (_prefixed("indexer", indexer(cfg)) if getattr(cfg, "index_topk", 0) else [])
+
+
+DSA_GATHER_CHUNK = 1 << 26
+"""Elements of the selected latents (or of the per-head logits) one query chunk of DeepSeek Sparse Attention's core
+gathers (runtime: `models.sparse_attention`; planner: its saved tensors): with several chunks each is recomputed in
+backward instead of stored."""
+
+
+def dsa_query_rows(batch: int, keys: int, width: int, heads: int) -> int:
+    """Queries per chunk of the sparse core: `batch` sequences, `keys` selected per query, latents `width` wide,
+    `heads` local query heads."""
+    return max(1, DSA_GATHER_CHUNK // max(1, batch * keys * max(width, heads)))
+
+
+def indexer(cfg) -> list[Param]:
+    """DeepSeek Sparse Attention's lightning indexer (`models.sparse_attention.Indexer`), after MLA's own parameters:
+    wq_b [heads·d, q_lora_rank] (reads MLA's query latent), wk [d, dim], k_norm (LayerNorm), weights_proj [heads, dim].
+    Replicated over tp (every rank scores every key: the top-k needs the sum over all indexer heads); transformers
+    runs it without gradient, so its gradients are zero unless the indexer's own loss trains it."""
+    n, d = cfg.index_n_heads, cfg.index_head_dim
+    return (linear("wq_b", n * d, cfg.q_lora_rank) + linear("wk", d, cfg.dim) + norm("k_norm", d, layernorm=True)
+            + linear("weights_proj", n, cfg.dim))
 
 
 def gated_deltanet(cfg) -> list[Param]:
