@@ -1,0 +1,77 @@
+"""`--fp8 RECIPE`: which linear layers run in FP8, and how each one's operands are split over the mesh.
+
+FP8: every linear of attention (GQA, gated, MLA, Gated DeltaNet projections), of dense MLPs and of the MoE's shared
+and routed experts, in every transformer block (MTP modules' too). High precision: the embedding, the LM head, the
+norms, the router (and Qwen3-Next's shared-expert gate), attention's core and MTP's projection.
+
+A layer's `LinearLayout` names the axes that split its logical x, W and g, so each scale is taken over the tensor the
+single device scales. The single device's microbatch holds every dp rank's microbatch (verify's reference), so a
+scale over the tokens spans dp×cp (`dp_cp`); a column-parallel layer's input is whole over TP after its region entry
+(the SP all-gather), its W rows and g columns split over tp; a row-parallel layer's x and W columns split over tp.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ..expert_parallel.experts import GroupedExperts
+from ..expert_parallel.moe import MoE
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, get_spec
+from .linear import Fp8Config, LinearLayout, fp8_linear
+from .recipes import recipe
+
+
+class Float8Linear(nn.Linear):
+    """An nn.Linear (a replicated projection: MLA's down-projections, the shared experts) whose GEMMs run in FP8;
+    its parameters and state dict are the nn.Linear's."""
+
+    fp8: Fp8Config
+
+    def forward(self, x):
+        return fp8_linear(self.fp8, x, self.weight, self.bias)
+
+
+def _tokens(mesh, parallel, own_tokens: bool) -> dict:
+    """The token split of a block's linears: sequences over dp, rows over cp (and over tp under SP where the layer
+    reads this rank's own sequence shard, `own_tokens`: the MoE's flattened rows)."""
+    sp = parallel.sequence_parallel and mesh["tp"].active
+    if own_tokens:  # rows [tokens, f] flattened by the MoE: one "sequence" of every rank's tokens
+        axes = (mesh["dp_cp"], mesh["tp"]) if sp else (mesh["dp_cp"],)
+        return dict(seq=axes, rows_all=axes, seq_global=0)
+    return dict(batch=(mesh["dp"],), seq=(mesh["cp"],), rows_all=(mesh["dp_cp"],),
+                seq_chunks=2 if mesh["cp"].active and parallel.cp_order == "balanced" else 1)
+
+
+def layer_layout(layer: nn.Module, mesh, parallel, own_tokens: bool = False) -> LinearLayout:
+    """The split of `layer`'s x, W and g, read from its weight's ShardSpec."""
+    spec = get_spec(layer.weight)
+    out_g, in_g = spec.global_shape
+    tp = (mesh["tp"],)
+    return LinearLayout(**_tokens(mesh, parallel, own_tokens), in_=tp if spec.dim == 1 else (), in_global=in_g,
+                        out=tp if spec.dim == 0 else (), out_global=out_g)
+
+
+def apply_fp8(model: nn.Module, mesh, parallel, name: str) -> int:
+    """Mark every FP8 linear of `model`'s blocks with its `Fp8Config`; returns how many layers (an expert group counts
+    once)."""
+    from ..parallelize import all_blocks
+
+    rec, count = recipe(name), 0
+    for block in all_blocks(model):
+        moe = block.feed_forward if isinstance(block.feed_forward, MoE) else None
+        for part in (block.attention, block.feed_forward):
+            for m in part.modules():
+                if moe is not None and (m is moe.router or m is getattr(moe, "shared_gate", None)):
+                    continue
+                if isinstance(m, GroupedExperts):
+                    axes = (mesh["edp"], mesh["tp"]) if parallel.sequence_parallel and mesh["tp"].active \
+                        else (mesh["edp"],)
+                    m.fp8 = Fp8Config(rec, LinearLayout(seq=axes, rows_all=axes, seq_global=0))
+                elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                    m.fp8 = Fp8Config(rec, layer_layout(m, mesh, parallel, own_tokens=part is moe))
+                elif type(m) is nn.Linear:
+                    m.__class__ = Float8Linear
+                    m.fp8 = Fp8Config(rec, layer_layout(m, mesh, parallel, own_tokens=part is moe))
+                else:
+                    continue
+                count += 1
+    return count
