@@ -50,12 +50,32 @@ def layer_layout(layer: nn.Module, mesh, parallel, own_tokens: bool = False) -> 
                         out=tp if spec.dim == 0 else (), out_global=out_g)
 
 
+def check_tiles(name: str, layer: nn.Module, cfg: Fp8Config) -> None:
+    """A recipe's feature tiles must lie within one TP rank's part of a split dimension, or span the whole of it."""
+    from ..config import ConfigError
+
+    spec = get_spec(layer.weight)
+    if spec.dim is None:
+        return
+    n, total = layer.weight.shape[spec.dim], spec.global_shape[spec.dim]
+    if n == total:  # not split here (tp 1, or a replicated K/V head)
+        return
+    for cast in cfg.recipe.casts:
+        for block in cast.block:
+            if block not in (None, 1) and block < total and n % block:
+                raise ConfigError(f"--fp8 {cfg.recipe.name}: {name} holds {n} of its {total} "
+                                  f"{'rows' if spec.dim == 0 else 'columns'} per TP rank, which cuts its "
+                                  f"{block}-element scale blocks; use tensorwise or rowwise, or a TP degree that "
+                                  f"keeps whole blocks")
+
+
 def apply_fp8(model: nn.Module, mesh, parallel, name: str) -> int:
     """Mark every FP8 linear of `model`'s blocks with its `Fp8Config`; returns how many layers (an expert group counts
     once)."""
     from ..parallelize import all_blocks
 
     rec, count = recipe(name), 0
+    names = {id(m): n for n, m in model.named_modules()}
     for block in all_blocks(model):
         moe = block.feed_forward if isinstance(block.feed_forward, MoE) else None
         for part in (block.attention, block.feed_forward):
@@ -68,6 +88,7 @@ def apply_fp8(model: nn.Module, mesh, parallel, name: str) -> int:
                     m.fp8 = Fp8Config(rec, LinearLayout(seq=axes, rows_all=axes, seq_global=0))
                 elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                     m.fp8 = Fp8Config(rec, layer_layout(m, mesh, parallel, own_tokens=part is moe))
+                    check_tiles(names[id(m)], m, m.fp8)
                 elif type(m) is nn.Linear:
                     m.__class__ = Float8Linear
                     m.fp8 = Fp8Config(rec, layer_layout(m, mesh, parallel, own_tokens=part is moe))
