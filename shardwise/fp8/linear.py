@@ -77,7 +77,7 @@ def gemm(a: Quantized, ta: bool, ca: Cast, b: Quantized, tb: bool, cb: Cast) -> 
     their columns (the contraction)."""
     da, fa, sa = _matrix(a, ta)
     db, fb, sb = _matrix(b, tb)
-    kind = scaled_mm_kind(ca, cb)
+    kind = scaled_mm_kind(ca, cb, ta, tb)
     if kind is not None and da.shape[0] and db.shape[0] and da.shape[1] and use_scaled_mm(da.device):
         if da.device.type == "cpu" or all(n % 16 == 0 for n in (*da.shape, db.shape[0])):
             if kind == "tensor":

@@ -83,13 +83,15 @@ def recipe(name: str) -> Recipe:
     return _recipe(name)
 
 
-def scaled_mm_kind(a: Cast, b: Cast) -> str | None:
-    """Which `torch._scaled_mm` form runs a GEMM of operands cast as `a` (left, blocks along its cols) and `b`
-    (right operand's transpose, blocks along its cols): 'tensor' or 'row'; None: the GEMM is emulated."""
+def scaled_mm_kind(a: Cast, b: Cast, ta: bool = False, tb: bool = False) -> str | None:
+    """Which `torch._scaled_mm` form runs A Bᵀ, A and B cast as `a` and `b` on their stored matrices and used
+    transposed where `ta`/`tb`: 'tensor' (one scale each), 'row' (one per row of A and of B, i.e. per line along the
+    contraction); None: the GEMM is emulated."""
     if a.e8m0 or b.e8m0:
         return None
-    if a.block == b.block == (None, None):
+    ba, bb = a.block[::-1] if ta else a.block, b.block[::-1] if tb else b.block
+    if ba == bb == (None, None):
         return "tensor"
-    if a.block == b.block == (1, None):
+    if ba == bb == (1, None):
         return "row"
     return None
