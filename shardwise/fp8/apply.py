@@ -13,11 +13,21 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..expert_parallel.experts import GroupedExperts
-from ..expert_parallel.moe import MoE
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, get_spec
 from .linear import Fp8Config, LinearLayout, fp8_linear
 from .recipes import recipe
+
+# The layers are told apart by what they declare, not imported (the TP layers and the experts import this package):
+# a layer with an `fp8` attribute runs its GEMMs through it — the TP linears, and the expert group (`n_local`).
+
+
+def _global_shape(p) -> tuple[int, int]:
+    spec = getattr(p, "_sw_shard", None)  # tensor_parallel.layers.ShardSpec
+    return tuple(spec.global_shape) if spec is not None else tuple(p.shape)
+
+
+def _split_dim(p) -> int | None:
+    spec = getattr(p, "_sw_shard", None)
+    return None if spec is None else spec.dim
 
 
 class Float8Linear(nn.Linear):
@@ -43,56 +53,52 @@ def _tokens(mesh, parallel, own_tokens: bool) -> dict:
 
 def layer_layout(layer: nn.Module, mesh, parallel, own_tokens: bool = False) -> LinearLayout:
     """The split of `layer`'s x, W and g, read from its weight's ShardSpec."""
-    spec = get_spec(layer.weight)
-    out_g, in_g = spec.global_shape
-    tp = (mesh["tp"],)
-    return LinearLayout(**_tokens(mesh, parallel, own_tokens), in_=tp if spec.dim == 1 else (), in_global=in_g,
-                        out=tp if spec.dim == 0 else (), out_global=out_g)
+    out_g, in_g = _global_shape(layer.weight)
+    dim, tp = _split_dim(layer.weight), (mesh["tp"],)
+    return LinearLayout(**_tokens(mesh, parallel, own_tokens), in_=tp if dim == 1 else (), in_global=in_g,
+                        out=tp if dim == 0 else (), out_global=out_g)
 
 
 def check_tiles(name: str, layer: nn.Module, cfg: Fp8Config) -> None:
     """A recipe's feature tiles must lie within one TP rank's part of a split dimension, or span the whole of it."""
     from ..config import ConfigError
 
-    spec = get_spec(layer.weight)
-    if spec.dim is None:
+    dim = _split_dim(layer.weight)
+    if dim is None:
         return
-    n, total = layer.weight.shape[spec.dim], spec.global_shape[spec.dim]
+    n, total = layer.weight.shape[dim], _global_shape(layer.weight)[dim]
     if n == total:  # not split here (tp 1, or a replicated K/V head)
         return
     for cast in cfg.recipe.casts:
         for block in cast.block:
             if block not in (None, 1) and block < total and n % block:
                 raise ConfigError(f"--fp8 {cfg.recipe.name}: {name} holds {n} of its {total} "
-                                  f"{'rows' if spec.dim == 0 else 'columns'} per TP rank, which cuts its "
+                                  f"{'rows' if dim == 0 else 'columns'} per TP rank, which cuts its "
                                   f"{block}-element scale blocks; use tensorwise or rowwise, or a TP degree that "
                                   f"keeps whole blocks")
 
 
-def apply_fp8(model: nn.Module, mesh, parallel, name: str) -> int:
-    """Mark every FP8 linear of `model`'s blocks with its `Fp8Config`; returns how many layers (an expert group counts
-    once)."""
-    from ..parallelize import all_blocks
-
+def apply_fp8(blocks: list[nn.Module], mesh, parallel, name: str) -> int:
+    """Mark every FP8 linear of the transformer `blocks` (parallelize's `all_blocks`) with its `Fp8Config`; returns
+    how many layers (an expert group counts once)."""
     rec, count = recipe(name), 0
-    names = {id(m): n for n, m in model.named_modules()}
-    for block in all_blocks(model):
-        moe = block.feed_forward if isinstance(block.feed_forward, MoE) else None
-        for part in (block.attention, block.feed_forward):
+    for b, block in enumerate(blocks):
+        ffn = block.feed_forward
+        moe = ffn if hasattr(ffn, "router") else None
+        high = {id(getattr(moe, "router", None)), id(getattr(moe, "shared_gate", None))}
+        for part in (block.attention, ffn):
+            names = {id(m): n for n, m in part.named_modules()}
             for m in part.modules():
-                if moe is not None and (m is moe.router or m is getattr(moe, "shared_gate", None)):
+                if id(m) in high or (type(m) is not nn.Linear and not hasattr(m, "fp8")):
                     continue
-                if isinstance(m, GroupedExperts):
+                if hasattr(m, "n_local"):  # the routed experts: rows of each expert over edp (and tp under SP)
                     axes = (mesh["edp"], mesh["tp"]) if parallel.sequence_parallel and mesh["tp"].active \
                         else (mesh["edp"],)
                     m.fp8 = Fp8Config(rec, LinearLayout(seq=axes, rows_all=axes, seq_global=0))
-                elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-                    m.fp8 = Fp8Config(rec, layer_layout(m, mesh, parallel, own_tokens=part is moe))
-                    check_tiles(names[id(m)], m, m.fp8)
-                elif type(m) is nn.Linear:
-                    m.__class__ = Float8Linear
-                    m.fp8 = Fp8Config(rec, layer_layout(m, mesh, parallel, own_tokens=part is moe))
                 else:
-                    continue
+                    if type(m) is nn.Linear:
+                        m.__class__ = Float8Linear
+                    m.fp8 = Fp8Config(rec, layer_layout(m, mesh, parallel, own_tokens=part is moe))
+                    check_tiles(f"block {b}'s {names[id(m)]}", m, m.fp8)
                 count += 1
     return count
