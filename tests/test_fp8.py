@@ -37,7 +37,8 @@ def test_scaled_mm_equals_emulation(name):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     r = recipe(name)
-    x, w, dy = torch.randn(2, 24, 64, generator=g), torch.randn(48, 64, generator=g), torch.randn(2, 24, 48, generator=g)
+    x, w = torch.randn(2, 24, 64, generator=g), torch.randn(48, 64, generator=g)
+    dy = torch.randn(2, 24, 48, generator=g)
     qx, qw, qg_d, qw_d, qg_w, qx_w = quantize_all([(as3d(x), r.x, Layout()), (as3d(w), r.w, Layout()),
                                                    (as3d(dy), r.g_dgrad, Layout()), (as3d(w), r.w_dgrad, Layout()),
                                                    (as3d(dy), r.g_wgrad, Layout()), (as3d(x), r.x_wgrad, Layout())])
@@ -165,8 +166,8 @@ def test_cli_exits_2_with_one_line(capsys):
 
     code = main(["train", "--fp8", "rowwise", "--tp", "2", "--sequence-parallel", "--tp-overlap", "--print-config"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == ["shardwise train: error: --fp8 rowwise does not run with --tp-overlap yet; drop one "
-                                 "of them"], err
+    said = "shardwise train: error: --fp8 rowwise does not run with --tp-overlap yet; drop one of them"
+    assert code == 2 and err == [said], err
 
 
 def test_which_layers():
@@ -190,8 +191,8 @@ def test_which_layers():
 
 # ---------------------------------------------------------------- two ranks: the layers
 def _layer_checks(seed: int) -> list[str]:
-    """Inside 2 ranks: every recipe's linear under tp2 (column→row, with and without SP), with its tokens split over cp
-    (balanced order) and over dp, and an expert group over edp, against fp8_linear on the whole tensors."""
+    """Inside 2 ranks: every recipe's linear under tp2 (column→row, with and without SP), with its tokens split over
+    cp (balanced order) and over dp, and an expert group over edp, against fp8_linear on the whole tensors."""
     from shardwise import comm
     from shardwise.fp8.apply import layer_layout
     from shardwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, get_spec
@@ -213,7 +214,8 @@ def _layer_checks(seed: int) -> list[str]:
         tp = tp_mesh["tp"]
         for sp in (False, True):
             par = ParallelConfig(tp=2, sequence_parallel=sp)
-            col, row = ColumnParallelLinear(h, f, tp, sequence_parallel=sp), RowParallelLinear(f, h, tp, sequence_parallel=sp)
+            col = ColumnParallelLinear(h, f, tp, sequence_parallel=sp)
+            row = RowParallelLinear(f, h, tp, sequence_parallel=sp)
             with torch.no_grad():
                 col.weight.copy_(get_spec(col.weight).local_slice(w1))
                 row.weight.copy_(get_spec(row.weight).local_slice(w2))
@@ -254,7 +256,8 @@ def _layer_checks(seed: int) -> list[str]:
         torch.autograd.backward(ref_y, dys)
         half = [t.shape[0] // 2 for t in rows]
         pick = (lambda t, k: t[:k]) if edp.rank == 0 else (lambda t, k: t[k:])
-        my_x, my_w = [pick(t, k).clone().requires_grad_() for t, k in zip(rows, half)], [t.clone().requires_grad_() for t in ws]
+        my_x = [pick(t, k).clone().requires_grad_() for t, k in zip(rows, half)]
+        my_w = [t.clone().requires_grad_() for t in ws]
         lay = LinearLayout(seq=(edp,), rows_all=(edp,), seq_global=0)
         my_y = fp8_linears(Fp8Config(r.recipe, lay), my_x, my_w, [None] * 3)
         torch.autograd.backward(my_y, [pick(d, k) for d, k in zip(dys, half)])

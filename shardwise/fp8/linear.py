@@ -57,7 +57,8 @@ def _matrix(q: Quantized, transpose: bool = False) -> tuple[torch.Tensor, torch.
     B, S, C = q.data.shape
     data, full = q.data.reshape(B * S, C), q.scale_full().reshape(B * S, C)
     br, bc = q.blocks
-    compact = q.scale.expand(B, -1, -1).reshape(-1, q.scale.shape[-1]) if br == 1 else q.scale.reshape(-1, q.scale.shape[-1])
+    scale = q.scale.expand(B, -1, -1) if br == 1 else q.scale  # per row: one scale per row of every sequence
+    compact = scale.reshape(-1, q.scale.shape[-1])
     if transpose:
         return data.t(), full.t(), compact.t()
     return data, full, compact
@@ -121,8 +122,10 @@ class _Fp8Linears(torch.autograd.Function):
         xs, ws, bs, n, r, lay = ctx.saved_tensors, ctx.ws, ctx.bs, ctx.n, ctx.cfg.recipe, ctx.cfg.layout
         gs = [g if g is not None else x.new_zeros((*x.shape[:-1], w.shape[0])) for g, x, w in zip(gs, xs, ws)]
         with torch.autocast(xs[0].device.type, enabled=False):
-            qs = quantize_all([(as3d(g), r.g_dgrad, lay.g()) for g in gs] + [(as3d(w), r.w_dgrad, lay.w()) for w in ws]
-                              + [(as3d(g), r.g_wgrad, lay.g()) for g in gs] + [(as3d(x), r.x_wgrad, lay.x()) for x in xs])
+            qs = quantize_all([(as3d(g), r.g_dgrad, lay.g()) for g in gs]
+                              + [(as3d(w), r.w_dgrad, lay.w()) for w in ws]
+                              + [(as3d(g), r.g_wgrad, lay.g()) for g in gs]
+                              + [(as3d(x), r.x_wgrad, lay.x()) for x in xs])
             dxs, dws, dbs = [], [], []
             for i, (x, w, b, g) in enumerate(zip(xs, ws, bs, gs)):
                 dx = gemm(qs[i], False, r.g_dgrad, qs[n + i], True, r.w_dgrad)  # g W: W's columns contract over out

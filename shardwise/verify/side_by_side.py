@@ -19,7 +19,7 @@ def fp8_twin(cfg: TrainConfig, device, tokens=None):
     gen = torch.Generator().manual_seed(cfg.seed)
     with torch.no_grad():
         for p in twin.model.parameters():
-            up = (torch.rand(p.shape, generator=gen, device="cpu") < 0.5).to(p.device)  # a CPU generator: one draw anywhere
+            up = (torch.rand(p.shape, generator=gen, device="cpu") < 0.5).to(p.device)  # CPU generator
             p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf)))
     return twin
 
