@@ -68,6 +68,10 @@ def parallelize(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     apply_cp(model, mesh, p)
     apply_pp(model, mesh, p, schedule, act_dtype)
     init_weights(model, mesh, p, seed)
+    if train is not None and train.fp8:  # the linears' GEMMs in FP8, each scale over its logical tensor
+        from .fp8.apply import apply_fp8
+
+        apply_fp8(all_blocks(model), mesh, p, train.fp8)
     if p.compile:
         apply_compile(model)
     apply_recompute(model, p.recompute, p.recompute_layers, compiled=p.compile)

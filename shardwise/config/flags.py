@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass
 
 from ..rules.hf_types import model_types
-from ..rules.validation import CP_IMPLS, RECOMPUTE, ZERO_STAGES
+from ..rules.validation import CP_IMPLS, FP8_RECIPES, RECOMPUTE, ZERO_STAGES
 from .schedule import LR_SCHEDULES, parse_betas
 
 GIVEN = "given_flags"
@@ -178,6 +178,8 @@ RUN_FLAGS: tuple[Flag, ...] = (
          "muon_qk_clip", metavar="TAU", group=OPTIM),
     Flag("--seed", "model initialisation, data order and dropout", "seed"),
     Flag("--dtype", "fp32 or bf16 (autocast; fp32 master weights)", "dtype"),
+    Flag("--fp8", "FP8 GEMMs for the linears of attention, MLPs and experts (dynamic scales; docs/fp8.md)", "fp8",
+         type=str, default=None, choices=FP8_RECIPES, metavar="RECIPE"),
     Flag("--fp32-residual", "under bf16: keep the residual stream fp32 (default off)", "fp32_residual", kind="toggle"),
     Flag("--grad-reduce-dtype", "DP gradient reduction dtype: fp32 or bf16", "grad_reduce_dtype"),
     Flag("--no-overlap-grad-reduce", "ZeRO 0/1: reduce gradients after backward instead of overlapping with it",

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 from ..rules.partition import ORDERS, check_seq_len, split_layers
 from ..rules.schedules import SCHEDULE_NAMES, build_schedule
 from ..rules.validation import (
-    CP_IMPLS, RECOMPUTE, REST, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, heads_tp_problem, hsdp_zero_problem,
-    rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
+    CP_IMPLS, FP8_RECIPES, RECOMPUTE, REST, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, fp8_cp_problem,
+    heads_tp_problem, hsdp_zero_problem, rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
 )
 from .errors import ConfigError
 from .schedule import validate_optim
@@ -82,6 +82,9 @@ class TrainConfig:
     """fp32 or bf16 (bf16 autocast for matmuls; master weights and optimizer state stay fp32)."""
     fp32_residual: bool = False
     """Under bf16: keep the residual stream (and so the SP/PP/EP payloads) fp32; default bf16, as Megatron."""
+    fp8: str | None = None
+    """FP8 GEMMs for the linears of attention, MLPs and experts: tensorwise, rowwise, blockwise or mxfp8 (docs/fp8.md);
+    None: off."""
     grad_reduce_dtype: str = "fp32"
     """Dtype of the DP gradient reduction: fp32, or bf16 (bucket cast for the collective, accumulated in fp32)."""
     overlap_grad_reduce: bool = True
@@ -413,8 +416,22 @@ class TrainConfig:
         if self.attention_mask not in ("causal", "document"):
             raise ConfigError(f"--attention-mask {self.attention_mask!r} is unknown; valid: causal, document")
         self._validate_observability()
+        if self.fp8 is not None:
+            self._validate_fp8(p)
         if self.eos_id is not None and (not isinstance(self.eos_id, int) or not 0 <= self.eos_id < m.vocab_size):
             raise ConfigError(f"eos id {self.eos_id!r} must be a token id in [0, {m.vocab_size})")
+
+    def _validate_fp8(self, p: ParallelConfig) -> None:
+        if self.fp8 not in FP8_RECIPES:
+            raise ConfigError(f"--fp8 {self.fp8!r} is unknown; valid: {', '.join(FP8_RECIPES)}")
+        if p.tp_overlap:
+            raise ConfigError(f"--fp8 {self.fp8} does not run with --tp-overlap yet; drop one of them")
+        if p.pp > 1 and p.schedule in ("zb", "dualpipev"):
+            raise ConfigError(f"--fp8 {self.fp8} does not defer weight gradients yet: --schedule {p.schedule} needs "
+                              "that; use 1f1b, interleaved or gpipe")
+        problem = fp8_cp_problem(self.fp8, self.seq_len, p.cp, p.cp_order == "balanced")
+        if problem:
+            raise ConfigError(f"--fp8 {self.fp8} with --cp {p.cp} and --seq-len {self.seq_len} {problem}")
 
     def _validate_experts(self, m: ModelConfig) -> None:
         p = self.parallel

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import wrap_torch_function
 
+from ..fp8.experts import fp8_experts
 from ..models.params import declare
 from ..rules.inventory import Param, experts
 from ..tensor_parallel.layers import ShardSpec, set_spec
@@ -75,6 +76,7 @@ class GroupedExperts(nn.Module):
         for e in experts(n_experts, dim, ffn_dim, bias):  # w1, w3, w2, then the biases
             setattr(self, e.name, _expert_param(e, self.n_local, self.first, replicas, device, dtype))
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        self.fp8 = None  # an Fp8Config under --fp8 (shardwise/fp8/apply.py): per-expert FP8 GEMMs
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up; with `swiglu_limit` gpt-oss's clamped form (min(up, ±limit) + 1) · g·σ(α·g), g = min(gate,
@@ -93,6 +95,8 @@ class GroupedExperts(nn.Module):
         copied from a host list — that copy would block."""
         if len(counts) != self.n_local or sum(counts) != rows.shape[0]:
             raise ValueError(f"counts {counts} do not describe {rows.shape[0]} rows over {self.n_local} experts")
+        if self.fp8 is not None:
+            return fp8_experts(self, rows, counts)
         dtype = compute_dtype(rows)
         w1, w3, w2 = (w if w.dtype == dtype else w.to(dtype) for w in (self.w1, self.w3, self.w2))
         use = self.grouped_mm

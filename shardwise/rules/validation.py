@@ -12,6 +12,19 @@ REST = -1
 CP_IMPLS = ("ring", "ulysses")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+FP8_TOKEN_TILE = {"blockwise": 128, "mxfp8": 32}
+"""Rows of the weight-gradient GEMM's token tiles per FP8 recipe (tensorwise and rowwise scale over all tokens)."""
+
+
+def fp8_cp_problem(recipe: str, seq_len: int, cp: int, balanced: bool) -> str | None:
+    """A recipe's token tiles must not cut across CP ranks: each rank's parts of a sequence hold whole tiles, or one
+    tile spans the whole sequence."""
+    tile = FP8_TOKEN_TILE.get(recipe)
+    part = seq_len // (cp * (2 if balanced else 1))
+    if tile is None or cp == 1 or tile >= seq_len or part % tile == 0:
+        return None
+    return f"cuts its {tile}-token tiles across cp ranks ({part} tokens per part)"
 
 
 def rest_of_world(world: int, pp: int, cp: int, tp: int) -> int | None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm, host
+from ..fp8.linear import fp8_linear
 from .grad_store import linear, weight_grads
 from .fused import joined, split_weight_grads
 from .overlap import gather_column, row_scatter
@@ -110,6 +111,7 @@ class ColumnParallelLinear(nn.Module):
         self.grad_store = None  # a WeightGradStore when a split-backward pipeline schedule defers dW
         self.region = None  # a ColumnRegion when siblings share this layer's input (see below)
         self.overlap = False
+        self.fp8 = None  # an Fp8Config under --fp8 (shardwise/fp8/apply.py): the GEMMs run in FP8
         start, length = rows if rows is not None else split_range(out_features, axis)
         self.weight = _sharded_param((out_features, in_features), 0, start, length, replicas, grad_reduce, device, dtype)
         self.bias = (_sharded_param((out_features,), 0, start, length, replicas, grad_reduce, device, dtype)
@@ -125,8 +127,15 @@ class ColumnParallelLinear(nn.Module):
             return comm.gather_from_region(y, self.axis) if self.gather_output else y
         if self.enter:
             x = enter_region(x, self.axis, self.sequence_parallel)
-        y = linear(x, self.weight, self.bias, self.grad_store)
+        y = _linear(self, x, self.bias)
         return comm.gather_from_region(y, self.axis) if self.gather_output else y
+
+
+def _linear(layer, x, bias):
+    """The layer's GEMM: FP8 under --fp8, else F.linear (deferred-W in a split-backward pipeline stage)."""
+    if layer.fp8 is not None:
+        return fp8_linear(layer.fp8, x, layer.weight, bias)
+    return linear(x, layer.weight, bias, layer.grad_store)
 
 
 class _ColumnRegionFn(torch.autograd.Function):
@@ -221,6 +230,10 @@ class ColumnRegion:
                                  [layer.bias for layer in self.layers], self.fused)
             self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
             return
+        if self.layers[0].fp8 is not None:  # FP8: each projection its own GEMM, scales per weight as unfused
+            entered = comm.copy_to_region(x, self.axis) if self.reduce else x
+            self.outputs = {id(layer): (x, _linear(layer, entered, layer.bias)) for layer in self.layers}
+            return
         params = [t for layer in self.layers for t in (layer.weight, layer.bias)]
         # TP without SP keeps the region's historical summation order; elsewhere the fused region replaces
         # separate layers and sums dx in autograd's order for them.
@@ -249,6 +262,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={axis.size}")
         self.grad_store = None
         self.overlap = False  # under SP with --tp-overlap: the exit reduce-scatter runs in chunks under the GEMM
+        self.fp8 = None  # an Fp8Config under --fp8
         start, length = split_range(in_features, axis)
         self.weight = _sharded_param((out_features, in_features), 1, start, length, device=device, dtype=dtype)
         # Under SP the bias is added on a sequence shard, so each rank holds part of its gradient.
@@ -261,7 +275,7 @@ class RowParallelLinear(nn.Module):
         if self.overlap and self.sequence_parallel and self.axis.active:
             y = row_scatter(x, self.weight, self.axis, self.grad_store)
         else:
-            y = exit_region(linear(x, self.weight, None, self.grad_store), self.axis, self.sequence_parallel)
+            y = exit_region(_linear(self, x, None), self.axis, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
 

@@ -44,7 +44,7 @@ class FirstStepGradients:
 
     def add(self, runs, rel: torch.Tensor, grad_views) -> None:
         self.rel = float(rel.max())
-        if not runs.bf16:
+        if not runs.budgeted:
             self.ratio, self.budget = first_grad_budget(runs, rel, grad_views, self.bound)
 
     @property
@@ -67,7 +67,7 @@ class LaterGradients:
     def add(self, runs, step: int, rel: torch.Tensor, grad_views) -> None:
         worst = float(rel.max())
         self.rel = max(self.rel, worst)
-        if worst > self.bound and not runs.bf16 and not runs.dropout:
+        if worst > self.bound and not runs.budgeted and not runs.dropout:
             again = runs.rel(grad_views, runs.grads_at_layout_weights(step))
             over = (rel > self.bound).cpu()
             self.at_layout_weights.update({runs.names[i]: {"step": step + 1, "rel": float(rel[i]),
@@ -102,7 +102,7 @@ class Updates:
 
     def __init__(self, runs):
         self.first, self.later, self.ratio = 0.0, 0.0, 0.0
-        self.response = None if runs.bf16 else AdamResponse(runs.ref, runs.ref_params)
+        self.response = None if runs.budgeted else AdamResponse(runs.ref, runs.ref_params)
 
     def collect(self, step: int, grad_views, lr: float) -> None:
         """Before the optimizer step: what the reference's AdamW step would do with the layout's gradients."""

@@ -13,7 +13,7 @@ import torch
 
 from ..config import ConfigError, TrainConfig
 from ..training.assemble import assembled
-from .bf16_budget import NoiseBudget
+from .bf16_budget import FP8_FLOOR, NoiseBudget
 from .checks import Coverage, FirstStepGradients, LaterGradients, Loss, Updates, Values, tolerances
 from .side_by_side import SideBySide
 
@@ -37,7 +37,7 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
     runs = SideBySide(cfg, device or torch.device("cpu"), tokens)
     loss, first_grads, later_grads = Loss(), FirstStepGradients(), LaterGradients()
     updates, values, coverage = Updates(runs), Values(len(runs.names)), Coverage()
-    budget = NoiseBudget() if runs.bf16 else None
+    budget = NoiseBudget(FP8_FLOOR) if runs.fp8 else NoiseBudget() if runs.bf16 else None
     for step in range(cfg.steps):
         layout_loss, ref_losses = runs.backward(step)
         loss.add(layout_loss, ref_losses[0])
@@ -79,5 +79,5 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
     if runs.replay is not None:
         out["routing"] = runs.replay.result()
     if budget is not None:
-        out["bf16_budget"] = budget.result()
+        out["fp8_budget" if runs.fp8 else "bf16_budget"] = budget.result()
     return out

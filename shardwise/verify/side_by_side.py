@@ -12,9 +12,22 @@ from .reference import grads_at_layout_weights, reference
 from .routing_replay import RoutingReplay
 
 
+def fp8_twin(cfg: TrainConfig, device, tokens=None):
+    """The FP8 reference with every weight moved one ulp up or down at random (seeded by cfg.seed): how far FP8's
+    rounding flips alone carry a run, the noise an FP8 layout is held to (`NoiseBudget`, docs/fp8.md)."""
+    twin = reference(cfg, device, tokens)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    with torch.no_grad():
+        for p in twin.model.parameters():
+            up = (torch.rand(p.shape, generator=gen, device="cpu") < 0.5).to(p.device)  # CPU generator
+            p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf)))
+    return twin
+
+
 class SideBySide:
     """The layout's run and the single-device reference (same seed, same global batch), built in-process on every
-    rank. In bf16 an fp32 reference too, which measures bf16's own noise (`NoiseBudget`) in one place. MoE layers of
+    rank. In bf16 an fp32 reference too, which measures bf16's own noise (`NoiseBudget`) in one place; in fp32 with
+    --fp8 the FP8 reference's one-ulp twin (`fp8_twin`), which measures FP8's rounding flips. MoE layers of
     every reference take the layout's expert choices (`RoutingReplay`)."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device, tokens: torch.Tensor | None = None):
@@ -23,11 +36,15 @@ class SideBySide:
         self.layout = Trainer(cfg, self.mesh, tokens)
         self.ref = reference(cfg, device, tokens)
         self.bf16 = cfg.dtype == "bf16"
+        self.fp8 = cfg.fp8 is not None and not self.bf16  # fp32 with FP8 GEMMs: the budget's twin is FP8's own
         fp32 = dataclasses.replace(cfg, dtype="fp32", grad_reduce_dtype="fp32")
-        self.ref32 = reference(fp32, device, tokens) if self.bf16 else None
-        self.refs = [self.ref] + ([self.ref32] if self.bf16 else [])
+        self.ref32 = reference(fp32, device, tokens) if self.bf16 else (fp8_twin(cfg, device, tokens) if self.fp8
+                                                                        else None)
+        self.refs = [self.ref] + ([self.ref32] if self.ref32 is not None else [])
+        self.budgeted = self.ref32 is not None  # judged by `NoiseBudget` against the second reference's noise
         self.ref_params = dict(self.ref.model.named_parameters(remove_duplicate=False))  # tied: output.weight too
-        self.ref32_params = dict(self.ref32.model.named_parameters(remove_duplicate=False)) if self.bf16 else {}
+        self.ref32_params = (dict(self.ref32.model.named_parameters(remove_duplicate=False))
+                             if self.ref32 is not None else {})
         self.names = sorted(self.ref_params)
         self.world = self.mesh["world"]
         model = cfg.model_config()

@@ -1,0 +1,19 @@
+"""Routed experts in FP8: per expert (no grouped FP8 kernel here), all local experts one group (`fp8_linears`), so
+each cast's amax reduction over the token axes (edp, and tp under SP) is one all-reduce for every expert."""
+from __future__ import annotations
+
+import torch
+
+from .linear import fp8_linears
+
+
+def fp8_experts(experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """`GroupedExperts.forward` with its three projections in FP8 (scales per expert weight and per expert's rows)."""
+    cfg, n = experts.fp8, experts.n_local
+    parts = list(rows.split(counts))
+    none = [None] * n
+    b1, b3, b2 = (none if b is None else list(b.unbind(0)) for b in (experts.b1, experts.b3, experts.b2))
+    gate = fp8_linears(cfg, parts, list(experts.w1.unbind(0)), b1)
+    up = fp8_linears(cfg, parts, list(experts.w3.unbind(0)), b3)
+    h = [experts.glu(a, c) for a, c in zip(gate, up)]
+    return torch.cat(fp8_linears(cfg, h, list(experts.w2.unbind(0)), b2))

@@ -1,0 +1,152 @@
+"""The FP8 linear layer: one autograd Function for the forward GEMM and the two backward GEMMs, each operand cast
+as the recipe states, its scales over the logical tensor (`scaling`).
+
+forward: y = x Wᵀ (+ b) on FP8 x and W / backward: dx = g W and dW = gᵀ x on FP8 operands (recast from the
+high-precision x, W and g saved or received, as torchao's Float8Linear does), db = Σ g in high precision.
+
+A GEMM whose operands are both tensorwise- or rowwise-scaled along the contraction runs `torch._scaled_mm` where it
+runs (CPU in torch ≥ 2.10, CUDA sm89+); every other GEMM (blockwise, MX) is emulated: dequantise, fp32 matmul.
+Several linears that share a layout (a MoE block's local experts) run as one group, so their amax reductions travel
+in one all-reduce per cast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .recipes import Cast, Recipe, scaled_mm_kind
+from .scaling import Layout, Quantized, as3d, quantize_all
+
+
+@dataclass(frozen=True)
+class LinearLayout:
+    """How a linear's x [tokens, in], W [out, in] and g [tokens, out] are split over ranks: the tokens (sequences over
+    `batch`, rows within one over `seq`), W's out rows over `out` and its in columns over `in_`."""
+
+    batch: tuple = ()
+    seq: tuple = ()
+    seq_global: int | None = None
+    seq_chunks: int = 1
+    in_: tuple = ()
+    in_global: int | None = None
+    out: tuple = ()
+    out_global: int | None = None
+    rows_all: tuple | None = None
+
+    def x(self) -> Layout:
+        return Layout(self.batch, self.seq, self.in_, self.seq_global, self.in_global, self.seq_chunks, self.rows_all)
+
+    def w(self) -> Layout:
+        return Layout((), self.out, self.in_, self.out_global, self.in_global)
+
+    def g(self) -> Layout:
+        return Layout(self.batch, self.seq, self.out, self.seq_global, self.out_global, self.seq_chunks, self.rows_all)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """What an FP8 layer needs: the recipe and its operands' layout."""
+
+    recipe: Recipe
+    layout: LinearLayout = LinearLayout()
+
+
+def _matrix(q: Quantized, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, full scale, compact scale) of a quantised [B, S, C] as a 2-D [B·S, C] matrix (or its transpose)."""
+    B, S, C = q.data.shape
+    data, full = q.data.reshape(B * S, C), q.scale_full().reshape(B * S, C)
+    br, bc = q.blocks
+    scale = q.scale.expand(B, -1, -1) if br == 1 else q.scale  # per row: one scale per row of every sequence
+    compact = scale.reshape(-1, q.scale.shape[-1])
+    if transpose:
+        return data.t(), full.t(), compact.t()
+    return data, full, compact
+
+
+def use_scaled_mm(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` runs FP8 GEMMs on `device`."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def gemm(a: Quantized, ta: bool, ca: Cast, b: Quantized, tb: bool, cb: Cast) -> torch.Tensor:
+    """A Bᵀ in fp32, A and B the quantised operands as 2-D matrices (transposed where asked), both scaled along
+    their columns (the contraction)."""
+    da, fa, sa = _matrix(a, ta)
+    db, fb, sb = _matrix(b, tb)
+    kind = scaled_mm_kind(ca, cb, ta, tb)
+    if kind is not None and da.shape[0] and db.shape[0] and da.shape[1] and use_scaled_mm(da.device):
+        if da.device.type == "cpu" or all(n % 16 == 0 for n in (*da.shape, db.shape[0])):
+            if kind == "tensor":
+                ia, ib = sa.reshape(()).reciprocal(), sb.reshape(()).reciprocal()
+            else:
+                ia, ib = sa.reshape(-1, 1).reciprocal(), sb.reshape(1, -1).reciprocal()
+            return torch._scaled_mm(da.contiguous(), db.contiguous().t(), scale_a=ia, scale_b=ib,
+                                    out_dtype=torch.float32)
+    return (da.float() / fa) @ (db.float() / fb).t()
+
+
+def emulated_gemm(a: Quantized, ta: bool, b: Quantized, tb: bool) -> torch.Tensor:
+    """`gemm` without `torch._scaled_mm`: dequantise both, fp32 matmul (what the tests hold `gemm` equal to)."""
+    da, fa, _ = _matrix(a, ta)
+    db, fb, _ = _matrix(b, tb)
+    return (da.float() / fa) @ (db.float() / fb).t()
+
+
+class _Fp8Linears(torch.autograd.Function):
+    """forward: y_i = x_i W_iᵀ + b_i in FP8 for every i / backward: dx_i = g_i W_i and dW_i = g_iᵀ x_i in FP8, db_i
+    = Σ g_i; all the group's amax reductions of one cast in one all-reduce."""
+
+    @staticmethod
+    def forward(ctx, cfg: Fp8Config, out_dtype, n: int, *args):
+        xs, ws, bs = args[:n], args[n:2 * n], args[2 * n:]
+        r, lay = cfg.recipe, cfg.layout
+        ctx.save_for_backward(*xs)
+        ctx.cfg, ctx.ws, ctx.bs, ctx.n = cfg, ws, bs, n
+        with torch.autocast(xs[0].device.type, enabled=False):
+            qs = quantize_all([(as3d(x), r.x, lay.x()) for x in xs] + [(as3d(w), r.w, lay.w()) for w in ws])
+            ys = []
+            for x, w, b, qx, qw in zip(xs, ws, bs, qs[:n], qs[n:]):
+                y = gemm(qx, False, r.x, qw, False, r.w)
+                if b is not None:
+                    y = y + b.float()
+                ys.append(y.reshape(*x.shape[:-1], w.shape[0]).to(out_dtype))
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        xs, ws, bs, n, r, lay = ctx.saved_tensors, ctx.ws, ctx.bs, ctx.n, ctx.cfg.recipe, ctx.cfg.layout
+        gs = [g if g is not None else x.new_zeros((*x.shape[:-1], w.shape[0])) for g, x, w in zip(gs, xs, ws)]
+        with torch.autocast(xs[0].device.type, enabled=False):
+            qs = quantize_all([(as3d(g), r.g_dgrad, lay.g()) for g in gs]
+                              + [(as3d(w), r.w_dgrad, lay.w()) for w in ws]
+                              + [(as3d(g), r.g_wgrad, lay.g()) for g in gs]
+                              + [(as3d(x), r.x_wgrad, lay.x()) for x in xs])
+            dxs, dws, dbs = [], [], []
+            for i, (x, w, b, g) in enumerate(zip(xs, ws, bs, gs)):
+                dx = gemm(qs[i], False, r.g_dgrad, qs[n + i], True, r.w_dgrad)  # g W: W's columns contract over out
+                dw = gemm(qs[2 * n + i], True, r.g_wgrad, qs[3 * n + i], True, r.x_wgrad)  # gᵀ x over the tokens
+                dxs.append(dx.reshape(x.shape).to(x.dtype))
+                dws.append(dw.to(w.dtype))
+                dbs.append(None if b is None else g.reshape(-1, g.shape[-1]).float().sum(0).to(b.dtype))
+        return (None, None, None, *dxs, *dws, *dbs)
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def fp8_linears(cfg: Fp8Config, xs, ws, bs) -> tuple[torch.Tensor, ...]:
+    """y_i = x_i W_iᵀ + b_i for a group of linears sharing `cfg`'s layout, in FP8."""
+    return _Fp8Linears.apply(cfg, _out_dtype(xs[0]), len(xs), *xs, *ws, *bs)
+
+
+def fp8_linear(cfg: Fp8Config, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b) in FP8 under `cfg`."""
+    return fp8_linears(cfg, [x], [w], [b])[0]

@@ -1,0 +1,170 @@
+"""Dynamic FP8 scales of sharded tensors: each scale is the one the single device computes on the logical tensor.
+
+An operand is held as [B, S, C]: B sequences (1 for a weight or an expert's rows), S rows per sequence (tokens, or a
+weight's `out` rows), C columns. A scale block spans, along each dimension, either the whole dimension (block None,
+or a block at least as long as the global dimension) or tiles of a fixed length. Where a whole dimension is split
+over ranks (TP's features, SP/CP's sequence, dp's batch, edp's expert rows) no rank holds the rows the scale covers:
+each rank takes the amax of its part and the parts are max-reduced over the axes that split the dimension — an
+extra all-reduce, tagged `fp8_amax` in the ledger, one per GEMM operand group (the amaxes of several tensors that
+reduce over the same axes travel together). Tiles must lie within one rank's part (checked), so they need none.
+
+The casts follow torchao 0.18 (`torchao.float8.float8_utils`): scale = finfo.max / clamp(amax, 1e-12) computed in
+float64 then fp32, optionally rounded down to a power of two; x·scale saturated to ±finfo.max, then cast. MX scales
+are 2^(floor(log2 amax) − emax) (OCP MX, torchao's FLOOR mode), applied by division.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import comm
+from .recipes import Cast
+
+EPS = 1e-12
+AMAX_TAG = "fp8_amax"
+_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
+
+shard_local_amax = False
+"""Tests only: take every scale from this rank's part (the wrong scale group), to watch the parity checks fail."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How an operand [B, S, C] is split over ranks. `batch`, `seq`, `cols`: the axes splitting each dimension.
+    `seq_global`, `cols_global`: global lengths (None: the local length times the splitting axes' sizes; 0: unknown,
+    then row tiles are taken on the local part as they are).
+    `seq_chunks`: parts each rank holds along S (2 under CP's load-balanced order), for the tile alignment check."""
+
+    batch: tuple = ()
+    seq: tuple = ()
+    cols: tuple = ()
+    seq_global: int | None = None
+    cols_global: int | None = None
+    seq_chunks: int = 1
+    rows_all: tuple | None = None
+    """The axes a scale over every row reduces over, when one axis covers `batch` and `seq` together (dp_cp)."""
+
+
+@dataclass
+class Quantized:
+    """An FP8 operand [B, S, C] and its fp32 scale in compact block form [B', nS, nC] (dequantised = data / scale)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    blocks: tuple[int, int] = field(default=(0, 0))
+
+    def scale_full(self) -> torch.Tensor:
+        """The scale of every element, [B, S, C]."""
+        B, S, C = self.data.shape
+        bs, bc = self.blocks
+        s = self.scale.expand(B, -1, -1) if self.scale.shape[0] == 1 else self.scale
+        s = s.repeat_interleave(bs, 1)[:, :S] if bs else s.expand(-1, S, -1)
+        return s.repeat_interleave(bc, 2)[:, :, :C] if bc else s.expand(-1, -1, C)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float() / self.scale_full()
+
+
+def _active(axes) -> tuple:
+    return tuple(a for a in axes if a is not None and a.active)
+
+
+def _whole(block: int | None, local: int, axes, global_len: int | None) -> bool:
+    """Whether a block of `block` spans the whole dimension (`local` long here, split over `axes`)."""
+    if global_len is None:
+        global_len = local * math.prod(a.size for a in _active(axes))
+    return block is None or (global_len > 0 and block >= global_len)
+
+
+def _plan(t: torch.Tensor, cast: Cast, lay: Layout):
+    """(row block, col block, axes to reduce over) of casting `t` [B, S, C] as `cast` under `lay`: block 0 = whole."""
+    B, S, C = t.shape
+    br, bc = cast.block
+    axes: list = []
+    if br is None:  # one scale over every row of every sequence
+        br = 0
+        axes += _active(lay.rows_all) if lay.rows_all is not None else [*_active(lay.batch), *_active(lay.seq)]
+    elif _whole(br, S, lay.seq, lay.seq_global):  # a tile as long as the sequence: one scale per sequence
+        br = 0
+        axes += _active(lay.seq)
+    elif br > 1 and _active(lay.seq) and lay.seq_global != 0 and (S // lay.seq_chunks) % br:
+        raise ValueError(f"FP8 {br}-row tiles cut across ranks: each rank's {S} rows (in {lay.seq_chunks} part(s)) "
+                         f"are not a multiple of {br}")
+    if _whole(bc, C, lay.cols, lay.cols_global):
+        bc = 0
+        axes += _active(lay.cols)
+    elif _active(lay.cols) and C % bc:
+        raise ValueError(f"FP8 {bc}-column tiles cut across ranks: each rank holds {C} columns, not a multiple of {bc}")
+    return br, bc, axes
+
+
+def local_amax(t: torch.Tensor, cast: Cast, br: int, bc: int) -> torch.Tensor:
+    """amax of |t| [B, S, C] per scale block: [1 or B, nS, nC] (a whole-dim block is 1 long; B is kept only when
+    the rows are tiled or per row, i.e. a scale never spans two sequences unless it spans all rows)."""
+    a = t.detach().abs().float()
+    B, S, C = a.shape
+    per_seq = cast.block[0] is not None  # tiles or lines of rows: each sequence its own
+    if bc:
+        pad = -C % bc
+        a = torch.nn.functional.pad(a, (0, pad)) if pad else a
+        a = a.view(B, S, -1, bc).amax(-1) if a.numel() else a.new_zeros(B, S, (C + pad) // bc)
+    else:
+        a = a.amax(-1, keepdim=True) if a.numel() else a.new_zeros(B, S, 1)
+    if br:
+        pad = -S % br
+        a = torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a
+        a = a.view(B, -1, br, a.shape[-1]).amax(2) if a.numel() else a.new_zeros(B, (S + pad) // br, a.shape[-1])
+    elif per_seq:  # a whole-sequence block (br ≥ the sequence): one per sequence
+        a = a.amax(1, keepdim=True) if a.numel() else a.new_zeros(B, 1, a.shape[-1])
+    else:
+        a = a.amax((0, 1), keepdim=True) if a.numel() else a.new_zeros(1, 1, a.shape[-1])
+    return a
+
+
+def to_scale(amax: torch.Tensor, cast: Cast) -> torch.Tensor:
+    """The multiplier that maps a block of absolute maximum `amax` into `cast.dtype`'s range."""
+    if cast.e8m0:
+        tiny = 2.0 ** -127
+        exp = torch.floor(torch.log2(amax.clamp(min=tiny))) - _EMAX[cast.dtype]
+        return torch.exp2(-exp.clamp(-127, 127))
+    scale = (torch.finfo(cast.dtype).max / amax.double().clamp(min=EPS)).float()
+    return torch.exp2(torch.floor(torch.log2(scale))) if cast.pow2 else scale
+
+
+def reduce_amaxes(amaxes: list[torch.Tensor], axes_per: list[list]) -> list[torch.Tensor]:
+    """Max-reduce each amax over its axes; amaxes reducing over the same axes share one all-reduce per axis."""
+    if shard_local_amax:
+        return amaxes
+    out = list(amaxes)
+    groups: dict[tuple, list[int]] = {}
+    for i, axes in enumerate(axes_per):
+        if axes:
+            groups.setdefault(tuple(a.name for a in axes), []).append(i)
+    for names, idx in groups.items():
+        flat = torch.cat([out[i].reshape(-1) for i in idx])
+        for axis in axes_per[idx[0]]:
+            flat = comm.all_reduce(flat, axis, "max", tag=AMAX_TAG)
+        for i, part in zip(idx, flat.split([out[i].numel() for i in idx])):
+            out[i] = part.view_as(out[i])
+    return out
+
+
+def quantize_all(items: list[tuple[torch.Tensor, Cast, Layout]]) -> list[Quantized]:
+    """Cast every (tensor [B, S, C], cast, layout) to FP8, the amax reductions batched (`reduce_amaxes`)."""
+    plans = [_plan(t, c, lay) for t, c, lay in items]
+    amaxes = reduce_amaxes([local_amax(t, c, br, bc) for (t, c, _), (br, bc, _) in zip(items, plans)],
+                           [axes for _, _, axes in plans])
+    out = []
+    for (t, cast, _), (br, bc, _), amax in zip(items, plans, amaxes):
+        q = Quantized(t, to_scale(amax, cast), (br, bc))
+        big = torch.finfo(cast.dtype).max
+        q.data = (t.float() * q.scale_full()).clamp(-big, big).to(cast.dtype)
+        out.append(q)
+    return out
+
+
+def as3d(t: torch.Tensor) -> torch.Tensor:
+    """[..., S, C] as [B, S, C] (a 2-D matrix is one sequence)."""
+    return t.unsqueeze(0) if t.dim() == 2 else t.reshape(math.prod(t.shape[:-2]), *t.shape[-2:])
