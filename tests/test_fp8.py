@@ -23,6 +23,11 @@ from shardwise.fp8.scaling import Layout, as3d, quantize_all
 
 from _dist import fresh_seed, make_mesh, run_ranks
 
+
+def _shard_local(amaxes, axes_per):
+    """The wrong scale group, patched in for `scaling.reduce_amaxes`: every scale from this rank's part alone."""
+    return list(amaxes)
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -278,7 +283,8 @@ def _layer_checks(seed: int) -> list[str]:
                 assert_close(full, rwg.grad, **wtol, msg=lambda m: f"{name} {k}: {m}")
         done.append(f"{name} experts over edp")
     # the wrong scale group: per-shard amaxes give another result under TP, and over the tokens
-    scaling.shard_local_amax = True
+    reduce = scaling.reduce_amaxes
+    scaling.reduce_amaxes = _shard_local
     try:
         r = Fp8Config(recipe("tensorwise"))
         x = torch.randn(2, 64, 128, generator=g)
@@ -293,7 +299,7 @@ def _layer_checks(seed: int) -> list[str]:
         assert rel > 1e-3, rel
         done.append("per-shard scale fails")
     finally:
-        scaling.shard_local_amax = False
+        scaling.reduce_amaxes = reduce
     return done
 
 
@@ -310,7 +316,8 @@ def _model_runs(cfgs: list[TrainConfig], local: bool) -> list[tuple]:
     from shardwise.verify.side_by_side import SideBySide
 
     torch.set_num_threads(1)
-    scaling.shard_local_amax = local
+    if local:
+        scaling.reduce_amaxes = _shard_local
     out = []
     for cfg in cfgs:
         runs = SideBySide(cfg, torch.device("cpu"))

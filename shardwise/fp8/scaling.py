@@ -26,9 +26,6 @@ EPS = 1e-12
 AMAX_TAG = "fp8_amax"
 _EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 
-shard_local_amax = False
-"""Tests only: take every scale from this rank's part (the wrong scale group), to watch the parity checks fail."""
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -135,8 +132,6 @@ def to_scale(amax: torch.Tensor, cast: Cast) -> torch.Tensor:
 
 def reduce_amaxes(amaxes: list[torch.Tensor], axes_per: list[list]) -> list[torch.Tensor]:
     """Max-reduce each amax over its axes; amaxes reducing over the same axes share one all-reduce per axis."""
-    if shard_local_amax:
-        return amaxes
     out = list(amaxes)
     groups: dict[tuple, list[int]] = {}
     for i, axes in enumerate(axes_per):
