@@ -2,11 +2,12 @@
 dp×tp and dp×pp runs under the built-in launcher (--max-restarts, --mem-ckpt-every, two nodes of two ranks), and
 every run finishes with the loss trace of the uninterrupted run, bitwise, the same final parameters and every
 checkpoint intact, its recovery time and steps lost in recoveries.jsonl. Recovery that leaves out the RNG streams or
-the data position is caught (SHARDWISE_RECOVERY_SKIP).
+the data position is caught (`_recovery_skipping`).
 
 The jobs mostly wait (for ranks to start, for a timeout), so a module fixture starts them all at once, each the
 CLI's `main` forked from this warm process (tests/_dist.py ForkedCli), and each test reads its own job's result.
 """
+import contextlib
 import json
 import os
 import threading
@@ -26,7 +27,7 @@ COMMON = ["train", "--no-progress", "--no-report", "--seq-len", "32", "--steps",
 TP = ["--dp", "2", "--tp", "2"]
 PP = ["--dp", "2", "--pp", "2", "--microbatches", "2"]
 RECOVER = ["--max-restarts", "1", "--ranks-per-node", "2"]
-JOBS = {  # name: (layout, extra flags, SHARDWISE_RECOVERY_SKIP)
+JOBS = {  # name: (layout, extra flags, what _recovery_skipping leaves out)
     "base_tp": (TP, [], None),
     "base_pp": (PP, [], None),
     # SIGKILL mid-backward; a copy every step: nothing lost
@@ -46,17 +47,43 @@ JOBS = {  # name: (layout, extra flags, SHARDWISE_RECOVERY_SKIP)
 }
 
 
+@contextlib.contextmanager
+def _recovery_skipping(skip: str | None):
+    """Recovery broken on purpose: 'rng' keeps the restarted rank's fresh RNG streams instead of the copy's, 'data'
+    restarts the data position at step 0 over the restored weights."""
+    from shardwise.resilience import recover
+    from shardwise.training import loop
+
+    restore, start = recover.restore, loop.recover
+
+    def restore_without_rng(trainer, blob):
+        streams = torch.get_rng_state(), {k: g.get_state() for k, g in trainer.model.rng_tracker.generators.items()}
+        step = restore(trainer, blob)
+        torch.set_rng_state(streams[0])
+        for k, g in trainer.model.rng_tracker.generators.items():
+            g.set_state(streams[1][k])
+        return step
+
+    def recover_from_the_start(*args, **kwargs):
+        event = start(*args, **kwargs)
+        return event if event is None or event["source"] != "memory" else event | {"start": 0}
+
+    recover.restore = restore_without_rng if skip == "rng" else restore
+    loop.recover = recover_from_the_start if skip == "data" else start
+    try:
+        yield
+    finally:
+        recover.restore, loop.recover = restore, start
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     out = tmp_path_factory.mktemp("chaos")
     warm_parent()
     procs = {}
     for name, (layout, extra, skip) in JOBS.items():
-        os.environ["SHARDWISE_RECOVERY_SKIP"] = skip or ""  # the forked CLI inherits it
-        try:
+        with _recovery_skipping(skip):  # the forked CLI, its ranks and their restarts inherit the patch
             procs[name] = ForkedCli([*COMMON, *layout, *extra, "--out", str(out / name)])
-        finally:
-            del os.environ["SHARDWISE_RECOVERY_SKIP"]
     lines = {name: [] for name in procs}
     readers = [threading.Thread(target=lambda p=p, ls=lines[n]: ls.extend(p.stderr)) for n, p in procs.items()]
     for t in readers:

@@ -44,7 +44,11 @@ def _round_trips(cfgs):
         assert restore(trainer, blob) == 2
         again = [trainer.train_step(step)["loss"] for step in (2, 3)]
         same = torch.equal(snapshot(trainer, 4), end)  # parameters, optimizer state and RNG streams
-        restore(trainer, blob, skip=frozenset({"rng"}))
+        streams = torch.get_rng_state(), {k: g.get_state() for k, g in trainer.model.rng_tracker.generators.items()}
+        restore(trainer, blob)  # then the streams put back as step 4 left them: a restore without the RNG
+        torch.set_rng_state(streams[0])
+        for k, g in trainer.model.rng_tracker.generators.items():
+            g.set_state(streams[1][k])
         no_rng = [trainer.train_step(step)["loss"] for step in (2, 3)]
         out.append((first, again, same, no_rng))
     return out

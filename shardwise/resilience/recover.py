@@ -21,11 +21,6 @@ DETECTED = "lost a peer"
 """How a survivor's progress record says it saw the failure (the loop writes it)."""
 
 
-def skipped_state() -> frozenset:
-    """SHARDWISE_RECOVERY_SKIP=rng,data: recovery leaves that state out — a test mode, to show the chaos test fails."""
-    return frozenset(p for p in os.environ.get("SHARDWISE_RECOVERY_SKIP", "").split(",") if p)
-
-
 def newest_memory_step(held: list[dict], world: int) -> int | None:
     """Pure: the newest step every rank 0..world-1 has a copy of, over each rank's {(owner, step): bytes}."""
     have = {key for inv in held for key in inv}
@@ -60,7 +55,6 @@ def recover(trainer, ckpt_dir: str, info: NodeInfo, out: str | None) -> dict | N
     if path is not None:
         with open(os.path.join(path, META)) as f:
             disk_step = json.load(f)["step"]
-    skip = skipped_state()
     event = {"restart": max(g[0] for g in gathered), "memory_step": mem_step, "disk_step": disk_step}
     if mem_step is not None and (disk_step is None or mem_step >= disk_step):
         who = suppliers(held, mem_step, world)
@@ -71,14 +65,14 @@ def recover(trainer, ckpt_dir: str, info: NodeInfo, out: str | None) -> dict | N
             ops.append(("recv", got, axis, who[rank]))
         exchange(ops, axis, "mem restore", trainer.cfg.timeout_s)
         blob = store.read(rank, mem_step) if got is None else got
-        step = restore(trainer, blob, skip)
+        step = restore(trainer, blob)
         event |= {"source": "memory", "step": step, "from_peer": sorted(o for o, s in who.items() if s != o),
                   "lr_decay_steps": read_meta(blob)[0].get("lr_decay_steps")}
     elif disk_step is not None:
         event |= {"source": "disk", "step": disk_step}
     else:
         event |= {"source": "scratch", "step": 0}
-    event["start"] = 0 if "data" in skip else event["step"]
+    event["start"] = event["step"]
     event["restore_s"] = round(time.time() - t0, 3)
     if rank == 0:
         _log(event, progress, world, out)

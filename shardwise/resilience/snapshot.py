@@ -49,9 +49,8 @@ def read_meta(blob: torch.Tensor) -> tuple[dict, int]:
     return json.loads(blob[8:8 + n].numpy().tobytes()), 8 + n
 
 
-def restore(trainer, blob: torch.Tensor, skip: frozenset = frozenset()) -> int:
-    """Load a copy made by `snapshot` under this layout into `trainer`; returns its step. `skip`: pieces of
-    state left as they are ('rng') — a test's way to show that the chaos test notices each one."""
+def restore(trainer, blob: torch.Tensor) -> int:
+    """Load a copy made by `snapshot` under this layout into `trainer`; returns its step."""
     meta, at = read_meta(blob)
     ensure_state(trainer.reducer, meta["optimizer_step"])
     views = _views(trainer)
@@ -62,10 +61,9 @@ def restore(trainer, blob: torch.Tensor, skip: frozenset = frozenset()) -> int:
             n = t.numel() * t.element_size()
             t.copy_(blob[at:at + n].clone().view(t.dtype).view(t.shape))  # clone: aligned for the dtype
             at += n
-    if "rng" not in skip:
-        torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8, device="cpu"))
-        for k, g in trainer.model.rng_tracker.generators.items():
-            g.set_state(torch.tensor(meta["tracker_rng"][k], dtype=torch.uint8, device="cpu"))
+    torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8, device="cpu"))
+    for k, g in trainer.model.rng_tracker.generators.items():
+        g.set_state(torch.tensor(meta["tracker_rng"][k], dtype=torch.uint8, device="cpu"))
     trainer.step = meta["step"]
     trainer.bad_steps = meta["bad_steps"]
     return meta["step"]
