@@ -132,12 +132,13 @@ def warm_parent() -> None:
 
 
 class HFGrads:
-    """A transformers model's gradients by name, read like a checkpoint (`hf.WeightFiles`' interface). `names`:
+    """A transformers model's gradients by name (the model, or its {name: gradient} already taken), read like a
+    checkpoint (`hf.WeightFiles`' interface). `names`:
     {the name to read it by: the parameter's name} (a multimodal model's language model read by text-only names);
     every parameter under its own name when None."""
 
     def __init__(self, model, names: dict[str, str] | None = None):
-        grads = {n: p.grad for n, p in model.named_parameters()}
+        grads = model if isinstance(model, dict) else {n: p.grad for n, p in model.named_parameters()}
         self.t = grads if names is None else {n: grads[s] for n, s in names.items()}
         self.where = self.t
 
@@ -154,12 +155,18 @@ class HFGrads:
 def hf_hybrid_grad(name, cfg, grads: HFGrads):
     """transformers' gradient of a Qwen3-Next / Qwen3.5 model's shardwise parameter `name`: mapped like its weight,
     but without the zero-centred norms' +1."""
-    from shardwise.hf import weights as hf
     from shardwise.hf import qwen3_next as hf_qwen3_next
 
     special = hf_qwen3_next.source(name, cfg, grads, offset=0.0)
     if special is not None:
         return special[2](grads)
+    return hf_grad(name, cfg, grads)
+
+
+def hf_grad(name, cfg, grads: HFGrads):
+    """transformers' gradient of shardwise parameter `name`, mapped as `hf.tensor_source` maps its weight."""
+    from shardwise.hf import weights as hf
+
     src = hf.tensor_source(name, cfg, grads)
     return src.read(grads, tuple(slice(0, s) for s in src.shape))
 

@@ -23,7 +23,7 @@ from shardwise.hf.config import config_from_hf, hf_config  # noqa: E402
 from shardwise.models import sparse_attention  # noqa: E402
 from shardwise.rules import inventory  # noqa: E402
 from shardwise.parallelize import plain_model  # noqa: E402
-from _dist import fresh_seed, global_grads, grad_slices, run_ranks  # noqa: E402
+from _dist import HFGrads, fresh_seed, global_grads, grad_slices, hf_grad, run_ranks  # noqa: E402
 
 TOPK, SEQ = 8, 32
 SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
@@ -66,27 +66,6 @@ def _hf_run(path, x, y):
     loss.backward()
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
     return logits.detach(), float(loss.detach()), grads, picked
-
-
-class _Grads:
-    """transformers' gradients read like a checkpoint (hf.WeightFiles' interface), for `hf.tensor_source`."""
-
-    def __init__(self, grads):
-        self.t = self.where = grads
-
-    def __contains__(self, n):
-        return n in self.t
-
-    def shape(self, n):
-        return tuple(self.t[n].shape)
-
-    def read(self, n, box):
-        return self.t[n][box]
-
-
-def _ref_grad(name, cfg, grads):
-    src = hf.tensor_source(name, cfg, grads)
-    return src.read(grads, tuple(slice(0, s) for s in src.shape))
 
 
 def _atol(ref):
@@ -132,9 +111,9 @@ def test_single_device_matches_transformers(models, name, monkeypatch):
     for (idx, valid), ref in zip(picked, ref_picked):
         assert _causal_sets(idx, valid) == _causal_sets(ref), seed
         assert int(valid.sum(-1).max()) == TOPK and int(valid.sum(-1).min()) == 1  # k of s keys; the first sees 1
-    grads = _Grads(ref_grads)
+    grads = HFGrads(ref_grads)
     for n, p in model.named_parameters():
-        ref = _ref_grad(n, cfg, grads)
+        ref = hf_grad(n, cfg, grads)
         if ".indexer." in n:  # transformers' indexer runs under no_grad: no gradient from the language loss
             assert p.grad is None and not ref.any(), n
             continue
@@ -276,9 +255,9 @@ def test_layout_matches_transformers(models, trained, i, layout):
     assert abs(trained[0][i][0] - ref_loss) <= 1e-6 * ref_loss, (trained[0][i][0], ref_loss)
     shapes = {n: p.shape for n, p in build_model(cfg, Mesh.single(), seed=0).named_parameters()}
     ours = global_grads([g for r in trained for g in r[i][1]], shapes)
-    grads = _Grads(ref_grads)
+    grads = HFGrads(ref_grads)
     for n, g in ours.items():
-        ref = _ref_grad(n, cfg, grads)
+        ref = hf_grad(n, cfg, grads)
         if ".indexer." not in n:
             assert float(ref.abs().max()) > 0, n
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=_atol(ref), msg=lambda m: f"{layout} {n}: {m}")
