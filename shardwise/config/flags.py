@@ -180,6 +180,8 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--dtype", "fp32 or bf16 (autocast; fp32 master weights)", "dtype"),
     Flag("--fp8", "FP8 GEMMs for the linears of attention, MLPs and experts (dynamic scales; docs/fp8.md)", "fp8",
          type=str, default=None, choices=FP8_RECIPES, metavar="RECIPE"),
+    Flag("--fp8-all-gather", "with --fp8: ZeRO-3 parameter all-gathers and the SP all-gather of activations travel "
+         "in FP8 with their scales (half the bf16 bytes)", "fp8_all_gather", kind="switch"),
     Flag("--fp32-residual", "under bf16: keep the residual stream fp32 (default off)", "fp32_residual", kind="toggle"),
     Flag("--grad-reduce-dtype", "DP gradient reduction dtype: fp32 or bf16", "grad_reduce_dtype"),
     Flag("--no-overlap-grad-reduce", "ZeRO 0/1: reduce gradients after backward instead of overlapping with it",

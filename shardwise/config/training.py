@@ -85,6 +85,8 @@ class TrainConfig:
     fp8: str | None = None
     """FP8 GEMMs for the linears of attention, MLPs and experts: tensorwise, rowwise, blockwise or mxfp8 (docs/fp8.md);
     None: off."""
+    fp8_all_gather: bool = False
+    """With fp8: ZeRO-3 parameter all-gathers and the SP all-gather of activations travel in FP8 with their scales."""
     grad_reduce_dtype: str = "fp32"
     """Dtype of the DP gradient reduction: fp32, or bf16 (bucket cast for the collective, accumulated in fp32)."""
     overlap_grad_reduce: bool = True
@@ -418,6 +420,8 @@ class TrainConfig:
         self._validate_observability()
         if self.fp8 is not None:
             self._validate_fp8(p)
+        elif self.fp8_all_gather:
+            raise ConfigError("--fp8-all-gather needs --fp8 RECIPE (tensorwise, rowwise, blockwise or mxfp8)")
         if self.eos_id is not None and (not isinstance(self.eos_id, int) or not 0 <= self.eos_id < m.vocab_size):
             raise ConfigError(f"eos id {self.eos_id!r} must be a token id in [0, {m.vocab_size})")
 
