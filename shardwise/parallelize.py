@@ -72,6 +72,10 @@ def parallelize(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
         from .fp8.apply import apply_fp8
 
         apply_fp8(all_blocks(model), mesh, p, train.fp8)
+        if train.fp8_all_gather:  # SP gathers of the FP8 linears' inputs in FP8 (the ZeRO-3 ones: apply_dp)
+            from .fp8.wire import install_activations
+
+            install_activations(all_blocks(model), p.sequence_parallel and mesh["tp"].active)
     if p.compile:
         apply_compile(model)
     apply_recompute(model, p.recompute, p.recompute_layers, compiled=p.compile)
@@ -81,6 +85,10 @@ def parallelize(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     if train is not None:
         # the gradient reduction and the ZeRO-3 gathers are installed here (apply_dp lists their hooks)
         reducer = apply_dp(model, mesh, train, rounds)
+        if train.fp8 and train.fp8_all_gather and reducer.units is not None:
+            from .fp8.wire import install_weights
+
+            install_weights(reducer.units, model)  # ZeRO-3 gathers of FP8 linears' weights in FP8
     return model, reducer
 
 
@@ -162,7 +170,7 @@ def apply_tp(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
             if region is None:
                 continue
             if sp and not overlap:
-                region.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+                region.register_forward_pre_hook(_region_entry(tp, sp))
             if fused or overlap or (tp.active and not sp):
                 region.register_forward_pre_hook(ColumnRegion(layers, tp, reduce=tp.active and not sp, overlap=overlap,
                                                               fused=fused, own=(2,) if region is attn else ()))
@@ -175,6 +183,12 @@ def apply_tp(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
     ctx.cross_entropy = functools.partial(_vocab_parallel_loss, tp, model.tok_embeddings.vocab_start, cfg.vocab_size)
     moe = {id(q) for m in model.modules() if isinstance(m, MoE) for q in m.parameters()}
     _replicated_over_tp([q for q in model.parameters() if id(q) not in moe], tp, sp)
+
+
+def _region_entry(tp, sp: bool):
+    """The forward pre-hook entering a column region (SP's all-gather, in FP8 where the region is marked
+    `fp8_wire`), else Megatron's f."""
+    return lambda m, args: (enter_region(args[0], tp, sp, getattr(m, "fp8_wire", None)), *args[1:])
 
 
 def all_blocks(model: Transformer) -> list[nn.Module]:
@@ -217,11 +231,11 @@ def _mla_tensor_parallel(attn, cfg: ModelConfig, tp, sp: bool, overlap: bool = F
             _swap(attn, name, _replicated_column(old.in_features, old.out_features, tp))
         first = attn.wq_a if cfg.q_lora_rank else attn.wq
         if tp.active and not overlap:
-            attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+            attn.register_forward_pre_hook(_region_entry(tp, sp))
         attn.register_forward_pre_hook(ColumnRegion([first, attn.wkv_a], tp, reduce=False, overlap=overlap,
                                                     fused=fused))
     elif tp.active:
-        attn.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+        attn.register_forward_pre_hook(_region_entry(tp, sp))
 
 
 def _replicated_column(in_features: int, out_features: int, tp, partial: bool | None = None) -> ColumnParallelLinear:
@@ -276,7 +290,7 @@ def _kda_tensor_parallel(mixer: KimiDeltaAttention, cfg: ModelConfig, tp, sp: bo
     _swap(mixer, "wo", RowParallelLinear(nh * d, h, tp, sequence_parallel=sp, **kw))
     _cut_by_heads(mixer, ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"), tp)
     if tp.active:
-        mixer.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+        mixer.register_forward_pre_hook(_region_entry(tp, sp))
 
 
 def _head_sinks(cfg: ModelConfig, tp) -> nn.Parameter:

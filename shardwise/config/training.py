@@ -11,7 +11,7 @@ from ..rules.partition import ORDERS, check_seq_len, split_layers
 from ..rules.schedules import SCHEDULE_NAMES, build_schedule
 from ..rules.validation import (
     CP_IMPLS, FP8_RECIPES, RECOMPUTE, REST, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, fp8_cp_problem,
-    heads_tp_problem, hsdp_zero_problem, rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
+    fp8_wire_problem, heads_tp_problem, hsdp_zero_problem, rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
 )
 from .errors import ConfigError
 from .schedule import validate_optim
@@ -436,6 +436,9 @@ class TrainConfig:
         problem = fp8_cp_problem(self.fp8, self.seq_len, p.cp, p.cp_order == "balanced")
         if problem:
             raise ConfigError(f"--fp8 {self.fp8} with --cp {p.cp} and --seq-len {self.seq_len} {problem}")
+        problem = self.fp8_all_gather and fp8_wire_problem(self.fp8, p.zero == 3, p.sequence_parallel and p.tp > 1)
+        if problem:
+            raise ConfigError(f"--fp8-all-gather with --fp8 {self.fp8} {problem}")
 
     def _validate_experts(self, m: ModelConfig) -> None:
         p = self.parallel

@@ -16,6 +16,8 @@ resizes it back and all-gathers the shards into it. Hooks on the unit's module:
   (zb's W) need only the saved inputs and output gradients, so W runs on a released unit.
 A buffer is freed when its last hold is released (a tied weight is held by both units using it). So
 every unit is gathered twice per micro-batch and chunk (forward and backward), under every schedule.
+Under --fp8-all-gather a bucket of FP8 linears' weights (`b.fp8`, a `fp8.wire.WeightWire`) is gathered as FP8 bytes
+with the whole weights' scales instead, which its linears read; its high-precision buffer stays empty.
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ class ParamUnits:
         users: dict[int, tuple[torch.Tensor, list[Unit]]] = {}  # a tied weight: both units using it
         for u in units:
             for b in u.buckets:
-                b.holds, b.works = 0, None
+                b.holds, b.works, b.fp8 = 0, None, None
             u.module.register_forward_pre_hook(self._pre_forward)
             u.module.register_forward_hook(self._post_forward)
             for p in u.params:
@@ -72,7 +74,11 @@ class ParamUnits:
     # ------------------------------------------------------------ gather and free
     def _start(self, u: Unit) -> None:
         for b in u.buckets:
-            if b.works is None and not b.flat.untyped_storage().nbytes():
+            if b.works is None and b.fp8 is not None and not b.fp8.gathered():
+                b.works = [b.fp8.start(b)]
+                if self.on_resize is not None:
+                    self.on_resize(b.fp8.buf)
+            elif b.works is None and b.fp8 is None and not b.flat.untyped_storage().nbytes():
                 self._resize(b, b.padded * b.flat.element_size())
                 b.works = [comm.all_gather_into_async(b.flat, b.shard.detach(), b.axis)]
 
@@ -82,6 +88,8 @@ class ParamUnits:
                 for w in b.works:
                     comm.wait(w, b.axis, "all_gather of ZeRO-3 parameters")
                 b.works = None
+                if b.fp8 is not None:
+                    b.fp8.attach()
 
     def hold(self, u: Unit) -> None:
         self._start(u)
@@ -100,7 +108,12 @@ class ParamUnits:
             for w in b.works:
                 comm.wait(w, b.axis, "all_gather of ZeRO-3 parameters")
             b.works = None
-        self._resize(b, 0)
+        if b.fp8 is not None:
+            b.fp8.free()
+            if self.on_resize is not None:
+                self.on_resize(b.fp8.buf)
+        else:
+            self._resize(b, 0)
 
     def _resize(self, b, nbytes: int) -> None:
         b.flat.untyped_storage().resize_(nbytes)

@@ -17,6 +17,7 @@ import torch
 
 from .recipes import Cast, Recipe, scaled_mm_kind
 from .scaling import Layout, Quantized, as3d, quantize_all
+from .wire import held
 
 
 @dataclass(frozen=True)
@@ -102,15 +103,23 @@ class _Fp8Linears(torch.autograd.Function):
     = Σ g_i; all the group's amax reductions of one cast in one all-reduce."""
 
     @staticmethod
-    def forward(ctx, cfg: Fp8Config, out_dtype, n: int, *args):
+    def forward(ctx, cfg: Fp8Config, out_dtype, n: int, pre_x, *args):
         xs, ws, bs = args[:n], args[n:2 * n], args[2 * n:]
         r, lay = cfg.recipe, cfg.layout
-        ctx.save_for_backward(*xs)
+        # an FP8 x that came over the wire (`wire.py`) also feeds dW where the recipe casts x alike there
+        reuse = [q if q is not None and r.x_wgrad == r.x else None for q in pre_x]
+        ctx.save_for_backward(*(x if q is None else q.data for x, q in zip(xs, reuse)))
         ctx.cfg, ctx.ws, ctx.bs, ctx.n = cfg, ws, bs, n
+        ctx.xq = [None if q is None else (q.scale, q.blocks) for q in reuse]
+        ctx.x_meta = [(x.shape, x.dtype) for x in xs]
         with torch.autocast(xs[0].device.type, enabled=False):
-            qs = quantize_all([(as3d(x), r.x, lay.x()) for x in xs] + [(as3d(w), r.w, lay.w()) for w in ws])
+            pre_w = [held(w, r.w, lay.w()) for w in ws]
+            qs = iter(quantize_all([(as3d(x), r.x, lay.x()) for x, q in zip(xs, pre_x) if q is None]
+                                   + [(as3d(w), r.w, lay.w()) for w, q in zip(ws, pre_w) if q is None]))
+            qxs = [q if q is not None else next(qs) for q in pre_x]
+            qws = [q if q is not None else next(qs) for q in pre_w]
             ys = []
-            for x, w, b, qx, qw in zip(xs, ws, bs, qs[:n], qs[n:]):
+            for x, w, b, qx, qw in zip(xs, ws, bs, qxs, qws):
                 y = gemm(qx, False, r.x, qw, False, r.w)
                 if b is not None:
                     y = y + b.float()
@@ -119,21 +128,28 @@ class _Fp8Linears(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gs):
-        xs, ws, bs, n, r, lay = ctx.saved_tensors, ctx.ws, ctx.bs, ctx.n, ctx.cfg.recipe, ctx.cfg.layout
-        gs = [g if g is not None else x.new_zeros((*x.shape[:-1], w.shape[0])) for g, x, w in zip(gs, xs, ws)]
-        with torch.autocast(xs[0].device.type, enabled=False):
-            qs = quantize_all([(as3d(g), r.g_dgrad, lay.g()) for g in gs]
-                              + [(as3d(w), r.w_dgrad, lay.w()) for w in ws]
-                              + [(as3d(g), r.g_wgrad, lay.g()) for g in gs]
-                              + [(as3d(x), r.x_wgrad, lay.x()) for x in xs])
+        saved, ws, bs, n, r, lay = ctx.saved_tensors, ctx.ws, ctx.bs, ctx.n, ctx.cfg.recipe, ctx.cfg.layout
+        pre_x = [None if m is None else Quantized(d, *m) for d, m in zip(saved, ctx.xq)]
+        gs = [g if g is not None else torch.zeros((*shape[:-1], w.shape[0]), dtype=dtype, device=w.device)
+              for g, (shape, dtype), w in zip(gs, ctx.x_meta, ws)]
+        with torch.autocast(gs[0].device.type, enabled=False):
+            pre_w = [held(w, r.w_dgrad, lay.w()) for w in ws]  # ZeRO-3's backward gather, in FP8
+            qs = iter(quantize_all([(as3d(g), r.g_dgrad, lay.g()) for g in gs]
+                                   + [(as3d(w), r.w_dgrad, lay.w()) for w, q in zip(ws, pre_w) if q is None]
+                                   + [(as3d(g), r.g_wgrad, lay.g()) for g in gs]
+                                   + [(as3d(x), r.x_wgrad, lay.x()) for x, q in zip(saved, pre_x) if q is None]))
+            qg_d = [next(qs) for _ in gs]
+            qw_d = [q if q is not None else next(qs) for q in pre_w]
+            qg_w = [next(qs) for _ in gs]
+            qx_w = [q if q is not None else next(qs) for q in pre_x]
             dxs, dws, dbs = [], [], []
-            for i, (x, w, b, g) in enumerate(zip(xs, ws, bs, gs)):
-                dx = gemm(qs[i], False, r.g_dgrad, qs[n + i], True, r.w_dgrad)  # g W: W's columns contract over out
-                dw = gemm(qs[2 * n + i], True, r.g_wgrad, qs[3 * n + i], True, r.x_wgrad)  # gᵀ x over the tokens
-                dxs.append(dx.reshape(x.shape).to(x.dtype))
+            for i, (w, b, g, (shape, dtype)) in enumerate(zip(ws, bs, gs, ctx.x_meta)):
+                dx = gemm(qg_d[i], False, r.g_dgrad, qw_d[i], True, r.w_dgrad)  # g W: W's columns contract over out
+                dw = gemm(qg_w[i], True, r.g_wgrad, qx_w[i], True, r.x_wgrad)  # gᵀ x over the tokens
+                dxs.append(dx.reshape(shape).to(dtype))
                 dws.append(dw.to(w.dtype))
                 dbs.append(None if b is None else g.reshape(-1, g.shape[-1]).float().sum(0).to(b.dtype))
-        return (None, None, None, *dxs, *dws, *dbs)
+        return (None, None, None, None, *dxs, *dws, *dbs)
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -144,7 +160,8 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 def fp8_linears(cfg: Fp8Config, xs, ws, bs) -> tuple[torch.Tensor, ...]:
     """y_i = x_i W_iᵀ + b_i for a group of linears sharing `cfg`'s layout, in FP8."""
-    return _Fp8Linears.apply(cfg, _out_dtype(xs[0]), len(xs), *xs, *ws, *bs)
+    pre_x = [held(x, cfg.recipe.x, cfg.layout.x()) for x in xs]  # gathered in FP8 (`wire.py`)
+    return _Fp8Linears.apply(cfg, _out_dtype(xs[0]), len(xs), pre_x, *xs, *ws, *bs)
 
 
 def fp8_linear(cfg: Fp8Config, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,6 +27,23 @@ def fp8_cp_problem(recipe: str, seq_len: int, cp: int, balanced: bool) -> str | 
     return f"cuts its {tile}-token tiles across cp ranks ({part} tokens per part)"
 
 
+FP8_WIRE_WEIGHTS = ("tensorwise", "blockwise")
+"""--fp8-all-gather under ZeRO-3: recipes casting W alike for the forward and the input gradient (one FP8 gather)."""
+FP8_WIRE_ACTIVATIONS = ("tensorwise",)
+"""--fp8-all-gather under SP: recipes casting x alike for the forward and the weight gradient (one FP8 gather)."""
+
+
+def fp8_wire_problem(recipe: str, zero3: bool, sp: bool) -> str | None:
+    """An FP8 all-gather is exact only where one FP8 copy feeds every GEMM reading the gathered tensor."""
+    if zero3 and recipe not in FP8_WIRE_WEIGHTS:
+        return ("casts W along its rows for the forward but along its columns for the input gradient, so one FP8 "
+                "gather of the ZeRO-3 weights cannot feed both; use --fp8 tensorwise or blockwise")
+    if sp and recipe not in FP8_WIRE_ACTIVATIONS:
+        return ("tiles x along the features for the forward but along the tokens for the weight gradient, so one FP8 "
+                "SP gather cannot feed both; use --fp8 tensorwise, or drop --sequence-parallel")
+    return None
+
+
 def rest_of_world(world: int, pp: int, cp: int, tp: int) -> int | None:
     """dp under `--dp -1`: the world size over pp×cp×tp (None when that product does not divide it)."""
     inner = pp * cp * tp

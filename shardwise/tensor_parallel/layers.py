@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import comm, host
 from ..fp8.linear import fp8_linear
+from ..fp8.wire import gather_sequence
 from .grad_store import linear, weight_grads
 from .fused import joined, split_weight_grads
 from .overlap import gather_column, row_scatter
@@ -83,8 +84,11 @@ def _replicated_param(shape, axis, grad_reduce=None, device=None, dtype=None):
     return set_spec(p, ShardSpec(tuple(shape), None, 0, 0, 0, axis.size, grad_reduce))
 
 
-def enter_region(x: torch.Tensor, axis, sequence_parallel: bool) -> torch.Tensor:
-    """Input of a column-parallel region: SP all-gathers the sequence, plain TP is Megatron's f."""
+def enter_region(x: torch.Tensor, axis, sequence_parallel: bool, fp8=None) -> torch.Tensor:
+    """Input of a column-parallel region: SP all-gathers the sequence, plain TP is Megatron's f. `fp8`: the
+    region's FP8 linears' config under --fp8-all-gather, whose SP gather travels in FP8 (`fp8/wire.py`)."""
+    if sequence_parallel and fp8 is not None:
+        return gather_sequence(x, axis, 1, fp8)
     return comm.gather_from_sequence(x, axis, 1) if sequence_parallel else comm.copy_to_region(x, axis)
 
 
