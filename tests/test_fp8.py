@@ -166,7 +166,6 @@ def test_empty_expert_rows():
 @pytest.mark.parametrize("kw, says", [
     (dict(fp8="fp4"), "--fp8 'fp4' is unknown; valid: tensorwise, rowwise, blockwise, mxfp8"),
     (dict(fp8="rowwise", parallel=ParallelConfig(tp=2, sequence_parallel=True, tp_overlap=True)), "--tp-overlap"),
-    (dict(fp8="tensorwise", parallel=ParallelConfig(pp=2, schedule="zb")), "--schedule zb"),
     (dict(fp8="blockwise", seq_len=256, parallel=ParallelConfig(cp=2)), "128-token tiles across cp ranks"),
 ])
 def test_bad_combinations(kw, says):

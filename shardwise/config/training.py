@@ -430,9 +430,6 @@ class TrainConfig:
             raise ConfigError(f"--fp8 {self.fp8!r} is unknown; valid: {', '.join(FP8_RECIPES)}")
         if p.tp_overlap:
             raise ConfigError(f"--fp8 {self.fp8} does not run with --tp-overlap yet; drop one of them")
-        if p.pp > 1 and p.schedule in ("zb", "dualpipev"):
-            raise ConfigError(f"--fp8 {self.fp8} does not defer weight gradients yet: --schedule {p.schedule} needs "
-                              "that; use 1f1b, interleaved or gpipe")
         problem = fp8_cp_problem(self.fp8, self.seq_len, p.cp, p.cp_order == "balanced")
         if problem:
             raise ConfigError(f"--fp8 {self.fp8} with --cp {p.cp} and --seq-len {self.seq_len} {problem}")

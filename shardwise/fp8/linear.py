@@ -103,13 +103,13 @@ class _Fp8Linears(torch.autograd.Function):
     = Σ g_i; all the group's amax reductions of one cast in one all-reduce."""
 
     @staticmethod
-    def forward(ctx, cfg: Fp8Config, out_dtype, n: int, pre_x, *args):
+    def forward(ctx, cfg: Fp8Config, out_dtype, n: int, pre_x, store, *args):
         xs, ws, bs = args[:n], args[n:2 * n], args[2 * n:]
         r, lay = cfg.recipe, cfg.layout
         # an FP8 x that came over the wire (`wire.py`) also feeds dW where the recipe casts x alike there
         reuse = [q if q is not None and r.x_wgrad == r.x else None for q in pre_x]
         ctx.save_for_backward(*(x if q is None else q.data for x, q in zip(xs, reuse)))
-        ctx.cfg, ctx.ws, ctx.bs, ctx.n = cfg, ws, bs, n
+        ctx.cfg, ctx.ws, ctx.bs, ctx.n, ctx.store = cfg, ws, bs, n, store
         ctx.xq = [None if q is None else (q.scale, q.blocks) for q in reuse]
         ctx.x_meta = [(x.shape, x.dtype) for x in xs]
         with torch.autocast(xs[0].device.type, enabled=False):
@@ -132,24 +132,44 @@ class _Fp8Linears(torch.autograd.Function):
         pre_x = [None if m is None else Quantized(d, *m) for d, m in zip(saved, ctx.xq)]
         gs = [g if g is not None else torch.zeros((*shape[:-1], w.shape[0]), dtype=dtype, device=w.device)
               for g, (shape, dtype), w in zip(gs, ctx.x_meta, ws)]
+        pre_w = [held(w, r.w_dgrad, lay.w()) for w in ws]  # ZeRO-3's backward gather, in FP8
+        defer = ctx.store is not None and ctx.store.capturing  # zero-bubble: dW runs at this microbatch's W action
+
+        def cast(dgrad: bool, wgrad: bool) -> list:
+            """The operands of dx = g W (dgrad) and dW = gᵀ x (wgrad), their amax reductions batched together."""
+            items = []
+            if dgrad:
+                items += [(as3d(g), r.g_dgrad, lay.g()) for g in gs]
+                items += [(as3d(w), r.w_dgrad, lay.w()) for w, q in zip(ws, pre_w) if q is None]
+            if wgrad:
+                items += [(as3d(g), r.g_wgrad, lay.g()) for g in gs]
+                items += [(as3d(x), r.x_wgrad, lay.x()) for x, q in zip(saved, pre_x) if q is None]
+            qs = iter(quantize_all(items))
+            out = []
+            if dgrad:
+                out += [[next(qs) for _ in gs], [q if q is not None else next(qs) for q in pre_w]]
+            if wgrad:
+                out += [[next(qs) for _ in gs], [q if q is not None else next(qs) for q in pre_x]]
+            return out
+
+        def weight_grads(qg_w, qx_w) -> list:
+            """dW_i = g_iᵀ x_i over the tokens in FP8, db_i = Σ g_i: [dW_1, …, db_1, …]."""
+            dws = [gemm(qg, True, r.g_wgrad, qx, True, r.x_wgrad).to(w.dtype) for qg, qx, w in zip(qg_w, qx_w, ws)]
+            return dws + [None if b is None else g.reshape(-1, g.shape[-1]).float().sum(0).to(b.dtype)
+                          for b, g in zip(bs, gs)]
+
+        def deferred() -> list:
+            with torch.autocast(gs[0].device.type, enabled=False):
+                return weight_grads(*cast(False, True))
+
         with torch.autocast(gs[0].device.type, enabled=False):
-            pre_w = [held(w, r.w_dgrad, lay.w()) for w in ws]  # ZeRO-3's backward gather, in FP8
-            qs = iter(quantize_all([(as3d(g), r.g_dgrad, lay.g()) for g in gs]
-                                   + [(as3d(w), r.w_dgrad, lay.w()) for w, q in zip(ws, pre_w) if q is None]
-                                   + [(as3d(g), r.g_wgrad, lay.g()) for g in gs]
-                                   + [(as3d(x), r.x_wgrad, lay.x()) for x, q in zip(saved, pre_x) if q is None]))
-            qg_d = [next(qs) for _ in gs]
-            qw_d = [q if q is not None else next(qs) for q in pre_w]
-            qg_w = [next(qs) for _ in gs]
-            qx_w = [q if q is not None else next(qs) for q in pre_x]
-            dxs, dws, dbs = [], [], []
-            for i, (w, b, g, (shape, dtype)) in enumerate(zip(ws, bs, gs, ctx.x_meta)):
-                dx = gemm(qg_d[i], False, r.g_dgrad, qw_d[i], True, r.w_dgrad)  # g W: W's columns contract over out
-                dw = gemm(qg_w[i], True, r.g_wgrad, qx_w[i], True, r.x_wgrad)  # gᵀ x over the tokens
-                dxs.append(dx.reshape(shape).to(dtype))
-                dws.append(dw.to(w.dtype))
-                dbs.append(None if b is None else g.reshape(-1, g.shape[-1]).float().sum(0).to(b.dtype))
-        return (None, None, None, None, *dxs, *dws, *dbs)
+            qg_d, qw_d, *wgrad = cast(True, not defer)
+            dxs = [gemm(qg, False, r.g_dgrad, qw, True, r.w_dgrad).reshape(shape).to(dtype)  # g W: over out
+                   for qg, qw, (shape, dtype) in zip(qg_d, qw_d, ctx.x_meta)]
+            if defer:
+                ctx.store.defer([*ws, *bs], deferred)
+                return (None, None, None, None, None, *dxs, *[None] * (2 * n))
+            return (None, None, None, None, None, *dxs, *weight_grads(*wgrad))
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -158,12 +178,14 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def fp8_linears(cfg: Fp8Config, xs, ws, bs) -> tuple[torch.Tensor, ...]:
-    """y_i = x_i W_iᵀ + b_i for a group of linears sharing `cfg`'s layout, in FP8."""
+def fp8_linears(cfg: Fp8Config, xs, ws, bs, store=None) -> tuple[torch.Tensor, ...]:
+    """y_i = x_i W_iᵀ + b_i for a group of linears sharing `cfg`'s layout, in FP8. `store`: a split-backward
+    pipeline stage's WeightGradStore, to which the backward hands the dW GEMMs while it captures."""
     pre_x = [held(x, cfg.recipe.x, cfg.layout.x()) for x in xs]  # gathered in FP8 (`wire.py`)
-    return _Fp8Linears.apply(cfg, _out_dtype(xs[0]), len(xs), pre_x, *xs, *ws, *bs)
+    return _Fp8Linears.apply(cfg, _out_dtype(xs[0]), len(xs), pre_x, store, *xs, *ws, *bs)
 
 
-def fp8_linear(cfg: Fp8Config, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(cfg: Fp8Config, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               store=None) -> torch.Tensor:
     """F.linear(x, w, b) in FP8 under `cfg`."""
-    return fp8_linears(cfg, [x], [w], [b])[0]
+    return fp8_linears(cfg, [x], [w], [b], store)[0]

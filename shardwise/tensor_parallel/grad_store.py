@@ -3,7 +3,8 @@
 In a split schedule, B must produce only the input gradient the previous stage is waiting for.
 Our linear layers therefore, while a store is `capturing`, hand (input, grad_output) to the store
 instead of computing dW; the executor runs W(microbatch, chunk) later, which computes and
-accumulates those weight gradients. One autograd pass, no recomputation.
+accumulates those weight gradients. One autograd pass, no recomputation. An FP8 linear (`fp8/linear.py`) defers
+its FP8 weight-gradient GEMM as a closure (`defer`): its casts, and their amax all-reduces, run at W.
 """
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ class WeightGradStore:
         self.pending: dict[object, list] = {}
 
     def put(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, grad_out: torch.Tensor) -> None:
-        self.pending.setdefault(self.key, []).append((weight, bias, x, grad_out))
+        self.defer([weight, bias], lambda: weight_grads(x, grad_out, weight, bias))
+
+    def defer(self, params: list, compute) -> None:
+        """At this microbatch's W: `compute()` gives the gradients of `params` (None entries: no parameter)."""
+        self.pending.setdefault(self.key, []).append((params, compute))
 
     def run(self, key) -> None:
         """Compute and accumulate every deferred weight gradient of `key`, then drop the saved tensors. A weight
@@ -27,11 +32,10 @@ class WeightGradStore:
         autograd's post-accumulate-grad hook fires once per backward: the reducer counts one gradient per
         parameter and microbatch (a hook per use made a bucket "complete" early)."""
         pending = self.pending.pop(key, [])
-        left = Counter(id(p) for weight, bias, _, _ in pending for p in (weight, bias) if p is not None)
+        left = Counter(id(p) for params, _ in pending for p in params if p is not None)
         with torch.no_grad():
-            for weight, bias, x, g in pending:
-                dw, db = weight_grads(x, g, weight, bias)
-                for p, d in ((weight, dw), (bias, db)):
+            for params, compute in pending:
+                for p, d in zip(params, compute()):
                     if p is not None:
                         left[id(p)] -= 1
                         _accumulate(p, d, last=not left[id(p)])

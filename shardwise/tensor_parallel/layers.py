@@ -138,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
 def _linear(layer, x, bias):
     """The layer's GEMM: FP8 under --fp8, else F.linear (deferred-W in a split-backward pipeline stage)."""
     if layer.fp8 is not None:
-        return fp8_linear(layer.fp8, x, layer.weight, bias)
+        return fp8_linear(layer.fp8, x, layer.weight, bias, layer.grad_store)
     return linear(x, layer.weight, bias, layer.grad_store)
 
 
