@@ -11,8 +11,9 @@ from ..rules.partition import ORDERS, check_seq_len, split_layers
 from ..rules.schedules import SCHEDULE_NAMES, build_schedule
 from ..rules.validation import (
     CP_IMPLS, FP8_RECIPES, RECOMPUTE, REST, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, fp8_cp_problem,
-    fp8_wire_problem, heads_tp_problem, hsdp_zero_problem, rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
+    heads_tp_problem, hsdp_zero_problem, rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
 )
+from ..rules.validation import fp8_wire_problem
 from .errors import ConfigError
 from .schedule import validate_optim
 from .model import ModelConfig, get_model_config
