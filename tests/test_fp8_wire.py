@@ -15,7 +15,7 @@ import torch
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.fp8 import wire
 from shardwise.fp8.recipes import RECIPES, recipe
-from shardwise.fp8.scaling import Layout, _plan, as3d, local_amax, quantize_all
+from shardwise.fp8.scaling import Layout, as3d, block_plan, local_amax, quantize_all
 from shardwise.rules.validation import FP8_WIRE_ACTIVATIONS, FP8_WIRE_WEIGHTS
 
 from _dist import fresh_seed, run_ranks
@@ -50,7 +50,7 @@ def test_shards_give_the_whole_weights_scales_and_bytes(name):
     w = torch.randn(300, 260, generator=g) * torch.logspace(-2, 2, 260)
     cast = recipe(name).w
     (q,) = quantize_all([(as3d(w), cast, Layout())])
-    br, bc, _ = _plan(as3d(w), cast, Layout())
+    br, bc, _ = block_plan(as3d(w), cast, Layout())
     cuts = [0, *sorted(torch.randint(1, w.numel(), (3,), generator=g).tolist()), w.numel()]
     flat = w.reshape(-1)
     amax = torch.stack([wire.segment_amax(flat[a:b], a, tuple(w.shape), cast, br, bc)

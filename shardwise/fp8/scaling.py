@@ -75,7 +75,7 @@ def _whole(block: int | None, local: int, axes, global_len: int | None) -> bool:
     return block is None or (global_len > 0 and block >= global_len)
 
 
-def _plan(t: torch.Tensor, cast: Cast, lay: Layout):
+def block_plan(t: torch.Tensor, cast: Cast, lay: Layout):
     """(row block, col block, axes to reduce over) of casting `t` [B, S, C] as `cast` under `lay`: block 0 = whole."""
     B, S, C = t.shape
     br, bc = cast.block
@@ -148,7 +148,7 @@ def reduce_amaxes(amaxes: list[torch.Tensor], axes_per: list[list]) -> list[torc
 
 def quantize_all(items: list[tuple[torch.Tensor, Cast, Layout]]) -> list[Quantized]:
     """Cast every (tensor [B, S, C], cast, layout) to FP8, the amax reductions batched (`reduce_amaxes`)."""
-    plans = [_plan(t, c, lay) for t, c, lay in items]
+    plans = [block_plan(t, c, lay) for t, c, lay in items]
     amaxes = reduce_amaxes([local_amax(t, c, br, bc) for (t, c, _), (br, bc, _) in zip(items, plans)],
                            [axes for _, _, axes in plans])
     out = []

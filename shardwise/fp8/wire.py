@@ -68,7 +68,7 @@ class _GatherFp8(torch.autograd.Function):
     def forward(ctx, x, axis, dim, cast, layout, box):
         ctx.axis, ctx.dim = axis, dim
         t = as3d(x)
-        br, bc, axes = scaling._plan(t, cast, layout)
+        br, bc, axes = scaling.block_plan(t, cast, layout)
         if br or bc:
             raise ValueError(f"an FP8 all-gather of activations needs one scale per tensor, not {cast.block}")
         [amax] = scaling.reduce_amaxes([local_amax(t, cast, 0, 0)], [_scale_axes(axis, axes)])
@@ -166,7 +166,7 @@ class WeightWire:
         shard = b.shard.detach()
         amaxes, axes, self.plans = [], [], []
         for p, off, k, cast, layout in self.items:
-            br, bc, tp_axes = scaling._plan(torch.empty(1, *p.shape, device="meta"), cast, layout)  # p: no storage
+            br, bc, tp_axes = scaling.block_plan(torch.empty(1, *p.shape, device="meta"), cast, layout)  # p: no storage
             lo, hi = max(off, lo_s), min(off + k, lo_s + per)
             seg = shard[lo - lo_s:max(lo, hi) - lo_s]
             amaxes.append(segment_amax(seg, lo - off, tuple(p.shape), cast, br, bc))
