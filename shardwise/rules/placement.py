@@ -67,7 +67,7 @@ def contiguous(n_experts: int, ep: int) -> ExpertLayout:
 def balanced(counts: list[float], ep: int, replicas: int = 1) -> ExpertLayout:
     """An even expected load from `counts` (rows per expert): with `replicas` R > 1 the ep hottest experts get R
     copies each (a copy weighing 1/R), then every piece, heaviest first, goes to the least-loaded rank with a free
-    slot that does not hold its expert yet. Ties keep the contiguous rank, so a flat histogram stays contiguous."""
+    slot that does not hold its expert yet (ties: the expert's contiguous rank first, then the lowest)."""
     n, e_l = len(counts), len(counts) // ep
     if n % ep:
         raise ValueError(f"{n} experts do not divide over ep={ep}")
