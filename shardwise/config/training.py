@@ -464,6 +464,9 @@ class TrainConfig:
             raise ConfigError(f"--expert-replicas {p.expert_replicas} needs --expert-placement balanced")
         if not 1 <= p.expert_replicas <= p.ep:
             raise ConfigError(f"--expert-replicas {p.expert_replicas} must be in 1..ep={p.ep}")
+        if p.expert_replicas > 1 and self.fp8:
+            raise ConfigError(f"--expert-replicas {p.expert_replicas} does not run with --fp8 {self.fp8} yet (FP8 "
+                              "expert GEMMs do not sum the copies' gradients); drop one of them")
 
     def _validate_context(self, m: ModelConfig) -> None:
         p = self.parallel
