@@ -128,3 +128,29 @@ def test_a_checkpoint_resumes_under_another_placement(tmp_path):
                                            run_ranks(4, _resume_across, cfgs, str(tmp_path / "ckpt"),
                                                      timeout_s=300)[0]):
         assert shard == 0.0 and logits < 1e-5 and loss < 1e-5, (name, seed, shard, logits, loss)
+
+
+def test_the_plan_reads_the_placement():
+    """`plan --expert-placement balanced` plans the busiest rank after placement: a recorded histogram's S is the
+    balanced layout's (what `--explain` shows as the what-if), a stated S spreads its hot rank's experts over ranks; less
+    memory and time than contiguous, never below the mean."""
+    from dataclasses import replace
+
+    from shardwise.planner import Cluster, estimate, get_gpu
+    from shardwise.planner.layout import Layout, Workload
+    from shardwise.planner.models import get_model
+    from shardwise.planner.moe_skew import balanced_skew, skew
+
+    spec = get_model("mixtral-8x7b")
+    lay = Layout(dp=16, tp=4, pp=2, ep=4, mb=1, m=4, zero=1, recompute="selective", sequence_parallel=True)
+    hist = ((900, 800, 50, 50, 40, 30, 20, 10), (10, 20, 30, 600, 700, 50, 50, 40))
+    routed = Workload(4096, 64, "bf16", moe_routing=hist)
+    placed = replace(routed, expert_placement="balanced")
+    assert skew(spec, lay, placed) == balanced_skew(spec, lay, routed) < skew(spec, lay, routed)
+    # S = 3 on E = 8 over ep = 4: the hot rank's two experts carry 3/8 of the rows each, one per rank after placement
+    stated = skew(spec, lay, replace(Workload(4096, 64, "bf16", moe_skew=3.0), expert_placement="balanced"))
+    assert stated == pytest.approx(4 * (3 / 8 + (1 - 3 / 4) / 6), rel=1e-3)
+    cluster = Cluster(get_gpu("h100-80gb"), lay.world_size, 8)
+    a, b = (estimate(spec, cluster, lay, wl, detail=True) for wl in (routed, placed))
+    assert b["peak_bytes_per_rank"] < a["peak_bytes_per_rank"] and b["step_time_s"] < a["step_time_s"]
+    assert b["moe_skew"] >= 1.0
