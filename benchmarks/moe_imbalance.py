@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         for k, v in SMOKE.items():
             setattr(args, k, v)
     per_rank = run_local(_rank, args.ep, args, args.seed, timeout_s=600)
-    names = list(per_rank[0]["times"])
+    names = list(per_rank[0]["slots"])  # contiguous first: the base of every ratio
     step = {n: [max(ts) for ts in zip(*(r["times"][n] for r in per_rank))] for n in names}  # the slower rank
     busiest = {n: [max(rs) for rs in zip(*(r["rows"][n] for r in per_rank))] for n in names}
     medians = {f"step/{n}": statistics.median(step[n]) for n in names}
