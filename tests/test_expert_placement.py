@@ -74,7 +74,7 @@ def test_verify_with_permuted_and_replicated_placement(tmp_path):
     seed: a permuted placement and one with 2 replicas of the 4 hottest experts pass; a wrong slot map fails."""
     seed, routing = fresh_seed(), _routing(tmp_path)
     cfgs = [_cfg(seed, routing, expert_placement="balanced"),
-            _cfg(seed, routing, expert_placement="balanced", expert_replicas=2)]
+            _cfg(seed, routing, expert_placement="balanced", expert_replicas=2, zero=1)]
     results = run_ranks(4, _verify_and_sabotage, cfgs, _cfg(seed, routing, 1, expert_placement="balanced"),
                         timeout_s=300)[0]
     for name, r in zip(("permuted", "replicas=2"), results):
@@ -154,3 +154,39 @@ def test_the_plan_reads_the_placement():
     a, b = (estimate(spec, cluster, lay, wl, detail=True) for wl in (routed, placed))
     assert b["peak_bytes_per_rank"] < a["peak_bytes_per_rank"] and b["step_time_s"] < a["step_time_s"]
     assert b["moe_skew"] >= 1.0
+
+
+@pytest.mark.slow
+def test_hf_round_trip_under_a_placement(tmp_path):
+    """`train --init-from-hf` of a DeepSeek-V3 checkpoint on dp4×ep4 with a balanced placement and 2 replicas, at lr
+    0, then `hf-export`: each rank's slots read their logical experts, the checkpoint holds logical ids, and every
+    exported tensor equals the source's."""
+    import argparse
+    import os
+
+    from safetensors.torch import load_file
+
+    from shardwise.cli import main
+    from shardwise.commands.hf import run_export
+    from shardwise.hf import weights as hf
+    from test_hf import DEEPSEEK, _save, _tokenizer, tmp_path_factory_shim
+
+    path = _tokenizer(_save(tmp_path_factory_shim(tmp_path), "ft_deepseek", "DeepseekV3", norms=True,
+                            shape=DEEPSEEK | dict(vocab_size=300)), 280)
+    hist = tmp_path / "routing.jsonl"
+    hist.write_text(json.dumps({"step": 1, "tokens_per_expert": {str(i): HIST["0"] for i in range(1, 8)}}) + "\n")
+    text = tmp_path / "bytes.txt"
+    text.write_text("shardwise fine-tunes a DeepSeek model on a few bytes of text. " * 20)
+    run = str(tmp_path / "run")
+    assert main(["train", "--init-from-hf", path, "--dp", "4", "--ep", "4", "--expert-placement", "balanced",
+                 "--expert-routing", str(hist), "--expert-replicas", "2", "--lr", "0", "--steps", "1", "--seq-len",
+                 "16", "--micro-batch", "1", "--save-every", "1", "--out", run, "--no-report", "--no-progress",
+                 "--data", str(text)]) == 0
+    out = str(tmp_path / "exported")
+    assert run_export(argparse.Namespace(ckpt_dir=os.path.join(run, "checkpoints"), out_dir=out)) == 0
+    files = hf.WeightFiles(path)
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(exported) == sorted(files.where)
+    for n in files.where:
+        want = files.read(n, tuple(slice(0, s) for s in files.shape(n)))
+        torch.testing.assert_close(exported[n], want, atol=1e-6, rtol=0, msg=lambda m: f"{n}: {m}")

@@ -25,7 +25,7 @@ from shardwise.planner.layout import (
 from shardwise.commands.train_command import parse_train_flags, row_command
 from shardwise.planner.activations import ACTIVATION_MODELS
 from shardwise.planner.models import PRESETS, get_model, load_hf_config
-from shardwise.planner.moe_skew import balanced_skew, check_skew, placement_help, read_routing, skew_help
+from shardwise.planner.moe_skew import balanced_skew, check_skew, read_routing, skew_help
 from shardwise.planner.peak import PEAK_TERMS
 from shardwise.planner.search import SearchSpace, candidates, no_layout_reason, search
 from shardwise.rules.hf_types import model_types
@@ -81,8 +81,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     for flag, text in skew_help("plan").items():
         routing.add_argument(flag, type=float if flag == "--moe-skew" else str,
                              metavar="S" if flag == "--moe-skew" else "RUN_DIR", help=text)
-    p.add_argument("--expert-placement", choices=("contiguous", "balanced"), default="contiguous",
-                   help=placement_help())
+    train_flag(p, "--expert-placement")
     p.add_argument("--top", type=int, default=10, help="best layouts to print, as table rows or --json objects (default 10)")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="full breakdown of one layout, e.g. 'dp=8,tp=8,pp=4' (keys: dp tp pp cp ep vp mb m "

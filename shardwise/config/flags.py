@@ -363,6 +363,9 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
     PlanFlag("--cp-impl", "context-parallel attention (default ring)", default="ring", choices=CP_IMPLS),
     PlanFlag("--tp-overlap", "model train's --tp-overlap: SP collectives in tp chunks under the GEMMs (default off)",
              default=False, kind="switch"),
+    PlanFlag("--expert-placement", "train's MoE expert placement: contiguous (default), or balanced — plan the busiest "
+             "ep rank once the experts of --routing's layers (or of --moe-skew's stated load) are placed for an even "
+             "load", default="contiguous", choices=("contiguous", "balanced")),
 )
 """The train flags `shardwise plan` takes, with plan's own defaults (its other flags are its own: GPUs, search)."""
 

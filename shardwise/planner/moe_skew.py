@@ -54,12 +54,6 @@ _RULE_TOKENS = 1 << 16
 """Tokens a stated skew's per-expert rows are drawn for: many, so the integer rounding of the rule is negligible."""
 
 
-def placement_help() -> str:
-    return ("MoE expert placement to plan: contiguous (default) or balanced — the busiest ep rank once the experts "
-            "of --routing's layers (or of --moe-skew's stated load) are placed for an even load, as "
-            "train --expert-placement balanced does")
-
-
 def balanced_skew(spec, lay, wl) -> float | None:
     """With a recorded histogram: S if each layer's experts were placed over the ep ranks for an even load
     (`rules.routing.balanced_placement`, per layer); None without one."""
