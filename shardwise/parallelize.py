@@ -32,6 +32,7 @@ from .context_parallel.local import local_attention
 from .context_parallel.plan import ContextParallel
 from .data_parallel import GradReducer
 from .expert_parallel.moe import MoE, build_moe, share_aux_pool
+from .expert_parallel.placement import expert_layouts
 from .mesh import Mesh
 from .models.context import ParallelContext
 from .models.gated_deltanet import GatedDeltaNet
@@ -333,15 +334,18 @@ def apply_ep(model: Transformer, mesh: Mesh, parallel: ParallelConfig) -> None:
     when the model's aux loss is pooled over layers."""
     tp = mesh["tp"]
     sp = parallel.sequence_parallel and tp.active
-    for block in all_blocks(model):
+    layouts = expert_layouts(parallel, model.cfg.moe_experts) or {}  # --expert-placement: per layer id
+    ids = [int(k) for k in model.layers] + ([model.cfg.n_layers + int(k) for k in model.mtp] if model.mtp else [])
+    for layer_id, block in zip(ids, all_blocks(model)):
         if isinstance(block.feed_forward, MoE):
-            block.feed_forward = moe = _expert_parallel_moe(model.cfg, mesh, sp, parallel.fused_projections)
+            block.feed_forward = moe = _expert_parallel_moe(model.cfg, mesh, sp, parallel.fused_projections,
+                                                            layouts.get(layer_id))
             _set_overlap(moe, parallel.tp_overlap and sp)
             _replicated_over_tp(moe.parameters(), tp, sp)
     share_aux_pool(model)
 
 
-def _expert_parallel_moe(cfg: ModelConfig, mesh: Mesh, sp: bool, fused: bool) -> MoE:
+def _expert_parallel_moe(cfg: ModelConfig, mesh: Mesh, sp: bool, fused: bool, layout=None) -> MoE:
     """An MoE block whose experts are split over ep (it declares its own parameters).
 
     Without SP every TP rank routes the same tokens, so replicas compute identical gradients. Under
@@ -349,7 +353,7 @@ def _expert_parallel_moe(cfg: ModelConfig, mesh: Mesh, sp: bool, fused: bool) ->
     aux loss statistics span tp as well as dp×cp. `fused`: the shared experts' w1/w3 run as one GEMM.
     """
     tp = mesh["tp"]
-    moe = build_moe(cfg, mesh["ep"], expert_replicas=tp.size, device="meta")
+    moe = build_moe(cfg, mesh["ep"], expert_replicas=tp.size, device="meta", layout=layout)
     moe.router.token_axes = (mesh["dp_cp"], tp) if sp else (mesh["dp_cp"],)
     for p in moe.experts.parameters():
         if sp:

@@ -21,6 +21,7 @@ PROMISED = {
     "dp_peers.py": {"medians_s", "ratios", "config", "loss_abs_diff_vs_peer"},
     "ep_dispatch.py": {"medians_s", "ratios", "paired_ratios", "bytes", "config", "absent"},
     "loader_rss.py": {"medians_s", "ratios", "rss_mb", "config"},
+    "moe_imbalance.py": {"medians_s", "medians_rows", "ratios", "paired_ratios", "max_abs_diff", "config"},
     "plan_speed.py": {"medians_s", "ratios", "config"},
     "pp_peers.py": {"medians_s", "ratios", "bubbles", "paired_ratios", "loss_diff", "max_grad_diff", "config"},
     "prepare_data.py": {"medians_s", "ratios", "config"},

@@ -95,6 +95,7 @@ ROUND_TRIP = (
          dp_shard=2, schedule="interleaved", vp=2, pp_layers=(3, 1, 2, 2), cp_order="contiguous", cp_impl="ulysses",
          recompute="full", recompute_layers=1, compile=True),
     dict(dp=2, pp=2, tp=2, schedule="zb", pp_scatter_gather=True, recompute="selective"),
+    dict(dp=4, ep=4, expert_placement="balanced", expert_routing="RUN_DIR", expert_replicas=2),
 )
 
 

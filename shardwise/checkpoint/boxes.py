@@ -47,8 +47,10 @@ def flat_boxes(shape, lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
     return out
 
 
-def _place(spec, shape, src: torch.Tensor, lo: int, hi: int) -> list[tuple[tuple, torch.Tensor]]:
+def _place(spec, shape, src: torch.Tensor, lo: int, hi: int, save: bool = False) -> list[tuple[tuple, torch.Tensor]]:
     """(global offsets, local view) of the valid part of local flat range [lo, hi); `src` holds exactly that range."""
+    if getattr(spec, "rows", None):  # placed experts: slot j is logical expert rows[j]
+        return _place_rows(spec, shape, src, lo, hi, save)
     valid = list(shape)
     if spec.dim is not None:
         valid[spec.dim] = spec.valid  # padding rows sit past `valid` along the split dim
@@ -62,6 +64,21 @@ def _place(spec, shape, src: torch.Tensor, lo: int, hi: int) -> list[tuple[tuple
             view = view.narrow(d, 0, k)
         offsets = tuple(i + (spec.start if d == spec.dim else 0) for d, i in enumerate(idx))
         out.append((offsets, view))
+    return out
+
+
+def _place_rows(spec, shape, src: torch.Tensor, lo: int, hi: int, save: bool) -> list[tuple[tuple, torch.Tensor]]:
+    """`_place` for an `ExpertShard`: each local slot's part at its logical expert's row, so a checkpoint holds logical
+    expert ids whatever the placement; a save writes only each expert's first copy (replicas hold equal values)."""
+    inner = math.prod(shape[1:])
+    out = []
+    for j, (row, first) in enumerate(zip(spec.rows, spec.primary)):
+        a, b = max(lo, j * inner), min(hi, (j + 1) * inner)
+        if a >= b or (save and not first):
+            continue
+        for idx, sizes, start in flat_boxes(shape, a, b):
+            view = src[start - lo:start - lo + math.prod(sizes)].view(sizes)
+            out.append(((row + idx[0] - j, *idx[1:]), view))
     return out
 
 
@@ -122,7 +139,7 @@ def state_entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
         tensors = (({} if red.zero >= 3 else {"model": p}) |  # ZeRO-3: parameters exist only as shards (below)
                    ({} if red.zero else _optimizer_state(red, p, red.muon is not None and red.is_muon(n, p))))
         for kind, t in tensors.items():
-            boxes = _place(spec, p.shape, t.detach().view(-1), 0, p.numel()) if mine else []  # a view, never a copy
+            boxes = _place(spec, p.shape, t.detach().view(-1), 0, p.numel(), save) if mine else []  # a view, not a copy
             add(f"model.{gname[n]}" if kind == "model" else f"optim.{gname[n]}.{kind}", spec, boxes)
     for n, mod, b in persistent_buffers(trainer.model):
         # Replicated like their module's parameters: the first TP rank of each dp×cp (experts: edp) group writes.
@@ -141,7 +158,7 @@ def state_entries(trainer, save: bool) -> dict[str, tuple[tuple, list]]:
             for n, p, off, k in g["offsets"]:
                 lo, hi = max(off, lo_s), min(off + k, lo_s + g["per"])
                 for key, t in (shard | state).items():
-                    boxes = (_place(get_spec(p), p.shape, t[lo - lo_s:hi - lo_s], lo - off, hi - off)
+                    boxes = (_place(get_spec(p), p.shape, t[lo - lo_s:hi - lo_s], lo - off, hi - off, save)
                              if lo < hi and n in owned and not copy else [])
                     add(f"model.{gname[n]}" if key == "model" else f"optim.{gname[n]}.{key}", get_spec(p), boxes)
     return out

@@ -81,6 +81,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     for flag, text in skew_help("plan").items():
         routing.add_argument(flag, type=float if flag == "--moe-skew" else str,
                              metavar="S" if flag == "--moe-skew" else "RUN_DIR", help=text)
+    train_flag(p, "--expert-placement")
     p.add_argument("--top", type=int, default=10, help="best layouts to print, as table rows or --json objects (default 10)")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="full breakdown of one layout, e.g. 'dp=8,tp=8,pp=4' (keys: dp tp pp cp ep vp mb m "
@@ -134,7 +135,8 @@ def _inputs(args):
     check_skew(args.moe_skew)
     wl = Workload(args.seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, args.precision, args.fp32_residual,
                   args.grad_reduce_dtype, args.optimizer, moe_skew=args.moe_skew or 1.0,
-                  moe_routing=read_routing(args.routing, spec.moe_experts) if args.routing else None)
+                  moe_routing=read_routing(args.routing, spec.moe_experts) if args.routing else None,
+                  expert_placement=args.expert_placement)
     assume = Assumptions(args.flops_efficiency, args.link_efficiency, args.dp_overlap, args.usable_memory,
                          args.activation_model, args.tp_overlap)
     return spec, cluster, wl, assume

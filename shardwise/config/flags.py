@@ -128,6 +128,14 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--pp-scatter-gather", "under TP without SP, send 1/tp of each stage activation and all-gather it on arrival",
          "parallel.pp_scatter_gather", kind="switch", group=LAYOUT),
     Flag("--cp-order", "context-parallel token order: balanced or contiguous", "parallel.cp_order", group=LAYOUT),
+    Flag("--expert-placement", "which ep rank holds which expert: contiguous (default) or balanced (permuted for an "
+         "even load from --expert-routing's histogram; the math is unchanged)", "parallel.expert_placement",
+         choices=("contiguous", "balanced"), group=LAYOUT),
+    Flag("--expert-routing", "the tokens-per-expert histogram a balanced placement reads: a run directory (its "
+         "routing.jsonl) or that file", "parallel.expert_routing", type=str, group=LAYOUT, metavar="RUN_DIR"),
+    Flag("--expert-replicas", "under --expert-placement balanced, the ep hottest experts held by R ranks each "
+         "(their gradients summed; tokens split between the copies)", "parallel.expert_replicas", group=LAYOUT,
+         metavar="R"),
     Flag("--cp-impl", "context-parallel attention: ring or ulysses", "parallel.cp_impl", group=LAYOUT),
     Flag("--recompute", "activation recompute: none, selective (attention core), full", "parallel.recompute",
          group=LAYOUT),
@@ -355,6 +363,9 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
     PlanFlag("--cp-impl", "context-parallel attention (default ring)", default="ring", choices=CP_IMPLS),
     PlanFlag("--tp-overlap", "model train's --tp-overlap: SP collectives in tp chunks under the GEMMs (default off)",
              default=False, kind="switch"),
+    PlanFlag("--expert-placement", "train's MoE expert placement: contiguous (default), or balanced — plan the busiest "
+             "ep rank once the experts of --routing's layers (or of --moe-skew's stated load) are placed for an even "
+             "load", default="contiguous", choices=("contiguous", "balanced")),
 )
 """The train flags `shardwise plan` takes, with plan's own defaults (its other flags are its own: GPUs, search)."""
 

@@ -54,6 +54,14 @@ class ParallelConfig:
     """Full recompute of the first N layers of every stage/chunk; None = all."""
     compile: bool = False
     """torch.compile each transformer block (collectives and their ledger stay eager, between graphs)."""
+    expert_placement: str = "contiguous"
+    """Which ep rank holds which routed expert: 'contiguous' (rank r holds [r·E/ep, (r+1)·E/ep)) or 'balanced'
+    (permuted for an even expected load from `expert_routing`'s histogram; rules/placement.py). The math is unchanged."""
+    expert_routing: str | None = None
+    """The recorded tokens-per-expert histogram a balanced placement reads: a run directory (its routing.jsonl)
+    or that file."""
+    expert_replicas: int = 1
+    """Under a balanced placement, the ep hottest experts held by this many ranks each (gradients summed over them)."""
 
     def __post_init__(self):
         if isinstance(self.pp_layers, list):

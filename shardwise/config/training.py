@@ -449,10 +449,25 @@ class TrainConfig:
             valid = ", ".join(str(e) for e in range(1, m.moe_experts + 1) if not m.moe_experts % e)
             raise ConfigError(f"--ep {p.ep} does not divide moe_experts={m.moe_experts} of model {m.name!r}; "
                               f"valid: {valid}")
+        self._validate_placement(m)
         if m.moe_experts and m.moe_aux_loss_scope == "model" and m.moe_aux_loss_coef and p.pp > 1:
             raise ConfigError(f"--pp {p.pp} with model {m.name!r}'s aux loss pooled over all layers "
                               "(moe_aux_loss_scope='model', Hugging Face's): the pool needs every layer on one stage; "
                               "use --pp 1 or --moe-aux-loss-coef 0")
+
+    def _validate_placement(self, m: ModelConfig) -> None:
+        p = self.parallel
+        if p.expert_placement not in ("contiguous", "balanced"):
+            raise ConfigError(f"--expert-placement {p.expert_placement!r} is unknown; valid: contiguous, balanced")
+        if p.expert_placement == "balanced" and not p.expert_routing:
+            raise ConfigError("--expert-placement balanced needs --expert-routing RUN_DIR (a recorded routing.jsonl)")
+        if p.expert_replicas != 1 and p.expert_placement != "balanced":
+            raise ConfigError(f"--expert-replicas {p.expert_replicas} needs --expert-placement balanced")
+        if not 1 <= p.expert_replicas <= p.ep:
+            raise ConfigError(f"--expert-replicas {p.expert_replicas} must be in 1..ep={p.ep}")
+        if p.expert_replicas > 1 and self.fp8:
+            raise ConfigError(f"--expert-replicas {p.expert_replicas} does not run with --fp8 {self.fp8} yet (FP8 "
+                              "expert GEMMs do not sum the copies' gradients); drop one of them")
 
     def _validate_context(self, m: ModelConfig) -> None:
         p = self.parallel

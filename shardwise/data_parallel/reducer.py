@@ -162,6 +162,8 @@ class GradReducer:
                 flat[off:off + k].copy_(p.detach().reshape(-1))
                 p.data = flat[off:off + k].view_as(p)
                 weights[off:off + k] = 1.0 / get_spec(p).replicas
+                if _extra_copies(p) is not None:  # a replicated expert counts once: its first copy
+                    weights[off:off + k].view(p.shape)[_extra_copies(p)] = 0.0
             b.flat = flat
             # ZeRO-3: the shard is the parameters' only persistent copy; the full buffer is transient
             b.shard = torch.nn.Parameter(flat[r * per:(r + 1) * per].clone() if self.zero >= 3 else
@@ -264,11 +266,14 @@ class GradReducer:
         else:  # .grads are views of the bucket buffers: one norm kernel per bucket (per parameter under TP)
             for b in self.buckets:
                 reps = {get_spec(p).replicas for _, p, _, _ in b.offsets}
+                copies = [p for _, p, _, _ in b.offsets if _extra_copies(p) is not None]
                 if len(reps) == 1:
                     (expert if b.expert else dense).add_(self._sq_sum(b.grad_full) / reps.pop())
-                    continue
-                for _, p, _, _ in b.offsets:
-                    (expert if b.expert else dense).add_(self._sq_sum(_grad(p).reshape(-1)) / get_spec(p).replicas)
+                else:
+                    for _, p, _, _ in b.offsets:
+                        (expert if b.expert else dense).add_(self._sq_sum(_grad(p).reshape(-1)) / get_spec(p).replicas)
+                for p in copies:  # a replicated expert counts once: its other copies leave the norm
+                    expert.sub_(self._sq_sum(_grad(p)[_extra_copies(p)].reshape(-1)) / get_spec(p).replicas)
         if experts:
             comm.all_reduce(expert, self.mesh["ep"], tag="grad_norm")  # each ep rank holds different experts
         self._scratch = None  # transient: not part of the static footprint
@@ -373,6 +378,15 @@ class GradReducer:
                 lo, hi = max(off, lo_s), min(off + k, hi_s)
                 if lo < hi:
                     yield n, of(b)[lo - lo_s:hi - lo_s], lo - off, hi - off
+
+
+def _extra_copies(p: torch.Tensor) -> torch.Tensor | None:
+    """Under `--expert-replicas`: the local slots of a stacked expert parameter that are not their expert's first copy
+    (an `ExpertShard`'s `primary`), which the grad norm must not count again; None where there are none."""
+    primary = getattr(get_spec(p), "primary", ())
+    if all(primary):
+        return None
+    return torch.tensor([not x for x in primary], device=p.device)
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

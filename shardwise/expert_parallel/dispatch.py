@@ -10,6 +10,11 @@ dispatch:  preprocess  expand every token to its k assignments, apply capacity, 
 combine:   the mirror: undo the regroup, all-to-all with the splits swapped, then scatter-add the
            k router-weighted contributions back to their tokens.
 
+Under an expert placement (`rules.placement.ExpertLayout`) the router's logical expert ids are mapped to global
+slots (rank·E_l + local slot) before the sort — one gather on the device; a replicated expert's row goes to copy
+(token + source rank) mod R — and everything after the mapping reads slots for experts. Capacity is applied to
+logical experts before the mapping, so drops do not depend on the placement.
+
 Capacity mode (capacity_factor F): each source rank keeps at most ceil(F·N·k/E) assignments per
 expert, N its own tokens. Drop priority is deterministic: policy "probs" keeps the highest router
 weights (ties: earlier token, then earlier of its k choices); "position" keeps earlier tokens
@@ -129,23 +134,46 @@ def check_same_routing(counts: torch.Tensor, then: torch.Tensor) -> None:
 class AllToAllDispatcher:
     """Moves each token's k assignments to the ep rank owning the chosen expert, and back."""
 
-    def __init__(self, n_experts: int, ep_axis, capacity_factor: float | None = None, drop_policy: str = "probs"):
+    def __init__(self, n_experts: int, ep_axis, capacity_factor: float | None = None, drop_policy: str = "probs",
+                 layout=None):
         if n_experts % ep_axis.size:
             raise ValueError(f"n_experts={n_experts} not divisible by ep={ep_axis.size}")
         self.n_experts, self.axis = n_experts, ep_axis
         self.n_local = n_experts // ep_axis.size
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.tape: SplitTape | None = None  # set by shardwise.recompute around a checkpointed forward and its replay
+        self.layout = None if layout is None or layout.identity else layout
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.layout is not None:
+            if self.layout.ep != ep_axis.size:
+                raise ValueError(f"expert layout for ep={self.layout.ep}, the ep axis has {ep_axis.size} ranks")
+            self.n_local = self.layout.n_local
+            self.slot_expert = [e for rank in self.layout.slots for e in rank]  # global slot → logical expert
+
+    def _slots(self, flat_e: torch.Tensor, k: int) -> torch.Tensor:
+        """Logical expert of each flattened assignment → the global slot its row goes to (identity: contiguous)."""
+        if self.layout is None:
+            return flat_e
+        if self._tables is None or self._tables[0].device != flat_e.device:
+            copies = [self.layout.copies(e) for e in range(self.n_experts)]
+            width = max(len(c) for c in copies)
+            table = torch.tensor([c + c[:1] * (width - len(c)) for c in copies], device=flat_e.device)
+            self._tables = table, torch.tensor([len(c) for c in copies], device=flat_e.device)
+        table, n_copies = self._tables
+        token = torch.arange(flat_e.numel(), device=flat_e.device) // k
+        return table[flat_e, (token + self.axis.rank) % n_copies[flat_e]]
 
     # ------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor):
         """x [N, d], indices/weights [N, k] → (rows [M, d] grouped by local expert, handle)."""
         n, k = indices.shape
-        e, ep, e_l = self.n_experts, self.axis.size, self.n_local
-        flat_e = indices.reshape(-1)
+        ep, e_l = self.axis.size, self.n_local
+        e = ep * e_l  # slots: the experts themselves without a placement
         flat_w = weights.reshape(-1)
-        if self.capacity_factor is not None:
-            keep = keep_mask(indices, weights, e, capacity(self.capacity_factor, n, k, e), self.drop_policy)
+        flat_e = self._slots(indices.reshape(-1), k)
+        if self.capacity_factor is not None:  # per logical expert: the placement changes no drop
+            cap = capacity(self.capacity_factor, n, k, self.n_experts)
+            keep = keep_mask(indices, weights, self.n_experts, cap, self.drop_policy)
             sort_key = torch.where(keep, flat_e, e)  # dropped rows sort last and are cut below
         else:
             keep, sort_key = None, flat_e
@@ -174,6 +202,11 @@ class AllToAllDispatcher:
             regroup = torch.argsort((chunk % e_l) * ep + chunk // e_l, stable=True)
             rows = rows.index_select(0, regroup)
         per_local = [sum(recv[r * e_l + j] for r in range(ep)) for j in range(e_l)]
+        if self.layout is not None:  # the record speaks logical experts
+            logical = [0] * self.n_experts
+            for slot, c in enumerate(per_expert):
+                logical[self.slot_expert[slot]] += c
+            per_expert = logical
         handle = DispatchHandle(token_idx, flat_w[perm], n, in_splits, out_splits, regroup, per_local,
                                 per_expert, n * k - kept, recv_counts.view(ep, e_l).sum(0))
         return rows, handle

@@ -103,8 +103,10 @@ class _AttachPooledAux(torch.autograd.Function):
         return g, d_sum * (router.aux_loss_coef * moe.aux_scale), None
 
 
-def build_moe(cfg: ModelConfig, ep_axis: Axis | None = None, expert_replicas: int = 1, device=None) -> "MoE":
-    """The MoE feed-forward of one block (router, E experts split over ep_axis, shared experts)."""
+def build_moe(cfg: ModelConfig, ep_axis: Axis | None = None, expert_replicas: int = 1, device=None,
+              layout=None) -> "MoE":
+    """The MoE feed-forward of one block (router, E experts split over ep_axis — placed by `layout`, a
+    `rules.placement.ExpertLayout`, or contiguous —, shared experts)."""
     return MoE(cfg.dim, cfg.moe_ffn_dim or cfg.ffn_dim, cfg.moe_experts, cfg.moe_topk, ep_axis,
                shared_experts=cfg.moe_shared_experts, capacity_factor=cfg.moe_capacity_factor,
                score=cfg.moe_score, softmax_before_topk=cfg.moe_softmax_before_topk,
@@ -113,7 +115,7 @@ def build_moe(cfg: ModelConfig, ep_axis: Axis | None = None, expert_replicas: in
                aux_scope=cfg.moe_aux_loss_scope, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
                norm_topk=cfg.moe_norm_topk, routed_scaling=cfg.moe_routed_scaling, group_topk=cfg.moe_group_topk,
                router_bias=cfg.moe_router_bias, expert_bias=cfg.moe_expert_bias, swiglu_limit=cfg.moe_swiglu_limit,
-               swiglu_alpha=cfg.moe_swiglu_alpha, shared_gate=cfg.moe_shared_gate)
+               swiglu_alpha=cfg.moe_swiglu_alpha, shared_gate=cfg.moe_shared_gate, layout=layout)
 
 
 def share_aux_pool(model: nn.Module) -> None:
@@ -141,17 +143,17 @@ class MoE(nn.Module):
                  grouped_mm: bool | None = None, device=None, dtype=None, aux_scope: str = "layer",
                  n_group: int = 1, topk_group: int = 1, norm_topk: bool = True, routed_scaling: float = 1.0,
                  group_topk: int = 2, router_bias: bool = False, expert_bias: bool = False,
-                 swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702, shared_gate: bool = False):
+                 swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702, shared_gate: bool = False, layout=None):
         super().__init__()
         ep_axis = ep_axis if ep_axis is not None else Axis("ep")
         self.router = Router(dim, n_experts, topk, score, softmax_before_topk, aux_loss_coef, z_loss_coef,
                              bias_update_rate, device=device, dtype=dtype, aux_scope=aux_scope, n_group=n_group,
                              topk_group=topk_group, norm_topk=norm_topk, scaling=routed_scaling, group_topk=group_topk,
                              bias=router_bias)
-        self.dispatcher = AllToAllDispatcher(n_experts, ep_axis, capacity_factor, drop_policy)
+        self.dispatcher = AllToAllDispatcher(n_experts, ep_axis, capacity_factor, drop_policy, layout)
         self.experts = GroupedExperts(n_experts, dim, ffn_dim, ep_axis, expert_replicas, grouped_mm,
                                       device=device, dtype=dtype, bias=expert_bias, swiglu_limit=swiglu_limit,
-                                      swiglu_alpha=swiglu_alpha)
+                                      swiglu_alpha=swiglu_alpha, layout=layout)
         self.shared = FeedForward(dim, shared_experts * ffn_dim, device, dtype) if shared_experts else None
         # Qwen3-Next: the shared expert's output times sigmoid(w·x), a per-token scalar gate
         gate = inventory.by_name(inventory.moe(dim, ffn_dim, n_experts, shared_experts, shared_gate=shared_gate))

@@ -300,6 +300,13 @@ def load_hf_into(model: nn.Module, path: str, mesh=None, mtp_init: str = "checkp
                              f"{tuple(spec.global_shape)} (config.json and weights disagree?)")
         box = [slice(0, s) for s in spec.global_shape]
         dst = p
+        if getattr(spec, "rows", None):  # placed experts (ExpertShard): local slot j is logical expert rows[j]
+            for j, row in enumerate(spec.rows):
+                t = src.read(files, (slice(row, row + 1), *box[1:]))
+                p.narrow(0, j, 1).copy_(t)
+                nbytes += t.numel() * t.element_size()
+            n += 1
+            continue
         if spec.dim is not None:
             box[spec.dim] = slice(spec.start, spec.start + spec.valid)
             dst = p.narrow(spec.dim, 0, spec.valid)

@@ -49,6 +49,9 @@ class Workload:
     """The busiest ep rank's received MoE rows over the mean (`moe_skew.py`; 1: balanced routing)."""
     moe_routing: tuple | None = None
     """A recorded run's tokens per expert per MoE layer (`moe_skew.read_routing`); replaces `moe_skew`."""
+    expert_placement: str = "contiguous"
+    """shardwise's --expert-placement: 'balanced' plans the busiest ep rank after the experts are placed for an even
+    load (`moe_skew.skew`, `rules.placement`)."""
 
     @property
     def act_bytes(self) -> int:

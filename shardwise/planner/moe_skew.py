@@ -19,17 +19,39 @@ from __future__ import annotations
 import json
 import os
 
-from ..rules.routing import balanced_placement, max_skew, received_rows, sent_rows, skew_of
+from ..rules.placement import balanced
+from ..rules.routing import balanced_placement, max_skew, received_rows, send_counts, sent_rows, skew_of
 from .errors import PlanError
 
 
 def skew(spec, lay, wl) -> float:
-    """S for this layout: the busiest ep rank's received rows over the mean (1 without ep or MoE)."""
+    """S for this layout: the busiest ep rank's received rows over the mean (1 without ep or MoE); under
+    `expert_placement` 'balanced' the busiest rank once each layer's experts are placed for an even load."""
     if not spec.moe_experts or lay.ep < 2:
         return 1.0
+    if getattr(wl, "expert_placement", "contiguous") == "balanced":
+        return placed_skew(spec, lay, wl)
     if wl.moe_routing:
         return max(skew_of(list(layer), lay.ep) for layer in wl.moe_routing)
     return min(wl.moe_skew, max_skew(spec.moe_experts, lay.ep, spec.moe_topk))
+
+
+def placed_skew(spec, lay, wl) -> float:
+    """S after `rules.placement.balanced` placed the experts: of each recorded layer, or of the per-expert rows
+    `--moe-skew S` states (`rules.routing.send_counts`: the hot rank's experts at S× the mean) — the same LPT rule the
+    run's `--expert-placement balanced` applies."""
+    layers = wl.moe_routing or [send_counts(_RULE_TOKENS, spec.moe_topk, spec.moe_experts, lay.ep,
+                                            min(wl.moe_skew, max_skew(spec.moe_experts, lay.ep, spec.moe_topk)))]
+    worst = 1.0
+    for layer in layers:
+        counts = [float(c) for c in layer]
+        loads = balanced(counts, lay.ep).rank_loads(counts)
+        worst = max(worst, max(loads) * lay.ep / sum(counts) if sum(counts) else 1.0)
+    return worst
+
+
+_RULE_TOKENS = 1 << 16
+"""Tokens a stated skew's per-expert rows are drawn for: many, so the integer rounding of the rule is negligible."""
 
 
 def balanced_skew(spec, lay, wl) -> float | None:

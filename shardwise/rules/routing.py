@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from .placement import balanced
+
 
 def busiest_share(counts: list[float], ep: int, placement: list[int] | None = None) -> float:
     """The share of `counts` (rows per expert) the busiest of `ep` ranks receives; `placement[e]` is the rank
@@ -93,11 +95,7 @@ def sent_rows(tokens: int, topk: int, n_experts: int, ep: int, skew: float,
 
 
 def balanced_placement(counts: list[float], ep: int) -> list[int]:
-    """The rank of each expert for an even expected load: the hottest expert first, each to the least-loaded rank
-    with a free slot (E/ep slots each; longest-processing-time first). Ties keep the contiguous rank."""
-    e_l = len(counts) // ep
-    loads, free, out = [0.0] * ep, [e_l] * ep, [0] * len(counts)
-    for e in sorted(range(len(counts)), key=lambda e: (-counts[e], e)):
-        r = min((r for r in range(ep) if free[r]), key=lambda r: (loads[r], r != e // e_l, r))
-        out[e], loads[r], free[r] = r, loads[r] + counts[e], free[r] - 1
-    return out
+    """The rank of each expert for an even expected load: `rules.placement.balanced`'s rule (hottest expert first,
+    each to the least-loaded rank with a free slot), as a rank per expert."""
+    layout = balanced(list(counts), ep)
+    return [r for e in range(len(counts)) for r, rank in enumerate(layout.slots) if e in rank]
