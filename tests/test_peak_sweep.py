@@ -149,8 +149,8 @@ def test_full_recompute_pipeline_terms_are_needed(monkeypatch):
 def test_the_lm_heads_copy_is_gone_by_a_layers_backward(monkeypatch, shared_simulations):
     """Llama 70B interleaved ZeRO-3, bf16 full recompute, the last stage (its peak a layer's backward): keeping the LM
     head's bf16 weight copy there (262.7 MB, as the planner did on every schedule but 1F1B) plans it above its trace
-    by more than the bound — at 8k tokens 4% (0.958), at the 4k tokens run here 5.5% (test_simulate checks this run's
-    every bound; `shared_simulations`: one simulation for both)."""
+    by more than the bound: the trace is 0.958 of that plan at 8k tokens, 0.947 at the 4k tokens run here
+    (test_simulate checks this run's every bound; `shared_simulations`: one simulation for both)."""
     name = "llama3-70b-int-z3-full-s8192"
     layout = replace(sweep.LAYOUTS[name], seq_len=4096)
     report = sweep.simulate(layout, sweep.ranks_of(name))
