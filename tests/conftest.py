@@ -90,6 +90,50 @@ SLOW_TESTS = {
 }
 
 
+_SIMULATIONS: dict = {}
+
+
+@pytest.fixture
+def shared_simulations(monkeypatch):
+    """`simulate.world.simulate_rank` remembered for the session: a rank of a config (equal repr, equal arguments) that
+    one test simulated is not simulated again by another (a full-size rank costs 10-20 CPU-s). For tests that change
+    nothing the simulated runtime runs; a patched planner is fine (it is not part of the simulation)."""
+    import copy
+    import inspect
+
+    from shardwise.simulate import world
+
+    real = world.simulate_rank
+    signature = inspect.signature(real)
+
+    def remembered(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = tuple((k, repr(v)) for k, v in bound.arguments.items())
+        if key not in _SIMULATIONS:
+            _SIMULATIONS[key] = real(*args, **kwargs)
+        return copy.deepcopy(_SIMULATIONS[key])
+
+    monkeypatch.setattr(world, "simulate_rank", remembered)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_losses(tmp_path_factory) -> list[float]:
+    """The losses of test_preemption's whole run (COMMON, END steps) by the built-in launcher: what the preempted and
+    resumed runs of test_preemption and test_practice_iii must equal bit for bit. One run per session serves both."""
+    import subprocess
+
+    from test_preemption import COMMON, END, _rows
+
+    full = tmp_path_factory.mktemp("uninterrupted")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]))
+    r = subprocess.run([sys.executable, "-m", "shardwise", *COMMON, "--steps", str(END), "--out", str(full)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    return [row["loss"] for row in _rows(full)]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = os.path.basename(str(item.path))

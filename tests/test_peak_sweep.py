@@ -9,6 +9,8 @@ the sweep module runs them all (`python -m shardwise.simulate.sweep`), Qwen3-235
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from shardwise.planner import peak
@@ -45,7 +47,7 @@ def _check(report: dict) -> None:
 
 
 @pytest.mark.parametrize("name", CI)
-def test_sweep_layout_within_bounds(name):
+def test_sweep_layout_within_bounds(name, shared_simulations):
     _check(sweep.simulate(sweep.LAYOUTS[name], sweep.ranks_of(name)))
 
 
@@ -73,9 +75,10 @@ def test_layouts_cover_every_pairing():
         sweep.LAYOUTS[name].model for name in sweep.RANKS}
 
 
-def test_a_broken_zero2_term_fails(monkeypatch):
+def test_a_broken_zero2_term_fails(monkeypatch, shared_simulations):
     """ZeRO-2 with the earlier microbatch's buckets left out of the backward (as the planner had it): the
-    traced peak is 1.29 of planned and the bounds fail."""
+    traced peak is 1.29 of planned and the bounds fail. (The trace is the within-bounds test's: only the planner
+    is patched.)"""
     walk = peak.zero2_bucket_moments
     monkeypatch.setattr(peak, "zero2_bucket_moments",
                         lambda spec, stage, lay, wl, per, again, before: walk(spec, stage, lay, wl, per, False, 0))
@@ -115,13 +118,15 @@ def test_partial_recompute_within_bounds_and_needs_the_freed_plain_layers(monkey
     assert measured < 0.95 * broken, (measured, broken)
 
 
-def _planned_peak(name: str, stage: int) -> float:
+def _planned_peak(layout, stage: int) -> float:
+    """The planner's peak of `layout` (a sweep layout's name, or the layout) at pipeline stage `stage`."""
     import copy
 
     from shardwise.training.assemble import assemble
     from shardwise.simulate.predict import planned
 
-    return planned(assemble(copy.deepcopy(sweep.LAYOUTS[name])), stage)["peak_bytes"]
+    layout = sweep.LAYOUTS[layout] if isinstance(layout, str) else layout
+    return planned(assemble(copy.deepcopy(layout)), stage)["peak_bytes"]
 
 
 def test_full_recompute_pipeline_terms_are_needed(monkeypatch):
@@ -141,13 +146,15 @@ def test_full_recompute_pipeline_terms_are_needed(monkeypatch):
     assert traced[1] < 0.97 * _planned_peak(name, 1)
 
 
-def test_the_lm_heads_copy_is_gone_by_a_layers_backward(monkeypatch):
-    """Llama 70B interleaved ZeRO-3, bf16 full recompute, seq 8192, the last stage (its peak a layer's backward): within
-    every bound; keeping the LM head's bf16 weight copy there (262.7 MB, as the planner did on every schedule but
-    1F1B) plans it 4% above its trace."""
+def test_the_lm_heads_copy_is_gone_by_a_layers_backward(monkeypatch, shared_simulations):
+    """Llama 70B interleaved ZeRO-3, bf16 full recompute, the last stage (its peak a layer's backward): keeping the LM
+    head's bf16 weight copy there (262.7 MB, as the planner did on every schedule but 1F1B) plans it above its trace
+    by more than the bound: the trace is 0.958 of that plan at 8k tokens, 0.947 at the 4k tokens run here
+    (test_simulate checks this run's every bound; `shared_simulations`: one simulation for both)."""
     name = "llama3-70b-int-z3-full-s8192"
-    report = sweep.simulate(sweep.LAYOUTS[name], sweep.ranks_of(name))
+    layout = replace(sweep.LAYOUTS[name], seq_len=4096)
+    report = sweep.simulate(layout, sweep.ranks_of(name))
     _check(report)
     traced = report["ranks"][0]["peak_bytes"]["measured"]
     monkeypatch.setattr(peak, "head_copy_bytes", lambda *a: 0.0)
-    assert traced < 0.97 * _planned_peak(name, 3)
+    assert traced < 0.97 * _planned_peak(layout, 3)

@@ -287,19 +287,9 @@ def test_print_config_keeps_microbatches_from_the_cli(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- SIGTERM under torchrun
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[float]:
-    """The losses of the whole run, by the built-in launcher."""
-    full = tmp_path_factory.mktemp("full")
-    r = subprocess.run([sys.executable, "-m", "shardwise", *COMMON, "--steps", str(END), "--out", str(full),
-                        "--overwrite"], capture_output=True, text=True, timeout=600, env=ENV)
-    assert r.returncode == 0, r.stderr
-    return [row["loss"] for row in _rows(full)]
-
-
-@pytest.mark.slow  # two 2-rank runs under torchrun (and the uninterrupted one once)
+@pytest.mark.slow  # two 2-rank runs under torchrun (and the uninterrupted one once a session: conftest)
 @pytest.mark.parametrize("target", ["group", "agent"])
-def test_sigterm_under_torchrun_saves_once_and_resumes_bitwise(tmp_path, uninterrupted, target):
+def test_sigterm_under_torchrun_saves_once_and_resumes_bitwise(tmp_path, uninterrupted_losses, target):
     """SIGTERM mid-step to the whole process group (a scheduler's preemption: torchrun's agent and both workers) or
     to torchrun alone (`scancel`, a batch script's trap; the agent forwards it). The workers finish the step, save
     one checkpoint, rank 0 prints the line, each exits 143; torchrun, itself signalled, exits 1 (its own
@@ -334,4 +324,4 @@ def test_sigterm_under_torchrun_saves_once_and_resumes_bitwise(tmp_path, uninter
     r = subprocess.run([*torchrun, *COMMON, "--steps", str(END), "--out", str(run), "--resume"],
                        capture_output=True, text=True, timeout=600, env=ENV)
     assert r.returncode == 0, r.stderr
-    assert [row["loss"] for row in _rows(run)] == uninterrupted  # bit-exact: floats compared as stored
+    assert [row["loss"] for row in _rows(run)] == uninterrupted_losses  # bit-exact: floats compared as stored

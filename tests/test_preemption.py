@@ -78,12 +78,8 @@ def _preempt(out, target: str) -> tuple[subprocess.CompletedProcess, list[int]]:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_once_and_resume_is_bitwise(tmp_path):
-    full = tmp_path / "full"
-    r = subprocess.run([sys.executable, "-m", "shardwise", *COMMON, "--steps", str(END), "--out", str(full)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    reference = [row["loss"] for row in _rows(full)]
+def test_sigterm_saves_once_and_resume_is_bitwise(tmp_path, uninterrupted_losses):
+    reference = uninterrupted_losses  # the whole run's losses (conftest: one run for this and test_practice_iii)
 
     for target in ("launcher", "rank"):
         run = tmp_path / target

@@ -9,11 +9,13 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from shardwise.cli import main
 from shardwise.planner import peak
+from shardwise.simulate import sweep
 
 
 def _simulate(capsys, argv: list[str]) -> tuple[int, dict]:
@@ -61,16 +63,14 @@ def test_llama3_70b_on_1024_gpus(capsys):
     assert report["ranks"][0]["static_bytes"]["measured"] > 15 * 2**30  # real shapes: ~18 GB of static state
 
 
-def test_llama3_70b_zero3_full_recompute_cp2_interleaved(capsys):
-    """tp8 pp4 dp16 cp2, SP, ZeRO-3, full recompute, interleaved vp2, bf16 (world 1,024), the first and last
+def test_llama3_70b_zero3_full_recompute_cp2_interleaved(shared_simulations):
+    """tp8 pp4 dp16 cp2, SP, ZeRO-3, full recompute, interleaved vp2, bf16, 4k tokens (world 1,024), the first and last
     stage: the peak is a unit's backward (its recomputed layer, the running and prefetched unit gathered,
     its gradient bucket beside the two in flight); full recompute's blocks run without autocast's weight
-    cache, so a forward no longer holds every layer's bf16 copy (docs/recompute.md)."""
-    rc, report = _simulate(capsys, ["--model", "llama3-70b", "--tp", "8", "--pp", "4", "--dp", "16", "--cp", "2",
-                                     "--sequence-parallel", "--zero", "3", "--recompute", "full", "--schedule",
-                                     "interleaved", "--vp", "2", "--dtype", "bf16", "--seq-len", "4096",
-                                     "--micro-batch", "1", "--microbatches", "4", "--ranks", "0,48"])
-    assert rc == 0 and report["world"] == 1024
+    cache, so a forward no longer holds every layer's bf16 copy (docs/recompute.md). The sweep's 70B layout at 4k
+    tokens; test_peak_sweep's LM-head check reads the same last-stage run (`shared_simulations`: simulated once)."""
+    report = sweep.simulate(replace(sweep.LAYOUTS["llama3-70b-int-z3-full-s8192"], seq_len=4096), "0,48")
+    assert report["world"] == 1024
     _within(report)
     assert [r["stage"] for r in report["ranks"]] == [0, 3]
     for r in report["ranks"]:  # the peak holds gathered units and in-flight gradient buckets beside the statics
@@ -187,9 +187,13 @@ def test_plan_shows_the_peak_and_fits_by_it(capsys):
 
 
 def _config(argv: list[str]):
+    """The run of `simulate ARGV` with 4 layers of the preset's 8: one or two per pipeline chunk, every layer kind
+    (MoE, dense) on each stage of tiny-moe, and half the ops to trace (both runs compared trace the same layers)."""
     from shardwise.cli import build_parser, config_from_args
+    from shardwise.training.assemble import assemble
 
-    return config_from_args(build_parser().parse_args(["simulate", *argv]), None)
+    cfg = config_from_args(build_parser().parse_args(["simulate", *argv]), None)
+    return assemble(replace(cfg, resolved_model=None, model_overrides={**cfg.model_overrides, "n_layers": 4}))
 
 
 SHORTENED = {  # layout, the stage compared; tiny shapes, with ZeRO/CP/EP/recompute where they change the

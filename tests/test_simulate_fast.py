@@ -8,9 +8,15 @@ from shardwise.simulate.dispatch_key import STATIC, StaticKeyMode
 
 
 def _config(argv: list[str]):
-    from shardwise.cli import build_parser, config_from_args
+    """The run of `simulate ARGV` with 4 layers of the preset's 8: one or two per pipeline chunk, every layer kind
+    (MoE, dense) on each stage of tiny-moe, and half the ops to trace (both runs compared trace the same layers)."""
+    from dataclasses import replace
 
-    return config_from_args(build_parser().parse_args(["simulate", *argv]), None)
+    from shardwise.cli import build_parser, config_from_args
+    from shardwise.training.assemble import assemble
+
+    cfg = config_from_args(build_parser().parse_args(["simulate", *argv]), None)
+    return assemble(replace(cfg, resolved_model=None, model_overrides={**cfg.model_overrides, "n_layers": 4}))
 
 
 LAYOUTS = {  # layout, the stage compared: p2p on the pipeline and on the cp ring, MoE's all-to-alls with split

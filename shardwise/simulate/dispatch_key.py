@@ -44,6 +44,14 @@ class Unkeyed(Exception):
 class StaticKeyMode(FakeTensorMode):
     """FakeTensorMode whose cache key is built in one pass for static shapes (module docstring)."""
 
+    __torch_dispatch__ = inspect.unwrap(FakeTensorMode.__dict__["__torch_dispatch__"])
+    """FakeTensorMode's own, without the Dynamo-disabling and call-counting wrappers torch puts around it (two Python
+    frames and an eval-frame swap per op; a simulation compiles nothing: simulate refuses --compile)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # keeps `__torch_dispatch__` above unwrapped (TorchDispatchMode.__init_subclass__)
+
     def _cache_key(self, state, func, args, kwargs):
         if self.shape_env is not None:
             return super()._cache_key(state, func, args, kwargs)

@@ -34,6 +34,12 @@ class LiveMemory(TorchDispatchMode):
         self.labels: dict[int, str] = {}  # storage key -> static label (parameters, gradients, ...)
         self.names: dict[tuple, str] = {}  # (phase, op, dtype) -> the group an op's output is counted in
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: no Dynamo-disabling wrapper around `__torch_dispatch__` (torch adds one per mode by default, a few
+        percent of a simulated step). A simulation compiles nothing: simulate refuses --compile."""
+        return False
+
     def label(self, tensors, name: str) -> None:
         """Name the storages behind `tensors` (statics) so the report groups them by what they are."""
         for t in tensors:
