@@ -26,6 +26,7 @@ from functools import lru_cache
 from shardwise.rules.buckets import cut_runs
 from shardwise.rules.wire import wire_bytes
 from shardwise.planner import gpt_oss, linear_attention, moe_skew, sparse_attention
+from shardwise.planner.fp8 import fp8_microbatch
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, recomputed_layer_ids, stage_layer_ids
 from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BYTES_GRAD, stage_tensors, stage_unit_entries, zero_buckets
@@ -363,6 +364,8 @@ def stage_ledgers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, loca
             pp_microbatch(mb, spec, st, ly, wl)
         cp_microbatch(mb, spec, st, ly, wl)
         ep_microbatch(mb, spec, st, ly, wl)
+        if wl.fp8:
+            fp8_microbatch(mb, spec, st, ly, wl)
     sync = CommLedger()
     if lay.tp > 1:
         # one flat all-reduce, the MTP blocks' TP-partial gradients (MLA's down-projections) included
