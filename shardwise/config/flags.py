@@ -355,6 +355,10 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
     PlanFlag("--cp-impl", "context-parallel attention (default ring)", default="ring", choices=CP_IMPLS),
     PlanFlag("--tp-overlap", "model train's --tp-overlap: SP collectives in tp chunks under the GEMMs (default off)",
              default=False, kind="switch"),
+    PlanFlag("--fp8", "train's --fp8 RECIPE: the FP8 linears' GEMMs at the GPU's FP8 peak, their amax all-reduces; "
+             "MFU against the FP8 peak, the bf16-equivalent beside it (default off)"),
+    PlanFlag("--fp8-all-gather", "train's --fp8-all-gather: ZeRO-3 and SP all-gathers in FP8 with their scales",
+             default=False, kind="switch"),
 )
 """The train flags `shardwise plan` takes, with plan's own defaults (its other flags are its own: GPUs, search)."""
 

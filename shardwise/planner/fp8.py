@@ -15,6 +15,10 @@ from shardwise.rules import inventory
 from shardwise.rules.fp8 import AMAX_TAG, FP8_BLOCKS, Operand, amax_reductions
 from shardwise.planner import moe_skew
 from shardwise.planner.layout import Layout, Stage, Workload
+from shardwise.planner.tp_overlap import LATENCY_S
+
+TIMED = ("tp", "pp", "ep", "cp")
+"""Axes whose microbatch traffic the step time already counts by its bytes."""
 
 HIGH_PRECISION = ("feed_forward.router.", "feed_forward.shared_gate.")
 """Linears of a block that stay in high precision (the router, Qwen3-Next's shared-expert gate)."""
@@ -94,3 +98,15 @@ def fp8_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:
                 led.add(axis, f"all_reduce:{AMAX_TAG}", nbytes, size, 2 if rec else 1)
             for axis, size, nbytes in bwd:
                 led.add(axis, f"all_reduce:{AMAX_TAG}", nbytes, size)
+
+
+def amax_seconds(mb, rate: dict, links: dict) -> float:
+    """Time one microbatch's `fp8_amax` all-reduces add to its critical path (a GEMM waits for its scales): their
+    bytes on the axes the step time does not count per microbatch (dp_cp, edp), and each one's latency α on its
+    link (tiny messages: latency-bound)."""
+    op, t = f"all_reduce:{AMAX_TAG}", 0.0
+    for axis, ops in mb.ops.items():
+        if op in ops:
+            count, _, wire = ops[op]
+            t += (0.0 if axis in TIMED else wire / rate[axis]) + count * LATENCY_S[links.get(axis) or "nvlink"]
+    return t
