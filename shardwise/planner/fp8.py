@@ -65,7 +65,7 @@ def _operands(p, lay: Layout, wl: Workload, spec) -> tuple[list, list, list]:
         B, S = 1, rows
     else:
         tok = dict(batch=(ax["dp"],), seq=(ax["cp"],), rows_all=(ax["dp_cp"],))
-        B, S = lay.mb, n
+        B, S = lay.mb, wl.seq_len // lay.cp
     x = Operand(B, S, in_l, cols=tp if row else (), cols_global=in_g, **tok)
     w = Operand(1, out_l, in_l, seq=tp if col else (), cols=tp if row else (), seq_global=out_g, cols_global=in_g)
     g = Operand(B, S, out_l, cols=tp if col else (), cols_global=out_g, **tok)
