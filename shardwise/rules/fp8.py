@@ -43,6 +43,7 @@ class Operand:
 
 
 def _active(axes) -> list:
+    """The axes (name, size) that split anything (size > 1), as the runtime's `Axis.active`."""
     return [a for a in axes if a[1] > 1]
 
 
