@@ -8,7 +8,7 @@ bookkeeping tags the planner leaves out.
 """
 from __future__ import annotations
 
-import dataclasses
+import importlib.util
 import json
 
 import pytest
@@ -38,6 +38,16 @@ LAYOUTS = {
     "dp2-tp2-sp-ep2-deepseek-tensorwise": (DEEPSEEK, dict(dp=2, tp=2, ep=2, sequence_parallel=True),
                                            dict(fp8="tensorwise")),
 }
+if importlib.util.find_spec("shardwise.fp8.wire") is not None:  # --fp8-all-gather's runtime (fp8wire's branch)
+    LAYOUTS |= {
+        "wire-dp2-tp2-sp-tensorwise": ("tiny", dict(dp=2, tp=2, sequence_parallel=True),
+                                       dict(fp8="tensorwise", fp8_all_gather=True)),
+        "wire-dp2-tp2-sp-zero3-tensorwise": ("tiny", dict(dp=2, tp=2, sequence_parallel=True, zero=3),
+                                             dict(fp8="tensorwise", fp8_all_gather=True)),
+        "wire-dp4-zero3-blockwise": ("tiny", dict(dp=4, zero=3), dict(fp8="blockwise", fp8_all_gather=True)),
+        "wire-dp2-tp2-sp-ep2-zero3-deepseek": (DEEPSEEK, dict(dp=2, tp=2, ep=2, sequence_parallel=True, zero=3),
+                                               dict(fp8="tensorwise", fp8_all_gather=True)),
+    }
 IGNORED_TAGS = ("metrics", "grad_norm")
 
 
@@ -134,3 +144,44 @@ def test_plan_cli_reports_both_mfus(capsys):
     assert est["comm_ops_per_step"]["dp_cp"]["all_reduce:fp8_amax"]["count"] > 0
     rc = main(["plan", "--model", "llama3-70b", "--gpus", "1024", "--explain", ROW70, "--fp8-all-gather"])
     assert rc == 2 and "--fp8-all-gather needs --fp8" in capsys.readouterr().err
+
+
+def _simulate(capsys, argv: list[str]) -> tuple[int, dict]:
+    from shardwise.cli import main
+
+    rc = main(["simulate", *argv, "--json"])
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def _within(report: dict) -> None:
+    for r in report["ranks"]:
+        for key, tol in (("static_bytes", 0.01), ("activation_bytes", 0.02), ("peak_bytes", 0.03)):
+            m, p = r[key]["measured"], r[key]["planned"]
+            assert abs(m - p) <= tol * p, (r["rank"], key, m, p)
+        assert all(v["measured"] == v["planned"] for v in r["comm_bytes"].values()), r["comm_bytes"]
+    assert report["passed"]
+
+
+@pytest.mark.slow
+def test_simulate_llama3_70b_fp8(capsys):
+    """tp8 pp4 dp32, SP, ZeRO-1, selective recompute, bf16 + tensorwise FP8 (world 1,024), first and last stage:
+    no bf16 weight copies saved, the amax all-reduces over tp and dp_cp."""
+    rc, report = _simulate(capsys, ["--model", "llama3-70b", "--tp", "8", "--pp", "4", "--dp", "32",
+                                     "--sequence-parallel", "--zero", "1", "--recompute", "selective",
+                                     "--dtype", "bf16", "--seq-len", "4096", "--micro-batch", "1",
+                                     "--microbatches", "4", "--ranks", "0,24", "--fp8", "tensorwise"])
+    _within(report)
+    assert rc == 0 and report["world"] == 1024
+
+
+@pytest.mark.slow
+def test_simulate_deepseek_v3_fp8(capsys):
+    """The sweep's DeepSeek-V3 row (dp8 pp32 cp8 ep8, ZeRO-1, full recompute; world 2,048) with tensorwise FP8, its
+    largest stage (two MoE layers: routed experts over edp, shared experts over dp_cp)."""
+    rc, report = _simulate(capsys, ["--model", "deepseek-v3", "--dtype", "bf16", "--seq-len", "4096",
+                                     "--micro-batch", "1", "--microbatches", "4", "--dp", "8", "--pp", "32",
+                                     "--cp", "8", "--ep", "8", "--zero", "1", "--recompute", "full",
+                                     "--pp-layers", ",".join(["2"] * 29 + ["1"] * 3), "--ranks", "16",
+                                     "--fp8", "tensorwise"])
+    _within(report)
+    assert rc == 0 and report["world"] == 2048
