@@ -397,7 +397,8 @@ def explain_text(est: dict) -> str:
         *_comm_notes(est["comm_ops_per_step"]),
         *_tp_overlap_lines(est),
         "",
-        f"step time {est['step_time_s']:.3f} s, MFU {est['mfu']:.3f}{_fp8_mfu(est)}, {est['tokens_per_s']:,.0f} tokens/s "
+        f"step time {est['step_time_s']:.3f} s, MFU {est['mfu']:.3f}{_fp8_mfu(est)}, "
+        f"{est['tokens_per_s']:,.0f} tokens/s "
         f"(assumed {a['flops_efficiency']:.0%} of peak FLOP/s, {a['link_efficiency']:.0%} of link bandwidth, "
         f"{a['dp_overlap']:.0%} of grad sync overlapped)",
         "",

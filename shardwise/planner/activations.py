@@ -288,7 +288,8 @@ def head_loss_saved_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
     return 4.0 * n * (padded_vocab(spec, lay.tp) // lay.tp) + (INT64 + 2 * BOOL) * n
 
 
-def layer_cast_terms(spec: ModelSpec, moe: bool, lay: Layout, linear: bool = False, fp8: bool = False) -> dict[str, int]:
+def layer_cast_terms(spec: ModelSpec, moe: bool, lay: Layout, linear: bool = False,
+                     fp8: bool = False) -> dict[str, int]:
     """Elements of the weights bf16 autocast casts in one layer of this kind (a Gated DeltaNet layer when `linear`),
     by the module that casts them: the linear (and convolution) ops save their weight's cast for backward. Norms,
     biases, A_log / dt_bias and the MoE router (fp32 routing, autocast off) are not cast. TP without SP runs the

@@ -183,7 +183,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         if key not in seen:
             mb, sync = stage_ledgers(spec, st, lay, wl, s["params"])
             hw, core, hw8 = _stage_flops(spec, st, lay, wl)
-            t_comp = (hw - hw8) / (peak * assume.flops_efficiency) + (hw8 / (peak8 * assume.flops_efficiency) if hw8 else 0)
+            t_comp = (hw - hw8) / (peak * assume.flops_efficiency)
+            t_comp += hw8 / (peak8 * assume.flops_efficiency) if hw8 else 0.0  # --fp8: the FP8 GEMMs at the FP8 peak
             t_cp = max(0.0, seconds(mb, "cp") - core / (peak * assume.flops_efficiency))
             t_mb = t_comp + t_cp + sum(seconds(mb, a) for a in ("tp", "pp", "ep"))
             t_mb += amax_seconds(mb, rate, links) if wl.fp8 else 0.0

@@ -92,12 +92,14 @@ def linear_calls(p, lay: Layout, wl: Workload, spec, recipe: str, x_held: bool =
 def wire_activations(lay: Layout, wl: Workload) -> bool:
     """`--fp8-all-gather` under SP: every region entry (attention's, a dense MLP's) gathers x in FP8 — exact only
     where x is cast alike for y and dW (tensorwise; `TrainConfig` refuses the rest)."""
-    return bool(wl.fp8 and wl.fp8_all_gather and lay.sp and lay.tp > 1 and FP8_BLOCKS[wl.fp8][0] == FP8_BLOCKS[wl.fp8][5])
+    if not (wl.fp8 and wl.fp8_all_gather and lay.sp and lay.tp > 1):
+        return False
+    return FP8_BLOCKS[wl.fp8][0] == FP8_BLOCKS[wl.fp8][5]
 
 
 def wire_weights(lay: Layout, wl: Workload) -> bool:
-    """`--fp8-all-gather` under ZeRO-3: buckets of FP8 linears' weights gather in FP8 — exact where W is cast alike for
-    y and dx (tensorwise, blockwise)."""
+    """`--fp8-all-gather` under ZeRO-3: buckets of FP8 linears' weights gather in FP8 — exact where W is cast alike
+    for y and dx (tensorwise, blockwise)."""
     return bool(wl.fp8 and wl.fp8_all_gather and lay.zero == 3 and FP8_BLOCKS[wl.fp8][1] == FP8_BLOCKS[wl.fp8][3])
 
 

@@ -51,7 +51,8 @@ GPU_PRESETS: dict[str, GPU] = {
     "mi300x": GPU("mi300x", 192 * GB, 1307.4e12, 5.3e12, 448e9, 8, False, 50e9, 8, 2614.9e12),
     # NVIDIA GB200 NVL72 spec sheet: 72 GPUs in one NVLink domain (130 TB/s = 1.8 TB/s bidirectional
     # per GPU), 13.4 TB HBM3e (186 GB/GPU), 576 TB/s (8 TB/s/GPU), 180 PFLOP/s FP16/BF16 dense per
-    # rack (2.5 PFLOP/s/GPU), 360 PFLOP/s FP8 dense (5 PFLOP/s/GPU); compute trays hold 4 GPUs; scale-out 400 Gb/s ConnectX-7 per GPU.
+    # rack (2.5 PFLOP/s/GPU), 360 PFLOP/s FP8 dense (5 PFLOP/s/GPU); compute trays hold 4 GPUs; scale-out
+    # 400 Gb/s ConnectX-7 per GPU.
     "gb200-nvl72": GPU("gb200-nvl72", 186 * GB, 2.5e15, 8e12, 900e9, 72, True, 50e9, 4, 5e15),
 }
 
