@@ -103,12 +103,12 @@ def wire_weights(lay: Layout, wl: Workload) -> bool:
     return bool(wl.fp8 and wl.fp8_all_gather and lay.zero == 3 and FP8_BLOCKS[wl.fp8][1] == FP8_BLOCKS[wl.fp8][3])
 
 
-def reads_region_input(p) -> bool:
-    """Whether FP8 linear `p` reads its region's entry (the SP gather's output): a mixer's or dense MLP's linear
-    that is not row-parallel and not fed by another projection (MLA's up-projections, KDA's gate second halves)."""
-    name = p.name.split(".")[-2]
-    return not p.expert and p.tp != "row" and not p.name.startswith("feed_forward.shared.") and \
-        name not in ("wq_b", "wkv_b", "wf_b", "wg_b") and not p.name.startswith("attention.indexer.")
+def reads_region_input(p, spec) -> bool:
+    """Whether FP8 linear `p` reads its region's entry (the SP gather's output): a mixer's or dense MLP's linear that
+    is not row-parallel and takes the model width (not one fed by another projection: MLA's up-projections, KDA's
+    gates' second halves), outside the indexer (no gradient)."""
+    return not p.expert and p.tp != "row" and p.shape[1] == spec.dim and \
+        not p.name.startswith(("feed_forward.shared.", "attention.indexer."))
 
 
 def fp8_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:
@@ -124,7 +124,7 @@ def fp8_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:
     for moe, lin, rec in zip(kinds, linear, again):
         fp8_bucket = w_wire and weights_bucket_fp8(spec, moe, lin)
         for p in block_linears(spec, moe, lin):
-            fwd, bwd = linear_calls(p, lay, wl, spec, wl.fp8, x_wire and reads_region_input(p),
+            fwd, bwd = linear_calls(p, lay, wl, spec, wl.fp8, x_wire and reads_region_input(p, spec),
                                     fp8_bucket and not p.expert)
             for axis, size, nbytes in fwd:
                 led.add(axis, f"all_reduce:{AMAX_TAG}", nbytes, size, 2 if rec else 1)
