@@ -74,6 +74,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dp-overlap", type=float, default=0.0,
                    help="fraction of gradient-reduction time hidden behind backward (default 0)")
     train_flag(p, "--tp-overlap")
+    train_flag(p, "--fp8")
+    train_flag(p, "--fp8-all-gather")
     p.add_argument("--usable-memory", type=float, default=0.9, help="fraction of GPU memory to plan for (default 0.9)")
     p.add_argument("--activation-model", default="shardwise", choices=ACTIVATION_MODELS,
                    help="activation memory: what shardwise saves (default) or Korthikanti et al. 2022's formula")
@@ -133,10 +135,13 @@ def _inputs(args):
     if not 0 <= args.dp_overlap <= 1:
         raise PlanError(f"--dp-overlap {args.dp_overlap} must be in [0, 1]")
     check_skew(args.moe_skew)
+    if args.fp8_all_gather and not args.fp8:
+        raise PlanError("--fp8-all-gather needs --fp8 RECIPE (tensorwise, rowwise, blockwise or mxfp8)")
     wl = Workload(args.seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, args.precision, args.fp32_residual,
                   args.grad_reduce_dtype, args.optimizer, moe_skew=args.moe_skew or 1.0,
                   moe_routing=read_routing(args.routing, spec.moe_experts) if args.routing else None,
-                  expert_placement=args.expert_placement)
+                  expert_placement=args.expert_placement, fp8=args.fp8,
+                  fp8_all_gather=args.fp8_all_gather)
     assume = Assumptions(args.flops_efficiency, args.link_efficiency, args.dp_overlap, args.usable_memory,
                          args.activation_model, args.tp_overlap)
     return spec, cluster, wl, assume
@@ -248,10 +253,11 @@ def runnable(command: dict) -> dict:
 
 
 def _header(spec_name: str, params: int, cluster: Cluster, wl: Workload) -> str:
+    fp8 = f", --fp8 {wl.fp8}{' (FP8 all-gathers)' if wl.fp8_all_gather else ''}; MFU of the FP8 peak" if wl.fp8 else ""
     skew = ("; MoE routing recorded (the busiest ep rank planned)" if wl.moe_routing else
             f"; MoE busiest ep rank at {wl.moe_skew:g}x the mean" if wl.moe_skew != 1.0 else "")
     return (f"{spec_name} ({params / 1e9:.2f}B params) on {cluster.describe()}; "
-            f"seq {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}{skew}")
+            f"seq {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}{fp8}{skew}")
 
 
 def sp_state(rows: list[dict], asked: bool) -> str:
@@ -393,7 +399,8 @@ def explain_text(est: dict) -> str:
         *_comm_notes(est["comm_ops_per_step"]),
         *_tp_overlap_lines(est),
         "",
-        f"step time {est['step_time_s']:.3f} s, MFU {est['mfu']:.3f}, {est['tokens_per_s']:,.0f} tokens/s "
+        f"step time {est['step_time_s']:.3f} s, MFU {est['mfu']:.3f}{_fp8_mfu(est)}, "
+        f"{est['tokens_per_s']:,.0f} tokens/s "
         f"(assumed {a['flops_efficiency']:.0%} of peak FLOP/s, {a['link_efficiency']:.0%} of link bandwidth, "
         f"{a['dp_overlap']:.0%} of grad sync overlapped)",
         "",
@@ -404,6 +411,14 @@ def explain_text(est: dict) -> str:
         out += ["", "under failures (Young–Daly; --mtbf-gpu-hours, --storage-gbps, --restart-s)",
                 *(f"  {x}" for x in goodput_lines(est["goodput"]))]
     return "\n".join(out)
+
+
+def _fp8_mfu(est: dict) -> str:
+    """Under --fp8: whose peak the MFU is of, and the MFU against the bf16 peak beside it."""
+    if not est.get("fp8"):
+        return ""
+    return (f" of the FP8 peak ({est['peak_flops_per_gpu'] / 1e12:,.0f} TFLOP/s; --fp8 {est['fp8']}), "
+            f"{est['mfu_bf16_equivalent']:.3f} bf16-equivalent")
 
 
 def _comm_notes(axes) -> list[str]:

@@ -46,6 +46,8 @@ def train_flags(model_flags: list[str], spec: ModelSpec, lay: Layout, wl: Worklo
         out.append("--fp32-residual" if wl.fp32_residual else "--no-fp32-residual")
     if wl.optimizer != "adamw":
         out += ["--optimizer", wl.optimizer]
+    if wl.fp8:
+        out += ["--fp8", wl.fp8] + (["--fp8-all-gather"] if wl.fp8_all_gather else [])
     return out
 
 
@@ -60,6 +62,7 @@ def train_config(model: str | ModelConfig, spec: ModelSpec, lay: Layout, wl: Wor
     return TrainConfig(model=model, parallel=parallel, steps=steps, seq_len=wl.seq_len, micro_batch=lay.mb,
                        global_batch=lay.m * lay.mb * lay.dp, dtype=wl.precision, grad_reduce_dtype=wl.grad_reduce,
                        fp32_residual=wl.fp32_residual and wl.precision == "bf16", optimizer=wl.optimizer,
+                       fp8=wl.fp8, fp8_all_gather=wl.fp8_all_gather,
                        model_overrides={"mtp_layers": mtp_layers} if mtp_layers else {})
 
 

@@ -366,6 +366,10 @@ PLAN_FLAGS: tuple[PlanFlag, ...] = (
     PlanFlag("--expert-placement", "train's MoE expert placement: contiguous (default), or balanced — plan the busiest "
              "ep rank once the experts of --routing's layers (or of --moe-skew's stated load) are placed for an even "
              "load", default="contiguous", choices=("contiguous", "balanced")),
+    PlanFlag("--fp8", "train's --fp8 RECIPE: the FP8 linears' GEMMs at the GPU's FP8 peak, their amax all-reduces; "
+             "MFU against the FP8 peak, the bf16-equivalent beside it (default off)"),
+    PlanFlag("--fp8-all-gather", "train's --fp8-all-gather: ZeRO-3 and SP all-gathers in FP8 with their scales",
+             default=False, kind="switch"),
 )
 """The train flags `shardwise plan` takes, with plan's own defaults (its other flags are its own: GPUs, search)."""
 

@@ -288,15 +288,22 @@ def head_loss_saved_bytes(spec: ModelSpec, lay: Layout, wl: Workload) -> float:
     return 4.0 * n * (padded_vocab(spec, lay.tp) // lay.tp) + (INT64 + 2 * BOOL) * n
 
 
-def layer_cast_terms(spec: ModelSpec, moe: bool, lay: Layout, linear: bool = False) -> dict[str, int]:
+def layer_cast_terms(spec: ModelSpec, moe: bool, lay: Layout, linear: bool = False,
+                     fp8: bool = False) -> dict[str, int]:
     """Elements of the weights bf16 autocast casts in one layer of this kind (a Gated DeltaNet layer when `linear`),
     by the module that casts them: the linear (and convolution) ops save their weight's cast for backward. Norms,
     biases, A_log / dt_bias and the MoE router (fp32 routing, autocast off) are not cast. TP without SP runs the
     mixer's input projections (attention's q/k/v; Gated DeltaNet's q/k/v/z/b/a) and a dense MLP's w1/w3 in a
     `ColumnRegion` function, which keeps the fp32 weights on ctx: no casts there. A split backward (zb / dualpipev
-    on a pipeline) keeps every tp linear's fp32 weight on ctx too (`grad_store`): only the routed experts cast."""
+    on a pipeline) keeps every tp linear's fp32 weight on ctx too (`grad_store`): only the routed experts cast.
+    Under --fp8 (`fp8`) the FP8 linears (`planner.fp8`) keep their fp32 weight on ctx and cast it to FP8 in each GEMM:
+    only the convolution kernels and Qwen3-Next's shared-expert gate are cast."""
     split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")
-    return dict(_cast_terms(spec, moe, linear, lay.tp, lay.ep, _column_region(spec, lay), split))
+    terms = dict(_cast_terms(spec, moe, linear, lay.tp, lay.ep, _column_region(spec, lay), split))
+    if fp8:
+        gate = spec.dim if moe and spec.moe_shared_gate else 0
+        terms = {k: v if "conv kernels" in k else gate if k.startswith("MoE shared") else 0 for k, v in terms.items()}
+    return terms
 
 
 @functools.lru_cache(maxsize=4096)
@@ -357,7 +364,7 @@ def autocast_weight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
         return autocast_weight_bytes(spec, one, dataclasses.replace(lay, recompute="none"), wl)
     split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")  # the head keeps its fp32 weight on ctx too
     head = padded_vocab(spec, lay.tp) // lay.tp * spec.dim if stage.head and not split else 0
-    layers = sum(sum(layer_cast_terms(spec, moe, lay, lin).values()) for moe, lin in _held_layers(stage))
+    layers = sum(sum(layer_cast_terms(spec, moe, lay, lin, bool(wl.fp8)).values()) for moe, lin in _held_layers(stage))
     return float(wl.act_bytes * (layers + head))
 
 
@@ -528,5 +535,6 @@ def rebuilt_weight_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     out = 0
     for kind, lin in set(rec):
         if moe in (None, kind):
-            out = max(out, sum(v for k, v in layer_cast_terms(spec, kind, eager, lin).items() if k not in gone))
+            out = max(out, sum(v for k, v in layer_cast_terms(spec, kind, eager, lin, bool(wl.fp8)).items()
+                               if k not in gone))
     return float(wl.act_bytes * out)

@@ -26,6 +26,7 @@ from functools import lru_cache
 from shardwise.rules.buckets import cut_runs
 from shardwise.rules.wire import wire_bytes
 from shardwise.planner import gpt_oss, linear_attention, moe_skew, sparse_attention
+from shardwise.planner.fp8 import fp8_microbatch, sp_wire_gathers, wire_activations, wire_gathers
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, recomputed_layer_ids, stage_layer_ids
 from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BYTES_GRAD, stage_tensors, stage_unit_entries, zero_buckets
@@ -100,7 +101,10 @@ def tp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
         if stage.embedding:
             led.add("tp", "reduce_scatter", n * h * r, t)
             led.add("tp", "all_gather", n // t * h * r, t)
-        led.add("tp", "all_gather", n // t * h * r, t, regions, k * regions)  # fwd: before attention and MLP
+        if wire_activations(lay, wl):  # --fp8-all-gather: the entries' gathers in FP8 (planner/fp8.py)
+            sp_wire_gathers(led, spec, lay, wl, regions)
+        else:
+            led.add("tp", "all_gather", n // t * h * r, t, regions, k * regions)  # fwd: before attention and MLP
         led.add("tp", "all_gather", n // t * h * e, t, regions, k * regions)  # bwd: mirrors of the exits
         led.add("tp", "reduce_scatter", n * h * e, t, regions, k * regions)  # fwd: wo, w2 outputs
         led.add("tp", "reduce_scatter", n * h * r, t, regions, k * regions)  # bwd: mirrors of the entries
@@ -119,7 +123,10 @@ def tp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
         exits = regions if spec.dropout > 0 or (lay.sp and lay.tp_overlap) else dense + moe
         if lay.sp:
             k = chunks(t, wl.seq_len // lay.cp // t, lay.tp_overlap)
-            led.add("tp", "all_gather", n // t * h * r, t, regions, k * regions)
+            if wire_activations(lay, wl):
+                sp_wire_gathers(led, spec, lay, wl, regions)
+            else:
+                led.add("tp", "all_gather", n // t * h * r, t, regions, k * regions)
             led.add("tp", "reduce_scatter", n * h * e, t, exits, k * exits)
         else:
             led.add("tp", "all_reduce", n * h * e, t, exits)
@@ -170,7 +177,8 @@ def _reduce_grads(led: CommLedger, axis: str, groups: list[int], group: int, m: 
     led.add(axis, "all_reduce", sum(groups) * gb, group, pieces=buckets)
 
 
-def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, local: Params, gb: int = 4) -> None:
+def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, local: Params, gb: int = 4,
+                 wl: Workload | None = None) -> None:
     """Dense grads over dp×cp, expert grads over the expert-data-parallel group, as shardwise's GradReducer:
     ZeRO-0 a bucketed all-reduce; ZeRO ≥ 1 a reduce-scatter per bucket (`zero_buckets`, each padded to a
     multiple of its group) — ZeRO 2/3 every micro-batch — and the parameter all-gathers of the stage."""
@@ -188,14 +196,16 @@ def dp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, lo
         return
     buckets = zero_buckets(spec, stage, lay)
     gathers = bucket_gathers(spec, stage, lay) if lay.zero >= 3 else [1] * len(buckets)
-    for b, n in zip(buckets, gathers):
+    wire = wire_gathers(led, spec, stage, lay, wl, buckets, gathers) if wl else [False] * len(buckets)
+    for b, n, fp8 in zip(buckets, gathers, wire):
         if not b.numel:
             continue
         # ZeRO 2/3 reduce-scatter every micro-batch, except buckets waiting for a TP sum (once per step)
         led.add(b.axis, "reduce_scatter", b.padded * gb, b.group, 1 if lay.zero == 1 or b.deferred else lay.m)
         # ZeRO 1/2 gather the updated parameters once; ZeRO-3 gathers a unit whenever a hold or prefetch finds it
         # freed: twice per micro-batch and chunk, more for MTP's head and embedding (`zero3_gathers`)
-        led.add(b.axis, "all_gather", b.shard * 4, b.group, n)
+        if not fp8:  # an FP8 bucket's gathers are booked by `wire_gathers`
+            led.add(b.axis, "all_gather", b.shard * 4, b.group, n)
         if b.axis == "dp_shard":  # hybrid sharding: the fp32 shard gradient summed over the replicas, once
             led.add("dp_replicate", "all_reduce", b.shard * 4, lay.replicas)
 
@@ -363,12 +373,14 @@ def stage_ledgers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, loca
             pp_microbatch(mb, spec, st, ly, wl)
         cp_microbatch(mb, spec, st, ly, wl)
         ep_microbatch(mb, spec, st, ly, wl)
+        if wl.fp8:
+            fp8_microbatch(mb, spec, st, ly, wl)
     sync = CommLedger()
     if lay.tp > 1:
         # one flat all-reduce, the MTP blocks' TP-partial gradients (MLA's down-projections) included
         tp_grad_sync(sync, spec, stage, lay)
     pp_grad_sync(sync, spec, stage, lay)
-    dp_grad_sync(sync, spec, stage, lay, local, wl.grad_reduce_bytes)
+    dp_grad_sync(sync, spec, stage, lay, local, wl.grad_reduce_bytes, wl)
     for st in [stage] + mtp_stages(spec, stage):
         moe_grad_sync(sync, spec, st, lay)
     if wl.optimizer == "muon":

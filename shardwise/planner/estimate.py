@@ -19,6 +19,7 @@ from shardwise.rules.flops import layer_flops_per_token, linear_layer_delta, mtp
 from shardwise.planner import gpt_oss, linear_attention, moe_skew
 from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
+from shardwise.planner.fp8 import amax_seconds
 from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import (
     Layout, Workload, chunk_owners, group_size, group_spans, recomputed_layer_ids, stage_layer_ids, stages,
@@ -61,6 +62,16 @@ def peak_flops(cluster: Cluster, wl: Workload) -> float:
     return flops.peak_flops(cluster.gpu, wl.precision)
 
 
+def fp8_peak(cluster: Cluster, wl: Workload) -> float | None:
+    """The GPU's dense FP8 peak under --fp8 (None without it); a GPU without FP8 is a PlanError."""
+    if not wl.fp8:
+        return None
+    try:
+        return flops.fp8_peak_flops(cluster.gpu)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
 @lru_cache(maxsize=256)
 def model_flops(spec: ModelSpec, wl: Workload, recompute: str = "none", recomputed: frozenset | None = None) -> float:
     """`rules.flops.model_flops` of one step of `wl` (cached: the search asks per layout)."""
@@ -99,10 +110,11 @@ def fits(mem: list[dict], cluster: Cluster, assume: Assumptions) -> bool:
     return max(s["peak"] for s in mem) <= cluster.gpu.memory_bytes * assume.usable_memory
 
 
-def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float, float]:
-    """(hardware FLOPs, attention-core FLOPs fwd+bwd) of one microbatch on one rank of stage `st`."""
+def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float, float, float]:
+    """(hardware FLOPs, attention-core FLOPs fwd+bwd, hardware FLOPs in FP8 GEMMs under --fp8) of one microbatch on
+    one rank of stage `st`."""
     tokens = lay.mb * wl.seq_len // lay.cp
-    matmul = core = rec_mm = rec_core = 0.0
+    matmul = core = rec_mm = rec_core = high = rec_high = 0.0
     # attention cores in full-layer equivalents: a sliding layer's kernels run only what its window reaches
     ids, chosen = (stage_layer_ids(spec, lay)[st.index], recomputed_layer_ids(spec, lay)) if spec.sliding_layers \
         else ((), frozenset())
@@ -114,6 +126,8 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
             mm += moe_skew.extra_expert_flops_per_token(spec, lay, wl) if moe else 0.0  # the busiest rank's rows
             matmul, core = matmul + n * mm, core + n_core * cc
             rec_mm, rec_core = rec_mm + again * mm, rec_core + again_core * cc
+            hp = flops.high_precision_matmul_per_token(spec, moe, lay.tp, lay.sp)
+            high, rec_high = high + n * hp, rec_high + again * hp
     d_mm, d_core = linear_layer_delta(spec, wl.seq_len, lay.tp)
     lin, lin_again = linear_attention.held_layers(st, lay)  # Gated DeltaNet: not the attention core selective replays
     matmul, core, rec_mm = matmul + lin * d_mm, core + lin * d_core, rec_mm + lin_again * d_mm
@@ -124,8 +138,10 @@ def _stage_flops(spec: ModelSpec, st, lay: Layout, wl: Workload) -> tuple[float,
         mm, cc = mtp_flops_per_token(spec, lambda moe: layer_flops_per_token(spec, moe, wl.seq_len, lay.tp, lay.sp),
                                      padded_vocab(spec, lay.tp) // lay.tp)
         matmul, core = matmul + mm, core + cc
+        high += flops.mtp_high_precision_per_token(spec, padded_vocab(spec, lay.tp) // lay.tp, lay.tp, lay.sp)
     extra = {"none": 0.0, "selective": rec_core, "full": rec_mm + rec_core}[lay.recompute]  # MTP: never recomputed
-    return tokens * (3 * (matmul + core + head) + extra), tokens * 3 * core
+    fp8 = tokens * (3 * (matmul - high) + (rec_mm - rec_high if lay.recompute == "full" else 0.0)) if wl.fp8 else 0.0
+    return tokens * (3 * (matmul + core + head) + extra), tokens * 3 * core, fp8
 
 
 def _tp_layer(spec: ModelSpec, lay: Layout, wl: Workload, rate: float, flops_per_s: float, link: str | None):
@@ -151,7 +167,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     links = axis_links(lay.dp, lay.pp, lay.cp, lay.tp, lay.ep, cluster.domain, lay.dp_shard)
     rate = {a: cluster.bandwidth(links[a]) * assume.link_efficiency for a in AXES}
     rate["emb"] = rate["pp"]  # tied embeddings' group: the first and last stage, across the pp links
-    peak = peak_flops(cluster, wl)
+    peak, peak8 = peak_flops(cluster, wl), fp8_peak(cluster, wl)
     bubble, bubble_src = bubble_fraction(lay)
 
     def seconds(led, axis):
@@ -166,10 +182,12 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
                windows and windows[st.index])
         if key not in seen:
             mb, sync = stage_ledgers(spec, st, lay, wl, s["params"])
-            hw, core = _stage_flops(spec, st, lay, wl)
-            t_comp = hw / (peak * assume.flops_efficiency)
+            hw, core, hw8 = _stage_flops(spec, st, lay, wl)
+            t_comp = (hw - hw8) / (peak * assume.flops_efficiency)
+            t_comp += hw8 / (peak8 * assume.flops_efficiency) if hw8 else 0.0  # --fp8: the FP8 GEMMs at the FP8 peak
             t_cp = max(0.0, seconds(mb, "cp") - core / (peak * assume.flops_efficiency))
             t_mb = t_comp + t_cp + sum(seconds(mb, a) for a in ("tp", "pp", "ep"))
+            t_mb += amax_seconds(mb, rate, links) if wl.fp8 else 0.0
             tp_layer = _tp_layer(spec, lay, wl, rate["tp"], peak * assume.flops_efficiency, links["tp"])
             if (assume.tp_overlap or lay.tp_overlap) and lay.sp:  # the layers' SP collectives: exposed time instead of their bytes' time
                 t_mb += st.n_layers * (tp_layer.overlap - tp_layer.comm)
@@ -220,7 +238,11 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         "hardware_flops_per_step": hw_f,
         "compute_time_s": lay.m * max(p["comp"] for p in per_stage),
         "step_time_s": step_time,
-        "mfu": model_f / (step_time * cluster.gpus * peak),
+        "mfu": model_f / (step_time * cluster.gpus * (peak8 or peak)),
+        "mfu_bf16_equivalent": model_f / (step_time * cluster.gpus * flops.peak_flops(cluster.gpu, "bf16")),
+        "peak_flops_per_gpu": peak8 or peak,
+        "fp8": wl.fp8,
+        "fp8_all_gather": wl.fp8_all_gather,
         "tokens_per_s": wl.global_batch * wl.seq_len / step_time,
         "assumptions": asdict(assume),
     }

@@ -52,6 +52,11 @@ class Workload:
     expert_placement: str = "contiguous"
     """shardwise's --expert-placement: 'balanced' plans the busiest ep rank after the experts are placed for an even
     load (`moe_skew.skew`, `rules.placement`)."""
+    fp8: str | None = None
+    """shardwise's --fp8 RECIPE (None: off): the FP8 linears' GEMMs at the FP8 peak and their amax all-reduces
+    (planner/fp8.py)."""
+    fp8_all_gather: bool = False
+    """shardwise's --fp8-all-gather: ZeRO-3 parameter and SP activation all-gathers in FP8 (`rules.wire`)."""
 
     @property
     def act_bytes(self) -> int:
@@ -338,7 +343,8 @@ def from_train_config(cfg) -> tuple[ModelSpec, Layout, Workload]:
     gb = cfg.global_batch or cfg.micro_batch * p.dp
     return spec, lay, Workload(seq_len=cfg.seq_len, global_batch=gb, precision=cfg.dtype,
                                fp32_residual=cfg.fp32_residual, grad_reduce=cfg.grad_reduce_dtype,
-                               optimizer=cfg.optimizer, muon_qk_clip=cfg.muon_qk_clip)
+                               optimizer=cfg.optimizer, muon_qk_clip=cfg.muon_qk_clip, fp8=cfg.fp8,
+                               fp8_all_gather=cfg.fp8_all_gather)
 
 
 def unmodeled(cfg) -> list[str]:

@@ -158,6 +158,32 @@ def model_flops(cfg, seq_len: int, global_batch: int, recompute: str = "none",
     return 3.0 * fwd + extra
 
 
+def high_precision_matmul_per_token(cfg, moe: bool, tp: int = 1, sp: bool = False) -> float:
+    """Forward matmul FLOPs per token of one layer on one tp rank that `--fp8` leaves in high precision: an MoE
+    block's router (and Qwen3-Next's shared-expert gate), replicated over tp, 1/tp of the tokens under SP. The rest
+    of `layer_flops_per_token`'s matmul runs in FP8 (`shardwise.fp8.apply`)."""
+    if not moe:
+        return 0.0
+    gate = 1 if getattr(cfg, "moe_shared_gate", False) else 0
+    return 2.0 * cfg.dim * (cfg.moe_experts + gate) / (tp if sp else 1)
+
+
+def mtp_high_precision_per_token(cfg, vocab_local: int, tp: int = 1, sp: bool = False) -> float:
+    """The MTP modules' high-precision forward matmul FLOPs per token under `--fp8`: each eh_proj, LM head and its
+    block's router."""
+    return sum(2.0 * 2 * cfg.dim * cfg.dim + 2.0 * cfg.dim * vocab_local
+               + high_precision_matmul_per_token(cfg, cfg.is_moe_layer(cfg.n_layers + k), tp, sp)
+               for k in range(cfg.mtp_layers))
+
+
+def fp8_peak_flops(gpu) -> float:
+    """Dense FP8 peak of a `rules.hardware.GPU`; a GPU without FP8 tensor cores raises ValueError."""
+    if gpu.peak_fp8_flops is None:
+        raise ValueError(f"{gpu.name} has no FP8 tensor cores; --fp8 runs on GPUs with an FP8 peak: H100, H200, "
+                         "B200, GB200, MI300X")
+    return gpu.peak_fp8_flops
+
+
 def peak_flops(gpu, precision: str) -> float:
     """Dense BF16 peak of a `rules.hardware.GPU`; fp32 runs on TF32 tensor cores at half that rate (every preset's
     datasheet)."""

@@ -65,3 +65,15 @@ def wire_bytes(op: str, nbytes: int, n: int) -> float:
     if base == "recv":
         return float(recv(nbytes))
     raise ValueError(f"unknown op {op!r}")
+
+
+FP8_WIRE_TAG = "fp8"
+"""Ledger tag of an FP8 all-gather (`all_gather:fp8`, `--fp8-all-gather`)."""
+
+
+def fp8_all_gather(numel: int, scale_blocks: int) -> tuple[int, int]:
+    """(all-gather payload, amax all-reduce payload) of one FP8 all-gather of a `numel`-element local shard whose
+    tensor has `scale_blocks` scale blocks: one byte per element (the shard cast with the whole tensor's scales), and
+    one fp32 amax per scale block, max-reduced over the gather's axis (and the axes the scale spans) before the
+    cast. The one place the planner counts an FP8 gather's bytes."""
+    return numel, 4 * scale_blocks
