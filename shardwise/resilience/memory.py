@@ -34,7 +34,7 @@ class MemoryCopies:
     def __init__(self, trainer, info: NodeInfo):
         self.trainer, self.axis = trainer, host_axis(trainer.mesh)
         world, self.rank = self.axis.size, trainer.mesh.rank
-        self.store = NodeStore(info.store)
+        self.store = NodeStore(info.store, world)
         self.holder = holder_of(self.rank, world, info.ranks_per_node)
         self.ward = ward_of(self.rank, world, info.ranks_per_node)
         self.before_send = []  # fn(step) called once the local copy is kept (fault injection's `mem-ckpt` phase)

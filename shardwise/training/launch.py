@@ -11,6 +11,7 @@ recorder's dumps go to the run directory. On clusters: each process takes the GP
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import importlib
 import json
@@ -318,30 +319,62 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
 class WorkerGroup:
     """One start of the worker group under `--max-restarts` / memory copies: which restart it is, where each node's
     memory copies live (`shardwise.resilience.store`: shared memory this launcher owns, so the copies outlive the
-    ranks) and what the launcher saw of the failure that caused it."""
+    ranks) and what the launcher saw of the failure that caused it. After an elastic change of dp (`--min-dp`) the
+    group is the survivors: `ranks[i]` is the first start's rank that rank i stands in for (its node is that rank's),
+    and `ranks_per_node` counts the survivors per node."""
 
     stores: str
     ranks_per_node: int
     restart: int = 0
     failure: dict | None = None
+    ranks: tuple[int, ...] | None = None
+    node_size: int | None = None  # ranks per node of the first start (default: ranks_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return (rank if self.ranks is None else self.ranks[rank]) // (self.node_size or self.ranks_per_node)
 
     def node_store(self, rank: int) -> str:
-        return os.path.join(self.stores, f"node{rank // self.ranks_per_node}")
+        return os.path.join(self.stores, f"node{self.node_of(rank)}")
 
     def env(self, rank: int) -> dict[str, str]:
         return {"SHARDWISE_NODE_STORE": self.node_store(rank), "SHARDWISE_RANKS_PER_NODE": str(self.ranks_per_node),
                 "SHARDWISE_RESTART_COUNT": str(self.restart), "SHARDWISE_FAILURE": json.dumps(self.failure or {})}
 
+    def gone(self, world: int) -> list[int]:
+        """Ranks whose node is lost for good (the fault injection's `gone` marks it: `node<k>.gone`)."""
+        return [r for r in range(world) if os.path.exists(self.node_store(r) + ".gone")]
+
+    def shrunk(self, keep: list[int], failure: dict) -> "WorkerGroup":
+        """The next start on the ranks `keep` (of this start's numbering) only, renumbered in order."""
+        from ..config import ConfigError
+
+        orig = tuple(r if self.ranks is None else self.ranks[r] for r in keep)
+        size = self.node_size or self.ranks_per_node
+        per_node = {n: sum(1 for r in orig if r // size == n) for n in {r // size for r in orig}}
+        if len(set(per_node.values())) != 1:
+            raise ConfigError(f"elastic data parallelism: the surviving replicas fill nodes unevenly ({per_node} "
+                              f"ranks per node); use --ranks-per-node that divides or is a multiple of a replica")
+        for n in per_node:  # the old numbering's progress records would read as the new ranks'
+            for name in os.listdir(os.path.join(self.stores, f"node{n}")):
+                if name.startswith("progress-r") and name[len("progress-r"):].isdigit() \
+                        and int(name[len("progress-r"):]) >= len(keep):
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(self.stores, f"node{n}", name))
+        return WorkerGroup(self.stores, next(iter(per_node.values())), self.restart + 1, failure, orig, size)
+
 
 def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
               grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None, save_signal: str | None = None,
-              max_restarts: int = 0, ranks_per_node: int | None = None, node_stores: bool = False):
+              max_restarts: int = 0, ranks_per_node: int | None = None, node_stores: bool = False, elastic=None):
     """Run `fn(*args)` on `world` local ranks; return the per-rank results in rank order.
 
     `max_restarts`: after a failure, the whole group is torn down and started again (each rank sees
     SHARDWISE_RESTART_COUNT and the launcher's account of the failure, and resumes: `shardwise.resilience`), at
     most that many times; the last failure is raised. `node_stores` (or any restarts): every `ranks_per_node`
     consecutive ranks (default all) share a node's directory of memory copies in shared memory, removed at the end.
+    `elastic(world, lost ranks)` (--min-dp): the ranks that go on without the lost ones (whole DP replicas; a
+    ConfigError when too few are left); called when a lost node does not come back (marked gone) or the restarts
+    are spent, and the group restarts on those ranks only (each rank derives its layout from the world size).
     """
     if not (max_restarts or node_stores):
         return _run_group(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=wall_timeout_s, grace_s=grace_s,
@@ -357,12 +390,25 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
                                   grace_s=grace_s, backend=backend, run_dir=run_dir, save_signal=save_signal,
                                   group=group)
             except RankError as e:
-                if group.restart >= max_restarts or e.failure is None:
+                if e.failure is None:
+                    raise
+                gone = group.gone(world)
+                spent = group.restart >= max_restarts
+                if elastic is not None and (gone or spent):
+                    lost = sorted(set(gone) | set(e.failure["lost_ranks"]))
+                    keep = elastic(world, lost)
+                    failure = e.failure | {"restart": group.restart + 1, "lost_for_good": lost,
+                                           "elastic": {"old_world": world, "new_world": len(keep)}}
+                    print(f"shardwise: {_failure_line(failure)}; the lost node does not come back: going on with "
+                          f"{len(keep)} of {world} ranks (elastic data parallelism)", file=sys.stderr, flush=True)
+                    group, world = group.shrunk(keep, failure), len(keep)
+                    continue
+                if spent:
                     raise
                 failure = e.failure | {"restart": group.restart + 1}
                 print(f"shardwise: {_failure_line(failure)}; restarting the worker group "
                       f"({group.restart + 1} of {max_restarts})", file=sys.stderr, flush=True)
-                group = WorkerGroup(stores, group.ranks_per_node, group.restart + 1, failure)
+                group = dataclasses.replace(group, restart=group.restart + 1, failure=failure)
     finally:
         shutil.rmtree(stores, ignore_errors=True)
 
