@@ -32,6 +32,12 @@ def _layout(views) -> list:
     return [[k, list(t.shape), str(t.dtype)] for k, t in views]
 
 
+def state_bytes(trainer) -> int:
+    """The tensor bytes of this rank's copy (its metadata, a few kB, aside): what one copy holds in host memory."""
+    ensure_state(trainer.reducer)
+    return sum(t.numel() * t.element_size() for _, t in _views(trainer))
+
+
 def snapshot(trainer, step: int) -> torch.Tensor:
     """This rank's state after `step` completed optimizer steps, as one host uint8 tensor."""
     ensure_state(trainer.reducer)

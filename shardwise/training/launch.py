@@ -355,11 +355,12 @@ class WorkerGroup:
             raise ConfigError(f"elastic data parallelism: the surviving replicas fill nodes unevenly ({per_node} "
                               f"ranks per node); use --ranks-per-node that divides or is a multiple of a replica")
         for n in per_node:  # the old numbering's progress records would read as the new ranks'
-            for name in os.listdir(os.path.join(self.stores, f"node{n}")):
+            where = os.path.join(self.stores, f"node{n}")
+            for name in os.listdir(where) if os.path.isdir(where) else []:
                 if name.startswith("progress-r") and name[len("progress-r"):].isdigit() \
                         and int(name[len("progress-r"):]) >= len(keep):
                     with contextlib.suppress(OSError):
-                        os.remove(os.path.join(self.stores, f"node{n}", name))
+                        os.remove(os.path.join(where, name))
         return WorkerGroup(self.stores, next(iter(per_node.values())), self.restart + 1, failure, orig, size)
 
 
@@ -395,7 +396,9 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
                 gone = group.gone(world)
                 spent = group.restart >= max_restarts
                 if elastic is not None and (gone or spent):
-                    lost = sorted(set(gone) | set(e.failure["lost_ranks"]))
+                    # a node gone for good names its ranks; a survivor too slow to report within the grace period
+                    # reads as hung in the failure, and must not take its replica with it
+                    lost = gone or e.failure["lost_ranks"]
                     keep = elastic(world, lost)
                     failure = e.failure | {"restart": group.restart + 1, "lost_for_good": lost,
                                            "elastic": {"old_world": world, "new_world": len(keep)}}
