@@ -132,8 +132,8 @@ def _log(event: dict, progress: dict, world: int, out: str | None) -> None:
     completed = max((rec[0] for rec in progress.values()), default=event["step"])
     detected = [t for _, phase, t, _ in progress.values() if phase.startswith(DETECTED)]
     detected_at = seen.get("detected_at") or (min(detected) if detected else None)
-    lost = seen.get("lost_ranks") or sorted(set(range(world)) - {r for r, (_, p, _, _) in progress.items()
-                                                                  if p.startswith(DETECTED)})
+    lost = seen["lost_ranks"] if "lost_ranks" in seen else sorted(   # a rejoin lost none
+        set(range(world)) - {r for r, (_, p, _, _) in progress.items() if p.startswith(DETECTED)})
     rec = {k: v for k, v in seen.items() if k not in ("detected_at", "lost_ranks")} | {
         "lost_ranks": lost, "failed_after_step": max(completed, seen.get("failed_after_step") or 0),
         "restored_from": event["source"], "restored_step": event["step"],

@@ -354,14 +354,19 @@ class WorkerGroup:
         if len(set(per_node.values())) != 1:
             raise ConfigError(f"elastic data parallelism: the surviving replicas fill nodes unevenly ({per_node} "
                               f"ranks per node); use --ranks-per-node that divides or is a multiple of a replica")
-        for n in per_node:  # the old numbering's progress records would read as the new ranks'
-            where = os.path.join(self.stores, f"node{n}")
-            for name in os.listdir(where) if os.path.isdir(where) else []:
-                if name.startswith("progress-r") and name[len("progress-r"):].isdigit() \
-                        and int(name[len("progress-r"):]) >= len(keep):
-                    with contextlib.suppress(OSError):
-                        os.remove(os.path.join(where, name))
+        _forget_progress(self.stores, len(keep))  # the old numbering's records would read as the new ranks'
         return WorkerGroup(self.stores, next(iter(per_node.values())), self.restart + 1, failure, orig, size)
+
+
+def _forget_progress(stores: str, below: int) -> None:
+    """Remove the progress records of ranks numbered `below` or more from every node's store."""
+    for node in os.listdir(stores):
+        where = os.path.join(stores, node)
+        for name in os.listdir(where) if os.path.isdir(where) else []:
+            number = name.removeprefix("progress-r")
+            if number != name and number.isdigit() and int(number) >= below:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(where, name))
 
 
 def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
@@ -375,7 +380,9 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
     consecutive ranks (default all) share a node's directory of memory copies in shared memory, removed at the end.
     `elastic(world, lost ranks)` (--min-dp): the ranks that go on without the lost ones (whole DP replicas; a
     ConfigError when too few are left); called when a lost node does not come back (marked gone) or the restarts
-    are spent, and the group restarts on those ranks only (each rank derives its layout from the world size).
+    are spent, and the group restarts on those ranks only (each rank derives its layout from the world size). When
+    the marks of the nodes gone are removed (the nodes are back), the shrunk group gets `save_signal` — it stops at
+    a step boundary — and the whole group restarts: it re-cuts the shrunk layout's copies back to the full one.
     """
     if not (max_restarts or node_stores):
         return _run_group(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=wall_timeout_s, grace_s=grace_s,
@@ -383,13 +390,27 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
     from ..resilience.store import shm_root
 
     stores = tempfile.mkdtemp(prefix=f"shardwise-mem-{os.getpid()}-", dir=shm_root())
-    group = WorkerGroup(stores, ranks_per_node or world)
+    group = first = WorkerGroup(stores, ranks_per_node or world)
+    full = world
     try:
         while True:
+            marks = [first.node_store(r) + ".gone" for r in first.gone(full)] if group.ranks is not None else []
+            back = (lambda: not any(os.path.exists(m) for m in marks)) if marks else None
             try:
-                return _run_group(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=wall_timeout_s,
-                                  grace_s=grace_s, backend=backend, run_dir=run_dir, save_signal=save_signal,
-                                  group=group)
+                out = _run_group(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=wall_timeout_s,
+                                 grace_s=grace_s, backend=backend, run_dir=run_dir, save_signal=save_signal,
+                                 group=group, stop_when=back)
+                if back is None or not back() or not any(isinstance(r, dict) and r.get("preempted") for r in out):
+                    return out
+                # the lost node is back: the shrunk group stopped at a step boundary; the whole layout resumes
+                failure = {"restart": group.restart + 1, "lost_ranks": [], "why": {},
+                           "rejoined": sorted(set(range(full)) - set(group.ranks)),
+                           "elastic": {"old_world": world, "new_world": full}, "detected_at": time.time()}
+                print(f"shardwise: ranks {failure['rejoined']} are back: the group stopped at a step boundary and "
+                      f"restarts on all {full} ranks (elastic data parallelism)", file=sys.stderr, flush=True)
+                _forget_progress(stores, 0)
+                group, world = dataclasses.replace(first, restart=group.restart + 1, failure=failure), full
+                continue
             except RankError as e:
                 if e.failure is None:
                     raise
@@ -451,9 +472,10 @@ def _failure_event(procs, out, errors, lastops: str | None, group: WorkerGroup |
 
 def _run_group(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
                grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None, save_signal: str | None = None,
-               group: WorkerGroup | None = None):
+               group: WorkerGroup | None = None, stop_when=None):
     """One start of the ranks (`run_local` without restarts); the RankError it raises carries `failure`, what the
-    launcher saw (`_failure_event`), when the ranks failed rather than refused.
+    launcher saw (`_failure_event`), when the ranks failed rather than refused. `stop_when()` (polled): once true,
+    every rank gets `save_signal`, the preemption request, so the group stops together at a step boundary.
 
     gloo: forked CPU ranks. nccl: spawned ranks, rank r on cuda:r, `fn(*args, device=cuda:r)`, flight
     recorder dumps under `run_dir`. Forking after this process initialised CUDA is refused
@@ -494,6 +516,11 @@ def _run_group(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: 
             now = time.monotonic()
             if failed_at is not None and now > failed_at + grace_s:
                 break
+            if stop_when is not None and save_signal and stop_when():
+                stop_when = None
+                for p in procs:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.Signals[save_signal])
             try:
                 rank, ok, payload = results.get(timeout=0.1)
             except queue.Empty:
