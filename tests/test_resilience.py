@@ -1,5 +1,7 @@
 """Resilience without processes: the peer assignment survives the loss of every node, the choice of the newest
-consistent memory step, a node store's copies and progress records, and the fault-injection spec."""
+consistent memory step, a node store's copies and progress records, the fault-injection spec, and elastic data
+parallelism's rules (which ranks survive, the layout for fewer ranks, which old copies a new rank reads)."""
+import dataclasses
 import os
 import re
 
@@ -187,7 +189,7 @@ def test_recut_reads_every_old_copy_a_new_shard_intersects():
     """Old ZeRO shards [0, 6) and [6, 12) of one 12-element tensor, full copies of another: a new rank holding
     [4, 12) reads both shards' owners, and only the first owner for the replicated tensor."""
     from shardwise.rules.geometry import coords_of
-    from shardwise.resilience.elastic import _Dims, needed, preference
+    from shardwise.resilience.elastic import Grid, needed, preference
 
     def meta(off):
         return {"layout": [["optim.w.exp_avg@0", [6], "torch.float32"], ["model.b@0", [3, 2], "torch.float32"]],
@@ -195,9 +197,28 @@ def test_recut_reads_every_old_copy_a_new_shard_intersects():
 
     metas = {0: meta(0), 1: meta(6)}
     new = [("optim.w.exp_avg@0", (4,), torch.zeros(8)), ("model.b@0", (0, 0), torch.zeros(3, 2))]
-    old = _Dims(2, 1, 1, 1)
+    old = Grid(2, 1, 1, 1)
     assert preference(coords_of(old, 0) | {"dp": 0}, old) == [0, 1]
     assert needed(new, metas, [0, 1]) == [0, 1]
     assert needed(new[1:], metas, [1, 0]) == [1]
     with pytest.raises(ValueError, match="do not cover optim.w.exp_avg@0"):
         needed([("optim.w.exp_avg@0", (4,), torch.zeros(9))], metas, [0, 1])
+
+
+@pytest.mark.slow
+def test_simulate_counts_the_memory_copies_host_memory():
+    """`simulate --mem-ckpt-every`: each rank holds two copies of its weights and optimizer state (its own, its
+    ward's) in host memory — measured on the fake rank's state as the copy serialises it, and planned."""
+    from shardwise.planner.goodput import peer_copy_host_bytes
+    from shardwise.simulate.cli import render, run
+    from shardwise.training.assemble import assemble
+    from shardwise.config import ParallelConfig
+
+    assert peer_copy_host_bytes({"weights": 3.0, "optimizer": 5.0, "gradients": 7.0}) == 16.0
+    cfg = assemble(TrainConfig(parallel=ParallelConfig(dp=2, tp=2, zero=1), seq_len=32, steps=2, mem_ckpt_every=1))
+    report = run(cfg, [0], 2)
+    copies = report["ranks"][0]["peer_copy_host_bytes"]
+    assert copies["measured"] > 0 and abs(copies["measured"] / copies["planned"] - 1) < 0.01, copies
+    assert "memory copies (own + ward's)" in render(report)
+    plain = run(dataclasses.replace(cfg, mem_ckpt_every=0), [0], 1)
+    assert "peer_copy_host_bytes" not in plain["ranks"][0]

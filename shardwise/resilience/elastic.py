@@ -137,7 +137,7 @@ def recut(trainer, blobs: dict[int, "object"], metas: dict[int, dict], rng_from:
     import torch
 
     from ..checkpoint.boxes import ensure_state
-    from .snapshot import _boxes, read_meta
+    from .snapshot import read_meta, state_boxes
 
     first = metas[rng_from]
     ensure_state(trainer.reducer, first["optimizer_step"])
@@ -150,7 +150,7 @@ def recut(trainer, blobs: dict[int, "object"], metas: dict[int, dict], rng_from:
             tensors[(o, key)] = blob[at:at + n].clone().view(dt).view(shape)  # clone: aligned for the dtype
             at += n
     with torch.no_grad():
-        for key, off, t in _boxes(trainer):
+        for key, off, t in state_boxes(trainer):
             gkey = key.rsplit("@", 1)[0]
             for o in blobs:
                 for p_off, p_shape, i in _pieces(metas[o]).get(gkey, []):
@@ -171,11 +171,13 @@ def recut(trainer, blobs: dict[int, "object"], metas: dict[int, dict], rng_from:
 def old_dims(meta: dict):
     """The grid a copy was made under (anything with dp, pp, cp, tp and world_size)."""
     d = meta["dims"]
-    return _Dims(d["dp"], d["pp"], d["cp"], d["tp"])
+    return Grid(d["dp"], d["pp"], d["cp"], d["tp"])
 
 
 @dataclasses.dataclass(frozen=True)
-class _Dims:
+class Grid:
+    """The (dp, pp, cp, tp) grid of a layout, as `rules.geometry` reads it."""
+
     dp: int
     pp: int
     cp: int

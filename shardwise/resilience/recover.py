@@ -92,7 +92,7 @@ def _recut(trainer, store: NodeStore, held: list[dict], step: int, axis) -> dict
     there, else from the lowest rank whose node holds it."""
     from ..checkpoint.boxes import ensure_state
     from .elastic import needed, old_dims, preference, recut, rng_source
-    from .snapshot import _boxes
+    from .snapshot import state_boxes
 
     rank = trainer.mesh.rank
     here = sorted({o for o, s in held[rank] if s == step})
@@ -103,7 +103,7 @@ def _recut(trainer, store: NodeStore, held: list[dict], step: int, axis) -> dict
     ensure_state(trainer.reducer)
     coords = trainer.mesh.coords
     rng_from = rng_source(coords, old)
-    mine = needed(_boxes(trainer), metas, preference(coords, old))
+    mine = needed(state_boxes(trainer), metas, preference(coords, old))
     mine = mine + [rng_from] * (rng_from not in mine)
     wants = comm.all_gather_object(mine, axis)
     ops, got = [], {}

@@ -18,14 +18,14 @@ from .. import host
 from ..checkpoint.boxes import ensure_state, state_entries
 
 
-def _boxes(trainer) -> list[tuple[str, tuple, torch.Tensor]]:
+def state_boxes(trainer) -> list[tuple[str, tuple, torch.Tensor]]:
     """(key, global offsets, live view) of every local tensor of the training state, in a fixed order."""
     entries = state_entries(trainer, save=False)
     return [(f"{key}@{i}", off, t) for key, (_, boxes) in sorted(entries.items()) for i, (off, t) in enumerate(boxes)]
 
 
 def _views(trainer) -> list[tuple[str, torch.Tensor]]:
-    return [(k, t) for k, _, t in _boxes(trainer)]
+    return [(k, t) for k, _, t in state_boxes(trainer)]
 
 
 def _layout(views) -> list:
@@ -41,7 +41,7 @@ def state_bytes(trainer) -> int:
 def snapshot(trainer, step: int) -> torch.Tensor:
     """This rank's state after `step` completed optimizer steps, as one host uint8 tensor."""
     ensure_state(trainer.reducer)
-    boxes = _boxes(trainer)
+    boxes = state_boxes(trainer)
     views = [(k, t) for k, _, t in boxes]
     state = next(iter(trainer.reducer.optimizer.state.values()))
     tracker = trainer.model.rng_tracker

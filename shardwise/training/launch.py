@@ -315,60 +315,6 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
         os._exit(1)
 
 
-@dataclass(frozen=True)
-class WorkerGroup:
-    """One start of the worker group under `--max-restarts` / memory copies: which restart it is, where each node's
-    memory copies live (`shardwise.resilience.store`: shared memory this launcher owns, so the copies outlive the
-    ranks) and what the launcher saw of the failure that caused it. After an elastic change of dp (`--min-dp`) the
-    group is the survivors: `ranks[i]` is the first start's rank that rank i stands in for (its node is that rank's),
-    and `ranks_per_node` counts the survivors per node."""
-
-    stores: str
-    ranks_per_node: int
-    restart: int = 0
-    failure: dict | None = None
-    ranks: tuple[int, ...] | None = None
-    node_size: int | None = None  # ranks per node of the first start (default: ranks_per_node)
-
-    def node_of(self, rank: int) -> int:
-        return (rank if self.ranks is None else self.ranks[rank]) // (self.node_size or self.ranks_per_node)
-
-    def node_store(self, rank: int) -> str:
-        return os.path.join(self.stores, f"node{self.node_of(rank)}")
-
-    def env(self, rank: int) -> dict[str, str]:
-        return {"SHARDWISE_NODE_STORE": self.node_store(rank), "SHARDWISE_RANKS_PER_NODE": str(self.ranks_per_node),
-                "SHARDWISE_RESTART_COUNT": str(self.restart), "SHARDWISE_FAILURE": json.dumps(self.failure or {})}
-
-    def gone(self, world: int) -> list[int]:
-        """Ranks whose node is lost for good (the fault injection's `gone` marks it: `node<k>.gone`)."""
-        return [r for r in range(world) if os.path.exists(self.node_store(r) + ".gone")]
-
-    def shrunk(self, keep: list[int], failure: dict) -> "WorkerGroup":
-        """The next start on the ranks `keep` (of this start's numbering) only, renumbered in order."""
-        from ..config import ConfigError
-
-        orig = tuple(r if self.ranks is None else self.ranks[r] for r in keep)
-        size = self.node_size or self.ranks_per_node
-        per_node = {n: sum(1 for r in orig if r // size == n) for n in {r // size for r in orig}}
-        if len(set(per_node.values())) != 1:
-            raise ConfigError(f"elastic data parallelism: the surviving replicas fill nodes unevenly ({per_node} "
-                              f"ranks per node); use --ranks-per-node that divides or is a multiple of a replica")
-        _forget_progress(self.stores, len(keep))  # the old numbering's records would read as the new ranks'
-        return WorkerGroup(self.stores, next(iter(per_node.values())), self.restart + 1, failure, orig, size)
-
-
-def _forget_progress(stores: str, below: int) -> None:
-    """Remove the progress records of ranks numbered `below` or more from every node's store."""
-    for node in os.listdir(stores):
-        where = os.path.join(stores, node)
-        for name in os.listdir(where) if os.path.isdir(where) else []:
-            number = name.removeprefix("progress-r")
-            if number != name and number.isdigit() and int(number) >= below:
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(where, name))
-
-
 def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
               grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None, save_signal: str | None = None,
               max_restarts: int = 0, ranks_per_node: int | None = None, node_stores: bool = False, elastic=None):
@@ -387,6 +333,7 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
     if not (max_restarts or node_stores):
         return _run_group(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=wall_timeout_s, grace_s=grace_s,
                           backend=backend, run_dir=run_dir, save_signal=save_signal)
+    from ..resilience.group import WorkerGroup, forget_progress
     from ..resilience.store import shm_root
 
     stores = tempfile.mkdtemp(prefix=f"shardwise-mem-{os.getpid()}-", dir=shm_root())
@@ -408,7 +355,7 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
                            "elastic": {"old_world": world, "new_world": full}, "detected_at": time.time()}
                 print(f"shardwise: ranks {failure['rejoined']} are back: the group stopped at a step boundary and "
                       f"restarts on all {full} ranks (elastic data parallelism)", file=sys.stderr, flush=True)
-                _forget_progress(stores, 0)
+                forget_progress(stores, 0)
                 group, world = dataclasses.replace(first, restart=group.restart + 1, failure=failure), full
                 continue
             except RankError as e:
@@ -445,7 +392,7 @@ def _failure_line(f: dict) -> str:
     return f"lost {who}{where}{phase}"
 
 
-def _failure_event(procs, out, errors, lastops: str | None, group: WorkerGroup | None, detected_at: float) -> dict:
+def _failure_event(procs, out, errors, lastops: str | None, group, detected_at: float) -> dict:
     """What the launcher saw: the lost ranks and why, how far the group had got and where the first lost rank was
     (its progress record's phase and its last collective call)."""
     why = {}
@@ -472,10 +419,11 @@ def _failure_event(procs, out, errors, lastops: str | None, group: WorkerGroup |
 
 def _run_group(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
                grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None, save_signal: str | None = None,
-               group: WorkerGroup | None = None, stop_when=None):
-    """One start of the ranks (`run_local` without restarts); the RankError it raises carries `failure`, what the
-    launcher saw (`_failure_event`), when the ranks failed rather than refused. `stop_when()` (polled): once true,
-    every rank gets `save_signal`, the preemption request, so the group stops together at a step boundary.
+               group=None, stop_when=None):
+    """One start of the ranks (`run_local` without restarts; `group`: its `resilience.group.WorkerGroup`); the
+    RankError it raises carries `failure`, what the launcher saw (`_failure_event`), when the ranks failed rather
+    than refused. `stop_when()` (polled): once true, every rank gets `save_signal`, the preemption request, so the
+    group stops together at a step boundary.
 
     gloo: forked CPU ranks. nccl: spawned ranks, rank r on cuda:r, `fn(*args, device=cuda:r)`, flight
     recorder dumps under `run_dir`. Forking after this process initialised CUDA is refused
