@@ -363,10 +363,11 @@ def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: f
                     raise
                 gone = group.gone(world)
                 spent = group.restart >= max_restarts
-                if elastic is not None and (gone or spent):
+                died = [int(r) for r, why in e.failure["why"].items() if why.startswith("exit code") or why == "hung"]
+                if elastic is not None and (gone or (spent and died)):  # every rank raising is no lost node
                     # a node gone for good names its ranks; a survivor too slow to report within the grace period
                     # reads as hung in the failure, and must not take its replica with it
-                    lost = gone or e.failure["lost_ranks"]
+                    lost = gone or died
                     keep = elastic(world, lost)
                     failure = e.failure | {"restart": group.restart + 1, "lost_for_good": lost,
                                            "elastic": {"old_world": world, "new_world": len(keep)}}
