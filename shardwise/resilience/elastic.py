@@ -17,6 +17,7 @@ import dataclasses
 
 from ..config import ConfigError
 from ..rules.geometry import coords_of, rank_of
+from ..rules.validation import ep_dpcp_problem
 
 
 def replica_size(dims) -> int:
@@ -66,9 +67,10 @@ def fit_world(cfg, world: int):
         raise ConfigError(f"elastic data parallelism: {world} ranks make {world / size:g} DP replicas of {size} "
                           f"ranks (pp {p.pp} × cp {p.cp} × tp {p.tp}); --min-dp {cfg.min_dp} needs at least "
                           f"{cfg.min_dp * size}")
-    if gb % (cfg.micro_batch * dp) or (dp * p.cp) % p.ep or p.dp_shard is not None:
+    ep_misfit = ep_dpcp_problem(dp, p.cp, p.ep)
+    if gb % (cfg.micro_batch * dp) or ep_misfit or p.dp_shard is not None:
         why = (f"--dp-shard {p.dp_shard} (hybrid sharding) keeps no layout for another dp" if p.dp_shard is not None
-               else f"ep {p.ep} does not divide dp {dp} × cp {p.cp}" if (dp * p.cp) % p.ep
+               else f"ep {p.ep} does not divide dp {dp} × cp {p.cp}" if ep_misfit
                else f"global batch {gb} is not a multiple of micro-batch {cfg.micro_batch} × dp {dp}")
         raise ConfigError(f"elastic data parallelism: the run cannot go on with dp {dp} (was {p.dp}): {why}")
     # a fault strikes only in the first start (`training.faults`), whose numbering it names
@@ -110,7 +112,7 @@ def needed(new_boxes, metas: dict[int, dict], order: list[int]) -> list[int]:
     pieces = {o: _pieces(metas[o]) for o in order}
     chosen = []
     for key, off, t in new_boxes:
-        mask = torch.zeros(t.shape, dtype=torch.bool)
+        mask = torch.zeros(t.shape, dtype=torch.bool, device="cpu")  # metadata only: which elements are covered
         gkey = key.rsplit("@", 1)[0]
         for o in order:
             if bool(mask.all()):
