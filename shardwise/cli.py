@@ -229,10 +229,13 @@ def _launch(kind: str, cfg: TrainConfig, launch, torchrun_world: int | None):
         return _run(kind, cfg, torch.device("cuda", 0) if launch.device == "cuda" else None)
     from .training.launch import run_local
 
+    from .resilience.elastic import survivor_rule
+
     train = kind == "train"
     return run_local(_rank_run, world, kind, cfg, timeout_s=cfg.timeout_s, backend=launch.backend,
                      run_dir=cfg.out, save_signal=save_signal, max_restarts=cfg.max_restarts if train else 0,
-                     ranks_per_node=cfg.ranks_per_node, node_stores=train and bool(cfg.mem_ckpt_every))[0]
+                     ranks_per_node=cfg.ranks_per_node, node_stores=train and bool(cfg.mem_ckpt_every),
+                     elastic=survivor_rule(cfg) if train and cfg.min_dp else None)[0]
 
 
 def _report(kind: str, result) -> int:

@@ -1,5 +1,7 @@
 """Resilience without processes: the peer assignment survives the loss of every node, the choice of the newest
-consistent memory step, a node store's copies and progress records, and the fault-injection spec."""
+consistent memory step, a node store's copies and progress records, the fault-injection spec, and elastic data
+parallelism's rules (which ranks survive, the layout for fewer ranks, which old copies a new rank reads)."""
+import dataclasses
 import os
 import re
 
@@ -53,12 +55,15 @@ def test_newest_memory_step_needs_every_owner():
 
 
 def test_node_store_keeps_whole_copies_and_prunes(tmp_path):
-    store = NodeStore(str(tmp_path / "node0"))
+    store = NodeStore(str(tmp_path / "node0"), 4)
     for step in range(1, 5):
         store.write(3, step, torch.arange(step, dtype=torch.uint8))
     store.write(1, 4, torch.ones(7, dtype=torch.uint8))
-    (tmp_path / "node0" / "copy-r5-s9.bin.tmp").write_bytes(b"half")  # a write that died: not a copy
+    (tmp_path / "node0" / "copy-r5-s9-w4.bin.tmp").write_bytes(b"half")  # a write that died: not a copy
     assert store.inventory() == {(3, 3): 3, (3, 4): 4, (1, 4): 7}
+    other = store.under(2)  # the copies after an elastic change of dp share the directory, apart
+    other.write(1, 4, torch.ones(3, dtype=torch.uint8))
+    assert store.worlds() == [2, 4] and other.inventory() == {(1, 4): 3} and store.inventory()[(1, 4)] == 7
     assert KEEP == 2
     assert torch.equal(store.read(3, 4), torch.arange(4, dtype=torch.uint8))
     store.write(3, 2, torch.zeros(2, dtype=torch.uint8))  # the run went back to step 2: later copies are stale
@@ -138,3 +143,82 @@ def test_plan_reports_goodput_per_row(capsys):
     assert "good disk" in out and "mem-every" in out
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--mtbf-gpu-hours", "0"]) == 2
     assert "--mtbf-gpu-hours 0.0 must be positive" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- elastic data parallelism (no processes)
+def _elastic_cfg(**kw):
+    from shardwise.config import ParallelConfig
+    from shardwise.training.assemble import assemble
+
+    par = {k: kw.pop(k) for k in ("dp", "pp", "tp", "ep", "cp") if k in kw}
+    return assemble(TrainConfig(model=kw.pop("model", "tiny"), parallel=ParallelConfig(**par), seq_len=32, **kw))
+
+
+def test_only_whole_replicas_survive():
+    from shardwise.config import ParallelConfig
+    from shardwise.resilience.elastic import survivors
+
+    assert survivors(ParallelConfig(dp=2, tp=2), [2, 3], 1) == [0, 1]
+    assert survivors(ParallelConfig(dp=4), [0, 1], 2) == [2, 3]
+    assert survivors(ParallelConfig(dp=2, pp=2), [3], 1) == [0, 1]  # rank 2 leaves with its replica
+    assert survivors(ParallelConfig(dp=4, tp=2), [3], 1) == [0, 1, 4, 5, 6, 7]
+    with pytest.raises(ConfigError, match=r"took DP replica\(s\) \[0, 1\] of 2 with them; 0 left, below --min-dp 1"):
+        survivors(ParallelConfig(dp=2, tp=2), [1, 2], 1)
+
+
+def test_fit_world_keeps_the_global_batch():
+    from shardwise.resilience.elastic import fit_world
+
+    cfg = _elastic_cfg(dp=2, tp=2, micro_batch=2, global_batch=8, min_dp=1, fault_inject="2:3:gone")
+    assert fit_world(cfg, 4) is cfg
+    small = fit_world(cfg, 2)
+    assert (small.parallel.dp, small.parallel.tp, small.global_batch, small.grad_accum) == (1, 2, 8, 4)
+    assert small.fault_inject is None  # the fault named the first start's ranks
+    assert fit_world(_elastic_cfg(dp=2, tp=2, min_dp=0), 2).parallel.dp == 2  # off: the mesh refuses later
+    with pytest.raises(ConfigError, match="--min-dp 2 needs at least 4"):
+        fit_world(_elastic_cfg(dp=2, tp=2, min_dp=2), 2)
+    with pytest.raises(ConfigError, match="global batch 3 is not a multiple of micro-batch 1 × dp 2"):
+        fit_world(_elastic_cfg(dp=3, micro_batch=1, global_batch=3, min_dp=1), 2)
+    with pytest.raises(ConfigError, match="ep 4 does not divide dp 2"):
+        fit_world(_elastic_cfg(model="tiny-moe", dp=4, ep=4, micro_batch=1, min_dp=1), 2)
+    with pytest.raises(ConfigError, match="--min-dp 3 must be an integer from 0"):
+        _elastic_cfg(dp=2, min_dp=3)
+
+
+def test_recut_reads_every_old_copy_a_new_shard_intersects():
+    """Old ZeRO shards [0, 6) and [6, 12) of one 12-element tensor, full copies of another: a new rank holding
+    [4, 12) reads both shards' owners, and only the first owner for the replicated tensor."""
+    from shardwise.rules.geometry import coords_of
+    from shardwise.resilience.elastic import Grid, needed, preference
+
+    def meta(off):
+        return {"layout": [["optim.w.exp_avg@0", [6], "torch.float32"], ["model.b@0", [3, 2], "torch.float32"]],
+                "offsets": [[off], [0, 0]]}
+
+    metas = {0: meta(0), 1: meta(6)}
+    new = [("optim.w.exp_avg@0", (4,), torch.zeros(8)), ("model.b@0", (0, 0), torch.zeros(3, 2))]
+    old = Grid(2, 1, 1, 1)
+    assert preference(coords_of(old, 0) | {"dp": 0}, old) == [0, 1]
+    assert needed(new, metas, [0, 1]) == [0, 1]
+    assert needed(new[1:], metas, [1, 0]) == [1]
+    with pytest.raises(ValueError, match="do not cover optim.w.exp_avg@0"):
+        needed([("optim.w.exp_avg@0", (4,), torch.zeros(9))], metas, [0, 1])
+
+
+@pytest.mark.slow
+def test_simulate_counts_the_memory_copies_host_memory():
+    """`simulate --mem-ckpt-every`: each rank holds two copies of its weights and optimizer state (its own, its
+    ward's) in host memory — measured on the fake rank's state as the copy serialises it, and planned."""
+    from shardwise.planner.goodput import peer_copy_host_bytes
+    from shardwise.simulate.cli import render, run
+    from shardwise.training.assemble import assemble
+    from shardwise.config import ParallelConfig
+
+    assert peer_copy_host_bytes({"weights": 3.0, "optimizer": 5.0, "gradients": 7.0}) == 16.0
+    cfg = assemble(TrainConfig(parallel=ParallelConfig(dp=2, tp=2, zero=1), seq_len=32, steps=2, mem_ckpt_every=1))
+    report = run(cfg, [0], 2)
+    copies = report["ranks"][0]["peer_copy_host_bytes"]
+    assert copies["measured"] > 0 and abs(copies["measured"] / copies["planned"] - 1) < 0.01, copies
+    assert "memory copies (own + ward's)" in render(report)
+    plain = run(dataclasses.replace(cfg, mem_ckpt_every=0), [0], 1)
+    assert "peer_copy_host_bytes" not in plain["ranks"][0]

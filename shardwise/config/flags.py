@@ -230,7 +230,8 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--async-save", "write checkpoints in the background (torch.distributed.checkpoint.async_save)",
          "async_save", kind="switch", group=CHECKPOINTS),
     Flag("--fault-inject", "make RANK crash, hang, produce NaN, be SIGKILLed or lose its node (KIND: crash, hang, "
-         "nan, kill, node) at STEP, in PHASE (start, forward, backward, optimizer, mem-ckpt) — for testing recovery",
+         "nan, kill, node; gone: its node lost for good) at STEP, in PHASE (start, forward, backward, optimizer, "
+         "mem-ckpt) — for testing recovery",
          "fault_inject", metavar="RANK:STEP:KIND[:PHASE]"),
     Flag("--mem-ckpt-every", "copy each rank's training state every N steps into host memory on its node and on a "
          "peer node, for recovery without a disk read (docs/fault-tolerance.md; 0: off)", "mem_ckpt_every",
@@ -240,6 +241,8 @@ RUN_FLAGS: tuple[Flag, ...] = (
          group=CHECKPOINTS),
     Flag("--ranks-per-node", "built-in launcher: how many consecutive ranks stand for one node (default: all)",
          "ranks_per_node", metavar="N", group=CHECKPOINTS),
+    Flag("--min-dp", "elastic data parallelism: when a lost node does not come back, go on with the surviving whole DP "
+         "replicas (at least D) and the same global batch (0: off)", "min_dp", metavar="D", group=CHECKPOINTS),
     Flag("--debug", "show the full traceback of an environmental failure (full disk, read-only directory) instead "
          "of its one line", "debug", kind="switch"),
     Flag("--bad-step", "on non-finite loss/grads: skip (logged) or abort", "bad_step"),

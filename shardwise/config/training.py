@@ -135,6 +135,9 @@ class TrainConfig:
     ranks_per_node: int | None = None
     """Built-in launcher: consecutive ranks that stand for one node (their memory copies are lost together);
     default: every rank on one node. Under torchrun a node is an agent (LOCAL_WORLD_SIZE)."""
+    min_dp: int = 0
+    """Elastic data parallelism: when a lost node does not come back, continue on the surviving whole DP replicas
+    (at least this many) with the same global batch (`shardwise.resilience.elastic`); 0: off (wait for the node)."""
     debug: bool = False
     """Environmental failures (a checkpoint the filesystem refused) keep their traceback instead of one line."""
     bad_step: str = "skip"
@@ -189,7 +192,7 @@ class TrainConfig:
         if not self.fault_inject:
             return None
         parts = self.fault_inject.split(":")
-        kinds = ("crash", "hang", "nan", "kill", "node")
+        kinds = ("crash", "hang", "nan", "kill", "node", "gone")
         phases = ("start", "forward", "backward", "optimizer", "mem-ckpt")
         if len(parts) == 3:
             parts.append("start")
@@ -403,6 +406,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be a non-negative integer")
+        if not isinstance(self.min_dp, int) or not 0 <= self.min_dp <= p.dp:
+            raise ConfigError(f"--min-dp {self.min_dp!r} must be an integer from 0 (off) to --dp {p.dp}")
         rpn = self.ranks_per_node
         if rpn is not None and (not isinstance(rpn, int) or rpn < 1 or world % rpn):
             raise ConfigError(f"--ranks-per-node {rpn!r} must divide the world size {world}")

@@ -48,6 +48,12 @@ def _every(cost_s: float, mtbf_s: float, step_s: float) -> int:
     return max(1, round(young_daly(cost_s, mtbf_s) / step_s))
 
 
+def peer_copy_host_bytes(static: dict) -> float:
+    """Host memory per rank under --mem-ckpt-every: its own copy and its ward's, each the rank's weights and
+    optimizer state (`static`: the planner's per-rank static breakdown)."""
+    return 2 * (static["weights"] + static["optimizer"])
+
+
 def goodput(gpus: int, step_s: float, params_total: int, state_bytes_per_rank: float, nic_bytes_per_s: float,
             optimizer: str = "adamw", fm: FailureModel = FailureModel()) -> dict:
     """Per plan row: the job's MTBF, disk checkpoints' cost and the `--save-every` Young–Daly recommends, the memory
@@ -60,7 +66,7 @@ def goodput(gpus: int, step_s: float, params_total: int, state_bytes_per_rank: f
     return {
         "mtbf_job_h": mtbf_s / 3600, "checkpoint_write_s": disk_s, "save_every": save_every,
         "goodput_disk": 1 - waste(save_every * step_s, disk_s, disk_s, fm.restart_s, mtbf_s),
-        "mem_copy_s": copy_s, "mem_ckpt_every": mem_every, "mem_host_bytes_per_rank": 2 * state_bytes_per_rank,
+        "mem_copy_s": copy_s, "mem_ckpt_every": mem_every, "mem_host_bytes_per_rank": 2 * state_bytes_per_rank,  # = peer_copy_host_bytes
         "goodput_mem": 1 - waste(mem_every * step_s, copy_s, copy_s, fm.restart_s, mtbf_s),
     }
 

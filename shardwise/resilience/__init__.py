@@ -4,5 +4,8 @@ and the recovery that resumes a restarted worker group from the newest consisten
 Modules by idea: `peers` (which node holds whose copy; pure), `store` (a node's copies in shared memory that
 outlive the worker processes, and each rank's progress record), `snapshot` (one rank's state as one byte tensor,
 and back), `memory` (the copy every N steps over the `ckpt` group), `recover` (the newest consistent state: memory
-copies or disk). Nothing is imported here, so the launcher can read `peers` and `store` without the model code.
+copies or disk), `elastic` (going on with fewer DP replicas and the same global batch, and back: the layout for a
+world size, the state re-cut from another layout's copies), `group` (the launcher's worker-group starts: restarts,
+survivors, rejoins). Nothing is imported here, so the launcher can read `peers`, `store` and `group` without the
+model code.
 """

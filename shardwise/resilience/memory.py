@@ -34,7 +34,7 @@ class MemoryCopies:
     def __init__(self, trainer, info: NodeInfo):
         self.trainer, self.axis = trainer, host_axis(trainer.mesh)
         world, self.rank = self.axis.size, trainer.mesh.rank
-        self.store = NodeStore(info.store)
+        self.store = NodeStore(info.store, world)
         self.holder = holder_of(self.rank, world, info.ranks_per_node)
         self.ward = ward_of(self.rank, world, info.ranks_per_node)
         self.before_send = []  # fn(step) called once the local copy is kept (fault injection's `mem-ckpt` phase)
@@ -56,3 +56,8 @@ class MemoryCopies:
         exchange([("send", blob, self.axis, self.holder), ("recv", held, self.axis, self.ward)], self.axis,
                  "mem ckpt", self.timeout_s)
         self.store.write(self.ward, step, held)
+        # the holder says the copy is kept: a send that returned may still be in flight, and a rank whose node
+        # dies right after it must not count on a copy its holder never finished receiving
+        done, ack = torch.ones(1, dtype=torch.int64, device="cpu"), torch.zeros(1, dtype=torch.int64, device="cpu")
+        exchange([("send", done, self.axis, self.ward), ("recv", ack, self.axis, self.holder)], self.axis,
+                 "mem ckpt", self.timeout_s)

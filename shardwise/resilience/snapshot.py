@@ -4,7 +4,8 @@ Exactly what a resume from disk restores, for this rank's own layout: every loca
 reads into (parameters or their ZeRO shards, AdamW moments / Muon momentum, persistent buffers — the views
 `checkpoint.boxes.state_entries` lists), the optimizer's step count, the bad-step count, the host RNG and the
 dropout tracker's streams, and the step, which is the data position (batch N is a pure function of (seed, N)).
-The layout is recorded as each tensor's key, shape and dtype: a copy restores only into the layout that made it.
+The layout is recorded as each tensor's key, shape and dtype: `restore` loads a copy only into the layout that made
+it; each tensor's global offsets and the grid are recorded too, so `elastic` can re-cut copies for another dp.
 """
 from __future__ import annotations
 
@@ -17,24 +18,37 @@ from .. import host
 from ..checkpoint.boxes import ensure_state, state_entries
 
 
-def _views(trainer) -> list[tuple[str, torch.Tensor]]:
-    """(key, live view) of every local tensor of the training state, in a fixed order."""
+def state_boxes(trainer) -> list[tuple[str, tuple, torch.Tensor]]:
+    """(key, global offsets, live view) of every local tensor of the training state, in a fixed order."""
     entries = state_entries(trainer, save=False)
-    return [(f"{key}@{i}", t) for key, (_, boxes) in sorted(entries.items()) for i, (_, t) in enumerate(boxes)]
+    return [(f"{key}@{i}", off, t) for key, (_, boxes) in sorted(entries.items()) for i, (off, t) in enumerate(boxes)]
+
+
+def _views(trainer) -> list[tuple[str, torch.Tensor]]:
+    return [(k, t) for k, _, t in state_boxes(trainer)]
 
 
 def _layout(views) -> list:
     return [[k, list(t.shape), str(t.dtype)] for k, t in views]
 
 
+def state_bytes(trainer) -> int:
+    """The tensor bytes of this rank's copy (its metadata, a few kB, aside): what one copy holds in host memory."""
+    ensure_state(trainer.reducer)
+    return sum(t.numel() * t.element_size() for _, t in _views(trainer))
+
+
 def snapshot(trainer, step: int) -> torch.Tensor:
     """This rank's state after `step` completed optimizer steps, as one host uint8 tensor."""
     ensure_state(trainer.reducer)
-    views = _views(trainer)
+    boxes = state_boxes(trainer)
+    views = [(k, t) for k, _, t in boxes]
     state = next(iter(trainer.reducer.optimizer.state.values()))
     tracker = trainer.model.rng_tracker
     meta = {"step": step, "optimizer_step": int(host.read(state["step"], "memory copy step")),
             "bad_steps": trainer.bad_steps, "lr_decay_steps": trainer.cfg.lr_decay_steps, "layout": _layout(views),
+            "offsets": [list(off) for _, off, _ in boxes], "world": trainer.mesh.dims.world_size,
+            "dims": {a: getattr(trainer.mesh.dims, a) for a in ("dp", "pp", "cp", "tp")},
             "torch_rng": torch.get_rng_state().tolist(),
             "tracker_rng": {k: g.get_state().tolist() for k, g in tracker.generators.items()}}
     head = json.dumps(meta).encode()

@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-COPY = re.compile(r"copy-r(\d+)-s(\d+)\.bin$")
+COPY = re.compile(r"copy-r(\d+)-s(\d+)-w(\d+)\.bin$")
 KEEP = 2
 """Copies kept per owner: the newest may be half-exchanged on some ranks when a rank dies; the one before is whole
 on every rank."""
@@ -56,14 +56,24 @@ def node_info(world: int, memory: bool, environ=None) -> NodeInfo | None:
 
 
 class NodeStore:
-    """The copies in one node's directory: `copy-r<owner>-s<step>.bin`."""
+    """The copies in one node's directory made under a world of `world` ranks: `copy-r<owner>-s<step>-w<world>.bin`.
+    The world is in the name because an elastic change of dp (`elastic`) renumbers the ranks: the copies of the
+    layout before it (which a recovery may still re-cut from) and after it share the directory."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, world: int):
+        self.path, self.world = path, world
         os.makedirs(path, exist_ok=True)
 
     def _file(self, owner: int, step: int) -> str:
-        return os.path.join(self.path, f"copy-r{owner}-s{step}.bin")
+        return os.path.join(self.path, f"copy-r{owner}-s{step}-w{self.world}.bin")
+
+    def worlds(self) -> list[int]:
+        """The world sizes that have copies here."""
+        return sorted({int(m.group(3)) for name in os.listdir(self.path) if (m := COPY.match(name))})
+
+    def under(self, world: int) -> "NodeStore":
+        """The same directory's copies of another world size."""
+        return NodeStore(self.path, world)
 
     def write(self, owner: int, step: int, data) -> None:
         """Keep `data` (a uint8 tensor) as `owner`'s copy at `step`; drop that owner's copies of later steps (a run
@@ -78,7 +88,8 @@ class NodeStore:
                 os.remove(self._file(owner, old))
 
     def _names(self) -> list[tuple[int, int]]:
-        return [(int(m.group(1)), int(m.group(2))) for name in os.listdir(self.path) if (m := COPY.match(name))]
+        return [(int(m.group(1)), int(m.group(2))) for name in os.listdir(self.path)
+                if (m := COPY.match(name)) and int(m.group(3)) == self.world]
 
     def inventory(self) -> dict[tuple[int, int], int]:
         """{(owner, step): bytes} of the whole copies here (the node's other ranks may be pruning meanwhile)."""

@@ -106,6 +106,10 @@ def render(report: dict) -> str:
         top = "; ".join(f"{t['group']} {_gib(t['bytes'])}" for t in r["top_live"])
         lines.append(f"{'':13}peak during {r['peak_phase']}: {top}")
         lines.append(f"{'':13}model build peak {_gib(r['build_peak_bytes'])} GiB (before the first step)")
+        if "peer_copy_host_bytes" in r:  # --mem-ckpt-every: host memory, not the device's
+            c = r["peer_copy_host_bytes"]
+            lines.append(f"{'':13}memory copies (own + ward's) {_gib(c['measured'])} GiB host memory "
+                         f"(planned {_gib(c['planned'])})")
         if r["microbatches_scaled"]:
             lines.append(f"{'':13}ran {r['microbatches_run']} of {r['microbatches_run'] + r['microbatches_scaled']} "
                          f"microbatches per step; the traffic of the other {r['microbatches_scaled']} is counted from "
@@ -118,6 +122,7 @@ def render(report: dict) -> str:
 def run(cfg, ranks: list[int], steps: int, every_microbatch: bool = False, routing: dict | None = None) -> dict:
     """Simulate `ranks` of `cfg`'s world; the report `--json` prints (`every_microbatch`: no shortened steps;
     `routing`: skewed MoE routing, the planner's Workload fields `moe_skew` or `moe_routing`)."""
+    from . import peer_copy
     from .predict import planned, routing_skew
     from .world import DOCUMENT_PLAN, ROUTING, SKEWED, simulate_rank, world_size
 
@@ -127,7 +132,7 @@ def run(cfg, ranks: list[int], steps: int, every_microbatch: bool = False, routi
     rows = []
     for r in ranks:
         m = simulate_rank(cfg, r, steps, every_microbatch, moe_skew=s)
-        rows.append(compare(m, planned(cfg, m["stage"], routing)))
+        rows.append(compare(m, planned(cfg, m["stage"], routing)) | peer_copy.row(cfg, m))
     routed = ROUTING if s == 1.0 else SKEWED.format(s=s)
     lay = ",".join(f"{k}={v}" for k, v in p.as_dict().items() if v not in (None, False))
     return {"world": world_size(cfg), "layout": lay, "model": cfg.model_config().name, "steps": steps,

@@ -32,6 +32,7 @@ from ..mesh import Mesh
 from ..optim import optimizers
 from ..pipeline.tied_embedding import emb_stages
 from ..rules.routing import send_counts
+from . import peer_copy
 from .dispatch_key import fake_mode
 from .live import LiveMemory
 from .shorten import ScaledLedger, Shortening, shorten
@@ -326,10 +327,11 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch:
                 _label_statics(trainer, live)
             axes = mesh.ledger.steps[-1]["axes"]
             stage = mesh["pp"].rank
+            copies = peer_copy.held(trainer)
             del trainer
     finally:
         dist.destroy_process_group()
     return {"rank": rank, "stage": stage, "static_bytes": static, "activation_bytes": activation,
             "peak_bytes": live.peak, "peak_phase": live.peak_phase, "build_peak_bytes": build_peak, "top_live": live.top(5),
             "comm_bytes": comm_bytes(axes), "ledger": axes, "microbatches_run": cut.run,
-            "microbatches_scaled": cut.scaled, "wall_s": time.perf_counter() - t0}
+            "microbatches_scaled": cut.scaled, "peer_copy_host_bytes": copies, "wall_s": time.perf_counter() - t0}

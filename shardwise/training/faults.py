@@ -2,8 +2,10 @@
 and the recovery's handling of it can be tested.
 
 KIND: `crash` (the process exits, code 13), `hang` (it never reaches the next collective), `nan` (its loss and
-gradients become NaN for that step), `kill` (SIGKILL: no handler, no report, as the OOM killer does) or `node` (its
-node is lost: every rank of the node is SIGKILLed and the node's memory copies vanish). PHASE, where in step STEP
+gradients become NaN for that step), `kill` (SIGKILL: no handler, no report, as the OOM killer does), `node` (its
+node is lost: every rank of the node is SIGKILLed and the node's memory copies vanish) or `gone` (the same, and the
+node does not come back: the built-in launcher finds `node<k>.gone` beside the node's store and, with --min-dp,
+goes on without it — elastic data parallelism). PHASE, where in step STEP
 it strikes: `start` (before the step; the default), `forward` (the first module's forward), `backward` (the first
 gradient accumulated), `optimizer` (before the optimizer step) or `mem-ckpt` (after the rank kept its memory copy,
 before it sends it to its peer).
@@ -46,7 +48,7 @@ class FaultInjector:
     def strike(self, trainer) -> None:
         rank = trainer.mesh.rank
         what = {"crash": "crashes", "hang": "hangs", "nan": "produces NaN", "kill": "is killed (SIGKILL)",
-                "node": "loses its node"}[self.kind]
+                "node": "loses its node", "gone": "loses its node for good"}[self.kind]
         print(f"shardwise: fault injection: rank {rank} {what} at step {self.step} ({self.phase})", file=sys.stderr,
               flush=True)
         if self.kind == "crash":
@@ -56,24 +58,27 @@ class FaultInjector:
                 time.sleep(3600)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.kind == "node":
-            lose_node(self.node_store)
+        if self.kind in ("node", "gone"):
+            lose_node(self.node_store, for_good=self.kind == "gone")
         trainer.poison = True
 
 
-def lose_node(store: str | None) -> None:
+def lose_node(store: str | None, for_good: bool = False) -> None:
     """SIGKILL every rank of this node (their progress records name their pids), wipe the node's memory copies,
-    then this process."""
+    then this process. `for_good`: leave the mark that says the node will not come back."""
     from ..resilience.store import NodeStore, Progress
 
     if store is not None:
+        if for_good:
+            with open(store.rstrip(os.sep) + ".gone", "w"):
+                pass
         for _, _, _, pid in Progress.read_all(store).values():
             if pid != os.getpid():
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        NodeStore(store).wipe()
+        NodeStore(store, 0).wipe()
     os.kill(os.getpid(), signal.SIGKILL)
 
 

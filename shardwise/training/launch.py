@@ -11,6 +11,7 @@ recorder's dumps go to the run directory. On clusters: each process takes the GP
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import importlib
 import json
@@ -314,55 +315,72 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
         os._exit(1)
 
 
-@dataclass(frozen=True)
-class WorkerGroup:
-    """One start of the worker group under `--max-restarts` / memory copies: which restart it is, where each node's
-    memory copies live (`shardwise.resilience.store`: shared memory this launcher owns, so the copies outlive the
-    ranks) and what the launcher saw of the failure that caused it."""
-
-    stores: str
-    ranks_per_node: int
-    restart: int = 0
-    failure: dict | None = None
-
-    def node_store(self, rank: int) -> str:
-        return os.path.join(self.stores, f"node{rank // self.ranks_per_node}")
-
-    def env(self, rank: int) -> dict[str, str]:
-        return {"SHARDWISE_NODE_STORE": self.node_store(rank), "SHARDWISE_RANKS_PER_NODE": str(self.ranks_per_node),
-                "SHARDWISE_RESTART_COUNT": str(self.restart), "SHARDWISE_FAILURE": json.dumps(self.failure or {})}
-
-
 def run_local(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
               grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None, save_signal: str | None = None,
-              max_restarts: int = 0, ranks_per_node: int | None = None, node_stores: bool = False):
+              max_restarts: int = 0, ranks_per_node: int | None = None, node_stores: bool = False, elastic=None):
     """Run `fn(*args)` on `world` local ranks; return the per-rank results in rank order.
 
     `max_restarts`: after a failure, the whole group is torn down and started again (each rank sees
     SHARDWISE_RESTART_COUNT and the launcher's account of the failure, and resumes: `shardwise.resilience`), at
     most that many times; the last failure is raised. `node_stores` (or any restarts): every `ranks_per_node`
     consecutive ranks (default all) share a node's directory of memory copies in shared memory, removed at the end.
+    `elastic(world, lost ranks)` (--min-dp): the ranks that go on without the lost ones (whole DP replicas; a
+    ConfigError when too few are left); called when a lost node does not come back (marked gone) or the restarts
+    are spent, and the group restarts on those ranks only (each rank derives its layout from the world size). When
+    the marks of the nodes gone are removed (the nodes are back), the shrunk group gets `save_signal` — it stops at
+    a step boundary — and the whole group restarts: it re-cuts the shrunk layout's copies back to the full one.
     """
     if not (max_restarts or node_stores):
         return _run_group(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=wall_timeout_s, grace_s=grace_s,
                           backend=backend, run_dir=run_dir, save_signal=save_signal)
+    from ..resilience.group import WorkerGroup, forget_progress
     from ..resilience.store import shm_root
 
     stores = tempfile.mkdtemp(prefix=f"shardwise-mem-{os.getpid()}-", dir=shm_root())
-    group = WorkerGroup(stores, ranks_per_node or world)
+    group = first = WorkerGroup(stores, ranks_per_node or world)
+    full = world
     try:
         while True:
+            marks = [first.node_store(r) + ".gone" for r in first.gone(full)] if group.ranks is not None else []
+            back = (lambda: not any(os.path.exists(m) for m in marks)) if marks else None
             try:
-                return _run_group(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=wall_timeout_s,
-                                  grace_s=grace_s, backend=backend, run_dir=run_dir, save_signal=save_signal,
-                                  group=group)
+                out = _run_group(fn, world, *args, timeout_s=timeout_s, wall_timeout_s=wall_timeout_s,
+                                 grace_s=grace_s, backend=backend, run_dir=run_dir, save_signal=save_signal,
+                                 group=group, stop_when=back)
+                if back is None or not back() or not any(isinstance(r, dict) and r.get("preempted") for r in out):
+                    return out
+                # the lost node is back: the shrunk group stopped at a step boundary; the whole layout resumes
+                failure = {"restart": group.restart + 1, "lost_ranks": [], "why": {},
+                           "rejoined": sorted(set(range(full)) - set(group.ranks)),
+                           "elastic": {"old_world": world, "new_world": full}, "detected_at": time.time()}
+                print(f"shardwise: ranks {failure['rejoined']} are back: the group stopped at a step boundary and "
+                      f"restarts on all {full} ranks (elastic data parallelism)", file=sys.stderr, flush=True)
+                forget_progress(stores, 0)
+                group, world = dataclasses.replace(first, restart=group.restart + 1, failure=failure), full
+                continue
             except RankError as e:
-                if group.restart >= max_restarts or e.failure is None:
+                if e.failure is None:
+                    raise
+                gone = group.gone(world)
+                spent = group.restart >= max_restarts
+                died = [int(r) for r, why in e.failure["why"].items() if why.startswith("exit code") or why == "hung"]
+                if elastic is not None and (gone or (spent and died)):  # every rank raising is no lost node
+                    # a node gone for good names its ranks; a survivor too slow to report within the grace period
+                    # reads as hung in the failure, and must not take its replica with it
+                    lost = gone or died
+                    keep = elastic(world, lost)
+                    failure = e.failure | {"restart": group.restart + 1, "lost_for_good": lost,
+                                           "elastic": {"old_world": world, "new_world": len(keep)}}
+                    print(f"shardwise: {_failure_line(failure)}; the lost node does not come back: going on with "
+                          f"{len(keep)} of {world} ranks (elastic data parallelism)", file=sys.stderr, flush=True)
+                    group, world = group.shrunk(keep, failure), len(keep)
+                    continue
+                if spent:
                     raise
                 failure = e.failure | {"restart": group.restart + 1}
                 print(f"shardwise: {_failure_line(failure)}; restarting the worker group "
                       f"({group.restart + 1} of {max_restarts})", file=sys.stderr, flush=True)
-                group = WorkerGroup(stores, group.ranks_per_node, group.restart + 1, failure)
+                group = dataclasses.replace(group, restart=group.restart + 1, failure=failure)
     finally:
         shutil.rmtree(stores, ignore_errors=True)
 
@@ -375,7 +393,7 @@ def _failure_line(f: dict) -> str:
     return f"lost {who}{where}{phase}"
 
 
-def _failure_event(procs, out, errors, lastops: str | None, group: WorkerGroup | None, detected_at: float) -> dict:
+def _failure_event(procs, out, errors, lastops: str | None, group, detected_at: float) -> dict:
     """What the launcher saw: the lost ranks and why, how far the group had got and where the first lost rank was
     (its progress record's phase and its last collective call)."""
     why = {}
@@ -402,9 +420,11 @@ def _failure_event(procs, out, errors, lastops: str | None, group: WorkerGroup |
 
 def _run_group(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: float | None = None,
                grace_s: float = 5.0, backend: str = "gloo", run_dir: str | None = None, save_signal: str | None = None,
-               group: WorkerGroup | None = None):
-    """One start of the ranks (`run_local` without restarts); the RankError it raises carries `failure`, what the
-    launcher saw (`_failure_event`), when the ranks failed rather than refused.
+               group=None, stop_when=None):
+    """One start of the ranks (`run_local` without restarts; `group`: its `resilience.group.WorkerGroup`); the
+    RankError it raises carries `failure`, what the launcher saw (`_failure_event`), when the ranks failed rather
+    than refused. `stop_when()` (polled): once true, every rank gets `save_signal`, the preemption request, so the
+    group stops together at a step boundary.
 
     gloo: forked CPU ranks. nccl: spawned ranks, rank r on cuda:r, `fn(*args, device=cuda:r)`, flight
     recorder dumps under `run_dir`. Forking after this process initialised CUDA is refused
@@ -445,6 +465,11 @@ def _run_group(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: 
             now = time.monotonic()
             if failed_at is not None and now > failed_at + grace_s:
                 break
+            if stop_when is not None and save_signal and stop_when():
+                stop_when = None
+                for p in procs:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.Signals[save_signal])
             try:
                 rank, ok, payload = results.get(timeout=0.1)
             except queue.Empty:

@@ -16,6 +16,7 @@ from .activation_memory import SavedActivationMeter, static_storage_bytes
 from ..config import TrainConfig
 from ..config.schedule import lr_plan
 from .faults import install_faults
+from ..resilience.elastic import fit_world, mesh_world
 from ..resilience.memory import MemoryCopies
 from ..resilience.recover import DETECTED, recover
 from ..resilience.store import Progress, node_info, release
@@ -36,6 +37,8 @@ def train_main(cfg: TrainConfig, device: torch.device | None = None, planned_act
 
 def _train(cfg: TrainConfig, device: torch.device | None, planned_activations: dict | None) -> dict:
     cfg = assembled(cfg)
+    if mesh_world() is not None:  # fewer (or more) ranks than planned: elastic data parallelism's layout
+        cfg = fit_world(cfg, mesh_world())
     device = device or torch.device("cpu")
     if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls (verify keeps full fp32)
         torch.set_float32_matmul_precision("high")
