@@ -7,7 +7,7 @@ smooths the one batch's noise; the last step's own loss is reported too) is with
 The curves are drawn into one PNG (one panel per model, the loss smoothed over 10 steps).
 
     python benchmarks/fp8_loss.py                      # 300 steps, writes benchmarks/fp8_loss.png
-    python benchmarks/fp8_loss.py --smoke              # 3 steps of short sequences, PNG in a temp dir
+    python benchmarks/fp8_loss.py --smoke              # tiny, bf16 and tensorwise, 3 short steps, PNG in a temp dir
 
 Runs go `--jobs` at a time (one thread each; default all ten at once); 4 sequences of 64 tokens per step. Last stdout line: one JSON object (final_loss, rel_to_bf16,
 passed, medians_s: the median step time per run, ratios: each recipe's median step time over bf16's, config).
@@ -85,6 +85,7 @@ def main(argv=None) -> dict:
     runs_dir = a.runs or tempfile.mkdtemp(prefix="fp8_loss_")
     if a.smoke:
         a.steps, a.tail, extra = 3, 1, ["--seq-len", "32", "--micro-batch", "2"]
+        a.models, a.recipes = "tiny", "tensorwise"
         a.png = os.path.join(runs_dir, "fp8_loss.png")
     recipes = [r for r in a.recipes.split(",") if r]
     jobs = [(m, r) for m in a.models.split(",") for r in ("bf16", *recipes)]
