@@ -8,7 +8,8 @@ the same layouts run as two forked gloo ranks sharing it with CUDA tensors (gloo
 for some collectives: what fails is reported, not raised). Then, in this process: ring-attention kernel
 parity against SDPA for head dims 12, 128 and MLA's 192/128 (q/k 192, v 128), fp32 and bf16, with and
 without document masks, Muon's Newton–Schulz in bf16 (its CUDA default) against fp32, and training
-throughput of `small` and a ~1B Llama (and `tiny` under Muon, bf16 Newton–Schulz on CUDA).
+throughput of `small` and a ~1B Llama (and `tiny` under Muon, bf16 Newton–Schulz on CUDA), and one FP8 step per
+`--fp8` recipe against the same bf16 step (`fp8_steps`).
 
 `--dry-run` runs the same code on CPU with tiny shapes and forked gloo ranks (CI runs it).
 Last line: one JSON object.
@@ -142,6 +143,30 @@ def train_once(model, device, steps: int, seq_len: int, micro_batch: int, dtype:
     return out
 
 
+def fp8_steps(device) -> list[dict]:
+    """One training step of a 2-layer tiny model per --fp8 recipe (bf16 autocast), from the same weights and tokens
+    as a bf16 step without FP8: each recipe's loss must be finite and within FP8's rounding of bf16's; `scaled_mm`
+    says whether the tensorwise/rowwise GEMMs took torch._scaled_mm here (CPU, CUDA sm89+) or were emulated."""
+    from shardwise.fp8.linear import use_scaled_mm
+    from shardwise.fp8.recipes import RECIPES
+    from shardwise.mesh import Mesh
+    from shardwise.training.assemble import assemble
+    from shardwise.training.trainer import Trainer
+
+    out = []
+    for fp8 in (None, *RECIPES):
+        cfg = TrainConfig(model="tiny", model_overrides={"n_layers": 2}, steps=1, seq_len=128, micro_batch=2,
+                          dtype="bf16", fp8=fp8, progress=False, report=False)
+        t0 = time.perf_counter()
+        loss = Trainer(assemble(cfg), Mesh.single(device)).train_step(0)["loss"]
+        out.append({"fp8": fp8, "loss": loss, "seconds": round(time.perf_counter() - t0, 2)})
+    for r in out[1:]:
+        r["rel_to_bf16"] = abs(r["loss"] / out[0]["loss"] - 1)
+        r["passed"] = bool(torch.isfinite(torch.tensor(r["loss"])) and r["rel_to_bf16"] < 2e-2)
+        r["scaled_mm"] = use_scaled_mm(device) and r["fp8"] in ("tensorwise", "rowwise")
+    return out
+
+
 def planner_memory(cfg: TrainConfig) -> dict:
     """The planner's per-GPU peak for exactly this run (static state + saved activations of one step)."""
     from shardwise.planner.estimate import memory_by_stage
@@ -253,6 +278,7 @@ def main(argv=None) -> int:
         runs += [("small", 1024, 8, "bf16", True, "adamw"), (LLAMA_1B, 2048, 4, "bf16", True, "adamw")]
     res["train"] = [train_once(m, device, steps, sl, mb, dt, compile_=c, optimizer=o) for m, sl, mb, dt, c, o in runs]
     res["bf16_vs_fp32_first_loss_diff"] = abs(res["train"][1]["first_loss"] - res["train"][0]["first_loss"])
+    res["fp8"] = fp8_steps(device)
     res["seconds"]["train"] = round(time.perf_counter() - t2, 1)
     res["seconds"]["total"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(res))

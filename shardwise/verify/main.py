@@ -12,10 +12,13 @@ from __future__ import annotations
 import torch
 
 from ..config import ConfigError, TrainConfig
+from ..fp8.scaling import AMAX_TAG
 from ..training.assemble import assembled
 from .bf16_budget import FP8_FLOOR, NoiseBudget
 from .checks import Coverage, FirstStepGradients, LaterGradients, Loss, Updates, Values, tolerances
 from .side_by_side import SideBySide
+
+AMAX_OP = f"all_reduce:{AMAX_TAG}"  # the ledger's name of an FP8 scale's amax reduction
 
 
 def check_verifiable(cfg: TrainConfig) -> None:
@@ -38,6 +41,7 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
     loss, first_grads, later_grads = Loss(), FirstStepGradients(), LaterGradients()
     updates, values, coverage = Updates(runs), Values(len(runs.names)), Coverage()
     budget = NoiseBudget(FP8_FLOOR) if runs.fp8 else NoiseBudget() if runs.bf16 else None
+    amax = {}  # --fp8: step 1's amax all-reduces per axis, as the ledger counts them
     for step in range(cfg.steps):
         layout_loss, ref_losses = runs.backward(step)
         loss.add(layout_loss, ref_losses[0])
@@ -63,6 +67,8 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
         if budget is not None:
             budget.add_step(value_rel, update_rel, (ref_values, runs.ref_values(fp32=True)),
                             (ref_updates, ref32_updates), runs.names, runs.lr(step))
+        if step == 0:
+            amax = {axis: ops[AMAX_OP] for axis, ops in runs.mesh.ledger.snapshot().items() if AMAX_OP in ops}
         runs.mesh.ledger.end_step(step + 1)
     fp32 = (loss, first_grads, later_grads, updates, values)
     passed = (budget.passed if budget is not None else all(c.passed for c in fp32)) and coverage.passed
@@ -76,6 +82,8 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
     if budget is None:
         out |= {"later_update_ratio": updates.ratio, "param_ratio": values.ratio, "first_grad_ratio": first_grads.ratio,
                 "first_grad_budget": first_grads.budget, "later_grad_at_layout_weights": later_grads.at_layout_weights}
+    if cfg.fp8 is not None:
+        out["fp8_amax"] = amax
     if runs.replay is not None:
         out["routing"] = runs.replay.result()
     if budget is not None:

@@ -1,0 +1,84 @@
+"""`shardwise verify --fp8 RECIPE` on the layouts test_fp8.py leaves out: CP Ulysses, PP interleaved, ZeRO-1/2/3,
+HSDP (dp_shard 1 of dp 2), MLA+MTP (DeepSeek-shaped MoE, dp2×ep2), EP over grouped experts and TP with blockwise
+tiles, every recipe at least once (spread over the layouts: one two-rank spawn runs them all). Each layout is held, as verify holds every fp32 --fp8 run, to a multiple of the
+spread the single-device FP8 model shows against its one-ulp twin (docs/fp8.md); its verdict names the amax
+all-reduces of step 1 per axis, which must sit on the axis that splits the scaled tensors. With per-shard scales
+(`scaling.reduce_amaxes` patched to keep each rank's own amax: the wrong scale group) verify fails a token-split
+(MLA+MTP dp2×ep2, tensorwise) and a feature-split (tp2, blockwise) layout.
+
+MLA under TP is refused with --fp8 (one line, exit 2): its down-projections' gradients are per-TP-rank partial sums
+(reduced later, by linearity), and an FP8 cast of a partial sum is not the cast of the sum — verify measured the
+MLA down-projection's gradient 4-10 % off at step 1 under tp2 (tensorwise and blockwise; the twin's spread ~1e-6).
+
+Rowwise's per-shard scales are not a sabotage verify can see: its scales are powers of two, so a rank-local scale
+rescales FP8 values exactly (only subnormals round otherwise) — which is why no rowwise layout is broken here.
+"""
+import pytest
+import torch
+
+from shardwise.config import ParallelConfig, TrainConfig
+from shardwise.fp8 import scaling
+
+from _dist import fresh_seed, run_ranks
+from test_mtp import DEEPSEEK_MTP
+
+# name: (recipe, parallel degrees, extra TrainConfig fields, the axes its step-1 amax all-reduces run on)
+LAYOUTS = {
+    "cp2_ulysses": ("rowwise", dict(cp=2, cp_impl="ulysses"), dict(seq_len=128), {"dp_cp"}),
+    "pp2_interleaved": ("blockwise", dict(pp=2, schedule="interleaved", vp=2),
+                        dict(global_batch=4, model_overrides={"n_layers": 4}), set()),
+    "dp2_zero1": ("mxfp8", dict(dp=2, zero=1), {}, set()),  # 32-token tiles within each rank's sequences
+    "dp2_zero2": ("blockwise", dict(dp=2, zero=2), {}, set()),
+    "dp2_zero3": ("rowwise", dict(dp=2, zero=3), {}, {"dp_cp"}),
+    "hsdp_dp2_shard1_zero3": ("tensorwise", dict(dp=2, dp_shard=1, zero=3), {}, {"dp_cp"}),
+    "mla_mtp_dp2_ep2": ("tensorwise", dict(dp=2, ep=2), dict(model=DEEPSEEK_MTP, seq_len=32), {"dp_cp"}),
+    "tiny_tp2_blockwise": ("blockwise", dict(tp=2), {}, {"tp"}),
+    "moe_dp2_ep2_grouped": ("rowwise", dict(dp=2, ep=2), dict(model="tiny-moe"), {"dp_cp"}),
+}
+BROKEN = ("mla_mtp_dp2_ep2", "tiny_tp2_blockwise")  # per-shard scales fail these
+
+
+def _cfg(name: str, seed: int) -> TrainConfig:
+    fp8, degrees, extra, _ = LAYOUTS[name]
+    extra = dict(extra)
+    extra.setdefault("model_overrides", {} if isinstance(extra.get("model"), type(DEEPSEEK_MTP)) else {"n_layers": 2})
+    cfg = TrainConfig(parallel=ParallelConfig(**degrees), steps=2, seq_len=extra.pop("seq_len", 64), micro_batch=2,
+                      seed=seed, progress=False, fp8=fp8, warmup_steps=20, lr_decay_steps=200, **extra)
+    return cfg.resolved(2)
+
+
+def _verify_all(seed: int) -> dict:
+    """Inside ranks: every layout's verdict, then the broken ones' with per-shard scales."""
+    from shardwise.verify.main import verify_main
+
+    torch.set_num_threads(1)
+    out = {name: verify_main(_cfg(name, seed)) for name in LAYOUTS}
+    scaling.reduce_amaxes = lambda amaxes, axes_per: list(amaxes)  # the wrong scale group
+    out |= {f"{name}/per_shard": verify_main(_cfg(name, seed)) for name in BROKEN}
+    return out
+
+
+def test_mla_under_tp_is_refused(capsys):
+    from shardwise.cli import main
+
+    code = main(["train", "--fp8", "tensorwise", "--model-config", "tests/data/deepseek_tiny_config.json",
+                 "--tp", "2", "--seq-len", "32", "--print-config"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "does not run MLA under --tp 2" in err[0], (code, err)
+
+
+@pytest.mark.slow
+def test_verify_fp8_on_every_layout():
+    seed = fresh_seed()
+    out = run_ranks(2, _verify_all, seed, timeout_s=600)[0]
+    assert {LAYOUTS[n][0] for n in LAYOUTS} == {"tensorwise", "rowwise", "blockwise", "mxfp8"}
+    wrong = []  # every layout judged before the assertion, so a failure names all that failed
+    for name, (fp8, _, _, axes) in LAYOUTS.items():
+        v = out[name]
+        if not (v["passed"] and v["coverage"] == 1.0 and len(v["losses"]) == 2 and set(v["fp8_amax"]) == axes):
+            wrong.append((name, fp8, v["passed"], v["fp8_budget"]["ratios"], v["coverage"], v["fp8_amax"]))
+    for name in BROKEN:
+        v = out[f"{name}/per_shard"]
+        if v["passed"] or v["fp8_amax"]:
+            wrong.append((f"{name}/per_shard", v["passed"], v["fp8_budget"]["ratios"], v["fp8_amax"]))
+    assert not wrong, (seed, wrong)
