@@ -410,9 +410,9 @@ def test_simulate_equals_the_plan_in_bf16(tmp_path, capsys):
 def test_full_size_deepseek_v32_row_is_traced_within_the_plan(capsys):
     """`shardwise simulate` of the full-size DeepSeek-V3.2 (61 layers: a prime, so pp 32 with the planner's balanced
     uneven split, 2 layers a stage and 1 on the last three; dp8 cp8 ep8, 2,048 ranks, ZeRO-1, full recompute,
-    4 microbatches) on stage 0 (the embedding and two dense DSA layers) and the last stage (an MoE DSA layer and the
-    LM head): static bytes within 1% of the plan, activations 2%, the peak 3% (simulate's bounds), every axis's comm
-    bytes equal (cp: the DSA gathers)."""
+    4 microbatches) on the last stage (an MoE DSA layer and the LM head; stage 0 and a middle stage pass likewise,
+    docs/sparse-attention.md): static bytes within 1% of the plan, activations 2%, the peak 3% (simulate's bounds),
+    every axis's comm bytes equal (cp: the DSA gathers)."""
     import json
 
     from shardwise.cli import main
@@ -420,10 +420,10 @@ def test_full_size_deepseek_v32_row_is_traced_within_the_plan(capsys):
     layers = ",".join(["2"] * 29 + ["1"] * 3)
     rc = main(["simulate", "--model", "deepseek-v3.2", "--dtype", "bf16", "--seq-len", "4096", "--micro-batch", "1",
                "--microbatches", "4", "--dp", "8", "--pp", "32", "--cp", "8", "--ep", "8", "--zero", "1",
-               "--recompute", "full", "--pp-layers", layers, "--ranks", "0,248", "--json"])
+               "--recompute", "full", "--pp-layers", layers, "--ranks", "248", "--json"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and report["passed"], report
-    assert sorted(r["stage"] for r in report["ranks"]) == [0, 31]
+    assert [r["stage"] for r in report["ranks"]] == [31]
     for rank in report["ranks"]:
         assert rank["static_bytes"]["measured"] == pytest.approx(rank["static_bytes"]["planned"], rel=0.01), rank
         assert rank["activation_bytes"]["measured"] == pytest.approx(rank["activation_bytes"]["planned"], rel=0.02)
