@@ -20,6 +20,7 @@ PROMISED = {
     "cp_balance.py": {"medians_s", "ratios", "config", "peers", "absent"},
     "dp_peers.py": {"medians_s", "ratios", "config", "loss_abs_diff_vs_peer"},
     "ep_dispatch.py": {"medians_s", "ratios", "paired_ratios", "bytes", "config", "absent"},
+    "family_speed.py": {"medians_s", "ratios", "max_abs_diff", "config"},
     "loader_rss.py": {"medians_s", "ratios", "rss_mb", "config"},
     "plan_speed.py": {"medians_s", "ratios", "config"},
     "pp_peers.py": {"medians_s", "ratios", "bubbles", "paired_ratios", "loss_diff", "max_grad_diff", "config"},
