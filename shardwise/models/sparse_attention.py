@@ -183,7 +183,7 @@ class SparseMLA(MLA):
         self.indexer = Indexer(cfg)
         self.objective = "none"
         self.kl_scale = 0.0  # weight / the step's queries: the KL's share of the loss per summed query
-        self.step_kl = 0.0  # scale-weighted KL since it was last read (no host sync)
+        self.step_kl = 0.0  # scale-weighted KL summed over training forwards (no host sync; a reader resets it)
 
     def forward(self, x, cos, sin, doc_ids=None):
         ctx = self.core.ctx
