@@ -39,6 +39,7 @@ from .models.gated_deltanet import GatedDeltaNet
 from .models.kimi_delta import KimiDeltaAttention
 from .models.llama import Transformer
 from .models.params import carry, carry_param, declare, head_partial, init_of, init_std
+from .models.sparse_attention import set_indexer_objective
 from .optim import build_reducer
 from .recompute import apply_recompute
 from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -80,6 +81,9 @@ def parallelize(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     if p.compile:
         apply_compile(model)
     apply_recompute(model, p.recompute, p.recompute_layers, compiled=p.compile)
+    if train is not None and train.dsa_stage != "none":  # the DSA indexers' KL (the warm-up freezes the rest)
+        set_indexer_objective(model, train.dsa_stage, train.dsa_kl_weight,
+                              (train.global_batch or train.micro_batch * p.dp) * train.seq_len)
     if load is not None:
         load(model)
     reducer = None

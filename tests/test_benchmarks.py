@@ -22,6 +22,7 @@ PROMISED = {
     "ep_dispatch.py": {"medians_s", "ratios", "paired_ratios", "bytes", "config", "absent"},
     "fp8_loss.py": {"medians_s", "ratios", "final_loss", "rel_to_bf16", "passed", "config"},
     "fp8_torchao.py": {"medians_s", "ratios", "max_abs_diff", "config"},
+    "family_speed.py": {"medians_s", "ratios", "max_abs_diff", "config"},
     "loader_rss.py": {"medians_s", "ratios", "rss_mb", "config"},
     "moe_imbalance.py": {"medians_s", "medians_rows", "ratios", "paired_ratios", "max_abs_diff", "config"},
     "plan_speed.py": {"medians_s", "ratios", "config"},

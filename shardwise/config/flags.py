@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass
 
 from ..rules.hf_types import model_types
-from ..rules.validation import CP_IMPLS, FP8_RECIPES, RECOMPUTE, ZERO_STAGES
+from ..rules.validation import CP_IMPLS, DSA_STAGES, FP8_RECIPES, RECOMPUTE, ZERO_STAGES
 from .schedule import LR_SCHEDULES, parse_betas
 
 GIVEN = "given_flags"
@@ -190,6 +190,10 @@ RUN_FLAGS: tuple[Flag, ...] = (
          type=str, default=None, choices=FP8_RECIPES, metavar="RECIPE"),
     Flag("--fp8-all-gather", "with --fp8: ZeRO-3 parameter all-gathers and the SP all-gather of activations travel "
          "in FP8 with their scales (half the bf16 bytes)", "fp8_all_gather", kind="switch"),
+    Flag("--dsa-stage", "DeepSeek Sparse Attention indexer objective: none (transformers'), dense-warmup (dense "
+         "attention, all but the indexers frozen, KL to the main attention) or sparse (KL over the top-k keys, indexer "
+         "inputs detached)", "dsa_stage", choices=DSA_STAGES),
+    Flag("--dsa-kl-weight", "weight of the indexer's KL term (a mean over the step's queries)", "dsa_kl_weight"),
     Flag("--fp32-residual", "under bf16: keep the residual stream fp32 (default off)", "fp32_residual", kind="toggle"),
     Flag("--grad-reduce-dtype", "DP gradient reduction dtype: fp32 or bf16", "grad_reduce_dtype"),
     Flag("--no-overlap-grad-reduce", "ZeRO 0/1: reduce gradients after backward instead of overlapping with it",

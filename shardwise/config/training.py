@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from ..rules.partition import ORDERS, check_seq_len, split_layers
 from ..rules.schedules import SCHEDULE_NAMES, build_schedule
 from ..rules.validation import (
-    CP_IMPLS, FP8_RECIPES, RECOMPUTE, REST, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, fp8_cp_problem,
+    CP_IMPLS, DSA_STAGES, FP8_RECIPES, RECOMPUTE, REST, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, fp8_cp_problem,
     heads_tp_problem, hsdp_zero_problem, rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
 )
 from ..rules.validation import fp8_wire_problem
@@ -88,6 +88,12 @@ class TrainConfig:
     None: off."""
     fp8_all_gather: bool = False
     """With fp8: ZeRO-3 parameter all-gathers and the SP all-gather of activations travel in FP8 with their scales."""
+    dsa_stage: str = "none"
+    """DeepSeek Sparse Attention's indexer objective (docs/sparse-attention.md): none (transformers': the indexer
+    untrained), dense-warmup (dense attention, every parameter but the indexers' frozen, KL to the main attention) or
+    sparse (top-k attention, KL over the selected keys on detached indexer inputs)."""
+    dsa_kl_weight: float = 1.0
+    """Weight of the indexer's KL term (a mean over the step's queries) under --dsa-stage dense-warmup or sparse."""
     grad_reduce_dtype: str = "fp32"
     """Dtype of the DP gradient reduction: fp32, or bf16 (bucket cast for the collective, accumulated in fp32)."""
     overlap_grad_reduce: bool = True
@@ -428,8 +434,23 @@ class TrainConfig:
             self._validate_fp8(p)
         elif self.fp8_all_gather:
             raise ConfigError("--fp8-all-gather needs --fp8 RECIPE (tensorwise, rowwise, blockwise or mxfp8)")
+        self._validate_dsa(m)
         if self.eos_id is not None and (not isinstance(self.eos_id, int) or not 0 <= self.eos_id < m.vocab_size):
             raise ConfigError(f"eos id {self.eos_id!r} must be a token id in [0, {m.vocab_size})")
+
+    def _validate_dsa(self, m: ModelConfig) -> None:
+        if self.dsa_stage not in DSA_STAGES:
+            raise ConfigError(f"--dsa-stage {self.dsa_stage!r} is unknown; valid: {', '.join(DSA_STAGES)}")
+        if self.dsa_stage == "none":
+            return
+        if not m.is_dsa:
+            raise ConfigError(f"--dsa-stage {self.dsa_stage} needs a DeepSeek Sparse Attention model (e.g. --model "
+                              f"deepseek-v3.2 or glm-5); model {m.name!r} has no indexer")
+        if not (isinstance(self.dsa_kl_weight, (int, float)) and 0.0 < self.dsa_kl_weight < float("inf")):
+            raise ConfigError(f"--dsa-kl-weight {self.dsa_kl_weight} must be a finite number > 0, e.g. 1.0")
+        if self.dsa_stage == "dense-warmup" and m.moe_experts and m.moe_bias_update_rate:
+            raise ConfigError(f"--dsa-stage dense-warmup freezes the main model, but its routers' biases would still "
+                              f"move (moe_bias_update_rate={m.moe_bias_update_rate}); add --moe-bias-update-rate 0")
 
     def _validate_fp8(self, p: ParallelConfig) -> None:
         if self.fp8 not in FP8_RECIPES:

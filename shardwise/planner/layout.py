@@ -357,4 +357,6 @@ def unmodeled(cfg) -> list[str]:
         bad.append("--pp-scatter-gather")
     if p.fused_projections:
         bad.append("--fused-projections")
+    if cfg.dsa_stage != "none":  # the indexer's KL: its FLOPs, saved inputs and tp/cp bytes
+        bad.append(f"--dsa-stage {cfg.dsa_stage}")
     return bad

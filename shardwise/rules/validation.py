@@ -13,6 +13,8 @@ CP_IMPLS = ("ring", "ulysses")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+DSA_STAGES = ("none", "dense-warmup", "sparse")
+"""--dsa-stage: the DeepSeek Sparse Attention indexer's training objective (docs/sparse-attention.md)."""
 FP8_TOKEN_TILE = {"blockwise": 128, "mxfp8": 32}
 """Rows of the weight-gradient GEMM's token tiles per FP8 recipe (tensorwise and rowwise scale over all tokens)."""
 
