@@ -351,6 +351,8 @@ class TrainConfig:
         self._validate_dp_shard(p)
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("--sequence-parallel needs --tp > 1 (it shards the TP regions' sequence)")
+        if p.tp_overlap and p.tp_overlap_auto and p.tp_overlap_why is None:
+            raise ConfigError("--tp-overlap and --tp-overlap-auto: give one (--tp-overlap-auto decides it)")
         if p.tp_overlap and not p.sequence_parallel:
             raise ConfigError("--tp-overlap needs --sequence-parallel (it chunks the SP all-gathers and "
                               "reduce-scatters)")
