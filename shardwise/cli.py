@@ -215,11 +215,14 @@ def _plan_launch(args, cfg: TrainConfig, torchrun_world: int | None):
 
 
 def _tp_overlap_auto(cfg: TrainConfig, device: str, torchrun_world: int | None, rank0: bool, command: str) -> TrainConfig:
-    """--tp-overlap-auto: `tp_overlap` set by the planner's rule (planner/tp_overlap.py `choose`) for this layout and
-    host, once before the ranks start; every rank of a node computes the same (nodes are assumed alike)."""
+    """--tp-overlap-auto: `parallel.tp_overlap` set by the planner's rule (planner/tp_overlap.py `choose`) for this
+    layout and host, once before the ranks start, the choice and why printed (config.json records tp_overlap_auto and
+    the resulting parallel.tp_overlap); every rank of a node computes the same (nodes are assumed alike)."""
     p = cfg.parallel
-    if not p.tp_overlap_auto:
+    if not cfg.tp_overlap_auto:
         return cfg
+    if p.tp_overlap:
+        raise ConfigError("--tp-overlap and --tp-overlap-auto: give one (--tp-overlap-auto decides it)")
     from .planner.hardware import get_gpu
     from .planner.tp_overlap import LATENCY_S, Host, choose_for_run, cpu_host
 
@@ -236,7 +239,7 @@ def _tp_overlap_auto(cfg: TrainConfig, device: str, torchrun_world: int | None, 
                                  2 if cfg.dtype == "bf16" else 4, host)
     if rank0:
         print(f"shardwise {command}: --tp-overlap-auto at tp{p.tp}: {why}", file=sys.stderr)
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp_overlap=on, tp_overlap_why=why))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp_overlap=on))
 
 
 def _launch(kind: str, cfg: TrainConfig, launch, torchrun_world: int | None):

@@ -29,10 +29,6 @@ class ParallelConfig:
     """Megatron sequence parallelism in the TP regions (norms/residuals on s/tp shards)."""
     tp_overlap: bool = False
     """Under SP, each TP all-gather / reduce-scatter runs in tp chunks under the GEMM that reads / writes it."""
-    tp_overlap_auto: bool = False
-    """--tp-overlap-auto: the CLI sets `tp_overlap` per layout and host before the ranks start (planner/tp_overlap.py)."""
-    tp_overlap_why: str | None = None
-    """Under --tp-overlap-auto: the choice and its reason, printed at start and recorded in config.json."""
     fused_projections: bool = False
     """q/k/v and w1/w3 each run as one GEMM on the concatenated weights (parameters stay per projection)."""
     zero: int = 0
@@ -115,7 +111,6 @@ class ParallelConfig:
     def as_dict(self) -> dict:
         out = {a: getattr(self, a) for a in AXES} | {"sequence_parallel": self.sequence_parallel, "zero": self.zero}
         out |= {"tp_overlap": True} if self.tp_overlap else {}
-        out |= {"tp_overlap_auto": self.tp_overlap_why} if self.tp_overlap_auto else {}
         out |= {"fused_projections": True} if self.fused_projections else {}
         if self.recompute != "none":
             out |= {"recompute": self.recompute, "recompute_layers": self.recompute_layers}

@@ -44,6 +44,9 @@ class TrainConfig:
     seq_len: int = 128
     micro_batch: int = 4
     """Sequences per microbatch per data-parallel rank."""
+    tp_overlap_auto: bool = False
+    """--tp-overlap-auto: the CLI sets parallel.tp_overlap for this layout and host before the ranks start, by the
+    planner's rule (planner/tp_overlap.py `choose`), and prints the choice and why."""
     global_batch: int | None = None
     """Sequences per optimizer step over all dp ranks; default micro_batch × dp (no accumulation)."""
     lr: float = 3e-3
@@ -351,8 +354,6 @@ class TrainConfig:
         self._validate_dp_shard(p)
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("--sequence-parallel needs --tp > 1 (it shards the TP regions' sequence)")
-        if p.tp_overlap and p.tp_overlap_auto and p.tp_overlap_why is None:
-            raise ConfigError("--tp-overlap and --tp-overlap-auto: give one (--tp-overlap-auto decides it)")
         if p.tp_overlap and not p.sequence_parallel:
             raise ConfigError("--tp-overlap needs --sequence-parallel (it chunks the SP all-gathers and "
                               "reduce-scatters)")
