@@ -22,7 +22,8 @@ Beside wall time each variant reports the CPU seconds of all its ranks' processe
 wall time swings with their load, the CPU time much less (fused against unfused GEMMs is read there).
 
 The last stdout line is one JSON object: medians, exposed fractions, "ratios" (overlap on/off, fused/unfused,
-shardwise vs Megatron-Core), config, and "absent" with the reason when Megatron-Core is not timed.
+shardwise vs Megatron-Core), config, "absent" with the reason when Megatron-Core is not timed, and per tp the choice
+`--tp-overlap-auto` makes for that layout on this host (`results.tpN.tp_overlap_auto`).
 
     python benchmarks/tp_overlap.py            # tp 2 and 4, dim 512, seq 512
     python benchmarks/tp_overlap.py --smoke    # a few seconds: tiny shapes, tp 2, 2 reps
@@ -52,6 +53,7 @@ from shardwise.training.launch import run_local  # noqa: E402
 from shardwise.mesh import Mesh  # noqa: E402
 from shardwise.models.rope import apply_rope, rope_tables  # noqa: E402
 from shardwise.parallelize import build_model  # noqa: E402
+from shardwise.planner.tp_overlap import choose_for_run, cpu_host  # noqa: E402
 from shardwise.tensor_parallel.fused import region_stored  # noqa: E402
 
 VARIANTS = {"overlap_fused": (True, True), "overlap_unfused": (True, False),
@@ -312,8 +314,12 @@ def main(argv=None) -> int:
     opts = vars(args)
     cores = free_cores()
     results, notes = {}, []
+    model = ModelConfig(name="bench", dim=args.dim, n_layers=args.layers, n_heads=args.n_heads,
+                        n_kv_heads=args.n_kv_heads, ffn_dim=args.ffn, max_seq_len=args.seq)
     for tp in args.tp:
         results[f"tp{tp}"] = r = run(tp, opts)
+        # what --tp-overlap-auto picks for this layout on this host, beside what the overlap measured
+        r["tp_overlap_auto"] = choose_for_run(model, tp, True, 1, args.batch, args.seq, 4, cpu_host(cores, tp))[1]
         # each rank needs a core for its GEMMs and one for gloo's progress to hide anything
         if cores < 2 * tp:
             notes.append(f"tp{tp}: {cores} free cores for {tp} ranks plus their communication threads: the overlap "
@@ -326,6 +332,7 @@ def main(argv=None) -> int:
         for k, v in r["ratios"].items():
             if v is not None:
                 print(f"  {k}: {v:.3f}")
+        print(f"  --tp-overlap-auto: {r['tp_overlap_auto']}")
     ratios = {f"tp{tp}_{k}": v for tp in args.tp for k, v in results[f"tp{tp}"]["ratios"].items()}
     split = [tp for tp in args.tp if tp > 1]  # Megatron-Core refuses sequence parallelism at tp=1
     first = results[f"tp{split[0]}"]["ratios"] if split else {}

@@ -106,6 +106,7 @@ def main(argv=None) -> int:
                 print(f"shardwise train: {done}", file=sys.stderr)
             return 0
         launch = _plan_launch(args, cfg, torchrun_world)
+        cfg = _tp_overlap_auto(cfg, launch.device, torchrun_world, rank0, args.command)
     except ConfigError as e:  # may differ between nodes (files, devices): every rank says its own
         return _refuse(args.command, e, True, torchrun_world is not None)
     p = cfg.parallel
@@ -211,6 +212,34 @@ def _plan_launch(args, cfg: TrainConfig, torchrun_world: int | None):
         raise ConfigError(f"the layout needs {world} ranks; the local launcher starts at most "
                           f"{MAX_LOCAL_RANKS} (use torchrun for more)")
     return launch
+
+
+def _tp_overlap_auto(cfg: TrainConfig, device: str, torchrun_world: int | None, rank0: bool, command: str) -> TrainConfig:
+    """--tp-overlap-auto: `parallel.tp_overlap` set by the planner's rule (planner/tp_overlap.py `choose`) for this
+    layout and host, once before the ranks start, the choice and why printed (config.json records tp_overlap_auto and
+    the resulting parallel.tp_overlap); every rank of a node computes the same (nodes are assumed alike)."""
+    p = cfg.parallel
+    if not cfg.tp_overlap_auto:
+        return cfg
+    if p.tp_overlap:
+        raise ConfigError("--tp-overlap and --tp-overlap-auto: give one (--tp-overlap-auto decides it)")
+    from .planner.hardware import get_gpu
+    from .planner.tp_overlap import LATENCY_S, Host, choose_for_run, cpu_host
+
+    if cfg.fp8:
+        on, why = False, f"off: --fp8 {cfg.fp8} does not run with --tp-overlap yet"
+    else:
+        if device == "cpu":
+            here = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (1 if torchrun_world is not None else p.world_size)
+            host = cpu_host(len(os.sched_getaffinity(0)), here)
+        else:  # the planner's default GPU at its default efficiencies: collectives progress on the device
+            gpu = get_gpu("h100-80gb")
+            host = Host(gpu.name, 0.6 * gpu.peak_bf16_flops, 0.8 * gpu.nvlink_bytes_per_s, LATENCY_S["nvlink"])
+        on, why = choose_for_run(cfg.model_config(), p.tp, p.sequence_parallel, p.cp, cfg.micro_batch, cfg.seq_len,
+                                 2 if cfg.dtype == "bf16" else 4, host)
+    if rank0:
+        print(f"shardwise {command}: --tp-overlap-auto at tp{p.tp}: {why}", file=sys.stderr)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp_overlap=on))
 
 
 def _launch(kind: str, cfg: TrainConfig, launch, torchrun_world: int | None):

@@ -439,7 +439,8 @@ def _tp_overlap_lines(est: dict) -> list[str]:
     return [f"  exposed TP time per layer and microbatch: {t['exposed_plain_s'] * 1e3:.3f} ms without --tp-overlap "
             f"({t['messages_plain']} messages), {t['exposed_overlap_s'] * 1e3:.3f} ms with it ({t['messages_overlap']} "
             f"messages; {t['comm_s'] * 1e3:.3f} ms of bytes, {t['gemm_s'] * 1e3:.3f} ms of GEMMs to hide them); "
-            f"--tp-overlap {used} in the step time"]
+            f"--tp-overlap {used} in the step time",
+            f"  --tp-overlap-auto: {est['tp_overlap_auto']['why']}"]
 
 
 def peak_lines(est: dict, g) -> list[str]:

@@ -109,6 +109,9 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--tp-overlap", "under --sequence-parallel, split each TP all-gather and reduce-scatter into tp chunks "
          "that travel while the GEMMs of the previous chunks run (default off)", "parallel.tp_overlap",
          kind="toggle", group=LAYOUT),
+    Flag("--tp-overlap-auto", "let the planner's exposed-communication term set --tp-overlap for this layout and host "
+         "(off without SP, and on a CPU host with 2 or fewer cores per rank); the choice and why are printed at start",
+         "tp_overlap_auto", kind="switch", group=LAYOUT),
     Flag("--fused-projections", "q/k/v (MLA: the down-projections) and w1/w3 (shared experts too) stored back to "
          "back in one buffer per rank, one GEMM each; checkpoints and HF files unchanged; equal to the separate "
          "GEMMs up to rounding (default off)",

@@ -45,6 +45,9 @@ class TrainConfig:
     seq_len: int = 128
     micro_batch: int = 4
     """Sequences per microbatch per data-parallel rank."""
+    tp_overlap_auto: bool = False
+    """--tp-overlap-auto: the CLI sets parallel.tp_overlap for this layout and host before the ranks start, by the
+    planner's rule (planner/tp_overlap.py `choose`), and prints the choice and why."""
     global_batch: int | None = None
     """Sequences per optimizer step over all dp ranks; default micro_batch × dp (no accumulation)."""
     lr: float = 3e-3

@@ -30,7 +30,7 @@ from shardwise.planner.muon import muon_static
 from shardwise.planner.models import ModelSpec, active_params, padded_vocab, total_params
 from shardwise.planner.peak import peak_terms
 from shardwise.planner.schedule import bubble_fraction
-from shardwise.planner.tp_overlap import LATENCY_S, exposed_tp
+from shardwise.planner.tp_overlap import LATENCY_S, Host, choose, exposed_tp
 
 AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp", "dp_shard", "dp_replicate")
 ADAM_STEP_BYTES = 28
@@ -252,6 +252,10 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
         if lay.sp and lay.tp > 1:
             out["tp_exposed_per_layer"] = per_stage[0]["tp_layer"].as_dict()
             out["tp_overlap"] = bool(assume.tp_overlap or lay.tp_overlap)
+            host = Host(cluster.gpu.name, peak * assume.flops_efficiency, rate["tp"],
+                        LATENCY_S["network" if links["tp"] == "network" else "nvlink"])
+            on, why = choose(lay.tp, lay.sp, per_stage[0]["tp_layer"], host)
+            out["tp_overlap_auto"] = {"on": on, "why": why}  # what train's --tp-overlap-auto picks on this cluster
         out["stages"] = [{
             "stage": p["stage"].index, "layers": p["stage"].n_layers, "embedding": p["stage"].embedding,
             "head": p["stage"].head, "params": p["params"].total, "static_bytes": p["static"]["total"],

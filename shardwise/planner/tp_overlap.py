@@ -13,9 +13,10 @@ model shows rather than hides.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardwise.rules import wire
+from shardwise.rules.flops import layer_flops_per_token
 
 COLLECTIVES_PER_LAYER = 8
 """SP all-gather + reduce-scatter of two regions, forward and backward."""
@@ -66,3 +67,60 @@ def messages_per_layer(tp: int, overlap: bool) -> int:
 def chunks(tp: int, local_len: int, overlap: bool) -> int:
     """Messages each overlapped SP collective is cut into: tp, or fewer on a shard of fewer rows (1: not cut)."""
     return max(1, min(tp, local_len)) if overlap and tp > 1 else 1
+
+
+PROGRESS_CORES = 2
+"""CPU cores per rank at or below which `--tp-overlap-auto` turns the overlap off on a host (gloo): the chunks'
+transfers progress on gloo's threads, which then run on the cores the GEMMs need. Measured (benchmarks/tp_overlap.py,
+2 cores): the overlapped block 1.26–1.37× the plain one at tp4 (0.5 cores per rank), no gain at tp2 (1 per rank)."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the overlap's arithmetic needs of the machine a run is on: one rank's GEMM rate, the TP link's
+    achievable rate and one small collective's latency, and the CPU cores each rank has (None on an accelerator,
+    whose collectives progress without the host's cores)."""
+
+    name: str
+    flops_per_s: float
+    link_bytes_per_s: float
+    latency_s: float
+    cores_per_rank: float | None = None
+
+
+CPU_CORE = Host("cpu", flops_per_s=60e9, link_bytes_per_s=1e9, latency_s=50e-6)
+"""One fp32 core (one thread per rank) and gloo over loopback: ~60 GFLOP/s on a dim-512 projection GEMM, ~1 GB/s
+and ~50 µs per small collective on the 2-core box the benchmarks ran on."""
+
+
+def cpu_host(cores: int, ranks_here: int) -> Host:
+    """The CPU host of a local or torchrun job: `cores` available to this process's node, shared by `ranks_here`."""
+    return replace(CPU_CORE, cores_per_rank=cores / max(1, ranks_here))
+
+
+def choose(tp: int, sequence_parallel: bool, exposed: ExposedTP | None, host: Host) -> tuple[bool, str]:
+    """`--tp-overlap-auto`: (overlap on, why) for one layout on `host`. Off where there is nothing to chunk (no SP or
+    tp 1), where a CPU rank has no core to spare for the transfers' progress, or where the exposed-communication
+    term (`exposed_tp`) says the chunks' extra latency costs more than the GEMMs hide."""
+    if tp < 2 or not sequence_parallel:
+        return False, "off: no SP collectives to chunk (needs --sequence-parallel and --tp > 1)"
+    if host.cores_per_rank is not None and host.cores_per_rank <= PROGRESS_CORES:
+        return False, (f"off: {host.cores_per_rank:g} CPU cores per rank (≤ {PROGRESS_CORES}): the chunks' transfers "
+                       "progress on gloo threads that would take the GEMMs' cores")
+    per_chunk = exposed.gemm / (COLLECTIVES_PER_LAYER * tp)
+    transfer = host.latency_s + exposed.comm / (COLLECTIVES_PER_LAYER * tp)
+    figures = (f"exposed TP {exposed.overlap * 1e3:.3f} ms with it vs {exposed.plain * 1e3:.3f} ms without per layer "
+               f"(GEMM per chunk {per_chunk * 1e6:.0f} µs, chunk transfer {transfer * 1e6:.0f} µs)")
+    if exposed.overlap < exposed.plain:
+        return True, f"on: {figures}"
+    return False, f"off: {figures}"
+
+
+def choose_for_run(cfg, tp: int, sequence_parallel: bool, cp: int, micro_batch: int, seq_len: int, act_bytes: int,
+                   host: Host) -> tuple[bool, str]:
+    """`choose` for a training run of model `cfg` (a ModelConfig): its first layer's projections on this rank."""
+    tokens = micro_batch * seq_len // cp
+    matmul, _ = layer_flops_per_token(cfg, cfg.is_moe_layer(0), seq_len, tp, sequence_parallel)
+    exposed = exposed_tp(tokens, cfg.dim, act_bytes, tp, host.link_bytes_per_s, matmul * tokens, host.flops_per_s,
+                         host.latency_s)
+    return choose(tp, sequence_parallel, exposed, host)
