@@ -8,6 +8,8 @@ than the extra chunks' latency costs.
 """
 import json
 
+import pytest
+
 from shardwise import cli
 from shardwise.config import ModelConfig, TrainConfig
 from shardwise.planner.tp_overlap import Host, choose, choose_for_run, cpu_host, exposed_tp
@@ -98,3 +100,19 @@ def test_plan_explain_says_what_auto_picks(capsys):
                      "dp=1,tp=2,pp=1,cp=4,ep=1,vp=1,schedule=1f1b,mb=1,m=1024,zero=1,recompute=selective,sp=true,"
                      "cp_impl=ring"]) == 0
     assert "--tp-overlap-auto: on: exposed TP" in capsys.readouterr().out
+
+
+def test_tp_overlap_takes_on_off_and_auto():
+    """The issue's spelling `--tp-overlap auto` sets --tp-overlap-auto; on/off and the bare and --no- forms set the
+    toggle; anything else is one line naming the valid values."""
+    from shardwise.cli import build_parser
+
+    p = build_parser()
+    base = ["train", "--tp", "2", "--sequence-parallel"]
+    for extra, on, auto in [([], False, False), (["--tp-overlap"], True, False), (["--tp-overlap", "on"], True, False),
+                            (["--tp-overlap", "off"], False, False), (["--no-tp-overlap"], False, False),
+                            (["--tp-overlap", "auto"], False, True), (["--tp-overlap-auto"], False, True)]:
+        args = p.parse_args(base + extra)
+        assert (args.tp_overlap, args.tp_overlap_auto) == (on, auto), extra
+    with pytest.raises(SystemExit):
+        p.parse_args(base + ["--tp-overlap", "maybe"])

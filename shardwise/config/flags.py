@@ -32,8 +32,8 @@ class Flag:
     field: str | None = None
     """Where the value goes in TrainConfig; None: read by the CLI itself."""
     kind: str = "value"
-    """'value' (takes an argument), 'switch' (store_true), 'toggle' (--X / --no-X) or 'negate' (--no-X: the
-    field becomes False)."""
+    """'value' (takes an argument), 'switch' (store_true), 'toggle' (--X / --no-X), 'toggle-auto' (a toggle whose
+    --X also takes on, off or auto; auto sets the switch --X-auto) or 'negate' (--no-X: the field becomes False)."""
     type: type | None = None
     """Defaults to the field's annotation (its non-None type)."""
     default: object = FROM_FIELD
@@ -107,8 +107,9 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--sequence-parallel", "Megatron sequence parallelism in TP regions (default off)",
          "parallel.sequence_parallel", kind="toggle", group=LAYOUT),
     Flag("--tp-overlap", "under --sequence-parallel, split each TP all-gather and reduce-scatter into tp chunks "
-         "that travel while the GEMMs of the previous chunks run (default off)", "parallel.tp_overlap",
-         kind="toggle", group=LAYOUT),
+         "that travel while the GEMMs of the previous chunks run (default off); `--tp-overlap auto`: as "
+         "--tp-overlap-auto; `on`/`off` as bare --tp-overlap / --no-tp-overlap", "parallel.tp_overlap",
+         kind="toggle-auto", group=LAYOUT),
     Flag("--tp-overlap-auto", "let the planner's exposed-communication term set --tp-overlap for this layout and host "
          "(off without SP, and on a CPU host with 2 or fewer cores per rank); the choice and why are printed at start",
          "tp_overlap_auto", kind="switch", group=LAYOUT),
