@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rules.fp8 import FP8_BLOCKS
 from ..rules.validation import FP8_RECIPES
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -59,21 +60,13 @@ class Recipe:
 
 
 def _recipe(name: str) -> Recipe:
-    if name == "tensorwise":
-        t = (None, None)
-        return Recipe(name, Cast(E4M3, t), Cast(E4M3, t), Cast(E5M2, t), Cast(E4M3, t), Cast(E5M2, t), Cast(E4M3, t))
-    if name == "rowwise":
-        row, col = (1, None), (None, 1)
-        return Recipe(name, Cast(E4M3, row, True), Cast(E4M3, row, True), Cast(E4M3, row, True),
-                      Cast(E4M3, col, True), Cast(E4M3, col, True), Cast(E4M3, col, True))
-    if name == "blockwise":
-        tile, block, tok = (1, 128), (128, 128), (128, 1)
-        return Recipe(name, Cast(E4M3, tile), Cast(E4M3, block), Cast(E4M3, tile), Cast(E4M3, block),
-                      Cast(E4M3, tok), Cast(E4M3, tok))
-    if name == "mxfp8":
-        row, col = (1, 32), (32, 1)
-        return Recipe(name, *(Cast(E4M3, b, e8m0=True) for b in (row, row, row, col, col, col)))
-    raise ValueError(f"unknown FP8 recipe {name!r}; valid: {', '.join(RECIPES)}")
+    """The six casts from `rules.fp8.FP8_BLOCKS` (the planner counts the same blocks): e4m3 everywhere but
+    tensorwise's gradients (e5m2, torchao's); rowwise scales rounded to powers of two (torchao), MX scales e8m0."""
+    if name not in FP8_BLOCKS:
+        raise ValueError(f"unknown FP8 recipe {name!r}; valid: {', '.join(RECIPES)}")
+    dtypes = (E4M3, E4M3, E5M2, E4M3, E5M2, E4M3) if name == "tensorwise" else (E4M3,) * 6
+    return Recipe(name, *(Cast(d, b, pow2=name == "rowwise", e8m0=name == "mxfp8")
+                          for d, b in zip(dtypes, FP8_BLOCKS[name])))
 
 
 RECIPES = FP8_RECIPES
