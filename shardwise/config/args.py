@@ -11,7 +11,7 @@ import argparse
 import difflib
 import re
 
-from .flags import GIVEN, RUN_FLAGS, flag_default, flag_type
+from .flags import GIVEN, RUN_FLAGS, ToggleOrAuto, flag_default, flag_type
 from ..rules.validation import REST, rest_of_world
 from .parallel import AXES
 from .errors import ConfigError
@@ -58,26 +58,6 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
         else:
             kw["action"] = argparse.BooleanOptionalAction if flag.kind == "toggle" else "store_true"
         where.add_argument(flag.name, **kw)
-
-
-class ToggleOrAuto(argparse.Action):
-    """--X (on), --no-X (off) and --X on|off|auto, where auto sets the switch --X-auto instead (`--tp-overlap auto`:
-    the planner decides)."""
-
-    def __init__(self, option_strings, dest, **kw):
-        super().__init__([*option_strings, "--no-" + option_strings[0][2:]], dest, nargs="?", **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string.startswith("--no-"):
-            if values is not None:
-                parser.error(f"{option_string} takes no value (got {values!r})")
-            setattr(namespace, self.dest, False)
-        elif values in (None, "on", "off"):
-            setattr(namespace, self.dest, values != "off")
-        elif values == "auto":
-            setattr(namespace, self.dest + "_auto", True)
-        else:
-            parser.error(f"{option_string} {values!r} is unknown; valid: on, off, auto (or bare {option_string})")
 
 
 NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")

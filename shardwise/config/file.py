@@ -14,7 +14,7 @@ import sys
 import tomllib
 
 from . import ConfigError
-from .flags import GIVEN
+from .flags import GIVEN, ToggleOrAuto
 from .schedule import lr_plan
 
 _SKIP = {"help", "config", "print_config", "command"}
@@ -39,6 +39,11 @@ def _flatten(data: dict, path: str) -> dict:
 
 def _check(action: argparse.Action, key: str, value, path: str):
     flag = action.option_strings[0]
+    if isinstance(action, ToggleOrAuto):  # --tp-overlap: true/false, or "on"/"off"
+        if isinstance(value, bool) or value in ("on", "off"):
+            return value if isinstance(value, bool) else value == "on"
+        raise ConfigError(f"{path}: {key} = {value!r} must be true or false (flag {flag}; for auto: "
+                          f"{flag[2:]}-auto = true)")
     if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: {key} = {value!r} must be true or false (flag {flag})")

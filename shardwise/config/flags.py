@@ -288,6 +288,26 @@ def _field(path: str) -> dataclasses.Field:
 _TYPES = {"int": int, "float": float, "str": str}
 
 
+class ToggleOrAuto(argparse.Action):
+    """--X (on), --no-X (off) and --X on|off|auto, where auto sets the switch --X-auto instead (`--tp-overlap auto`:
+    the planner decides)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__([*option_strings, "--no-" + option_strings[0][2:]], dest, nargs="?", **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string.startswith("--no-"):
+            if values is not None:
+                parser.error(f"{option_string} takes no value (got {values!r})")
+            setattr(namespace, self.dest, False)
+        elif values in (None, "on", "off"):
+            setattr(namespace, self.dest, values != "off")
+        elif values == "auto":
+            setattr(namespace, self.dest + "_auto", True)
+        else:
+            parser.error(f"{option_string} {values!r} is unknown; valid: on, off, auto (or bare {option_string})")
+
+
 def flag_type(flag: Flag):
     """The argparse type: the flag's own, else the field annotation's non-None part (None for switches)."""
     if flag.type is not None or flag.kind != "value":
