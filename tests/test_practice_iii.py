@@ -17,6 +17,7 @@ from unittest import mock
 import pytest
 
 from shardwise.cli import build_parser, main
+from shardwise.config.flags import ToggleOrAuto
 from shardwise.config import ConfigError
 
 from test_preemption import COMMON, END, LINE, _children, _gone, _rows
@@ -205,7 +206,7 @@ LAYOUT = {"dp", "tp", "pp", "cp", "ep", "vp", "schedule"}  # printed from the re
 
 def _other_value(a: argparse.Action):
     """A value for flag `a` that is not its default, as argparse would store it."""
-    if isinstance(a, argparse.BooleanOptionalAction):
+    if isinstance(a, (argparse.BooleanOptionalAction, ToggleOrAuto)):
         return not a.default
     if a.nargs == 0:  # store_true
         return True
@@ -258,7 +259,7 @@ def test_every_run_flag_survives_print_config_and_config(tmp_path):
             continue
         value = _other_value(a)
         flag = a.option_strings[0]
-        if isinstance(a, argparse.BooleanOptionalAction):
+        if isinstance(a, (argparse.BooleanOptionalAction, ToggleOrAuto)):
             argv = ["train", flag if value else f"--no-{flag[2:]}"]
         elif a.nargs == 0:
             argv = ["train", flag]
