@@ -341,7 +341,7 @@ def _model_runs(cfgs: list[TrainConfig], local: bool) -> list[tuple]:
 def test_model_under_layouts():
     """tensorwise FP8 under tp2+SP, cp2, ep2 (MoE) and ZeRO-3 equals single-device FP8 to fp32's rounding, with its
     amax all-reduces in the ledger on the axis that splits the logical tensors; per-shard scales move the median
-    gradient by more than 3e-2. `verify` (its FP8 budget) passes the tp2+SP run and
+    gradient by more than 3e-2 in step 0 or 1. `verify` (its FP8 budget) passes the tp2+SP run and
     fails it with per-shard scales.
     (Other recipes: their layers above; at the model level a one-ulp difference of fp32 partial sums can flip an FP8
     rounding, which the single-device model shows too under one-ulp weight perturbations — docs/fp8.md.)"""
@@ -365,5 +365,5 @@ def test_model_under_layouts():
     *runs, (passed, ratios) = run_ranks(2, _model_runs, cfgs, True)[0]
     assert not passed, ratios  # verify --fp8 fails the per-shard scales too
     for layout, losses, grads, amax in runs:
-        assert grads[0] > 3e-2, (layout, grads)
+        assert max(grads) > 3e-2, (layout, grads)  # step 0 alone can stay under (cp2, seed 14: 2.4e-2, then 0.11)
         assert not amax
