@@ -24,6 +24,7 @@ from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 from test_model_families import DEEPSEEK
+from test_simulate import _simulate, _within
 
 KW = dict(seq_len=32, micro_batch=2)
 # name: (model, ParallelConfig kwargs, TrainConfig kwargs) — all on 4 ranks
@@ -140,22 +141,6 @@ def test_plan_cli_reports_both_mfus(capsys):
     assert est["comm_ops_per_step"]["dp_cp"]["all_reduce:fp8_amax"]["count"] > 0
     rc = main(["plan", "--model", "llama3-70b", "--gpus", "1024", "--explain", ROW70, "--fp8-all-gather"])
     assert rc == 2 and "--fp8-all-gather needs --fp8" in capsys.readouterr().err
-
-
-def _simulate(capsys, argv: list[str]) -> tuple[int, dict]:
-    from shardwise.cli import main
-
-    rc = main(["simulate", *argv, "--json"])
-    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-
-
-def _within(report: dict) -> None:
-    for r in report["ranks"]:
-        for key, tol in (("static_bytes", 0.01), ("activation_bytes", 0.02), ("peak_bytes", 0.03)):
-            m, p = r[key]["measured"], r[key]["planned"]
-            assert abs(m - p) <= tol * p, (r["rank"], key, m, p)
-        assert all(v["measured"] == v["planned"] for v in r["comm_bytes"].values()), r["comm_bytes"]
-    assert report["passed"]
 
 
 @pytest.mark.slow

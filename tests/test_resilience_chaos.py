@@ -84,9 +84,15 @@ def jobs(tmp_path_factory):
     for name, (layout, extra, skip) in JOBS.items():
         with _recovery_skipping(skip):  # the forked CLI, its ranks and their restarts inherit the patch
             procs[name] = ForkedCli([*COMMON, *layout, *extra, "--out", str(out / name)])
+    return _wait_jobs(procs, out, "chaos")
+
+
+def _wait_jobs(procs: dict, out, label: str, beside: tuple = ()) -> dict:
+    """Read every forked job's stderr while it runs (`beside`: threads that act on the jobs meanwhile), wait for
+    all: {name: exit code, stderr, run directory}."""
     lines = {name: [] for name in procs}
     readers = [threading.Thread(target=lambda p=p, ls=lines[n]: ls.extend(p.stderr)) for n, p in procs.items()]
-    for t in readers:
+    for t in (*readers, *beside):
         t.start()
     t0 = time.monotonic()
     done = {}
@@ -94,7 +100,9 @@ def jobs(tmp_path_factory):
         code = p.wait(timeout=900)
         reader.join(timeout=30)
         done[name] = dict(code=code, err="".join(lines[name]), dir=out / name)
-    print(f"chaos jobs took {time.monotonic() - t0:.0f} s")
+    for t in beside:
+        t.join(timeout=30)
+    print(f"{label} jobs took {time.monotonic() - t0:.0f} s")
     return done
 
 

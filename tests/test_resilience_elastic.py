@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from _dist import ForkedCli, fresh_seed, run_ranks, warm_parent
-from test_resilience_chaos import COMMON, _recoveries, _same_run
+from test_resilience_chaos import COMMON, _recoveries, _same_run, _wait_jobs
 
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.training.assemble import assemble
@@ -168,21 +168,8 @@ def jobs(tmp_path_factory):
     out = tmp_path_factory.mktemp("elastic")
     warm_parent()
     procs = {name: ForkedCli([*COMMON, *argv, "--out", str(out / name)]) for name, argv in JOBS.items()}
-    lines = {name: [] for name in procs}
-    readers = [threading.Thread(target=lambda p=p, ls=lines[n]: ls.extend(p.stderr)) for n, p in procs.items()]
-    readers.append(threading.Thread(target=_bring_back, args=(procs["gone_ep"], out / "gone_ep",
-                                                              time.monotonic() + 600)))
-    for t in readers:
-        t.start()
-    t0 = time.monotonic()
-    done = {}
-    for (name, p), reader in zip(procs.items(), readers):
-        code = p.wait(timeout=900)
-        reader.join(timeout=30)
-        done[name] = dict(code=code, err="".join(lines[name]), dir=out / name)
-    readers[-1].join(timeout=30)
-    print(f"elastic jobs took {time.monotonic() - t0:.0f} s")
-    return done
+    back = threading.Thread(target=_bring_back, args=(procs["gone_ep"], out / "gone_ep", time.monotonic() + 600))
+    return _wait_jobs(procs, out, "elastic", (back,))
 
 
 def _one(run, step: int, lost_ranks: list[int]) -> dict:

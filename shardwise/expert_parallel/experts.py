@@ -124,6 +124,7 @@ class GroupedExperts(nn.Module):
         hot = [] if not permuted else sorted({e for e in range(n_experts) if len(layout.copies(e)) > 1})
         self.copies = [(j, hot.index(e)) for j, e in enumerate(rows) if e in hot]
         self.n_hot, self.ep_axis = len(hot), ep_axis
+        self._copy_index = None
         self.fp8 = None  # an Fp8Config under --fp8 (shardwise/fp8/apply.py): per-expert FP8 GEMMs
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -171,6 +172,13 @@ class GroupedExperts(nn.Module):
             outs.append(F.linear(h, b, b2[e]))
         return torch.cat(outs)
 
+    def copy_index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each replicated slot, its hot expert's row in the summed buffer) as index tensors, built once per device
+        rather than in every backward."""
+        if self._copy_index is None or self._copy_index[0].device != device:
+            self._copy_index = tuple(torch.tensor(c, device=device, dtype=torch.long) for c in zip(*self.copies))
+        return self._copy_index
+
     def _summed(self, w: torch.Tensor) -> torch.Tensor:
         """`w`, whose replicated slots' gradients are summed over their copies in backward (itself without replicas)."""
         return _SumCopies.apply(w, self) if self.n_hot and torch.is_grad_enabled() else w
@@ -201,8 +209,7 @@ class _SumCopies(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ex = ctx.experts
-        slots = torch.tensor([j for j, _ in ex.copies], device=g.device, dtype=torch.long)
-        hot = torch.tensor([h for _, h in ex.copies], device=g.device, dtype=torch.long)
+        slots, hot = ex.copy_index(g.device)
         buf = g.new_zeros((ex.n_hot, *g.shape[1:]))
         buf.index_copy_(0, hot, g.index_select(0, slots))
         comm.all_reduce(buf, ex.ep_axis, tag="expert_replicas")
