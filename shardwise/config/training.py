@@ -460,10 +460,6 @@ class TrainConfig:
             raise ConfigError(f"--fp8 {self.fp8!r} is unknown; valid: {', '.join(FP8_RECIPES)}")
         if p.tp_overlap:
             raise ConfigError(f"--fp8 {self.fp8} does not run with --tp-overlap yet; drop one of them")
-        if p.tp > 1 and self.model_config().kv_lora_rank:
-            raise ConfigError(f"--fp8 {self.fp8} does not run MLA under --tp {p.tp} yet: its latent down-projections "
-                              "get per-TP-rank partial gradients, whose FP8 scales differ from the single device's; "
-                              "use --tp 1 (dp, ep, pp, cp) for MLA models")
         problem = fp8_cp_problem(self.fp8, self.seq_len, p.cp, p.cp_order == "balanced")
         if problem:
             raise ConfigError(f"--fp8 {self.fp8} with --cp {p.cp} and --seq-len {self.seq_len} {problem}")

@@ -8,8 +8,12 @@ A layer's `LinearLayout` names the axes that split its logical x, W and g, so ea
 single device scales. The single device's microbatch holds every dp rank's microbatch (verify's reference), so a
 scale over the tokens spans dp×cp (`dp_cp`); a column-parallel layer's input is whole over TP after its region entry
 (the SP all-gather), its W rows and g columns split over tp; a row-parallel layer's x and W columns split over tp.
+A replicated projection feeding per-rank heads (MLA's down-projections) sums its output gradient over tp before the
+backward casts (`linear.py`), so its gradients are whole on every rank.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from torch import nn
 
@@ -59,6 +63,21 @@ def layer_layout(layer: nn.Module, mesh, parallel, own_tokens: bool = False) -> 
                         out=tp if dim == 0 else (), out_global=out_g)
 
 
+def _heads_partial(layer: nn.Module) -> bool:
+    """A projection replicated over tp whose output each rank back-propagates through its own heads only (MLA's
+    down-projections, KDA's gate down-projections: declared head-partial, models/params.py)."""
+    return getattr(layer.weight, "_sw_head_partial", False) and _split_dim(layer.weight) is None
+
+
+def _sum_output_gradient(layer: nn.Module, tp) -> None:
+    """Sum `layer`'s output gradient over tp before its FP8 backward GEMMs (`Fp8Config.grad_sum`): its weight
+    gradient is then whole on every rank, so it drops the tp sum its partial gradient needed."""
+    layer.fp8 = dataclasses.replace(layer.fp8, grad_sum=tp)
+    for p in (layer.weight, layer.bias):
+        if p is not None:
+            p._sw_shard = dataclasses.replace(p._sw_shard, grad_reduce=None)
+
+
 def check_tiles(name: str, layer: nn.Module, cfg: Fp8Config) -> None:
     """A recipe's feature tiles must lie within one TP rank's part of a split dimension, or span the whole of it."""
     from ..config import ConfigError
@@ -99,6 +118,8 @@ def apply_fp8(blocks: list[nn.Module], mesh, parallel, name: str) -> int:
                     if type(m) is nn.Linear:
                         m.__class__ = Float8Linear
                     m.fp8 = Fp8Config(rec, layer_layout(m, mesh, parallel, own_tokens=part is moe))
+                    if mesh["tp"].active and _heads_partial(m):
+                        _sum_output_gradient(m, mesh["tp"])
                     check_tiles(f"block {b}'s {names[id(m)]}", m, m.fp8)
                 count += 1
     return count

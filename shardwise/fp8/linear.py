@@ -8,6 +8,11 @@ A GEMM whose operands are both tensorwise- or rowwise-scaled along the contracti
 runs (CPU in torch ≥ 2.10, CUDA sm89+); every other GEMM (blockwise, MX) is emulated: dequantise, fp32 matmul.
 Several linears that share a layout (a MoE block's local experts) run as one group, so their amax reductions travel
 in one all-reduce per cast.
+
+A projection replicated over tp that feeds per-rank heads (`Fp8Config.grad_sum`) receives a partial output gradient
+on each rank; its g is all-reduced over tp before the backward casts (`fp8_grad`), so each rank computes the whole dW
+(no later tp sum) and the whole dx, which only the axis' first rank hands back: the region entry (f, or SP's
+reduce-scatter) sums the input gradients over tp, and the others' zeros add nothing.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import comm
 from .recipes import Cast, Recipe, scaled_mm_kind
 from .scaling import Layout, Quantized, as3d, quantize_all
 from .wire import held
@@ -47,10 +53,17 @@ class LinearLayout:
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """What an FP8 layer needs: the recipe and its operands' layout."""
+    """What an FP8 layer needs: the recipe and its operands' layout. `grad_sum`: the axis over which the layer's
+    output gradient arrives as per-rank partial sums (a projection replicated over tp whose output feeds each rank's
+    own heads: MLA's down-projections, KDA's gate down-projections), summed before the backward GEMMs cast it."""
 
     recipe: Recipe
     layout: LinearLayout = LinearLayout()
+    grad_sum: object = None
+
+
+GRAD_TAG = "fp8_grad"
+"""Ledger tag of the all-reduce of a `grad_sum` layer's output gradient (`all_reduce:fp8_grad`)."""
 
 
 def _matrix(q: Quantized, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,6 +145,9 @@ class _Fp8Linears(torch.autograd.Function):
         pre_x = [None if m is None else Quantized(d, *m) for d, m in zip(saved, ctx.xq)]
         gs = [g if g is not None else torch.zeros((*shape[:-1], w.shape[0]), dtype=dtype, device=w.device)
               for g, (shape, dtype), w in zip(gs, ctx.x_meta, ws)]
+        axis = ctx.cfg.grad_sum
+        if axis is not None:  # an FP8 cast of a partial sum is not the cast of the sum: cast the whole gradient
+            gs = [comm.all_reduce(g.clone(memory_format=torch.contiguous_format), axis, tag=GRAD_TAG) for g in gs]
         pre_w = [held(w, r.w_dgrad, lay.w()) for w in ws]  # ZeRO-3's backward gather, in FP8
         defer = ctx.store is not None and ctx.store.capturing  # zero-bubble: dW runs at this microbatch's W action
 
@@ -166,6 +182,8 @@ class _Fp8Linears(torch.autograd.Function):
             qg_d, qw_d, *wgrad = cast(True, not defer)
             dxs = [gemm(qg, False, r.g_dgrad, qw, True, r.w_dgrad).reshape(shape).to(dtype)  # g W: over out
                    for qg, qw, (shape, dtype) in zip(qg_d, qw_d, ctx.x_meta)]
+            if axis is not None and axis.rank:  # dx is whole on every rank; the region entry sums it over the axis
+                dxs = [torch.zeros_like(dx) for dx in dxs]
             if defer:
                 ctx.store.defer([*ws, *bs], deferred)
                 return (None, None, None, None, None, *dxs, *[None] * (2 * n))

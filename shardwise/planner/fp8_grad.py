@@ -1,0 +1,30 @@
+"""`--fp8` under tp: a linear replicated over tp whose output feeds each rank's own heads (MLA's down-projections,
+KDA's gate down-projections: head-partial in `rules.inventory`) gets a per-rank partial output gradient, which the
+runtime all-reduces over tp before its FP8 backward casts (`shardwise.fp8.linear`, `all_reduce:fp8_grad`): one
+[tokens, out] gradient in the activations' dtype per such linear and microbatch (the tokens a rank's heads see: the
+whole sequence, gathered under SP). Its weight gradient is then whole on every rank, so it leaves the per-step tp sum.
+"""
+from __future__ import annotations
+
+from shardwise.planner.fp8 import block_linears
+from shardwise.planner.layout import Layout, Stage, Workload
+
+GRAD_TAG = "fp8_grad"
+
+
+def summed_before_cast(p) -> bool:
+    """An inventory entry of such a linear (its weight, or its bias): whole, not TP-partial, under --fp8."""
+    return p.head_partial and p.tp == "rep" and not p.expert and (len(p.shape) == 2 or p.name.endswith(".bias"))
+
+
+def fp8_grad_sums(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:
+    """One microbatch's `all_reduce:fp8_grad` over tp of every such FP8 linear of `stage`."""
+    if lay.tp == 1:
+        return
+    kinds = stage.kinds or (False,) * stage.n_dense + (True,) * stage.n_moe
+    linear = stage.linear or (False,) * len(kinds)
+    n = lay.mb * wl.seq_len // lay.cp
+    for moe, lin in zip(kinds, linear):
+        for p in block_linears(spec, moe, lin):
+            if summed_before_cast(p):
+                led.add("tp", f"all_reduce:{GRAD_TAG}", n * p.shape[0] * wl.act_bytes, lay.tp)
