@@ -6,7 +6,8 @@ backward casts, so every rank computes the whole dW (no tp sum) and dx (handed b
 One two-rank spawn: `shardwise verify --fp8` on an MLA+MTP model (DeepSeek-shaped, MoE) at tp2 with SP
 (tensorwise), tp2 without SP (blockwise) and with --fused-projections (rowwise), each held to the bounds derived from
 the single-device FP8 model's own spread; then with the fix undone (the partial gradients cast per rank, summed
-later), which verify must fail. The runtime's ledger of one step at tp2 with SP is held equal to the planner's.
+later), which verify must fail. The runtime's ledger of one step at dp2×tp2 (with and without SP) is held equal to
+the planner's.
 """
 import pytest
 import torch
@@ -27,23 +28,27 @@ BROKEN = ("tp2_sp_tensorwise", "tp2_blockwise")
 IGNORED_TAGS = ("metrics", "grad_norm")
 
 
-def _cfg(name: str, seed: int, steps: int = 2) -> TrainConfig:
+def _cfg(name: str, seed: int, steps: int = 2, dp: int = 1) -> TrainConfig:
     fp8, degrees = LAYOUTS[name]
-    return TrainConfig(model=DEEPSEEK_MTP, parallel=ParallelConfig(**degrees), steps=steps, seq_len=32, micro_batch=2,
-                       seed=seed, progress=False, fp8=fp8, warmup_steps=20, lr_decay_steps=200).resolved(2)
+    return TrainConfig(model=DEEPSEEK_MTP, parallel=ParallelConfig(dp=dp, **degrees), steps=steps, seq_len=32,
+                       micro_batch=2, global_batch=2 * dp * 2, seed=seed, progress=False, fp8=fp8, warmup_steps=20,
+                       lr_decay_steps=200).resolved(2 * dp)
 
 
-def _ledger(name: str, seed: int) -> dict:
-    """Inside ranks: the ledger of one train step."""
+def _ledgers(names: list[str], seed: int) -> dict:
+    """Inside ranks: the ledger of one train step (two microbatches) of each layout at dp2."""
     from shardwise.training.trainer import Trainer, make_mesh
 
     torch.set_num_threads(1)
-    cfg = _cfg(name, seed, steps=1)
-    mesh = make_mesh(cfg, torch.device("cpu"))
-    trainer = Trainer(cfg, mesh)
-    mesh.ledger.reset()
-    trainer.train_step(0)
-    return mesh.ledger.steps[-1]["axes"]
+    out = {}
+    for name in names:
+        cfg = _cfg(name, seed, steps=1, dp=2)
+        mesh = make_mesh(cfg, torch.device("cpu"))
+        trainer = Trainer(cfg, mesh)
+        mesh.ledger.reset()
+        trainer.train_step(0)
+        out[name] = mesh.ledger.steps[-1]["axes"]
+    return out
 
 
 def _verify_all(seed: int) -> dict:
@@ -62,25 +67,27 @@ def _comparable(axes: dict) -> dict:
             if op.partition(":")[2] not in IGNORED_TAGS and not op.startswith("all_to_all")}
 
 
-@pytest.mark.parametrize("name", ["tp2_sp_tensorwise", "tp2_blockwise"])
-def test_ledger_equals_the_plan(name):
-    """Every TP op the runtime issues (the `fp8_grad` all-reduces, the tp sum without the down-projections) as the
-    planner counts it."""
+def test_ledger_equals_the_plan():
+    """Every op the runtime issues at dp2×tp2 with SP (tensorwise) and fused without SP (rowwise) — the `fp8_grad`
+    all-reduces on tp, the tp sum
+    without the down-projections, the dp buckets — as the planner counts it; one four-rank spawn."""
     seed = fresh_seed()
     with torch.device("meta"):  # torch's lazy imports once, before forking
         torch.nn.Embedding(2, 2)
-    cfg = _cfg(name, seed, steps=1)
-    spec, lay, wl = from_train_config(cfg)
-    planned = _comparable(estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl,
-                                   detail=True)["stages"][0]["comm_ops_per_step"])
-    for rank, axes in enumerate(run_ranks(2, _ledger, name, seed)):
-        got = _comparable(axes)
-        assert got.get(("tp", "all_reduce:fp8_grad")), f"rank {rank}: no fp8_grad all-reduce measured"
-        for key in set(got) | set(planned):
-            m, p = got.get(key), planned.get(key)
-            assert m is not None and p is not None, f"{name} rank {rank} {key}: measured {m}, planned {p} (seed {seed})"
-            assert (m["count"], m["bytes"], m["wire_bytes"]) == (p["count"], p["bytes"], p["wire_bytes"]), \
-                f"{name} rank {rank} {key}: measured {m}, planned {p} (seed {seed})"
+    names = ["tp2_sp_tensorwise", "tp2_fused_rowwise"]
+    runs = run_ranks(4, _ledgers, names, seed)
+    for name in names:
+        spec, lay, wl = from_train_config(_cfg(name, seed, steps=1, dp=2))
+        planned = _comparable(estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl,
+                                       detail=True)["stages"][0]["comm_ops_per_step"])
+        for rank, run in enumerate(runs):
+            got, where = _comparable(run[name]), f"{name} rank {rank} (seed {seed})"
+            assert got.get(("tp", "all_reduce:fp8_grad")), f"{where}: no fp8_grad all-reduce measured"
+            for key in set(got) | set(planned):
+                m, p = got.get(key), planned.get(key)
+                assert m is not None and p is not None, f"{where} {key}: measured {m}, planned {p}"
+                assert (m["count"], m["bytes"], m["wire_bytes"]) == (p["count"], p["bytes"], p["wire_bytes"]), \
+                    f"{where} {key}: measured {m}, planned {p}"
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ LAYOUTS = {
     "dp2-tp2-blockwise": ("tiny", dict(dp=2, tp=2, zero=1), dict(fp8="blockwise")),
     "dp2-cp2-mxfp8": ("tiny", dict(dp=2, cp=2), dict(fp8="mxfp8")),  # a 32-token tile: the whole sequence, over cp
     "dp4-ep2-moe-rowwise": ("tiny-moe", dict(dp=4, ep=2), dict(fp8="rowwise")),
-    # MLA + MoE (FP8 refuses MLA under TP: docs/fp8.md): the MLA linears' amaxes over cp, the experts' over edp
+    # MLA + MoE (MLA under TP: tests/test_fp8_mla_tp.py): the MLA linears' amaxes over cp, the experts' over edp
     "dp2-cp2-ep2-deepseek-tensorwise": (DEEPSEEK, dict(dp=2, cp=2, ep=2), dict(fp8="tensorwise")),
     # --fp8-all-gather: SP activations and ZeRO-3 weights as FP8 bytes
     "wire-dp2-tp2-sp-tensorwise": ("tiny", dict(dp=2, tp=2, sequence_parallel=True),
