@@ -4,33 +4,39 @@ is not the cast of the sum. `Fp8Config.grad_sum` all-reduces that gradient over 
 backward casts, so every rank computes the whole dW (no tp sum) and dx (handed back by tp rank 0 only).
 
 One two-rank spawn: `shardwise verify --fp8` on an MLA+MTP model (DeepSeek-shaped, MoE) at tp2 with SP
-(tensorwise), tp2 without SP (blockwise) and with --fused-projections (rowwise), each held to the bounds derived from
-the single-device FP8 model's own spread; then with the fix undone (the partial gradients cast per rank, summed
-later), which verify must fail. The runtime's ledger of one step at dp2×tp2 (with and without SP) is held equal to
+(tensorwise), tp2 without SP (blockwise) and with --fused-projections (rowwise), and on Kimi-Linear's shape (KDA's
+gate down-projections are head-partial too) at tp2, each held to the bounds derived from the single-device FP8
+model's own spread; then with the fix undone (the partial gradients cast per rank, summed later) at tp2+SP and on
+Kimi, which verify must fail. The runtime's ledger of one step at dp2×tp2 (MLA+MTP with SP, Kimi without) equals
 the planner's.
 """
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig, TrainConfig
+from shardwise.config import ModelConfig, ParallelConfig, TrainConfig
 from shardwise.planner import Cluster, estimate, get_gpu
 from shardwise.planner.layout import from_train_config
 
 from _dist import fresh_seed, run_ranks
 from test_mtp import DEEPSEEK_MTP
 
-LAYOUTS = {
-    "tp2_sp_tensorwise": ("tensorwise", dict(tp=2, sequence_parallel=True)),
-    "tp2_blockwise": ("blockwise", dict(tp=2)),
-    "tp2_fused_rowwise": ("rowwise", dict(tp=2, fused_projections=True)),
+# Kimi-Linear's shape: a KDA layer (its gate down-projections wf_a, wg_a are head-partial as MLA's) and an MLA layer
+KIMI = ModelConfig(name="kimi-tiny", vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=48,
+                   max_seq_len=64, kv_lora_rank=16, qk_rope_dim=8, v_head_dim=8, mla_nope=True, kda=True,
+                   linear_layers=(0,), linear_k_heads=4, linear_v_heads=4, linear_k_dim=8, linear_v_dim=8)
+LAYOUTS = {  # name: (model, recipe, parallel degrees)
+    "tp2_sp_tensorwise": (DEEPSEEK_MTP, "tensorwise", dict(tp=2, sequence_parallel=True)),
+    "tp2_blockwise": (DEEPSEEK_MTP, "blockwise", dict(tp=2)),
+    "tp2_fused_rowwise": (DEEPSEEK_MTP, "rowwise", dict(tp=2, fused_projections=True)),
+    "kimi_tp2_tensorwise": (KIMI, "tensorwise", dict(tp=2)),
 }
-BROKEN = ("tp2_sp_tensorwise", "tp2_blockwise")
+BROKEN = ("tp2_sp_tensorwise", "kimi_tp2_tensorwise")
 IGNORED_TAGS = ("metrics", "grad_norm")
 
 
 def _cfg(name: str, seed: int, steps: int = 2, dp: int = 1) -> TrainConfig:
-    fp8, degrees = LAYOUTS[name]
-    return TrainConfig(model=DEEPSEEK_MTP, parallel=ParallelConfig(dp=dp, **degrees), steps=steps, seq_len=32,
+    model, fp8, degrees = LAYOUTS[name]
+    return TrainConfig(model=model, parallel=ParallelConfig(dp=dp, **degrees), steps=steps, seq_len=32,
                        micro_batch=2, global_batch=2 * dp * 2, seed=seed, progress=False, fp8=fp8, warmup_steps=20,
                        lr_decay_steps=200).resolved(2 * dp)
 
@@ -68,13 +74,13 @@ def _comparable(axes: dict) -> dict:
 
 
 def test_ledger_equals_the_plan():
-    """Every op the runtime issues at dp2×tp2 with SP (tensorwise) and fused without SP (rowwise) — the `fp8_grad`
+    """Every op the runtime issues at dp2×tp2, MLA+MTP with SP and Kimi-Linear (KDA + MLA) without — the `fp8_grad`
     all-reduces on tp, the tp sum
     without the down-projections, the dp buckets — as the planner counts it; one four-rank spawn."""
     seed = fresh_seed()
     with torch.device("meta"):  # torch's lazy imports once, before forking
         torch.nn.Embedding(2, 2)
-    names = ["tp2_sp_tensorwise", "tp2_fused_rowwise"]
+    names = ["tp2_sp_tensorwise", "kimi_tp2_tensorwise"]
     runs = run_ranks(4, _ledgers, names, seed)
     for name in names:
         spec, lay, wl = from_train_config(_cfg(name, seed, steps=1, dp=2))
@@ -95,7 +101,7 @@ def test_verify_fp8_mla_under_tp():
     seed = fresh_seed()
     out = run_ranks(2, _verify_all, seed, timeout_s=600)[0]
     wrong = []  # every layout judged before the assertion, so a failure names all that failed
-    for name, (fp8, _) in LAYOUTS.items():
+    for name, (_, fp8, _) in LAYOUTS.items():
         v = out[name]
         if not (v["passed"] and v["coverage"] == 1.0 and len(v["losses"]) == 2):
             wrong.append((name, fp8, v["passed"], v["fp8_budget"]["ratios"], v["coverage"]))
