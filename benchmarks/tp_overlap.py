@@ -288,8 +288,10 @@ def run(tp: int, opts: dict) -> dict:
                      "fused_vs_unfused_cpu": out["cpu_medians_s"]["plain_fused"] / out["cpu_medians_s"]["plain_unfused"],
                      "overlap_fused_vs_plain_unfused": m["overlap_fused"] / m["plain_unfused"],
                      "exposed_overlap_vs_plain": (e["overlap_fused"] / e["plain_fused"]) if e["plain_fused"] else None}
+    c = out["cpu_medians_s"]
     for name in ("plain_fused", "overlap_fused"):  # Megatron's layout is fused: compare like with like
         out["ratios"][f"{name}_vs_megatron"] = m[name] / m["megatron"] if "megatron" in m else None
+        out["ratios"][f"{name}_vs_megatron_cpu"] = c[name] / c["megatron"] if "megatron" in c else None
     return out
 
 
@@ -337,6 +339,7 @@ def main(argv=None) -> int:
     split = [tp for tp in args.tp if tp > 1]  # Megatron-Core refuses sequence parallelism at tp=1
     first = results[f"tp{split[0]}"]["ratios"] if split else {}
     ratios["vs_megatron"] = first.get("plain_fused_vs_megatron")  # shardwise's fused block / Megatron's, first tp > 1
+    ratios["vs_megatron_cpu"] = first.get("plain_fused_vs_megatron_cpu")  # the same in CPU seconds
     why = next((results[f"tp{tp}"]["absent"] for tp in split if results[f"tp{tp}"]["absent"]), None)
     absent = {"megatron": why} if why else {}
     if why:
