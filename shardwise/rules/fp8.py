@@ -75,9 +75,9 @@ def _whole(block: int | None, local: int, axes, global_len: int | None) -> bool:
 
 
 def block_plan(op: Operand, block: tuple, strict: bool = False) -> BlockPlan:
-    """The scale blocks of `op` cast in `block` (rows, cols). A block spans, along each dimension, the whole of it (None,
-    or a block at least as long as the global dimension) — reduced over the axes splitting it — or tiles, which
-    must lie within one rank's part (`strict`: else a ValueError, the runtime's check) and need no reduction."""
+    """The scale blocks of `op` cast in `block` (rows, cols). A block spans, along each dimension, the whole of it
+    (None, or a block at least as long as the global dimension) — reduced over the axes splitting it — or tiles,
+    which must lie within one rank's part (`strict`: else a ValueError, the runtime's check) and need no reduction."""
     br, bc = block
     axes: list = []
     per_seq = br is not None  # tiles or lines of rows: each sequence its own
