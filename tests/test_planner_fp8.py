@@ -4,7 +4,9 @@ time and MFU, and `simulate --fp8` against the plan on full-size rows (slow).
 The ledger check runs several FP8 layouts one after another in one spawn of 4 gloo ranks (one `train_step` each)
 and holds every planned op equal to the measured one (count, bytes, wire bytes) on every axis — the `fp8_amax`
 all-reduces of tp, dp_cp, cp, edp included — but the routed all-to-alls (their payloads follow the routing) and the
-bookkeeping tags the planner leaves out.
+bookkeeping tags the planner leaves out. In the same spawn the dense layouts' saved activations of one microbatch
+(`test_planner_ledger`'s saved-tensor hook) are held to the plan's: under --fp8-all-gather with SP the region
+entries save the gathered FP8 operand, one byte per element.
 """
 from __future__ import annotations
 
@@ -17,13 +19,15 @@ from shardwise.config import ParallelConfig, TrainConfig
 from shardwise.fp8.recipes import recipe
 from shardwise.planner import Cluster, estimate, get_gpu
 from shardwise.planner.errors import PlanError
-from shardwise.planner.layout import from_train_config, parse_layout, Layout, Workload
+from shardwise.planner.activations import microbatch_activation_bytes
+from shardwise.planner.layout import from_train_config, parse_layout, stages, Layout, Workload
 from shardwise.planner.models import get_model
 from shardwise.rules.fp8 import CASTS, FP8_BLOCKS
 from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 from test_model_families import DEEPSEEK
+from test_planner_ledger import _one_microbatch
 from test_simulate import _simulate, _within
 
 KW = dict(seq_len=32, micro_batch=2)
@@ -46,6 +50,8 @@ LAYOUTS = {
     "wire-dp4-ep2-zero3-deepseek": (DEEPSEEK, dict(dp=4, ep=2, zero=3), dict(fp8="tensorwise", fp8_all_gather=True)),
 }
 IGNORED_TAGS = ("metrics", "grad_norm")
+SAVED = [n for n in LAYOUTS if LAYOUTS[n][0] == "tiny" and (n.startswith("wire-") or n == "dp2-tp2-sp-tensorwise")]
+"""Layouts whose saved activations are measured (dense: no routing in the figure), with and without the FP8 wire."""
 
 
 def _config(name: str, seed: int) -> TrainConfig:
@@ -64,6 +70,8 @@ def _run(names: list[str], seed: int) -> dict:
         mesh.ledger.reset()
         trainer.train_step(0)
         out[name] = dict(rank=mesh.rank, pp=mesh["pp"].rank, axes=mesh.ledger.steps[-1]["axes"])
+        if name in SAVED:
+            out[name]["activation"] = _one_microbatch(trainer, cfg)[0]
     return out
 
 
@@ -98,6 +106,51 @@ def test_amax_all_reduces_match_the_ledger(measured, name):
             assert m is not None and p is not None, f"{where} {key}: measured {m}, planned {p}"
             assert (m["count"], m["bytes"], m["wire_bytes"]) == (p["count"], p["bytes"], p["wire_bytes"]), \
                 f"{where} {key}: measured {m}, planned {p}"
+
+
+@pytest.mark.parametrize("name", SAVED)
+def test_saved_activations_match_the_plan(measured, name):
+    """One microbatch's saved tensors equal `microbatch_activation_bytes` to 0.1 % (test_planner_ledger's bound);
+    --fp8-all-gather under SP saves 3 bytes per element less of each region entry than fp32 (tiny runs in fp32)."""
+    seed, runs = measured
+    spec, lay, wl = from_train_config(_config(name, seed))
+    for rep in runs[name]:
+        planned = microbatch_activation_bytes(spec, stages(spec, lay)[rep["pp"]], lay, wl)["total"]
+        assert rep["activation"] == pytest.approx(planned, rel=1e-3), \
+            f"{name} rank {rep['rank']} (seed {seed}): saved {rep['activation']}, planned {planned}"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_expert_weight_gradients_are_one_stack_at_a_time(dtype):
+    """The FP8 routed experts' backward (fake tensors, `simulate`'s live-memory count) grows by what
+    `expert_weight_grad_bytes` plans beside the residual stream's gradients: one stack's fp32 gradient slices and
+    their stacked copy (the flat buffer's hook takes each stacked gradient away), not bf16's three stacks at once."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardwise.expert_parallel.experts import GroupedExperts
+    from shardwise.fp8.linear import Fp8Config, LinearLayout
+    from shardwise.mesh import Axis
+    from shardwise.planner.weight_grads import expert_weight_grad_bytes
+    from shardwise.simulate.live import LiveMemory
+
+    spec, wl = get_model("tiny-moe"), Workload(seq_len=16, global_batch=1, precision=dtype, fp8="tensorwise")
+    lay = Layout(mb=1, m=1)
+    stage = next(st for st in stages(spec, lay) if st.n_moe)
+    n = wl.seq_len
+    rows = n * spec.moe_topk
+    with FakeTensorMode():
+        ex = GroupedExperts(spec.moe_experts, spec.dim, spec.expert_ffn_dim, Axis("ep"))
+        ex.fp8 = Fp8Config(recipe("tensorwise"), LinearLayout())
+        for w in ex.parameters():
+            w.register_post_accumulate_grad_hook(lambda w: setattr(w, "grad", None))
+        x = torch.randn(rows, spec.dim, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16, requires_grad=True)
+        with LiveMemory() as live, torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
+            y = ex(x, [rows // spec.moe_experts] * spec.moe_experts)
+            g = torch.ones_like(y)
+            live.peak = base = live.live
+            y.backward(g)
+    planned = expert_weight_grad_bytes(spec, stage, lay, wl) - 2 * wl.resid_bytes * n * spec.dim
+    assert live.peak - base == planned, (live.peak - base, planned)
 
 
 def test_the_rules_blocks_are_the_runtimes():
@@ -153,6 +206,19 @@ def test_simulate_llama3_70b_fp8(capsys):
                                      "--microbatches", "4", "--ranks", "0", "--fp8", "tensorwise"])
     _within(report)
     assert rc == 0 and report["world"] == 1024
+
+
+@pytest.mark.slow
+def test_simulate_fp8_all_gather(capsys):
+    """tiny, dp2 tp2 pp2, SP, ZeRO-3, bf16 + tensorwise with --fp8-all-gather, the first stage: the region entries
+    save the gathered FP8 operand (activations were planned 8 % high before) and the layers' units are gathered as
+    FP8 bytes (the peak 9 % high)."""
+    rc, report = _simulate(capsys, ["--seq-len", "64", "--micro-batch", "2", "--dp", "2", "--tp", "2", "--pp", "2",
+                                     "--sequence-parallel", "--zero", "3", "--microbatches", "2", "--dtype", "bf16",
+                                     "--fp8", "tensorwise", "--fp8-all-gather", "--ranks", "0"])
+    _within(report)
+    assert rc == 0 and report["ranks"][0]["activation_bytes"]["measured"] == \
+        report["ranks"][0]["activation_bytes"]["planned"]
 
 
 @pytest.mark.slow

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import comm
+from ..rules import fp8 as fp8_rules
 from .recipes import Cast
 
 EPS = 1e-12
-AMAX_TAG = "fp8_amax"
+AMAX_TAG = fp8_rules.AMAX_TAG
 _EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 
 
@@ -64,37 +65,18 @@ class Quantized:
         return self.data.float() / self.scale_full()
 
 
-def _active(axes) -> tuple:
-    return tuple(a for a in axes if a is not None and a.active)
-
-
-def _whole(block: int | None, local: int, axes, global_len: int | None) -> bool:
-    """Whether a block of `block` spans the whole dimension (`local` long here, split over `axes`)."""
-    if global_len is None:
-        global_len = local * math.prod(a.size for a in _active(axes))
-    return block is None or (global_len > 0 and block >= global_len)
+def _pairs(axes) -> tuple:
+    """Mesh axes as `rules.fp8`'s (key, size) pairs, the Axis itself the key."""
+    return tuple((a, a.size) for a in axes if a is not None)
 
 
 def block_plan(t: torch.Tensor, cast: Cast, lay: Layout):
-    """(row block, col block, axes to reduce over) of casting `t` [B, S, C] as `cast` under `lay`: block 0 = whole."""
-    B, S, C = t.shape
-    br, bc = cast.block
-    axes: list = []
-    if br is None:  # one scale over every row of every sequence
-        br = 0
-        axes += _active(lay.rows_all) if lay.rows_all is not None else [*_active(lay.batch), *_active(lay.seq)]
-    elif _whole(br, S, lay.seq, lay.seq_global):  # a tile as long as the sequence: one scale per sequence
-        br = 0
-        axes += _active(lay.seq)
-    elif br > 1 and _active(lay.seq) and lay.seq_global != 0 and (S // lay.seq_chunks) % br:
-        raise ValueError(f"FP8 {br}-row tiles cut across ranks: each rank's {S} rows (in {lay.seq_chunks} part(s)) "
-                         f"are not a multiple of {br}")
-    if _whole(bc, C, lay.cols, lay.cols_global):
-        bc = 0
-        axes += _active(lay.cols)
-    elif _active(lay.cols) and C % bc:
-        raise ValueError(f"FP8 {bc}-column tiles cut across ranks: each rank holds {C} columns, not a multiple of {bc}")
-    return br, bc, axes
+    """(row block, col block, axes to reduce over) of casting `t` [B, S, C] as `cast` under `lay`: block 0 = whole.
+    The plan is `rules.fp8.block_plan`'s (the planner counts the same), tiles checked to lie within a rank's part."""
+    op = fp8_rules.Operand(*t.shape, _pairs(lay.batch), _pairs(lay.seq), _pairs(lay.cols), lay.seq_global,
+                           lay.cols_global, None if lay.rows_all is None else _pairs(lay.rows_all), lay.seq_chunks)
+    plan = fp8_rules.block_plan(op, cast.block, strict=True)
+    return plan.rows, plan.cols, [a for a, _ in plan.axes]
 
 
 def local_amax(t: torch.Tensor, cast: Cast, br: int, bc: int) -> torch.Tensor:

@@ -33,6 +33,8 @@ import dataclasses
 import functools
 
 from shardwise.planner import gpt_oss, moe_skew, sparse_attention
+from shardwise.planner.fp8 import wire_activations
+from shardwise.rules.fp8 import FP8_BYTES
 from shardwise.planner.linear_attention import mixer_activation_bytes
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_layer_ids, chunk_owners
 from shardwise.planner.models import (
@@ -55,6 +57,18 @@ def region_input(tokens: int, h: int, consumers: int, e: int, r: int = 4) -> int
     tensor (an SP all-gather returns it contiguous) — unless autocast casts it, once per consuming linear
     (bf16 autocast over an fp32 residual, --fp32-residual)."""
     return r * tokens * h if r == e else consumers * e * tokens * h
+
+
+def region_entry(spec: ModelSpec, lay: Layout, wl: Workload, tokens: int, consumers: int) -> int:
+    """What a mixer's or dense MLP's region saves of its input: one tensor in the residual's dtype under TP without SP
+    (`ColumnRegion`), `region_input` otherwise — but under --fp8-all-gather's FP8 SP gather (`fp8.wire_activations`)
+    only the gathered FP8 operand, one byte per element, which every FP8 linear reading it saves in its place."""
+    h, e, r = spec.dim, wl.act_bytes, wl.resid_bytes
+    if _column_region(spec, lay):
+        return r * tokens * h
+    if wire_activations(lay, wl):
+        return FP8_BYTES * tokens * h
+    return region_input(tokens, h, consumers, e, r)
 
 
 def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload,
@@ -107,7 +121,7 @@ def shardwise_layer_activation_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl
         return attn + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
     if spec.is_mla and (c == 1 or recompute == "selective") and not (c == 1 and spec.attn_dropout > 0):
         return attn + _mla_attention_bytes(spec, n, hq, e, r, recompute) + _mlp_bytes(spec, moe, lay, wl, n, n_r, mask)
-    attn += r * n * h if _column_region(spec, lay) else region_input(n, h, 2 if spec.is_mla else 3, e, r)
+    attn += region_entry(spec, lay, wl, n, 2 if spec.is_mla else 3)
     if spec.is_mla:
         attn += _mla_latent_bytes(spec, n, e)
     if c > 1 and recompute == "selective":  # checkpoint keeps the core's inputs q, k, v; wo keeps its input
@@ -143,7 +157,7 @@ def _linear_mixer_delta(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload
     n = lay.mb * wl.seq_len // lay.cp
     n_r = n // t if lay.sp else n
     mask = e * n * h if spec.dropout > 0 else 0
-    region = r * n * h if _column_region(spec, lay) else region_input(n, h, 6, e, r)
+    region = region_entry(spec, lay, wl, n, 6)
     linear = _norm_saved(n_r, h) + mask + region + mixer_activation_bytes(spec, lay.mb, wl.seq_len // lay.cp, t, e, lay.cp,
                                                                              lay.cp_order)
     out = 0.0
@@ -196,7 +210,7 @@ def _mlp_bytes(spec: ModelSpec, moe: bool, lay: Layout, wl: Workload, n: int, n_
     mlp = _norm_saved(n_r, h) + mask
     if not moe:
         swiglu = spec.mlp == "swiglu"
-        mlp += r * n * h if _column_region(spec, lay) else region_input(n, h, 2 if swiglu else 1, e, r)
+        mlp += region_entry(spec, lay, wl, n, 2 if swiglu else 1)
         mlp += (4 if swiglu else 2) * e * n * (spec.ffn_dim // t)
         return mlp
     k, E, f_e = spec.moe_topk, spec.moe_experts, spec.expert_ffn_dim

@@ -151,6 +151,15 @@ def weights_bucket_fp8(spec, moe: bool, linear_layer: bool) -> bool:
     return all(p.name in fp8 for p in inventory.block(spec, moe, linear_layer) if p.matrix and not p.expert)
 
 
+def fp8_bucket(spec, unit: str, key: tuple, numel: int) -> bool:
+    """Whether ZeRO-3 bucket `key` (`rules.buckets.bucket_key`: (..., expert?, matrix?)) of `unit` gathers in FP8
+    under `wire_weights`: the non-expert matrices of a block whose matrix bucket holds only FP8 linears' weights."""
+    if not (unit.startswith("layers.") and key[-1] and not key[-2] and numel):
+        return False
+    layer = int(unit.split(".")[1])
+    return weights_bucket_fp8(spec, spec.is_moe_layer(layer), spec.is_linear_layer(layer))
+
+
 def wire_gathers(led, spec, stage: Stage, lay: Layout, wl: Workload, buckets, gathers) -> list[bool]:
     """Book `--fp8-all-gather`'s ZeRO-3 weight gathers of `stage` (`buckets`, `gathers`: `zero_buckets` and
     `bucket_gathers`): each FP8 bucket's `all_gather:fp8` of its shard bytes, and before it the `fp8_amax`
@@ -169,12 +178,7 @@ def wire_gathers(led, spec, stage: Stage, lay: Layout, wl: Workload, buckets, ga
             keys.setdefault(bucket_key(3, chunk, u, x.expert, x.matrix), []).append((name, p))
     _, bw, *_ = FP8_BLOCKS[wl.fp8]
     for i, ((key, items), b, n) in enumerate(zip(sorted(keys.items()), buckets, gathers)):
-        unit = items[0][0]
-        if not (unit.startswith("layers.") and key[3] and not key[2] and b.numel):
-            continue
-        layer = int(unit.split(".")[1])
-        moe, lin = spec.is_moe_layer(layer), spec.is_linear_layer(layer)
-        if not weights_bucket_fp8(spec, moe, lin):
+        if not fp8_bucket(spec, items[0][0], key, b.numel):
             continue
         fp8[i] = True
         ops = []

@@ -121,7 +121,7 @@ def head_loss_buffers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) 
     again = lay.m > 1
     if lay.zero == 2:
         return 0.0, zero2_bucket_moments(spec, stage, lay, wl, 0.0, again, lay.m - 1)[1]
-    units = [full for chunk, full, _, _ in unit_bytes(spec, stage, lay)]
+    units = [full for chunk, full, _, _ in unit_bytes(spec, stage, lay, wl)]
     norm, head = head_backward_units(spec, stage, lay)  # MTP: modules follow the head, and hold units beside it
     gathered = units[norm] + units[head] + head_held_bytes(spec, stage, lay)
     return gathered, last_launched(spec, stage, lay, wl) if again else 0.0
@@ -174,7 +174,7 @@ def autocast_moment_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     copy = float(wl.act_bytes * max(dense, moe))
     if lay.zero < 3:
         return copy, 0.0
-    units = unit_bytes(spec, stage, lay)
+    units = unit_bytes(spec, stage, lay, wl)
     pairs = [full + (units[j + 1][1] if j + 1 < len(units) and units[j + 1][0] == chunk else 0)
              for j, (chunk, full, cast, _) in enumerate(units) if cast]
     return copy, float(max(pairs, default=0))
@@ -187,7 +187,7 @@ def _cached_copies(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> 
         chunks = sum(1 for o in chunk_owners(lay) if o == stage.index)
         p = stage_params(spec, Stage(0, stage.n_dense, stage.n_moe, False, False), lay)
         return float(wl.act_bytes * (p.total - p.vectors) / chunks), 0.0
-    units = unit_bytes(spec, stage, lay)
+    units = unit_bytes(spec, stage, lay, wl)
     best, copies = (0.0, 0.0), 0.0
     for j, (chunk, full, cast, _) in enumerate(units):
         copies = copies * (j > 0 and units[j - 1][0] == chunk) + wl.act_bytes * cast
@@ -210,7 +210,7 @@ def head_forward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload
     n = lay.mb * wl.seq_len // lay.cp
     x = n * (padded_vocab(spec, lay.tp) // lay.tp)
     transient = float(wl.act_bytes * x - head_loss_saved_bytes(spec, lay, wl))
-    return transient, float(unit_bytes(spec, stage, lay)[-1][1]) if lay.zero >= 3 else 0.0
+    return transient, float(unit_bytes(spec, stage, lay, wl)[-1][1]) if lay.zero >= 3 else 0.0
 
 
 def autocast_cache_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
@@ -281,7 +281,7 @@ def peak_terms(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, static:
     # the head's saved tensors were freed (the non-pipelined loop still holds the logits); the TP
     # reduction after every activation is gone.
     rebuilt = recompute_transient_bytes(spec, stage, lay, wl)
-    gathered = zero3_gathered_bytes(spec, stage, lay)
+    gathered = zero3_gathered_bytes(spec, stage, lay, wl)
     at_backward, buckets = backward_moments(spec, stage, lay, wl) if lay.zero >= 2 else (gathered, 0.0)
     copies, at_copies = autocast_moment_bytes(spec, stage, lay, wl)
     fwd_buckets = forward_inflight_bytes(spec, stage, lay, wl) if lay.zero == 3 else 0.0

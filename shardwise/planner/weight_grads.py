@@ -14,6 +14,10 @@ flat-buffer accumulation (`GradReducer`'s hook, or `.grad +=`) consumes.
   tensors (its input, the cached weight copy, the loss's softmax) are gone by then.
 * The token embedding (V/tp rows, never cast): its backward makes a dense fp32 [V/tp, h] gradient, the
   last thing a first chunk's backward makes, when that microbatch's saved tensors are gone.
+* The routed experts under --fp8 (`fp8.experts`: per-expert FP8 GEMMs, each stack unbound right before its own
+  GEMMs): each stack's backward returns its experts' weight gradients in the weight's dtype (fp32) and unbind's
+  backward, next in line, stacks them into a fresh [E_l, ffn, h] before the next stack's GEMMs run — one stack at a
+  time, two fp32 copies of it; the FP8 operands (1 byte per element of the stack, the rows' casts) are freed before.
 Under zb and dualpipev on a pipeline the tp linears' weight gradients come from the W action instead
 (`weight_store`): the LM head's moment is not this one there.
 """
@@ -38,6 +42,9 @@ def expert_weight_grad_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Wor
     n = lay.mb * wl.seq_len // lay.cp
     n_r = n // lay.tp if lay.sp else n
     stack = spec.moe_experts // lay.ep * spec.expert_ffn_dim * spec.dim
+    if wl.fp8:  # the down-projection's stack, first backwarded: its fp32 gradient slices and their stacked copy;
+        # its GEMMs have freed their input (the SwiGLU product) and made its gradient, of the same size
+        return float(2 * 4 * stack + 2 * r * n * spec.dim)
     rows = moe_skew.busiest_rows(spec, lay, wl, n_r)  # the rows this rank's experts received
     recomputed = lay.recompute == "full" and stage.recompute_split(lay)[0][1]  # some MoE layer rebuilt in backward
     saved_copies = spec.mlp_mats * e * stack if e != 4 and not recomputed else 0

@@ -13,22 +13,27 @@ from functools import lru_cache
 
 from shardwise.rules.buckets import MAX_INFLIGHT, bucket_key
 from shardwise.planner.activations import layer_activation_bytes
+from shardwise.planner.fp8 import fp8_bucket, wire_weights
+from shardwise.rules.fp8 import FP8_BYTES
 from shardwise.planner.layout import Layout, Stage, Workload
 from shardwise.planner.memory import bucket_layout, stage_unit_names, stage_units
 from shardwise.planner.models import ModelSpec
 from shardwise.planner.rank_actions import backward_then_forward
 
 
-def unit_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple[int, int, int, tuple]]:
-    """(chunk, fp32 bytes of its gathered flat buffers, elements of its cast weights, its buckets as (fp32
+def unit_bytes(spec: ModelSpec, stage: Stage, lay: Layout,
+               wl: Workload | None = None) -> list[tuple[int, int, int, tuple]]:
+    """(chunk, bytes of its gathered flat buffers, elements of its cast weights, its buckets as (fp32
     bytes, reduction group, deferred?) in `GradReducer`'s order) of every ZeRO-3 unit of the stage, in model order: a unit
     has one bucket per (expert?, matrix?) group, padded to its reduction group, deferred when it holds a
-    TP-partial gradient; its layers' matrices are what autocast copies (the embedding table is not)."""
-    return _units(spec, stage, bucket_layout(lay))
+    TP-partial gradient; its layers' matrices are what autocast copies (the embedding table is not). A unit is
+    gathered in fp32, but under --fp8-all-gather (`wl`, `fp8.wire_weights`) its FP8 buckets (`fp8.fp8_bucket`)
+    arrive as one byte per element, and their flat buffers stay empty."""
+    return _units(spec, stage, bucket_layout(lay), bool(wl is not None and wire_weights(lay, wl)))
 
 
 @lru_cache(maxsize=4096)
-def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
+def _units(spec: ModelSpec, stage: Stage, lay: Layout, fp8_wire: bool = False) -> tuple:
     g = lay.dp
     gd = lay.dp_shard if lay.hsdp else g  # hybrid sharding: dense buckets pad to the shard group
     out = []
@@ -39,16 +44,19 @@ def _units(spec: ModelSpec, stage: Stage, lay: Layout) -> tuple:
             acc = groups.setdefault(bucket_key(3, chunk, u, x.expert, x.matrix), [0, 0])
             acc[0] += x.numel
             acc[1] |= partial
+        keys = sorted(groups.items())
         buckets = tuple((4 * _pad(n, grp), grp, bool(d))
-                        for key, (n, d) in sorted(groups.items()) for grp in [max(1, g // lay.ep) if key[-2] else gd])
+                        for key, (n, d) in keys for grp in [max(1, g // lay.ep) if key[-2] else gd])
         layer = name.startswith(("layers.", "mtp."))  # a block (an MTP module's too): its matrices are cast
         cast = sum(x.numel for x, _ in tensors if x.matrix) if layer else 0
-        out.append((chunk, sum(b for b, _, _ in buckets), cast, buckets))
+        full = sum(b // 4 * FP8_BYTES if fp8_wire and fp8_bucket(spec, name, key, n) else b
+                   for (key, (n, _)), (b, _, _) in zip(keys, buckets))
+        out.append((chunk, full, cast, buckets))
     return tuple(out)
 
 
-def _launch_order(spec: ModelSpec, stage: Stage, lay: Layout) -> list[list[tuple[int, int, int, int]]]:
-    return _launch_order_of(unit_bytes(spec, stage, lay))
+def _launch_order(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> list[list[tuple[int, int, int, int]]]:
+    return _launch_order_of(tuple(unit_bytes(spec, stage, lay, wl)))
 
 
 @lru_cache(maxsize=4096)
@@ -110,7 +118,8 @@ def _last_launched_at_w(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload
 
 def last_launched(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload) -> float:
     """ZeRO-3: the two reduce-scatters a chunk's backward launched last, in flight (the worst chunk)."""
-    return float(max((sum(_in_flight(b, g, wl) for b, g, *_ in seq[-MAX_INFLIGHT:]) for seq in _launch_order(spec, stage, lay)),
+    return float(max((sum(_in_flight(b, g, wl) for b, g, *_ in seq[-MAX_INFLIGHT:])
+                      for seq in _launch_order(spec, stage, lay, wl)),
                      default=0))
 
 
@@ -123,7 +132,8 @@ def backward_inflight_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Work
     if lay.zero < 3:
         return 0.0, 0.0
     per_layer = freed_per_layer(spec, stage, lay, wl)
-    seqs = [[(b, _in_flight(b, g, wl), done, at) for b, g, done, at in seq] for seq in _launch_order(spec, stage, lay)]
+    seqs = [[(b, _in_flight(b, g, wl), done, at) for b, g, done, at in seq]
+            for seq in _launch_order(spec, stage, lay, wl)]
     # what an earlier backward of the step launched last: its last one or two buckets
     prior = lay.m > 1 if prior is None else prior
     tail = [max((sum(f for _, f, *_ in seq[-k:]) for seq in seqs), default=0) if prior and k else 0
@@ -155,8 +165,8 @@ def layer_backward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     layer already backwarded."""
     per_layer = min((layer_activation_bytes(spec, moe, lay, wl) for moe, n in ((False, stage.n_dense),
                                                                                 (True, stage.n_moe)) if n), default=0)
-    units = unit_bytes(spec, stage, lay)
-    seqs = [[_in_flight(b, g, wl) for b, g, *_ in seq] for seq in _launch_order(spec, stage, lay)]
+    units = unit_bytes(spec, stage, lay, wl)
+    seqs = [[_in_flight(b, g, wl) for b, g, *_ in seq] for seq in _launch_order(spec, stage, lay, wl)]
     tail = [max((sum(seq[-k:]) for seq in seqs), default=0) if lay.m > 1 and k else 0
             for k in range(MAX_INFLIGHT + 1)]
     best = (0.0, 0.0)
@@ -178,11 +188,11 @@ def layer_backward_moment(spec: ModelSpec, stage: Stage, lay: Layout, wl: Worklo
     return best
 
 
-def zero3_gathered_bytes(spec: ModelSpec, stage: Stage, lay: Layout) -> float:
+def zero3_gathered_bytes(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload | None = None) -> float:
     """ZeRO-3, outside a chunk's forward: the unit running and the one prefetched beside it are gathered in
-    full (fp32), the largest adjacent pair of the stage's units."""
+    full (fp32; FP8 buckets under --fp8-all-gather: `unit_bytes`), the largest adjacent pair of the stage's units."""
     if lay.zero < 3:
         return 0.0
-    sizes = [(c, full) for c, full, _, _ in unit_bytes(spec, stage, lay)]
+    sizes = [(c, full) for c, full, _, _ in unit_bytes(spec, stage, lay, wl)]
     pairs = [a[1] + b[1] for a, b in zip(sizes, sizes[1:]) if a[0] == b[0]]
     return float(max(pairs + [n for _, n in sizes] + [0]))

@@ -2,8 +2,9 @@
 
 A recipe casts six operands (`CASTS`: the forward's x and W, the input gradient's g and W, the weight gradient's g
 and x), each with scale blocks (rows, cols) of its 2-D matrix: None spans the whole dimension, 1 one line
-(`shardwise.fp8.recipes` builds its casts from the same blocks). `scale_plan` mirrors `fp8.scaling._plan` and
-`local_amax`: how many amaxes an operand takes and over which axes they are max-reduced; `amax_reductions` mirrors
+(`shardwise.fp8.recipes` builds its casts from the same blocks). `block_plan` is the one statement of which blocks
+an operand's scales cover under a split, how many amaxes it takes and over which axes they are max-reduced: the
+runtime's `fp8.scaling.block_plan` calls it, the planner counts from it (`scale_plan`); `amax_reductions` mirrors
 `reduce_amaxes`: the amaxes of one `quantize_all` call that reduce over the same axes travel in one fp32
 all-reduce per axis, tagged `fp8_amax`.
 """
@@ -23,13 +24,18 @@ FP8_BLOCKS: dict[str, tuple] = {
 """Each recipe's scale block per operand, in `CASTS` order."""
 AMAX_BYTES = 4
 """An amax travels as fp32."""
+FP8_BYTES = 1
+"""An FP8 element (e4m3 or e5m2), in memory and on the wire."""
 AMAX_TAG = "fp8_amax"
 
 
 @dataclass(frozen=True)
 class Operand:
-    """An operand [B, S, C] on one rank and the axes splitting it: each axis a (name, size), as `fp8.scaling.Layout`
-    (`seq_global` / `cols_global` None: local × the axes' sizes; `seq_global` 0: row tiles taken locally)."""
+    """An operand [B, S, C] on one rank and the axes splitting each dimension (`batch`, `seq`, `cols`), each axis a
+    (key, size) pair — the key is the planner's axis name or the runtime's mesh Axis, passed through untouched.
+    `seq_global` / `cols_global`: global lengths (None: local × the axes' sizes; 0: unknown, row tiles taken on the
+    local part). `rows_all`: the axes a scale over every row reduces over, when one axis covers `batch` and `seq`
+    together (dp_cp). `seq_chunks`: parts each rank holds along S (2 under CP's load-balanced order)."""
 
     B: int
     S: int
@@ -40,37 +46,64 @@ class Operand:
     seq_global: int | None = None
     cols_global: int | None = None
     rows_all: tuple | None = None
+    seq_chunks: int = 1
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How one operand's scales fall: row and column block lengths (0: the whole dimension; a whole-row block is one
+    scale per sequence when `per_seq`, else one over every row), the (key, size) axes its amaxes are max-reduced
+    over, and how many amaxes this rank takes."""
+
+    rows: int
+    cols: int
+    axes: tuple
+    amaxes: int
+    per_seq: bool
 
 
 def _active(axes) -> list:
-    """The axes (name, size) that split anything (size > 1), as the runtime's `Axis.active`."""
+    """The axes (key, size) that split anything (size > 1), as the runtime's `Axis.active`."""
     return [a for a in axes if a[1] > 1]
 
 
 def _whole(block: int | None, local: int, axes, global_len: int | None) -> bool:
+    """Whether a block of `block` spans the whole dimension (`local` long here, split over `axes`)."""
     if global_len is None:
         global_len = local * prod(a[1] for a in _active(axes))
     return block is None or (global_len > 0 and block >= global_len)
 
 
-def scale_plan(op: Operand, block: tuple) -> tuple[int, list]:
-    """(amaxes this rank takes, [(axis, size)] they are max-reduced over) for `op` cast in `block`."""
+def block_plan(op: Operand, block: tuple, strict: bool = False) -> BlockPlan:
+    """The scale blocks of `op` cast in `block` (rows, cols). A block spans, along each dimension, the whole of it
+    (None, or a block at least as long as the global dimension) — reduced over the axes splitting it — or tiles,
+    which must lie within one rank's part (`strict`: else a ValueError, the runtime's check) and need no reduction."""
     br, bc = block
     axes: list = []
-    per_seq = br is not None
-    if br is None:
+    per_seq = br is not None  # tiles or lines of rows: each sequence its own
+    if br is None:  # one scale over every row of every sequence
         br = 0
         axes += _active(op.rows_all) if op.rows_all is not None else [*_active(op.batch), *_active(op.seq)]
-    elif _whole(br, op.S, op.seq, op.seq_global):
+    elif _whole(br, op.S, op.seq, op.seq_global):  # a tile as long as the sequence: one scale per sequence
         br = 0
         axes += _active(op.seq)
+    elif strict and br > 1 and _active(op.seq) and op.seq_global != 0 and (op.S // op.seq_chunks) % br:
+        raise ValueError(f"FP8 {br}-row tiles cut across ranks: each rank's {op.S} rows (in {op.seq_chunks} part(s)) "
+                         f"are not a multiple of {br}")
     if _whole(bc, op.C, op.cols, op.cols_global):
-        n_cols = 1
+        bc = 0
         axes += _active(op.cols)
-    else:
-        n_cols = ceil(op.C / bc)
+    elif strict and _active(op.cols) and op.C % bc:
+        raise ValueError(f"FP8 {bc}-column tiles cut across ranks: each rank holds {op.C} columns, not a multiple "
+                         f"of {bc}")
     rows = op.B * ceil(op.S / br) if br else op.B if per_seq else 1
-    return rows * n_cols, axes
+    return BlockPlan(br, bc, tuple(axes), rows * (ceil(op.C / bc) if bc else 1), per_seq)
+
+
+def scale_plan(op: Operand, block: tuple) -> tuple[int, list]:
+    """(amaxes this rank takes, [(axis, size)] they are max-reduced over) for `op` cast in `block`."""
+    plan = block_plan(op, block)
+    return plan.amaxes, list(plan.axes)
 
 
 def amax_reductions(items: list[tuple[Operand, tuple]]) -> list[tuple[str, int, int]]:
