@@ -178,7 +178,8 @@ class PipelineExecutor:
         """
         if wait:
             for batch in self.batches:
-                self._wait(batch, "p2p batch at the end of the step")
+                if not batch.done and not comm.completed(batch.works):
+                    self._wait(batch, "p2p batch at the end of the step")
             self.batches = []
         if not self.freeable:
             return
