@@ -173,25 +173,25 @@ class PipelineExecutor:
     def _reap(self, wait: bool = False) -> None:
         """Free the outputs of sends that completed; at the end of the step (`wait`) wait for every batch first.
 
-        Between actions only batches with outputs to free are polled (a receive is waited where it is used,
-        a batch of sends alone at the end of the step), so the poll costs one check per unsent output.
+        Between actions only batches with outputs to free are polled, oldest first, up to the first one still
+        in flight (a receive is waited where it is used, a batch of sends alone at the end of the step): an
+        output may be freed an action later than it could be, and a poll costs about one check.
         """
         if wait:
             for batch in self.batches:
                 if not batch.done and not comm.completed(batch.works):
                     self._wait(batch, "p2p batch at the end of the step")
             self.batches = []
-        if not self.freeable:
-            return
-        still = []
-        for batch in self.freeable:
-            if batch.done or comm.completed(batch.works):
-                batch.done = True
-                for out in batch.frees:
-                    out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
-            else:
-                still.append(batch)
-        self.freeable = still
+        n = 0
+        for batch in self.freeable:  # oldest first; the first one still in flight ends the poll
+            if not (batch.done or comm.completed(batch.works)):
+                break
+            batch.done = True
+            for out in batch.frees:
+                out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
+            n += 1
+        if n:
+            del self.freeable[:n]
 
     # ------------------------------------------------------------ the loop
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], n_tokens: int,
