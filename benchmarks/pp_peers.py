@@ -43,7 +43,8 @@ stage imbalance, which a mean-cost simulation cannot see.
 
 
 The last stdout line is one JSON object: medians_s, ratios, bubbles, paired_ratios, cpu_paired_ratios
-(CPU seconds of all ranks, paired), breakdown (`--breakdown`: per rank, per category), loss_diff,
+(CPU seconds of all ranks, paired), page_faults (minor page faults per step, median, per rank: memory
+freshly mapped), breakdown (`--breakdown`: per rank, per category), loss_diff,
 max_grad_diff, config.
 
     python benchmarks/pp_peers.py                 # pp=2, m=8, dim 256, 8 layers, seq 128, mb 2
