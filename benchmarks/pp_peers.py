@@ -43,7 +43,8 @@ stage imbalance, which a mean-cost simulation cannot see.
 
 
 The last stdout line is one JSON object: medians_s, ratios, bubbles, paired_ratios, cpu_paired_ratios
-(CPU seconds of all ranks, paired), breakdown (`--breakdown`: per rank, per category), loss_diff,
+(CPU seconds of all ranks, paired), page_faults (minor page faults per step, median, per rank: memory
+freshly mapped), breakdown (`--breakdown`: per rank, per category), loss_diff,
 max_grad_diff, config.
 
     python benchmarks/pp_peers.py                 # pp=2, m=8, dim 256, 8 layers, seq 128, mb 2
@@ -55,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -264,6 +266,7 @@ def rank_main(opts: dict) -> dict:
     times: dict[str, list[float]] = {n: [] for n in names}
     cpus: dict[str, list[float]] = {n: [] for n in names}  # this rank's CPU seconds per run (gloo's threads too)
     parts: dict[str, list[dict]] = {n: [] for n in names}
+    faults: dict[str, list[int]] = {n: [] for n in names}  # this rank's minor page faults per run (fresh memory)
     events: dict[str, list] = {n: [] for n in names if isinstance(runners[n], ShardwiseRunner)}
     groups = [[n for n in names if n.endswith(f"_{k}")] for k in keys]  # the implementations compared
     for it in range(opts["warmup"] + opts["reps"]):
@@ -274,12 +277,14 @@ def rank_main(opts: dict) -> dict:
             order += g[it % len(g):] + g[:it % len(g)]
         for name in order:
             dist.barrier(group=pp.group)
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             run(name)
             dt, dc, dp = time.perf_counter() - t0, time.thread_time() - c0, time.process_time() - p0
             if it >= opts["warmup"]:
                 times[name].append(dt)
                 cpus[name].append(dp)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
                 if breakdown is not None:
                     parts[name].append(breakdown.take(dt, dc))
                 if name in events:
@@ -289,7 +294,7 @@ def rank_main(opts: dict) -> dict:
     if opts["profile"]:
         prof = profile_tables(names, run, opts)
     peaks = {n: runners[n].trainer.executor.peak_inflight for n in events}
-    return {"times": times, "cpus": cpus, "parts": parts, "events": events, "check": check, "peaks": peaks, "profile": prof,
+    return {"times": times, "cpus": cpus, "faults": faults, "parts": parts, "events": events, "check": check, "peaks": peaks, "profile": prof,
             "rank": pp.rank}
 
 
@@ -470,6 +475,9 @@ def main(argv=None) -> int:
         r, pr = ratios[f"vs_torch_{k}"], paired[f"vs_torch_{k}"]
         print(f"  shardwise/torch {k:12s} ratio of medians {r:.3f}, paired {pr:.3f} "
               f"({'faster' if pr < 1 else 'slower'}); CPU seconds of all ranks, paired {cpu_paired[f'vs_torch_{k}']:.3f}")
+    faults = {n: [statistics.median(r["faults"][n]) for r in per_rank] for n in names}
+    print("minor page faults per step, median, rank 0 / 1 / ...: " + "; ".join(
+        f"{n} {' / '.join(f'{f:.0f}' for f in faults[n])}" for n in names))
     breakdown = {}
     if opts["breakdown"]:
         print("breakdown per rank, median ms per step, wall / thread CPU (other: the schedule's own Python and the "
@@ -515,7 +523,7 @@ def main(argv=None) -> int:
               "reps": args.reps, "warmup": args.warmup, "threads_per_rank": 1, "torch": torch.__version__,
               "mapping": {k: f"shardwise {PAIRS[k][0]} (vp={PAIRS[k][1]}) vs torch {PAIRS[k][2]}" for k in keys}}
     print(json.dumps({"medians_s": medians, "ratios": ratios, "bubbles": bubbles, "paired_ratios": paired,
-                      "cpu_paired_ratios": cpu_paired, "breakdown": breakdown,
+                      "cpu_paired_ratios": cpu_paired, "page_faults": faults, "breakdown": breakdown,
                       "loss_diff": loss_diff, "max_grad_diff": grad_diff, "config": config}))
     return 0
 

@@ -39,7 +39,8 @@ class _Batch:
     """One posted p2p batch: its work handles (one on NCCL, one per op on gloo) and outputs to free."""
 
     def __init__(self, works: list, frees: list):
-        self.works, self.frees, self.done = works, frees, False
+        self.works, self.done = works, False
+        self.frees = [f for f in frees if f is not None]  # stage outputs whose storage goes once the batch is done
         self.waited: set[int] = set()  # handles already waited on one by one (a gloo recv must not be waited twice)
 
     def completed(self) -> bool:
@@ -71,6 +72,8 @@ class PipelineExecutor:
         self.layout = schedule.layout
         self.program = build_program(schedule, self.rank)
         self.plan = self._plan(schedule)
+        self.wait_names = [None if b.wait is None else
+                           f"recv of {b.wait[0]} for microbatch {b.wait[1]}, stage {b.wait[2]}" for b in self.program]
         self.store = store if schedule.split_bw else None
         if schedule.split_bw and store is None:
             raise ValueError(f"schedule {schedule.name} splits B and W: pass the model's WeightGradStore")
@@ -112,7 +115,8 @@ class PipelineExecutor:
         self.inbox: dict[tuple, tuple[torch.Tensor, _Batch, int | None]] = {}
         self.outbox: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.local: dict[tuple, torch.Tensor] = {}
-        self.batches: list[_Batch] = []
+        self.batches: list[_Batch] = []    # every batch posted this step, each waited (at the latest) at its end
+        self.freeable: list[_Batch] = []   # those holding outputs to free: the only ones polled between actions
 
     def _boundary(self, i: int) -> torch.Tensor | None:
         """Post boundary i's batches; return the next action's input once its receive completed."""
@@ -131,18 +135,21 @@ class PipelineExecutor:
             works = comm.p2p(items)
             batch = _Batch(works, frees)
             self.batches.append(batch)
+            if batch.frees:
+                self.freeable.append(batch)
             per_op = len(works) == len(items) > 1  # one handle per op: a receive can be waited alone
             for key, buf, k in recvs:
                 self.inbox[key] = (buf, batch, k if per_op else None)
         if bnd.wait is None:
             return None
         buf, batch, k = self.inbox.pop(bnd.wait)
-        what = f"recv of {bnd.wait[0]} for microbatch {bnd.wait[1]}, stage {bnd.wait[2]}"
+        what = self.wait_names[i]
         if k is None:
             self._wait(batch, what)
         elif not batch.done and k not in batch.waited:
             comm.wait(batch.works[k], self.pp, what)
             batch.waited.add(k)
+            batch.done = len(batch.waited) == len(batch.works)
         if self.scatter:  # every TP rank reaches this receive at the same point of the same action list
             buf = comm.all_gather(buf, self.tp).view(self.act_shape)
         return buf
@@ -164,21 +171,27 @@ class PipelineExecutor:
         self.outbox[key] = (payload, free_after)
 
     def _reap(self, wait: bool = False) -> None:
-        """Free the outputs of sends that completed (all of them, waiting, at the end of the step)."""
-        if not self.batches:
-            return
-        still = []
-        for batch in self.batches:
-            if wait:
-                self._wait(batch, "p2p batch at the end of the step")
-            if batch.completed():
-                batch.done = True
-                for out in batch.frees:
-                    if out is not None:
-                        out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
-            else:
-                still.append(batch)
-        self.batches = still
+        """Free the outputs of sends that completed; at the end of the step (`wait`) wait for every batch first.
+
+        Between actions only batches with outputs to free are polled, oldest first, up to the first one still
+        in flight (a receive is waited where it is used, a batch of sends alone at the end of the step): an
+        output may be freed an action later than it could be, and a poll costs about one check.
+        """
+        if wait:
+            for batch in self.batches:
+                if not batch.done and not comm.completed(batch.works):
+                    self._wait(batch, "p2p batch at the end of the step")
+            self.batches = []
+        n = 0
+        for batch in self.freeable:  # oldest first; the first one still in flight ends the poll
+            if not (batch.done or comm.completed(batch.works)):
+                break
+            batch.done = True
+            for out in batch.frees:
+                out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
+            n += 1
+        if n:
+            del self.freeable[:n]
 
     # ------------------------------------------------------------ the loop
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], n_tokens: int,
