@@ -12,7 +12,7 @@ replay does for top-k choices, the flips are explained instead of budgeted for:
    are equal) — the layout's logical operand x_l.
 2. Scale group, exactly: each rank's scales must equal, element for element, the scales the single device takes
    of x_l (an amax is a max, exact in any order, so a correct scale group gives the same fp32 bits). A per-shard
-   amax, or any other wrong scale block, fails here.
+   amax, or any other wrong scale block, fails here, and that operand is not replayed.
 3. The references cast x_l with the single device's scales instead of their own x_r — the layout's operand, bit for
    bit. The first reference checks, per cast, that this replaces only what fp32 reordering explains: each scale
    block's amax of x_l within RHO of x_r's, and wherever the FP8 codes of x_l and x_r differ (a flip), the two
@@ -98,7 +98,7 @@ class Fp8Replay:
             call = me.call
             if call is None or len(call.weights) != 1:  # grouped experts: rows routed, not placed
                 return qs
-            return [me._cast(call, t, c, lay, q, cast) for (t, c, lay), q in zip(items, qs)]
+            return [me._cast(call, t, c, lay, q) for (t, c, lay), q in zip(items, qs)]
 
         fn.forward, fn.backward, fp8_linear.quantize_all = staticmethod(forward), staticmethod(backward), quantize_all
         try:
@@ -114,16 +114,18 @@ class Fp8Replay:
         finally:
             self.call = outer
 
-    def _cast(self, call: _Call, t, cast, lay, q: Quantized, quantize) -> Quantized:
+    def _cast(self, call: _Call, t, cast, lay, q: Quantized) -> Quantized:
+        """The layout: record the operand. The first reference: check the layout's against its own, take it. The
+        twin: take it."""
         owner = self.owner.get(id(call.weights[0]))
         role = call.role(t)
         if owner is None or role is None:
             return q
         kind, name = owner
-        base = (kind, name, call.phase, role, repr(cast))
+        base = (kind, name, call.phase, role, _label(cast))
         k = self.counts.get(base, 0)
         self.counts[base] = k + 1
-        key = (name, call.phase, role, repr(cast), k)
+        key = (name, call.phase, role, _label(cast), k)
         if kind == "layout":
             placed = self._place(t, role, lay, call.weights[0])
             if placed is not None:
@@ -194,25 +196,24 @@ class Fp8Replay:
         comm.all_reduce(buf, self.world, op="max", tag="verify")
         if bool((buf == -torch.inf).any()):
             raise RuntimeError(f"verify: the layout's FP8 operands left elements unrecorded at step {step + 1}")
-        bad = torch.zeros(1, device=self.world.device)
-        worst = None
-        off = 0
-        for k, n in zip(keys, sizes):
+        wrong = torch.zeros(len(keys), device=self.world.device)  # per operand: elements whose scale is not the group's
+        casts, off = {}, 0
+        for i, (k, n) in enumerate(zip(keys, sizes)):
             _, scale, idx, shape, cast = self.records[k]
             xl = buf[off:off + n].view(shape)
             off += n
             ql = self._quantize(xl, cast)
             keep = idx >= 0
-            wrong = int((ql.scale_full().reshape(-1)[idx[keep]] != scale[keep]).sum())
-            if wrong and worst is None:
-                worst = (k, wrong)
-            bad += wrong
-            self.table[k] = (ql, xl)
-        comm.all_reduce(bad, self.world, tag="verify")
-        if float(bad) and self.failure is None:
-            self.failure = {"step": step + 1, "what": "scale group", "elements": int(bad),
-                            "where": _name(worst[0]) if worst else "another rank's operand",
-                            "why": "a rank's FP8 scale is not the single device's scale of the whole operand"}
+            wrong[i] = (ql.scale_full().reshape(-1)[idx[keep]] != scale[keep]).sum()
+            casts[k] = (ql, xl)
+        comm.all_reduce(wrong, self.world, tag="verify")
+        for i, k in enumerate(keys):  # a wrong scale group is not replayed: the references keep their own casts
+            if not float(wrong[i]):
+                self.table[k] = casts[k]
+            elif self.failure is None:
+                self.failure = {"step": step + 1, "what": "scale group", "where": _name(k),
+                                "elements": int(wrong[i]), "operands": int((wrong > 0).sum()),
+                                "why": "a rank's FP8 scale is not the single device's scale of the whole operand"}
         self.records.clear()
 
     @staticmethod
@@ -223,22 +224,14 @@ class Fp8Replay:
     # ------------------------------------------------------------------ the check
     def _explain(self, key: tuple, xr: torch.Tensor, qr: Quantized, ql: Quantized, xl: torch.Tensor, cast) -> None:
         """`ql` (the cast of the layout's `xl`) replaces `qr` (the reference's own cast of `xr`) only where fp32
-        reordering explains every difference."""
-        br, bc = qr.blocks
-        ar, al = local_amax(xr, cast, br, bc), local_amax(xl, cast, br, bc)
-        amax_ok = bool(((al - ar).abs() <= RHO * torch.maximum(al, ar)).all())
-        vmax = Quantized(qr.data, ar * qr.scale, qr.blocks).scale_full()
-        vr, vl = xr.float() * qr.scale_full(), xl * ql.scale_full()
-        flipped = ql.data.float() != qr.data.float()
-        dist = torch.where(flipped, (vl - vr).abs() / (2 * RHO * vmax).clamp_min(1e-30), torch.zeros_like(vl))
-        n, far = int(flipped.sum()), int((dist > 1).sum())
+        reordering explains every difference (`explain`)."""
+        n, distance, amax_ok = explain(xr, qr, xl, ql, cast)
         if n or not amax_ok:
-            self.flips.append({"step": self.step + 1, "operand": _name(key), "flips": n,
-                               "max_distance": float(dist.max()), "amax_explained": amax_ok})
-        if (far or not amax_ok) and self.failure is None:
+            self.flips.append({"step": self.step + 1, "operand": _name(key), "flips": n, "max_distance": distance,
+                               "amax_explained": amax_ok})
+        if (distance > 1 or not amax_ok) and self.failure is None:
             self.failure = {"step": self.step + 1, "what": "unexplained FP8 difference", "where": _name(key),
-                            "flips_beyond_bound": far, "max_distance": float(dist.max()), "amax_explained": amax_ok,
-                            "bound": 2 * RHO}
+                            "flips": n, "max_distance": distance, "amax_explained": amax_ok, "bound": 2 * RHO}
 
     def end_step(self) -> None:
         self.table.clear()
@@ -253,6 +246,27 @@ class Fp8Replay:
                 "flips": sum(f["flips"] for f in self.flips),
                 "max_flip_distance": max((f["max_distance"] for f in self.flips), default=0.0),
                 "rho": RHO, "per_operand": self.flips, "unexplained": self.failure}
+
+
+def explain(xr: torch.Tensor, qr: Quantized, xl: torch.Tensor, ql: Quantized, cast) -> tuple[int, float, bool]:
+    """How `ql`, the cast of `xl`, differs from `qr`, the cast of `xr` (both [B, S, C], same blocks): (the flips —
+    elements whose FP8 codes differ —, the largest flip's distance in units of its bound, whether every scale block's
+    amax agrees within RHO). A flip is explained (distance ≤ 1) when its scaled values x·scale lie within 2·RHO of
+    the block's scaled amax of each other: a boundary sits between them, so each is that close to it."""
+    br, bc = qr.blocks
+    ar, al = local_amax(xr, cast, br, bc), local_amax(xl, cast, br, bc)
+    amax_ok = bool(((al - ar).abs() <= RHO * torch.maximum(al, ar)).all())
+    vmax = Quantized(qr.data, ar * qr.scale, qr.blocks).scale_full()  # the block's scaled amax, per element
+    vr, vl = xr.float() * qr.scale_full(), xl.float() * ql.scale_full()
+    flipped = ql.data.float() != qr.data.float()
+    dist = torch.where(flipped, (vl - vr).abs() / (2 * RHO * vmax).clamp_min(1e-30), torch.zeros_like(vl))
+    return int(flipped.sum()), float(dist.max()) if dist.numel() else 0.0, amax_ok
+
+
+def _label(cast) -> str:
+    """A cast in a few words: its dtype and scale block."""
+    kind = "e8m0 " if cast.e8m0 else "pow2 " if cast.pow2 else ""
+    return f"{str(cast.dtype).removeprefix('torch.float8_')} {kind}block {cast.block}"
 
 
 def _name(key: tuple) -> str:
