@@ -81,7 +81,7 @@ class Fp8Replay:
     @contextlib.contextmanager
     def active(self):
         """Patch the FP8 linear's forward, backward and cast for the duration (the layout's or a reference's run)."""
-        fn = fp8_linear._Fp8Linears
+        fn = fp8_linear.Fp8Linears
         fwd, bwd, cast = fn.forward, fn.backward, fp8_linear.quantize_all
         me = self
 
