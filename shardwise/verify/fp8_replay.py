@@ -62,14 +62,13 @@ class Fp8Replay:
 
     def __init__(self, layout, refs: list, world):
         self.world, self.cfg = world, layout.cfg
-        self.mesh = layout.mesh
         self.owner: dict[int, tuple[str, str]] = {}  # id(weight) -> (which run, its name)
         for kind, run in (("layout", layout), *((("check" if i == 0 else "follow"), r) for i, r in enumerate(refs))):
             for name, p in run.model.named_parameters(remove_duplicate=False):
                 if p.dim() == 2:
                     self.owner[id(p)] = (kind, name)
-        self.records: dict[tuple, tuple] = {}  # key -> (x [B,S,C] fp32, scale_full, global flat index, global shape)
-        self.table: dict[tuple, Quantized] = {}
+        self.records: dict[tuple, tuple] = {}  # key -> (x [B,S,C] fp32, its scales, global index, global shape, cast)
+        self.table: dict[tuple, tuple] = {}  # key -> (the single device's cast of x_l, x_l): what the references take
         self.counts: dict[tuple, int] = {}
         self.call: _Call | None = None
         self.step = 0
@@ -234,6 +233,7 @@ class Fp8Replay:
                             "flips": n, "max_distance": distance, "amax_explained": amax_ok, "bound": 2 * RHO}
 
     def end_step(self) -> None:
+        """After the references' forward-backward: this step's operands are spent."""
         self.table.clear()
         self.counts.clear()
 
