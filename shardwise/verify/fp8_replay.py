@@ -27,6 +27,7 @@ routed, not placed), the MoE's flattened token rows, operands that came over the
 from __future__ import annotations
 
 import contextlib
+import math
 import zlib
 
 import torch
@@ -184,7 +185,7 @@ class Fp8Replay:
         lo = comm.all_reduce(-sig.clone(), self.world, op="max", tag="verify")
         if not torch.equal(comm.all_reduce(sig.clone(), self.world, op="max", tag="verify"), -lo):
             raise RuntimeError(f"verify: the ranks cast different FP8 operands at step {step + 1}")
-        sizes = [int(torch.tensor(self.records[k][3]).prod()) for k in keys]  # global numel
+        sizes = [math.prod(self.records[k][3]) for k in keys]  # global numel
         buf = torch.full((sum(sizes),), -torch.inf, device=self.world.device)
         off = 0
         for k, n in zip(keys, sizes):
