@@ -60,3 +60,18 @@ def test_a_lax_bound_would_pass_a_far_flip(monkeypatch):
     y = torch.tensor([[[448.0, 1.125]]])  # one e4m3 step above 1.0
     n, dist, ok = explain(x, _cast(x, cast), y, _cast(y, cast), cast)
     assert n == 1 and dist <= 1.0 and ok
+
+
+@pytest.mark.parametrize("name", ["rowwise", "mxfp8"])
+def test_a_power_of_two_scale_may_double(name):
+    """A block's amax nudged across a power of two (fp32 error) halves its power-of-two scale: explained, no flip."""
+    cast = recipe(name).x
+    edge = 3.5 if name == "rowwise" else 2.0  # rowwise: 448 / amax rounded down to 2^k; MX: 2^floor(log2 amax)
+    x = torch.full((1, 1, 32), 0.25)
+    x[0, 0, 0] = edge * (1 + 2**-20) if name == "rowwise" else edge * (1 - 2**-20)
+    y = x.clone()
+    y[0, 0, 0] = edge
+    qx, qy = _cast(x, cast), _cast(y, cast)
+    assert not torch.equal(qx.scale, qy.scale)
+    n, dist, ok = explain(x, qx, y, qy, cast)
+    assert ok and dist <= 1.0, (n, dist)

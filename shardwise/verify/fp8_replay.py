@@ -15,9 +15,9 @@ replay does for top-k choices, the flips are explained instead of budgeted for:
    amax, or any other wrong scale block, fails here, and that operand is not replayed.
 3. The references cast x_l with the single device's scales instead of their own x_r — the layout's operand, bit for
    bit. The first reference checks, per cast, that this replaces only what fp32 reordering explains: each scale
-   block's amax of x_l within RHO of x_r's, and wherever the FP8 codes of x_l and x_r differ (a flip), the two
-   scaled values v = x·scale within 2·RHO of the block's scaled amax (its own error plus the amax's) — the flipped
-   element sat within fp32 error of a boundary. Anything else fails verify, naming the parameter, the operand and
+   block's amax of x_l within RHO of x_r's (so the scale moved by fp32 error), and wherever the FP8 codes of x_l
+   and x_r cast with one scale differ (a flip), |x_l − x_r| within RHO of the block's amax — the flipped element sat
+   within fp32 error of a rounding boundary. Anything else fails verify, naming the parameter, the operand and
    the step. The twin (`fp8_twin`) takes the same operands unchecked: its spread is then fp32's, not FP8's flips.
 
 What the replay cannot reach keeps its own rounding and the twin's budget: grouped routed experts (their rows are
@@ -231,7 +231,7 @@ class Fp8Replay:
                                "amax_explained": amax_ok})
         if (distance > 1 or not amax_ok) and self.failure is None:
             self.failure = {"step": self.step + 1, "what": "unexplained FP8 difference", "where": _name(key),
-                            "flips": n, "max_distance": distance, "amax_explained": amax_ok, "bound": 2 * RHO}
+                            "flips": n, "max_distance": distance, "amax_explained": amax_ok, "bound": RHO}
 
     def end_step(self) -> None:
         """After the references' forward-backward: this step's operands are spent."""
@@ -250,17 +250,23 @@ class Fp8Replay:
 
 
 def explain(xr: torch.Tensor, qr: Quantized, xl: torch.Tensor, ql: Quantized, cast) -> tuple[int, float, bool]:
-    """How `ql`, the cast of `xl`, differs from `qr`, the cast of `xr` (both [B, S, C], same blocks): (the flips —
-    elements whose FP8 codes differ —, the largest flip's distance in units of its bound, whether every scale block's
-    amax agrees within RHO). A flip is explained (distance ≤ 1) when its scaled values x·scale lie within 2·RHO of
-    the block's scaled amax of each other: a boundary sits between them, so each is that close to it."""
+    """How `ql`, the cast of `xl`, differs from `qr`, the cast of `xr` (both [B, S, C], same blocks): (the flips, the
+    largest flip's distance in units of its bound, whether every scale block's amax agrees within RHO).
+
+    The two differ in scale (explained when the blocks' amaxes agree within RHO: a power-of-two scale may then double,
+    which moves no dequantised value) and in codes under one scale: a flip is an element whose code differs when x_r
+    is cast with `ql`'s scale too. It is explained (distance ≤ 1) when |x_l − x_r| ≤ RHO · the block's amax: a rounding
+    boundary lies between the two values, so each sat within fp32's reordering error of it."""
     br, bc = qr.blocks
     ar, al = local_amax(xr, cast, br, bc), local_amax(xl, cast, br, bc)
     amax_ok = bool(((al - ar).abs() <= RHO * torch.maximum(al, ar)).all())
-    vmax = Quantized(qr.data, ar * qr.scale, qr.blocks).scale_full()  # the block's scaled amax, per element
-    vr, vl = xr.float() * qr.scale_full(), xl.float() * ql.scale_full()
-    flipped = ql.data.float() != qr.data.float()
-    dist = torch.where(flipped, (vl - vr).abs() / (2 * RHO * vmax).clamp_min(1e-30), torch.zeros_like(vl))
+    scale = ql.scale_full()
+    big = torch.finfo(cast.dtype).max
+    codes = (xr.float() * scale).clamp(-big, big).to(cast.dtype)  # x_r cast as quantize_all casts, with ql's scale
+    flipped = ql.data.float() != codes.float()
+    amax = Quantized(ql.data, torch.maximum(al, ar), ql.blocks).scale_full()  # the block's amax, per element
+    dist = (xl.float() - xr.float()).abs() / (RHO * amax).clamp_min(1e-30)
+    dist = torch.where(flipped, dist, torch.zeros_like(dist))
     return int(flipped.sum()), float(dist.max()) if dist.numel() else 0.0, amax_ok
 
 
