@@ -24,6 +24,11 @@ from shardwise.fp8.scaling import Layout, as3d, quantize_all
 from _dist import fresh_seed, make_mesh, run_ranks
 
 
+FLIP_SEED = 18
+"""tp2+SP tensorwise, 2 layers: without FP8 replay the layout's backward flips one rounding of layer 1's w3 gradient
+that the reference does not (within fp32 error of the boundary), and layer 0's gradients end 5e-2 apart."""
+
+
 def _shard_local(amaxes, axes_per):
     """The wrong scale group, patched in for `scaling.reduce_amaxes`: every scale from this rank's part alone."""
     return list(amaxes)
@@ -331,18 +336,34 @@ def _model_runs(cfgs: list[TrainConfig], local: bool) -> list[tuple]:
             runs.optimizer_step(step)
             runs.mesh.ledger.end_step(step + 1)
         out.append((cfg.parallel.as_dict(), losses, grads, amax))
+    from shardwise.verify.fp8_replay import Fp8Replay
     from shardwise.verify.main import verify_main
 
-    verdict = verify_main(cfgs[0])  # verify --fp8 on tp2+SP: its FP8 budget (the reference's one-ulp twin)
-    out.append((verdict["passed"], verdict["fp8_budget"]["ratios"]))
+    verdicts = [verify_main(cfgs[0])]  # verify --fp8 on tp2+SP, FP8 replay on
+    if not local:
+        pinned = dataclasses.replace(cfgs[0], seed=FLIP_SEED)
+        verdicts.append(verify_main(pinned))
+        cast = Fp8Replay._cast  # the replay broken on purpose: the references keep their own roundings
+
+        def own(self, call, t, c, lay, q):
+            mine = cast(self, call, t, c, lay, q)
+            return mine if self.owner.get(id(call.weights[0]), ("layout",))[0] == "layout" else q
+        Fp8Replay._cast = own
+        try:
+            verdicts.append(verify_main(pinned))
+        finally:
+            Fp8Replay._cast = cast
+    out.append([(v["passed"], v["fp8_budget"]["ratios"], v["fp8_replay"]["flips"], v["fp8_replay"]["unexplained"])
+                for v in verdicts])
     return out
 
 
 def test_model_under_layouts():
     """tensorwise FP8 under tp2+SP, cp2, ep2 (MoE) and ZeRO-3 equals single-device FP8 to fp32's rounding, with its
     amax all-reduces in the ledger on the axis that splits the logical tensors; per-shard scales move the median
-    gradient by more than 3e-2 in step 0 or 1. `verify` (its FP8 budget) passes the tp2+SP run and
-    fails it with per-shard scales.
+    gradient by more than 3e-2 in step 0 or 1. `verify` (FP8 replay, then its FP8 budget) passes the tp2+SP run on
+    the fresh seed and on FLIP_SEED, fails FLIP_SEED with the replay broken (the references keeping their own
+    roundings: an unexplained flip), and fails per-shard scales at the replay's scale-group check.
     (Other recipes: their layers above; at the model level a one-ulp difference of fp32 partial sums can flip an FP8
     rounding, which the single-device model shows too under one-ulp weight perturbations — docs/fp8.md.)"""
     seed = fresh_seed()
@@ -354,7 +375,11 @@ def test_model_under_layouts():
             TrainConfig(parallel=ParallelConfig(dp=2, zero=3), **base)]
     cfgs = [c.resolved(2) for c in cfgs]
     axes = ["tp", "dp_cp", "dp_cp", "dp_cp"]
-    for (layout, losses, grads, amax), axis in zip(run_ranks(2, _model_runs, cfgs, False)[0], axes):
+    *runs, verdicts = run_ranks(2, _model_runs, cfgs, False)[0]
+    (fresh, *_), (pinned, _, flips, _), (own, _, own_flips, unexplained) = verdicts
+    assert fresh, (seed, verdicts[0])  # the replay explains every flip: a correct layout passes on every seed
+    assert pinned and not own and unexplained["what"] == "unexplained FP8 difference", (pinned, verdicts[1:])
+    for (layout, losses, grads, amax), axis in zip(runs, axes):
         # the median parameter: fp32 rounding (~1e-6), unless it flipped an FP8 rounding, which can carry a layer's
         # small-norm gradients (attention's q/k at initialisation) to ~1e-2 (seed 2822233804); per-shard scales move
         # every gradient. Step 1 follows Adam's first step, lr·sign(g): a near-zero gradient whose sign flipped moves
@@ -362,8 +387,8 @@ def test_model_under_layouts():
         assert losses[0] < 1e-3 and grads[0] < 3e-2, (layout, losses, grads)
         assert losses[1] < 2e-2 and grads[1] < 2e-1, (layout, losses, grads)
         assert list(amax) == [axis] and amax[axis]["count"] == 28, (layout, amax)
-    *runs, (passed, ratios) = run_ranks(2, _model_runs, cfgs, True)[0]
-    assert not passed, ratios  # verify --fp8 fails the per-shard scales too
+    *runs, [(passed, ratios, _, unexplained)] = run_ranks(2, _model_runs, cfgs, True)[0]
+    assert not passed and unexplained["what"] == "scale group", (ratios, unexplained)  # verify --fp8 fails them too
     for layout, losses, grads, amax in runs:
         assert max(grads) > 3e-2, (layout, grads)  # step 0 alone can stay under (cp2, seed 14: 2.4e-2, then 0.11)
         assert not amax

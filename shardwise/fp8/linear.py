@@ -207,3 +207,7 @@ def fp8_linear(cfg: Fp8Config, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor
                store=None) -> torch.Tensor:
     """F.linear(x, w, b) in FP8 under `cfg`."""
     return fp8_linears(cfg, [x], [w], [b], store)[0]
+
+
+Fp8Linears = _Fp8Linears
+"""The autograd Function, by a public name: verify's FP8 replay wraps its forward and backward (verify/fp8_replay.py)."""

@@ -73,6 +73,7 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
     fp32 = (loss, first_grads, later_grads, updates, values)
     passed = (budget.passed if budget is not None else all(c.passed for c in fp32)) and coverage.passed
     passed = passed and (runs.replay is None or runs.replay.passed)
+    passed = passed and (runs.fp8_replay is None or runs.fp8_replay.passed)
     out = {"layout": cfg.parallel.as_dict(), "steps": cfg.steps, "max_loss_abs_diff": loss.diff,
            "max_grad_rel_diff": max(0.0, first_grads.rel, later_grads.rel), "max_param_rel_diff": values.rel,
            "max_update_rel_diff": max(updates.first, updates.later), "coverage": coverage.fraction,
@@ -86,6 +87,8 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
         out["fp8_amax"] = amax
     if runs.replay is not None:
         out["routing"] = runs.replay.result()
+    if runs.fp8_replay is not None:
+        out["fp8_replay"] = runs.fp8_replay.result()
     if budget is not None:
         out["fp8_budget" if runs.fp8 else "bf16_budget"] = budget.result()
     return out

@@ -1,6 +1,7 @@
 """The layout and its single-device reference(s), stepped together on every rank, and what verify reads off them."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -8,6 +9,7 @@ import torch
 from ..config import TrainConfig
 from ..training.trainer import Trainer, lr_at, make_mesh
 from . import compare
+from .fp8_replay import Fp8Replay
 from .reference import grads_at_layout_weights, reference
 from .routing_replay import RoutingReplay
 
@@ -51,14 +53,22 @@ class SideBySide:
         self.dropout = model.dropout > 0 or model.attn_dropout > 0
         moe = bool(self.layout.model_cfg.moe_experts)
         self.replay = RoutingReplay(self.layout, self.refs, self.world, cfg.dtype) if moe else None
+        replayable = self.fp8 and cfg.parallel.pp == 1 and not cfg.fp8_all_gather
+        self.fp8_replay = Fp8Replay(self.layout, self.refs, self.world) if replayable else None
 
     def backward(self, step: int) -> tuple[float, list[float]]:
         """Forward and backward of `step` on the layout and every reference, gradients finished (reduced, clipped):
         (the layout's loss, the references' losses)."""
-        loss = self.layout.forward_backward(step)
-        if self.replay is not None:
-            self.replay.force(step)
-        ref_losses = [r.forward_backward(step) for r in self.refs]
+        fp8 = self.fp8_replay
+        with fp8.active() if fp8 is not None else contextlib.nullcontext():
+            loss = self.layout.forward_backward(step)
+            if self.replay is not None:
+                self.replay.force(step)
+            if fp8 is not None:
+                fp8.exchange(step)
+            ref_losses = [r.forward_backward(step) for r in self.refs]
+        if fp8 is not None:
+            fp8.end_step()
         if self.replay is not None:
             self.replay.check(step)
         self.layout.finish_gradients()

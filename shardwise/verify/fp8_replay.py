@@ -1,0 +1,281 @@
+"""FP8 replay for `shardwise verify --fp8`: the references cast what the layout cast, every difference explained.
+
+An FP8 cast is a discontinuity. A value within fp32's reordering error of a rounding boundary (the midpoint of two
+FP8 values) rounds one way in the layout and the other in the reference, and the flipped element moves by a whole
+FP8 step (6 % in e4m3): one flip in a 30k-element operand of an early GEMM moves a layer's gradients by ~1e-2, and a
+budget drawn from one perturbed twin cannot say whether a correct layout flips more than the twin did. So, as routing
+replay does for top-k choices, the flips are explained instead of budgeted for:
+
+1. During the layout's forward-backward every FP8 cast of a single (not grouped) FP8 linear whose tokens and
+   features have known global positions is recorded: the high-precision tensor it cast and the scale of each element.
+   Afterwards the parts are placed at their global positions (one max all-reduce over the world per step; replicas
+   are equal) — the layout's logical operand x_l.
+2. Scale group, exactly: each rank's scales must equal, element for element, the scales the single device takes
+   of x_l (an amax is a max, exact in any order, so a correct scale group gives the same fp32 bits). A per-shard
+   amax, or any other wrong scale block, fails here, and that operand is not replayed.
+3. The references cast x_l with the single device's scales instead of their own x_r — the layout's operand, bit for
+   bit. The first reference checks, per cast, that this replaces only what fp32 reordering explains: each scale
+   block's amax of x_l within RHO of x_r's (so the scale moved by fp32 error), and wherever the FP8 codes of x_l
+   and x_r cast with one scale differ (a flip), |x_l − x_r| within RHO of the block's amax — the flipped element sat
+   within fp32 error of a rounding boundary. Anything else fails verify, naming the parameter, the operand and
+   the step. The twin (`fp8_twin`) takes the same operands unchecked: its spread is then fp32's, not FP8's flips.
+
+What the replay cannot reach keeps its own rounding and the twin's budget: grouped routed experts (their rows are
+routed, not placed), the MoE's flattened token rows, operands that came over the wire in FP8, pipeline schedules
+(stages hold different layers) and bf16 runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+
+import torch
+
+from .. import comm
+from ..context_parallel.sharding import shard_sequence
+from ..fp8 import linear as fp8_linear
+from ..fp8.scaling import Layout, Quantized, local_amax, quantize_all
+from ..tensor_parallel.layers import get_spec
+
+RHO = 2**10 * torch.finfo(torch.float32).eps
+"""How far fp32 reordering may move a pre-quantisation value, relative to its scale block's amax: the layout's and
+the reference's activations agree to ~1e2 ulp of the block's largest element (partial sums of a TP GEMM, a
+reduction in another order); 2**10 ulp (1.2e-4) leaves room, as routing replay's fp32 near-tie does, and stays a
+thousand times below an FP8 step (e4m3: 2**-3 relative; an e5m2 gradient 2**-2)."""
+
+
+class _Call:
+    """The FP8 linear call in progress: its phase and the tensors each operand role can be cut from."""
+
+    def __init__(self, phase: str, weights, xs, gs):
+        self.phase, self.weights, self.xs, self.gs = phase, list(weights), list(xs), list(gs)
+
+    def role(self, t: torch.Tensor) -> str | None:
+        for role, cands in (("w", self.weights), ("x", self.xs), ("g", self.gs)):
+            if any(c is not None and c.data_ptr() == t.data_ptr() and c.shape[-1] == t.shape[-1] for c in cands):
+                return role
+        return None
+
+
+class Fp8Replay:
+    """Records the layout's FP8 operands, gathers them, checks the scale group, and makes the references cast them."""
+
+    def __init__(self, layout, refs: list, world):
+        self.world, self.cfg = world, layout.cfg
+        self.owner: dict[int, tuple[str, str]] = {}  # id(weight) -> (which run, its name)
+        for kind, run in (("layout", layout), *((("check" if i == 0 else "follow"), r) for i, r in enumerate(refs))):
+            for name, p in run.model.named_parameters(remove_duplicate=False):
+                if p.dim() == 2:
+                    self.owner[id(p)] = (kind, name)
+        self.records: dict[tuple, tuple] = {}  # key -> (x [B,S,C] fp32, its scales, global index, global shape, cast)
+        self.table: dict[tuple, tuple] = {}  # key -> (the single device's cast of x_l, x_l): what the references take
+        self.counts: dict[tuple, int] = {}
+        self.call: _Call | None = None
+        self.step = 0
+        self.flips: list[dict] = []
+        self.replayed = self.own = 0
+        self.failure: dict | None = None
+
+    # ------------------------------------------------------------------ hooks around fp8/linear.py
+    @contextlib.contextmanager
+    def active(self):
+        """Patch the FP8 linear's forward, backward and cast for the duration (the layout's or a reference's run)."""
+        fn = fp8_linear.Fp8Linears
+        fwd, bwd, cast = fn.forward, fn.backward, fp8_linear.quantize_all
+        me = self
+
+        def forward(ctx, cfg, out_dtype, n, pre_x, store, *args):
+            with me._in(_Call("fwd", args[n:2 * n], args[:n], ())):
+                return fwd(ctx, cfg, out_dtype, n, pre_x, store, *args)
+
+        def backward(ctx, *gs):
+            with me._in(_Call("bwd", ctx.ws, ctx.saved_tensors, gs)):
+                return bwd(ctx, *gs)
+
+        def quantize_all(items):
+            qs = cast(items)
+            call = me.call
+            if call is None or len(call.weights) != 1:  # grouped experts: rows routed, not placed
+                return qs
+            return [me._cast(call, t, c, lay, q) for (t, c, lay), q in zip(items, qs)]
+
+        fn.forward, fn.backward, fp8_linear.quantize_all = staticmethod(forward), staticmethod(backward), quantize_all
+        try:
+            yield
+        finally:
+            fn.forward, fn.backward, fp8_linear.quantize_all = staticmethod(fwd), staticmethod(bwd), cast
+
+    @contextlib.contextmanager
+    def _in(self, call: _Call):
+        outer, self.call = self.call, call
+        try:
+            yield
+        finally:
+            self.call = outer
+
+    def _cast(self, call: _Call, t, cast, lay, q: Quantized) -> Quantized:
+        """The layout: record the operand. The first reference: check the layout's against its own, take it. The
+        twin: take it."""
+        owner = self.owner.get(id(call.weights[0]))
+        role = call.role(t)
+        if owner is None or role is None:
+            return q
+        kind, name = owner
+        base = (kind, name, call.phase, role, _label(cast))
+        k = self.counts.get(base, 0)
+        self.counts[base] = k + 1
+        key = (name, call.phase, role, _label(cast), k)
+        if kind == "layout":
+            placed = self._place(t, role, lay, call.weights[0])
+            if placed is not None:
+                self.records[key] = (t.detach().float().clone(), q.scale_full().detach().clone(), *placed, cast)
+            return q
+        if key not in self.table:
+            self.own += kind == "check"
+            return q
+        ql, xl = self.table[key]
+        if kind == "check":
+            self.replayed += 1
+            self._explain(key, t, q, ql, xl, cast)
+        return ql
+
+    # ------------------------------------------------------------------ the layout's operands at global positions
+    def _place(self, t: torch.Tensor, role: str, lay: Layout, w: torch.Tensor):
+        """(global flat index of each element of `t` [B, S, C], −1 for padding; the global shape) or None where the
+        positions are unknown (the MoE's flattened rows)."""
+        spec = get_spec(w)
+        out_g, in_g = spec.global_shape if spec is not None else tuple(w.shape)
+        full = torch.arange(out_g * in_g, device=t.device).view(out_g, in_g)
+        widx = spec.local_slice(full + 1) - 1 if spec is not None else full  # −1: padding
+        if role == "w":
+            return (widx.unsqueeze(0), (1, out_g, in_g)) if widx.shape == t.shape[1:] else None
+        if lay.seq_global == 0 or len([a for a in lay.seq if a is not None and a.active]) > 1:
+            return None
+        valid = widx >= 0
+        if role == "x":
+            row = widx[int(valid.any(1).nonzero()[0])]
+            cols, c_g = torch.where(row >= 0, row % in_g, -1), in_g
+        else:
+            col = widx[:, int(valid.any(0).nonzero()[0])]
+            cols, c_g = torch.where(col >= 0, col // in_g, -1), out_g
+        B, S, C = t.shape
+        if cols.numel() != C:
+            return None
+        rows, b_g = torch.arange(B, device=t.device), B
+        for a in lay.batch:
+            if a is not None and a.active:
+                rows, b_g = rows + a.rank * B, B * a.size
+        pos, s_g = torch.arange(S, device=t.device), S
+        for a in lay.seq:
+            if a is not None and a.active:
+                s_g = S * a.size
+                pos = shard_sequence(torch.arange(s_g, device=t.device)[None], a.rank, a.size,
+                                     self.cfg.parallel.cp_order)[0]
+        idx = (rows[:, None, None] * s_g + pos[None, :, None]) * c_g + cols[None, None, :]
+        return torch.where(cols[None, None, :] >= 0, idx, -1), (b_g, s_g, c_g)
+
+    def exchange(self, step: int) -> None:
+        """After the layout's forward-backward of `step` (a collective over the world): its operands at their global
+        positions, each rank's scales checked against the single device's scales of them, queued for the
+        references."""
+        self.step = step
+        keys = sorted(self.records)
+        sig = torch.tensor([len(keys), zlib.crc32(repr(keys).encode())], dtype=torch.float64, device=self.world.device)
+        lo = comm.all_reduce(-sig.clone(), self.world, op="max", tag="verify")
+        if not torch.equal(comm.all_reduce(sig.clone(), self.world, op="max", tag="verify"), -lo):
+            raise RuntimeError(f"verify: the ranks cast different FP8 operands at step {step + 1}")
+        sizes = [math.prod(self.records[k][3]) for k in keys]  # global numel
+        buf = torch.full((sum(sizes),), -torch.inf, device=self.world.device)
+        off = 0
+        for k, n in zip(keys, sizes):
+            x, _, idx, _, _ = self.records[k]
+            keep = idx >= 0
+            buf[off + idx[keep]] = x[keep]
+            off += n
+        comm.all_reduce(buf, self.world, op="max", tag="verify")
+        if bool((buf == -torch.inf).any()):
+            raise RuntimeError(f"verify: the layout's FP8 operands left elements unrecorded at step {step + 1}")
+        wrong = torch.zeros(len(keys), device=self.world.device)  # per operand: elements whose scale is not the group's
+        casts, off = {}, 0
+        for i, (k, n) in enumerate(zip(keys, sizes)):
+            _, scale, idx, shape, cast = self.records[k]
+            xl = buf[off:off + n].view(shape)
+            off += n
+            ql = self._quantize(xl, cast)
+            keep = idx >= 0
+            wrong[i] = (ql.scale_full().reshape(-1)[idx[keep]] != scale[keep]).sum()
+            casts[k] = (ql, xl)
+        comm.all_reduce(wrong, self.world, tag="verify")
+        for i, k in enumerate(keys):  # a wrong scale group is not replayed: the references keep their own casts
+            if not float(wrong[i]):
+                self.table[k] = casts[k]
+            elif self.failure is None:
+                self.failure = {"step": step + 1, "what": "scale group", "where": _name(k),
+                                "elements": int(wrong[i]), "operands": int((wrong > 0).sum()),
+                                "why": "a rank's FP8 scale is not the single device's scale of the whole operand"}
+        self.records.clear()
+
+    @staticmethod
+    def _quantize(x: torch.Tensor, cast) -> Quantized:
+        """The single device's cast of `x` (no axis: nothing to reduce)."""
+        return quantize_all([(x, cast, Layout())])[0]
+
+    # ------------------------------------------------------------------ the check
+    def _explain(self, key: tuple, xr: torch.Tensor, qr: Quantized, ql: Quantized, xl: torch.Tensor, cast) -> None:
+        """`ql` (the cast of the layout's `xl`) replaces `qr` (the reference's own cast of `xr`) only where fp32
+        reordering explains every difference (`explain`)."""
+        n, distance, amax_ok = explain(xr, qr, xl, ql, cast)
+        if n or not amax_ok:
+            self.flips.append({"step": self.step + 1, "operand": _name(key), "flips": n, "max_distance": distance,
+                               "amax_explained": amax_ok})
+        if (distance > 1 or not amax_ok) and self.failure is None:
+            self.failure = {"step": self.step + 1, "what": "unexplained FP8 difference", "where": _name(key),
+                            "flips": n, "max_distance": distance, "amax_explained": amax_ok, "bound": RHO}
+
+    def end_step(self) -> None:
+        """After the references' forward-backward: this step's operands are spent."""
+        self.table.clear()
+        self.counts.clear()
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+    def result(self) -> dict:
+        return {"replayed_casts": self.replayed, "own_casts": self.own,
+                "flips": sum(f["flips"] for f in self.flips),
+                "max_flip_distance": max((f["max_distance"] for f in self.flips), default=0.0),
+                "rho": RHO, "per_operand": self.flips, "unexplained": self.failure}
+
+
+def explain(xr: torch.Tensor, qr: Quantized, xl: torch.Tensor, ql: Quantized, cast) -> tuple[int, float, bool]:
+    """How `ql`, the cast of `xl`, differs from `qr`, the cast of `xr` (both [B, S, C], same blocks): (the flips, the
+    largest flip's distance in units of its bound, whether every scale block's amax agrees within RHO).
+
+    The two differ in scale (explained when the blocks' amaxes agree within RHO: a power-of-two scale may then double,
+    which moves no dequantised value) and in codes under one scale: a flip is an element whose code differs when x_r
+    is cast with `ql`'s scale too. It is explained (distance ≤ 1) when |x_l − x_r| ≤ RHO · the block's amax: a rounding
+    boundary lies between the two values, so each sat within fp32's reordering error of it."""
+    br, bc = qr.blocks
+    ar, al = local_amax(xr, cast, br, bc), local_amax(xl, cast, br, bc)
+    amax_ok = bool(((al - ar).abs() <= RHO * torch.maximum(al, ar)).all())
+    scale = ql.scale_full()
+    big = torch.finfo(cast.dtype).max
+    codes = (xr.float() * scale).clamp(-big, big).to(cast.dtype)  # x_r cast as quantize_all casts, with ql's scale
+    flipped = ql.data.float() != codes.float()
+    amax = Quantized(ql.data, torch.maximum(al, ar), ql.blocks).scale_full()  # the block's amax, per element
+    dist = (xl.float() - xr.float()).abs() / (RHO * amax).clamp_min(1e-30)
+    dist = torch.where(flipped, dist, torch.zeros_like(dist))
+    return int(flipped.sum()), float(dist.max()) if dist.numel() else 0.0, amax_ok
+
+
+def _label(cast) -> str:
+    """A cast in a few words: its dtype and scale block."""
+    kind = "e8m0 " if cast.e8m0 else "pow2 " if cast.pow2 else ""
+    return f"{str(cast.dtype).removeprefix('torch.float8_')} {kind}block {cast.block}"
+
+
+def _name(key: tuple) -> str:
+    name, phase, role, cast, k = key
+    return f"{name} {phase} {role} ({cast}) #{k + 1}"
