@@ -66,16 +66,21 @@ GRAD_TAG = "fp8_grad"
 """Ledger tag of the all-reduce of a `grad_sum` layer's output gradient (`all_reduce:fp8_grad`)."""
 
 
-def _matrix(q: Quantized, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(data, full scale, compact scale) of a quantised [B, S, C] as a 2-D [B·S, C] matrix (or its transpose)."""
+def _matrix(q: Quantized, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, compact scale) of a quantised [B, S, C] as a 2-D [B·S, C] matrix (or its transpose); the compact scale
+    is what `torch._scaled_mm` takes where the blocks are lines or whole (one per row, one per sequence's rows)."""
     B, S, C = q.data.shape
-    data, full = q.data.reshape(B * S, C), q.scale_full().reshape(B * S, C)
-    br, bc = q.blocks
-    scale = q.scale.expand(B, -1, -1) if br == 1 else q.scale  # per row: one scale per row of every sequence
+    data = q.data.reshape(B * S, C)
+    scale = q.scale.expand(B, -1, -1) if q.blocks[0] == 1 else q.scale  # per row: one scale per row of every sequence
     compact = scale.reshape(-1, q.scale.shape[-1])
-    if transpose:
-        return data.t(), full.t(), compact.t()
-    return data, full, compact
+    return (data.t(), compact.t()) if transpose else (data, compact)
+
+
+def _dequantized(q: Quantized, transpose: bool = False) -> torch.Tensor:
+    """The fp32 values of a quantised [B, S, C] as a 2-D [B·S, C] matrix (or its transpose): data / scale."""
+    B, S, C = q.data.shape
+    m = (q.data.float() / q.scale_bcast()).reshape(B * S, C)
+    return m.t() if transpose else m
 
 
 def use_scaled_mm(device: torch.device) -> bool:
@@ -90,25 +95,24 @@ def use_scaled_mm(device: torch.device) -> bool:
 def gemm(a: Quantized, ta: bool, ca: Cast, b: Quantized, tb: bool, cb: Cast) -> torch.Tensor:
     """A Bᵀ in fp32, A and B the quantised operands as 2-D matrices (transposed where asked), both scaled along
     their columns (the contraction)."""
-    da, fa, sa = _matrix(a, ta)
-    db, fb, sb = _matrix(b, tb)
     kind = scaled_mm_kind(ca, cb, ta, tb)
-    if kind is not None and da.shape[0] and db.shape[0] and da.shape[1] and use_scaled_mm(da.device):
-        if da.device.type == "cpu" or all(n % 16 == 0 for n in (*da.shape, db.shape[0])):
+    if kind is not None and use_scaled_mm(a.data.device):
+        da, sa = _matrix(a, ta)
+        db, sb = _matrix(b, tb)
+        if da.shape[0] and db.shape[0] and da.shape[1] and (
+                da.device.type == "cpu" or all(n % 16 == 0 for n in (*da.shape, db.shape[0]))):
             if kind == "tensor":
                 ia, ib = sa.reshape(()).reciprocal(), sb.reshape(()).reciprocal()
             else:
                 ia, ib = sa.reshape(-1, 1).reciprocal(), sb.reshape(1, -1).reciprocal()
             return torch._scaled_mm(da.contiguous(), db.contiguous().t(), scale_a=ia, scale_b=ib,
                                     out_dtype=torch.float32)
-    return (da.float() / fa) @ (db.float() / fb).t()
+    return emulated_gemm(a, ta, b, tb)
 
 
 def emulated_gemm(a: Quantized, ta: bool, b: Quantized, tb: bool) -> torch.Tensor:
     """`gemm` without `torch._scaled_mm`: dequantise both, fp32 matmul (what the tests hold `gemm` equal to)."""
-    da, fa, _ = _matrix(a, ta)
-    db, fb, _ = _matrix(b, tb)
-    return (da.float() / fa) @ (db.float() / fb).t()
+    return _dequantized(a, ta) @ _dequantized(b, tb).t()
 
 
 class _Fp8Linears(torch.autograd.Function):
@@ -153,12 +157,12 @@ class _Fp8Linears(torch.autograd.Function):
 
         def cast(dgrad: bool, wgrad: bool) -> list:
             """The operands of dx = g W (dgrad) and dW = gᵀ x (wgrad), their amax reductions batched together."""
-            items = []
+            items, g3 = [], [as3d(g) for g in gs]  # one view of g: where both casts are alike, one cast serves both
             if dgrad:
-                items += [(as3d(g), r.g_dgrad, lay.g()) for g in gs]
+                items += [(g, r.g_dgrad, lay.g()) for g in g3]
                 items += [(as3d(w), r.w_dgrad, lay.w()) for w, q in zip(ws, pre_w) if q is None]
             if wgrad:
-                items += [(as3d(g), r.g_wgrad, lay.g()) for g in gs]
+                items += [(g, r.g_wgrad, lay.g()) for g in g3]
                 items += [(as3d(x), r.x_wgrad, lay.x()) for x, q in zip(saved, pre_x) if q is None]
             qs = iter(quantize_all(items))
             out = []

@@ -58,8 +58,14 @@ class Quantized:
         B, S, C = self.data.shape
         bs, bc = self.blocks
         s = self.scale.expand(B, -1, -1) if self.scale.shape[0] == 1 else self.scale
-        s = s.repeat_interleave(bs, 1)[:, :S] if bs else s.expand(-1, S, -1)
-        return s.repeat_interleave(bc, 2)[:, :, :C] if bc else s.expand(-1, -1, C)
+        s = s.repeat_interleave(bs, 1)[:, :S] if bs > 1 else s.expand(-1, S, -1)
+        return s.repeat_interleave(bc, 2)[:, :, :C] if bc > 1 else s.expand(-1, -1, C)
+
+    def scale_bcast(self) -> torch.Tensor:
+        """The scale in a shape that broadcasts over the data [B, S, C] (`scale_full` without materialising tiles
+        where every block is a line or whole)."""
+        bs, bc = self.blocks
+        return self.scale_full() if bs > 1 or bc > 1 else self.scale
 
     def dequantize(self) -> torch.Tensor:
         return self.data.float() / self.scale_full()
@@ -85,19 +91,21 @@ def local_amax(t: torch.Tensor, cast: Cast, br: int, bc: int) -> torch.Tensor:
     a = t.detach().abs().float()
     B, S, C = a.shape
     per_seq = cast.block[0] is not None  # tiles or lines of rows: each sequence its own
-    if bc:
+    if not br and not bc and not per_seq:  # one scale over the tensor: one reduction
+        return a.amax((0, 1, 2), keepdim=True) if a.numel() else a.new_zeros(1, 1, 1)
+    if bc > 1:  # (a 1-wide block's amax is the element itself)
         pad = -C % bc
         a = torch.nn.functional.pad(a, (0, pad)) if pad else a
         a = a.view(B, S, -1, bc).amax(-1) if a.numel() else a.new_zeros(B, S, (C + pad) // bc)
-    else:
+    elif not bc:
         a = a.amax(-1, keepdim=True) if a.numel() else a.new_zeros(B, S, 1)
-    if br:
+    if br > 1:
         pad = -S % br
         a = torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a
         a = a.view(B, -1, br, a.shape[-1]).amax(2) if a.numel() else a.new_zeros(B, (S + pad) // br, a.shape[-1])
-    elif per_seq:  # a whole-sequence block (br ≥ the sequence): one per sequence
+    elif not br and per_seq:  # a whole-sequence block (br ≥ the sequence): one per sequence
         a = a.amax(1, keepdim=True) if a.numel() else a.new_zeros(B, 1, a.shape[-1])
-    else:
+    elif not br:
         a = a.amax((0, 1), keepdim=True) if a.numel() else a.new_zeros(1, 1, a.shape[-1])
     return a
 
@@ -128,16 +136,36 @@ def reduce_amaxes(amaxes: list[torch.Tensor], axes_per: list[list]) -> list[torc
     return out
 
 
-def quantize_all(items: list[tuple[torch.Tensor, Cast, Layout]]) -> list[Quantized]:
-    """Cast every (tensor [B, S, C], cast, layout) to FP8, the amax reductions batched (`reduce_amaxes`)."""
-    plans = [block_plan(t, c, lay) for t, c, lay in items]
-    amaxes = reduce_amaxes([local_amax(t, c, br, bc) for (t, c, _), (br, bc, _) in zip(items, plans)],
-                           [axes for _, _, axes in plans])
+def _firsts(items: list) -> list[int]:
+    """For each item, the index of the first item casting the same tensor object as the same cast under an equal
+    layout (its own index where none did)."""
+    seen: dict = {}
     out = []
-    for (t, cast, _), (br, bc, _), amax in zip(items, plans, amaxes):
+    for i, (t, cast, lay) in enumerate(items):
+        earlier = seen.setdefault((id(t), cast), [])
+        j = next((j for j in earlier if items[j][2] == lay), None)
+        if j is None:
+            earlier.append(i)
+        out.append(i if j is None else j)
+    return out
+
+
+def quantize_all(items: list[tuple[torch.Tensor, Cast, Layout]]) -> list[Quantized]:
+    """Cast every (tensor [B, S, C], cast, layout) to FP8, the amax reductions batched (`reduce_amaxes`). An item
+    repeating an earlier one (tensorwise's g for dx and for dW) shares its cast; its amax still travels, so the
+    all-reduces are the ones `rules.fp8` counts."""
+    firsts = _firsts(items)
+    plans = [block_plan(t, c, lay) for t, c, lay in items]
+    local = {j: local_amax(items[j][0], items[j][1], *plans[j][:2]) for j in set(firsts)}
+    amaxes = reduce_amaxes([local[j] for j in firsts], [axes for _, _, axes in plans])
+    out: list[Quantized] = []
+    for i, ((t, cast, _), (br, bc, _), amax) in enumerate(zip(items, plans, amaxes)):
+        if firsts[i] != i:
+            out.append(out[firsts[i]])
+            continue
         q = Quantized(t, to_scale(amax, cast), (br, bc))
         big = torch.finfo(cast.dtype).max
-        q.data = (t.float() * q.scale_full()).clamp(-big, big).to(cast.dtype)
+        q.data = torch.mul(t.detach(), q.scale_bcast()).clamp_(-big, big).to(cast.dtype)
         out.append(q)
     return out
 
