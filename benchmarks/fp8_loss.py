@@ -4,6 +4,9 @@ For each model (tiny, tiny-moe) the CLI trains the same seed and data on one CPU
 recipe (`--dtype bf16 --fp8 RECIPE`: the linears' GEMMs in FP8, the rest in bf16 autocast), for --steps steps.
 The bf16 run is the baseline: a recipe passes where its final loss (the mean of the last `--tail` steps, which
 smooths the one batch's noise; the last step's own loss is reported too) is within `--bound` (1.5 %) of bf16's.
+Beside it each run's `eval_loss` at the end, on held-out text no run trains on (the plain-text docs of a fixed list of
+standard-library modules, `--eval-steps` batches): the same batches for every run, so one batch's noise cancels. An
+fp32 run (`--dtype fp32`) shows how far bf16 itself moves the loss: the yardstick of a precision change.
 The curves are drawn into one PNG (one panel per model, the loss smoothed over 10 steps).
 
     python benchmarks/fp8_loss.py                      # 300 steps, writes benchmarks/fp8_loss.png
@@ -27,17 +30,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 
 
-def train(model: str, fp8: str | None, steps: int, out: str, seed: int, extra: list[str]) -> list[dict]:
-    """One CLI run; its metrics.jsonl rows."""
+EVAL_MODULES = ("argparse", "collections", "functools", "itertools", "json", "pathlib", "re", "subprocess", "typing")
+
+
+def held_out_text(path: str) -> str:
+    """Held-out eval text: the plain-text docs of standard-library modules (the training corpus is pydoc's topics)."""
+    import importlib
+    import pydoc
+
+    with open(path, "w") as f:
+        for name in EVAL_MODULES:
+            f.write(pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext))
+    return path
+
+
+def train(model: str, run: str, steps: int, out: str, seed: int, extra: list[str]) -> list[dict]:
+    """One CLI run (`run`: bf16, fp32 or an FP8 recipe under bf16); its metrics.jsonl rows."""
+    dtype = "fp32" if run == "fp32" else "bf16"
     cmd = [sys.executable, "-m", "shardwise", "train", "--model", model, "--dp", "1", "--steps", str(steps),
-           "--dtype", "bf16", "--seed", str(seed), "--out", out, "--no-progress", "--no-checkpoint", "--no-report",
-           "--device", "cpu", *extra] + (["--fp8", fp8] if fp8 else [])
+           "--dtype", dtype, "--seed", str(seed), "--out", out, "--no-progress", "--no-checkpoint", "--no-report",
+           "--device", "cpu", *extra] + (["--fp8", run] if run in RECIPES else [])
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [row for row in map(json.loads, f) if "loss" in row]
+        return [row for row in map(json.loads, f) if "loss" in row or "eval_loss" in row]
 
 
 def smooth(xs: list[float], k: int = 10) -> list[float]:
@@ -53,11 +71,12 @@ def plot(curves: dict, path: str, bound: float) -> None:
     models = sorted({m for m, _ in curves})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for run in ("bf16", *RECIPES):
-            rows = curves.get((model, run))
+        for run in ("fp32", "bf16", *RECIPES):
+            rows = [r for r in curves.get((model, run), []) if "loss" in r]
             if rows:
                 ax.plot([r["step"] for r in rows], smooth([r["loss"] for r in rows]), label=run,
-                        lw=2.0 if run == "bf16" else 1.0, color="black" if run == "bf16" else None)
+                        lw=2.0 if run in ("bf16", "fp32") else 1.0,
+                        color={"bf16": "black", "fp32": "grey"}.get(run), ls="--" if run == "fp32" else "-")
         ax.set_title(f"{model}: bf16 vs --fp8 (loss, 10-step mean; bound {bound:.1%} of final)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
@@ -76,6 +95,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--tail", type=int, default=10, help="final loss: the mean of the last N steps")
     ap.add_argument("--bound", type=float, default=0.015)
+    ap.add_argument("--eval-steps", type=int, default=40, help="held-out batches evaluated at the end (0: none)")
+    ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 yardstick runs")
     ap.add_argument("--jobs", type=int, default=10)
     ap.add_argument("--png", default=os.path.join(ROOT, "benchmarks", "fp8_loss.png"))
     ap.add_argument("--runs", default=None, help="where the run directories go (default: a temp dir)")
@@ -85,10 +106,12 @@ def main(argv=None) -> dict:
     runs_dir = a.runs or tempfile.mkdtemp(prefix="fp8_loss_")
     if a.smoke:
         a.steps, a.tail, extra = 3, 1, ["--seq-len", "32", "--micro-batch", "2"]
-        a.models, a.recipes = "tiny", "tensorwise"
+        a.models, a.recipes, a.eval_steps, a.no_fp32 = "tiny", "tensorwise", 2, True
         a.png = os.path.join(runs_dir, "fp8_loss.png")
+    if a.eval_steps:
+        extra += ["--eval-data", held_out_text(os.path.join(runs_dir, "held_out.txt")), "--eval-steps", str(a.eval_steps)]
     recipes = [r for r in a.recipes.split(",") if r]
-    jobs = [(m, r) for m in a.models.split(",") for r in ("bf16", *recipes)]
+    jobs = [(m, r) for m in a.models.split(",") for r in ((() if a.no_fp32 else ("fp32",)) + ("bf16", *recipes))]
 
     def one(job):
         model, run = job
@@ -97,26 +120,33 @@ def main(argv=None) -> dict:
 
     with ThreadPoolExecutor(a.jobs) as pool:
         curves = dict(pool.map(one, jobs))
-    final, last, rel, passed, medians, ratios = {}, {}, {}, {}, {}, {}
+    final, last, rel, passed, medians, ratios, evals, eval_rel = {}, {}, {}, {}, {}, {}, {}, {}
     for (model, run), rows in curves.items():
-        key = f"{model}/{run}"
-        final[key] = statistics.fmean(r["loss"] for r in rows[-a.tail:])
-        last[key] = rows[-1]["loss"]
-        medians[key] = statistics.median(r["step_time_s"] for r in rows)
+        key, train_rows = f"{model}/{run}", [r for r in rows if "loss" in r]
+        final[key] = statistics.fmean(r["loss"] for r in train_rows[-a.tail:])
+        last[key] = train_rows[-1]["loss"]
+        medians[key] = statistics.median(r["step_time_s"] for r in train_rows)
+        evals[key] = next((r["eval_loss"] for r in reversed(rows) if "eval_loss" in r), None)
     for (model, run) in curves:
         if run != "bf16":
             key, base = f"{model}/{run}", f"{model}/bf16"
             rel[key] = final[key] / final[base] - 1
-            passed[key] = abs(rel[key]) <= a.bound
+            if evals[key] is not None:
+                eval_rel[key] = evals[key] / evals[base] - 1
+            passed[key] = abs(eval_rel.get(key, rel[key])) <= a.bound
             ratios[key] = medians[key] / medians[base]
     plot(curves, a.png, a.bound)
-    print(f"{'run':<24}{'final (mean last ' + str(a.tail) + ')':>22}{'last step':>11}{'vs bf16':>9}{'step s':>8}")
+    print(f"{'run':<24}{'final (mean last ' + str(a.tail) + ')':>22}{'last step':>11}{'vs bf16':>9}"
+          f"{'eval':>8}{'vs bf16':>9}{'step s':>8}")
     for key in final:
-        print(f"{key:<24}{final[key]:>22.4f}{last[key]:>11.4f}"
-              f"{(f'{rel[key]:+.2%}' if key in rel else ''):>9}{medians[key]:>8.3f}")
-    out = {"final_loss": final, "last_step_loss": last, "rel_to_bf16": rel, "passed": passed, "medians_s": medians,
+        ev = f"{evals[key]:.4f}" if evals[key] is not None else "-"
+        print(f"{key:<24}{final[key]:>22.4f}{last[key]:>11.4f}{(f'{rel[key]:+.2%}' if key in rel else ''):>9}"
+              f"{ev:>8}{(f'{eval_rel[key]:+.2%}' if key in eval_rel else ''):>9}{medians[key]:>8.3f}")
+    out = {"final_loss": final, "last_step_loss": last, "rel_to_bf16": rel, "eval_loss": evals,
+           "eval_rel_to_bf16": eval_rel, "passed": passed, "medians_s": medians,
            "ratios": ratios, "png": a.png,
            "config": {"steps": a.steps, "tail": a.tail, "bound": a.bound, "seed": a.seed, "dtype": "bf16",
+                      "judged_on": "eval_loss" if eval_rel else "final_loss",
                       "extra": extra, "runs": runs_dir}}
     print(json.dumps(out))
     return out
