@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import comm
+from ..rules.fp8 import GRAD_TAG
 from .recipes import Cast, Recipe, scaled_mm_kind
 from .scaling import Layout, Quantized, as3d, quantize_all
 from .wire import held
@@ -60,10 +61,6 @@ class Fp8Config:
     recipe: Recipe
     layout: LinearLayout = LinearLayout()
     grad_sum: object = None
-
-
-GRAD_TAG = "fp8_grad"
-"""Ledger tag of the all-reduce of a `grad_sum` layer's output gradient (`all_reduce:fp8_grad`)."""
 
 
 def _matrix(q: Quantized, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,10 +181,11 @@ class _Fp8Linears(torch.autograd.Function):
 
         with torch.autocast(gs[0].device.type, enabled=False):
             qg_d, qw_d, *wgrad = cast(True, not defer)
-            dxs = [gemm(qg, False, r.g_dgrad, qw, True, r.w_dgrad).reshape(shape).to(dtype)  # g W: over out
-                   for qg, qw, (shape, dtype) in zip(qg_d, qw_d, ctx.x_meta)]
-            if axis is not None and axis.rank:  # dx is whole on every rank; the region entry sums it over the axis
-                dxs = [torch.zeros_like(dx) for dx in dxs]
+            if axis is not None and axis.rank:  # dx would be whole on every rank: the axis' first hands it back
+                dxs = [torch.zeros(shape, dtype=dtype, device=w.device) for (shape, dtype), w in zip(ctx.x_meta, ws)]
+            else:
+                dxs = [gemm(qg, False, r.g_dgrad, qw, True, r.w_dgrad).reshape(shape).to(dtype)  # g W: over out
+                       for qg, qw, (shape, dtype) in zip(qg_d, qw_d, ctx.x_meta)]
             if defer:
                 ctx.store.defer([*ws, *bs], deferred)
                 return (None, None, None, None, None, *dxs, *[None] * (2 * n))

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from shardwise.planner.fp8 import block_linears
 from shardwise.planner.layout import Layout, Stage, Workload
-
-GRAD_TAG = "fp8_grad"
+from shardwise.rules.fp8 import GRAD_TAG
 
 
 def summed_before_cast(p) -> bool:

@@ -27,6 +27,8 @@ AMAX_BYTES = 4
 FP8_BYTES = 1
 """An FP8 element (e4m3 or e5m2), in memory and on the wire."""
 AMAX_TAG = "fp8_amax"
+GRAD_TAG = "fp8_grad"
+"""Ledger tag of the tp all-reduce of a head-partial FP8 linear's output gradient before its backward casts."""
 
 
 @dataclass(frozen=True)
