@@ -14,7 +14,8 @@ PLAN = ["plan", "--model", "tiny", "--gpus", "2", "--seq-len", "64", "--micro-ba
         "--top", "3"]
 
 
-def test_trace_two_rows_equals_simulate(capsys):
+def test_trace_two_rows_equals_simulate(capsys, shared_simulations):
+    """`shared_simulations`: the `--trace 1` table re-traces row 1's ranks as `--trace 2` did (simulated once)."""
     assert main(PLAN + ["--trace", "2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3 and "traced" not in rows[2]

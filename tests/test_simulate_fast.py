@@ -69,3 +69,29 @@ def test_the_static_key_tells_apart_what_changes_an_output():
         other = FakeTensorMode().from_tensor(torch.empty(4, 6))
     with pytest.raises(Exception, match="not our fake"):  # FakeTensorMode's key refuses it: no cache entry
         mode._cache_key(_CacheKeyState(None), torch.ops.aten.neg.default, (other,), {})
+
+
+def test_a_cache_hit_makes_what_fake_tensor_mode_makes():
+    """`StaticKeyMode.dispatch` answers a hit itself: a new tensor with FakeTensor.__new__'s attributes and metadata,
+    a view on its base's storage, an in-place op's own argument, a tuple op's every output — as FakeTensorMode's own
+    hit path makes them (run here on the same entry)."""
+    FakeTensorMode.cache.clear()
+    with StaticKeyMode():
+        x = torch.empty(4, 6, requires_grad=True)
+        ops = {"new": lambda: x * 2, "view": lambda: x.detach()[1:].t(), "in place": lambda: x.detach().add_(1),
+               "tuple": lambda: x.detach().max(dim=1)}
+        for name, op in ops.items():
+            op()  # the miss fills the cache
+            hits = FakeTensorMode.cache_hits
+            ours = op()
+            assert FakeTensorMode.cache_hits > hits, name
+            StaticKeyMode.dispatch, saved = FakeTensorMode.dispatch, StaticKeyMode.dispatch
+            try:
+                theirs = op()
+            finally:
+                StaticKeyMode.dispatch = saved
+            for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (ours, theirs))):
+                assert type(a) is type(b) and a.__dict__ == b.__dict__, name
+                assert (a.shape, a.stride(), a.dtype, a.device, a.storage_offset(), a.requires_grad) == \
+                       (b.shape, b.stride(), b.dtype, b.device, b.storage_offset(), b.requires_grad), name
+                assert (a.untyped_storage()._cdata == b.untyped_storage()._cdata) == (name in ("view", "in place"))

@@ -283,7 +283,7 @@ def simulate_rank(cfg: TrainConfig, rank: int, steps: int = 2, every_microbatch:
     buffer before sharding it) is reported apart, as `build_peak_bytes`.
 
     `fast` (the default) takes three shortcuts that change no figure: the dispatch cache's static-shape key
-    (`StaticKeyMode`, where this torch has the hook), device queries answered by the live-memory trace, p2p batches that skip the fake
+    and its one-pass cache hits (`StaticKeyMode`, where this torch has the hook), device queries answered by the live-memory trace, p2p batches that skip the fake
     backend. `fast=False` is the plain path, kept to show them equal (`tests/test_simulate_fast.py`).
     `moe_skew`: the router's split sizes make this rank the busiest ep rank at S× the mean (`Answers.routed`).
     """
