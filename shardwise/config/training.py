@@ -13,7 +13,7 @@ from ..rules.validation import (
     CP_IMPLS, DSA_STAGES, FP8_RECIPES, RECOMPUTE, REST, ZERO_STAGES, dp_shard_problem, ep_dpcp_problem, fp8_cp_problem,
     heads_tp_problem, hsdp_zero_problem, rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
 )
-from ..rules.validation import fp8_wire_problem
+from ..rules.validation import fp8_moe_problem, fp8_wire_problem
 from .errors import ConfigError
 from .schedule import validate_optim
 from .model import ModelConfig, get_model_config
@@ -434,7 +434,7 @@ class TrainConfig:
             raise ConfigError(f"--attention-mask {self.attention_mask!r} is unknown; valid: causal, document")
         self._validate_observability()
         if self.fp8 is not None:
-            self._validate_fp8(p)
+            self._validate_fp8(p, m)
         elif self.fp8_all_gather:
             raise ConfigError("--fp8-all-gather needs --fp8 RECIPE (tensorwise, rowwise, blockwise or mxfp8)")
         self._validate_dsa(m)
@@ -455,7 +455,7 @@ class TrainConfig:
             raise ConfigError(f"--dsa-stage dense-warmup freezes the main model, but its routers' biases would still "
                               f"move (moe_bias_update_rate={m.moe_bias_update_rate}); add --moe-bias-update-rate 0")
 
-    def _validate_fp8(self, p: ParallelConfig) -> None:
+    def _validate_fp8(self, p: ParallelConfig, m: ModelConfig) -> None:
         if self.fp8 not in FP8_RECIPES:
             raise ConfigError(f"--fp8 {self.fp8!r} is unknown; valid: {', '.join(FP8_RECIPES)}")
         if p.tp_overlap:
@@ -463,6 +463,10 @@ class TrainConfig:
         problem = fp8_cp_problem(self.fp8, self.seq_len, p.cp, p.cp_order == "balanced")
         if problem:
             raise ConfigError(f"--fp8 {self.fp8} with --cp {p.cp} and --seq-len {self.seq_len} {problem}")
+        problem = m.moe_experts and fp8_moe_problem(self.fp8, p.tp if p.sequence_parallel else 1, p.cp, p.dp, p.ep,
+                                                    self.micro_batch * self.seq_len, bool(m.moe_shared_experts))
+        if problem:
+            raise ConfigError(f"--fp8 {self.fp8} on MoE model {m.name!r} {problem}")
         problem = self.fp8_all_gather and fp8_wire_problem(self.fp8, p.zero == 3, p.sequence_parallel and p.tp > 1)
         if problem:
             raise ConfigError(f"--fp8-all-gather with --fp8 {self.fp8} {problem}")

@@ -51,9 +51,9 @@ def _operands(p, lay: Layout, wl: Workload, spec) -> tuple[list, list, list]:
         rows = moe_skew.busiest_rows(spec, lay, wl, routed) // e_l
         tokens = (ax["edp"], ax["tp"]) if lay.sp else (ax["edp"],)
         out_, in_ = p.shape[1], p.shape[2]
-        x = Operand(1, rows, in_, seq=tokens, rows_all=tokens)
+        x = Operand(1, rows, in_, seq=tokens, rows_all=tokens, seq_global=0)
         w = Operand(1, out_, in_)
-        g = Operand(1, rows, out_, seq=tokens, rows_all=tokens)
+        g = Operand(1, rows, out_, seq=tokens, rows_all=tokens, seq_global=0)
         return [x] * e_l, [w] * e_l, [g] * e_l
     out_l, in_l = p.local_shape(lay.tp)
     out_g, in_g = p.shape

@@ -29,6 +29,30 @@ def fp8_cp_problem(recipe: str, seq_len: int, cp: int, balanced: bool) -> str | 
     return f"cuts its {tile}-token tiles across cp ranks ({part} tokens per part)"
 
 
+def fp8_moe_problem(recipe: str, sp_tp: int, cp: int, dp: int, ep: int, tokens: int, shared: bool) -> str | None:
+    """A recipe's token tiles of the MoE's rows (an expert's rows, the shared experts' flattened tokens) equal the
+    single device's only where every rank holds whole tiles of them in its order: no split inside a sequence (SP's
+    tp, cp), an expert's tokens on one rank (ep = dp), whole tiles of shared-expert rows per dp rank (`tokens`:
+    micro_batch × seq_len). The rows of an expert on a rank depend on the routing, so no fixed split keeps its tiles."""
+    tile = FP8_TOKEN_TILE.get(recipe)
+    if tile is None:
+        return None
+    if sp_tp > 1:
+        where, fix = (f"--tp {sp_tp} --sequence-parallel (each TP rank routes its own sequence shard)",
+                      "drop --sequence-parallel")
+    elif cp > 1:
+        where, fix = f"--cp {cp} (each rank routes its own part of every sequence)", "--cp 1"
+    elif ep < dp:
+        where, fix = f"--dp {dp} --ep {ep} (an expert's tokens are split over {dp // ep} ranks)", f"--ep {dp}"
+    elif shared and dp > 1 and tokens % tile:
+        where, fix = (f"--dp {dp} with {tokens} tokens per microbatch (the shared experts' tiles span dp ranks)",
+                      f"micro_batch × seq_len a multiple of {tile}")
+    else:
+        return None
+    return (f"tiles the MoE's rows in {tile}-token blocks in one device's token order, which no rank holds under "
+            f"{where}; use --fp8 tensorwise or rowwise, or {fix}")
+
+
 FP8_WIRE_WEIGHTS = ("tensorwise", "blockwise")
 """--fp8-all-gather under ZeRO-3: recipes casting W alike for the forward and the input gradient (one FP8 gather)."""
 FP8_WIRE_ACTIVATIONS = ("tensorwise",)

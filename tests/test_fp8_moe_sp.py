@@ -1,0 +1,120 @@
+"""`--fp8 blockwise` / `mxfp8` on MoE models: the weight-gradient GEMM's 128- (32-) token tiles of an expert's rows
+are the single device's only where one rank holds every token of its experts in the single device's order. Under SP
+each TP rank routes its own sequence shard, under cp its own part of each sequence, and at ep < dp an expert's tokens
+sit on dp/ep ranks: each rank tiles rows the single device tiles differently, and which rows an expert gets depends
+on the routing, so no amax reduction over a fixed axis repairs it. `TrainConfig` refuses those layouts
+(`rules.validation.fp8_moe_problem`); the planner counts no amax reduction for the routed experts' token tiles
+(they are taken on each rank's rows), as the runtime sends none.
+
+Checked: the refusals (no spawn); one step's ledger at dp2 (DeepSeek-shaped MoE, blockwise, ep 1, the refusal
+lifted) equals the plan — no `edp` `fp8_amax` all-reduce on either side; `verify` (one two-rank spawn, slow) passes
+blockwise tiny-moe at tp2 without SP and at dp2×ep2, and fails it, the refusal lifted, at tp2 with SP and at dp2×ep1.
+"""
+import pytest
+import torch
+
+from shardwise.config import ConfigError, ParallelConfig, TrainConfig
+from shardwise.config import training
+
+from _dist import fresh_seed, run_ranks
+from test_mtp import DEEPSEEK_MTP
+
+ALLOWED = {"tp2": dict(tp=2), "dp2_ep2": dict(dp=2, ep=2)}
+REFUSED = {"tp2_sp": dict(tp=2, sequence_parallel=True), "dp2_ep1": dict(dp=2)}
+IGNORED_TAGS = ("metrics", "grad_norm")
+
+
+def _lift_refusal() -> None:
+    """Let the refused layouts build (the planner plans them; the tests below show why they are refused)."""
+    training.fp8_moe_problem = lambda *args: None
+
+
+def _cfg(degrees: dict, seed: int, **extra) -> TrainConfig:
+    kw = dict(model="tiny-moe", steps=2, seq_len=64, micro_batch=2, model_overrides={"n_layers": 2}) | extra
+    return TrainConfig(parallel=ParallelConfig(**degrees), seed=seed, progress=False, fp8="blockwise",
+                       warmup_steps=20, lr_decay_steps=200, **kw).resolved(2)
+
+
+@pytest.mark.parametrize("fp8,degrees,extra,message", [
+    ("blockwise", dict(tp=2, sequence_parallel=True), {}, "under --tp 2 --sequence-parallel (each TP rank routes"),
+    ("mxfp8", dict(cp=2), dict(seq_len=256), "under --cp 2 (each rank routes its own part"),
+    ("blockwise", dict(dp=2), {}, "under --dp 2 --ep 1 (an expert's tokens are split over 2 ranks)"),
+    ("blockwise", dict(dp=2, ep=2), dict(seq_len=32, micro_batch=1), "micro_batch × seq_len a multiple of 128"),
+])
+def test_token_tiles_split_over_ranks_are_refused(fp8, degrees, extra, message):
+    with pytest.raises(ConfigError, match="tiles the MoE's rows") as e:
+        TrainConfig(model="tiny-moe", parallel=ParallelConfig(**degrees), fp8=fp8, **extra).resolved()
+    assert message in str(e.value) and "use --fp8 tensorwise or rowwise" in str(e.value)
+
+
+@pytest.mark.parametrize("fp8,degrees", [("rowwise", dict(tp=2, sequence_parallel=True)),
+                                         ("tensorwise", dict(dp=2)), ("blockwise", dict(dp=2, ep=2)),
+                                         ("blockwise", dict(tp=2))])
+def test_other_layouts_are_accepted(fp8, degrees):
+    TrainConfig(model="tiny-moe", parallel=ParallelConfig(**degrees), fp8=fp8).resolved()
+
+
+def _ledger(seed: int) -> dict:
+    """Inside ranks: the ledger of one train step at dp2, DeepSeek-shaped MoE, blockwise, ep 1 (refusal lifted)."""
+    from shardwise.training.trainer import Trainer, make_mesh
+
+    torch.set_num_threads(1)
+    _lift_refusal()
+    cfg = _cfg(dict(dp=2), seed, model=DEEPSEEK_MTP, seq_len=32, global_batch=4, steps=1)
+    mesh = make_mesh(cfg, torch.device("cpu"))
+    trainer = Trainer(cfg, mesh)
+    mesh.ledger.reset()
+    trainer.train_step(0)
+    return mesh.ledger.steps[-1]["axes"]
+
+
+def _comparable(axes: dict) -> dict:
+    return {(axis, op): v for axis, ops in axes.items() for op, v in ops.items()
+            if op.partition(":")[2] not in IGNORED_TAGS and not op.startswith("all_to_all")}
+
+
+def test_ledger_equals_the_plan(monkeypatch):
+    """The routed experts' token tiles are taken on each rank's rows: no `edp` amax all-reduce, measured or planned
+    (the planner counted 9, 27,648 B, at this layout before); every other op as the planner counts it."""
+    from shardwise.planner import Cluster, estimate, get_gpu
+    from shardwise.planner.layout import from_train_config
+
+    seed = fresh_seed()
+    with torch.device("meta"):  # torch's lazy imports once, before forking
+        torch.nn.Embedding(2, 2)
+    runs = run_ranks(2, _ledger, seed)
+    monkeypatch.setattr(training, "fp8_moe_problem", lambda *args: None)
+    spec, lay, wl = from_train_config(_cfg(dict(dp=2), seed, model=DEEPSEEK_MTP, seq_len=32, global_batch=4,
+                                           steps=1))
+    planned = _comparable(estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl,
+                                   detail=True)["stages"][0]["comm_ops_per_step"])
+    assert ("edp", "all_reduce:fp8_amax") not in planned
+    for rank, run in enumerate(runs):
+        got, where = _comparable(run), f"rank {rank} (seed {seed})"
+        assert got.get(("edp", "all_reduce")), f"{where}: no expert gradient all-reduce on edp measured"
+        for key in set(got) | set(planned):
+            m, p = got.get(key), planned.get(key)
+            assert m is not None and p is not None, f"{where} {key}: measured {m}, planned {p}"
+            assert (m["count"], m["bytes"], m["wire_bytes"]) == (p["count"], p["bytes"], p["wire_bytes"]), \
+                f"{where} {key}: measured {m}, planned {p}"
+
+
+def _verify_all(seed: int) -> dict:
+    """Inside ranks: verify's verdict on the accepted layouts, then on the refused ones with the refusal lifted."""
+    from shardwise.verify.main import verify_main
+
+    torch.set_num_threads(1)
+    out = {name: verify_main(_cfg(degrees, seed)) for name, degrees in ALLOWED.items()}
+    _lift_refusal()
+    return out | {name: verify_main(_cfg(degrees, seed)) for name, degrees in REFUSED.items()}
+
+
+@pytest.mark.slow
+def test_verify_blockwise_moe():
+    seed = fresh_seed()
+    out = run_ranks(2, _verify_all, seed, timeout_s=900)[0]
+    wrong = [(name, out[name]["fp8_budget"]["ratios"]) for name in ALLOWED
+             if not (out[name]["passed"] and out[name]["coverage"] == 1.0 and len(out[name]["losses"]) == 2)]
+    wrong += [(name, "passed though refused", out[name]["fp8_budget"]["ratios"]) for name in REFUSED
+              if out[name]["passed"]]
+    assert not wrong, (seed, wrong)
