@@ -44,8 +44,17 @@ def held_out_text(path: str) -> str:
     return path
 
 
-def train(model: str, run: str, steps: int, out: str, seed: int, extra: list[str]) -> list[dict]:
-    """One CLI run (`run`: bf16, fp32 or an FP8 recipe under bf16); its metrics.jsonl rows."""
+def _rows(out: str) -> list[dict]:
+    return _rows(out)
+
+
+def train(model: str, run: str, steps: int, out: str, seed: int, extra: list[str], reuse: bool = False) -> list[dict]:
+    """One CLI run (`run`: bf16, fp32 or an FP8 recipe under bf16); its metrics.jsonl rows. `reuse`: a finished run
+    already in `out` (all its steps and its eval) is read back instead of trained again."""
+    if reuse and os.path.exists(os.path.join(out, "metrics.jsonl")):
+        rows = _rows(out)
+        if sum("loss" in r for r in rows) == steps and any("eval_loss" in r for r in rows):
+            return rows
     dtype = "fp32" if run == "fp32" else "bf16"
     cmd = [sys.executable, "-m", "shardwise", "train", "--model", model, "--dp", "1", "--steps", str(steps),
            "--dtype", dtype, "--seed", str(seed), "--out", out, "--no-progress", "--no-checkpoint", "--no-report",
@@ -54,8 +63,7 @@ def train(model: str, run: str, steps: int, out: str, seed: int, extra: list[str
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [row for row in map(json.loads, f) if "loss" in row or "eval_loss" in row]
+    return _rows(out)
 
 
 def smooth(xs: list[float], k: int = 10) -> list[float]:
@@ -100,6 +108,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--jobs", type=int, default=10)
     ap.add_argument("--png", default=os.path.join(ROOT, "benchmarks", "fp8_loss.png"))
     ap.add_argument("--runs", default=None, help="where the run directories go (default: a temp dir)")
+    ap.add_argument("--reuse", action="store_true", help="read back the finished runs already under --runs")
     ap.add_argument("--smoke", action="store_true", help="3 steps of short sequences, PNG in the temp dir")
     a = ap.parse_args(argv)
     extra = ["--seq-len", str(a.seq_len), "--micro-batch", str(a.micro_batch)]
@@ -116,7 +125,7 @@ def main(argv=None) -> dict:
     def one(job):
         model, run = job
         return job, train(model, None if run == "bf16" else run, a.steps, os.path.join(runs_dir, f"{model}_{run}"),
-                          a.seed, extra)
+                          a.seed, extra, a.reuse)
 
     with ThreadPoolExecutor(a.jobs) as pool:
         curves = dict(pool.map(one, jobs))

@@ -174,7 +174,7 @@ def _explain(args, spec, cluster, wl, assume) -> int:
         base = Layout(mb=args.micro_batch or 1, zero=args.zero, recompute=args.recompute,
                       sequence_parallel=args.sequence_parallel, cp_impl=args.cp_impl)
         lay, uneven = parse_layout(text, base, cluster.gpus, args.global_batch), args.uneven_pp
-    bad = layout_problems(spec, lay, cluster.gpus, wl.seq_len, uneven)
+    bad = layout_problems(spec, lay, cluster.gpus, wl.seq_len, uneven, wl.fp8)
     if bad:
         raise PlanError(f"--explain {args.explain!r}: " + "; ".join(bad))
     wl = replace(wl, global_batch=lay.m * lay.mb * lay.dp)

@@ -16,8 +16,9 @@ from shardwise.rules.geometry import GRID, axis_lines
 from shardwise.rules.partition import balanced_counts, recomputed_layers
 from shardwise.rules.schedules import SCHEDULE_NAMES
 from shardwise.rules.validation import (
-    CP_IMPLS, RECOMPUTE, ZERO_STAGES, cp_seq_problem, dp_shard_problem, ep_dpcp_problem, heads_tp_problem,
-    hsdp_zero_problem, layers_pp_problem, rest_of_world, sp_tokens_problem, tp_kv_problem, ulysses_problem,
+    CP_IMPLS, RECOMPUTE, ZERO_STAGES, cp_seq_problem, dp_shard_problem, ep_dpcp_problem, fp8_cp_problem,
+    fp8_moe_problem, heads_tp_problem, hsdp_zero_problem, layers_pp_problem, rest_of_world, sp_tokens_problem,
+    tp_kv_problem, ulysses_problem,
 )
 from shardwise.planner.errors import PlanError
 from shardwise.planner.models import ModelSpec
@@ -169,8 +170,10 @@ def parse_layout(text: str, base: Layout, gpus: int, global_batch: int | None) -
     return replace(lay, m=m)
 
 
-def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneven_pp: bool = False) -> list[str]:
-    """Every reason this layout cannot run (empty when it can): divisibility and schedule rules."""
+def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneven_pp: bool = False,
+                    fp8: str | None = None) -> list[str]:
+    """Every reason this layout cannot run (empty when it can): divisibility and schedule rules, and the FP8 recipe's
+    token tiles (`fp8`: the run's --fp8) where `train` refuses them."""
     bad = []
     if lay.world_size != gpus:
         bad.append(f"dp×tp×pp×cp = {lay.world_size} != {gpus} GPUs")
@@ -221,6 +224,10 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
         bad.append(f"dp_shard={lay.dp_shard} shards nothing at zero={lay.zero} (needs zero 2 or 3)")
     if seq_len > spec.max_seq_len:
         bad.append(f"seq_len={seq_len} exceeds max_seq_len={spec.max_seq_len} of {spec.name}")
+    if fp8:
+        problem = fp8_cp_problem(fp8, seq_len, lay.cp, True) or (spec.moe_experts and fp8_moe_problem(
+            fp8, t if lay.sp else 1, lay.cp, lay.dp, lay.ep, lay.mb * seq_len, bool(spec.moe_shared_experts)))
+        bad += [f"--fp8 {fp8} {problem}"] if problem else []
     return bad
 
 

@@ -94,7 +94,7 @@ def candidates(spec: ModelSpec, cluster: Cluster, wl: Workload, space: SearchSpa
                             lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vp=vp, schedule=sched, mb=mb, m=m,
                                          zero=space.zero, recompute=space.recompute, sequence_parallel=space.sp and tp > 1,
                                          cp_impl=space.cp_impl, dp_shard=hs)
-                            if not layout_problems(spec, lay, n, wl.seq_len, space.uneven_pp):
+                            if not layout_problems(spec, lay, n, wl.seq_len, space.uneven_pp, wl.fp8):
                                 yield lay
 
 
@@ -158,7 +158,7 @@ def no_layout_reason(spec: ModelSpec, cluster: Cluster, wl: Workload, space: Sea
     if not dps:  # plain data parallelism passes every rule that depends on the GPU count: no count would help
         plain = Layout(dp=n, mb=space.micro_batches[0], m=2, zero=space.zero, recompute=space.recompute,
                        cp_impl=space.cp_impl)
-        problems = layout_problems(spec, plain, n, wl.seq_len, space.uneven_pp) or ["no split passes the search's rules"]
+        problems = layout_problems(spec, plain, n, wl.seq_len, space.uneven_pp, wl.fp8) or ["no split passes the search's rules"]
         return f"no layout of {spec.name} can run this workload on any GPU count: {'; '.join(problems)}"
     shown = ", ".join(map(str, dps[:6])) + (", ..." if len(dps) > 6 else "")
     near = nearest_gpu_counts(spec, cluster, wl, space)
