@@ -45,7 +45,8 @@ def held_out_text(path: str) -> str:
 
 
 def _rows(out: str) -> list[dict]:
-    return _rows(out)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [row for row in map(json.loads, f) if "loss" in row or "eval_loss" in row]
 
 
 def train(model: str, run: str, steps: int, out: str, seed: int, extra: list[str], reuse: bool = False) -> list[dict]:
