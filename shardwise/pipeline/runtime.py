@@ -39,8 +39,7 @@ class _Batch:
     """One posted p2p batch: its work handles (one on NCCL, one per op on gloo) and outputs to free."""
 
     def __init__(self, works: list, frees: list):
-        self.works, self.done = works, False
-        self.frees = [f for f in frees if f is not None]  # stage outputs whose storage goes once the batch is done
+        self.works, self.frees, self.done = works, frees, False
         self.waited: set[int] = set()  # handles already waited on one by one (a gloo recv must not be waited twice)
 
     def completed(self) -> bool:
@@ -115,8 +114,7 @@ class PipelineExecutor:
         self.inbox: dict[tuple, tuple[torch.Tensor, _Batch, int | None]] = {}
         self.outbox: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.local: dict[tuple, torch.Tensor] = {}
-        self.batches: list[_Batch] = []    # every batch posted this step, each waited (at the latest) at its end
-        self.freeable: list[_Batch] = []   # those holding outputs to free: the only ones polled between actions
+        self.batches: list[_Batch] = []
 
     def _boundary(self, i: int) -> torch.Tensor | None:
         """Post boundary i's batches; return the next action's input once its receive completed."""
@@ -135,8 +133,6 @@ class PipelineExecutor:
             works = comm.p2p(items)
             batch = _Batch(works, frees)
             self.batches.append(batch)
-            if batch.frees:
-                self.freeable.append(batch)
             per_op = len(works) == len(items) > 1  # one handle per op: a receive can be waited alone
             for key, buf, k in recvs:
                 self.inbox[key] = (buf, batch, k if per_op else None)
@@ -171,27 +167,24 @@ class PipelineExecutor:
         self.outbox[key] = (payload, free_after)
 
     def _reap(self, wait: bool = False) -> None:
-        """Free the outputs of sends that completed; at the end of the step (`wait`) wait for every batch first.
-
-        Between actions only batches with outputs to free are polled, oldest first, up to the first one still
-        in flight (a receive is waited where it is used, a batch of sends alone at the end of the step): an
-        output may be freed an action later than it could be, and a poll costs about one check.
-        """
-        if wait:
-            for batch in self.batches:
-                if not batch.done and not comm.completed(batch.works):
-                    self._wait(batch, "p2p batch at the end of the step")
-            self.batches = []
-        n = 0
-        for batch in self.freeable:  # oldest first; the first one still in flight ends the poll
-            if not (batch.done or comm.completed(batch.works)):
-                break
-            batch.done = True
-            for out in batch.frees:
-                out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
-            n += 1
-        if n:
-            del self.freeable[:n]
+        """Free the outputs of sends that completed (all of them, waiting, at the end of the step). Every batch is
+        polled and a completed one dropped: its handles hold their buffers (received activations, sent payloads),
+        which the planner's peak counts as gone once used, so a batch kept to the step's end would raise the peak
+        (pp8 full recompute: 6 %)."""
+        if not self.batches:
+            return
+        still = []
+        for batch in self.batches:
+            if wait:
+                self._wait(batch, "p2p batch at the end of the step")
+            if batch.completed():
+                batch.done = True
+                for out in batch.frees:
+                    if out is not None:
+                        out.data = torch.empty(0, dtype=out.dtype, device=out.device)  # keep the graph, drop the data
+            else:
+                still.append(batch)
+        self.batches = still
 
     # ------------------------------------------------------------ the loop
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], n_tokens: int,
