@@ -16,7 +16,7 @@ from shardwise.planner.activations import layer_activation_bytes
 from shardwise.planner.fp8 import fp8_bucket, wire_weights
 from shardwise.rules.fp8 import FP8_BYTES
 from shardwise.planner.layout import Layout, Stage, Workload
-from shardwise.planner.memory import bucket_layout, stage_unit_names, stage_units
+from shardwise.planner.memory import BYTES_WEIGHT, bucket_layout, stage_unit_names, stage_units
 from shardwise.planner.models import ModelSpec
 from shardwise.planner.rank_actions import backward_then_forward
 
@@ -49,7 +49,7 @@ def _units(spec: ModelSpec, stage: Stage, lay: Layout, fp8_wire: bool = False) -
                         for key, (n, d) in keys for grp in [max(1, g // lay.ep) if key[-2] else gd])
         layer = name.startswith(("layers.", "mtp."))  # a block (an MTP module's too): its matrices are cast
         cast = sum(x.numel for x, _ in tensors if x.matrix) if layer else 0
-        full = sum(b // 4 * FP8_BYTES if fp8_wire and fp8_bucket(spec, name, key, n) else b
+        full = sum(b // BYTES_WEIGHT * FP8_BYTES if fp8_wire and fp8_bucket(spec, name, key, n) else b
                    for (key, (n, _)), (b, _, _) in zip(keys, buckets))
         out.append((chunk, full, cast, buckets))
     return tuple(out)

@@ -43,10 +43,12 @@ PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device,
 """Argument types whose (type, value) is their key, as in FakeTensorMode's own."""
 
 
-UNCACHED = frozenset(fake_tensor._DISPATCH_META_HANDLERS) | frozenset(fake_tensor._DISPATCH_HANDLE_DIRECTLY)
+UNCACHED = frozenset(getattr(fake_tensor, "_DISPATCH_META_HANDLERS", ())) | frozenset(
+    getattr(fake_tensor, "_DISPATCH_HANDLE_DIRECTLY", ()))
 """Ops FakeTensorMode's dispatch answers before its cache."""
 
-ValidEntry = fake_tensor._DispatchCacheValidEntry
+ValidEntry = getattr(fake_tensor, "_DispatchCacheValidEntry", None)
+"""torch's cache entry type; a torch without it (private, may move) takes FakeTensorMode's own path on every op."""
 Unmade = object()
 """`_from_entry`'s answer where FakeTensorMode's own path must make the output."""
 
@@ -96,7 +98,8 @@ class StaticKeyMode(FakeTensorMode):
         """A cache hit on a static key, answered in one pass (`_from_entry`); anything else — a miss, a bypass, an op
         FakeTensorMode serves before its cache, debug logging, a ShapeEnv — by FakeTensorMode's own dispatch."""
         kwargs = kwargs or {}
-        if self.shape_env is None and self.cache_enabled and not self.cache_crosscheck_enabled \
+        if ValidEntry is not None and self.shape_env is None and self.cache_enabled \
+                and not self.cache_crosscheck_enabled \
                 and func not in UNCACHED and not fake_tensor.log.isEnabledFor(DEBUG) \
                 and not fake_tensor.FakeTensorConfig.debug:
             try:
