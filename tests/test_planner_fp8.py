@@ -27,6 +27,7 @@ from shardwise.training.trainer import Trainer, make_mesh
 
 from _dist import fresh_seed, run_ranks
 from test_model_families import DEEPSEEK
+from test_mtp import DEEPSEEK_MTP
 from test_planner_ledger import _one_microbatch
 from test_simulate import _simulate, _within
 
@@ -48,6 +49,10 @@ LAYOUTS = {
                                          dict(fp8="tensorwise", fp8_all_gather=True)),
     "wire-dp4-zero3-blockwise": ("tiny", dict(dp=4, zero=3), dict(fp8="blockwise", fp8_all_gather=True)),
     "wire-dp4-ep2-zero3-deepseek": (DEEPSEEK, dict(dp=4, ep=2, zero=3), dict(fp8="tensorwise", fp8_all_gather=True)),
+    # MLA+MTP under tp and ZeRO-3: the down-projections' gradients, summed over tp before their casts, are whole, so
+    # their units' buckets are reduce-scattered every microbatch (not deferred for a tp sum); MTP's units in FP8
+    "wire-dp2-ep2-tp2-zero3-mtp": (DEEPSEEK_MTP, dict(dp=2, ep=2, tp=2, zero=3),
+                                   dict(fp8="tensorwise", fp8_all_gather=True)),
 }
 IGNORED_TAGS = ("metrics", "grad_norm")
 SAVED = [n for n in LAYOUTS if LAYOUTS[n][0] == "tiny" and (n.startswith("wire-") or n == "dp2-tp2-sp-tensorwise")]

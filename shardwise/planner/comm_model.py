@@ -27,7 +27,7 @@ from shardwise.rules.buckets import cut_runs
 from shardwise.rules.wire import wire_bytes
 from shardwise.planner import gpt_oss, linear_attention, moe_skew, sparse_attention
 from shardwise.planner.fp8 import fp8_microbatch, sp_wire_gathers, wire_activations, wire_gathers
-from shardwise.planner.fp8_grad import fp8_grad_sums, summed_before_cast
+from shardwise.planner.fp8_grad import fp8_grad_sums, fp8_spec
 from shardwise.planner.layout import Layout, Stage, Workload, chunk_owners, recomputed_layer_ids, stage_layer_ids
 from shardwise.planner.tp_overlap import chunks
 from shardwise.planner.memory import BYTES_GRAD, stage_tensors, stage_unit_entries, zero_buckets
@@ -141,18 +141,17 @@ def tp_microbatch(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, w
         led.add("tp", "all_reduce", n * 2 * 4, t)  # CE: SUM of exp-sums and target logits
 
 
-def tp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout, whole=None) -> None:
+def tp_grad_sync(led: CommLedger, spec: ModelSpec, stage: Stage, lay: Layout) -> None:
     """Per-step TP grad reductions (`GradReducer._reduce_tp`), from the gradients `memory.stage_unit_entries` marks
     TP-partial (MTP's blocks included): one flat all-reduce of the summed ones (under SP every replicated weight fed
     sequence shards — norms, and the whole MoE block; under any tp the head-partial weights), and one of the K/V
-    heads kept whole when n_kv < tp, as an [n_kv_heads, local K/V gradients] buffer. `whole(entry)`: a head-partial
-    entry whose gradient the run makes whole on every rank instead (--fp8: `planner.fp8_grad`)."""
+    heads kept whole when n_kv < tp, as an [n_kv_heads, local K/V gradients] buffer."""
     t = lay.tp
     tp_sum = kv = 0
     for _, name, rows in stage_unit_entries(spec, stage, lay):
         if name.partition(".")[0] in ("layers", "mtp", "norm"):  # not the emb-summed copies of the embedding
             for p, x, partial in rows:
-                if partial and not (whole and whole(p)):
+                if partial:
                     kv += x.numel if x.whole_head else 0
                     tp_sum += 0 if x.whole_head else x.numel
     if tp_sum:
@@ -366,6 +365,7 @@ def mtp_stages(spec: ModelSpec, stage: Stage) -> list[Stage]:
 
 
 def stage_ledgers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, local: Params) -> tuple[CommLedger, CommLedger]:
+    spec = fp8_spec(spec, wl)
     mb = CommLedger()
     eager = replace(lay, recompute="none")
     for st, ly in [(stage, lay)] + [(m, eager) for m in mtp_stages(spec, stage)]:
@@ -381,7 +381,7 @@ def stage_ledgers(spec: ModelSpec, stage: Stage, lay: Layout, wl: Workload, loca
     sync = CommLedger()
     if lay.tp > 1:
         # one flat all-reduce, the MTP blocks' TP-partial gradients (MLA's down-projections) included
-        tp_grad_sync(sync, spec, stage, lay, summed_before_cast if wl.fp8 else None)
+        tp_grad_sync(sync, spec, stage, lay)
     pp_grad_sync(sync, spec, stage, lay)
     dp_grad_sync(sync, spec, stage, lay, local, wl.grad_reduce_bytes, wl)
     for st in [stage] + mtp_stages(spec, stage):

@@ -20,6 +20,7 @@ from shardwise.planner import gpt_oss, linear_attention, moe_skew
 from shardwise.planner.comm_model import stage_edges, stage_ledgers, whole_step
 from shardwise.planner.errors import PlanError
 from shardwise.planner.fp8 import amax_seconds
+from shardwise.planner.fp8_grad import fp8_spec
 from shardwise.planner.hardware import Cluster, spans_link
 from shardwise.planner.layout import (
     Layout, Workload, chunk_owners, group_size, group_spans, recomputed_layer_ids, stage_layer_ids, stages,
@@ -89,6 +90,7 @@ def axis_links(dp: int, pp: int, cp: int, tp: int, ep: int, domain: int, dp_shar
 
 def memory_by_stage(spec: ModelSpec, lay: Layout, wl: Workload, activation_model: str = "shardwise") -> list[dict]:
     """Per pipeline stage: its Stage, local Params, static breakdown, activation and total bytes."""
+    spec = fp8_spec(spec, wl)
     out, seen = [], {}
     for st in stages(spec, lay):
         key = (st.n_dense, st.n_moe, st.embedding, st.head, st.linear) if lay.zero < 2 else st  # ZeRO 2/3: chunks matter
@@ -163,6 +165,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, lay: Layout, wl: Workload, assum
     """
     if lay.m * lay.mb * lay.dp != wl.global_batch:
         raise PlanError(f"m={lay.m} × mb={lay.mb} × dp={lay.dp} != global batch {wl.global_batch}")
+    spec = fp8_spec(spec, wl)
     mem = mem or memory_by_stage(spec, lay, wl, assume.activation_model)
     links = axis_links(lay.dp, lay.pp, lay.cp, lay.tp, lay.ep, cluster.domain, lay.dp_shard)
     rate = {a: cluster.bandwidth(links[a]) * assume.link_efficiency for a in AXES}

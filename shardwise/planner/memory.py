@@ -19,6 +19,7 @@ from functools import lru_cache
 
 from shardwise.rules.buckets import bucket_key, cut_runs
 from shardwise.rules import inventory
+from shardwise.rules.fp8 import summed_before_cast
 from shardwise.rules.inventory import Param, unit_params, zero_units
 from shardwise.rules.partition import balanced_counts
 from shardwise.planner.layout import Layout, Stage, chunk_owners
@@ -143,8 +144,10 @@ def stage_unit_entries(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple
     """(chunk, unit name, [(inventory entry, tensor one rank holds, TP-partial gradient?)]) of every ZeRO-3 unit of
     `stage_unit_names`. A gradient is TP-partial as the runtime's `parallelize` marks it: a replicated weight fed
     sequence shards under SP, a whole K/V head several tp ranks keep, and under any tp a head-partial weight (Qwen3's
-    q/k norms, MLA's down-projections and latent norms, the gated norm), which sees this rank's heads only."""
+    q/k norms, MLA's down-projections and latent norms, the gated norm), which sees this rank's heads only — but
+    not, under --fp8, a down-projection whose output gradient is summed before its casts (`fp8_summed_heads`)."""
     t, ep, sp = lay.tp, lay.ep, lay.sp and lay.tp > 1
+    whole = summed_before_cast if spec.fp8_summed_heads else (lambda p: False)  # --fp8: summed before the cast
     # under PP the embedding is reduced at the end when summed over emb with the last stage's copy (MTP's, or the
     # tied head's on another rank) or (MTP under dualpipev) accumulated by two chunks: `tied_partial`
     late = lay.pp > 1 and (bool(spec.mtp_layers) or (spec.tie_embeddings and not stage.head))
@@ -155,7 +158,8 @@ def stage_unit_entries(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple
         kind = name.partition(".")[0]
         entries = _unit_entries(spec, unit_key(spec, name), tied, t, ep)
         if kind in ("layers", "mtp"):
-            rows = [(p, x, (sp and p.sp_replicated) or x.whole_head or (t > 1 and p.head_partial)) for p, x in entries]
+            rows = [(p, x, (sp and p.sp_replicated) or x.whole_head or (t > 1 and p.head_partial and not whole(p)))
+                    for p, x in entries]
         else:
             partial = {"norm": sp, "output": copy, "tok_embeddings": late, "mtp_embed": True}[kind]
             rows = [(p, x, partial) for p, x in entries]

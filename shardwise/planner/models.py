@@ -52,6 +52,10 @@ class ModelSpec(ModelConfig):
     """Leading layers with a dense MLP in an MoE model (DeepSeek-V3: 3)."""
     untrainable: str = ""
     """Why `shardwise train` cannot build this model; '' = it can (the spec is a trainer ModelConfig)."""
+    fp8_summed_heads: bool = False
+    """An --fp8 run's gradients of head-partial down-projections are whole, not TP-partial
+    (`rules.fp8.summed_before_cast`). A run property, kept here because the caches key on the spec:
+    `planner.fp8_grad.fp8_spec` sets it from the workload."""
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> ModelSpec:

@@ -31,6 +31,14 @@ GRAD_TAG = "fp8_grad"
 """Ledger tag of the tp all-reduce of a head-partial FP8 linear's output gradient before its backward casts."""
 
 
+def summed_before_cast(p) -> bool:
+    """An inventory entry (`rules.inventory.Param`) of a linear replicated over tp that feeds each rank's own heads
+    (MLA's down-projections, KDA's gate down-projections): its weight or bias. Under --fp8 at tp > 1 its output
+    gradient is all-reduced over tp before the backward casts (`GRAD_TAG`), so its gradient is whole on every rank,
+    not TP-partial: it leaves the tp sum and ZeRO's deferred buckets (`shardwise.fp8.apply._sum_output_gradient`)."""
+    return p.head_partial and p.tp == "rep" and not p.expert and (len(p.shape) == 2 or p.name.endswith(".bias"))
+
+
 @dataclass(frozen=True)
 class Operand:
     """An operand [B, S, C] on one rank and the axes splitting each dimension (`batch`, `seq`, `cols`), each axis a
