@@ -113,7 +113,7 @@ def emulated_gemm(a: Quantized, ta: bool, b: Quantized, tb: bool) -> torch.Tenso
 
 
 def fp8_weight_grads(r: Recipe, qg_w, qx_w, ws, bs, gs) -> list:
-    """dW_i = g_iᵀ x_i over the tokens in FP8, db_i = Σ g_i: [dW_1, …, db_1, …] (also the overlapped TP regions')."""
+    """dW_i = g_iᵀ x_i over the tokens in FP8, db_i = Σ g_i: [dW_1, …, db_1, …] (the overlapped TP regions' too)."""
     dws = [gemm(qg, True, r.g_wgrad, qx, True, r.x_wgrad).to(w.dtype) for qg, qx, w in zip(qg_w, qx_w, ws)]
     return dws + [None if b is None else g.reshape(-1, g.shape[-1]).float().sum(0).to(b.dtype)
                   for b, g in zip(bs, gs)]
