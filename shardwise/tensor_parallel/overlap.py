@@ -220,7 +220,7 @@ def _rows_q(q: Quantized, t: int, off: int, n: int) -> Quantized:
     B, S, _ = q.data.shape
     data = _rows(q.data, t, off, n)
     s = q.scale
-    if s.shape[:2] == (B, S) and S > 1:
+    if s.shape[:2] == (B, S):
         s = _rows(s, t, off, n).reshape(-1, n, s.shape[-1])
     elif s.shape[:2] != (1, 1):
         raise ValueError(f"an overlapped FP8 chunk needs scales per row or over all rows, not blocks {q.blocks}")
