@@ -170,7 +170,9 @@ def test_empty_expert_rows():
 
 @pytest.mark.parametrize("kw, says", [
     (dict(fp8="fp4"), "--fp8 'fp4' is unknown; valid: tensorwise, rowwise, blockwise, mxfp8"),
-    (dict(fp8="rowwise", parallel=ParallelConfig(tp=2, sequence_parallel=True, tp_overlap=True)), "--tp-overlap"),
+    (dict(fp8="tensorwise", fp8_all_gather=True, parallel=ParallelConfig(tp=2, sequence_parallel=True,
+                                                                        tp_overlap=True)),
+     "--fp8-all-gather with --tp-overlap"),
     (dict(fp8="blockwise", seq_len=256, parallel=ParallelConfig(cp=2)), "128-token tiles across cp ranks"),
 ])
 def test_bad_combinations(kw, says):
@@ -182,9 +184,11 @@ def test_bad_combinations(kw, says):
 def test_cli_exits_2_with_one_line(capsys):
     from shardwise.cli import main
 
-    code = main(["train", "--fp8", "rowwise", "--tp", "2", "--sequence-parallel", "--tp-overlap", "--print-config"])
+    code = main(["train", "--fp8", "tensorwise", "--fp8-all-gather", "--tp", "2", "--sequence-parallel",
+                 "--tp-overlap", "--print-config"])
     err = capsys.readouterr().err.strip().splitlines()
-    said = "shardwise train: error: --fp8 rowwise does not run with --tp-overlap yet; drop one of them"
+    said = ("shardwise train: error: --fp8-all-gather with --tp-overlap: the overlapped chunks gather in high "
+            "precision (--fp8 tensorwise runs with --tp-overlap); drop one of them")
     assert code == 2 and err == [said], err
 
 

@@ -458,8 +458,9 @@ class TrainConfig:
     def _validate_fp8(self, p: ParallelConfig, m: ModelConfig) -> None:
         if self.fp8 not in FP8_RECIPES:
             raise ConfigError(f"--fp8 {self.fp8!r} is unknown; valid: {', '.join(FP8_RECIPES)}")
-        if p.tp_overlap:
-            raise ConfigError(f"--fp8 {self.fp8} does not run with --tp-overlap yet; drop one of them")
+        if p.tp_overlap and self.fp8_all_gather:
+            raise ConfigError(f"--fp8-all-gather with --tp-overlap: the overlapped chunks gather in high precision "
+                              f"(--fp8 {self.fp8} runs with --tp-overlap); drop one of them")
         problem = fp8_cp_problem(self.fp8, self.seq_len, p.cp, p.cp_order == "balanced")
         if problem:
             raise ConfigError(f"--fp8 {self.fp8} with --cp {p.cp} and --seq-len {self.seq_len} {problem}")

@@ -112,6 +112,13 @@ def emulated_gemm(a: Quantized, ta: bool, b: Quantized, tb: bool) -> torch.Tenso
     return _dequantized(a, ta) @ _dequantized(b, tb).t()
 
 
+def fp8_weight_grads(r: Recipe, qg_w, qx_w, ws, bs, gs) -> list:
+    """dW_i = g_iᵀ x_i over the tokens in FP8, db_i = Σ g_i: [dW_1, …, db_1, …] (the overlapped TP regions' too)."""
+    dws = [gemm(qg, True, r.g_wgrad, qx, True, r.x_wgrad).to(w.dtype) for qg, qx, w in zip(qg_w, qx_w, ws)]
+    return dws + [None if b is None else g.reshape(-1, g.shape[-1]).float().sum(0).to(b.dtype)
+                  for b, g in zip(bs, gs)]
+
+
 class _Fp8Linears(torch.autograd.Function):
     """forward: y_i = x_i W_iᵀ + b_i in FP8 for every i / backward: dx_i = g_i W_i and dW_i = g_iᵀ x_i in FP8, db_i
     = Σ g_i; all the group's amax reductions of one cast in one all-reduce."""
@@ -170,10 +177,7 @@ class _Fp8Linears(torch.autograd.Function):
             return out
 
         def weight_grads(qg_w, qx_w) -> list:
-            """dW_i = g_iᵀ x_i over the tokens in FP8, db_i = Σ g_i: [dW_1, …, db_1, …]."""
-            dws = [gemm(qg, True, r.g_wgrad, qx, True, r.x_wgrad).to(w.dtype) for qg, qx, w in zip(qg_w, qx_w, ws)]
-            return dws + [None if b is None else g.reshape(-1, g.shape[-1]).float().sum(0).to(b.dtype)
-                          for b, g in zip(bs, gs)]
+            return fp8_weight_grads(r, qg_w, qx_w, ws, bs, gs)
 
         def deferred() -> list:
             with torch.autocast(gs[0].device.type, enabled=False):
@@ -190,6 +194,11 @@ class _Fp8Linears(torch.autograd.Function):
                 ctx.store.defer([*ws, *bs], deferred)
                 return (None, None, None, None, None, *dxs, *[None] * (2 * n))
             return (None, None, None, None, None, *dxs, *weight_grads(*wgrad))
+
+
+def out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an FP8 linear returns for input `x`: autocast's where it is on, else x's."""
+    return _out_dtype(x)
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:

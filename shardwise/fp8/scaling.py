@@ -163,11 +163,17 @@ def quantize_all(items: list[tuple[torch.Tensor, Cast, Layout]]) -> list[Quantiz
         if firsts[i] != i:
             out.append(out[firsts[i]])
             continue
-        q = Quantized(t, to_scale(amax, cast), (br, bc))
-        big = torch.finfo(cast.dtype).max
-        q.data = torch.mul(t.detach(), q.scale_bcast()).clamp_(-big, big).to(cast.dtype)
-        out.append(q)
+        out.append(cast_with(t, to_scale(amax, cast), (br, bc), cast))
     return out
+
+
+def cast_with(t: torch.Tensor, scale: torch.Tensor, blocks: tuple[int, int], cast: Cast) -> Quantized:
+    """`t` [B, S, C] cast to FP8 with scales fixed beforehand (compact, blocks (rows, cols)): `quantize_all`'s cast,
+    also what casts part of a tensor with the whole tensor's scale (`tensor_parallel/overlap.py`'s chunks)."""
+    q = Quantized(t, scale, blocks)
+    big = torch.finfo(cast.dtype).max
+    q.data = torch.mul(t.detach(), q.scale_bcast()).clamp_(-big, big).to(cast.dtype)
+    return q
 
 
 def as3d(t: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ g's columns over tp, a row-parallel x's and W's columns over tp, the tokens of a
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardwise.rules import inventory
 from shardwise.rules.fp8 import AMAX_TAG, FP8_BLOCKS, Operand, amax_reductions, scale_plan
 from shardwise.planner import moe_skew
@@ -72,19 +74,42 @@ def _operands(p, lay: Layout, wl: Workload, spec) -> tuple[list, list, list]:
     return [x], [w], [g]
 
 
+def _sp_shard(op: Operand, tp: int) -> Operand:
+    """This rank's SP shard of an operand whose rows an overlapped region gathers over tp
+    (`tensor_parallel.overlap.shard_layout`): its rows split over tp too, a scale over every row reduced over it."""
+    rows = op.rows_all if op.rows_all is not None else (*op.batch, *op.seq)
+    return replace(op, S=op.S // tp, seq=(*op.seq, ("tp", tp)), rows_all=(*rows, ("tp", tp)), seq_global=None)
+
+
+def overlapped(p, lay: Layout, spec, linear_layer: bool) -> str | None:
+    """How --tp-overlap runs FP8 linear `p` (`tensor_parallel.overlap`): "column" (it reads an overlapped region's
+    entry: attention's, a Gated DeltaNet's or a dense MLP's column projections; Kimi Delta Attention enters its
+    region whole), "row" (a row-parallel linear), else None."""
+    if not lay.tp_overlap or p.expert:
+        return None
+    if p.tp == "row":
+        return "row"
+    kda = getattr(spec, "kda", False) and linear_layer and p.name.startswith("attention.")
+    return "column" if reads_region_input(p, spec) and not kda else None
+
+
 def linear_calls(p, lay: Layout, wl: Workload, spec, recipe: str, x_held: bool = False,
-                 w_held: bool = False) -> tuple[list, list]:
+                 w_held: bool = False, overlap: str | None = None) -> tuple[list, list]:
     """(forward, backward) `fp8_amax` all-reduces of one FP8 linear and microbatch: [(axis, size, bytes)].
     `x_held` / `w_held`: its x (an SP gather's) or W (a ZeRO-3 gather's) came over the wire in FP8, so the linear
     casts neither (`--fp8-all-gather`: only where one cast serves both GEMMs reading it). Under a split backward
-    (zb, dualpipev) the dx casts and the deferred dW casts are two calls."""
+    (zb, dualpipev) the dx casts and the deferred dW casts are two calls. `overlap` (`overlapped`): the forward of an
+    overlapped column linear scales x on this rank's shard; an overlapped row linear's backward scales g on its shard
+    for dx, then casts for dW in a second call."""
     bx, bw, bgd, bwd, bgw, bxw = FP8_BLOCKS[recipe]
     xs, ws, gs = _operands(p, lay, wl, spec)
     xs_c, ws_c = ([] if x_held else xs), ([] if w_held else ws)
-    fwd = amax_reductions([(x, bx) for x in xs_c] + [(w, bw) for w in ws_c])
-    dgrad = [(g, bgd) for g in gs] + [(w, bwd) for w in ws_c]
+    xs_f = [_sp_shard(x, lay.tp) for x in xs_c] if overlap == "column" else xs_c
+    fwd = amax_reductions([(x, bx) for x in xs_f] + [(w, bw) for w in ws_c])
+    gs_d = [_sp_shard(g, lay.tp) for g in gs] if overlap == "row" else gs
+    dgrad = [(g, bgd) for g in gs_d] + [(w, bwd) for w in ws_c]
     wgrad = [(g, bgw) for g in gs] + [(x, bxw) for x in xs_c]
-    split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev")
+    split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev") or overlap == "row"
     bwd_ = amax_reductions(dgrad) + amax_reductions(wgrad) if split else amax_reductions(dgrad + wgrad)
     return fwd, bwd_
 
@@ -125,7 +150,7 @@ def fp8_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:
         fp8_bucket = w_wire and weights_bucket_fp8(spec, moe, lin)
         for p in block_linears(spec, moe, lin):
             fwd, bwd = linear_calls(p, lay, wl, spec, wl.fp8, x_wire and reads_region_input(p, spec),
-                                    fp8_bucket and not p.expert)
+                                    fp8_bucket and not p.expert, overlapped(p, lay, spec, lin))
             for axis, size, nbytes in fwd:
                 led.add(axis, f"all_reduce:{AMAX_TAG}", nbytes, size, 2 if rec else 1)
             for axis, size, nbytes in bwd:

@@ -127,7 +127,8 @@ class ColumnParallelLinear(nn.Module):
         if self.region is not None:  # computed, together with its siblings, by the region's hook
             return self.region.take(self, x)
         if self.enter and self.overlap and self.sequence_parallel and self.axis.active:
-            y = gather_column(x, self.axis, self.grad_store, [self.weight], [self.bias])[0]
+            y = gather_column(x, self.axis, self.grad_store, [self.weight], [self.bias],
+                              fp8=None if self.fp8 is None else [self.fp8])[0]
             return comm.gather_from_region(y, self.axis) if self.gather_output else y
         if self.enter:
             x = enter_region(x, self.axis, self.sequence_parallel)
@@ -230,8 +231,9 @@ class ColumnRegion:
     def __call__(self, module, args):
         x = args[0]
         if self.overlap:
+            fp8 = None if self.layers[0].fp8 is None else [layer.fp8 for layer in self.layers]
             outs = gather_column(x, self.axis, self.layers[0].grad_store, [layer.weight for layer in self.layers],
-                                 [layer.bias for layer in self.layers], self.fused)
+                                 [layer.bias for layer in self.layers], self.fused, fp8)
             self.outputs = {id(layer): (x, y) for layer, y in zip(self.layers, outs)}
             return
         if self.layers[0].fp8 is not None:  # FP8: each projection its own GEMM, scales per weight as unfused
@@ -277,7 +279,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = comm.scatter_to_region(x, self.axis)
         if self.overlap and self.sequence_parallel and self.axis.active:
-            y = row_scatter(x, self.weight, self.axis, self.grad_store)
+            y = row_scatter(x, self.weight, self.axis, self.grad_store, self.fp8)
         else:
             y = exit_region(_linear(self, x, None), self.axis, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
