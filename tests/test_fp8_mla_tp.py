@@ -3,11 +3,12 @@ only its own heads into them, so their output gradient is a per-rank partial sum
 is not the cast of the sum. `Fp8Config.grad_sum` all-reduces that gradient over tp (`all_reduce:fp8_grad`) before the
 backward casts, so every rank computes the whole dW (no tp sum) and dx (handed back by tp rank 0 only).
 
-One two-rank spawn: `shardwise verify --fp8` on MLA with dense MLPs at tp2 with SP (tensorwise), tp2 without SP
-(blockwise) and with --fused-projections (rowwise), and on Kimi-Linear's shape (KDA's gate down-projections are
-head-partial too) at tp2, each held to the bounds derived from the single-device FP8 model's own spread; then with the
-fix undone (the partial gradients cast per rank, summed later) at tp2+SP and on Kimi, which verify must fail. The
-runtime's ledger of one step at dp2×tp2 (DeepSeek-shaped MLA+MTP with SP, Kimi without) equals the planner's.
+One two-rank spawn: `shardwise verify --fp8` on the DeepSeek-shaped MLA+MTP MoE at tp2 with SP (tensorwise; its
+routed and shared experts' casts are replayed too), on MLA with dense MLPs at tp2 without SP (blockwise) and with
+--fused-projections (rowwise), and on Kimi-Linear's shape (KDA's gate down-projections are head-partial too) at tp2,
+each held to the bounds derived from the single-device FP8 model's own spread; then with the fix undone (the partial
+gradients cast per rank, summed later) at tp2+SP and on Kimi, which verify must fail. The runtime's ledger of one
+step at dp2×tp2 (DeepSeek-shaped MLA+MTP with SP, Kimi without) equals the planner's.
 """
 import pytest
 import torch
@@ -24,14 +25,12 @@ from test_planner_fp8 import assert_ops_as_planned, one_step
 KIMI = ModelConfig(name="kimi-tiny", vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=48,
                    max_seq_len=64, kv_lora_rank=16, qk_rope_dim=8, v_head_dim=8, mla_nope=True, kda=True,
                    linear_layers=(0,), linear_k_heads=4, linear_v_heads=4, linear_k_dim=8, linear_v_dim=8)
-# MLA with dense MLPs for verify: FP8 replay does not cover routed experts yet (docs/fp8.md), and under tp a rounding
-# flip in their casts fails a correct layout for some seeds (DeepSeek-shaped, tp2+SP: 1302754364); the ledger test
-# keeps the DeepSeek-shaped MLA+MTP model
+# MLA with dense MLPs: the cheaper model for the layouts without SP (the DeepSeek-shaped MLA+MTP MoE runs with SP)
 MLA_DENSE = ModelConfig(name="mla-dense", vocab_size=257, dim=64, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=16,
                         ffn_dim=96, max_seq_len=64, norm_eps=1e-6, q_lora_rank=32, kv_lora_rank=24, qk_rope_dim=8,
                         v_head_dim=12)
 LAYOUTS = {  # name: (model, recipe, parallel degrees)
-    "tp2_sp_tensorwise": (MLA_DENSE, "tensorwise", dict(tp=2, sequence_parallel=True)),
+    "tp2_sp_tensorwise": (DEEPSEEK_MTP, "tensorwise", dict(tp=2, sequence_parallel=True)),  # routed experts replayed
     "tp2_blockwise": (MLA_DENSE, "blockwise", dict(tp=2)),
     "tp2_fused_rowwise": (MLA_DENSE, "rowwise", dict(tp=2, fused_projections=True)),
     "kimi_tp2_tensorwise": (KIMI, "tensorwise", dict(tp=2)),

@@ -7,9 +7,13 @@ on the routing, so no amax reduction over a fixed axis repairs it. `TrainConfig`
 (they are taken on each rank's rows), as the runtime sends none.
 
 Checked: the refusals (no spawn); one step's ledger at dp2 (DeepSeek-shaped MoE, blockwise, ep 1, the refusal
-lifted) equals the plan — no `edp` `fp8_amax` all-reduce on either side; `verify` (one two-rank spawn, slow) passes
-blockwise tiny-moe at tp2 without SP and at dp2×ep2, and fails it, the refusal lifted, at tp2 with SP and at dp2×ep1.
+lifted) equals the plan — no `edp` `fp8_amax` all-reduce on either side; `verify` (one two-rank spawn, slow, fresh
+seeds: FP8 replay places the routed experts' rows, verify/fp8_replay.py) passes blockwise tiny-moe at tp2 without SP
+and at dp2×ep2 with every cast replayed, and fails it, the refusal lifted, at tp2 with SP and at dp2×ep1 — at the
+replay's scale-group check on an expert's token tiles —, as it fails tensorwise at tp2 with SP with per-rank amaxes.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,11 +25,10 @@ from test_mtp import DEEPSEEK_MTP
 from test_planner_fp8 import assert_ops_as_planned, one_step
 
 ALLOWED = {"tp2": dict(tp=2), "dp2_ep2": dict(dp=2, ep=2)}
-FIXED_SEED = {"tp2": 303}
-"""FP8 replay does not cover the grouped routed experts yet (docs/fp8.md, Not yet): under tp the experts' inputs differ
-from the single device's by fp32 reordering, and a rounding flip in their casts fails a correct layout for some seeds
-(seed 101: the next step's replayed casts see it as unexplained). Until then tp2 runs on a seed seen to pass."""
 REFUSED = {"tp2_sp": dict(tp=2, sequence_parallel=True), "dp2_ep1": dict(dp=2)}
+PER_SHARD = ("tensorwise", dict(tp=2, sequence_parallel=True))
+"""The routed experts' scales over their rows, split over tp under SP, taken on each rank's own rows (their layout
+emptied of axes): verify must fail it at the replay's scale-group check on an expert's operand."""
 
 
 def _lift_refusal() -> None:
@@ -33,9 +36,9 @@ def _lift_refusal() -> None:
     training.fp8_moe_problem = lambda *args: None
 
 
-def _cfg(degrees: dict, seed: int, **extra) -> TrainConfig:
+def _cfg(degrees: dict, seed: int, fp8: str = "blockwise", **extra) -> TrainConfig:
     kw = dict(model="tiny-moe", steps=2, seq_len=64, micro_batch=2, model_overrides={"n_layers": 2}) | extra
-    return TrainConfig(parallel=ParallelConfig(**degrees), seed=seed, progress=False, fp8="blockwise",
+    return TrainConfig(parallel=ParallelConfig(**degrees), seed=seed, progress=False, fp8=fp8,
                        warmup_steps=20, lr_decay_steps=200, **kw).resolved(2)
 
 
@@ -91,18 +94,32 @@ def _verify_all(seed: int) -> dict:
     """Inside ranks: verify's verdict on the accepted layouts, then on the refused ones with the refusal lifted."""
     from shardwise.verify.main import verify_main
 
+    from shardwise.fp8 import experts as fp8_experts
+    from shardwise.fp8.linear import LinearLayout
+
     torch.set_num_threads(1)
-    out = {name: verify_main(_cfg(degrees, FIXED_SEED.get(name, seed))) for name, degrees in ALLOWED.items()}
+    out = {name: verify_main(_cfg(degrees, seed)) for name, degrees in ALLOWED.items()}
     _lift_refusal()
-    return out | {name: verify_main(_cfg(degrees, seed)) for name, degrees in REFUSED.items()}
+    out |= {name: verify_main(_cfg(degrees, seed)) for name, degrees in REFUSED.items()}
+    grouped = fp8_experts.fp8_linears  # the routed experts' scales taken on each rank's rows: the wrong group
+    fp8_experts.fp8_linears = lambda cfg, *args: grouped(dataclasses.replace(cfg, layout=LinearLayout(seq_global=0)),
+                                                         *args)
+    return out | {"per_shard": verify_main(_cfg(PER_SHARD[1], seed, PER_SHARD[0]))}
+
+
+def _expert_scale_group(v: dict) -> bool:
+    """Whether verify failed `v` at the replay's scale-group check on a routed expert's operand."""
+    why = (v.get("fp8_replay") or {}).get("unexplained") or {}
+    return not v["passed"] and why.get("what") == "scale group" and ".experts.w" in why.get("where", "")
 
 
 @pytest.mark.slow
 def test_verify_blockwise_moe():
     seed = fresh_seed()
     out = run_ranks(2, _verify_all, seed, timeout_s=900)[0]
-    wrong = [(name, out[name]["fp8_budget"]["ratios"]) for name in ALLOWED
-             if not (out[name]["passed"] and out[name]["coverage"] == 1.0 and len(out[name]["losses"]) == 2)]
-    wrong += [(name, "passed though refused", out[name]["fp8_budget"]["ratios"]) for name in REFUSED
-              if out[name]["passed"]]
+    wrong = [(name, out[name]["fp8_budget"]["ratios"], out[name].get("fp8_replay")) for name in ALLOWED
+             if not (out[name]["passed"] and out[name]["coverage"] == 1.0 and len(out[name]["losses"]) == 2
+                     and out[name]["fp8_replay"]["own_casts"] == 0)]
+    wrong += [(name, "not failed at an expert's tiles", out[name].get("fp8_replay")) for name in (*REFUSED, "per_shard")
+              if not _expert_scale_group(out[name])]
     assert not wrong, (seed, wrong)

@@ -98,6 +98,7 @@ class DispatchHandle:
     tokens_per_expert: list[int]     # this rank's kept assignments per global expert
     dropped: int                     # this rank's assignments dropped by capacity
     local_counts: torch.Tensor | None = None  # tokens_per_local_expert on the device (grouped GEMM offsets)
+    order: torch.Tensor | None = None  # [R] flat (token, choice) assignment of each sent row (`positions.py`)
 
 
 class SplitTape:
@@ -208,7 +209,7 @@ class AllToAllDispatcher:
                 logical[self.slot_expert[slot]] += c
             per_expert = logical
         handle = DispatchHandle(token_idx, flat_w[perm], n, in_splits, out_splits, regroup, per_local,
-                                per_expert, n * k - kept, recv_counts.view(ep, e_l).sum(0))
+                                per_expert, n * k - kept, recv_counts.view(ep, e_l).sum(0), perm)
         return rows, handle
 
     # ------------------------------------------------------------ combine

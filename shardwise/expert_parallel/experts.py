@@ -135,17 +135,19 @@ class GroupedExperts(nn.Module):
         gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
 
-    def forward(self, rows: torch.Tensor, counts: list[int], device_counts: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: list[int], device_counts: torch.Tensor | None = None,
+                where=None) -> torch.Tensor:
         """rows [M, dim], contiguous per local expert with `counts` rows each → [M, dim].
 
         The grouped GEMM runs in the compute dtype (bf16 under autocast: the weights are cast per forward,
         as autocast casts every other linear's), so on sm90 the fused kernel runs. Its offsets are built on
         the device from `device_counts` (the same counts as a device tensor; the dispatcher has them), never
-        copied from a host list — that copy would block."""
+        copied from a host list — that copy would block. `where`: the rows' single-device positions
+        (`positions.ExpertRows`), for the FP8 GEMMs."""
         if len(counts) != self.n_local or sum(counts) != rows.shape[0]:
             raise ValueError(f"counts {counts} do not describe {rows.shape[0]} rows over {self.n_local} experts")
         if self.fp8 is not None:
-            return fp8_experts(self, rows, counts)
+            return fp8_experts(self, rows, counts, where)
         dtype = compute_dtype(rows)
         w1, w3, w2 = (self._summed(w) for w in (self.w1, self.w3, self.w2))
         w1, w3, w2 = (w if w.dtype == dtype else w.to(dtype) for w in (w1, w3, w2))

@@ -25,6 +25,7 @@ from ..models.params import linear_of
 from ..rules import inventory
 from .dispatch import AllToAllDispatcher
 from .experts import GroupedExperts
+from .positions import expert_rows, token_ids
 from .router import Router
 
 
@@ -165,13 +166,21 @@ class MoE(nn.Module):
         self.step_aux = 0.0  # scale-weighted aux loss since the loop last read it
         self.pool: AuxPool | None = None  # aux_scope "model": shared by the model's MoE blocks (share_aux_pool)
         self.pool_key = ""
+        # a `positions.TokenLayout` where the experts need each row's single-device position (verify's FP8 replay)
+        self.token_layout = None
+        self.positions_tag = "positions"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
         rows, handle = self.dispatcher.dispatch(flat, routing.indices, routing.weights)
-        out = self.dispatcher.combine(self.experts(rows, handle.tokens_per_local_expert, handle.local_counts), handle)
+        where = None
+        if self.token_layout is not None:
+            ids = token_ids(self.token_layout, shape[0], flat.device)
+            where = expert_rows(self.token_layout, ids, routing.indices, handle, self.dispatcher, self.positions_tag)
+        out = self.experts(rows, handle.tokens_per_local_expert, handle.local_counts, where)
+        out = self.dispatcher.combine(out, handle)
         if self.shared is not None:
             shared = self.shared(flat)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)

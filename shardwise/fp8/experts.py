@@ -2,14 +2,19 @@
 each cast's amax reduction over the token axes (edp, and tp under SP) is one all-reduce for every expert."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .linear import fp8_linears
 
 
-def fp8_experts(experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """`GroupedExperts.forward` with its three projections in FP8 (scales per expert weight and per expert's rows)."""
+def fp8_experts(experts, rows: torch.Tensor, counts: list[int], where=None) -> torch.Tensor:
+    """`GroupedExperts.forward` with its three projections in FP8 (scales per expert weight and per expert's rows).
+    `where`: the rows' single-device positions (`expert_parallel.positions.ExpertRows`), carried in the config."""
     cfg, n = experts.fp8, experts.n_local
+    if where is not None:
+        cfg = dataclasses.replace(cfg, rows=where)
     parts = list(rows.split(counts))
     none = [None] * n
     b1, b3, b2 = (none if b is None else list(b.unbind(0)) for b in (experts.b1, experts.b3, experts.b2))

@@ -61,6 +61,8 @@ class Fp8Config:
     recipe: Recipe
     layout: LinearLayout = LinearLayout()
     grad_sum: object = None
+    rows: object = None
+    """Routed experts: their rows' single-device positions (`expert_parallel.positions.ExpertRows`), where asked."""
 
 
 def _matrix(q: Quantized, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,8 @@ FP8 step (6 % in e4m3): one flip in a 30k-element operand of an early GEMM moves
 budget drawn from one perturbed twin cannot say whether a correct layout flips more than the twin did. So, as routing
 replay does for top-k choices, the flips are explained instead of budgeted for:
 
-1. During the layout's forward-backward every FP8 cast of a single (not grouped) FP8 linear whose tokens and
-   features have known global positions is recorded: the high-precision tensor it cast and the scale of each element.
+1. During the layout's forward-backward every FP8 cast of an FP8 linear (and of each routed expert) whose tokens
+   and features have known global positions is recorded: the high-precision tensor it cast and the scale of each element.
    Afterwards the parts are placed at their global positions (one max all-reduce over the world per step; replicas
    are equal) — the layout's logical operand x_l.
 2. Scale group, exactly: each rank's scales must equal, element for element, the scales the single device takes
@@ -20,9 +20,15 @@ replay does for top-k choices, the flips are explained instead of budgeted for:
    within fp32 error of a rounding boundary. Anything else fails verify, naming the parameter, the operand and
    the step. The twin (`fp8_twin`) takes the same operands unchecked: its spread is then fp32's, not FP8's flips.
 
-What the replay cannot reach keeps its own rounding and the twin's budget: grouped routed experts (their rows are
-routed, not placed), the MoE's flattened token rows, operands that came over the wire in FP8, pipeline schedules
-(stages hold different layers) and bf16 runs.
+Routed experts (one grouped call, a weight per local expert) are keyed by logical expert: each received row's place
+is its row within its expert in the single device's order (`expert_parallel.positions`, which the layout's MoE blocks
+compute while the replay runs: an all-gather of counts and an all-to-all of positions, tagged `verify`); a rank
+records empty operands for the experts it does not hold, so every rank exchanges the same operands. The MoE's
+flattened token rows (shared experts) sit at their tokens' single-device ids (`positions.token_ids`).
+
+What the replay cannot reach keeps its own rounding and the twin's budget: experts under a capacity factor (each rank
+drops by its own counts), operands that came over the wire in FP8, pipeline schedules (stages hold different layers)
+and bf16 runs.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import torch
 
 from .. import comm
 from ..context_parallel.sharding import shard_sequence
+from ..expert_parallel.positions import TokenLayout, token_ids
 from ..fp8 import linear as fp8_linear
 from ..fp8.scaling import Layout, Quantized, local_amax, quantize_all
 from ..tensor_parallel.layers import get_spec
@@ -48,14 +55,20 @@ thousand times below an FP8 step (e4m3: 2**-3 relative; an e5m2 gradient 2**-2).
 class _Call:
     """The FP8 linear call in progress: its phase and the tensors each operand role can be cut from."""
 
-    def __init__(self, phase: str, weights, xs, gs):
+    def __init__(self, phase: str, weights, xs, gs, rows=None):
         self.phase, self.weights, self.xs, self.gs = phase, list(weights), list(xs), list(gs)
+        self.rows = rows  # routed experts: their rows' single-device positions (`positions.ExpertRows`)
 
     def role(self, t: torch.Tensor) -> str | None:
+        return self.role_at(t)[0]
+
+    def role_at(self, t: torch.Tensor) -> tuple[str | None, int]:
+        """(the operand role `t` was cut from, the index of its linear in the group)."""
         for role, cands in (("w", self.weights), ("x", self.xs), ("g", self.gs)):
-            if any(c is not None and c.data_ptr() == t.data_ptr() and c.shape[-1] == t.shape[-1] for c in cands):
-                return role
-        return None
+            for i, c in enumerate(cands):
+                if c is not None and c.data_ptr() == t.data_ptr() and c.shape[-1] == t.shape[-1]:
+                    return role, i
+        return None, -1
 
 
 class Fp8Replay:
@@ -64,10 +77,21 @@ class Fp8Replay:
     def __init__(self, layout, refs: list, world):
         self.world, self.cfg = world, layout.cfg
         self.owner: dict[int, tuple[str, str]] = {}  # id(weight) -> (which run, its name)
+        self.grouped: dict[int, tuple[str, str, tuple]] = {}  # id(stacked expert weight) -> (run, name, its experts)
         for kind, run in (("layout", layout), *((("check" if i == 0 else "follow"), r) for i, r in enumerate(refs))):
             for name, p in run.model.named_parameters(remove_duplicate=False):
                 if p.dim() == 2:
                     self.owner[id(p)] = (kind, name)
+            for mname, m in run.model.named_modules():
+                if hasattr(m, "n_local") and hasattr(m, "rows"):  # GroupedExperts: slot j holds expert rows[j]
+                    for w in ("w1", "w3", "w2"):
+                        self.grouped[id(getattr(m, w))] = (kind, f"{mname}.{w}", tuple(m.rows), m.n_experts)
+        cfg, mesh = layout.cfg, layout.mesh
+        self.tokens = TokenLayout.of(mesh, cfg.seq_len, cfg.parallel.cp_order, cfg.parallel.sequence_parallel)
+        self.micro_batch, self.dp = cfg.micro_batch, mesh.dims.dp
+        for m in layout.model.modules():  # the layout's MoE blocks place their experts' rows (dropless only)
+            if hasattr(m, "token_layout") and m.dispatcher.capacity_factor is None:
+                m.token_layout, m.positions_tag = self.tokens, "verify"
         self.records: dict[tuple, tuple] = {}  # key -> (x [B,S,C] fp32, its scales, global index, global shape, cast)
         self.table: dict[tuple, tuple] = {}  # key -> (the single device's cast of x_l, x_l): what the references take
         self.counts: dict[tuple, int] = {}
@@ -86,17 +110,21 @@ class Fp8Replay:
         me = self
 
         def forward(ctx, cfg, out_dtype, n, pre_x, store, *args):
-            with me._in(_Call("fwd", args[n:2 * n], args[:n], ())):
+            with me._in(_Call("fwd", args[n:2 * n], args[:n], (), cfg.rows)):
                 return fwd(ctx, cfg, out_dtype, n, pre_x, store, *args)
 
         def backward(ctx, *gs):
-            with me._in(_Call("bwd", ctx.ws, ctx.saved_tensors, gs)):
+            with me._in(_Call("bwd", ctx.ws, ctx.saved_tensors, gs, ctx.cfg.rows)):
                 return bwd(ctx, *gs)
 
         def quantize_all(items):
             qs = cast(items)
             call = me.call
-            if call is None or len(call.weights) != 1:  # grouped experts: rows routed, not placed
+            if call is None:
+                return qs
+            if id(call.weights[0]._base) in me.grouped:  # routed experts: rows placed by their positions
+                return me._grouped(call, items, qs)
+            if len(call.weights) != 1:
                 return qs
             return [me._cast(call, t, c, lay, q) for (t, c, lay), q in zip(items, qs)]
 
@@ -122,15 +150,65 @@ class Fp8Replay:
         if owner is None or role is None:
             return q
         kind, name = owner
-        base = (kind, name, call.phase, role, _label(cast))
-        k = self.counts.get(base, 0)
-        self.counts[base] = k + 1
-        key = (name, call.phase, role, _label(cast), k)
+        key = self._key(kind, name, call.phase, role, cast)
         if kind == "layout":
             placed = self._place(t, role, lay, call.weights[0])
             if placed is not None:
                 self.records[key] = (t.detach().float().clone(), q.scale_full().detach().clone(), *placed, cast)
             return q
+        return self._take(kind, key, t, q, cast)
+
+    def _grouped(self, call: _Call, items: list, qs: list) -> list:
+        """`_cast` for the routed experts' grouped call: each operand keyed by its logical expert; the layout's rows
+        placed at their positions within the expert, an empty operand recorded for each expert it does not hold."""
+        kind, name, experts, n_experts = self.grouped[id(call.weights[0]._base)]
+        if kind == "layout" and call.rows is None:  # no positions (a capacity factor): the references keep their own
+            return qs
+        sizes = [x.shape[0] if x.dim() == 2 else x.shape[-2] for x in call.xs]
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        out, mirror, seen = [], [], {}
+        for (t, cast, _), q in zip(items, qs):
+            role, _ = call.role_at(t)
+            if role is None:
+                out.append(q)
+                continue
+            # a role's operands come in expert order (an empty expert's part may share its neighbour's address)
+            j = seen.get(role, 0) % len(experts)
+            seen[role] = seen.get(role, 0) + 1
+            key = self._key(kind, f"{name}[{experts[j]}]", call.phase, role, cast)
+            if kind != "layout":
+                out.append(self._take(kind, key, t, q, cast))
+                continue
+            C = t.shape[-1]
+            if role == "w":
+                shape = (1, *t.shape[-2:])
+                idx = torch.arange(math.prod(shape), device=t.device).view(shape)
+            else:
+                total = int(call.rows.totals[experts[j]])
+                pos = call.rows.position[starts[j]:starts[j] + sizes[j]].to(t.device)
+                shape, idx = (1, total, C), (pos[:, None] * C + torch.arange(C, device=t.device)).unsqueeze(0)
+            self.records[key] = (t.detach().float().clone(), q.scale_full().detach().clone(), idx, shape, cast)
+            if j == 0:
+                mirror.append((role, cast, t))
+            out.append(q)
+        for e in sorted(set(range(n_experts)) - set(experts)):  # every rank exchanges every expert's operands
+            for role, cast, t in mirror:
+                key = self._key(kind, f"{name}[{e}]", call.phase, role, cast)
+                C = t.shape[-1]
+                shape = (1, *t.shape[-2:]) if role == "w" else (1, int(call.rows.totals[e]), C)
+                empty = t.new_zeros((1, 0, C), dtype=torch.float32)
+                self.records[key] = (empty, empty.clone(), empty.long(), shape, cast)
+        return out
+
+    def _key(self, kind: str, name: str, phase: str, role: str, cast) -> tuple:
+        """The operand's key: the k-th cast of this name, phase, role and cast in the step."""
+        base = (kind, name, phase, role, _label(cast))
+        k = self.counts.get(base, 0)
+        self.counts[base] = k + 1
+        return name, phase, role, _label(cast), k
+
+    def _take(self, kind: str, key: tuple, t, q: Quantized, cast) -> Quantized:
+        """A reference's cast: the layout's operand where the exchange queued it (checked on the first reference)."""
         if key not in self.table:
             self.own += kind == "check"
             return q
@@ -143,14 +221,15 @@ class Fp8Replay:
     # ------------------------------------------------------------------ the layout's operands at global positions
     def _place(self, t: torch.Tensor, role: str, lay: Layout, w: torch.Tensor):
         """(global flat index of each element of `t` [B, S, C], −1 for padding; the global shape) or None where the
-        positions are unknown (the MoE's flattened rows)."""
+        positions are unknown."""
         spec = get_spec(w)
         out_g, in_g = spec.global_shape if spec is not None else tuple(w.shape)
         full = torch.arange(out_g * in_g, device=t.device).view(out_g, in_g)
         widx = spec.local_slice(full + 1) - 1 if spec is not None else full  # −1: padding
         if role == "w":
             return (widx.unsqueeze(0), (1, out_g, in_g)) if widx.shape == t.shape[1:] else None
-        if lay.seq_global == 0 or len([a for a in lay.seq if a is not None and a.active]) > 1:
+        flat = lay.seq_global == 0  # the MoE's flattened rows: placed by their tokens' ids
+        if not flat and len([a for a in lay.seq if a is not None and a.active]) > 1:
             return None
         valid = widx >= 0
         if role == "x":
@@ -162,6 +241,13 @@ class Fp8Replay:
         B, S, C = t.shape
         if cols.numel() != C:
             return None
+        if flat:
+            ids = token_ids(self.tokens, self.micro_batch, t.device)
+            if B != 1 or ids.numel() != S:
+                return None
+            idx = ids[:, None] * c_g + cols[None, :]
+            s_g = self.micro_batch * self.dp * self.cfg.seq_len
+            return torch.where(cols[None, :] >= 0, idx, -1).unsqueeze(0), (1, s_g, c_g)
         rows, b_g = torch.arange(B, device=t.device), B
         for a in lay.batch:
             if a is not None and a.active:
