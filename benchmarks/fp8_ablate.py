@@ -3,7 +3,7 @@
 A variant is RECIPE[:PART=KIND+...]: PART one of the casts (x, w, g_dgrad, w_dgrad, g_wgrad, x_wgrad) or a group of
 them (fwd = x, w; dgrad = g_dgrad, w_dgrad; wgrad = g_wgrad, x_wgrad; g = both g casts; bwd = dgrad and wgrad); KIND
 `hp` (no FP8: the operand in the run's precision, bf16 as autocast's GEMM sees it, or fp32), `e4m3` or `e5m2`
-(the recipe's blocks and scale rule, that element type). E.g. `tensorwise:bwd=hp` runs FP8 in the forward only.
+(the recipe's blocks and scale rule, that element type) or another recipe's name (that recipe's cast). E.g. `tensorwise:bwd=hp` runs FP8 in the forward only.
 Each variant trains the model as `fp8_loss.py` does (same seed, data, held-out eval) in its own process, the recipe
 patched in before the CLI runs; the baseline is a run of the same --dtype without FP8 (reused from --runs if there).
 An ablation tool, not a recipe: nothing here is a flag of the library.
@@ -30,7 +30,7 @@ def patched_recipe(spec: str):
     """The Recipe a variant names."""
     import torch
 
-    from shardwise.fp8.recipes import Cast, recipe
+    from shardwise.fp8.recipes import RECIPES, Cast, recipe
 
     name, _, changes = spec.partition(":")
     r = recipe(name)
@@ -38,8 +38,12 @@ def patched_recipe(spec: str):
         part, kind = change.split("=")
         for field in GROUPS.get(part, (part,)):
             c = getattr(r, field)
-            c = Cast(torch.bfloat16, (None, None)) if kind == "hp" else dataclasses.replace(
-                c, dtype={"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kind])
+            if kind == "hp":
+                c = Cast(torch.bfloat16, (None, None))
+            elif kind in RECIPES:
+                c = getattr(recipe(kind), field)
+            else:
+                c = dataclasses.replace(c, dtype={"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kind])
             r = dataclasses.replace(r, **{field: c})
     return r
 
