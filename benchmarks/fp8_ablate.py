@@ -3,7 +3,8 @@
 A variant is RECIPE[:PART=KIND+...]: PART one of the casts (x, w, g_dgrad, w_dgrad, g_wgrad, x_wgrad) or a group of
 them (fwd = x, w; dgrad = g_dgrad, w_dgrad; wgrad = g_wgrad, x_wgrad; g = both g casts; bwd = dgrad and wgrad); KIND
 `hp` (no FP8: the operand in the run's precision, bf16 as autocast's GEMM sees it, or fp32), `e4m3` or `e5m2`
-(the recipe's blocks and scale rule, that element type) or another recipe's name (that recipe's cast). E.g. `tensorwise:bwd=hp` runs FP8 in the forward only.
+(the recipe's blocks and scale rule, that element type) or another recipe's name (that recipe's cast). E.g.
+`tensorwise:bwd=hp` runs FP8 in the forward only, `blockwise:w=rowwise` casts the forward's W per row.
 Each variant trains the model as `fp8_loss.py` does (same seed, data, held-out eval) in its own process, the recipe
 patched in before the CLI runs; the baseline is a run of the same --dtype without FP8 (reused from --runs if there).
 An ablation tool, not a recipe: nothing here is a flag of the library.
