@@ -9,7 +9,7 @@ standard-library modules, `--eval-steps` batches): the same batches for every ru
 fp32 run (`--dtype fp32`) shows how far bf16 itself moves the loss: the yardstick of a precision change.
 The curves are drawn into one PNG (one panel per model, the loss smoothed over 10 steps).
 
-    python benchmarks/fp8_loss.py                      # 300 steps, writes benchmarks/fp8_loss.png
+    python benchmarks/fp8_loss.py                      # 300 steps, writes docs/fp8_loss.png
     python benchmarks/fp8_loss.py --smoke              # tiny, bf16 and tensorwise, 3 short steps, PNG in a temp dir
 
 Runs go `--jobs` at a time (one thread each; default all ten at once); 4 sequences of 64 tokens per step. Last stdout line: one JSON object (final_loss, rel_to_bf16,
@@ -107,7 +107,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-steps", type=int, default=40, help="held-out batches evaluated at the end (0: none)")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 yardstick runs")
     ap.add_argument("--jobs", type=int, default=10)
-    ap.add_argument("--png", default=os.path.join(ROOT, "benchmarks", "fp8_loss.png"))
+    ap.add_argument("--png", default=os.path.join(ROOT, "docs", "fp8_loss.png"))
     ap.add_argument("--runs", default=None, help="where the run directories go (default: a temp dir)")
     ap.add_argument("--reuse", action="store_true", help="read back the finished runs already under --runs")
     ap.add_argument("--smoke", action="store_true", help="3 steps of short sequences, PNG in the temp dir")

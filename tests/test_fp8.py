@@ -138,8 +138,8 @@ def test_linear_equals_torchao_float8linear(name):
 
 def test_block_scales():
     """blockwise: each 1×128 activation tile and 128×128 weight block reaches ±448 at its amax; mxfp8: scales are
-    powers of two (exact in e8m0), each 32-block's largest element lands in e4m3's top binade [256, 448] (OCP's
-    floor rule saturates what would pass 448: at most 12.5% off), the rest within e4m3's rounding."""
+    powers of two (exact in e8m0), each 32-block's largest element lands in [224, 448] (RCEIL: amax·scale in
+    (224, 448], none saturates), every element within e4m3's rounding."""
     g = torch.Generator().manual_seed(fresh_seed())
     x = torch.randn(2, 8, 256, generator=g) * torch.logspace(-3, 3, 256)
     w = torch.randn(256, 384, generator=g)
@@ -153,9 +153,9 @@ def test_block_scales():
     assert qm.scale.shape == (2, 8, 8)
     assert torch.equal(qm.scale.to(torch.float8_e8m0fnu).float(), qm.scale)
     top = qm.data.float().abs().view(2, 8, 8, 32).amax(-1)
-    assert bool(((top >= 256) & (top <= 448)).all())
+    assert bool(((top >= 224) & (top <= 448)).all())
     block_amax = x.abs().view(2, 8, 8, 32).amax(-1, keepdim=True).expand(-1, -1, -1, 32).reshape(x.shape)
-    assert bool(((qm.dequantize() - x).abs() <= 0.125 * x.abs() + block_amax * 2.0 ** -16).all())
+    assert bool(((qm.dequantize() - x).abs() <= 2.0 ** -4 * x.abs() + block_amax * 2.0 ** -16).all())
 
 
 def test_empty_expert_rows():

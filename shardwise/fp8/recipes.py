@@ -10,7 +10,8 @@ dimension, so that a scale factors out of every dot product:
   down to powers of two.
 * `blockwise` (DeepSeek-V3): activations and gradients in 1×128 tiles along the features (128×1 along the tokens for
   the weight gradient), weights in 128×128 blocks; e4m3 everywhere, fp32 scales.
-* `mxfp8` (OCP MX): 32-element blocks along the contraction, e4m3 data, e8m0 (power-of-two) scales.
+* `mxfp8` (OCP MX): 32-element blocks along the contraction, e4m3 data, e8m0 (power-of-two) scales rounded up
+  from amax/448 (torchao's and cuBLAS's RCEIL; OCP's FLOOR rule would saturate a block's top).
 
 A block is (rows, cols) of the operand's matrix: None spans the whole dimension, 1 one line.
 """
@@ -35,7 +36,7 @@ class Cast:
     pow2: bool = False
     """torchao's round_scales_to_power_of_2: the scale rounded down to a power of two."""
     e8m0: bool = False
-    """MX scales: 2^(floor(log2 amax) − emax of the element type), stored as e8m0."""
+    """MX scales: e8m0 powers of two, the dequantising factor 2^ceil(log2(amax / max)) (torchao's RCEIL)."""
 
 
 @dataclass(frozen=True)

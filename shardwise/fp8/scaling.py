@@ -10,7 +10,8 @@ reduce over the same axes travel together). Tiles must lie within one rank's par
 
 The casts follow torchao 0.18 (`torchao.float8.float8_utils`): scale = finfo.max / clamp(amax, 1e-12) computed in
 float64 then fp32, optionally rounded down to a power of two; x·scale saturated to ±finfo.max, then cast. MX scales
-are 2^(floor(log2 amax) − emax) (OCP MX, torchao's FLOOR mode), applied by division.
+are e8m0 powers of two 2^⌈log2(amax / max)⌉ (torchao's RCEIL, cuBLAS's rule: OCP's FLOOR rule saturates a block whose
+top passes 1.75·2^k at 448·2^(k−8)).
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from .recipes import Cast
 
 EPS = 1e-12
 AMAX_TAG = fp8_rules.AMAX_TAG
-_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,17 @@ def local_amax(t: torch.Tensor, cast: Cast, br: int, bc: int) -> torch.Tensor:
 
 
 def to_scale(amax: torch.Tensor, cast: Cast) -> torch.Tensor:
-    """The multiplier that maps a block of absolute maximum `amax` into `cast.dtype`'s range."""
+    """The multiplier that maps a block of absolute maximum `amax` into `cast.dtype`'s range.
+
+    MX (e8m0) is torchao 0.18's RCEIL (`mx_tensor._to_mx_rceil`, cuBLAS's rule): the e8m0 exponent
+    e = clamp(⌈log2(amax / max)⌉, −127, 127) in fp32, the multiplier 2^−e, so the block's top lands in (max/2, max]
+    and nothing saturates. As torchao: e = −127 (zero or tiny amax, the codes all flush to 0) multiplies by 1,
+    an infinite amax by 2^−127, a NaN amax gives NaN."""
     if cast.e8m0:
-        tiny = 2.0 ** -127
-        exp = torch.floor(torch.log2(amax.clamp(min=tiny))) - _EMAX[cast.dtype]
-        return torch.exp2(-exp.clamp(-127, 127))
+        descale = amax.float() / torch.finfo(cast.dtype).max
+        exp = torch.ceil(torch.log2(descale)).clamp(-127, 127)
+        scale = torch.where(exp == -127, 1.0, torch.exp2(-exp))
+        return torch.where(descale.isinf(), 2.0 ** -127, torch.where(descale.isnan(), descale, scale))
     scale = (torch.finfo(cast.dtype).max / amax.double().clamp(min=EPS)).float()
     return torch.exp2(torch.floor(torch.log2(scale))) if cast.pow2 else scale
 
