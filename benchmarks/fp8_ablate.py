@@ -10,6 +10,10 @@ patched in before the CLI runs; the baseline is a run of the same --dtype withou
 An ablation tool, not a recipe: nothing here is a flag of the library.
 
     python benchmarks/fp8_ablate.py --model tiny --variants tensorwise,tensorwise:bwd=hp,tensorwise:fwd=hp
+    python benchmarks/fp8_ablate.py --smoke     # 3 fp32 steps of one variant and the baseline, in a temp dir
+
+The last line is one JSON object: medians_s (each run's wall seconds; None where reused, named in absent),
+ratios (none: no peer), eval_loss, rel_to_baseline (eval loss / the baseline's − 1), config.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -79,19 +84,29 @@ def main(argv=None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--variants", required=True)
+    ap.add_argument("--variants", help="comma-separated variants (required unless --smoke)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--eval-steps", type=int, default=40)
     ap.add_argument("--runs", default=None, help="run directories (the baseline reused from here if finished)")
+    ap.add_argument("--smoke", action="store_true", help="3 fp32 steps of tensorwise:bwd=hp and the baseline")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.variants, a.dtype, a.steps, a.eval_steps = "tensorwise:bwd=hp", "fp32", 3, 1
+    if not a.variants:
+        ap.error("--variants is required (e.g. tensorwise,tensorwise:bwd=hp)")
     runs = a.runs or tempfile.mkdtemp(prefix="fp8_ablate_")
     os.makedirs(runs, exist_ok=True)
     extra = ["--seq-len", "64", "--micro-batch", "4", "--eval-data", held_out_text(os.path.join(runs, "held_out.txt")),
              "--eval-steps", str(a.eval_steps)]
-    base = train(a.model, "fp32" if a.dtype == "fp32" else None, a.steps, os.path.join(runs, f"{a.model}_{a.dtype}"),
-                 a.seed, extra, reuse=True)
+    base_dir = os.path.join(runs, f"{a.model}_{a.dtype}")
+    reused, times = set(), {}
+    if os.path.exists(os.path.join(base_dir, "summary.json")):
+        reused.add("baseline")
+    t0 = time.perf_counter()
+    base = train(a.model, "fp32" if a.dtype == "fp32" else None, a.steps, base_dir, a.seed, extra, reuse=True)
+    times["baseline"] = None if "baseline" in reused else time.perf_counter() - t0
     ev = lambda rows: next(r["eval_loss"] for r in reversed(rows) if "eval_loss" in r)  # noqa: E731
     out = {"baseline": ev(base)}
     for spec in a.variants.split(","):
@@ -101,15 +116,23 @@ def main(argv=None) -> dict:
                "--no-progress", "--no-checkpoint", "--no-report", "--device", "cpu", *extra,
                "--fp8", spec.partition(":")[0]]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-        if not os.path.exists(os.path.join(d, "summary.json")):
+        times[spec] = None
+        if os.path.exists(os.path.join(d, "summary.json")):
+            reused.add(spec)
+        else:
+            t0 = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
             if r.returncode:
                 raise SystemExit(f"{spec} failed:\n{r.stderr[-3000:]}")
+            times[spec] = time.perf_counter() - t0
         with open(os.path.join(d, "metrics.jsonl")) as f:
             out[spec] = ev([json.loads(line) for line in f])
         print(f"{spec:<40} eval {out[spec]:.4f}  vs {a.dtype} {out[spec] / out['baseline'] - 1:+.2%}", flush=True)
-    print(json.dumps(out))
-    return out
+    result = {"medians_s": times, "ratios": {}, "absent": {k: "reused from --runs" for k in reused},
+              "eval_loss": out, "rel_to_baseline": {k: v / out["baseline"] - 1 for k, v in out.items() if k != "baseline"},
+              "config": {"model": a.model, "dtype": a.dtype, "steps": a.steps, "seed": a.seed, "runs": runs}}
+    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ PROMISED = {
     "cp_balance.py": {"medians_s", "ratios", "config", "peers", "absent"},
     "dp_peers.py": {"medians_s", "ratios", "config", "loss_abs_diff_vs_peer"},
     "ep_dispatch.py": {"medians_s", "ratios", "paired_ratios", "bytes", "config", "absent"},
+    "fp8_ablate.py": {"medians_s", "ratios", "eval_loss", "rel_to_baseline", "config"},
     "fp8_loss.py": {"medians_s", "ratios", "final_loss", "rel_to_bf16", "passed", "config"},
     "fp8_torchao.py": {"medians_s", "ratios", "max_abs_diff", "config"},
     "family_speed.py": {"medians_s", "ratios", "max_abs_diff", "config"},
@@ -33,7 +34,7 @@ PROMISED = {
     "tp_overlap.py": {"medians_s", "ratios", "absent", "results", "config"},
     "verify_stress.py": {"layouts", "seeds_per_layout", "medians_s", "ratios"},
 }
-NO_PEER = {"verify_stress.py"}  # compares nothing against a peer: its "ratios" is empty
+NO_PEER = {"verify_stress.py", "fp8_ablate.py"}  # compare nothing against a peer: their "ratios" is empty
 SCRIPTS = sorted(s for s in PROMISED if os.path.isfile(os.path.join(BENCH, s)))
 MEGATRON = importlib.util.find_spec("megatron") is not None
 
