@@ -97,11 +97,17 @@ SLOW_TESTS = {
 }
 
 
-# Tests measured at 30 s or more on the 2-core CI box: under xdist they start first. tests/test_tiers.py checks
-# that every name still exists.
+# The longest single tests (60 s or more on the 2-core CI box, or 45 s or more in a serial fast tier on the shared
+# development box): under xdist they start first. tests/test_tiers.py checks that every name still exists.
 LONG = {
     "test_planner_fp8.py": {"test_simulate_deepseek_v3_fp8", "test_simulate_llama3_70b_fp8"},
     "test_planner_gpt_oss.py": {"test_gpt_oss_120b_full_size_within_bounds"},
+    "test_moe_skew.py": {"test_train_records_routing_and_plan_reads_it"},
+    "test_model_families.py": {"test_deepseek_v3_real_config_yarn"},
+    "test_planner.py": {"test_done_when_command", "test_tp_stays_in_nvlink_domain_unless_allowed"},
+    "test_rules_once.py": {"test_a_planted_copy_is_found"},
+    "test_p2p_program.py": {"test_long_interleaved_program_builds_in_linear_time"},
+    "test_structure.py": {"test_the_checks_catch_what_they_guard"},
 }
 
 
@@ -176,14 +182,17 @@ def pytest_cmdline_main(config):
         config.option.dist = "worksteal"
 
 
-def _long(item) -> bool:
-    return getattr(item, "originalname", item.name) in LONG.get(os.path.basename(str(item.path)), ())
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = os.path.basename(str(item.path))
         if name in SLOW_FILES or getattr(item, "originalname", item.name) in SLOW_TESTS.get(name, ()):
             item.add_marker(pytest.mark.slow)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a serial run keeps the files' order
-        items.sort(key=lambda item: (not _long(item), item.get_closest_marker("slow") is None))
+        # whole files move (a module-scoped fixture is set up once): those with a LONG test, then those with slow ones
+        first: dict = {}
+        for item in items:
+            name = os.path.basename(str(item.path))
+            long_, slow = first.get(name, (False, False))
+            first[name] = (long_ or getattr(item, "originalname", item.name) in LONG.get(name, ()),
+                           slow or item.get_closest_marker("slow") is not None)
+        items.sort(key=lambda item: tuple(not x for x in first[os.path.basename(str(item.path))]))
