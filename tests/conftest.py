@@ -1,6 +1,13 @@
 """Test tiers. `python -m pytest -q -m "not slow"` is the edit-test loop (under 3 minutes on an idle 2-core box);
 `python -m pytest -q` (CI and the README) runs everything.
 
+Both run on two pytest-xdist workers (`pytest_cmdline_main` below: a single-process test leaves the second core
+idle otherwise). `-n 0` or `-p no:xdist` runs serially in this process (for --pdb, print debugging, a single
+test); `-n N` picks another count. Under xdist the known-long tests go first (LONG, then the slow tier), and an
+idle worker steals the other's queued tests (`--dist worksteal`), so no long test starts last and straggles.
+(`--dist loadgroup` would keep a module fixture's tests on one worker, but xdist 3.8 names groups through
+`item._nodeid`, which pytest 9.2 no longer reads: its groups are ignored.)
+
 A test is slow when it forks ranks or starts subprocesses: parity checks over layouts, verify runs, whole
 `shardwise train` runs, crash and resume. A file of them says so here (SLOW_FILES) or with a module-level
 `pytestmark = pytest.mark.slow`; a slow test in an otherwise fast file is named in SLOW_TESTS (every
@@ -90,6 +97,20 @@ SLOW_TESTS = {
 }
 
 
+# The longest single tests (60 s or more on the 2-core CI box, or 45 s or more in a serial fast tier on the shared
+# development box): under xdist they start first. tests/test_tiers.py checks that every name still exists.
+LONG = {
+    "test_planner_fp8.py": {"test_simulate_deepseek_v3_fp8", "test_simulate_llama3_70b_fp8"},
+    "test_planner_gpt_oss.py": {"test_gpt_oss_120b_full_size_within_bounds"},
+    "test_moe_skew.py": {"test_train_records_routing_and_plan_reads_it"},
+    "test_model_families.py": {"test_deepseek_v3_real_config_yarn"},
+    "test_planner.py": {"test_done_when_command", "test_tp_stays_in_nvlink_domain_unless_allowed"},
+    "test_rules_once.py": {"test_a_planted_copy_is_found"},
+    "test_p2p_program.py": {"test_long_interleaved_program_builds_in_linear_time"},
+    "test_structure.py": {"test_the_checks_catch_what_they_guard"},
+}
+
+
 _SIMULATIONS: dict = {}
 
 
@@ -120,18 +141,45 @@ def shared_simulations(monkeypatch):
 @pytest.fixture(scope="session")
 def uninterrupted_losses(tmp_path_factory) -> list[float]:
     """The losses of test_preemption's whole run (COMMON, END steps) by the built-in launcher: what the preempted and
-    resumed runs of test_preemption and test_practice_iii must equal bit for bit. One run per session serves both."""
+    resumed runs of test_preemption and test_practice_iii must equal bit for bit. One run per session serves both,
+    on whichever xdist worker asks first (the other waits for it: the run is kept in the session's shared temp
+    directory, under a lock)."""
+    import fcntl
+    import json
     import subprocess
 
     from test_preemption import COMMON, END, _rows
 
-    full = tmp_path_factory.mktemp("uninterrupted")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]))
-    r = subprocess.run([sys.executable, "-m", "shardwise", *COMMON, "--steps", str(END), "--out", str(full)],
-                       capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stderr
-    return [row["loss"] for row in _rows(full)]
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # every worker's basetemp lies in the run's one directory
+    with open(shared / "uninterrupted.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / "uninterrupted.json"
+        if done.exists():
+            return json.loads(done.read_text())
+        full = tmp_path_factory.mktemp("uninterrupted")
+        tests = os.path.dirname(os.path.abspath(__file__))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]))
+        r = subprocess.run([sys.executable, "-m", "shardwise", *COMMON, "--steps", str(END), "--out", str(full)],
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stderr
+        losses = [row["loss"] for row in _rows(full)]
+        done.write_text(json.dumps(losses))
+        return losses
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Two xdist workers by default, work-stealing (set in the controller before xdist reads its options): `-n N`
+    (0: serial) or `-p no:xdist` overrides it; --pdb, --trace and --collect-only run serially."""
+    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+            or any(config.getoption(o, False) for o in ("usepdb", "trace", "collectonly"))):
+        return
+    if config.option.numprocesses is None:
+        config.option.numprocesses = 2
+    if config.option.dist == "no":
+        config.option.dist = "worksteal"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -139,3 +187,12 @@ def pytest_collection_modifyitems(config, items):
         name = os.path.basename(str(item.path))
         if name in SLOW_FILES or getattr(item, "originalname", item.name) in SLOW_TESTS.get(name, ()):
             item.add_marker(pytest.mark.slow)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a serial run keeps the files' order
+        # whole files move (a module-scoped fixture is set up once): those with a LONG test, then those with slow ones
+        first: dict = {}
+        for item in items:
+            name = os.path.basename(str(item.path))
+            long_, slow = first.get(name, (False, False))
+            first[name] = (long_ or getattr(item, "originalname", item.name) in LONG.get(name, ()),
+                           slow or item.get_closest_marker("slow") is not None)
+        items.sort(key=lambda item: tuple(not x for x in first[os.path.basename(str(item.path))]))

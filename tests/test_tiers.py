@@ -1,4 +1,4 @@
-"""The slow tier names only what exists: a renamed test or file would silently fall into the fast loop."""
+"""The slow tier names only what exists: a renamed test or file would silently fall into the fast loop (or, for\nconftest.LONG, start late under xdist and straggle)."""
 import ast
 import os
 
@@ -21,3 +21,10 @@ def test_every_slow_file_and_test_exists():
         missing = names - _test_functions(filename)
         assert not missing, f"conftest.SLOW_TESTS names tests {filename} no longer has: {sorted(missing)}"
         assert filename not in conftest.SLOW_FILES, f"{filename} is slow as a whole and by name"
+
+
+def test_every_long_test_exists():
+    for filename, names in conftest.LONG.items():
+        assert os.path.isfile(os.path.join(HERE, filename)), f"conftest.LONG names a missing file {filename}"
+        missing = names - _test_functions(filename)
+        assert not missing, f"conftest.LONG names tests {filename} no longer has: {sorted(missing)}"

@@ -1,7 +1,7 @@
 """Starting ranks: join a torchrun job, or start N local ranks ourselves (gloo CPU forks, or one NCCL process per GPU).
 
 The local launcher forks (30–50× cheaper than spawn on CPU), gives each rank one thread, a
-loopback rendezvous on a free port and a collective timeout, and tears every rank down as soon as
+loopback rendezvous on a port rank 0 binds and a collective timeout, and tears every rank down as soon as
 one fails, so a failure surfaces as an error naming the rank rather than a hang. On NCCL a hang ends
 in the watchdog's abort, not an exception, so every local rank keeps a tiny host-side record of its
 last collective call (`LastOp`) that the launcher reads to say which rank stopped where; the flight
@@ -263,10 +263,23 @@ def _last_ops_report(records: dict[int, tuple[int, str, str]]) -> str:
             f"collective call #{n} ({op} on axis '{axis}'), while others reached #{high}")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(rank: int, world: int, port, timeout_s: float):
+    """The local group's store. Rank 0 binds it on a port the kernel picks and publishes the port in `port` (shared
+    memory the launcher made); the others wait for it and connect. A port picked free and released, then bound by
+    rank 0, could be taken in between by another run's group (two test workers' ranks met in one store)."""
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        port.value = store.port
+    else:
+        deadline = time.monotonic() + timeout_s
+        while port.value == 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 published no rendezvous port within {timeout_s:.0f} s")
+            time.sleep(0.002)
+        store = dist.TCPStore("127.0.0.1", port.value, world, is_master=False, timeout=timeout)
+    os.environ["MASTER_PORT"] = str(port.value)
+    return dist.PrefixStore("default_pg", store)  # as init_process_group wraps a store it makes itself
 
 
 class ForkAfterCudaError(RuntimeError):
@@ -281,8 +294,8 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
         install(save_signal)  # before the launcher's block is lifted: a signal now is a stop request, not death
     if launcher is not None:
         die_with_parent(save_signal, launcher)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      GLOO_SOCKET_IFNAME="lo")
     if group is not None:
         os.environ.update(group.env(rank))
     torch.set_num_threads(1)
@@ -296,8 +309,8 @@ def _worker(rank, world, port, timeout_s, fn, args, results, backend="gloo", las
             _apply_nccl_env(run_dir)
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
-                                device_id=device)
+        dist.init_process_group(backend, store=_rendezvous(rank, world, port, timeout_s), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s), device_id=device)
         out = fn(*args) if device is None else fn(*args, device=device)
         # Plain pickle copies tensor bytes into the message: torch's queue reducer would pass a shared-memory
         # fd that the parent can no longer open once this process has exited (connection reset).
@@ -450,7 +463,7 @@ def _run_group(fn, world: int, *args, timeout_s: float = 300.0, wall_timeout_s: 
         importlib.import_module("torch._dynamo")
     ctx = mp.get_context("fork" if fork else "spawn")
     results = ctx.Queue()
-    port = free_port()
+    port = ctx.RawValue("i", 0)  # rank 0's store port, once bound (`_rendezvous`)
     lastops = tempfile.mkdtemp(prefix="shardwise-lastop-")
     procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, fn, args, results, backend, lastops,
                                                run_dir, save_signal, os.getpid(), group), daemon=False)
