@@ -158,7 +158,7 @@ def stage_unit_entries(spec: ModelSpec, stage: Stage, lay: Layout) -> list[tuple
         kind = name.partition(".")[0]
         entries = _unit_entries(spec, unit_key(spec, name), tied, t, ep)
         if kind in ("layers", "mtp"):
-            rows = [(p, x, (sp and p.sp_replicated) or x.whole_head or (t > 1 and p.head_partial and not whole(p)))
+            rows = [(p, x, ((sp and p.sp_replicated) or x.whole_head or (t > 1 and p.head_partial)) and not whole(p))
                     for p, x in entries]
         else:
             partial = {"norm": sp, "output": copy, "tok_embeddings": late, "mtp_embed": True}[kind]
