@@ -26,9 +26,14 @@ compute while the replay runs: an all-gather of counts and an all-to-all of posi
 records empty operands for the experts it does not hold, so every rank exchanges the same operands. The MoE's
 flattened token rows (shared experts) sit at their tokens' single-device ids (`positions.token_ids`).
 
+Pipeline stages hold different layers: each stage's ranks record their own layers' casts under their global names,
+and the exchange runs over the union of every rank's keys (an all-gather of keys, global shapes and casts; the ranks
+of one stage must agree). Backward keys g by its GEMM (dx's or dW's), so zero-bubble's deferred dW, cast at the
+microbatch's W action, keys as the reference's: the k-th key of a name is the k-th microbatch in every schedule.
+
 What the replay cannot reach keeps its own rounding and the twin's budget: experts under a capacity factor (each rank
-drops by its own counts), operands that came over the wire in FP8, pipeline schedules (stages hold different layers)
-and bf16 runs.
+drops by its own counts), operands that came over the wire in FP8, a g all-reduced before its cast (`grad_sum`: a
+new tensor, not the one the backward received), the chunks of `--tp-overlap`'s regions and bf16 runs.
 """
 from __future__ import annotations
 
