@@ -67,3 +67,25 @@ def test_pp_schedules_fresh_seed():
     if not _broken(out[-1]):
         wrong.append(("zb rowwise/per_shard", out[-1].get("fp8_replay")))
     assert not wrong, (seed, wrong)
+
+
+def _mla(seed: int) -> list:
+    """Inside ranks: DeepSeek-shaped MLA+MTP at tp2+SP, then with its output gradients left partial."""
+    from shardwise.fp8 import apply
+    from shardwise.verify.main import verify_main
+    from test_fp8_mla_tp import _cfg as mla_cfg
+
+    torch.set_num_threads(1)
+    out = [verify_main(mla_cfg("tp2_sp_tensorwise", seed))]
+    apply._sum_output_gradient = lambda layer, tp: None
+    return out + [verify_main(mla_cfg("tp2_sp_tensorwise", seed))]
+
+
+@pytest.mark.slow
+def test_mla_grad_sum_g_replayed():
+    """MLA's down-projections sum their output gradient over tp before casting it (`grad_sum`): that summed g is
+    replayed too (it was the last of the references' own casts); left partial, verify still fails."""
+    seed = fresh_seed()
+    whole, partial = run_ranks(2, _mla, seed, timeout_s=600)[0]
+    assert _replayed(whole), (seed, whole["fp8_budget"]["ratios"], whole.get("fp8_replay"))
+    assert not partial["passed"], (seed, partial["fp8_budget"]["ratios"], partial.get("fp8_replay"))

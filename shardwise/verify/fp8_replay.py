@@ -61,8 +61,9 @@ thousand times below an FP8 step (e4m3: 2**-3 relative; an e5m2 gradient 2**-2).
 class _Call:
     """The FP8 linear call in progress: its phase and the tensors each operand role can be cut from."""
 
-    def __init__(self, phase: str, weights, xs, gs, rows=None, g_parts=("dgrad", "wgrad")):
+    def __init__(self, phase: str, weights, xs, gs, rows=None, g_parts=("dgrad", "wgrad"), summed=False):
         self.phase, self.weights, self.xs, self.gs = phase, list(weights), list(xs), list(gs)
+        self.summed = summed  # `grad_sum`: the backward casts a tp-summed copy of each g, not the g it received
         self.rows = rows  # routed experts: their rows' single-device positions (`positions.ExpertRows`)
         self.g_parts, self.seen = g_parts, {}  # which GEMMs' g this call casts, in order (zb: dgrad now, wgrad later)
 
@@ -85,6 +86,10 @@ class _Call:
             for i, c in enumerate(cands):
                 if c is not None and c.data_ptr() == t.data_ptr() and c.shape[-1] == t.shape[-1]:
                     return role, i
+        if self.summed:  # not the weight or the saved x: the summed g, of its linear's shape
+            for i, g in enumerate(self.gs):
+                if g is not None and g.shape[-1] == t.shape[-1] and g.numel() == t.numel():
+                    return "g", i
         return None, -1
 
 
@@ -133,14 +138,14 @@ class Fp8Replay:
                 return fwd(ctx, cfg, out_dtype, n, pre_x, store, *args)
 
         def backward(ctx, *gs):
-            store, saved = ctx.store, ctx.saved_tensors
+            store, saved, summed = ctx.store, ctx.saved_tensors, ctx.cfg.grad_sum is not None
             if store is None or not store.capturing:
-                with me._in(_Call("bwd", ctx.ws, saved, gs, ctx.cfg.rows)):
+                with me._in(_Call("bwd", ctx.ws, saved, gs, ctx.cfg.rows, summed=summed)):
                     return bwd(ctx, *gs)
             defer = store.defer  # zero-bubble: dW's casts run later, at the microbatch's W action
 
             def deferring(params, compute):
-                later = _Call("bwd", ctx.ws, saved, gs, ctx.cfg.rows, ("wgrad",))
+                later = _Call("bwd", ctx.ws, saved, gs, ctx.cfg.rows, ("wgrad",), summed)
 
                 def run():
                     with me._in(later):
@@ -148,7 +153,7 @@ class Fp8Replay:
                 defer(params, run)
             store.defer = deferring
             try:
-                with me._in(_Call("bwd", ctx.ws, saved, gs, ctx.cfg.rows, ("dgrad",))):
+                with me._in(_Call("bwd", ctx.ws, saved, gs, ctx.cfg.rows, ("dgrad",), summed)):
                     return bwd(ctx, *gs)
             finally:
                 del store.defer
