@@ -26,15 +26,20 @@ compute while the replay runs: an all-gather of counts and an all-to-all of posi
 records empty operands for the experts it does not hold, so every rank exchanges the same operands. The MoE's
 flattened token rows (shared experts) sit at their tokens' single-device ids (`positions.token_ids`).
 
+Pipeline stages hold different layers: each stage's ranks record their own layers' casts under their global names,
+and the exchange runs over the union of every rank's keys (an all-gather of keys, global shapes and casts; the ranks
+of one stage must agree). Backward keys g by its GEMM (dx's or dW's), so zero-bubble's deferred dW, cast at the
+microbatch's W action, keys as the reference's: the k-th key of a name is the k-th microbatch in every schedule.
+
 What the replay cannot reach keeps its own rounding and the twin's budget: experts under a capacity factor (each rank
-drops by its own counts), operands that came over the wire in FP8, pipeline schedules (stages hold different layers)
-and bf16 runs.
+drops by its own counts), operands that came over the wire in FP8, a g all-reduced before its cast (`grad_sum`: a
+new tensor, not the one the backward received), the chunks of `--tp-overlap`'s regions and bf16 runs.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import zlib
+import json
 
 import torch
 
@@ -42,6 +47,7 @@ from .. import comm
 from ..context_parallel.sharding import shard_sequence
 from ..expert_parallel.positions import TokenLayout, token_ids
 from ..fp8 import linear as fp8_linear
+from ..fp8.recipes import Cast
 from ..fp8.scaling import Layout, Quantized, local_amax, quantize_all
 from ..tensor_parallel.layers import get_spec
 
@@ -55,9 +61,21 @@ thousand times below an FP8 step (e4m3: 2**-3 relative; an e5m2 gradient 2**-2).
 class _Call:
     """The FP8 linear call in progress: its phase and the tensors each operand role can be cut from."""
 
-    def __init__(self, phase: str, weights, xs, gs, rows=None):
+    def __init__(self, phase: str, weights, xs, gs, rows=None, g_parts=("dgrad", "wgrad"), summed=False):
         self.phase, self.weights, self.xs, self.gs = phase, list(weights), list(xs), list(gs)
+        self.summed = summed  # `grad_sum`: the backward casts a tp-summed copy of each g, not the g it received
         self.rows = rows  # routed experts: their rows' single-device positions (`positions.ExpertRows`)
+        self.g_parts, self.seen = g_parts, {}  # which GEMMs' g this call casts, in order (zb: dgrad now, wgrad later)
+
+    def occurrence(self, role: str, group: int = 1) -> tuple[str, int]:
+        """(the role as keyed, the index of its linear among `group`) of the next operand of `role` in this call. A
+        backward casts g once for dx and once for dW (in one call, or split by zero-bubble's deferred W), so g is
+        keyed by its GEMM: the k-th key is then the k-th microbatch in every schedule."""
+        i = self.seen.get(role, 0)
+        self.seen[role] = i + 1
+        if role == "g" and self.phase == "bwd":
+            return f"g.{self.g_parts[min(i // group, len(self.g_parts) - 1)]}", i % group
+        return role, i % group
 
     def role(self, t: torch.Tensor) -> str | None:
         return self.role_at(t)[0]
@@ -68,6 +86,10 @@ class _Call:
             for i, c in enumerate(cands):
                 if c is not None and c.data_ptr() == t.data_ptr() and c.shape[-1] == t.shape[-1]:
                     return role, i
+        if self.summed:  # not the weight or the saved x: the summed g, of its linear's shape
+            for i, g in enumerate(self.gs):
+                if g is not None and g.shape[-1] == t.shape[-1] and g.numel() == t.numel():
+                    return "g", i
         return None, -1
 
 
@@ -89,6 +111,7 @@ class Fp8Replay:
         cfg, mesh = layout.cfg, layout.mesh
         self.tokens = TokenLayout.of(mesh, cfg.seq_len, cfg.parallel.cp_order, cfg.parallel.sequence_parallel)
         self.micro_batch, self.dp = cfg.micro_batch, mesh.dims.dp
+        self.stage = mesh["pp"].rank  # ranks of one pipeline stage record the same operands
         for m in layout.model.modules():  # the layout's MoE blocks place their experts' rows (dropless only)
             if hasattr(m, "token_layout") and m.dispatcher.capacity_factor is None:
                 m.token_layout, m.positions_tag = self.tokens, "verify"
@@ -98,6 +121,7 @@ class Fp8Replay:
         self.call: _Call | None = None
         self.step = 0
         self.flips: list[dict] = []
+        self.replaced: list[dict] = []  # where the reference's own cast rounded otherwise than the layout's
         self.replayed = self.own = 0
         self.failure: dict | None = None
 
@@ -114,8 +138,25 @@ class Fp8Replay:
                 return fwd(ctx, cfg, out_dtype, n, pre_x, store, *args)
 
         def backward(ctx, *gs):
-            with me._in(_Call("bwd", ctx.ws, ctx.saved_tensors, gs, ctx.cfg.rows)):
-                return bwd(ctx, *gs)
+            store, saved, summed = ctx.store, ctx.saved_tensors, ctx.cfg.grad_sum is not None
+            if store is None or not store.capturing:
+                with me._in(_Call("bwd", ctx.ws, saved, gs, ctx.cfg.rows, summed=summed)):
+                    return bwd(ctx, *gs)
+            defer = store.defer  # zero-bubble: dW's casts run later, at the microbatch's W action
+
+            def deferring(params, compute):
+                later = _Call("bwd", ctx.ws, saved, gs, ctx.cfg.rows, ("wgrad",), summed)
+
+                def run():
+                    with me._in(later):
+                        return compute()
+                defer(params, run)
+            store.defer = deferring
+            try:
+                with me._in(_Call("bwd", ctx.ws, saved, gs, ctx.cfg.rows, ("dgrad",), summed)):
+                    return bwd(ctx, *gs)
+            finally:
+                del store.defer
 
         def quantize_all(items):
             qs = cast(items)
@@ -150,7 +191,7 @@ class Fp8Replay:
         if owner is None or role is None:
             return q
         kind, name = owner
-        key = self._key(kind, name, call.phase, role, cast)
+        key = self._key(kind, name, call.phase, call.occurrence(role)[0], cast)
         if kind == "layout":
             placed = self._place(t, role, lay, call.weights[0])
             if placed is not None:
@@ -166,16 +207,15 @@ class Fp8Replay:
             return qs
         sizes = [x.shape[0] if x.dim() == 2 else x.shape[-2] for x in call.xs]
         starts = [sum(sizes[:j]) for j in range(len(sizes))]
-        out, mirror, seen = [], [], {}
+        out, mirror = [], []
         for (t, cast, _), q in zip(items, qs):
             role, _ = call.role_at(t)
             if role is None:
                 out.append(q)
                 continue
             # a role's operands come in expert order (an empty expert's part may share its neighbour's address)
-            j = seen.get(role, 0) % len(experts)
-            seen[role] = seen.get(role, 0) + 1
-            key = self._key(kind, f"{name}[{experts[j]}]", call.phase, role, cast)
+            label, j = call.occurrence(role, len(experts))
+            key = self._key(kind, f"{name}[{experts[j]}]", call.phase, label, cast)
             if kind != "layout":
                 out.append(self._take(kind, key, t, q, cast))
                 continue
@@ -189,11 +229,11 @@ class Fp8Replay:
                 shape, idx = (1, total, C), (pos[:, None] * C + torch.arange(C, device=t.device)).unsqueeze(0)
             self.records[key] = (t.detach().float().clone(), q.scale_full().detach().clone(), idx, shape, cast)
             if j == 0:
-                mirror.append((role, cast, t))
+                mirror.append((role, label, cast, t))
             out.append(q)
         for e in sorted(set(range(n_experts)) - set(experts)):  # every rank exchanges every expert's operands
-            for role, cast, t in mirror:
-                key = self._key(kind, f"{name}[{e}]", call.phase, role, cast)
+            for role, label, cast, t in mirror:
+                key = self._key(kind, f"{name}[{e}]", call.phase, label, cast)
                 C = t.shape[-1]
                 shape = (1, *t.shape[-2:]) if role == "w" else (1, int(call.rows.totals[e]), C)
                 empty = t.new_zeros((1, 0, C), dtype=torch.float32)
@@ -266,18 +306,16 @@ class Fp8Replay:
         positions, each rank's scales checked against the single device's scales of them, queued for the
         references."""
         self.step = step
-        keys = sorted(self.records)
-        sig = torch.tensor([len(keys), zlib.crc32(repr(keys).encode())], dtype=torch.float64, device=self.world.device)
-        lo = comm.all_reduce(-sig.clone(), self.world, op="max", tag="verify")
-        if not torch.equal(comm.all_reduce(sig.clone(), self.world, op="max", tag="verify"), -lo):
-            raise RuntimeError(f"verify: the ranks cast different FP8 operands at step {step + 1}")
-        sizes = [math.prod(self.records[k][3]) for k in keys]  # global numel
+        shapes = self._union(step)
+        keys = sorted(shapes)
+        sizes = [math.prod(shapes[k][0]) for k in keys]  # global numel
         buf = torch.full((sum(sizes),), -torch.inf, device=self.world.device)
         off = 0
         for k, n in zip(keys, sizes):
-            x, _, idx, _, _ = self.records[k]
-            keep = idx >= 0
-            buf[off + idx[keep]] = x[keep]
+            if k in self.records:  # a pipeline stage holds only its own layers' operands
+                x, _, idx, _, _ = self.records[k]
+                keep = idx >= 0
+                buf[off + idx[keep]] = x[keep]
             off += n
         comm.all_reduce(buf, self.world, op="max", tag="verify")
         if bool((buf == -torch.inf).any()):
@@ -285,12 +323,14 @@ class Fp8Replay:
         wrong = torch.zeros(len(keys), device=self.world.device)  # per operand: elements whose scale is not the group's
         casts, off = {}, 0
         for i, (k, n) in enumerate(zip(keys, sizes)):
-            _, scale, idx, shape, cast = self.records[k]
+            shape, cast = shapes[k]
             xl = buf[off:off + n].view(shape)
             off += n
             ql = self._quantize(xl, cast)
-            keep = idx >= 0
-            wrong[i] = (ql.scale_full().reshape(-1)[idx[keep]] != scale[keep]).sum()
+            if k in self.records:
+                _, scale, idx, _, _ = self.records[k]
+                keep = idx >= 0
+                wrong[i] = (ql.scale_full().reshape(-1)[idx[keep]] != scale[keep]).sum()
             casts[k] = (ql, xl)
         comm.all_reduce(wrong, self.world, tag="verify")
         for i, k in enumerate(keys):  # a wrong scale group is not replayed: the references keep their own casts
@@ -302,6 +342,29 @@ class Fp8Replay:
                                 "why": "a rank's FP8 scale is not the single device's scale of the whole operand"}
         self.records.clear()
 
+    def _union(self, step: int) -> dict:
+        """key -> (global shape, cast) of every operand any rank recorded (a collective over the world: an all-gather
+        of each rank's keys and shapes). Ranks of one pipeline stage must have recorded the same operands; under
+        pp = 1 that is every rank."""
+        mine = sorted((k, tuple(r[3]), _cast_fields(r[4])) for k, r in self.records.items())
+        blob = torch.tensor(list(json.dumps([self.stage, mine]).encode()), dtype=torch.int32, device=self.world.device)
+        n = comm.all_reduce(torch.tensor([blob.numel()], dtype=torch.int32, device=self.world.device), self.world,
+                            op="max", tag="verify")
+        padded = torch.full((int(n),), ord(" "), dtype=torch.int32, device=self.world.device)
+        padded[:blob.numel()] = blob
+        gathered = comm.all_gather(padded, self.world, tag="verify").view(-1, int(n))
+        by_stage, shapes = {}, {}
+        for row in gathered.tolist():
+            stage, theirs = json.loads(bytes(row).decode())
+            theirs = [(tuple(k), tuple(shape), tuple(map(_tuple, cast))) for k, shape, cast in theirs]
+            if by_stage.setdefault(stage, theirs) != theirs:
+                raise RuntimeError(f"verify: the ranks of pipeline stage {stage} cast different FP8 operands at step "
+                                   f"{step + 1}")
+            for k, shape, cast in theirs:
+                if shapes.setdefault(k, (shape, cast)) != (shape, cast):
+                    raise RuntimeError(f"verify: the ranks place FP8 operand {_name(k)} in different global shapes")
+        return {k: (shape, _cast_of(cast)) for k, (shape, cast) in shapes.items()}
+
     @staticmethod
     def _quantize(x: torch.Tensor, cast) -> Quantized:
         """The single device's cast of `x` (no axis: nothing to reduce)."""
@@ -312,6 +375,9 @@ class Fp8Replay:
         """`ql` (the cast of the layout's `xl`) replaces `qr` (the reference's own cast of `xr`) only where fp32
         reordering explains every difference (`explain`)."""
         n, distance, amax_ok = explain(xr, qr, xl, ql, cast)
+        moved = rounded_apart(qr, ql)
+        if moved:
+            self.replaced.append({"step": self.step + 1, "operand": _name(key), "elements": moved})
         if n or not amax_ok:
             self.flips.append({"step": self.step + 1, "operand": _name(key), "flips": n, "max_distance": distance,
                                "amax_explained": amax_ok})
@@ -332,7 +398,9 @@ class Fp8Replay:
         return {"replayed_casts": self.replayed, "own_casts": self.own,
                 "flips": sum(f["flips"] for f in self.flips),
                 "max_flip_distance": max((f["max_distance"] for f in self.flips), default=0.0),
-                "rho": RHO, "per_operand": self.flips, "unexplained": self.failure}
+                "rho": RHO, "per_operand": self.flips, "unexplained": self.failure,
+                "reference_rounded_apart": sum(r["elements"] for r in self.replaced),
+                "rounded_apart_per_operand": self.replaced}
 
 
 def explain(xr: torch.Tensor, qr: Quantized, xl: torch.Tensor, ql: Quantized, cast) -> tuple[int, float, bool]:
@@ -356,10 +424,32 @@ def explain(xr: torch.Tensor, qr: Quantized, xl: torch.Tensor, ql: Quantized, ca
     return int(flipped.sum()), float(dist.max()) if dist.numel() else 0.0, amax_ok
 
 
+def rounded_apart(qr: Quantized, ql: Quantized) -> int:
+    """How many elements the reference's own cast dequantises a whole FP8 step away from the layout's: what the
+    replay replaced, the reference's side of each flip (a scale moved by fp32 error moves every value by ~1e-7
+    relative; a flip by at least 2**-4 in e4m3, 2**-3 in e5m2)."""
+    dr, dl = qr.data.float() / qr.scale_bcast(), ql.data.float() / ql.scale_bcast()
+    return int(((dr - dl).abs() > 2**-8 * torch.maximum(dr.abs(), dl.abs())).sum())
+
+
 def _label(cast) -> str:
     """A cast in a few words: its dtype and scale block."""
     kind = "e8m0 " if cast.e8m0 else "pow2 " if cast.pow2 else ""
     return f"{str(cast.dtype).removeprefix('torch.float8_')} {kind}block {cast.block}"
+
+
+def _cast_fields(cast: Cast) -> tuple:
+    """A cast as JSON carries it (another stage's operands are cast here too)."""
+    return str(cast.dtype).removeprefix("torch."), tuple(cast.block), cast.pow2, cast.e8m0
+
+
+def _cast_of(fields: tuple) -> Cast:
+    dtype, block, pow2, e8m0 = fields
+    return Cast(getattr(torch, dtype), tuple(block), pow2, e8m0)
+
+
+def _tuple(v):
+    return tuple(v) if isinstance(v, list) else v
 
 
 def _name(key: tuple) -> str:

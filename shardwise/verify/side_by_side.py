@@ -53,7 +53,7 @@ class SideBySide:
         self.dropout = model.dropout > 0 or model.attn_dropout > 0
         moe = bool(self.layout.model_cfg.moe_experts)
         self.replay = RoutingReplay(self.layout, self.refs, self.world, cfg.dtype) if moe else None
-        replayable = self.fp8 and cfg.parallel.pp == 1 and not cfg.fp8_all_gather
+        replayable = self.fp8 and not cfg.fp8_all_gather
         self.fp8_replay = Fp8Replay(self.layout, self.refs, self.world) if replayable else None
 
     def backward(self, step: int) -> tuple[float, list[float]]:
