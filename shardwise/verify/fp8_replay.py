@@ -30,16 +30,17 @@ Pipeline stages hold different layers: each stage's ranks record their own layer
 and the exchange runs over the union of every rank's keys (an all-gather of keys, global shapes and casts; the ranks
 of one stage must agree). Backward keys g by its GEMM (dx's or dW's), so zero-bubble's deferred dW, cast at the
 microbatch's W action, keys as the reference's: the k-th key of a name is the k-th microbatch in every schedule.
+A g all-reduced over tp before its cast (`grad_sum`, MLA's down-projections) is a new tensor, matched by its shape.
 
 What the replay cannot reach keeps its own rounding and the twin's budget: experts under a capacity factor (each rank
-drops by its own counts), operands that came over the wire in FP8, a g all-reduced before its cast (`grad_sum`: a
-new tensor, not the one the backward received), the chunks of `--tp-overlap`'s regions and bf16 runs.
+drops by its own counts), operands that came over the wire in FP8 and bf16 runs; under `--tp-overlap` (its chunks'
+casts are not recorded) it is off altogether (`side_by_side`).
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import json
+import math
 
 import torch
 
