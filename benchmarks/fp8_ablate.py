@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -80,7 +79,7 @@ def child(spec: str, argv: list[str]) -> int:
 
 
 def main(argv=None) -> dict:
-    from fp8_loss import held_out_text, train
+    from fp8_loss import finished, held_out_text, train
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
@@ -100,35 +99,25 @@ def main(argv=None) -> dict:
     os.makedirs(runs, exist_ok=True)
     extra = ["--seq-len", "64", "--micro-batch", "4", "--eval-data", held_out_text(os.path.join(runs, "held_out.txt")),
              "--eval-steps", str(a.eval_steps)]
-    base_dir = os.path.join(runs, f"{a.model}_{a.dtype}")
-    reused, times = set(), {}
-    if os.path.exists(os.path.join(base_dir, "summary.json")):
-        reused.add("baseline")
-    t0 = time.perf_counter()
-    base = train(a.model, "fp32" if a.dtype == "fp32" else None, a.steps, base_dir, a.seed, extra, reuse=True)
-    times["baseline"] = None if "baseline" in reused else time.perf_counter() - t0
-    ev = lambda rows: next(r["eval_loss"] for r in reversed(rows) if "eval_loss" in r)  # noqa: E731
-    out = {"baseline": ev(base)}
+    times, absent, out = {}, {}, {}
+
+    def run(key: str, recipe: str | None, out_dir: str, launcher: list[str] | None = None) -> float:
+        """One training (fp8_loss's `train`), reused from --runs if finished there; its final eval loss."""
+        reused = finished(out_dir, a.steps) is not None
+        t0 = time.perf_counter()
+        rows = train(a.model, recipe, a.steps, out_dir, a.seed, extra, reuse=True, dtype=a.dtype, launcher=launcher)
+        times[key] = None if reused else time.perf_counter() - t0
+        if reused:
+            absent[key] = "reused from --runs"
+        return next(r["eval_loss"] for r in reversed(rows) if "eval_loss" in r)
+
+    out["baseline"] = run("baseline", None, os.path.join(runs, f"{a.model}_{a.dtype}"))
     for spec in a.variants.split(","):
         d = os.path.join(runs, f"{a.model}_{a.dtype}_{spec.replace(':', '_').replace(',', '_').replace('=', '-')}")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--", "train", "--model", a.model,
-               "--dp", "1", "--steps", str(a.steps), "--dtype", a.dtype, "--seed", str(a.seed), "--out", d,
-               "--no-progress", "--no-checkpoint", "--no-report", "--device", "cpu", *extra,
-               "--fp8", spec.partition(":")[0]]
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-        times[spec] = None
-        if os.path.exists(os.path.join(d, "summary.json")):
-            reused.add(spec)
-        else:
-            t0 = time.perf_counter()
-            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-            if r.returncode:
-                raise SystemExit(f"{spec} failed:\n{r.stderr[-3000:]}")
-            times[spec] = time.perf_counter() - t0
-        with open(os.path.join(d, "metrics.jsonl")) as f:
-            out[spec] = ev([json.loads(line) for line in f])
+        out[spec] = run(spec, spec.partition(":")[0], d, [sys.executable, os.path.abspath(__file__), "--child", spec,
+                                                          "--"])
         print(f"{spec:<40} eval {out[spec]:.4f}  vs {a.dtype} {out[spec] / out['baseline'] - 1:+.2%}", flush=True)
-    result = {"medians_s": times, "ratios": {}, "absent": {k: "reused from --runs" for k in reused},
+    result = {"medians_s": times, "ratios": {}, "absent": absent,
               "eval_loss": out, "rel_to_baseline": {k: v / out["baseline"] - 1 for k, v in out.items() if k != "baseline"},
               "config": {"model": a.model, "dtype": a.dtype, "steps": a.steps, "seed": a.seed, "runs": runs}}
     print(json.dumps(result))

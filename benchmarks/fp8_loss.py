@@ -49,17 +49,27 @@ def _rows(out: str) -> list[dict]:
         return [row for row in map(json.loads, f) if "loss" in row or "eval_loss" in row]
 
 
-def train(model: str, run: str, steps: int, out: str, seed: int, extra: list[str], reuse: bool = False) -> list[dict]:
-    """One CLI run (`run`: bf16, fp32 or an FP8 recipe under bf16); its metrics.jsonl rows. `reuse`: a finished run
-    already in `out` (all its steps and its eval) is read back instead of trained again."""
-    if reuse and os.path.exists(os.path.join(out, "metrics.jsonl")):
+def finished(out: str, steps: int) -> list[dict] | None:
+    """The metrics.jsonl rows of a finished run in `out` (all its steps and its eval), else None."""
+    if os.path.exists(os.path.join(out, "metrics.jsonl")):
         rows = _rows(out)
         if sum("loss" in r for r in rows) == steps and any("eval_loss" in r for r in rows):
             return rows
-    dtype = "fp32" if run == "fp32" else "bf16"
-    cmd = [sys.executable, "-m", "shardwise", "train", "--model", model, "--dp", "1", "--steps", str(steps),
-           "--dtype", dtype, "--seed", str(seed), "--out", out, "--no-progress", "--no-checkpoint", "--no-report",
-           "--device", "cpu", *extra] + (["--fp8", run] if run in RECIPES else [])
+    return None
+
+
+def train(model: str, run: str, steps: int, out: str, seed: int, extra: list[str], reuse: bool = False,
+          dtype: str | None = None, launcher: list[str] | None = None) -> list[dict]:
+    """One CLI run (`run`: bf16, fp32 or an FP8 recipe, under `dtype`: fp32 for the fp32 run, else bf16); its
+    metrics.jsonl rows. `reuse`: a finished run already in `out` is read back instead of trained again. `launcher`:
+    the command before `train` (default `python -m shardwise`; fp8_ablate.py's patches a recipe first)."""
+    rows = finished(out, steps) if reuse else None
+    if rows is not None:
+        return rows
+    dtype = dtype or ("fp32" if run == "fp32" else "bf16")
+    cmd = [*(launcher or [sys.executable, "-m", "shardwise"]), "train", "--model", model, "--dp", "1",
+           "--steps", str(steps), "--dtype", dtype, "--seed", str(seed), "--out", out, "--no-progress",
+           "--no-checkpoint", "--no-report", "--device", "cpu", *extra] + (["--fp8", run] if run in RECIPES else [])
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if r.returncode:

@@ -178,12 +178,9 @@ class _Fp8Linears(torch.autograd.Function):
                 out += [[next(qs) for _ in gs], [q if q is not None else next(qs) for q in pre_x]]
             return out
 
-        def weight_grads(qg_w, qx_w) -> list:
-            return fp8_weight_grads(r, qg_w, qx_w, ws, bs, gs)
-
         def deferred() -> list:
             with torch.autocast(gs[0].device.type, enabled=False):
-                return weight_grads(*cast(False, True))
+                return fp8_weight_grads(r, *cast(False, True), ws, bs, gs)
 
         with torch.autocast(gs[0].device.type, enabled=False):
             qg_d, qw_d, *wgrad = cast(True, not defer)
@@ -195,15 +192,11 @@ class _Fp8Linears(torch.autograd.Function):
             if defer:
                 ctx.store.defer([*ws, *bs], deferred)
                 return (None, None, None, None, None, *dxs, *[None] * (2 * n))
-            return (None, None, None, None, None, *dxs, *weight_grads(*wgrad))
+            return (None, None, None, None, None, *dxs, *fp8_weight_grads(r, *wgrad, ws, bs, gs))
 
 
 def out_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype an FP8 linear returns for input `x`: autocast's where it is on, else x's."""
-    return _out_dtype(x)
-
-
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
@@ -213,7 +206,7 @@ def fp8_linears(cfg: Fp8Config, xs, ws, bs, store=None) -> tuple[torch.Tensor, .
     """y_i = x_i W_iᵀ + b_i for a group of linears sharing `cfg`'s layout, in FP8. `store`: a split-backward
     pipeline stage's WeightGradStore, to which the backward hands the dW GEMMs while it captures."""
     pre_x = [held(x, cfg.recipe.x, cfg.layout.x()) for x in xs]  # gathered in FP8 (`wire.py`)
-    return _Fp8Linears.apply(cfg, _out_dtype(xs[0]), len(xs), pre_x, store, *xs, *ws, *bs)
+    return _Fp8Linears.apply(cfg, out_dtype(xs[0]), len(xs), pre_x, store, *xs, *ws, *bs)
 
 
 def fp8_linear(cfg: Fp8Config, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
