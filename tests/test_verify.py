@@ -255,8 +255,9 @@ def _verify_broken(runs):
 def test_bf16_catches_a_quarter_and_an_eighth_of_a_gradient():
     """In bf16 a parameter whose reduced gradient misses a quarter (0.5 of its norm) or an eighth (0.35) fails
     verify on tp2×SP, pp2 and ep2: its bf16 noise floor against fp32 is ~1e-2. DeepSeek-tiny tp2×SP in bf16 (its
-    near-tie flips replayed) passes; a layout router that sends a token to an expert outside a clear top-k fails
-    with the token, the layer and both gaps."""
+    near-tie flips replayed; a later gradient over its budget judged again at the layout's weights) passes; a
+    layout router that sends a token to an expert outside a clear top-k fails with the token, the layer and both
+    gaps."""
     seed = fresh_seed()
     base = TrainConfig(steps=2, seq_len=32, micro_batch=2, seed=seed, progress=False, dtype="bf16")
     w1, expert_w1 = "layers.1.feed_forward.w1.weight", "layers.0.feed_forward.experts.w1"
@@ -267,11 +268,16 @@ def test_bf16_catches_a_quarter_and_an_eighth_of_a_gradient():
     runs.append((dataclasses.replace(base, model=DEEPSEEK, parallel=ParallelConfig(tp=2, sequence_parallel=True),
                                      global_batch=4), None, False))
     runs.append((_moe_cfg(seed, dp=2, ep=2), None, True))
-    *broken, deepseek, swapped = run_ranks(2, _verify_broken, runs, timeout_s=300)[0]
+    runs.append((dataclasses.replace(runs[-2][0], seed=553752802), None, False))
+    *broken, deepseek, swapped, drifted = run_ranks(2, _verify_broken, runs, timeout_s=300)[0]
     for (cfg, (name, part), _), r in zip(runs, broken):
         assert not r["passed"] and r["bf16_budget"]["ratios"]["grad"] > 1.0, (seed, cfg.parallel, name, r)
         assert r["first_step_grad_rel_diff"] == pytest.approx(part ** 0.5, rel=0.15), (seed, cfg.parallel, r)
-    assert deepseek["passed"], (seed, deepseek)
+    for r in (deepseek, drifted):
+        again = r["later_grad_at_layout_weights"]
+        assert r["passed"] and all(p["at_layout_weights"] < 0.05 < p["rel"] for p in again.values()), (seed, r)
+    # CI's seed: bf16 flipped other step-1 update signs in the layout, and a cancelling router gradient drifted
+    assert "layers.2.feed_forward.router.weight" in drifted["later_grad_at_layout_weights"], drifted
     assert deepseek["routing"]["max_flip_gap"] <= deepseek["routing"]["near_tie_bound"], (seed, deepseek["routing"])
     bad = swapped["routing"]["not_near_tie"]
     assert not swapped["passed"] and bad is not None and bad["step"] == 1, (seed, swapped["routing"])

@@ -54,13 +54,17 @@ class NoiseBudget:
 
     def add(self, quantity: str, layout_rel: torch.Tensor, ref16: dict, ref32: dict, names, lr: float = 0.0) -> None:
         """`lr`: for parameters and updates, the absolute floor's unit (the step's lr, or the sum so far)."""
-        norms = torch.stack([ref16[n].double().norm() for n in names]).clamp_min(1e-30)
-        floor = torch.stack([(ref16[n].double() - ref32[n].double()).norm() for n in names]) / norms
-        extra = self.floors[quantity] * (lr / norms if lr else 1.0)
-        ratio = layout_rel / (BF16_MULTIPLE * floor + extra).to(layout_rel.device)
-        floor = floor.to(layout_rel.device)
+        ratio, noise = self.ratio(quantity, layout_rel, ref16, ref32, names, lr)
         self.ratios[quantity] = max(self.ratios[quantity], float(ratio.max()))
-        self.noise[quantity] = max(self.noise[quantity], float(floor.max()))
+        self.noise[quantity] = max(self.noise[quantity], float(noise.max()))
+
+    def ratio(self, quantity: str, layout_rel: torch.Tensor, ref16: dict, ref32: dict, names,
+              lr: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """[parameters] each: left over right side of the bound, and the measured noise rel(ref16, ref32)."""
+        norms = torch.stack([ref16[n].double().norm() for n in names]).clamp_min(1e-30)
+        noise = torch.stack([(ref16[n].double() - ref32[n].double()).norm() for n in names]) / norms
+        extra = self.floors[quantity] * (lr / norms if lr else 1.0)
+        return layout_rel / (BF16_MULTIPLE * noise + extra).to(layout_rel.device), noise.to(layout_rel.device)
 
     def add_loss(self, loss: float, loss16: float, loss32: float) -> None:
         budget = BF16_MULTIPLE * abs(loss16 - loss32) + self.floors["loss"] * max(1.0, abs(loss16))

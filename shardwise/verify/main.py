@@ -52,8 +52,12 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
         else:
             later_grads.add(runs, step, grads, grad_views)
         if budget is not None:
-            budget.add_gradients(layout_loss, ref_losses, grads, runs.ref_grads(), runs.ref_grads(fp32=True),
-                                 runs.names)
+            ref16, ref32 = runs.ref_grads(), runs.ref_grads(fp32=True)
+            if step and runs.bf16 and cfg.fp8 is None and not runs.dropout:  # drift: judged at the layout's weights
+                over = budget.ratio("grad", grads, ref16, ref32, runs.names)[0] > 1.0
+                if bool(over.any()):
+                    grads = later_grads.again(runs, step, grads, grad_views, over)
+            budget.add_gradients(layout_loss, ref_losses, grads, ref16, ref32, runs.names)
         updates.collect(step, grad_views, runs.lr(step))
         before = runs.snapshot()
         runs.optimizer_step(step)
@@ -82,7 +86,9 @@ def verify_main(cfg: TrainConfig, device: torch.device | None = None, tokens: to
            "tolerances": budget.tolerances() if budget is not None else tolerances(), "losses": loss.losses}
     if budget is None:
         out |= {"later_update_ratio": updates.ratio, "param_ratio": values.ratio, "first_grad_ratio": first_grads.ratio,
-                "first_grad_budget": first_grads.budget, "later_grad_at_layout_weights": later_grads.at_layout_weights}
+                "first_grad_budget": first_grads.budget}
+    if budget is None or runs.bf16:
+        out["later_grad_at_layout_weights"] = later_grads.at_layout_weights
     if cfg.fp8 is not None:
         out["fp8_amax"] = amax
     if runs.replay is not None:
