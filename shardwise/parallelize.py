@@ -73,7 +73,7 @@ def parallelize(cfg: ModelConfig, mesh: Mesh, seed: int, parallel: ParallelConfi
     if train is not None and train.fp8:  # the linears' GEMMs in FP8, each scale over its logical tensor
         from .fp8.apply import apply_fp8
 
-        apply_fp8(all_blocks(model), mesh, p, train.fp8)
+        apply_fp8(all_blocks(model), mesh, p, train.fp8, train.seq_len)
         if train.fp8_all_gather:  # SP gathers of the FP8 linears' inputs in FP8 (the ZeRO-3 ones: apply_dp)
             from .fp8.wire import install_activations
 

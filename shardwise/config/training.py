@@ -465,7 +465,8 @@ class TrainConfig:
         if problem:
             raise ConfigError(f"--fp8 {self.fp8} with --cp {p.cp} and --seq-len {self.seq_len} {problem}")
         problem = m.moe_experts and fp8_moe_problem(self.fp8, p.tp if p.sequence_parallel else 1, p.cp, p.dp, p.ep,
-                                                    self.micro_batch * self.seq_len, bool(m.moe_shared_experts))
+                                                    self.micro_batch, self.seq_len, bool(m.moe_shared_experts),
+                                                    m.moe_capacity_factor is not None, p.cp_order == "balanced")
         if problem:
             raise ConfigError(f"--fp8 {self.fp8} on MoE model {m.name!r} {problem}")
         problem = self.fp8_all_gather and fp8_wire_problem(self.fp8, p.zero == 3, p.sequence_parallel and p.tp > 1)

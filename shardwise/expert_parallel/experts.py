@@ -126,6 +126,8 @@ class GroupedExperts(nn.Module):
         self.n_hot, self.ep_axis = len(hot), ep_axis
         self._copy_index = None
         self.fp8 = None  # an Fp8Config under --fp8 (shardwise/fp8/apply.py): per-expert FP8 GEMMs
+        # the axes holding rows of the same experts, where their FP8 token tiles span ranks (fp8/apply.py)
+        self.fp8_tiles = None
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up; with `swiglu_limit` gpt-oss's clamped form (min(up, ±limit) + 1) · g·σ(α·g), g = min(gate,

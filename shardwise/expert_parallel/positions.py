@@ -74,6 +74,10 @@ class ExpertRows:
     token: torch.Tensor
     position: torch.Tensor
     totals: torch.Tensor
+    topk: int = 1
+    """The routing's k: Σ `totals` = `tokens` × k (dropless)."""
+    tokens: int = 0
+    """The single device's tokens in the microbatch."""
 
 
 def _runs(ids: torch.Tensor, n_runs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,4 +131,4 @@ def expert_rows(lay: TokenLayout, ids: torch.Tensor, indices: torch.Tensor, hand
     got = all_to_all_rows(sent, dispatcher.axis, handle.in_splits, handle.out_splits, tag)
     if handle.regroup is not None:
         got = got.index_select(0, handle.regroup)
-    return ExpertRows(got[:, 0], got[:, 1], per.sum(0))
+    return ExpertRows(got[:, 0], got[:, 1], per.sum(0), k, n * lay.dp[1] * lay.cp[1] * lay.sp[1])

@@ -17,6 +17,9 @@ import dataclasses
 
 from torch import nn
 
+from ..expert_parallel.positions import TokenLayout
+from ..rules.fp8 import TILES_TAG
+from ..rules.validation import fp8_expert_tiles_split
 from .linear import Fp8Config, LinearLayout, fp8_linear
 from .recipes import recipe
 
@@ -97,9 +100,19 @@ def check_tiles(name: str, layer: nn.Module, cfg: Fp8Config) -> None:
                                   f"keeps whole blocks")
 
 
-def apply_fp8(blocks: list[nn.Module], mesh, parallel, name: str) -> int:
+def global_tiles(mesh, parallel, name: str) -> bool:
+    """Whether recipe `name` tiles the routed experts' rows at their single-device positions on this mesh: its token
+    tiles of an expert's rows span ranks (`rules.validation.fp8_expert_tiles_split`)."""
+    sp_tp = mesh["tp"].size if parallel.sequence_parallel else 1
+    d = mesh.dims
+    return fp8_expert_tiles_split(name, sp_tp, d.cp, d.dp, d.ep)
+
+
+def apply_fp8(blocks: list[nn.Module], mesh, parallel, name: str, seq_len: int = 0) -> int:
     """Mark every FP8 linear of the transformer `blocks` (parallelize's `all_blocks`) with its `Fp8Config`; returns
-    how many layers (an expert group counts once)."""
+    how many layers (an expert group counts once). `seq_len`: the training sequence length, where the routed
+    experts' token tiles span ranks (`global_tiles`): their MoE then computes each row's single-device position
+    (`expert_parallel.positions`, tagged `fp8_positions`)."""
     rec, count = recipe(name), 0
     for b, block in enumerate(blocks):
         ffn = block.feed_forward
@@ -114,6 +127,11 @@ def apply_fp8(blocks: list[nn.Module], mesh, parallel, name: str) -> int:
                     axes = (mesh["edp"], mesh["tp"]) if parallel.sequence_parallel and mesh["tp"].active \
                         else (mesh["edp"],)
                     m.fp8 = Fp8Config(rec, LinearLayout(seq=axes, rows_all=axes, seq_global=0))
+                    if seq_len and global_tiles(mesh, parallel, name) and moe.dispatcher.capacity_factor is None:
+                        m.fp8_tiles = axes  # token tiles at the rows' single-device positions, amaxes over axes
+                        moe.token_layout = TokenLayout.of(mesh, seq_len, parallel.cp_order,
+                                                          parallel.sequence_parallel)
+                        moe.positions_tag = TILES_TAG
                 else:
                     if type(m) is nn.Linear:
                         m.__class__ = Float8Linear

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from .linear import fp8_linears
+from .scaling import TokenTiles
 
 
 def fp8_experts(experts, rows: torch.Tensor, counts: list[int], where=None) -> torch.Tensor:
@@ -14,7 +15,11 @@ def fp8_experts(experts, rows: torch.Tensor, counts: list[int], where=None) -> t
     `where`: the rows' single-device positions (`expert_parallel.positions.ExpertRows`), carried in the config."""
     cfg, n = experts.fp8, experts.n_local
     if where is not None:
-        cfg = dataclasses.replace(cfg, rows=where)
+        tiles = None
+        if experts.fp8_tiles is not None:  # token tiles at the rows' single-device positions (`TokenTiles`)
+            totals = where.totals[torch.tensor(experts.rows, device=where.totals.device)]
+            tiles = TokenTiles(where.position, counts, totals, where.tokens, where.topk, experts.fp8_tiles)
+        cfg = dataclasses.replace(cfg, rows=where, tiles=tiles)
     parts = list(rows.split(counts))
     none = [None] * n
     b1, b3, b2 = (none if b is None else list(b.unbind(0)) for b in (experts.b1, experts.b3, experts.b2))

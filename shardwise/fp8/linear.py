@@ -16,6 +16,7 @@ reduce-scatter) sums the input gradients over tp, and the others' zeros add noth
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,14 @@ class Fp8Config:
     grad_sum: object = None
     rows: object = None
     """Routed experts: their rows' single-device positions (`expert_parallel.positions.ExpertRows`), where asked."""
+    tiles: object = None
+    """Routed experts whose token tiles span ranks: their `scaling.TokenTiles`, which the weight gradient's
+    token-tiled casts of g and x take (`fp8.experts`)."""
+
+
+def _tiled(lay: Layout, cfg: Fp8Config, j: int, role: str) -> Layout:
+    """`lay` of linear j's operand `role` in a weight-gradient cast: at its rows' global tiles where `cfg` has them."""
+    return lay if cfg.tiles is None else dataclasses.replace(lay, tiles=(cfg.tiles, j, role))
 
 
 def _matrix(q: Quantized, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +177,9 @@ class _Fp8Linears(torch.autograd.Function):
                 items += [(g, r.g_dgrad, lay.g()) for g in g3]
                 items += [(as3d(w), r.w_dgrad, lay.w()) for w, q in zip(ws, pre_w) if q is None]
             if wgrad:
-                items += [(g, r.g_wgrad, lay.g()) for g in g3]
-                items += [(as3d(x), r.x_wgrad, lay.x()) for x, q in zip(saved, pre_x) if q is None]
+                items += [(g, r.g_wgrad, _tiled(lay.g(), ctx.cfg, j, "g")) for j, g in enumerate(g3)]
+                items += [(as3d(x), r.x_wgrad, _tiled(lay.x(), ctx.cfg, j, "x"))
+                          for j, (x, q) in enumerate(zip(saved, pre_x)) if q is None]
             qs = iter(quantize_all(items))
             out = []
             if dgrad:

@@ -43,6 +43,36 @@ class Layout:
     seq_chunks: int = 1
     rows_all: tuple | None = None
     """The axes a scale over every row reduces over, when one axis covers `batch` and `seq` together (dp_cp)."""
+    tiles: tuple | None = None
+    """Routed experts whose token tiles span ranks: (`TokenTiles`, local expert j, operand role 'x' or 'g'); a cast
+    tiling rows takes its tiles at the rows' single-device positions (`quantize_all`)."""
+
+
+class TokenTiles:
+    """A routed expert group's rows tiled at their single-device positions: where an expert's rows lie on several
+    ranks (SP's tp, cp, ep < dp) or in another order, a cast in (tile × 1) blocks along the tokens (blockwise's and
+    MX's weight-gradient operands) takes each row's tile as `position // tile` within its logical expert. Every
+    local expert's tiles are numbered in one buffer (expert j's from Σ_{j'<j} ⌈totals/tile⌉), whose per-(tile,
+    column) amaxes are max-reduced over `axes` (the ranks holding rows of the same experts: edp, and tp under SP). The
+    buffer has `rules.fp8.token_tile_bound` rows whatever the routing, so the all-reduce's bytes are fixed; the
+    tiles past the last real one stay 0."""
+
+    def __init__(self, position: torch.Tensor, counts: list[int], totals: torch.Tensor, tokens: int, topk: int,
+                 axes: tuple):
+        self.counts, self.totals, self.tokens, self.topk, self.axes = list(counts), totals, tokens, topk, tuple(axes)
+        self.position = list(position.split(self.counts))
+        self._ids: dict[int, list] = {}
+
+    def bound(self, tile: int) -> int:
+        return fp8_rules.token_tile_bound(self.tokens, self.topk, len(self.counts), tile)
+
+    def ids(self, tile: int, j: int) -> torch.Tensor:
+        """Local expert j's rows' tile indices in the group's buffer."""
+        if tile not in self._ids:
+            n = (self.totals + tile - 1) // tile
+            first = torch.cumsum(n, 0) - n
+            self._ids[tile] = [first[i] + p // tile for i, p in enumerate(self.position)]
+        return self._ids[tile][j]
 
 
 @dataclass
@@ -161,16 +191,50 @@ def quantize_all(items: list[tuple[torch.Tensor, Cast, Layout]]) -> list[Quantiz
     repeating an earlier one (tensorwise's g for dx and for dW) shares its cast; its amax still travels, so the
     all-reduces are the ones `rules.fp8` counts."""
     firsts = _firsts(items)
-    plans = [block_plan(t, c, lay) for t, c, lay in items]
-    local = {j: local_amax(items[j][0], items[j][1], *plans[j][:2]) for j in set(firsts)}
-    amaxes = reduce_amaxes([local[j] for j in firsts], [axes for _, _, axes in plans])
+    tiled = [_token_tiled(c, lay) for _, c, lay in items]
+    plans = [(0, 0, []) if tiled[i] else block_plan(t, c, lay) for i, (t, c, lay) in enumerate(items)]
+    local = {j: None if tiled[j] else local_amax(items[j][0], items[j][1], *plans[j][:2]) for j in set(firsts)}
+    buffers, buffer_axes = _tile_buffers(items, firsts, tiled)
+    reduced = reduce_amaxes([local[j] for j in firsts if not tiled[j]] + list(buffers.values()),
+                            [plans[i][2] for i, j in enumerate(firsts) if not tiled[j]] + buffer_axes)
+    amaxes = iter(reduced)
+    amax_of = [None if tiled[j] else next(amaxes) for j in firsts]
+    buffers = dict(zip(buffers, amaxes))
     out: list[Quantized] = []
-    for i, ((t, cast, _), (br, bc, _), amax) in enumerate(zip(items, plans, amaxes)):
+    for i, ((t, cast, lay), (br, bc, _), amax) in enumerate(zip(items, plans, amax_of)):
         if firsts[i] != i:
             out.append(out[firsts[i]])
-            continue
-        out.append(cast_with(t, to_scale(amax, cast), (br, bc), cast))
+        elif tiled[i]:  # each row scaled by its global tile's amax: a scale per element
+            tt, j, role = lay.tiles
+            rows = buffers[(id(tt), role, cast)].index_select(0, tt.ids(cast.block[0], j))
+            out.append(cast_with(t, to_scale(rows, cast).unsqueeze(0), (1, 1), cast))
+        else:
+            out.append(cast_with(t, to_scale(amax, cast), (br, bc), cast))
     return out
+
+
+def _token_tiled(cast: Cast, lay: Layout) -> bool:
+    """Whether `cast` of an operand under `lay` takes tiles at its rows' single-device positions (`TokenTiles`)."""
+    br, bc = cast.block
+    return lay.tiles is not None and br is not None and br > 1 and bc == 1
+
+
+def _tile_buffers(items: list, firsts: list[int], tiled: list[bool]) -> tuple[dict, list]:
+    """The local per-(global tile, column) amaxes of the token-tiled items, one fixed-size buffer per expert group,
+    operand role and cast, and the axes each is max-reduced over."""
+    buffers: dict[tuple, torch.Tensor] = {}
+    axes: list = []
+    for i, (t, cast, lay) in enumerate(items):
+        if firsts[i] != i or not tiled[i]:
+            continue
+        tt, j, role = lay.tiles
+        key = (id(tt), role, cast)
+        if key not in buffers:
+            buffers[key] = t.new_zeros((tt.bound(cast.block[0]), t.shape[-1]), dtype=torch.float32)
+            axes.append([a for a in tt.axes if a.active])
+        a = t.detach().abs().float().reshape(-1, t.shape[-1])
+        buffers[key].scatter_reduce_(0, tt.ids(cast.block[0], j)[:, None].expand_as(a), a, "amax")
+    return buffers, axes
 
 
 def cast_with(t: torch.Tensor, scale: torch.Tensor, blocks: tuple[int, int], cast: Cast) -> Quantized:

@@ -125,3 +125,18 @@ def amax_reductions(items: list[tuple[Operand, tuple]]) -> list[tuple[str, int, 
             g = groups.setdefault(tuple(axes), [0])
             g[0] += n
     return [(name, size, n * AMAX_BYTES) for axes, (n,) in groups.items() for name, size in axes]
+
+
+TILES_TAG = "fp8_positions"
+"""Ledger tag of the routed experts' position exchange in training (`expert_parallel.positions`), where their token
+tiles span ranks (`rules.validation.fp8_expert_tiles_split`)."""
+
+
+def token_tile_bound(tokens: int, topk: int, experts: int, tile: int) -> int:
+    """The most `tile`-row tiles `experts` routed experts' rows can fill in the single device's microbatch of `tokens`
+    tokens routed top-`topk` (dropless): Σ_e ⌈t_e / tile⌉ with every t_e ≤ tokens (a token picks an expert once) and
+    Σ_e t_e ≤ tokens · min(topk, experts). Since ⌈t/tile⌉ ≤ (t + tile − 1) / tile, the sum is at most
+    ⌊(tokens · min(topk, experts) + experts · (tile − 1)) / tile⌋, and at most experts · ⌈tokens / tile⌉. The
+    runtime's buffer of per-tile amaxes has this many rows whatever the routing, so the planner counts its bytes."""
+    rows = tokens * min(topk, experts)
+    return min(experts * ceil(tokens / tile), (rows + experts * (tile - 1)) // tile)

@@ -29,26 +29,40 @@ def fp8_cp_problem(recipe: str, seq_len: int, cp: int, balanced: bool) -> str | 
     return f"cuts its {tile}-token tiles across cp ranks ({part} tokens per part)"
 
 
-def fp8_moe_problem(recipe: str, sp_tp: int, cp: int, dp: int, ep: int, tokens: int, shared: bool) -> str | None:
-    """A recipe's token tiles of the MoE's rows (an expert's rows, the shared experts' flattened tokens) equal the
-    single device's only where every rank holds whole tiles of them in its order: no split inside a sequence (SP's
-    tp, cp), an expert's tokens on one rank (ep = dp), whole tiles of shared-expert rows per dp rank (`tokens`:
-    micro_batch × seq_len). The rows of an expert on a rank depend on the routing, so no fixed split keeps its tiles."""
+def fp8_expert_tiles_split(recipe: str, sp_tp: int, cp: int, dp: int, ep: int) -> bool:
+    """Whether a recipe's token tiles of a routed expert's rows (the weight gradient's 128×1 / 32×1 blocks) span
+    ranks or another order: each TP rank routes its own sequence shard (SP), each cp rank its own part of every
+    sequence, and at ep < dp an expert's tokens sit on dp/ep ranks. There the experts take each row's single-device
+    position (`expert_parallel.positions`) and max-reduce a fixed-size buffer of per-tile amaxes over the ranks
+    holding the expert's rows (`fp8.scaling.TokenTiles`)."""
+    return recipe in FP8_TOKEN_TILE and (sp_tp > 1 or cp > 1 or ep < dp)
+
+
+def fp8_moe_problem(recipe: str, sp_tp: int, cp: int, dp: int, ep: int, micro_batch: int, seq_len: int,
+                    shared: bool, capacity: bool = False, balanced: bool = True) -> str | None:
+    """A recipe's token tiles of the MoE's rows (an expert's rows, the shared experts' flattened tokens) must be the
+    single device's. A routed expert's rows split over ranks (SP's tp, cp, ep < dp: `fp8_expert_tiles_split`) are
+    tiled by their single-device positions, which need dropless routing (`capacity`: a capacity factor drops by
+    each rank's own counts). The shared experts tile each rank's flattened rows as they lie: each run of consecutive
+    tokens a rank holds (micro_batch × seq_len under dp alone; a sequence's SP chunk or cp part, two per sequence
+    under cp's `balanced` order) must be whole tiles."""
     tile = FP8_TOKEN_TILE.get(recipe)
     if tile is None:
         return None
-    if sp_tp > 1:
-        where, fix = (f"--tp {sp_tp} --sequence-parallel (each TP rank routes its own sequence shard)",
-                      "drop --sequence-parallel")
-    elif cp > 1:
-        where, fix = f"--cp {cp} (each rank routes its own part of every sequence)", "--cp 1"
-    elif ep < dp:
-        where, fix = f"--dp {dp} --ep {ep} (an expert's tokens are split over {dp // ep} ranks)", f"--ep {dp}"
-    elif shared and dp > 1 and tokens % tile:
-        where, fix = (f"--dp {dp} with {tokens} tokens per microbatch (the shared experts' tiles span dp ranks)",
-                      f"micro_batch × seq_len a multiple of {tile}")
-    else:
+    if capacity and fp8_expert_tiles_split(recipe, sp_tp, cp, dp, ep):
+        return (f"tiles each routed expert's rows in {tile}-token blocks by their single-device positions, which "
+                f"need dropless routing; drop --moe-capacity-factor")
+    split = sp_tp * cp * (2 if balanced and cp > 1 else 1)
+    run = seq_len // split if split > 1 else micro_batch * seq_len
+    if not shared or (split == 1 and dp == 1) or run % tile == 0:
         return None
+    if split > 1:
+        where = (f"--tp {sp_tp} --sequence-parallel --cp {cp}, whose {run}-token runs of a sequence per rank (the "
+                 f"shared experts' rows)")
+        fix = f"a sequence shard of a multiple of {tile} tokens"
+    else:
+        where = f"--dp {dp} with {run} tokens per microbatch (the shared experts' tiles span dp ranks)"
+        fix = f"micro_batch × seq_len a multiple of {tile}"
     return (f"tiles the MoE's rows in {tile}-token blocks in one device's token order, which no rank holds under "
             f"{where}; use --fp8 tensorwise or rowwise, or {fix}")
 

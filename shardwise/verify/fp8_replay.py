@@ -114,7 +114,7 @@ class Fp8Replay:
         self.micro_batch, self.dp = cfg.micro_batch, mesh.dims.dp
         self.stage = mesh["pp"].rank  # ranks of one pipeline stage record the same operands
         for m in layout.model.modules():  # the layout's MoE blocks place their experts' rows (dropless only)
-            if hasattr(m, "token_layout") and m.dispatcher.capacity_factor is None:
+            if hasattr(m, "token_layout") and m.token_layout is None and m.dispatcher.capacity_factor is None:
                 m.token_layout, m.positions_tag = self.tokens, "verify"
         self.records: dict[tuple, tuple] = {}  # key -> (x [B,S,C] fp32, its scales, global index, global shape, cast)
         self.table: dict[tuple, tuple] = {}  # key -> (the single device's cast of x_l, x_l): what the references take
