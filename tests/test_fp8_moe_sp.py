@@ -1,106 +1,138 @@
-"""`--fp8 blockwise` / `mxfp8` on MoE models: the weight-gradient GEMM's 128- (32-) token tiles of an expert's rows
-are the single device's only where one rank holds every token of its experts in the single device's order. Under SP
-each TP rank routes its own sequence shard, under cp its own part of each sequence, and at ep < dp an expert's tokens
-sit on dp/ep ranks: each rank tiles rows the single device tiles differently, and which rows an expert gets depends
-on the routing, so no amax reduction over a fixed axis repairs it. `TrainConfig` refuses those layouts
-(`rules.validation.fp8_moe_problem`); the planner counts no amax reduction for the routed experts' token tiles
-(they are taken on each rank's rows), as the runtime sends none.
+"""`--fp8 blockwise` / `mxfp8` on MoE models where a routed expert's token tiles span ranks: under SP each TP rank
+routes its own sequence shard, under cp its own part of each sequence, and at ep < dp an expert's tokens sit on dp/ep
+ranks. The weight-gradient GEMM's 128- (32-) token tiles of an expert's rows are then taken at the rows' single-device
+positions (`expert_parallel.positions`, tag `fp8_positions`), their per-(tile, column) amaxes in a buffer of
+`rules.fp8.token_tile_bound` rows max-reduced over edp (and tp under SP) (`fp8.scaling.TokenTiles`).
 
-Checked: the refusals (no spawn); one step's ledger at dp2 (DeepSeek-shaped MoE, blockwise, ep 1, the refusal
-lifted) equals the plan — no `edp` `fp8_amax` all-reduce on either side; `verify` (one two-rank spawn, slow, fresh
-seeds: FP8 replay places the routed experts' rows, verify/fp8_replay.py) passes blockwise tiny-moe at tp2 without SP
-and at dp2×ep2 with every cast replayed, and fails it, the refusal lifted, at tp2 with SP and at dp2×ep1 — at the
-replay's scale-group check on an expert's token tiles —, as it fails tensorwise at tp2 with SP with per-rank amaxes.
+Checked, fast: the rule (a capacity factor and the shared experts' runs still refused, the rest accepted), the bound
+against every routing of a small case, and `quantize_all`'s global tiles on one process against the single device's
+cast of each expert's rows in position order (rows shuffled, experts of uneven sizes). Slow, one 2-rank spawn (fresh
+seeds): `verify` passes blockwise and mxfp8 on tiny-moe at tp2 with SP, dp2×ep1 and cp2, and on the DeepSeek-shaped
+MLA+MTP MoE at dp2×ep1, every cast replayed; it fails, at the replay's scale-group check on an expert's token tiles,
+each of tp2+SP blockwise, dp2 mxfp8 and cp2 mxfp8 with the tile all-reduce dropped (each rank's own tile amaxes), and
+tensorwise at tp2+SP with per-rank amaxes. One 4-rank spawn: one step's ledger equals the plan per rank (the
+`fp8_positions` all-gathers, the `edp`/`tp` `fp8_amax` tile all-reduces) at dp2×tp2+SP blockwise, dp4×ep2 mxfp8,
+dp2×cp2 mxfp8 (tiny-moe) and dp4×ep2 blockwise (DeepSeek-shaped); and the planner finds a DeepSeek-V3 layout on
+2,048 GPUs under blockwise.
 """
 import dataclasses
+import itertools
+import math
 
 import pytest
 import torch
 
 from shardwise.config import ConfigError, ParallelConfig, TrainConfig
 from shardwise.config import training
+from shardwise.rules.fp8 import token_tile_bound
 
 from _dist import fresh_seed, run_ranks
 from test_mtp import DEEPSEEK_MTP
 from test_planner_fp8 import assert_ops_as_planned, one_step
 
-ALLOWED = {"tp2": dict(tp=2), "dp2_ep2": dict(dp=2, ep=2)}
-REFUSED = {"tp2_sp": dict(tp=2, sequence_parallel=True), "dp2_ep1": dict(dp=2)}
+PASS = {  # name: (degrees, recipe, TrainConfig extras)
+    "tp2_sp_blockwise": (dict(tp=2, sequence_parallel=True), "blockwise", dict(seq_len=256, micro_batch=1)),
+    "dp2_ep1_blockwise": (dict(dp=2), "blockwise", {}),
+    "dp2_ep1_mxfp8": (dict(dp=2), "mxfp8", {}),
+    "cp2_mxfp8": (dict(cp=2), "mxfp8", dict(seq_len=128)),
+    "cp2_blockwise": (dict(cp=2), "blockwise", dict(seq_len=512, micro_batch=1)),
+    "deepseek_dp2_blockwise": (dict(dp=2), "blockwise", dict(model=DEEPSEEK_MTP, global_batch=8)),
+    "deepseek_dp2_mxfp8": (dict(dp=2), "mxfp8", dict(model=DEEPSEEK_MTP, seq_len=32, global_batch=4)),
+    "tp2_blockwise": (dict(tp=2), "blockwise", {}),  # no split: each rank's tiles are the single device's
+    "dp2_ep2_blockwise": (dict(dp=2, ep=2), "blockwise", {}),
+}
+SABOTAGED = ("tp2_sp_blockwise", "dp2_ep1_mxfp8", "cp2_mxfp8")
+"""Layouts verified again with each rank's own tile amaxes (the all-reduce over edp and tp dropped)."""
 PER_SHARD = ("tensorwise", dict(tp=2, sequence_parallel=True))
 """The routed experts' scales over their rows, split over tp under SP, taken on each rank's own rows (their layout
 emptied of axes): verify must fail it at the replay's scale-group check on an expert's operand."""
 
 
-def _lift_refusal() -> None:
-    """Let the refused layouts build (the planner plans them; the tests below show why they are refused)."""
-    training.fp8_moe_problem = lambda *args: None
-
-
-def _cfg(degrees: dict, seed: int, fp8: str = "blockwise", **extra) -> TrainConfig:
+def _cfg(degrees: dict, seed: int, fp8: str = "blockwise", world: int = 2, **extra) -> TrainConfig:
     kw = dict(model="tiny-moe", steps=2, seq_len=64, micro_batch=2, model_overrides={"n_layers": 2}) | extra
     return TrainConfig(parallel=ParallelConfig(**degrees), seed=seed, progress=False, fp8=fp8,
-                       warmup_steps=20, lr_decay_steps=200, **kw).resolved(2)
+                       warmup_steps=20, lr_decay_steps=200, **kw).resolved(world)
 
 
 @pytest.mark.parametrize("fp8,degrees,extra,message", [
-    ("blockwise", dict(tp=2, sequence_parallel=True), {}, "under --tp 2 --sequence-parallel (each TP rank routes"),
-    ("mxfp8", dict(cp=2), dict(seq_len=256), "under --cp 2 (each rank routes its own part"),
-    ("blockwise", dict(dp=2), {}, "under --dp 2 --ep 1 (an expert's tokens are split over 2 ranks)"),
+    ("blockwise", dict(tp=2, sequence_parallel=True), dict(moe_capacity_factor=1.5), "drop --moe-capacity-factor"),
+    ("mxfp8", dict(dp=2), dict(moe_capacity_factor=2.0), "drop --moe-capacity-factor"),
+    ("blockwise", dict(tp=2, sequence_parallel=True), dict(seq_len=64), "whose 32-token runs of a sequence"),
+    ("mxfp8", dict(cp=2), dict(seq_len=32), "whose 8-token runs"),  # one tile a sequence: not a cp cut
     ("blockwise", dict(dp=2, ep=2), dict(seq_len=32, micro_batch=1), "micro_batch × seq_len a multiple of 128"),
 ])
-def test_token_tiles_split_over_ranks_are_refused(fp8, degrees, extra, message):
-    with pytest.raises(ConfigError, match="tiles the MoE's rows") as e:
-        TrainConfig(model="tiny-moe", parallel=ParallelConfig(**degrees), fp8=fp8, **extra).resolved()
-    assert message in str(e.value) and "use --fp8 tensorwise or rowwise" in str(e.value)
+def test_what_still_cannot_work_is_refused(fp8, degrees, extra, message):
+    model = {k: extra.pop(k) for k in list(extra) if k.startswith("moe_")}
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(model="tiny-moe", parallel=ParallelConfig(**degrees), fp8=fp8, model_overrides=model,
+                    **extra).resolved()
+    assert message in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("fp8,degrees", [("rowwise", dict(tp=2, sequence_parallel=True)),
-                                         ("tensorwise", dict(dp=2)), ("blockwise", dict(dp=2, ep=2)),
-                                         ("blockwise", dict(tp=2))])
-def test_other_layouts_are_accepted(fp8, degrees):
-    TrainConfig(model="tiny-moe", parallel=ParallelConfig(**degrees), fp8=fp8).resolved()
+@pytest.mark.parametrize("name", ["tp2_sp_blockwise", "dp2_ep1_mxfp8", "cp2_mxfp8", "cp2_blockwise",
+                                  "deepseek_dp2_blockwise"])
+def test_split_token_tiles_are_accepted(name):
+    degrees, fp8, extra = PASS[name]
+    _cfg(degrees, 1, fp8, **extra)
 
 
-def _ledger(seed: int) -> dict:
-    """Inside ranks: the ledger of one train step at dp2, DeepSeek-shaped MoE, blockwise, ep 1 (refusal lifted)."""
-    torch.set_num_threads(1)
-    _lift_refusal()
-    return one_step(_cfg(dict(dp=2), seed, model=DEEPSEEK_MTP, seq_len=32, global_batch=4, steps=1))[2]
+def test_the_tile_bound_holds_for_every_routing():
+    """token_tile_bound ≥ Σ_e ⌈t_e/tile⌉ over every dropless top-k routing of a few tokens to a few experts, and
+    some routing reaches it."""
+    for tokens, k, n_experts, local, tile in [(5, 2, 4, 2, 2), (6, 2, 3, 3, 4), (4, 1, 3, 2, 3), (5, 3, 4, 4, 2)]:
+        best = 0
+        for choice in itertools.product(itertools.combinations(range(n_experts), k), repeat=tokens):
+            t = [sum(e in c for c in choice) for e in range(local)]
+            best = max(best, sum(math.ceil(x / tile) for x in t))
+        assert best == token_tile_bound(tokens, k, local, tile), (tokens, k, n_experts, local, tile, best)
 
 
-def test_ledger_equals_the_plan(monkeypatch):
-    """The routed experts' token tiles are taken on each rank's rows: no `edp` amax all-reduce, measured or planned
-    (the planner counted 9, 27,648 B, at this layout before); every other op as the planner counts it."""
-    from shardwise.planner import Cluster, estimate, get_gpu
-    from shardwise.planner.layout import from_train_config
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_global_tiles_equal_the_single_devices_cast(recipe):
+    """One process: each local expert's rows shuffled (positions say where they belong) cast with `TokenTiles`
+    give, row for row, the scales and codes of the single device's cast of the rows in position order."""
+    from shardwise.fp8.recipes import recipe as get_recipe
+    from shardwise.fp8.scaling import Layout, TokenTiles, quantize_all
 
     seed = fresh_seed()
-    with torch.device("meta"):  # torch's lazy imports once, before forking
-        torch.nn.Embedding(2, 2)
-    runs = run_ranks(2, _ledger, seed)
-    monkeypatch.setattr(training, "fp8_moe_problem", lambda *args: None)
-    spec, lay, wl = from_train_config(_cfg(dict(dp=2), seed, model=DEEPSEEK_MTP, seq_len=32, global_batch=4,
-                                           steps=1))
-    planned = estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl,
-                       detail=True)["stages"][0]["comm_ops_per_step"]
-    assert "all_reduce:fp8_amax" not in planned.get("edp", {})
-    for rank, run in enumerate(runs):
-        where = f"rank {rank} (seed {seed})"
-        got = assert_ops_as_planned(run, planned, where)
-        assert got.get(("edp", "all_reduce")), f"{where}: no expert gradient all-reduce on edp measured"
+    gen = torch.Generator().manual_seed(seed)
+    r = get_recipe(recipe)
+    tile = r.g_wgrad.block[0]
+    totals = torch.tensor([3 * tile + 5, 0, tile, 2 * tile - 1])
+    perms = [torch.randperm(int(n), generator=gen) for n in totals]
+    full = [torch.randn(int(n), 24, generator=gen) * torch.rand(int(n), 1, generator=gen) * 10 for n in totals]
+    tt = TokenTiles(torch.cat(perms), [int(n) for n in totals], totals, int(totals.max()), 3, ())
+    for cast in (r.g_wgrad, r.x_wgrad):
+        items = [(x[p].unsqueeze(0), cast, Layout(tiles=(tt, j, "g"))) for j, (x, p) in enumerate(zip(full, perms))]
+        ours = quantize_all(items)
+        ref = quantize_all([(x.unsqueeze(0), cast, Layout()) for x in full])
+        for j, (q, qr, p) in enumerate(zip(ours, ref, perms)):
+            where = f"{recipe} expert {j} (seed {seed})"
+            torch.testing.assert_close(q.scale_full()[0], qr.scale_full()[0][p], rtol=0, atol=0, msg=where)
+            assert torch.equal(q.data[0].float(), qr.data[0][p].float()), where
 
 
 def _verify_all(seed: int) -> dict:
-    """Inside ranks: verify's verdict on the accepted layouts, then on the refused ones with the refusal lifted."""
+    """Inside ranks: verify's verdict on every layout, then on the sabotaged ones."""
     from shardwise.verify.main import verify_main
 
     from shardwise.fp8 import experts as fp8_experts
+    from shardwise.fp8 import scaling
     from shardwise.fp8.linear import LinearLayout
 
     torch.set_num_threads(1)
-    out = {name: verify_main(_cfg(degrees, seed)) for name, degrees in ALLOWED.items()}
-    _lift_refusal()
-    out |= {name: verify_main(_cfg(degrees, seed)) for name, degrees in REFUSED.items()}
+    out = {name: verify_main(_cfg(degrees, seed, fp8, **extra)) for name, (degrees, fp8, extra) in PASS.items()}
+    init = scaling.TokenTiles.__init__
+
+    def own_tiles(self, position, counts, totals, tokens, topk, axes):  # the tile all-reduce dropped
+        init(self, position, counts, totals, tokens, topk, ())
+    scaling.TokenTiles.__init__ = own_tiles
+    try:
+        for name in SABOTAGED:
+            degrees, fp8, extra = PASS[name]
+            out[f"{name}/own_tiles"] = verify_main(_cfg(degrees, seed, fp8, **extra))
+    finally:
+        scaling.TokenTiles.__init__ = init
     grouped = fp8_experts.fp8_linears  # the routed experts' scales taken on each rank's rows: the wrong group
     fp8_experts.fp8_linears = lambda cfg, *args: grouped(dataclasses.replace(cfg, layout=LinearLayout(seq_global=0)),
                                                          *args)
@@ -114,12 +146,70 @@ def _expert_scale_group(v: dict) -> bool:
 
 
 @pytest.mark.slow
-def test_verify_blockwise_moe():
+def test_verify_split_token_tiles():
     seed = fresh_seed()
     out = run_ranks(2, _verify_all, seed, timeout_s=900)[0]
-    wrong = [(name, out[name]["fp8_budget"]["ratios"], out[name].get("fp8_replay")) for name in ALLOWED
+    wrong = [(name, out[name]["fp8_budget"]["ratios"], out[name].get("fp8_replay")) for name in PASS
              if not (out[name]["passed"] and out[name]["coverage"] == 1.0 and len(out[name]["losses"]) == 2
                      and out[name]["fp8_replay"]["own_casts"] == 0)]
-    wrong += [(name, "not failed at an expert's tiles", out[name].get("fp8_replay")) for name in (*REFUSED, "per_shard")
-              if not _expert_scale_group(out[name])]
+    wrong += [(name, "not failed at an expert's tiles", out[name].get("fp8_replay"))
+              for name in (*(f"{n}/own_tiles" for n in SABOTAGED), "per_shard") if not _expert_scale_group(out[name])]
+    wrong += [(name, "not at the token tiles", out[name]["fp8_replay"]["unexplained"]["where"])
+              for name in (f"{n}/own_tiles" for n in SABOTAGED) if "wgrad" not in out[name]["fp8_replay"]["unexplained"]
+              .get("where", "")]
     assert not wrong, (seed, wrong)
+
+
+LEDGER = {  # name: (degrees, recipe, TrainConfig extras) on 4 ranks
+    "dp2_tp2_sp_blockwise": (dict(dp=2, tp=2, sequence_parallel=True), "blockwise",
+                             dict(seq_len=256, micro_batch=1, global_batch=4)),
+    "dp4_ep2_mxfp8": (dict(dp=4, ep=2), "mxfp8", dict(seq_len=32, global_batch=16)),
+    "dp2_cp2_mxfp8": (dict(dp=2, cp=2), "mxfp8", dict(seq_len=128, global_batch=8)),
+    "deepseek_dp4_ep2_blockwise": (dict(dp=4, ep=2), "blockwise", dict(model=DEEPSEEK_MTP, global_batch=16)),
+}
+
+
+def _ledger_cfg(name: str, seed: int) -> TrainConfig:
+    degrees, fp8, extra = LEDGER[name]
+    return _cfg(degrees, seed, fp8, 4, **(dict(steps=1) | extra))
+
+
+def _ledgers(seed: int) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for name in LEDGER:
+        _, mesh, axes = one_step(_ledger_cfg(name, seed))
+        out[name] = axes
+    return out
+
+
+@pytest.mark.slow
+def test_ledger_equals_the_plan():
+    """Every op of one step, per rank, as the planner counts it — the position all-gathers and the tile amax
+    all-reduces included (the routed all-to-alls, the position exchange's among them, follow the routing)."""
+    from shardwise.planner import Cluster, estimate, get_gpu
+    from shardwise.planner.layout import from_train_config
+
+    seed = fresh_seed()
+    with torch.device("meta"):  # torch's lazy imports once, before forking
+        torch.nn.Embedding(2, 2)
+    runs = run_ranks(4, _ledgers, seed, timeout_s=600)
+    for name in LEDGER:
+        spec, lay, wl = from_train_config(_ledger_cfg(name, seed))
+        planned = estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl,
+                           detail=True)["stages"][0]["comm_ops_per_step"]
+        tiles = "tp" if name.startswith("dp2_tp2") else "edp"
+        assert planned.get(tiles, {}).get("all_reduce:fp8_amax"), f"{name}: no tile amax all-reduce planned"
+        assert planned.get("dp_cp", {}).get("all_gather:fp8_positions"), f"{name}: no position all-gather planned"
+        for rank, run in enumerate(runs):
+            assert_ops_as_planned(run[name], planned, f"{name} rank {rank} (seed {seed})")
+
+
+@pytest.mark.slow
+def test_the_planner_finds_deepseek_v3_under_blockwise():
+    """`shardwise plan --model deepseek-v3 --gpus 2048 --zero 3 --recompute full --fp8 blockwise` (a layout
+    at cp 2, ep < dp×cp: refused before; without --zero 3 --recompute full no recipe fits 80 GB): DeepSeek-V3's own recipe on its layouts."""
+    from shardwise.cli import main
+
+    assert main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--zero", "3", "--recompute", "full", "--fp8",
+                 "blockwise", "--top", "1"]) == 0

@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardwise.rules import inventory
-from shardwise.rules.fp8 import AMAX_TAG, FP8_BLOCKS, Operand, amax_reductions, scale_plan
+from shardwise.rules.fp8 import (AMAX_TAG, FP8_BLOCKS, TILES_TAG, Operand, amax_reductions, scale_plan,
+                                  token_tile_bound)
+from shardwise.rules.validation import fp8_expert_tiles_split
 from shardwise.planner import moe_skew
 from shardwise.planner.layout import Layout, Stage, Workload
 from shardwise.planner.tp_overlap import LATENCY_S
@@ -109,9 +111,53 @@ def linear_calls(p, lay: Layout, wl: Workload, spec, recipe: str, x_held: bool =
     gs_d = [_sp_shard(g, lay.tp) for g in gs] if overlap == "row" else gs
     dgrad = [(g, bgd) for g in gs_d] + [(w, bwd) for w in ws_c]
     wgrad = [(g, bgw) for g in gs] + [(x, bxw) for x in xs_c]
+    tiles = []
+    if p.expert and expert_tiles(lay, wl):  # the token-tiled casts take global tiles: one buffer per operand role
+        wgrad = [(g, bgw) for g in gs if not _row_tiled(bgw)] + [(x, bxw) for x in xs_c if not _row_tiled(bxw)]
+        n = tile_bound(spec, lay, wl)
+        axes = xs[0].seq
+        tiles = [(n * op.C, axes) for op, b in ((gs[0], bgw), (xs[0], bxw)) if _row_tiled(b) and (op is gs[0] or xs_c)]
     split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev") or overlap == "row"
-    bwd_ = amax_reductions(dgrad) + amax_reductions(wgrad) if split else amax_reductions(dgrad + wgrad)
+    if split:
+        bwd_ = amax_reductions(dgrad) + amax_reductions(wgrad, tiles)
+    else:
+        bwd_ = amax_reductions(dgrad + wgrad, tiles)
     return fwd, bwd_
+
+
+def _row_tiled(block: tuple) -> bool:
+    """A block tiling the rows (tokens) and single columns: the casts `fp8.scaling.TokenTiles` takes."""
+    return block[0] is not None and block[0] > 1 and block[1] == 1
+
+
+def expert_tiles(lay: Layout, wl: Workload) -> bool:
+    """Whether the routed experts take their token tiles at their rows' single-device positions
+    (`fp8.apply.global_tiles`)."""
+    return bool(wl.fp8) and fp8_expert_tiles_split(wl.fp8, lay.tp if lay.sp else 1, lay.cp, lay.dp, lay.ep)
+
+
+def tile_bound(spec, lay: Layout, wl: Workload) -> int:
+    """Rows of a rank's routed-expert tile buffer (`rules.fp8.token_tile_bound`): the single device's microbatch
+    (every dp rank's sequences) over this rank's experts."""
+    return token_tile_bound(lay.mb * lay.dp * wl.seq_len, spec.moe_topk, spec.moe_experts // lay.ep,
+                            FP8_BLOCKS[wl.fp8][4][0])
+
+
+def positions_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:
+    """Per MoE layer forward (again under full recompute), where the experts' token tiles span ranks: the position
+    exchange (`expert_parallel.positions`, tag `fp8_positions`): an all-gather of this rank's [runs, 1 + E] int64
+    (run start, per-expert counts) over dp_cp, then of the gathered table over tp under SP; and an all-to-all over
+    ep of each sent row's (token, position) int64."""
+    if not stage.n_moe or not expert_tiles(lay, wl):
+        return
+    fwd = stage.n_moe + (stage.recompute_split(lay)[0][1] if lay.recompute == "full" else 0)
+    runs = lay.mb * (2 if lay.cp > 1 else 1)  # `TokenLayout.max_runs` (the planner's cp order is balanced)
+    table = runs * (1 + spec.moe_experts) * 8
+    led.add("dp_cp", f"all_gather:{TILES_TAG}", table, lay.dp * lay.cp, fwd)
+    if lay.sp:
+        led.add("tp", f"all_gather:{TILES_TAG}", table * lay.dp * lay.cp, lay.tp, fwd)
+    tokens = lay.mb * wl.seq_len // lay.cp // (lay.tp if lay.sp else 1)
+    led.add("ep", f"all_to_all:{TILES_TAG}", moe_skew.kept_rows(spec, lay, wl, tokens) * 2 * 8, lay.ep, fwd)
 
 
 def wire_activations(lay: Layout, wl: Workload) -> bool:
@@ -146,6 +192,7 @@ def fp8_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:
     else:
         again = stage.recomputed or (True,) * len(kinds)
     x_wire, w_wire = wire_activations(lay, wl), wire_weights(lay, wl)
+    positions_microbatch(led, spec, stage, lay, wl)
     for moe, lin, rec in zip(kinds, linear, again):
         fp8_bucket = w_wire and weights_bucket_fp8(spec, moe, lin)
         for p in block_linears(spec, moe, lin):

@@ -116,11 +116,12 @@ def scale_plan(op: Operand, block: tuple) -> tuple[int, list]:
     return plan.amaxes, list(plan.axes)
 
 
-def amax_reductions(items: list[tuple[Operand, tuple]]) -> list[tuple[str, int, int]]:
-    """The all-reduces one `quantize_all` call of (operand, block) items issues: [(axis, group size, bytes)]."""
+def amax_reductions(items: list[tuple[Operand, tuple]], tiles: list[tuple[int, list]] = ()) -> list[tuple[str, int, int]]:
+    """The all-reduces one `quantize_all` call of (operand, block) items issues: [(axis, group size, bytes)].
+    `tiles`: the call's routed-expert token-tile buffers (`fp8.scaling.TokenTiles`), (amaxes, [(axis, size)]) each,
+    which travel with the other amaxes reduced over the same axes."""
     groups: dict[tuple, list] = {}
-    for op, block in items:
-        n, axes = scale_plan(op, block)
+    for n, axes in [scale_plan(op, block) for op, block in items] + [(n, _active(axes)) for n, axes in tiles]:
         if axes:
             g = groups.setdefault(tuple(axes), [0])
             g[0] += n
