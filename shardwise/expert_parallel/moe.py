@@ -166,7 +166,8 @@ class MoE(nn.Module):
         self.step_aux = 0.0  # scale-weighted aux loss since the loop last read it
         self.pool: AuxPool | None = None  # aux_scope "model": shared by the model's MoE blocks (share_aux_pool)
         self.pool_key = ""
-        # a `positions.TokenLayout` where the experts need each row's single-device position (verify's FP8 replay)
+        # a `positions.TokenLayout` where the experts need each row's single-device position: FP8 token tiles that
+        # span ranks (fp8/apply.py, tag fp8_positions), or verify's FP8 replay (tag verify)
         self.token_layout = None
         self.positions_tag = "positions"
 

@@ -12,6 +12,10 @@ grouped by source rank. Their single-device positions follow from counts alone:
    is that plus its rank within its run. The positions (and token ids) travel with the rows through the ep dispatch's
    all-to-all and its regroup, so the rank computing an expert holds each row's single-device position.
 
+Used in training where `--fp8 blockwise|mxfp8` tiles an expert's rows along the tokens and those tiles span ranks
+(`fp8.scaling.TokenTiles`, tag `fp8_positions`, counted by `planner.fp8.positions_microbatch`), and by verify's FP8
+replay to place the routed experts' operands (tag `verify`).
+
 Dropless routing only: under a capacity factor each rank drops by its own counts, which the single device does not.
 """
 from __future__ import annotations

@@ -12,7 +12,9 @@ from .scaling import TokenTiles
 
 def fp8_experts(experts, rows: torch.Tensor, counts: list[int], where=None) -> torch.Tensor:
     """`GroupedExperts.forward` with its three projections in FP8 (scales per expert weight and per expert's rows).
-    `where`: the rows' single-device positions (`expert_parallel.positions.ExpertRows`), carried in the config."""
+    `where`: the rows' single-device positions (`expert_parallel.positions.ExpertRows`), carried in the config; where
+    the experts' token tiles span ranks (`experts.fp8_tiles`: the axes holding rows of the same experts) the
+    weight-gradient casts tile by them (`scaling.TokenTiles`)."""
     cfg, n = experts.fp8, experts.n_local
     if where is not None:
         tiles = None

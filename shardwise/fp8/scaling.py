@@ -6,7 +6,9 @@ or a block at least as long as the global dimension) or tiles of a fixed length.
 over ranks (TP's features, SP/CP's sequence, dp's batch, edp's expert rows) no rank holds the rows the scale covers:
 each rank takes the amax of its part and the parts are max-reduced over the axes that split the dimension — an
 extra all-reduce, tagged `fp8_amax` in the ledger, one per GEMM operand group (the amaxes of several tensors that
-reduce over the same axes travel together). Tiles must lie within one rank's part (checked), so they need none.
+reduce over the same axes travel together). Tiles must lie within one rank's part (checked), so they need none —
+but for the routed experts' token tiles where an expert's rows span ranks: those are taken at the rows' single-device
+positions, their amaxes max-reduced in a fixed-size buffer (`TokenTiles`).
 
 The casts follow torchao 0.18 (`torchao.float8.float8_utils`): scale = finfo.max / clamp(amax, 1e-12) computed in
 float64 then fp32, optionally rounded down to a power of two; x·scale saturated to ±finfo.max, then cast. MX scales

@@ -226,7 +226,8 @@ def layout_problems(spec: ModelSpec, lay: Layout, gpus: int, seq_len: int, uneve
         bad.append(f"seq_len={seq_len} exceeds max_seq_len={spec.max_seq_len} of {spec.name}")
     if fp8:
         problem = fp8_cp_problem(fp8, seq_len, lay.cp, True) or (spec.moe_experts and fp8_moe_problem(
-            fp8, t if lay.sp else 1, lay.cp, lay.dp, lay.ep, lay.mb, seq_len, bool(spec.moe_shared_experts)))
+            fp8, t if lay.sp else 1, lay.cp, lay.dp, lay.ep, lay.mb, seq_len, bool(spec.moe_shared_experts),
+            spec.moe_capacity_factor is not None))
         bad += [f"--fp8 {fp8} {problem}"] if problem else []
     return bad
 

@@ -22,7 +22,8 @@ replay does for top-k choices, the flips are explained instead of budgeted for:
 
 Routed experts (one grouped call, a weight per local expert) are keyed by logical expert: each received row's place
 is its row within its expert in the single device's order (`expert_parallel.positions`, which the layout's MoE blocks
-compute while the replay runs: an all-gather of counts and an all-to-all of positions, tagged `verify`); a rank
+compute while the replay runs: an all-gather of counts and an all-to-all of positions, tagged `verify` — or already
+in training, tagged `fp8_positions`, where blockwise / MX token tiles span ranks and the experts tile by them); a rank
 records empty operands for the experts it does not hold, so every rank exchanges the same operands. The MoE's
 flattened token rows (shared experts) sit at their tokens' single-device ids (`positions.token_ids`).
 
