@@ -205,14 +205,16 @@ def fp8_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:
 
 
 def amax_seconds(mb, rate: dict, links: dict) -> float:
-    """Time one microbatch's `fp8_amax` all-reduces add to its critical path (a GEMM waits for its scales): their
-    bytes on the axes the step time does not count per microbatch (dp_cp, edp), and each one's latency α on its
-    link (tiny messages: latency-bound)."""
-    op, t = f"all_reduce:{AMAX_TAG}", 0.0
-    for axis, ops in mb.ops.items():
-        if op in ops:
-            count, _, wire = ops[op]
-            t += (0.0 if axis in TIMED else wire / rate[axis]) + count * LATENCY_S[links.get(axis) or "nvlink"]
+    """Time one microbatch's `fp8_amax` all-reduces (and the routed experts' `fp8_positions` all-gathers, which the
+    experts wait for) add to its critical path (a GEMM waits for its scales): their bytes on the axes the step time
+    does not count per microbatch (dp_cp, edp), and each one's latency α on its link (tiny messages:
+    latency-bound)."""
+    t = 0.0
+    for op in (f"all_reduce:{AMAX_TAG}", f"all_gather:{TILES_TAG}"):
+        for axis, ops in mb.ops.items():
+            if op in ops:
+                count, _, wire = ops[op]
+                t += (0.0 if axis in TIMED else wire / rate[axis]) + count * LATENCY_S[links.get(axis) or "nvlink"]
     return t
 
 
