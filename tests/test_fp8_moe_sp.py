@@ -8,7 +8,7 @@ Checked, fast: the rule (a capacity factor and the shared experts' runs still re
 against every routing of a small case, and `quantize_all`'s global tiles on one process against the single device's
 cast of each expert's rows in position order (rows shuffled, experts of uneven sizes). Slow, one 2-rank spawn (fresh
 seeds): `verify` passes blockwise and mxfp8 on tiny-moe at tp2 with SP, dp2×ep1 and cp2, and on the DeepSeek-shaped
-MLA+MTP MoE at dp2×ep1, every cast replayed; it fails, at the replay's scale-group check on an expert's token tiles,
+MLA+MTP MoE at dp2×ep1 (both) and tp2+SP (mxfp8), every cast replayed; it fails, at the replay's scale-group check on an expert's token tiles,
 each of tp2+SP blockwise, dp2 mxfp8 and cp2 mxfp8 with the tile all-reduce dropped (each rank's own tile amaxes), and
 tensorwise at tp2+SP with per-rank amaxes. One 4-rank spawn: one step's ledger equals the plan per rank (the
 `fp8_positions` all-gathers, the `edp`/`tp` `fp8_amax` tile all-reduces) at dp2×tp2+SP blockwise, dp4×ep2 mxfp8,
@@ -38,6 +38,9 @@ PASS = {  # name: (degrees, recipe, TrainConfig extras)
     "cp2_blockwise": (dict(cp=2), "blockwise", dict(seq_len=512, micro_batch=1)),
     "deepseek_dp2_blockwise": (dict(dp=2), "blockwise", dict(model=DEEPSEEK_MTP, global_batch=8)),
     "deepseek_dp2_mxfp8": (dict(dp=2), "mxfp8", dict(model=DEEPSEEK_MTP, seq_len=32, global_batch=4)),
+    # MLA+MTP under tp2+SP: dimensions whose TP halves keep whole 32-blocks
+    "deepseek_tp2_sp_mxfp8": (dict(tp=2, sequence_parallel=True), "mxfp8",
+                              dict(model=dataclasses.replace(DEEPSEEK_MTP, qk_rope_dim=16, v_head_dim=16, ffn_dim=128))),
     "tp2_blockwise": (dict(tp=2), "blockwise", {}),  # no split: each rank's tiles are the single device's
     "dp2_ep2_blockwise": (dict(dp=2, ep=2), "blockwise", {}),
 }
