@@ -10,7 +10,8 @@ cast of each expert's rows in position order (rows shuffled, experts of uneven s
 seeds): `verify` passes blockwise and mxfp8 on tiny-moe at tp2 with SP, dp2×ep1 and cp2, and on the DeepSeek-shaped
 MLA+MTP MoE at dp2×ep1 (both) and tp2+SP (mxfp8), every cast replayed; it fails, at the replay's scale-group check on an expert's token tiles,
 each of tp2+SP blockwise, dp2 mxfp8 and cp2 mxfp8 with the tile all-reduce dropped (each rank's own tile amaxes), and
-tensorwise at tp2+SP with per-rank amaxes. One 4-rank spawn: one step's ledger equals the plan per rank (the
+tensorwise at tp2+SP with per-rank amaxes. One 4-rank spawn: verify passes dp4×ep2 blockwise, dp2×cp2×ep2 mxfp8 and
+dp2×tp2+SP×ep2 blockwise; one step's ledger equals the plan per rank (the
 `fp8_positions` all-gathers, the `edp`/`tp` `fp8_amax` tile all-reduces) at dp2×tp2+SP blockwise, dp4×ep2 mxfp8,
 dp2×cp2 mxfp8 (tiny-moe) and dp4×ep2 blockwise (DeepSeek-shaped); and the planner finds a DeepSeek-V3 layout on
 2,048 GPUs under blockwise.
@@ -41,6 +42,7 @@ PASS = {  # name: (degrees, recipe, TrainConfig extras)
     # MLA+MTP under tp2+SP: dimensions whose TP halves keep whole 32-blocks
     "deepseek_tp2_sp_mxfp8": (dict(tp=2, sequence_parallel=True), "mxfp8",
                               dict(model=dataclasses.replace(DEEPSEEK_MTP, qk_rope_dim=16, v_head_dim=16, ffn_dim=128))),
+    "cp2_ep2_mxfp8": (dict(cp=2, ep=2), "mxfp8", dict(seq_len=128)),  # edp 1: no all-reduce, rows out of order
     "tp2_blockwise": (dict(tp=2), "blockwise", {}),  # no split: each rank's tiles are the single device's
     "dp2_ep2_blockwise": (dict(dp=2, ep=2), "blockwise", {}),
 }
@@ -180,26 +182,53 @@ def _ledger_cfg(name: str, seed: int) -> TrainConfig:
     return _cfg(degrees, seed, fp8, 4, **(dict(steps=1) | extra))
 
 
-def _ledgers(seed: int) -> dict:
+VERIFY4 = {  # name: (degrees, recipe, TrainConfig extras) verified on 4 ranks: ep < dp with ep > 1, with cp, with SP
+    "dp4_ep2_blockwise": (dict(dp=4, ep=2), "blockwise", {}),
+    "dp2_cp2_ep2_mxfp8": (dict(dp=2, cp=2, ep=2), "mxfp8", dict(seq_len=128)),
+    "dp2_tp2_sp_ep2_blockwise": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), "blockwise",
+                                 dict(seq_len=256, micro_batch=1)),
+}
+
+
+def _four_ranks(seed: int) -> dict:
+    """Inside 4 ranks: one step's ledger (with the rank's pp stage) of each LEDGER layout, verify on each VERIFY4."""
+    from shardwise.verify.main import verify_main
+
     torch.set_num_threads(1)
     out = {}
     for name in LEDGER:
         _, mesh, axes = one_step(_ledger_cfg(name, seed))
         out[name] = mesh["pp"].rank, axes
+    for name, (degrees, fp8, extra) in VERIFY4.items():
+        out[name] = verify_main(_cfg(degrees, seed, fp8, 4, **extra))
     return out
 
 
+@pytest.fixture(scope="module")
+def four_ranks():
+    seed = fresh_seed()
+    with torch.device("meta"):  # torch's lazy imports once, before forking
+        torch.nn.Embedding(2, 2)
+    return seed, run_ranks(4, _four_ranks, seed, timeout_s=900)
+
+
 @pytest.mark.slow
-def test_ledger_equals_the_plan():
+def test_verify_four_ranks(four_ranks):
+    seed, runs = four_ranks
+    out = runs[0]
+    wrong = [(name, out[name]["fp8_budget"]["ratios"], out[name].get("fp8_replay")) for name in VERIFY4
+             if not (out[name]["passed"] and out[name]["coverage"] == 1.0 and out[name]["fp8_replay"]["own_casts"] == 0)]
+    assert not wrong, (seed, wrong)
+
+
+@pytest.mark.slow
+def test_ledger_equals_the_plan(four_ranks):
     """Every op of one step, per rank, as the planner counts it — the position all-gathers and the tile amax
     all-reduces included (the routed all-to-alls, the position exchange's among them, follow the routing)."""
     from shardwise.planner import Cluster, estimate, get_gpu
     from shardwise.planner.layout import from_train_config
 
-    seed = fresh_seed()
-    with torch.device("meta"):  # torch's lazy imports once, before forking
-        torch.nn.Embedding(2, 2)
-    runs = run_ranks(4, _ledgers, seed, timeout_s=600)
+    seed, runs = four_ranks
     for name in LEDGER:
         spec, lay, wl = from_train_config(_ledger_cfg(name, seed))
         stages = estimate(spec, Cluster(get_gpu("h100-80gb"), lay.world, 8), lay, wl, detail=True)["stages"]
