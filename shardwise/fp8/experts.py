@@ -19,7 +19,10 @@ def fp8_experts(experts, rows: torch.Tensor, counts: list[int], where=None) -> t
     if where is not None:
         tiles = None
         if experts.fp8_tiles is not None:  # token tiles at the rows' single-device positions (`TokenTiles`)
-            totals = where.totals[torch.tensor(experts.rows, device=where.totals.device)]
+            index = getattr(experts, "_fp8_rows_index", None)  # the local slots' logical experts, once per device
+            if index is None or index.device != where.totals.device:
+                index = experts._fp8_rows_index = torch.tensor(experts.rows, device=where.totals.device)
+            totals = where.totals[index]
             tiles = TokenTiles(where.position, counts, totals, where.tokens, where.topk, experts.fp8_tiles)
         cfg = dataclasses.replace(cfg, rows=where, tiles=tiles)
     parts = list(rows.split(counts))
