@@ -6,15 +6,16 @@ positions (`expert_parallel.positions`, tag `fp8_positions`), their per-(tile, c
 
 Checked, fast: the rule (a capacity factor and the shared experts' runs still refused, the rest accepted), the bound
 against every routing of a small case, and `quantize_all`'s global tiles on one process against the single device's
-cast of each expert's rows in position order (rows shuffled, experts of uneven sizes). Slow, one 2-rank spawn (fresh
-seeds): `verify` passes blockwise and mxfp8 on tiny-moe at tp2 with SP, dp2×ep1 and cp2, and on the DeepSeek-shaped
-MLA+MTP MoE at dp2×ep1 (both) and tp2+SP (mxfp8), every cast replayed; it fails, at the replay's scale-group check on an expert's token tiles,
-each of tp2+SP blockwise, dp2 mxfp8 and cp2 mxfp8 with the tile all-reduce dropped (each rank's own tile amaxes), and
-tensorwise at tp2+SP with per-rank amaxes. One 4-rank spawn: verify passes dp4×ep2 blockwise, dp2×cp2×ep2 mxfp8 and
-dp2×tp2+SP×ep2 blockwise; one step's ledger equals the plan per rank (the
-`fp8_positions` all-gathers, the `edp`/`tp` `fp8_amax` tile all-reduces) at dp2×tp2+SP blockwise, dp4×ep2 mxfp8,
-dp2×cp2 mxfp8 (tiny-moe) and dp4×ep2 blockwise (DeepSeek-shaped); and the planner finds a DeepSeek-V3 layout on
-2,048 GPUs under blockwise.
+cast of each expert's rows in position order (rows shuffled, experts of uneven sizes).
+
+Slow, one 2-rank spawn (fresh seeds): `verify` passes blockwise and mxfp8 on tiny-moe at tp2 with SP, dp2×ep1, cp2
+and cp2×ep2, and on the DeepSeek-shaped MLA+MTP MoE at dp2×ep1 (both) and tp2+SP (mxfp8), every cast replayed; it
+fails, at the replay's scale-group check on an expert's token tiles, each of tp2+SP blockwise, dp2 mxfp8 and cp2
+mxfp8 with the tile all-reduce dropped (each rank's own tile amaxes), and tensorwise at tp2+SP with per-rank amaxes.
+One 4-rank spawn: verify passes dp4×ep2 blockwise, dp2×cp2×ep2 mxfp8 and dp2×tp2+SP×ep2 blockwise; one step's
+ledger equals the plan per rank (the `fp8_positions` all-gathers, the `edp`/`tp` `fp8_amax` tile all-reduces) at
+dp2×tp2+SP blockwise, dp4×ep2 mxfp8 (also under full recompute), dp2×cp2 mxfp8, dp2×pp2 zero-bubble mxfp8 (tiny-moe)
+and dp4×ep2 blockwise (DeepSeek-shaped). And the planner finds a DeepSeek-V3 layout on 2,048 GPUs under blockwise.
 """
 import dataclasses
 import itertools
@@ -40,8 +41,8 @@ PASS = {  # name: (degrees, recipe, TrainConfig extras)
     "deepseek_dp2_blockwise": (dict(dp=2), "blockwise", dict(model=DEEPSEEK_MTP, global_batch=8)),
     "deepseek_dp2_mxfp8": (dict(dp=2), "mxfp8", dict(model=DEEPSEEK_MTP, seq_len=32, global_batch=4)),
     # MLA+MTP under tp2+SP: dimensions whose TP halves keep whole 32-blocks
-    "deepseek_tp2_sp_mxfp8": (dict(tp=2, sequence_parallel=True), "mxfp8",
-                              dict(model=dataclasses.replace(DEEPSEEK_MTP, qk_rope_dim=16, v_head_dim=16, ffn_dim=128))),
+    "deepseek_tp2_sp_mxfp8": (dict(tp=2, sequence_parallel=True), "mxfp8", dict(
+        model=dataclasses.replace(DEEPSEEK_MTP, qk_rope_dim=16, v_head_dim=16, ffn_dim=128))),
     "cp2_ep2_mxfp8": (dict(cp=2, ep=2), "mxfp8", dict(seq_len=128)),  # edp 1: no all-reduce, rows out of order
     "tp2_blockwise": (dict(tp=2), "blockwise", {}),  # no split: each rank's tiles are the single device's
     "dp2_ep2_blockwise": (dict(dp=2, ep=2), "blockwise", {}),
@@ -217,7 +218,8 @@ def test_verify_four_ranks(four_ranks):
     seed, runs = four_ranks
     out = runs[0]
     wrong = [(name, out[name]["fp8_budget"]["ratios"], out[name].get("fp8_replay")) for name in VERIFY4
-             if not (out[name]["passed"] and out[name]["coverage"] == 1.0 and out[name]["fp8_replay"]["own_casts"] == 0)]
+             if not (out[name]["passed"] and out[name]["coverage"] == 1.0
+                     and out[name]["fp8_replay"]["own_casts"] == 0)]
     assert not wrong, (seed, wrong)
 
 
@@ -243,10 +245,17 @@ def test_ledger_equals_the_plan(four_ranks):
 
 
 @pytest.mark.slow
-def test_the_planner_finds_deepseek_v3_under_blockwise():
-    """`shardwise plan --model deepseek-v3 --gpus 2048 --zero 3 --recompute full --fp8 blockwise` (a layout
-    at cp 2, ep < dp×cp: refused before; without --zero 3 --recompute full no recipe fits 80 GB): DeepSeek-V3's own recipe on its layouts."""
+def test_the_planner_finds_deepseek_v3_under_blockwise(capsys):
+    """`shardwise plan --model deepseek-v3 --gpus 2048 --zero 3 --recompute full --fp8 blockwise` finds a layout
+    whose experts' token tiles span ranks (cp > 1, SP, or ep < dp×cp; it found dp1024 cp2 ep256, refused before;
+    without --zero 3 --recompute full no recipe fits 80 GB): DeepSeek-V3's own recipe on its layouts."""
+    import re
+
     from shardwise.cli import main
 
     assert main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--zero", "3", "--recompute", "full", "--fp8",
                  "blockwise", "--top", "1"]) == 0
+    best = re.search(r'--explain "([^"]+)"', capsys.readouterr().out)
+    lay = dict(kv.split("=") for kv in best.group(1).split(","))
+    dp, cp, ep = int(lay["dp"]), int(lay["cp"]), int(lay["ep"])
+    assert cp > 1 or lay["sp"] == "true" or ep < dp * cp, lay

@@ -116,7 +116,8 @@ def scale_plan(op: Operand, block: tuple) -> tuple[int, list]:
     return plan.amaxes, list(plan.axes)
 
 
-def amax_reductions(items: list[tuple[Operand, tuple]], tiles: list[tuple[int, list]] = ()) -> list[tuple[str, int, int]]:
+def amax_reductions(items: list[tuple[Operand, tuple]],
+                    tiles: list[tuple[int, list]] = ()) -> list[tuple[str, int, int]]:
     """The all-reduces one `quantize_all` call of (operand, block) items issues: [(axis, group size, bytes)].
     `tiles`: the call's routed-expert token-tile buffers (`fp8.scaling.TokenTiles`), (amaxes, [(axis, size)]) each,
     which travel with the other amaxes reduced over the same axes."""
