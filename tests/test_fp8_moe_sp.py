@@ -15,7 +15,8 @@ mxfp8 with the tile all-reduce dropped (each rank's own tile amaxes), and tensor
 One 4-rank spawn: verify passes dp4×ep2 blockwise, dp2×cp2×ep2 mxfp8 and dp2×tp2+SP×ep2 blockwise; one step's
 ledger equals the plan per rank (the `fp8_positions` all-gathers, the `edp`/`tp` `fp8_amax` tile all-reduces) at
 dp2×tp2+SP blockwise, dp4×ep2 mxfp8 (also under full recompute), dp2×cp2 mxfp8, dp2×pp2 zero-bubble mxfp8 (tiny-moe)
-and dp4×ep2 blockwise (DeepSeek-shaped). And the planner finds a DeepSeek-V3 layout on 2,048 GPUs under blockwise.
+and dp4×ep2 blockwise (DeepSeek-shaped). The planner finds a DeepSeek-V3 layout on 2,048 GPUs under blockwise, and
+`simulate` (fake tensors) runs tp2+SP blockwise with memory and traffic as planned.
 """
 import dataclasses
 import itertools
@@ -259,3 +260,15 @@ def test_the_planner_finds_deepseek_v3_under_blockwise(capsys):
     lay = dict(kv.split("=") for kv in best.group(1).split(","))
     dp, cp, ep = int(lay["dp"]), int(lay["cp"]), int(lay["ep"])
     assert cp > 1 or lay["sp"] == "true" or ep < dp * cp, lay
+
+
+@pytest.mark.slow
+def test_simulate_split_token_tiles(capsys):
+    """`shardwise simulate` (fake tensors, one rank) runs the position exchange (static shapes: no boolean indexing)
+    and its memory and traffic match the plan, at tiny-moe tp2+SP blockwise."""
+    from test_simulate import _simulate, _within
+
+    rc, report = _simulate(capsys, ["--model", "tiny-moe", "--tp", "2", "--sequence-parallel", "--fp8", "blockwise",
+                                    "--seq-len", "256", "--micro-batch", "1"])
+    assert rc == 0
+    _within(report)

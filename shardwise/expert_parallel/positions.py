@@ -86,15 +86,13 @@ class ExpertRows:
 
 def _runs(ids: torch.Tensor, n_runs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(run index of each id, first id of each of `n_runs` runs — padded with a sentinel past every id): a run is a
-    stretch of consecutive ids."""
+    stretch of consecutive ids. Static shapes only (no boolean indexing), so fake tensors run it (`simulate`); more
+    runs than `n_runs` is an index out of range."""
     new = torch.ones_like(ids, dtype=torch.bool)
     new[1:] = ids[1:] != ids[:-1] + 1
     run = torch.cumsum(new.long(), 0) - 1
-    starts = ids[new]
-    if starts.numel() > n_runs:
-        raise ValueError(f"{starts.numel()} runs of token ids, expected at most {n_runs}")
-    pad = torch.full((n_runs - starts.numel(),), torch.iinfo(torch.int64).max, dtype=ids.dtype, device=ids.device)
-    return run, torch.cat([starts, pad])
+    starts = torch.full((n_runs,), torch.iinfo(torch.int64).max, dtype=ids.dtype, device=ids.device)
+    return run, starts.scatter_reduce_(0, run, ids, "amin")  # a run's ids ascend: its least is its first
 
 
 def expert_rows(lay: TokenLayout, ids: torch.Tensor, indices: torch.Tensor, handle: DispatchHandle, dispatcher,
