@@ -15,7 +15,9 @@ Tagged MoE ops are predicted under their tags (`all_to_all:counts|dispatch|combi
 dispatch_grad`, `all_reduce:aux_loss`, `all_reduce:moe_bias`); the all-to-alls' payloads follow the
 routing, so for combine and dispatch_grad (and every routed op's wire bytes) the prediction is the
 balanced value, which the mean over an ep group's ranks always equals (every row sent is received).
-Two bookkeeping tags are left out: `all_reduce:metrics` (the logged loss and MoE load numbers) and
+Under --fp8 blockwise / mxfp8 where a routed expert's token tiles span ranks, the experts' position exchange
+(`all_gather:fp8_positions` on dp_cp and tp, `all_to_all:fp8_positions` on ep) and their tile amaxes
+(`all_reduce:fp8_amax`) are counted by `planner.fp8` (tests/test_fp8_moe_sp.py). Two bookkeeping tags are left out: `all_reduce:metrics` (the logged loss and MoE load numbers) and
 `all_reduce:grad_norm` (one scalar per reduction group), a few bytes per step.
 """
 from __future__ import annotations
