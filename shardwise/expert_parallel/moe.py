@@ -25,7 +25,7 @@ from ..models.params import linear_of
 from ..rules import inventory
 from .dispatch import AllToAllDispatcher
 from .experts import GroupedExperts
-from .positions import expert_rows, token_ids
+from .positions import TokenLayout, expert_rows, token_ids
 from .router import Router
 
 
@@ -170,6 +170,12 @@ class MoE(nn.Module):
         # span ranks (fp8/apply.py, tag fp8_positions), or verify's FP8 replay (tag verify)
         self.token_layout = None
         self.positions_tag = "positions"
+
+    def track_positions(self, mesh, seq_len: int, cp_order: str, sequence_parallel: bool, tag: str) -> None:
+        """Compute each dispatched row's single-device position in every forward (`positions.expert_rows`), its
+        collectives tagged `tag`: the FP8 token tiles' way in (fp8/apply.py), which cannot import this package."""
+        self.token_layout = TokenLayout.of(mesh, seq_len, cp_order, sequence_parallel)
+        self.positions_tag = tag
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -50,10 +50,11 @@ class TokenLayout:
                    (mesh["dp_cp"], tp) if sp else (mesh["dp_cp"],))
 
     def max_runs(self, n_tokens: int) -> int:
-        """The most runs of consecutive token ids `n_tokens` local rows can form: two per local sequence under the
-        balanced cp cut (its two pieces), else one; at least one, so every rank gathers alike."""
+        """The runs of consecutive token ids `n_tokens` local rows are gathered as: two per local sequence under cp
+        (the balanced cut's two pieces; a contiguous cut pads its one, so the bytes the planner counts do not depend
+        on --cp-order), else one; at least one, so every rank gathers alike."""
         local = self.seq_len // (self.cp[1] * self.sp[1])
-        per = 2 if self.cp[1] > 1 and self.cp_order == "balanced" else 1
+        per = 2 if self.cp[1] > 1 else 1
         return max(1, -(-n_tokens // local) * per)
 
 

@@ -17,7 +17,6 @@ import dataclasses
 
 from torch import nn
 
-from ..expert_parallel.positions import TokenLayout
 from ..rules.fp8 import TILES_TAG
 from ..rules.validation import fp8_expert_tiles_split
 from .linear import Fp8Config, LinearLayout, fp8_linear
@@ -129,9 +128,7 @@ def apply_fp8(blocks: list[nn.Module], mesh, parallel, name: str, seq_len: int =
                     m.fp8 = Fp8Config(rec, LinearLayout(seq=axes, rows_all=axes, seq_global=0))
                     if seq_len and global_tiles(mesh, parallel, name) and moe.dispatcher.capacity_factor is None:
                         m.fp8_tiles = axes  # token tiles at the rows' single-device positions, amaxes over axes
-                        moe.token_layout = TokenLayout.of(mesh, seq_len, parallel.cp_order,
-                                                          parallel.sequence_parallel)
-                        moe.positions_tag = TILES_TAG
+                        moe.track_positions(mesh, seq_len, parallel.cp_order, parallel.sequence_parallel, TILES_TAG)
                 else:
                     if type(m) is nn.Linear:
                         m.__class__ = Float8Linear

@@ -151,7 +151,7 @@ def positions_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> 
     if not stage.n_moe or not expert_tiles(lay, wl):
         return
     fwd = stage.n_moe + (stage.recompute_split(lay)[0][1] if lay.recompute == "full" else 0)
-    runs = lay.mb * (2 if lay.cp > 1 else 1)  # `TokenLayout.max_runs` (the planner's cp order is balanced)
+    runs = lay.mb * (2 if lay.cp > 1 else 1)  # `TokenLayout.max_runs`: two per sequence under any cp order
     table = runs * (1 + spec.moe_experts) * 8
     led.add("dp_cp", f"all_gather:{TILES_TAG}", table, lay.dp * lay.cp, fwd)
     if lay.sp:
