@@ -54,7 +54,7 @@ LAYOUTS = {
     "wire-dp2-ep2-tp2-zero3-mtp": (DEEPSEEK_MTP, dict(dp=2, ep=2, tp=2, zero=3),
                                    dict(fp8="tensorwise", fp8_all_gather=True)),
 }
-IGNORED_TAGS = ("metrics", "grad_norm")
+IGNORED_TAGS = ("metrics", "grad_norm", "fp8_tiles")  # fp8_tiles: routing-sized (test_fp8_moe_sp checks them)
 SAVED = [n for n in LAYOUTS if LAYOUTS[n][0] == "tiny" and (n.startswith("wire-") or n == "dp2-tp2-sp-tensorwise")]
 """Layouts whose saved activations are measured (dense: no routing in the figure), with and without the FP8 wire."""
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardwise.rules import inventory
-from shardwise.rules.fp8 import (AMAX_TAG, FP8_BLOCKS, TILES_TAG, Operand, amax_reductions, scale_plan,
-                                  token_tile_bound)
+from shardwise.rules.fp8 import (AMAX_TAG, FP8_BLOCKS, TILE_AMAX_TAG, TILES_TAG, Operand, amax_reductions,
+                                  planned_token_tiles, scale_plan, token_tile_bound)
 from shardwise.rules.validation import fp8_expert_tiles_split
 from shardwise.planner import moe_skew
 from shardwise.planner.layout import Layout, Stage, Workload
@@ -97,7 +97,8 @@ def overlapped(p, lay: Layout, spec, linear_layer: bool) -> str | None:
 
 def linear_calls(p, lay: Layout, wl: Workload, spec, recipe: str, x_held: bool = False,
                  w_held: bool = False, overlap: str | None = None) -> tuple[list, list]:
-    """(forward, backward) `fp8_amax` all-reduces of one FP8 linear and microbatch: [(axis, size, bytes)].
+    """(forward, backward) `fp8_amax` all-reduces of one FP8 linear and microbatch, and its routed experts'
+    `fp8_tiles` ones (the token-tile buffers, `tile_rows`): [(axis, size, bytes)] each.
     `x_held` / `w_held`: its x (an SP gather's) or W (a ZeRO-3 gather's) came over the wire in FP8, so the linear
     casts neither (`--fp8-all-gather`: only where one cast serves both GEMMs reading it). Under a split backward
     (zb, dualpipev) the dx casts and the deferred dW casts are two calls. `overlap` (`overlapped`): the forward of an
@@ -114,15 +115,12 @@ def linear_calls(p, lay: Layout, wl: Workload, spec, recipe: str, x_held: bool =
     tiles = []
     if p.expert and expert_tiles(lay, wl):  # the token-tiled casts take global tiles: one buffer per operand role
         wgrad = [(g, bgw) for g in gs if not _row_tiled(bgw)] + [(x, bxw) for x in xs_c if not _row_tiled(bxw)]
-        n = tile_bound(spec, lay, wl)
+        n = tile_rows(spec, lay, wl)
         axes = xs[0].seq
         tiles = [(n * op.C, axes) for op, b in ((gs[0], bgw), (xs[0], bxw)) if _row_tiled(b) and (op is gs[0] or xs_c)]
     split = lay.pp > 1 and lay.schedule in ("zb", "dualpipev") or overlap == "row"
-    if split:
-        bwd_ = amax_reductions(dgrad) + amax_reductions(wgrad, tiles)
-    else:
-        bwd_ = amax_reductions(dgrad + wgrad, tiles)
-    return fwd, bwd_
+    bwd_ = amax_reductions(dgrad) + amax_reductions(wgrad) if split else amax_reductions(dgrad + wgrad)
+    return fwd, bwd_, amax_reductions([], tiles)
 
 
 def _row_tiled(block: tuple) -> bool:
@@ -136,11 +134,15 @@ def expert_tiles(lay: Layout, wl: Workload) -> bool:
     return bool(wl.fp8) and fp8_expert_tiles_split(wl.fp8, lay.tp if lay.sp else 1, lay.cp, lay.dp, lay.ep)
 
 
-def tile_bound(spec, lay: Layout, wl: Workload) -> int:
-    """Rows of a rank's routed-expert tile buffer (`rules.fp8.token_tile_bound`): the single device's microbatch
-    (every dp rank's sequences) over this rank's experts."""
-    return token_tile_bound(lay.mb * lay.dp * wl.seq_len, spec.moe_topk, spec.moe_experts // lay.ep,
-                            FP8_BLOCKS[wl.fp8][4][0])
+def tile_rows(spec, lay: Layout, wl: Workload) -> int:
+    """Rows of a rank's routed-expert tile buffer (`rules.fp8.planned_token_tiles`): the busiest rank's expert rows
+    (`moe_skew`) over the ranks its all-reduce spans (edp, and tp under SP), at most the bound of the single device's
+    microbatch (every dp rank's sequences) on this rank's experts."""
+    e_l, tile = spec.moe_experts // lay.ep, FP8_BLOCKS[wl.fp8][4][0]
+    sp = lay.tp if lay.sp else 1
+    rows = moe_skew.busiest_rows(spec, lay, wl, lay.mb * wl.seq_len // lay.cp // sp) * lay.dp * lay.cp // lay.ep * sp
+    return planned_token_tiles(rows, e_l, tile, token_tile_bound(lay.mb * lay.dp * wl.seq_len, spec.moe_topk, e_l,
+                                                                 tile))
 
 
 def positions_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:
@@ -196,21 +198,23 @@ def fp8_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:
     for moe, lin, rec in zip(kinds, linear, again):
         fp8_bucket = w_wire and weights_bucket_fp8(spec, moe, lin)
         for p in block_linears(spec, moe, lin):
-            fwd, bwd = linear_calls(p, lay, wl, spec, wl.fp8, x_wire and reads_region_input(p, spec),
-                                    fp8_bucket and not p.expert, overlapped(p, lay, spec, lin))
+            fwd, bwd, tiles = linear_calls(p, lay, wl, spec, wl.fp8, x_wire and reads_region_input(p, spec),
+                                           fp8_bucket and not p.expert, overlapped(p, lay, spec, lin))
             for axis, size, nbytes in fwd:
                 led.add(axis, f"all_reduce:{AMAX_TAG}", nbytes, size, 2 if rec else 1)
             for axis, size, nbytes in bwd:
                 led.add(axis, f"all_reduce:{AMAX_TAG}", nbytes, size)
+            for axis, size, nbytes in tiles:
+                led.add(axis, f"all_reduce:{TILE_AMAX_TAG}", nbytes, size)
 
 
 def amax_seconds(mb, rate: dict, links: dict) -> float:
-    """Time one microbatch's `fp8_amax` all-reduces (and the routed experts' `fp8_positions` all-gathers, which the
-    experts wait for) add to its critical path (a GEMM waits for its scales): their bytes on the axes the step time
+    """Time one microbatch's `fp8_amax` all-reduces (and the routed experts' `fp8_tiles` all-reduces and
+    `fp8_positions` all-gathers, which the experts wait for) add to its critical path (a GEMM waits for its scales): their bytes on the axes the step time
     does not count per microbatch (dp_cp, edp), and each one's latency α on its link (tiny messages:
     latency-bound)."""
     t = 0.0
-    for op in (f"all_reduce:{AMAX_TAG}", f"all_gather:{TILES_TAG}"):
+    for op in (f"all_reduce:{AMAX_TAG}", f"all_reduce:{TILE_AMAX_TAG}", f"all_gather:{TILES_TAG}"):
         for axis, ops in mb.ops.items():
             if op in ops:
                 count, _, wire = ops[op]

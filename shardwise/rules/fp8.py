@@ -119,8 +119,8 @@ def scale_plan(op: Operand, block: tuple) -> tuple[int, list]:
 def amax_reductions(items: list[tuple[Operand, tuple]],
                     tiles: list[tuple[int, list]] = ()) -> list[tuple[str, int, int]]:
     """The all-reduces one `quantize_all` call of (operand, block) items issues: [(axis, group size, bytes)].
-    `tiles`: the call's routed-expert token-tile buffers (`fp8.scaling.TokenTiles`), (amaxes, [(axis, size)]) each,
-    which travel with the other amaxes reduced over the same axes."""
+    Or, given `tiles` instead: the call's routed-expert token-tile buffers (`fp8.scaling.TokenTiles`), (amaxes,
+    [(axis, size)]) each, which travel together in their own all-reduce (`TILE_AMAX_TAG`)."""
     groups: dict[tuple, list] = {}
     for n, axes in [scale_plan(op, block) for op, block in items] + [(n, _active(axes)) for n, axes in tiles]:
         if axes:
@@ -134,11 +134,23 @@ TILES_TAG = "fp8_positions"
 tiles span ranks (`rules.validation.fp8_expert_tiles_split`)."""
 
 
+TILE_AMAX_TAG = "fp8_tiles"
+"""Ledger tag of the routed experts' token-tile amax all-reduces (`fp8.scaling.TokenTiles`): their size follows the
+routing (Σ_e ⌈t_e / tile⌉ rows), so they travel apart from the fixed-size `fp8_amax` ones."""
+
+
+def planned_token_tiles(rows: int, experts: int, tile: int, bound: int) -> int:
+    """Tiles the plan (and `simulate`) counts in a routed-expert group's buffer: the `rows` its `experts` receive over
+    the ranks the buffer's all-reduce spans, each expert's last tile part-filled (Σ_e ⌈t_e/tile⌉ < rows/tile +
+    experts), at most `bound` (`token_tile_bound`)."""
+    return min(bound, -(-rows // tile) + experts)
+
+
 def token_tile_bound(tokens: int, topk: int, experts: int, tile: int) -> int:
     """The most `tile`-row tiles `experts` routed experts' rows can fill in the single device's microbatch of `tokens`
     tokens routed top-`topk` (dropless): Σ_e ⌈t_e / tile⌉ with every t_e ≤ tokens (a token picks an expert once) and
     Σ_e t_e ≤ tokens · min(topk, experts). Since ⌈t/tile⌉ ≤ (t + tile − 1) / tile, the sum is at most
-    ⌊(tokens · min(topk, experts) + experts · (tile − 1)) / tile⌋, and at most experts · ⌈tokens / tile⌉. The
-    runtime's buffer of per-tile amaxes has this many rows whatever the routing, so the planner counts its bytes."""
+    ⌊(tokens · min(topk, experts) + experts · (tile − 1)) / tile⌋, and at most experts · ⌈tokens / tile⌉: the
+    runtime's buffer never needs more rows (it takes the routing's own count, `TokenTiles.count`)."""
     rows = tokens * min(topk, experts)
     return min(experts * ceil(tokens / tile), (rows + experts * (tile - 1)) // tile)

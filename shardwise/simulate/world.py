@@ -31,7 +31,9 @@ from ..expert_parallel.experts import grouped_mm_available
 from ..mesh import Mesh
 from ..optim import optimizers
 from ..pipeline.tied_embedding import emb_stages
+from ..rules.fp8 import planned_token_tiles, token_tile_bound
 from ..rules.routing import send_counts
+from ..rules.validation import FP8_TOKEN_TILE
 from . import peer_copy
 from .dispatch_key import fake_mode
 from .live import LiveMemory
@@ -67,6 +69,7 @@ class Answers:
         self.rows = self.tokens * self.topk
         self.skew, self.capacity_factor = skew, model.moe_capacity_factor
         self.ep_rank = 0  # set once the mesh is built
+        self.cfg = cfg
 
     def balanced(self) -> list[int]:
         """Rows per expert of one rank's n·k assignments, as even as integers allow: over the ep ranks first, then
@@ -86,11 +89,24 @@ class Answers:
             return self.balanced()
         return send_counts(self.tokens, self.topk, self.experts, self.ep, self.skew, self.ep_rank, self.capacity_factor)
 
+    def token_tiles(self) -> int:
+        """Rows of a routed-expert group's FP8 tile buffer (`fp8.scaling.TokenTiles.count`): this rank's expert rows
+        over the ranks sharing its experts (edp, and tp under SP), each expert's last tile part-filled."""
+        p, e_l = self.cfg.parallel, self.experts // max(self.ep, 1)
+        per = self.routed()
+        received = sum(per[self.ep_rank * e_l:(self.ep_rank + 1) * e_l]) * self.ep
+        sp = p.tp if p.sequence_parallel and p.tp > 1 else 1
+        tile = FP8_TOKEN_TILE[self.cfg.fp8]
+        bound = token_tile_bound(self.cfg.micro_batch * p.dp * self.cfg.seq_len, self.topk, e_l, tile)
+        return planned_token_tiles(received * p.dp * p.cp // p.ep * sp, e_l, tile, bound)
+
     def __call__(self, what: str, t: torch.Tensor):
         if what == "moe split sizes":  # E send counts, then ep·E_l receive counts (source rank, local expert)
             per, e_l = self.routed(), self.experts // self.ep
             mine = per[self.ep_rank * e_l:(self.ep_rank + 1) * e_l]
             return per + mine * self.ep  # every source routes like this rank
+        if what == "fp8 token tiles":  # the routed experts' tile buffer rows, as the plan counts them
+            return self.token_tiles()
         if what == "cp document plan":  # [pairs, (visible, one document)]: the most work and memory
             return [[1, 0] for _ in range(t.shape[0])]
         return _zeros(list(t.shape))
