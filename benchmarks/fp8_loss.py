@@ -13,7 +13,8 @@ The curves are drawn into one PNG (one panel per model, the loss smoothed over 1
     python benchmarks/fp8_loss.py --smoke              # tiny, bf16 and tensorwise, 3 short steps, PNG in a temp dir
 
 Runs go `--jobs` at a time (one thread each; default all ten at once); 4 sequences of 64 tokens per step. Last stdout line: one JSON object (final_loss, rel_to_bf16,
-passed, medians_s: the median step time per run, ratios: each recipe's median step time over bf16's, config).
+passed, medians_s: the median step time per run, ratios: each recipe's median step time over bf16's, wall_s: each
+run's wall seconds, None where reused, config).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,6 +126,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     extra = ["--seq-len", str(a.seq_len), "--micro-batch", str(a.micro_batch)]
     runs_dir = a.runs or tempfile.mkdtemp(prefix="fp8_loss_")
+    os.makedirs(runs_dir, exist_ok=True)
     if a.smoke:
         a.steps, a.tail, extra = 3, 1, ["--seq-len", "32", "--micro-batch", "2"]
         a.models, a.recipes, a.eval_steps, a.no_fp32 = "tiny", "tensorwise", 2, True
@@ -133,10 +136,15 @@ def main(argv=None) -> dict:
     recipes = [r for r in a.recipes.split(",") if r]
     jobs = [(m, r) for m in a.models.split(",") for r in ((() if a.no_fp32 else ("fp32",)) + ("bf16", *recipes))]
 
+    walls = {}
+
     def one(job):
         model, run = job
-        return job, train(model, None if run == "bf16" else run, a.steps, os.path.join(runs_dir, f"{model}_{run}"),
-                          a.seed, extra, a.reuse)
+        out, t0 = os.path.join(runs_dir, f"{model}_{run}"), time.perf_counter()
+        reused = a.reuse and finished(out, a.steps) is not None
+        rows = train(model, None if run == "bf16" else run, a.steps, out, a.seed, extra, a.reuse)
+        walls[f"{model}/{run}"] = None if reused else time.perf_counter() - t0
+        return job, rows
 
     with ThreadPoolExecutor(a.jobs) as pool:
         curves = dict(pool.map(one, jobs))
@@ -165,7 +173,7 @@ def main(argv=None) -> dict:
               f"{ev:>8}{(f'{eval_rel[key]:+.2%}' if key in eval_rel else ''):>9}{medians[key]:>8.3f}")
     out = {"final_loss": final, "last_step_loss": last, "rel_to_bf16": rel, "eval_loss": evals,
            "eval_rel_to_bf16": eval_rel, "passed": passed, "medians_s": medians,
-           "ratios": ratios, "png": a.png,
+           "ratios": ratios, "wall_s": walls, "png": a.png,
            "config": {"steps": a.steps, "tail": a.tail, "bound": a.bound, "seed": a.seed, "dtype": "bf16",
                       "judged_on": "eval_loss" if eval_rel else "final_loss",
                       "extra": extra, "runs": runs_dir}}
