@@ -96,9 +96,14 @@ class Quantized:
     data: torch.Tensor
     scale: torch.Tensor
     blocks: tuple[int, int] = field(default=(0, 0))
+    rows: torch.Tensor | None = None
+    """Token tiles at the rows' single-device positions (`TokenTiles`): each row's tile, `scale` being [tiles, C] —
+    held compact, not per element (a full fp32 copy of the operand per tiled cast until its GEMM)."""
 
     def scale_full(self) -> torch.Tensor:
         """The scale of every element, [B, S, C]."""
+        if self.rows is not None:
+            return self.scale.index_select(0, self.rows).view(self.data.shape)
         B, S, C = self.data.shape
         bs, bc = self.blocks
         s = self.scale.expand(B, -1, -1) if self.scale.shape[0] == 1 else self.scale
@@ -109,7 +114,7 @@ class Quantized:
         """The scale in a shape that broadcasts over the data [B, S, C] (`scale_full` without materialising tiles
         where every block is a line or whole)."""
         bs, bc = self.blocks
-        return self.scale_full() if bs > 1 or bc > 1 else self.scale
+        return self.scale_full() if bs > 1 or bc > 1 or self.rows is not None else self.scale
 
     def dequantize(self) -> torch.Tensor:
         return self.data.float() / self.scale_full()
@@ -220,8 +225,8 @@ def quantize_all(items: list[tuple[torch.Tensor, Cast, Layout]]) -> list[Quantiz
             out.append(out[firsts[i]])
         elif tiled[i]:  # each row scaled by its global tile's amax: a scale per element
             tt, j, role = lay.tiles
-            rows = buffers[(id(tt), role, cast)].index_select(0, tt.ids(cast.block[0], j))
-            out.append(cast_with(t, to_scale(rows, cast).unsqueeze(0), (1, 1), cast))
+            out.append(cast_with(t, to_scale(buffers[(id(tt), role, cast)], cast), (1, 1), cast,
+                                 tt.ids(cast.block[0], j)))
         else:
             out.append(cast_with(t, to_scale(amax, cast), (br, bc), cast))
     return out
@@ -251,10 +256,12 @@ def _tile_buffers(items: list, firsts: list[int], tiled: list[bool]) -> tuple[di
     return buffers, axes
 
 
-def cast_with(t: torch.Tensor, scale: torch.Tensor, blocks: tuple[int, int], cast: Cast) -> Quantized:
-    """`t` [B, S, C] cast to FP8 with scales fixed beforehand (compact, blocks (rows, cols)): `quantize_all`'s cast,
-    also what casts part of a tensor with the whole tensor's scale (`tensor_parallel/overlap.py`'s chunks)."""
-    q = Quantized(t, scale, blocks)
+def cast_with(t: torch.Tensor, scale: torch.Tensor, blocks: tuple[int, int], cast: Cast,
+              rows: torch.Tensor | None = None) -> Quantized:
+    """`t` [B, S, C] cast to FP8 with scales fixed beforehand (compact, blocks (rows, cols); or `rows`: each row's
+    tile of [tiles, C] scales): `quantize_all`'s cast, also what casts part of a tensor with the whole tensor's scale
+    (`tensor_parallel/overlap.py`'s chunks)."""
+    q = Quantized(t, scale, blocks, rows)
     big = torch.finfo(cast.dtype).max
     q.data = torch.mul(t.detach(), q.scale_bcast()).clamp_(-big, big).to(cast.dtype)
     return q
