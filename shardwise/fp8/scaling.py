@@ -175,8 +175,13 @@ def to_scale(amax: torch.Tensor, cast: Cast) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(scale))) if cast.pow2 else scale
 
 
-def reduce_amaxes(amaxes: list[torch.Tensor], axes_per: list[list], tag: str = AMAX_TAG) -> list[torch.Tensor]:
+def reduce_amaxes(amaxes: list[torch.Tensor], axes_per: list[list]) -> list[torch.Tensor]:
     """Max-reduce each amax over its axes; amaxes reducing over the same axes share one all-reduce per axis."""
+    return _max_reduce(amaxes, axes_per, AMAX_TAG)
+
+
+def _max_reduce(amaxes: list[torch.Tensor], axes_per: list[list], tag: str) -> list[torch.Tensor]:
+    """`reduce_amaxes` under ledger tag `tag` (the token tiles' buffers: `fp8_tiles`)."""
     out = list(amaxes)
     groups: dict[tuple, list[int]] = {}
     for i, axes in enumerate(axes_per):
@@ -218,7 +223,7 @@ def quantize_all(items: list[tuple[torch.Tensor, Cast, Layout]]) -> list[Quantiz
                             [plans[i][2] for i, j in enumerate(firsts) if not tiled[j]])
     amaxes = iter(reduced)
     amax_of = [None if tiled[j] else next(amaxes) for j in firsts]
-    buffers = dict(zip(buffers, reduce_amaxes(list(buffers.values()), buffer_axes, fp8_rules.TILE_AMAX_TAG)))
+    buffers = dict(zip(buffers, _max_reduce(list(buffers.values()), buffer_axes, fp8_rules.TILE_AMAX_TAG)))
     out: list[Quantized] = []
     for i, ((t, cast, lay), (br, bc, _), amax) in enumerate(zip(items, plans, amax_of)):
         if firsts[i] != i:
