@@ -58,6 +58,11 @@ RHO = 2**10 * torch.finfo(torch.float32).eps
 the reference's activations agree to ~1e2 ulp of the block's largest element (partial sums of a TP GEMM, a
 reduction in another order); 2**10 ulp (1.2e-4) leaves room, as routing replay's fp32 near-tie does, and stays a
 thousand times below an FP8 step (e4m3: 2**-3 relative; an e5m2 gradient 2**-2)."""
+NOISE = 2**7 * torch.finfo(torch.float32).eps
+"""The floor of that allowance, relative to the whole operand's amax: a block whose values cancel to ~0 (ring
+attention's dq at a cp chunk's first tokens, seed 3097446964: blocks of amax 1e-12 in an operand of 1e-5) holds only
+the reordering residue of summands at the operand's scale, a few ulp of it, which no relative bound on the block's own
+amax explains, and which per-row or per-block scales blow up to whole FP8 steps (tensorwise's one scale does not)."""
 
 
 class _Call:
@@ -412,16 +417,18 @@ def explain(xr: torch.Tensor, qr: Quantized, xl: torch.Tensor, ql: Quantized, ca
     The two differ in scale (explained when the blocks' amaxes agree within RHO: a power-of-two scale may then double,
     which moves no dequantised value) and in codes under one scale: a flip is an element whose code differs when x_r
     is cast with `ql`'s scale too. It is explained (distance ≤ 1) when |x_l − x_r| ≤ RHO · the block's amax: a rounding
-    boundary lies between the two values, so each sat within fp32's reordering error of it."""
+    boundary lies between the two values, so each sat within fp32's reordering error of it — RHO of the block's amax,
+    at least `NOISE` of the operand's."""
     br, bc = qr.blocks
     ar, al = local_amax(xr, cast, br, bc), local_amax(xl, cast, br, bc)
-    amax_ok = bool(((al - ar).abs() <= RHO * torch.maximum(al, ar)).all())
+    floor = NOISE * float(torch.maximum(ar.max(), al.max())) if ar.numel() else 0.0  # `NOISE`
+    amax_ok = bool(((al - ar).abs() <= (RHO * torch.maximum(al, ar)).clamp_min(floor)).all())
     scale = ql.scale_full()
     big = torch.finfo(cast.dtype).max
     codes = (xr.float() * scale).clamp(-big, big).to(cast.dtype)  # x_r cast as quantize_all casts, with ql's scale
     flipped = ql.data.float() != codes.float()
     amax = Quantized(ql.data, torch.maximum(al, ar), ql.blocks).scale_full()  # the block's amax, per element
-    dist = (xl.float() - xr.float()).abs() / (RHO * amax).clamp_min(1e-30)
+    dist = (xl.float() - xr.float()).abs() / (RHO * amax).clamp_min(max(floor, 1e-30))
     dist = torch.where(flipped, dist, torch.zeros_like(dist))
     return int(flipped.sum()), float(dist.max()) if dist.numel() else 0.0, amax_ok
 
