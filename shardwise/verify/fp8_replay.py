@@ -34,8 +34,8 @@ microbatch's W action, keys as the reference's: the k-th key of a name is the k-
 A g all-reduced over tp before its cast (`grad_sum`, MLA's down-projections) is a new tensor, matched by its shape.
 
 What the replay cannot reach keeps its own rounding and the twin's budget: experts under a capacity factor (each rank
-drops by its own counts), operands that came over the wire in FP8 and bf16 runs; under `--tp-overlap` (its chunks'
-casts are not recorded) it is off altogether (`side_by_side`).
+drops by its own counts), operands that came over the wire in FP8 and bf16 runs. `--tp-overlap` (its chunks' casts
+are not recorded) is refused with `--fp8` (`main.check_verifiable`).
 """
 from __future__ import annotations
 
