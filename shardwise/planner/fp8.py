@@ -15,8 +15,8 @@ from dataclasses import replace
 
 from shardwise.rules import inventory
 from shardwise.rules.fp8 import (AMAX_TAG, FP8_BLOCKS, TILE_AMAX_TAG, TILES_TAG, Operand, amax_reductions,
-                                  planned_token_tiles, scale_plan, token_tile_bound)
-from shardwise.rules.validation import fp8_expert_tiles_split
+                                  planned_token_tiles, scale_plan)
+from shardwise.rules.validation import FP8_TOKEN_TILE, fp8_expert_tiles_split
 from shardwise.planner import moe_skew
 from shardwise.planner.layout import Layout, Stage, Workload
 from shardwise.planner.tp_overlap import LATENCY_S
@@ -135,14 +135,12 @@ def expert_tiles(lay: Layout, wl: Workload) -> bool:
 
 
 def tile_rows(spec, lay: Layout, wl: Workload) -> int:
-    """Rows of a rank's routed-expert tile buffer (`rules.fp8.planned_token_tiles`): the busiest rank's expert rows
-    (`moe_skew`) over the ranks its all-reduce spans (edp, and tp under SP), at most the bound of the single device's
-    microbatch (every dp rank's sequences) on this rank's experts."""
-    e_l, tile = spec.moe_experts // lay.ep, FP8_BLOCKS[wl.fp8][4][0]
+    """Rows of a rank's routed-expert tile buffer (`rules.fp8.planned_token_tiles`), from the busiest rank's expert
+    rows (`moe_skew`)."""
     sp = lay.tp if lay.sp else 1
-    rows = moe_skew.busiest_rows(spec, lay, wl, lay.mb * wl.seq_len // lay.cp // sp) * lay.dp * lay.cp // lay.ep * sp
-    return planned_token_tiles(rows, e_l, tile, token_tile_bound(lay.mb * lay.dp * wl.seq_len, spec.moe_topk, e_l,
-                                                                 tile))
+    rows = moe_skew.busiest_rows(spec, lay, wl, lay.mb * wl.seq_len // lay.cp // sp)
+    return planned_token_tiles(rows, lay.dp, lay.cp, lay.ep, sp, lay.mb, wl.seq_len, spec.moe_topk,
+                               spec.moe_experts // lay.ep, FP8_TOKEN_TILE[wl.fp8])
 
 
 def positions_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> None:

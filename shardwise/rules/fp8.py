@@ -139,11 +139,15 @@ TILE_AMAX_TAG = "fp8_tiles"
 routing (Σ_e ⌈t_e / tile⌉ rows), so they travel apart from the fixed-size `fp8_amax` ones."""
 
 
-def planned_token_tiles(rows: int, experts: int, tile: int, bound: int) -> int:
-    """Tiles the plan (and `simulate`) counts in a routed-expert group's buffer: the `rows` its `experts` receive over
-    the ranks the buffer's all-reduce spans, each expert's last tile part-filled (Σ_e ⌈t_e/tile⌉ < rows/tile +
-    experts), at most `bound` (`token_tile_bound`)."""
-    return min(bound, -(-rows // tile) + experts)
+def planned_token_tiles(rows: int, dp: int, cp: int, ep: int, sp: int, micro_batch: int, seq_len: int, topk: int,
+                        experts: int, tile: int) -> int:
+    """Tiles the plan (and `simulate`) counts in a routed-expert group's buffer (`fp8.scaling.TokenTiles.count`):
+    `rows`, the rows one rank's `experts` receive per MoE layer and microbatch, over the ranks its all-reduce spans
+    (dp·cp/ep of edp, × `sp`: tp under SP), each expert's last tile part-filled (Σ_e ⌈t_e/tile⌉ < rows/tile +
+    experts), at most `token_tile_bound` of the single device's microbatch."""
+    group_rows = rows * dp * cp // ep * sp
+    bound = token_tile_bound(micro_batch * dp * seq_len, topk, experts, tile)
+    return min(bound, -(-group_rows // tile) + experts)
 
 
 def token_tile_bound(tokens: int, topk: int, experts: int, tile: int) -> int:

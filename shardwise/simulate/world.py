@@ -31,7 +31,7 @@ from ..expert_parallel.experts import grouped_mm_available
 from ..mesh import Mesh
 from ..optim import optimizers
 from ..pipeline.tied_embedding import emb_stages
-from ..rules.fp8 import planned_token_tiles, token_tile_bound
+from ..rules.fp8 import planned_token_tiles
 from ..rules.routing import send_counts
 from ..rules.validation import FP8_TOKEN_TILE
 from . import peer_copy
@@ -90,15 +90,13 @@ class Answers:
         return send_counts(self.tokens, self.topk, self.experts, self.ep, self.skew, self.ep_rank, self.capacity_factor)
 
     def token_tiles(self) -> int:
-        """Rows of a routed-expert group's FP8 tile buffer (`fp8.scaling.TokenTiles.count`): this rank's expert rows
-        over the ranks sharing its experts (edp, and tp under SP), each expert's last tile part-filled."""
+        """Rows of a routed-expert group's FP8 tile buffer (`fp8.scaling.TokenTiles.count`), as the plan counts
+        them (`rules.fp8.planned_token_tiles`) from the rows this rank's experts receive."""
         p, e_l = self.cfg.parallel, self.experts // max(self.ep, 1)
-        per = self.routed()
-        received = sum(per[self.ep_rank * e_l:(self.ep_rank + 1) * e_l]) * self.ep
+        received = sum(self.routed()[self.ep_rank * e_l:(self.ep_rank + 1) * e_l]) * self.ep
         sp = p.tp if p.sequence_parallel and p.tp > 1 else 1
-        tile = FP8_TOKEN_TILE[self.cfg.fp8]
-        bound = token_tile_bound(self.cfg.micro_batch * p.dp * self.cfg.seq_len, self.topk, e_l, tile)
-        return planned_token_tiles(received * p.dp * p.cp // p.ep * sp, e_l, tile, bound)
+        return planned_token_tiles(received, p.dp, p.cp, p.ep, sp, self.cfg.micro_batch, self.cfg.seq_len,
+                                   self.topk, e_l, FP8_TOKEN_TILE[self.cfg.fp8])
 
     def __call__(self, what: str, t: torch.Tensor):
         if what == "moe split sizes":  # E send counts, then ep·E_l receive counts (source rank, local expert)
