@@ -47,7 +47,7 @@ def _check(name: str, seed: int) -> list[str]:
     x = ids.double()[:, None].repeat(1, 3)  # each row carries its token id through the dispatch
     indices = choices[ids]
     rows, handle = disp.dispatch(x, indices, torch.ones(indices.shape, dtype=torch.float64))
-    where = expert_rows(lay, ids, indices, handle, disp, "positions")
+    where = expert_rows(lay, ids, indices, handle, disp, "positions", with_token=True)
     bad = []
     if not torch.equal(where.totals, torch.tensor([len(w) for w in want])):
         bad.append(f"{name}: totals {where.totals.tolist()}")

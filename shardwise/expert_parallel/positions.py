@@ -9,8 +9,9 @@ grouped by source rank. Their single-device positions follow from counts alone:
    They form runs of consecutive ids (a sequence's piece); every rank holding tokens holds the same number of runs.
 2. `expert_rows`: per (run, expert) counts, all-gathered over the token-holding axes (dp×cp, and tp under SP); an
    exclusive prefix sum over the runs in token order gives each run's first row within each expert; a row's position
-   is that plus its rank within its run. The positions (and token ids) travel with the rows through the ep dispatch's
-   all-to-all and its regroup, so the rank computing an expert holds each row's single-device position.
+   is that plus its rank within its run. The positions (and, where asked, token ids) travel with the rows through
+   the ep dispatch's all-to-all and its regroup, so the rank computing an expert holds each row's single-device
+   position.
 
 Used in training where `--fp8 blockwise|mxfp8` tiles an expert's rows along the tokens and those tiles span ranks
 (`fp8.scaling.TokenTiles`, tag `fp8_positions`, counted by `planner.fp8.positions_microbatch`), and by verify's FP8
@@ -73,10 +74,10 @@ def token_ids(lay: TokenLayout, micro_batch: int, device=None) -> torch.Tensor:
 @dataclass
 class ExpertRows:
     """The rank's dispatched rows (local-expert-major, as the experts take them): `token`, each row's global token
-    id; `position`, its row within its logical expert in the single device's order; `totals` [E], every logical
-    expert's rows over the single device's microbatch."""
+    id (None unless asked: only a test reads it); `position`, its row within its logical expert in the single
+    device's order; `totals` [E], every logical expert's rows over the single device's microbatch."""
 
-    token: torch.Tensor
+    token: torch.Tensor | None
     position: torch.Tensor
     totals: torch.Tensor
     topk: int = 1
@@ -97,10 +98,10 @@ def _runs(ids: torch.Tensor, n_runs: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def expert_rows(lay: TokenLayout, ids: torch.Tensor, indices: torch.Tensor, handle: DispatchHandle, dispatcher,
-                tag: str) -> ExpertRows:
-    """The single-device token and in-expert position of each row this rank's experts receive from `handle`'s
-    dispatch of tokens `ids` [N] routed to logical `indices` [N, k]: one all-gather of [runs, E] counts per
-    token-holding axis and one all-to-all of the rows' (token, position) over ep, tagged `tag`."""
+                tag: str, with_token: bool = False) -> ExpertRows:
+    """The in-expert single-device position (and, `with_token`, the token) of each row this rank's experts receive
+    from `handle`'s dispatch of tokens `ids` [N] routed to logical `indices` [N, k]: one all-gather of [runs, E]
+    counts per token-holding axis and one all-to-all of the rows' position (and token) over ep, tagged `tag`."""
     n, k = indices.shape
     if dispatcher.capacity_factor is not None:
         raise ValueError("expert row positions need dropless routing (no --moe-capacity-factor)")
@@ -130,8 +131,9 @@ def expert_rows(lay: TokenLayout, ids: torch.Tensor, indices: torch.Tensor, hand
     offset[by_start] = torch.cumsum(per, 0) - per  # rows of each expert in earlier runs
     position = offset[mine].reshape(-1)[key] + within
     perm = handle.order
-    sent = torch.stack([ids[token[perm]], position[perm]], 1)
+    sent = torch.stack([position[perm], ids[token[perm]]], 1) if with_token else position[perm][:, None]
     got = all_to_all_rows(sent, dispatcher.axis, handle.in_splits, handle.out_splits, tag)
     if handle.regroup is not None:
         got = got.index_select(0, handle.regroup)
-    return ExpertRows(got[:, 0], got[:, 1], per.sum(0), k, n * lay.dp[1] * lay.cp[1] * lay.sp[1])
+    return ExpertRows(got[:, 1] if with_token else None, got[:, 0], per.sum(0), k,
+                      n * lay.dp[1] * lay.cp[1] * lay.sp[1])

@@ -147,7 +147,7 @@ def positions_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> 
     """Per MoE layer forward (again under full recompute), where the experts' token tiles span ranks: the position
     exchange (`expert_parallel.positions`, tag `fp8_positions`): an all-gather of this rank's [runs, 1 + E] int64
     (run start, per-expert counts) over dp_cp, then of the gathered table over tp under SP; and an all-to-all over
-    ep of each sent row's (token, position) int64."""
+    ep of each sent row's position, one int64."""
     if not stage.n_moe or not expert_tiles(lay, wl):
         return
     fwd = stage.n_moe + (stage.recompute_split(lay)[0][1] if lay.recompute == "full" else 0)
@@ -157,7 +157,7 @@ def positions_microbatch(led, spec, stage: Stage, lay: Layout, wl: Workload) -> 
     if lay.sp:
         led.add("tp", f"all_gather:{TILES_TAG}", table * lay.dp * lay.cp, lay.tp, fwd)
     tokens = lay.mb * wl.seq_len // lay.cp // (lay.tp if lay.sp else 1)
-    led.add("ep", f"all_to_all:{TILES_TAG}", moe_skew.kept_rows(spec, lay, wl, tokens) * 2 * 8, lay.ep, fwd)
+    led.add("ep", f"all_to_all:{TILES_TAG}", moe_skew.kept_rows(spec, lay, wl, tokens) * 8, lay.ep, fwd)
 
 
 def wire_activations(lay: Layout, wl: Workload) -> bool:
